@@ -1,0 +1,172 @@
+r"""Gradient projection: which side to project, how to find the basis, and the two maps.
+
+For a weight gradient :math:`G \in \mathbb{R}^{m \times n}` and rank :math:`r`, a *left*
+projection keeps an orthonormal :math:`P \in \mathbb{R}^{m \times r}` and works with
+:math:`R = P^\top G \in \mathbb{R}^{r \times n}`; a *right* projection keeps an orthonormal
+:math:`Q \in \mathbb{R}^{n \times r}` and works with :math:`R = G Q \in \mathbb{R}^{m \times r}`.
+The basis is stored as the tall matrix (``P`` or ``Q``), column-orthonormal, in both cases.
+
+The scaling factors of Fira are taken along the dimension that is *not* projected: one per
+column of ``G`` for a left projection (``dim=0`` reductions), one per row for a right
+projection (``dim=1`` reductions).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+LEFT = "left"
+RIGHT = "right"
+
+PROJ_TYPES = ("std", "reverse_std", "left", "right")
+PROJECTORS = ("svd", "randomized", "random")
+
+
+def projection_side(shape: torch.Size | tuple[int, int], proj_type: str) -> str:
+    """Which side a matrix of ``shape`` is projected on.
+
+    ``"std"`` is the released tie rule: right when ``m >= n`` (so square matrices project on
+    the right), left otherwise; ``"reverse_std"`` is its mirror image. Projecting on the
+    smaller side keeps the Adam states (``r x max(m, n)``) and the basis
+    (``min(m, n) x r``) as small as the paper's memory formula says.
+    """
+    m, n = shape
+    if proj_type == "std":
+        return RIGHT if m >= n else LEFT
+    if proj_type == "reverse_std":
+        return LEFT if m >= n else RIGHT
+    if proj_type in (LEFT, RIGHT):
+        return proj_type
+    raise ValueError(f"Invalid proj_type: {proj_type!r}; expected one of {PROJ_TYPES}")
+
+
+def reduce_dim(side: str) -> int:
+    """The dimension along which per-column (left) or per-row (right) norms are taken."""
+    return 0 if side == LEFT else 1
+
+
+def basis_shape(shape: tuple[int, int], rank: int, side: str) -> tuple[int, int]:
+    m, n = shape
+    return (m, rank) if side == LEFT else (n, rank)
+
+
+def low_rank_shape(shape: tuple[int, int], rank: int, side: str) -> tuple[int, int]:
+    m, n = shape
+    return (rank, n) if side == LEFT else (m, rank)
+
+
+def project(grad: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
+    """:math:`R = P^\\top G` (left) or :math:`R = G Q` (right)."""
+    return basis.T @ grad if side == LEFT else grad @ basis
+
+
+def project_back(low: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
+    """:math:`P R` (left) or :math:`R Q^\\top` (right)."""
+    return basis @ low if side == LEFT else low @ basis.T
+
+
+def _as_left_problem(grad: torch.Tensor, side: str) -> torch.Tensor:
+    # A right basis of G is a left basis of G^T: every projector solves the left problem.
+    return grad if side == LEFT else grad.T
+
+
+def svd_basis(grad: torch.Tensor, rank: int, side: str) -> torch.Tensor:
+    """Exact top-``rank`` singular vectors of ``grad`` (the paper's projector).
+
+    Runs in at least fp32 (CPU has no bf16/fp16 SVD). If the decomposition fails to
+    converge it is retried in float64; a second failure propagates to the caller, which
+    keeps the previous basis.
+    """
+    work = grad.to(torch.promote_types(grad.dtype, torch.float32))
+    try:
+        u, _, vh = torch.linalg.svd(work, full_matrices=False)
+    except RuntimeError as err:  # torch raises torch.linalg.LinAlgError (a RuntimeError)
+        warnings.warn(f"SVD failed ({err}); retrying in float64", RuntimeWarning, stacklevel=3)
+        u, _, vh = torch.linalg.svd(work.double(), full_matrices=False)
+        u, vh = u.to(work.dtype), vh.to(work.dtype)
+    basis = u[:, :rank] if side == LEFT else vh[:rank].T
+    return basis.contiguous()
+
+
+def randomized_basis(
+    grad: torch.Tensor,
+    rank: int,
+    side: str,
+    previous: torch.Tensor | None = None,
+    *,
+    oversample: int | None = None,
+    power_iters: int = 1,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    r"""Approximate top-``rank`` basis by subspace iteration with Rayleigh-Ritz extraction.
+
+    Start from ``Q_0 = [previous, Gaussian]`` (warm start: the subspace moves slowly between
+    refreshes) or from a Gaussian sketch, run ``power_iters`` rounds of
+    :math:`Y \leftarrow G G^\top Y` with re-orthonormalisation, then take the top ``rank``
+    left singular vectors of the small matrix :math:`Q^\top G` and map them back. Cost is a
+    handful of ``m x n x (r + p)`` GEMMs and one ``(r + p) x n`` SVD instead of the full SVD.
+    """
+    a = _as_left_problem(grad, side)
+    a = a.to(torch.promote_types(a.dtype, torch.float32))
+    m, n = a.shape
+    if oversample is None:
+        oversample = max(8, rank // 8)
+    k = min(rank + oversample, m, n)
+    parts = []
+    if previous is not None:
+        parts.append(previous.to(a.dtype))
+    extra = k - sum(p.shape[1] for p in parts)
+    if extra > 0:
+        sketch = torch.randn(n, extra, generator=generator, dtype=a.dtype, device="cpu").to(a.device)
+        parts.append(a @ sketch)
+    q, _ = torch.linalg.qr(torch.cat(parts, dim=1)[:, :k])
+    for _ in range(power_iters):
+        q, _ = torch.linalg.qr(a @ (a.T @ q))
+    small = q.T @ a  # (k, n)
+    u_small, _, _ = torch.linalg.svd(small, full_matrices=False)
+    return (q @ u_small[:, :rank]).contiguous()
+
+
+def random_basis(
+    grad: torch.Tensor, rank: int, side: str, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """An orthonormalised Gaussian basis: the paper's "w.o.-svd" ablation."""
+    m = grad.shape[0] if side == LEFT else grad.shape[1]
+    dtype = torch.promote_types(grad.dtype, torch.float32)
+    gauss = torch.randn(m, rank, generator=generator, dtype=dtype, device="cpu")
+    q, _ = torch.linalg.qr(gauss)
+    return q.to(grad.device).contiguous()
+
+
+def compute_basis(
+    grad: torch.Tensor,
+    rank: int,
+    side: str,
+    projector: str,
+    previous: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Dispatch to the named projector."""
+    if projector == "svd":
+        return svd_basis(grad, rank, side)
+    if projector == "randomized":
+        return randomized_basis(grad, rank, side, previous, generator=generator)
+    if projector == "random":
+        return random_basis(grad, rank, side, generator)
+    raise ValueError(f"Invalid projector: {projector!r}; expected one of {PROJECTORS}")
+
+
+def captured_energy(grad: torch.Tensor, basis: torch.Tensor, side: str) -> float:
+    r"""Fraction of the best rank-r energy that ``basis`` captures.
+
+    :math:`\|P^\top G\|_F^2 / \|U_r^\top G\|_F^2 = \|P^\top G\|_F^2 / \sum_{i \le r} \sigma_i^2`.
+    """
+    g = grad.to(torch.promote_types(grad.dtype, torch.float32))
+    rank = basis.shape[1]
+    sigma = torch.linalg.svdvals(g)
+    best = float((sigma[:rank] ** 2).sum())
+    got = float(project(g, basis.to(g.dtype), side).square().sum())
+    return got / best if best > 0 else math.nan
