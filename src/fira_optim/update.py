@@ -167,8 +167,12 @@ def apply_fast(
     state: dict,
     step: int,
     hp: Hyper,
+    low_norm: torch.Tensor | None = None,
 ) -> None:
-    """Fused path: no ``m x n`` temporaries (``param``, ``grad`` share the working dtype)."""
+    """Fused path: no ``m x n`` temporaries (``param``, ``grad`` share the working dtype).
+
+    ``low_norm``: the per-column (``keepdim``) norms of ``low``, if the caller has them.
+    """
     dim = reduce_dim(side)
     direction = base_direction(
         hp.base, low, state, step, hp.betas, hp.eps, hp.direction_bias_corrected()
@@ -182,12 +186,14 @@ def apply_fast(
         _addmm(param, basis, direction, side, inside_coef)
         _decay_after(param, hp)
         return
-    phi = scaling_factor(direction, low, dim, hp.scaling, hp.residual_eps)
+    if low_norm is None:
+        low_norm = torch.linalg.vector_norm(low, dim=dim, keepdim=True)
+    phi = scaling_factor(direction, low, dim, hp.scaling, hp.residual_eps, low_norm)
     grad_sq = torch.linalg.vector_norm(grad, dim=dim, keepdim=True).square_()
     if hp.only_scaling:
         outside_sq = grad_sq
     else:
-        low_sq = torch.linalg.vector_norm(low, dim=dim, keepdim=True).square_()
+        low_sq = low_norm.square()
         # ||g_i - a P r_i||^2 = ||g_i||^2 - (2a - a^2) ||r_i||^2 for orthonormal P.
         coef = (2.0 * hp.alpha - hp.alpha**2) if hp.released else 1.0
         outside_sq = (grad_sq - coef * low_sq).clamp_(min=0)
