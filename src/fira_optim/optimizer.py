@@ -208,8 +208,7 @@ class Fira(Optimizer):
         if prepared is None:  # a non-finite gradient with nonfinite="skip"
             return loss
         plans, plain = prepared
-        for plan in plans:
-            self._apply(plan)
+        self._apply(plans)
         unprojected.step_groups(plain, self.state)
         return loss
 
@@ -315,20 +314,33 @@ class Fira(Optimizer):
                 return compute_basis(grad, rank, side, "random", None, generator)
             return None
 
-    def _apply(self, plan: "_Plan") -> None:
-        """Phase B: commit the basis, then the base optimizer, scaling, limiter and update."""
-        p, hp = plan.param, plan.hyper
-        state = self.state[p]
-        if not state:
-            _init_projected_state(state, p, plan.low.shape, plan.basis.shape, hp, plan.work_dtype)
-        if plan.new_basis is not None:
-            state["basis"].copy_(plan.new_basis)
-        state["step"] += 1
-        step = int(state["step"])
-        if self.implementation == "fast" and fast_path_supports(hp, p, plan.grad):
-            apply_fast(p, plan.grad, plan.low, plan.basis, plan.side, state, step, hp, plan.low_norm)
-        else:
-            apply_reference(p, plan.grad, plan.low, plan.basis, plan.side, state, step, hp)
+    def _apply(self, plans: list["_Plan"]) -> None:
+        """Phase B: commit the bases, then the base optimizer, scaling, limiter and update.
+
+        Matrices that share hyper-parameters and step count go through the multi-tensor fast
+        path together; the rest (low precision, FRUGAL, ``implementation="reference"``) one by
+        one through the reference path.
+        """
+        buckets: dict[tuple[int, int], list[_Plan]] = {}
+        for plan in plans:
+            p, hp = plan.param, plan.hyper
+            state = self.state[p]
+            if not state:
+                _init_projected_state(state, p, plan.low.shape, plan.basis.shape, hp, plan.work_dtype)
+            if plan.new_basis is not None:
+                state["basis"].copy_(plan.new_basis)
+            state["step"] += 1
+            step = int(state["step"])
+            if self.implementation == "fast" and fast_path_supports(hp, p, plan.grad):
+                buckets.setdefault((id(hp), step), []).append(plan)
+            else:
+                apply_reference(p, plan.grad, plan.low, plan.basis, plan.side, state, step, hp)
+        for (_, step), bucket in buckets.items():
+            apply_fast(
+                [b.param for b in bucket], [b.grad for b in bucket], [b.low for b in bucket],
+                [b.low_norm for b in bucket], [b.basis for b in bucket], [b.side for b in bucket],
+                [self.state[b.param] for b in bucket], step, bucket[0].hyper,
+            )
 
 
 class FiraAdamW(Fira):
