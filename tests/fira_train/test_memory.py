@@ -94,6 +94,15 @@ def test_memory_table_documented_values_and_paper_column():
     assert rows[("7B", "fira")]["rank"] == 64 and rows[("7B", "galore")]["rank"] == 512
 
 
+def test_custom_size_needs_explicit_ranks():
+    custom = LlamaSize("1B-32L", hidden=2048, intermediate=5461, heads=32, layers=32)
+    with pytest.raises(ValueError, match="size='1B-32L'"):
+        memory_table(sizes=[custom], methods=["fira"])
+    (row,) = memory_table(sizes=[custom], methods=["fira"], ranks={"fira": 512})
+    assert row["rank"] == 512 and row["paper_G"] is None
+    assert row["GB"] == pytest.approx(9.572, abs=5e-4)
+
+
 def test_paper_optimizer_state_saving_at_1b():
     """Paper: "Fira saves 61.1% memory usage of the optimizer states ... LLaMA 1B"."""
     assert round(optimizer_state_saving("1B"), 3) == 0.611
