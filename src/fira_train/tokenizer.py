@@ -179,19 +179,28 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> li
     return [encoding.ids for encoding in encode(list(texts), add_special_tokens=False)]
 
 
-def encode_documents(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> np.ndarray:
+def encode_documents(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_tokens: int | None = None
+) -> np.ndarray:
     """The packed token stream ``ids(doc_0) EOS ids(doc_1) EOS ...`` as a 1-D array.
 
     Every document, the last included, is followed by ``tokenizer.eos_token_id``, so a model
-    learns where documents end and no block mixes two documents without a separator.
+    learns where documents end and no block mixes two documents without a separator. With
+    ``max_tokens``, only the first ``max_tokens`` tokens of that stream are returned, and
+    encoding stops once they are known (documents after them are never tokenized).
     """
     dtype = token_dtype(len(tokenizer))
     eos = tokenizer.eos_token_id
     pieces: list[np.ndarray] = []
+    total = 0
     for start in range(0, len(texts), ENCODE_CHUNK_DOCS):
+        if max_tokens is not None and total >= max_tokens:
+            break
         for ids in encode_texts(tokenizer, texts[start : start + ENCODE_CHUNK_DOCS]):
             pieces.append(np.asarray([*ids, eos], dtype=dtype))
-    return np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
+            total += len(pieces[-1])
+    stream = np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
+    return stream if max_tokens is None else stream[:max_tokens]
 
 
 def build_tokenizer(

@@ -155,6 +155,19 @@ def test_encode_documents_appends_eos_after_every_document(bpe) -> None:
     assert tok.encode_documents(bpe, []).shape == (0,)
 
 
+def test_encode_documents_stops_at_max_tokens(bpe, monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = make_texts(40, seed=2)
+    whole = tok.encode_documents(bpe, texts)
+    monkeypatch.setattr(tok, "ENCODE_CHUNK_DOCS", 5)
+    calls = []
+    real = tok.encode_texts
+    monkeypatch.setattr(tok, "encode_texts", lambda t, chunk: calls.append(len(chunk)) or real(t, chunk))
+    prefix = tok.encode_documents(bpe, texts, max_tokens=30)
+    assert np.array_equal(prefix, whole[:30])
+    assert sum(calls) < len(texts)  # later documents were not tokenized
+    assert np.array_equal(tok.encode_documents(bpe, texts, max_tokens=10**9), whole)
+
+
 def test_encode_documents_chunks_like_one_call(bpe, monkeypatch: pytest.MonkeyPatch) -> None:
     texts = make_texts(23, seed=3)
     whole = tok.encode_documents(bpe, texts)
