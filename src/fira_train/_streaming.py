@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -27,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ._disk_cache import file_digest, fingerprint
+from ._disk_cache import fingerprint
 from .data import (
     C4,
     C4_LOCAL_PREFIX,
     BatchStream,
     Corpus,
     DataSpec,
-    _check_stream_args,
+    check_stream_args,
     check_stream_state,
 )
 from .tokenizer import build_tokenizer, encode_texts, token_dtype
@@ -100,6 +101,13 @@ def iter_texts(dataset: Any, split: str) -> Iterator[str]:
             yield text
 
 
+def _file_identity(path: str) -> tuple[str, int, int]:
+    # Name, size and modification time, not a content hash: a local C4 mirror is hundreds of
+    # gigabytes, too much to read on every build. A changed file gets a fresh tokenizer.
+    stat = os.stat(path)
+    return Path(path).name, stat.st_size, stat.st_mtime_ns
+
+
 def _first_chars(texts: Iterator[str], limit: int) -> list[str]:
     sample, total = [], 0
     for text in texts:
@@ -123,7 +131,7 @@ class StreamingBatchStream(BatchStream):
         max_train_tokens: int | None = None,
         shuffle_buffer: int = SHUFFLE_BUFFER_DOCS,
     ) -> None:
-        _check_stream_args(batch_size, seed)
+        check_stream_args(batch_size, seed)
         self._open_train = open_train
         self._tokenizer = tokenizer
         self._eos = tokenizer.eos_token_id
@@ -290,9 +298,7 @@ def build_c4_corpus(spec: DataSpec, cache_dir: Path, shuffle_buffer: int = SHUFF
     else:
         folder = Path(spec.source[len(C4_LOCAL_PREFIX) :]).expanduser()
         data_files = c4_data_files(folder)
-        corpus_id = fingerprint(
-            "c4-files", [(Path(f).name, file_digest(f)) for f in data_files["train"]]
-        )
+        corpus_id = fingerprint("c4-files", [_file_identity(f) for f in data_files["train"]])
     open_split = c4_opener(data_files)
     tokenizer, tokenizer_name = build_tokenizer(
         spec.tokenizer,

@@ -92,7 +92,8 @@ class DataSpec:
     """Number of ``seq_len`` sequences in the validation set: the first ones of the validation
     split, the same in every run."""
     max_train_tokens: int | None = None
-    """Cap on the training tokens (the first ones of the training stream), for tests and tiny runs."""
+    """Cap on the training tokens, for tests and tiny runs: the first ones of the training split
+    (only those documents are tokenized on a cold build); for ``c4``, the first ones of each epoch."""
     cache_dir: str | None = None
     """Where tokenizers and tokenized corpora are cached; default ``$FIRA_CACHE`` or
     ``~/.cache/fira-train``."""
@@ -149,7 +150,7 @@ class BatchStream(ABC):
     def load_state_dict(self, state: Mapping[str, int]) -> None: ...
 
 
-def _check_stream_args(batch_size: object, seed: object) -> None:
+def check_stream_args(batch_size: object, seed: object) -> None:
     _require_int("batch_size", batch_size, 1)
     _require_int("seed", seed, 0)
 
@@ -187,7 +188,7 @@ class PackedBatchStream(BatchStream):
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> None:
-        _check_stream_args(batch_size, seed)
+        check_stream_args(batch_size, seed)
         n_blocks = len(tokens) // seq_len
         self._blocks = tokens[: n_blocks * seq_len].reshape(n_blocks, seq_len)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed

@@ -527,6 +527,18 @@ def test_c4_files_go_through_the_streaming_corpus(c4_corpus, c4_folder: Path) ->
     assert torch.equal(torch.cat(c4_corpus.val_batches(2)).flatten(), torch.from_numpy(expected.astype(np.int64)))
 
 
+def test_c4_second_build_reuses_the_tokenizer(c4_folder: Path, tmp_path: Path, monkeypatch) -> None:
+    cold = build_corpus(spec_for(f"c4:{c4_folder}", tmp_path, val_sequences=3))
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a warm build must not train the tokenizer again")
+
+    monkeypatch.setattr(tok, "train_bpe", forbidden)
+    warm = build_corpus(spec_for(f"c4:{c4_folder}", tmp_path, val_sequences=3))
+    assert warm.describe() == cold.describe()
+    assert torch.equal(next(warm.train_batches(2, seed=0)), next(cold.train_batches(2, seed=0)))
+
+
 def test_c4_stream_packs_documents_in_stream_order(c4_folder: Path, tmp_path: Path) -> None:
     from fira_train._streaming import build_c4_corpus
 
@@ -637,3 +649,24 @@ def test_c4_folder_errors_name_the_folder(tmp_path: Path) -> None:
 def test_c4_short_validation_split_is_a_clear_error(c4_folder: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="val_sequences"):
         build_corpus(spec_for(f"c4:{c4_folder}", tmp_path, val_sequences=1000))
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic cache writes
+
+
+def test_atomic_directory_publishes_complete_entries_only(tmp_path: Path) -> None:
+    from fira_train._disk_cache import atomic_directory
+
+    final = tmp_path / "entry"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(final) as temp:
+            (temp / "half.npy").write_bytes(b"partial")
+            raise RuntimeError("killed mid-write")
+    assert list(tmp_path.iterdir()) == []  # neither the entry nor the temporary folder remains
+    with atomic_directory(final) as temp:
+        (temp / "data").write_text("first")
+    with atomic_directory(final) as temp:  # a second writer of the same key loses the race quietly
+        (temp / "data").write_text("second")
+    assert (final / "data").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]
