@@ -151,6 +151,7 @@ class BatchStream(ABC):
 
 
 def check_stream_args(batch_size: object, seed: object) -> None:
+    """ValueError naming the argument unless ``batch_size >= 1`` and ``seed >= 0`` are ints."""
     _require_int("batch_size", batch_size, 1)
     _require_int("seed", seed, 0)
 
