@@ -273,10 +273,14 @@ class CommunicationCounter:
 
         counter = self
 
-        def hook(state: Any, bucket: Any):
+        def hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
             buffer = bucket.buffer()
             counter.record("ddp_all_reduce", buffer.numel() * buffer.element_size())
-            return allreduce_hook(state, bucket)
+            enabled, counter.enabled = counter.enabled, False  # the all_reduce inside: once
+            try:
+                return allreduce_hook(state, bucket)
+            finally:
+                counter.enabled = enabled
 
         ddp_model.register_comm_hook(None, hook)
 
