@@ -32,6 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 MARKER = "COMPLETE"
+#: ``"format"`` in the marker's JSON: tells these checkpoints from single-file ones that use the
+#: same ``step_XXXXXXXX/COMPLETE`` layout (``fira_train.checkpoint``).
+FORMAT = "torch.distributed.checkpoint"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -45,6 +48,14 @@ def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
 def is_complete(path: str | Path) -> bool:
     """Whether ``path`` is a checkpoint whose write finished (it has the marker)."""
     return (Path(path) / MARKER).is_file()
+
+
+def is_dcp_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a complete checkpoint written by :func:`save_checkpoint`."""
+    try:
+        return json.loads((Path(path) / MARKER).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -97,7 +108,7 @@ def save_checkpoint(
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
     _barrier()  # every rank's shards are on disk
     if rank == 0:
-        info = {"step": step, "world_size": _world_size(), "time": time.time()}
+        info = {"format": FORMAT, "step": step, "world_size": _world_size(), "time": time.time()}
         _write_synced(tmp / MARKER, json.dumps(info))
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step (after a resume): swap, then delete the old one
@@ -211,7 +222,9 @@ class _RunState:
     def state_dict(self) -> dict[str, Any]:
         rng = _rng_state()
         if self.saved_keys is not None:  # loading: ask only for what was saved (CPU vs CUDA)
-            rng = {k: v for k, v in rng.items() if f"run.rng.{self.rng_key}.{k}" in self.saved_keys}
+            saved = {key.split(".")[3] for key in self.saved_keys
+                     if key.startswith(f"run.rng.{self.rng_key}.")}
+            rng = {k: v for k, v in rng.items() if k in saved}
         return {
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "extra_json": self.extra_json,
@@ -226,6 +239,8 @@ class _RunState:
 
 
 def _rng_state() -> dict[str, Any]:
+    """torch (CPU and this rank's CUDA device), Python and NumPy generator states, as tensors
+    and plain values (``weights_only`` loads them)."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -233,6 +248,12 @@ def _rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional for the library, not for the harness
+        return state
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = [torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
     return state
 
 
@@ -244,6 +265,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"].cpu())
+    if "numpy" in state:
+        import numpy as np
+
+        keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def _safe_load_planner_class():

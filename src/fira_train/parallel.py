@@ -78,7 +78,11 @@ def init_distributed(backend: str | None = None, device: str | torch.device | No
 
 
 def destroy_distributed() -> None:
-    """Leave the process group (a no-op in a one-process run)."""
+    """Leave the process group (a no-op in a one-process run).
+
+    Call it after the DDP / FSDP2 model and the optimizer are released: with gloo we saw a
+    DDP model that outlived its process group hang in its destructor at exit.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -13,6 +13,7 @@ from fira_train.dist_checkpoint import (
     MARKER,
     checkpoint_dir,
     is_complete,
+    is_dcp_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     prune_checkpoints,
@@ -32,7 +33,7 @@ def _assert_continues(straight: dict, resumed: dict) -> None:
     for name, value in straight["params"].items():
         torch.testing.assert_close(resumed["params"][name], value, rtol=1e-9, atol=1e-11, msg=name)
     assert resumed["lr"] == pytest.approx(straight["lr"])  # the scheduler came back too
-    for step, draw in resumed["draws"].items():  # and the torch and Python RNG streams
+    for step, draw in resumed["draws"].items():  # and the torch, Python and NumPy RNG streams
         assert draw == straight["draws"][step], step
 
 
@@ -53,10 +54,11 @@ def test_save_at_one_world_size_load_at_another_continues_identically(tmp_path, 
     straight = run_ranks(train_worker, world[save_mode], tmp_path / "a", save_mode, STEPS, "fira",
                          None, run_dir, SAVE_AT, timeout=40)
     path = checkpoint_dir(run_dir, SAVE_AT)
-    assert is_complete(path) and latest_checkpoint(run_dir) == path
+    assert is_complete(path) and latest_checkpoint(run_dir) == path and is_dcp_checkpoint(path)
     keys = _saved_keys(path)
     for rank in range(world[save_mode]):  # every rank's RNG, under the names the loader asks for
-        assert {f"run.rng.rank{rank}.torch", f"run.rng.rank{rank}.python"} <= keys
+        assert {f"run.rng.rank{rank}.torch", f"run.rng.rank{rank}.python",
+                f"run.rng.rank{rank}.numpy.0"} <= keys
     assert "app.optimizer.state.blocks.0.down.weight.basis" in keys  # Fira's state, by FQN
     resumed = run_ranks(train_worker, world[load_mode], tmp_path / "b", load_mode, STEPS, "fira",
                         None, None, None, str(path), timeout=40)
@@ -168,7 +170,8 @@ def test_listing_and_pruning_ignore_partial_and_keep_newest(tmp_path):
     for step in (1, 2, 3):
         path = checkpoint_dir(tmp_path, step)
         path.mkdir()
-        (path / MARKER).write_text("{}")
+        (path / MARKER).write_text("{}")  # a single-file checkpoint's marker: not ours
+    assert not is_dcp_checkpoint(checkpoint_dir(tmp_path, 1))
     checkpoint_dir(tmp_path, 4).mkdir()  # no marker: an interrupted write
     (tmp_path / ".tmp-step_00000005").mkdir()
     assert list_checkpoints(tmp_path) == [checkpoint_dir(tmp_path, s) for s in (1, 2, 3)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,7 +97,7 @@ def train_worker(rank: int, world: int, mode: str, steps: int, kind: str = "fira
     losses, draws = {}, {}
     for step in range(start, steps):
         # What dropout or data shuffling would draw: must continue identically after a resume.
-        draws[step] = (float(torch.rand(())), random.random())
+        draws[step] = (float(torch.rand(())), random.random(), float(np.random.rand()))
         loss = loss_fn(model, shard_batch(global_batch(step), env))
         loss.backward()
         optimizer.step()
