@@ -135,15 +135,16 @@ def test_fsdp2_shards_equal_one_process_chunks(tmp_path):
     assert local_rows["square"]["exp_avg_sq"] == (3, RANK)
 
 
-def _nonfinite_worker(rank: int, world: int, mode: str) -> dict:
+def _nonfinite_worker(rank: int, world: int, mode: str, bad_step: int) -> dict:
     params = {k: torch.nn.Parameter(_shard(v)) for k, v in _initial(torch.float64).items()}
     optimizer = _optimizer(params, {"nonfinite": mode})
     outcome = "stepped"
-    for step in range(2):
+    for step in range(bad_step + 1):
         for name, p in params.items():
             grad = _gradient(name, tuple(p.shape), step, torch.float64)
-            if step == 1 and name == "right":
-                grad[-1, 0] = float("nan")  # the last row lives on rank 1 only
+            if step == bad_step and name == "square":
+                # The last row lives on rank 1 only; the square matrix's basis is rank 0's job.
+                grad[-1, 0] = float("nan")
             p.grad = _shard(grad)
         before = {k: p.to_local().clone() for k, p in params.items()}
         try:
@@ -157,15 +158,18 @@ def _nonfinite_worker(rank: int, world: int, mode: str) -> dict:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["skip", "error"])
-def test_fsdp2_nonfinite_row_on_one_rank_stops_every_rank(tmp_path, mode):
-    """A NaN in rows that only rank 1 holds: both ranks skip (or both raise, naming the
-    parameter) and change nothing; neither hangs in a collective the other never joins."""
-    results = run_ranks(_nonfinite_worker, 2, tmp_path, mode, timeout=50)
+@pytest.mark.parametrize("bad_step", [1, GAP])
+def test_fsdp2_nonfinite_row_on_one_rank_stops_every_rank(tmp_path, mode, bad_step):
+    """A NaN in rows that only rank 1 holds, on an ordinary step (seen by the reduced
+    finiteness flags) or on a refresh step (seen by rank 0, which gathers that gradient for
+    its SVD): both ranks skip (or both raise, naming the parameter) and
+    change nothing; neither hangs in a collective the other never joins."""
+    results = run_ranks(_nonfinite_worker, 2, tmp_path, mode, bad_step, timeout=50)
     for result in results:
         assert result["unchanged"]
-        assert result["steps"] == [1, 1, 1]
+        assert result["steps"] == [bad_step] * 3
         if mode == "error":
-            assert result["outcome"].startswith("raised") and "shape (13, 6)" in result["outcome"]
+            assert result["outcome"].startswith("raised") and "shape (7, 7)" in result["outcome"]
         else:
             assert result["outcome"] == "stepped"
 
@@ -310,3 +314,34 @@ def test_fsdp1_flat_parameters_are_rejected_with_a_clear_error(tmp_path, use_ori
     for messages in results:
         for message in messages:
             assert "FSDP1" in message and "fully_shard" in message, message
+
+
+def _hsdp_worker(rank: int, world: int) -> dict:
+    """HSDP: a 2 x 2 mesh, replicated over dim 0, rows sharded over dim 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2))
+
+    def shard(t):
+        return distribute_tensor(t, mesh, [Replicate(), Shard(0)], src_data_rank=None)
+
+    params = {k: torch.nn.Parameter(shard(v)) for k, v in _initial(torch.float64).items()}
+    _train(params, {"projector": "randomized"},
+           lambda n, s, t: shard(_gradient(n, s, t, torch.float64)))
+    return {"shard_index": mesh.get_local_rank(1),
+            "local": {k: p.to_local().detach().clone() for k, p in params.items()}}
+
+
+@pytest.mark.timeout(90)
+def test_hsdp_two_dimensional_mesh_equals_one_process(tmp_path):
+    """Rows sharded over one mesh dimension and replicated over the other (HSDP): the
+    reductions run over the shard dimension only, and every replica ends equal to the
+    one-process run."""
+    results = run_ranks(_hsdp_worker, 4, tmp_path, timeout=80)
+    ref_params, _ = _reference({"projector": "randomized"})
+    assert sorted(r["shard_index"] for r in results) == [0, 0, 1, 1]
+    for result in results:
+        for name, full in ref_params.items():
+            expected = full.chunk(2)[result["shard_index"]]
+            torch.testing.assert_close(result["local"][name], expected, rtol=1e-9, atol=1e-11, msg=name)

@@ -43,25 +43,31 @@ def _saved_keys(path: Path) -> set[str]:
     return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("save_mode, load_mode", [("fsdp2", "none"), ("none", "fsdp2"), ("fsdp2", "ddp")])
-def test_save_at_one_world_size_load_at_another_continues_identically(tmp_path, save_mode, load_mode):
-    """FSDP2 at world size 2 -> one process, one process -> FSDP2 at 2, FSDP2 -> DDP: model,
-    Fira state (sharded left bases and right moments, replicated ones), scheduler and data
-    position come back and the run continues as if never stopped."""
-    world = {"none": 1, "ddp": 2, "fsdp2": 2}
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("save_mode, save_world, load_mode, load_world", [
+    ("fsdp2", 2, "none", 1),
+    ("none", 1, "fsdp2", 2),
+    ("fsdp2", 2, "ddp", 2),
+    ("fsdp2", 2, "fsdp2", 4),  # 9 rows over 4 ranks: 3, 3, 3 and an empty shard
+])
+def test_save_at_one_world_size_load_at_another_continues_identically(
+    tmp_path, save_mode, save_world, load_mode, load_world
+):
+    """FSDP2 at world size 2 -> one process, one process -> FSDP2 at 2, FSDP2 -> DDP, FSDP2 at
+    2 -> at 4: model, Fira state (sharded left bases and right moments, replicated ones),
+    scheduler, data position and RNG come back and the run continues as if never stopped."""
     run_dir = str(tmp_path / "run")
-    straight = run_ranks(train_worker, world[save_mode], tmp_path / "a", save_mode, STEPS, "fira",
-                         None, run_dir, SAVE_AT, timeout=40)
+    straight = run_ranks(train_worker, save_world, tmp_path / "a", save_mode, STEPS, "fira",
+                         None, run_dir, SAVE_AT, timeout=50)
     path = checkpoint_dir(run_dir, SAVE_AT)
     assert is_complete(path) and latest_checkpoint(run_dir) == path and is_dcp_checkpoint(path)
     keys = _saved_keys(path)
-    for rank in range(world[save_mode]):  # every rank's RNG, under the names the loader asks for
+    for rank in range(save_world):  # every rank's RNG, under the names the loader asks for
         assert {f"run.rng.rank{rank}.torch", f"run.rng.rank{rank}.python",
                 f"run.rng.rank{rank}.numpy.0"} <= keys
     assert "app.optimizer.state.blocks.0.down.weight.basis" in keys  # Fira's state, by FQN
-    resumed = run_ranks(train_worker, world[load_mode], tmp_path / "b", load_mode, STEPS, "fira",
-                        None, None, None, str(path), timeout=40)
+    resumed = run_ranks(train_worker, load_world, tmp_path / "b", load_mode, STEPS, "fira",
+                        None, None, None, str(path), timeout=60)
     for rank, result in enumerate(resumed):
         # Each rank resumes its own RNG streams; ranks the checkpoint did not have take rank 0's.
         _assert_continues(straight[rank if rank < len(straight) else 0], result)
