@@ -165,6 +165,15 @@ class Fira(Optimizer):
                     f"({p.dtype}); Fira supports real floating-point parameters only"
                 )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups, so
+        # copy.deepcopy and pickle silently reset these two options to their defaults (a copy
+        # of a nonfinite="skip" optimizer raised on NaN, a "reference" one ran the fast path).
+        state = super().__getstate__()
+        state["nonfinite"] = self.nonfinite
+        state["implementation"] = self.implementation
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("nonfinite", "error")
