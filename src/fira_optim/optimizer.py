@@ -240,9 +240,15 @@ class Fira(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"Fira does not support sparse gradients ({name})")
                 if not projected:
-                    if self.state.get(p) or bool(p.grad.any()):
+                    # Until its first real step, an all-zero gradient only builds state. Test
+                    # the step count, not mere presence of state: a second zero-gradient step
+                    # must not count either, or the bias correction of this param runs one
+                    # step ahead of the projected matrices (which stay at step 0) and of a
+                    # fresh optimizer.
+                    state = self.state.get(p)
+                    if (state and float(state["step"]) > 0) or bool(p.grad.any()):
                         plain_params.append(p)
-                    else:  # first step with an all-zero gradient: build state, change nothing
+                    elif not state:  # build the state, change nothing
                         unprojected.init_state(self.state[p], p, group["base"])
                     if self.nonfinite != "ignore":
                         checks.append((torch.isfinite(p.grad).all(), name))
