@@ -197,7 +197,31 @@ class Fira(Optimizer):
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        # torch.optim.Optimizer.load_state_dict calls its cast policy as
+        # Optimizer._process_value_according_to_param_policy (on the base class), so the override
+        # above was never reached: the fp32 basis and moments of a bf16/fp16 matrix came back in
+        # bf16/fp16 and its next step failed (matmul of bf16 and fp32). Capture the state dict as
+        # the load pre-hooks leave it (this hook runs last) and re-take its tensors through our
+        # policy.
+        seen: dict[str, Any] = {}
+
+        def capture(_optimizer, loaded):
+            seen["state_dict"] = loaded
+
+        handle = self.register_load_state_dict_pre_hook(capture)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        loaded = seen["state_dict"]
+        saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            for key, value in loaded["state"].get(saved_id, {}).items():
+                if isinstance(value, torch.Tensor):
+                    self.state[p][key] = self._process_value_according_to_param_policy(
+                        p, value, saved_id, loaded["param_groups"], key
+                    )
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 state = self.state.get(p)
