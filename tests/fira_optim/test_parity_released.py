@@ -57,9 +57,10 @@ def _svd_in_gradient_dtype(self, weights, rank, type):
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-11, atol=1e-13)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype,correct_bias", [(torch.float32, True), (torch.float64, True),
+                                                (torch.float32, False)])
 @pytest.mark.parametrize("proj_type", ["std", "reverse_std", "left", "right"])
-def test_released_arithmetic_matches_fira_1_0_2(dtype, proj_type, monkeypatch):
+def test_released_arithmetic_matches_fira_1_0_2(dtype, correct_bias, proj_type, monkeypatch):
     if dtype == torch.float64:
         monkeypatch.setattr(fira.gradient_projection.GradientProjector, "get_orthogonal_matrix",
                             _svd_in_gradient_dtype)
@@ -67,10 +68,10 @@ def test_released_arithmetic_matches_fira_1_0_2(dtype, proj_type, monkeypatch):
     groups = dict(target_modules_list=TARGETS, rank=RANK, update_proj_gap=GAP, alpha=ALPHA,
                   proj_type=proj_type)
     ref = fira.FiraAdamW(quiet_fira_divide_params(ref_model, **groups), lr=LR, eps=1e-8,
-                         weight_decay=0.1, no_deprecation_warning=True)
+                         weight_decay=0.1, correct_bias=correct_bias, no_deprecation_warning=True)
     # The same group dicts, unchanged: ours reads "rank" as "this group is projected".
     ours = FiraAdamW(quiet_fira_divide_params(our_model, **groups), lr=LR, eps=1e-8,
-                     weight_decay=0.1, arithmetic="released")
+                     weight_decay=0.1, correct_bias=correct_bias, arithmetic="released")
     assert [len(g["params"]) for g in ours.param_groups] == [7, 3]
     assert ours.param_groups[0]["rank"] is None and ours.param_groups[1]["rank"] == RANK
 
