@@ -37,12 +37,14 @@ def grad_sequence(shapes: Sequence[Sequence[int]], steps: int, seed: int = 0,
             if len(shape) == 2 and min(shape) > 0:
                 row.append(structured_grad(shape, g, dtype, scale))
             else:
-                row.append((scale * torch.randn(tuple(shape), generator=g, dtype=torch.float64)).to(dtype))
+                noise = torch.randn(tuple(shape), generator=g, dtype=torch.float64)
+                row.append((scale * noise).to(dtype))
         out.append(row)
     return out
 
 
-def make_params(shapes: Sequence[Sequence[int]], seed: int = 1, dtype=torch.float32) -> list[torch.nn.Parameter]:
+def make_params(shapes: Sequence[Sequence[int]], seed: int = 1,
+                dtype=torch.float32) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(tuple(s), generator=g, dtype=torch.float64).to(dtype))
             for s in shapes]

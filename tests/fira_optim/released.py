@@ -30,7 +30,8 @@ def galore_adamw_class():
         if spec is None or spec.origin is None:
             raise ImportError("galore-torch==1.0 is required for the parity tests (dev extra)")
         alias = importlib.util.spec_from_file_location(
-            _GALORE_ALIAS, spec.origin, submodule_search_locations=list(spec.submodule_search_locations)
+            _GALORE_ALIAS, spec.origin,
+            submodule_search_locations=list(spec.submodule_search_locations),
         )
         sys.modules[_GALORE_ALIAS] = importlib.util.module_from_spec(alias)  # not executed
     return importlib.import_module(f"{_GALORE_ALIAS}.adamw").AdamW

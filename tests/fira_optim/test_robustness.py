@@ -8,7 +8,7 @@ import torch
 
 from fira_optim import FiraAdamW, GaLoreAdamW, NonFiniteGradientError
 
-from .common import (assert_params_equal, assert_states_equal, clone_params, grad_sequence,
+from .common import (assert_params_equal, assert_states_equal, grad_sequence,
                      make_params, run, set_grads, state_snapshot)
 
 SHAPES = [(12, 20), (20, 12), (16, 16), (7,)]
@@ -39,8 +39,8 @@ def test_nonfinite_gradient_raises_naming_the_param_before_any_change(index, at_
     set_grads(params, row)
     svd_inputs = []
     real_svd = torch.linalg.svd
-    monkeypatch.setattr(torch.linalg, "svd",
-                        lambda a, *args, **kw: svd_inputs.append(a.clone()) or real_svd(a, *args, **kw))
+    monkeypatch.setattr(torch.linalg, "svd", lambda a, *args, **kw: (
+        svd_inputs.append(a.clone()) or real_svd(a, *args, **kw)))
     name = f"param_groups[{0 if index < 3 else 1}]['params'][{index if index < 3 else 0}]"
     with pytest.raises(NonFiniteGradientError, match=name.replace("[", r"\[").replace("]", r"\]")):
         opt.step()
@@ -64,7 +64,8 @@ def test_nonfinite_skip_leaves_everything_unchanged_and_warns():
     bad = [g.clone() for g in grads[3]]
     bad[2][0, 0] = float("nan")  # at a refresh step (step 3)
     set_grads(params, bad)
-    with pytest.warns(RuntimeWarning, match=r"non-finite gradient in param_groups\[0\]\['params'\]\[2\]"):
+    expected = r"non-finite gradient in param_groups\[0\]\['params'\]\[2\]"
+    with pytest.warns(RuntimeWarning, match=expected):
         opt.step()
     assert_params_equal(params, before)
     assert_states_equal(state_snapshot(opt), state_before)  # step counts included
@@ -183,7 +184,8 @@ def test_limiter_skips_when_the_previous_norm_is_zero(implementation):
             w = make_params([shape], dtype=torch.float64)[0]
             opt = FiraAdamW([{"params": [w], "rank": 3, "update_proj_gap": 100}], lr=1e-2,
                             limiter=limiter, implementation=implementation)
-            for g in (first, torch.zeros(shape, dtype=torch.float64) if between == "zero" else middle):
+            second = torch.zeros(shape, dtype=torch.float64) if between == "zero" else middle
+            for g in (first, second):
                 w.grad = g.clone()
                 opt.step()
             if between == "zero":

@@ -11,7 +11,8 @@ PLAIN_SHAPES = [(6, 10), (10,), (), (3, 4, 5)]  # matrix, bias, 0-d, 3-D
 
 
 def _torch_state(opt):
-    return [{k: v.clone() for k, v in opt.state[p].items()} for g in opt.param_groups for p in g["params"]]
+    return [{k: v.clone() for k, v in opt.state[p].items()}
+            for g in opt.param_groups for p in g["params"]]
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
