@@ -39,6 +39,7 @@ from .projection import (
     low_rank_shape,
     project,
     projection_side,
+    reduce_dim,
 )
 from .scaling import SCALINGS
 from .subspace import BASES, STATE_KEYS
@@ -240,8 +241,7 @@ class Fira(Optimizer):
         if prepared is None:  # a non-finite gradient with nonfinite="skip"
             return loss
         plans, plain = prepared
-        for plan in plans:
-            self._apply(plan)
+        self._apply(plans)
         unprojected.step_groups(plain, self.state)
         return loss
 
@@ -250,19 +250,21 @@ class Fira(Optimizer):
         every gradient has been checked, so a non-finite gradient leaves everything as it was."""
         plans: list[_Plan] = []
         plain: list[tuple[dict, list[torch.Tensor]]] = []
-        checks: list[tuple[torch.Tensor, str]] = []
+        checks: list[tuple[torch.Tensor, int, int]] = []
         order = 0  # global index of projected matrices: stagger offsets and projector seeds
-        total = sum(1 for g in self.param_groups for p in g["params"] if _is_projected(p, g))
+        total = None
+        if any(g["stagger"] for g in self.param_groups):
+            total = sum(1 for g in self.param_groups for p in g["params"] if _is_projected(p, g))
         for gi, group in enumerate(self.param_groups):
             plain_params = []
+            hyper = None
             for pi, p in enumerate(group["params"]):
                 projected = _is_projected(p, group)
                 order += projected
                 if p.grad is None or p.numel() == 0:
                     continue
-                name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
                 if p.grad.is_sparse:
-                    raise RuntimeError(f"Fira does not support sparse gradients ({name})")
+                    raise RuntimeError(f"Fira does not support sparse gradients ({_name(gi, pi, p)})")
                 if not projected:
                     # Until its first real step, an all-zero gradient only builds state. Test
                     # the step count, not mere presence of state: a second zero-gradient step
@@ -275,20 +277,23 @@ class Fira(Optimizer):
                     elif not state:  # build the state, change nothing
                         unprojected.init_state(self.state[p], p, group["base"])
                     if self.nonfinite != "ignore":
-                        checks.append((torch.isfinite(p.grad).all(), name))
+                        checks.append((torch.isfinite(p.grad).all(), gi, pi))
                     continue
-                plan = self._plan(p, group, name, order - 1, total)
+                hyper = hyper or Hyper.from_group(group)
+                plan = self._plan(p, group, gi, pi, order - 1, total, hyper)
                 if plan is _SKIP_STEP:
                     return None
                 if plan is not None:
                     plans.append(plan)
                     if self.nonfinite != "ignore":
-                        checks.append((torch.isfinite(plan.low).all(), name))
+                        # Column norms of R: needed by the update anyway, and non-finite iff G
+                        # is (a NaN or Inf in g_i reaches r_i = P^T g_i).
+                        checks.append((torch.isfinite(plan.low_norm).all(), gi, pi))
             if plain_params:
                 plain.append((group, plain_params))
-        if checks and not bool(torch.stack([c for c, _ in checks]).all()):
-            bad = next(name for c, name in checks if not bool(c))
-            self._nonfinite_found(bad)
+        if checks and not bool(torch.stack([c for c, _, _ in checks]).all()):
+            gi, pi = next((gi, pi) for c, gi, pi in checks if not bool(c))
+            self._nonfinite_found(_name(gi, pi, self.param_groups[gi]["params"][pi]))
             return None
         return plans, plain
 
@@ -301,7 +306,7 @@ class Fira(Optimizer):
             )
         warnings.warn(f"non-finite gradient in {name}: step skipped", RuntimeWarning, stacklevel=4)
 
-    def _plan(self, p: torch.Tensor, group: dict, name: str, order: int, total: int):
+    def _plan(self, p, group, gi, pi, order, total, hyper):
         work_dtype = torch.promote_types(p.dtype, torch.float32)
         grad = p.grad if p.grad.dtype == work_dtype else p.grad.to(work_dtype)
         side = projection_side(p.shape, group["proj_type"])
@@ -309,25 +314,31 @@ class Fira(Optimizer):
         state = self.state[p]
         step = int(state["step"]) if state else 0
         period = group["update_proj_gap"]
-        offset = (order * period) // max(total, 1) if group["stagger"] else 0
+        offset = (order * period) // total if group["stagger"] else 0
         new_basis = None
         if step == 0 or (step - offset) % period == 0:
             finite = bool(torch.isfinite(grad).all())
             if not finite and self.nonfinite != "ignore":
-                self._nonfinite_found(name)
+                self._nonfinite_found(_name(gi, pi, p))
                 return _SKIP_STEP
             if finite and bool(grad.any()):
                 previous = state["basis"] if step > 0 else None
-                new_basis = self._new_basis(grad, rank, side, group, previous, order, step, name)
+                new_basis = self._new_basis(
+                    grad, rank, side, group, previous, order, step, _name(gi, pi, p)
+                )
             elif step == 0:
                 # Never derive a basis from a zero or non-finite gradient. Before the first
                 # basis exists the step is a no-op for this matrix, so the zero-gradient step
                 # that torch.distributed.checkpoint uses to build state changes nothing.
                 if not state:
-                    _init_projected_state(state, p, rank, side, group, work_dtype)
+                    shape = tuple(p.shape)
+                    _init_projected_state(state, p, low_rank_shape(shape, rank, side),
+                                          basis_shape(shape, rank, side), hyper, work_dtype)
                 return None
         basis = new_basis if new_basis is not None else state["basis"]
-        return _Plan(p, group, grad, project(grad, basis, side), basis, new_basis, side, work_dtype)
+        low = project(grad, basis, side)
+        low_norm = torch.linalg.vector_norm(low, dim=reduce_dim(side), keepdim=True)
+        return _Plan(p, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype)
 
     def _new_basis(self, grad, rank, side, group, previous, order, step, name):
         generator = torch.Generator().manual_seed(
@@ -342,20 +353,33 @@ class Fira(Optimizer):
                 return compute_basis(grad, rank, side, "random", None, generator)
             return None
 
-    def _apply(self, plan: "_Plan") -> None:
-        """Phase B: commit the basis, then the base optimizer, scaling, limiter and update."""
-        state = self.state[plan.param]
-        if not state:
-            _init_projected_state(
-                state, plan.param, plan.group["rank"], plan.side, plan.group, plan.work_dtype
+    def _apply(self, plans: list["_Plan"]) -> None:
+        """Phase B: commit the bases, then the base optimizer, scaling, limiter and update.
+
+        Matrices that share hyper-parameters and step count go through the multi-tensor fast
+        path together; the rest (low precision, FRUGAL, ``implementation="reference"``) one by
+        one through the reference path.
+        """
+        buckets: dict[tuple[int, int], list[_Plan]] = {}
+        for plan in plans:
+            p, hp = plan.param, plan.hyper
+            state = self.state[p]
+            if not state:
+                _init_projected_state(state, p, plan.low.shape, plan.basis.shape, hp, plan.work_dtype)
+            if plan.new_basis is not None:
+                state["basis"].copy_(plan.new_basis)
+            state["step"] += 1
+            step = int(state["step"])
+            if self.implementation == "fast" and fast_path_supports(hp, p, plan.grad):
+                buckets.setdefault((id(hp), step), []).append(plan)
+            else:
+                apply_reference(p, plan.grad, plan.low, plan.basis, plan.side, state, step, hp)
+        for (_, step), bucket in buckets.items():
+            apply_fast(
+                [b.param for b in bucket], [b.grad for b in bucket], [b.low for b in bucket],
+                [b.low_norm for b in bucket], [b.basis for b in bucket], [b.side for b in bucket],
+                [self.state[b.param] for b in bucket], step, bucket[0].hyper,
             )
-        if plan.new_basis is not None:
-            state["basis"].copy_(plan.new_basis)
-        state["step"] += 1
-        hp = Hyper.from_group(plan.group)
-        use_fast = self.implementation == "fast" and fast_path_supports(hp, plan.param, plan.grad)
-        apply = apply_fast if use_fast else apply_reference
-        apply(plan.param, plan.grad, plan.low, plan.basis, plan.side, state, int(state["step"]), hp)
 
 
 class FiraAdamW(Fira):
@@ -380,10 +404,11 @@ class GaLoreAdamW(Fira):
 class _Plan:
     """What phase A computed for one matrix, for phase B to commit."""
 
-    __slots__ = ("param", "group", "grad", "low", "basis", "new_basis", "side", "work_dtype")
+    __slots__ = ("param", "hyper", "grad", "low", "low_norm", "basis", "new_basis", "side",
+                 "work_dtype")
 
-    def __init__(self, param, group, grad, low, basis, new_basis, side, work_dtype):
-        self.param, self.group, self.grad, self.low = param, group, grad, low
+    def __init__(self, param, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype):
+        self.param, self.hyper, self.grad, self.low, self.low_norm = param, hyper, grad, low, low_norm
         self.basis, self.new_basis, self.side, self.work_dtype = basis, new_basis, side, work_dtype
 
 
@@ -393,21 +418,24 @@ _SKIP_STEP = object()
 _PROJECTED_KEYS = {"basis", "prev_norm", *(k for keys in STATE_KEYS.values() for k in keys)}
 
 
+def _name(gi: int, pi: int, p: torch.Tensor) -> str:
+    return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+
+
 def _is_projected(p: torch.Tensor, group: dict) -> bool:
     rank = group["rank"]
     return rank is not None and p.dim() == 2 and rank < min(p.shape)
 
 
-def _init_projected_state(state, p, rank, side, group, dtype) -> None:
-    # Tensors only, created eagerly with their final shapes: weights_only loads, and a state
-    # dict taken after a zero-gradient step already has the layout of a trained one.
+def _init_projected_state(state, p, low_shape, basis_shape_, hp: Hyper, dtype) -> None:
+    # Tensors only, created with their final shapes: weights_only loads, and a state dict
+    # taken after a zero-gradient step already has the layout of a trained one.
     device = p.device
-    low_shape = low_rank_shape(tuple(p.shape), rank, side)
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-    for key in STATE_KEYS[group["base"]]:
+    for key in STATE_KEYS[hp.base]:
         state[key] = torch.zeros(low_shape, dtype=dtype, device=device)
-    state["basis"] = torch.zeros(basis_shape(tuple(p.shape), rank, side), dtype=dtype, device=device)
-    if group["residual"] != "drop":
+    state["basis"] = torch.zeros(basis_shape_, dtype=dtype, device=device)
+    if hp.residual != "drop":
         state["prev_norm"] = torch.zeros((), dtype=dtype, device=device)
 
 

@@ -16,7 +16,7 @@ where :math:`N'` and :math:`\phi'` lack the bias correction and the weight decay
 the update.
 
 :func:`apply_reference` forms every ``m x n`` term explicitly, line by line as in the
-paper. :func:`apply_fast` never materialises the residual: for an orthonormal basis,
+paper. :func:`apply_fast` (many matrices at once, ``foreach``) never materialises the residual: for an orthonormal basis,
 with :math:`c = f\phi` (``f`` the limiter factor),
 
 .. math::
@@ -159,45 +159,109 @@ def apply_reference(
 
 
 def apply_fast(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    low: torch.Tensor,
-    basis: torch.Tensor,
-    side: str,
-    state: dict,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    lows: list[torch.Tensor],
+    low_norms: list[torch.Tensor],
+    bases: list[torch.Tensor],
+    sides: list[str],
+    states: list[dict],
     step: int,
     hp: Hyper,
 ) -> None:
-    """Fused path: no ``m x n`` temporaries (``param``, ``grad`` share the working dtype)."""
-    dim = reduce_dim(side)
-    direction = base_direction(
-        hp.base, low, state, step, hp.betas, hp.eps, hp.direction_bias_corrected()
-    )
+    """Multi-tensor fused path for matrices that share hyper-parameters and step count.
+
+    No ``m x n`` temporaries: per matrix, one GEMM (``addmm_`` into the parameter) and one
+    read of ``G`` for its column norms; everything else is ``foreach`` arithmetic on the
+    small ``r x n`` tensors and norm vectors. ``low_norms`` are the per-column (``keepdim``)
+    norms of the ``lows``; ``params`` and ``grads`` share the working dtype.
+    """
+    dims = [reduce_dim(side) for side in sides]
+    directions = _foreach_direction(lows, states, step, hp)
     step_size = hp.step_size(step)
     inside_coef = -step_size * hp.alpha
     # The released code does not multiply the scaled residual by alpha (ANCHORS.md).
     outside_coef = -step_size if hp.released and not hp.only_scaling else inside_coef
-    _decay_before(param, hp)
+    if hp.weight_decay != 0 and not hp.released:
+        torch._foreach_mul_(params, 1.0 - hp.lr * hp.weight_decay)
     if hp.residual == "drop":
-        _addmm(param, basis, direction, side, inside_coef)
-        _decay_after(param, hp)
-        return
-    phi = scaling_factor(direction, low, dim, hp.scaling, hp.residual_eps)
-    grad_sq = torch.linalg.vector_norm(grad, dim=dim, keepdim=True).square_()
-    if hp.only_scaling:
-        outside_sq = grad_sq
+        for p, basis, d, side in zip(params, bases, directions, sides):
+            _addmm(p, basis, d, side, inside_coef)
     else:
-        low_sq = torch.linalg.vector_norm(low, dim=dim, keepdim=True).square_()
-        # ||g_i - a P r_i||^2 = ||g_i||^2 - (2a - a^2) ||r_i||^2 for orthonormal P.
-        coef = (2.0 * hp.alpha - hp.alpha**2) if hp.released else 1.0
-        outside_sq = (grad_sq - coef * low_sq).clamp_(min=0)
-    norm = (phi.square() * outside_sq).sum().sqrt()
-    c = phi * _limit(hp, norm, state)  # (1, n), (m, 1) or 0-d
-    if not hp.only_scaling:
-        # P N - c (.) (P R) == P (N - R (.) c); released: alpha P N' - c (.) (alpha P R).
-        _addmm(param, basis, direction - low * c, side, inside_coef)
-    param.addcmul_(grad, c, value=outside_coef)
-    _decay_after(param, hp)
+        phis = _foreach_scaling(directions, low_norms, dims, hp)
+        outside_sq = [
+            torch.linalg.vector_norm(g, dim=dim, keepdim=True).square_()
+            for g, dim in zip(grads, dims)
+        ]
+        if not hp.only_scaling:
+            # ||g_i - a P r_i||^2 = ||g_i||^2 - (2a - a^2) ||r_i||^2 for orthonormal P.
+            coef = (2.0 * hp.alpha - hp.alpha**2) if hp.released else 1.0
+            low_sq = torch._foreach_mul(low_norms, low_norms)
+            torch._foreach_sub_(outside_sq, low_sq, alpha=coef)
+            torch._foreach_clamp_min_(outside_sq, 0.0)
+        # ||phi (.) S|| = sqrt(sum_i phi_i^2 ||s_i||^2), one norm per matrix.
+        terms = torch._foreach_mul(torch._foreach_mul(phis, phis), outside_sq)
+        torch._foreach_sqrt_(terms)
+        norms = torch.stack(torch._foreach_norm(terms))
+        prev = [state["prev_norm"] for state in states]
+        factors = _limit_many(hp, norms, prev)
+        cs = torch._foreach_mul(phis, factors)  # c = f * phi: (1, n), (m, 1) or 0-d each
+        if not hp.only_scaling:
+            # P N - c (.) (P R) == P (N - R (.) c); released: alpha P N' - c (.) (alpha P R).
+            torch._foreach_sub_(directions, torch._foreach_mul(lows, cs))
+            for p, basis, d, side in zip(params, bases, directions, sides):
+                _addmm(p, basis, d, side, inside_coef)
+        torch._foreach_addcmul_(params, grads, cs, value=outside_coef)
+    if hp.weight_decay != 0 and hp.released:
+        torch._foreach_add_(params, params, alpha=-hp.lr * hp.weight_decay)
+
+
+def _foreach_direction(lows, states, step, hp: Hyper) -> list[torch.Tensor]:
+    """:func:`fira_optim.subspace.base_direction` for many matrices at once."""
+    beta1, beta2 = hp.betas
+    if hp.base == "adam":
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, lows, alpha=1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, lows, lows, value=1.0 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(denom, hp.eps)
+        directions = torch._foreach_div(exp_avgs, denom)
+        if hp.direction_bias_corrected():
+            torch._foreach_mul_(directions, adam_bias_correction(step, beta1, beta2))
+        return directions
+    return [
+        base_direction(hp.base, low, state, step, hp.betas, hp.eps, hp.direction_bias_corrected())
+        for low, state in zip(lows, states)
+    ]
+
+
+def _foreach_scaling(directions, low_norms, dims, hp: Hyper) -> list[torch.Tensor]:
+    eps = hp.residual_eps
+    if hp.scaling == "column":
+        dn = [torch.linalg.vector_norm(d, dim=dim, keepdim=True) for d, dim in zip(directions, dims)]
+        return torch._foreach_div(dn, torch._foreach_add(low_norms, eps))
+    if hp.scaling == "matrix":
+        dn = torch._foreach_norm(directions)
+        return torch._foreach_div(dn, torch._foreach_add(torch._foreach_norm(low_norms), eps))
+    return [torch.ones((), dtype=d.dtype, device=d.device) for d in directions]
+
+
+def _limit_many(hp: Hyper, norms: torch.Tensor, prev: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The limiter for a stack of matrices; updates each ``prev_norm`` in place."""
+    factors = limiter_factor(
+        hp.limiter,
+        norms,
+        torch.stack(prev),
+        gamma=hp.gamma,
+        eps=hp.residual_eps,
+        clip_norm=hp.clip_norm,
+        mu=hp.mu,
+    )
+    torch._foreach_copy_(prev, list((norms * factors).unbind()))
+    return list(factors.unbind())
 
 
 def _addmm(param: torch.Tensor, basis: torch.Tensor, low: torch.Tensor, side: str, alpha: float) -> None:
@@ -209,5 +273,5 @@ def _addmm(param: torch.Tensor, basis: torch.Tensor, low: torch.Tensor, side: st
 
 
 def fast_path_supports(hp: Hyper, param: torch.Tensor, grad: torch.Tensor) -> bool:
-    """The fused path covers everything but FRUGAL's sign residual and low-precision params."""
+    """The fast path covers everything but FRUGAL's sign residual and low-precision params."""
     return hp.residual != "sign" and param.dtype == grad.dtype
