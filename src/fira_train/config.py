@@ -191,6 +191,9 @@ class TrainConfig:
     """Also write TensorBoard event files to OUT/tb."""
     progress: bool = True
     """Show a tqdm progress bar."""
+    num_threads: int = 0
+    """CPU threads for torch (``torch.set_num_threads``, process-wide); 0 keeps torch's default.
+    On a CPU shared with other jobs, 1 can be many times faster than oversubscribed threads."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):
@@ -207,7 +210,7 @@ class TrainConfig:
                "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         _check(_is_number(self.grad_clip) and self.grad_clip >= 0,
                "train.grad_clip", self.grad_clip, "a number >= 0 (0 disables clipping)")
-        for name in ("eval_every", "save_every", "seed"):
+        for name in ("eval_every", "save_every", "seed", "num_threads"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 0, f"train.{name}", value, "an integer >= 0")
         _check(_is_int(self.keep_last) and self.keep_last >= 1,
