@@ -21,17 +21,9 @@ from fira_train.methods import (
 )
 from fira_train.model import build_model
 from fira_train.recipes import micro
+from tests.fira_train.harness_fixtures import one_thread  # noqa: F401  (autouse fixture)
 
 VOCAB, SEQ = 96, 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models gain nothing from threads, and oversubscribed threads on a shared CPU are slow.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _config(method: str, *overrides: str):
