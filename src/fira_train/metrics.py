@@ -1,10 +1,10 @@
 """Run measurements and logs: metrics JSONL + TensorBoard, peak memory, optimizer-state size.
 
-``OUT/metrics.jsonl`` holds one JSON object per line. Training lines have ``step`` (optimizer
-steps completed), ``loss`` (mean token loss of that step's batch), ``lr`` (the learning rate the
-step used), ``tokens_per_s`` (that step's throughput) and ``tokens`` (tokens seen so far);
-evaluation lines have ``step``, ``val_loss`` and ``val_ppl`` (plus ``loss``, ``lr``,
-``tokens_per_s`` of the same step, so every line has the four required keys).
+``OUT/metrics.jsonl`` holds one JSON object per optimizer step: ``step`` (optimizer steps
+completed), ``loss`` (mean token loss of that step's batch), ``lr`` (the learning rate the step
+used), ``tokens_per_s`` (that step's throughput) and ``tokens`` (training tokens so far); the
+lines of evaluation steps add ``val_loss`` (mean over every validation token) and ``val_ppl``
+(its exponential).
 """
 
 from __future__ import annotations
