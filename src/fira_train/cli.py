@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fira-train`` and ``python -m fira_train``; returns the exit status."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # recorded in reports
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     from fira_train.checkpoint import CheckpointError
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import shlex
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,7 +92,7 @@ def _compare_command(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods)
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-compare"
-    command = "fira-train " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else None
+    command = "fira-train " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
     report, plot = compare(config, methods, out_dir, resume=args.resume is not None,
                            overwrite=args.overwrite, command=command)
     print(report_table([load_run(Path(out_dir) / m)[0] for m in methods]))

@@ -281,7 +281,6 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     memory = PeakMemory(device)
     memory.reset()
     val_loss = float("nan")
-    last_saved = step if restored else -1
     run_start = time.perf_counter()
 
     from tqdm.auto import tqdm
@@ -329,14 +328,10 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
         if main and (step == t.steps or (t.save_every and step % t.save_every == 0)):
             ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress))
             ckpt.prune_checkpoints(out, t.keep_last)
-            last_saved = step
     bar.close()
 
     if math.isnan(val_loss):  # resumed at the final step: evaluate the restored weights
         val_loss, _ = evaluate(model, val_batches, device, autocast)
-    if main and last_saved != step:
-        ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress))
-        ckpt.prune_checkpoints(out, t.keep_last)
     summary = {
         "recipe": config.recipe,
         "method": config.optim.method,

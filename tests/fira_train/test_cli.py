@@ -80,6 +80,7 @@ def test_compare_end_to_end_prints_report_and_plot(tmp_path: Path, capsys) -> No
     printed = capsys.readouterr().out
     assert f"report: {out / 'report.md'}" in printed and f"plot:   {out / 'loss.png'}" in printed
     assert "| fira |" in printed and "| adamw |" in printed
+    assert "fira-train compare --recipe micro --methods fira,adamw" in (out / "report.md").read_text()
 
 
 def test_errors_are_one_line_messages(tmp_path: Path, capsys) -> None:
