@@ -3,7 +3,7 @@
 Subcommands (stable names):
 
 - ``fira-train pretrain --recipe NAME --method NAME [--data wiki|c4|PATH] [--steps N] [--out DIR]
-  [--resume [STEP]] [key=value ...]``: one run;
+  [--resume | --resume-step STEP] [key=value ...]``: one run;
 - ``fira-train compare --recipe NAME --methods a,b,c [--out DIR] ...``: several runs on the same
   data, tokens and seed, then ``DIR/report.md`` and ``DIR/loss.png`` (:mod:`fira_train.compare`);
 - ``fira-train memory``: the paper's memory-estimate table (:mod:`fira_train.memory`);
@@ -47,18 +47,6 @@ FLAG_KEYS = {
 PLUGINS = ("fira_train.finetune", "fira_train.analysis.cli")
 
 
-def _resume_arg(text: str) -> str | int:
-    if text == "latest":
-        return text
-    try:
-        step = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--resume takes a step number or 'latest', got {text!r}") from None
-    if step < 0:
-        raise argparse.ArgumentTypeError(f"--resume step must be >= 0, got {step}")
-    return step
-
-
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags shared by ``pretrain`` and ``compare``."""
     parser.add_argument("--recipe", required=True,
@@ -73,9 +61,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed of init, data order and RNGs (train.seed)")
     parser.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (train.save_every)")
     parser.add_argument("--eval-every", type=int, metavar="N", help="validate every N steps (train.eval_every)")
-    parser.add_argument("--resume", nargs="?", const="latest", type=_resume_arg, metavar="STEP",
+    parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in the output directory "
-                             "(or from checkpoint STEP)")
+                             "(from step 0 if there is none)")
     parser.add_argument("--overwrite", action="store_true",
                         help="delete a previous run in the output directory and start over")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
@@ -97,6 +85,15 @@ def config_from_args(args: argparse.Namespace):
     return apply_overrides(config, list(args.overrides))
 
 
+def resume_request(args: argparse.Namespace) -> str | int | None:
+    """``train``'s ``resume`` argument from ``--resume`` / ``--resume-step``."""
+    if getattr(args, "resume_step", None) is not None:
+        if args.resume_step < 0:
+            raise ValueError(f"--resume-step must be >= 0, got {args.resume_step}")
+        return args.resume_step
+    return "latest" if args.resume else None
+
+
 def _human_bytes(n: float) -> str:
     return f"{n / 1024 ** 3:.2f} GiB" if n >= 1024 ** 3 else f"{n / 1024 ** 2:.1f} MiB"
 
@@ -105,7 +102,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     from fira_train.train import train
 
     config = config_from_args(args)
-    summary = train(config, resume=args.resume, overwrite=args.overwrite)
+    summary = train(config, resume=resume_request(args), overwrite=args.overwrite)
     out = config.train.out_dir
     print(f"{summary['method']}: validation perplexity {summary['val_ppl']:.2f} (loss "
           f"{summary['val_loss']:.4f}) after {summary['steps']} steps, {summary['tokens']:,} tokens")
@@ -125,6 +122,8 @@ def _register_pretrain(subparsers: Any) -> None:
                         help="training method (fira, galore, adamw, lora, relora, ...; "
                              "`fira-train methods` lists them all)")
     parser.add_argument("--out", help="run directory (train.out_dir; default: the recipe's, e.g. runs/tiny)")
+    parser.add_argument("--resume-step", type=int, metavar="STEP",
+                        help="continue from the checkpoint of step STEP (an error if it is missing)")
     add_run_arguments(parser)
     parser.set_defaults(func=_pretrain)
 

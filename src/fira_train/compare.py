@@ -93,7 +93,7 @@ def _compare_command(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-compare"
     command = "fira-train " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
-    report, plot = compare(config, methods, out_dir, resume=args.resume is not None,
+    report, plot = compare(config, methods, out_dir, resume=args.resume,
                            overwrite=args.overwrite, command=command)
     print(report_table([load_run(Path(out_dir) / m)[0] for m in methods]))
     print(f"report: {report}")

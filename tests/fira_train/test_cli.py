@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fira_train.cli import build_parser, config_from_args, main
+from fira_train.cli import build_parser, config_from_args, main, resume_request
 from tests.fira_train.harness_fixtures import micro_config, one_thread  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,16 +44,19 @@ def test_flags_and_overrides_map_onto_the_config() -> None:
     assert config.data.source == "/some/folder" and config.train.out_dir == "runs/x"
     assert config.train.batch_size == 16
     assert config.train.steps == 9  # key=value overrides come last and win
-    assert args.resume is None
+    assert not args.resume and args.resume_step is None
 
 
 def test_resume_flag_values() -> None:
     parser = build_parser()
     base = ["pretrain", "--recipe", "micro", "--method", "fira"]
-    assert parser.parse_args(base + ["--resume"]).resume == "latest"
-    assert parser.parse_args(base + ["--resume", "40"]).resume == 40
+    assert resume_request(parser.parse_args(base)) is None
+    assert resume_request(parser.parse_args(base + ["--resume", "train.steps=3"])) == "latest"
+    assert resume_request(parser.parse_args(base + ["--resume-step", "40"])) == 40
     with pytest.raises(SystemExit):
-        parser.parse_args(base + ["--resume", "soon"])
+        parser.parse_args(base + ["--resume-step", "soon"])
+    with pytest.raises(ValueError, match="--resume-step"):
+        resume_request(parser.parse_args(base + ["--resume-step", "-2"]))
 
 
 def test_pretrain_end_to_end(tmp_path: Path, capsys) -> None:
