@@ -73,7 +73,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The recipe, then the flags (``--method`` -> ``optim.method`` too), then the overrides."""
-    from fira_train.config import apply_overrides
+    from fira_train.overrides import apply_overrides
     from fira_train.recipes import get_recipe
 
     config = get_recipe(args.recipe)

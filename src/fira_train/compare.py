@@ -50,7 +50,7 @@ def method_config(config: "RunConfig", method: str, out_dir: str | Path) -> RunC
 
 def _finished_with(config: "RunConfig", run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a finished run of exactly ``config`` (learning rate resolved)."""
-    from fira_train.config import config_from_dict
+    from fira_train.overrides import config_from_dict
     from fira_train.methods import resolved_lr
 
     if not (run_dir / "summary.json").exists() or not (run_dir / "config.json").exists():

@@ -26,19 +26,19 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from fira_train import checkpoint as ckpt
-from fira_train.config import RunConfig, config_from_dict, config_to_dict
+from fira_train.config import RunConfig
+from fira_train.overrides import config_from_dict, config_to_dict
+from fira_train.run_state import capture_state, restore_state, seed_everything
 from fira_train.data import build_corpus
 from fira_train.methods import MethodSetup, build_method, get_method, resolved_lr
 from fira_train.metrics import MetricsLog, PeakMemory, optimizer_state_bytes, optimizer_state_numel, perplexity
@@ -103,12 +103,6 @@ def autocast_for(config: RunConfig, device: torch.device) -> contextlib.Abstract
     return contextlib.nullcontext()
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
 def build_training(config: RunConfig, vocab_size: int, device: torch.device) -> Training:
     """Model (seeded random init) -> [parallelize] -> method (optimizer) -> schedule."""
     model = build_model(config.model, vocab_size, config.data.seq_len, config.train.seed).to(device)
@@ -139,56 +133,6 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
         count += targets.numel()
     model.train(was_training)
     return (total / count).item(), count
-
-
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
-
-
-def capture_state(step: int, training: Training, stream: Any, progress: dict[str, float]) -> dict[str, Any]:
-    """The checkpoint payload: tensors and plain Python values only (``weights_only`` loads it)."""
-    return {
-        "step": step,
-        "model": training.model.state_dict(),
-        "optimizer": training.optimizer.state_dict(),
-        "scheduler": training.scheduler.state_dict(),
-        "data": stream.state_dict(),
-        "rng": _rng_state(),
-        "progress": dict(progress),
-    }
-
-
-def restore_state(state: dict[str, Any], training: Training, stream: Any) -> tuple[int, dict[str, float]]:
-    """Load a checkpoint payload into freshly built objects; returns (step, progress)."""
-    missing = {"step", "model", "optimizer", "scheduler", "data", "rng", "progress"} - set(state)
-    if missing:
-        raise ckpt.CheckpointError(f"checkpoint lacks {sorted(missing)}")
-    training.model.load_state_dict(state["model"])
-    training.optimizer.load_state_dict(state["optimizer"])
-    training.scheduler.load_state_dict(state["scheduler"])
-    stream.load_state_dict(state["data"])
-    _set_rng_state(state["rng"])
-    return int(state["step"]), dict(state["progress"])
 
 
 def _is_main_process() -> bool:

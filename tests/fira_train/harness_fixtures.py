@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fira_train.config import RunConfig, apply_overrides
+from fira_train.config import RunConfig
+from fira_train.overrides import apply_overrides
 from fira_train.recipes import micro
 
 SUBJECTS = ["the cat", "a dog", "the old bird", "my friend", "the teacher", "a small child", "the king"]

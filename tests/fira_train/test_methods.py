@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fira_optim
-from fira_train.config import apply_overrides
+from fira_train.overrides import apply_overrides
 from fira_train.methods import (
     LORA_TARGETS,
     METHODS,

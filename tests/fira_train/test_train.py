@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 import fira_train.train as train_module
 from fira_train import checkpoint as ckpt
-from fira_train.config import ModelConfig, apply_overrides, config_from_dict
+from fira_train.config import ModelConfig
+from fira_train.overrides import apply_overrides, config_from_dict
 from fira_train.metrics import read_metrics
 from fira_train.model import build_model
 from fira_train.train import NonFiniteLossError, evaluate, train
