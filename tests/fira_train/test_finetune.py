@@ -22,6 +22,15 @@ from fira_train.finetune import (  # noqa: E402
     tokenize_for_training,
 )
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine extra threads only contend."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 WORDS = "sky grass snow fire water stone tree river cloud sand".split()
 
 
@@ -113,7 +122,7 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
     model_dir, data = tiny_model_dir
     out = tmp_path / method
     results = run_cli(["--model", str(model_dir), "--tasks", "boolq,piqa", "--method", method,
-                       "--data-dir", str(data), "--steps", "12", "--batch-size", "8", "--lr", "1e-2",
+                       "--data-dir", str(data), "--steps", "8", "--batch-size", "8", "--lr", "1e-2",
                        "--rank", "4", "--lora-r", "8", "--update-proj-gap", "5", "--max-new-tokens", "8",
                        "--out", str(out)])
     assert results["trained_on"] == ["boolq"]  # piqa has no train.json: evaluated only
@@ -122,7 +131,7 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
     accs = [m["accuracy"] for m in results["tasks"].values()]
     assert results["average_accuracy"] == pytest.approx(sum(accs) / 2)
     training = results["training"]
-    assert training["steps"] == 12 and training["optimizer"] == "FiraAdamW"
+    assert training["steps"] == 8 and training["optimizer"] == "FiraAdamW"
     assert training["loss_tail_mean"] < training["loss_first"]  # it learns the answer format
     assert results["memory"]["optimizer_state_numel"] > 0
     lines = (out / "predictions" / "boolq.jsonl").read_text().splitlines()
@@ -199,3 +208,18 @@ def test_missing_default_model_package_is_a_clear_error(monkeypatch):
 def test_config_rejects_unknown_method():
     with pytest.raises(FinetuneError, match="method='sgd' must be one of"):
         FinetuneConfig(tasks=["boolq"], data_dir=".", method="sgd")
+
+
+def test_example_script_trains_full_and_lora_with_fira_trainer(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import runpy
+
+    model_dir, data = tiny_model_dir
+    script = Path(__file__).resolve().parents[2] / "examples" / "finetune_trainer.py"
+    for extra in ([], ["--lora"]):
+        monkeypatch.setattr("sys.argv", [str(script), "--model", str(model_dir), "--data",
+                                         str(data / "boolq" / "train.json"), "--steps", "2",
+                                         "--out", str(tmp_path / f"ex{len(extra)}"), *extra])
+        runpy.run_path(str(script), run_name="__main__")
+        printed = capsys.readouterr().out
+        assert "optimizer state:" in printed
+        assert (tmp_path / f"ex{len(extra)}" / "checkpoint-2" / "optimizer.pt").is_file()
