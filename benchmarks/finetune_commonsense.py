@@ -9,7 +9,7 @@ own); results land in ``OUT/<method>/results.json`` and the comparison in ``OUT/
 ``--report-only`` rebuilds the report from what has finished.
 
     python benchmarks/finetune_commonsense.py --data-dir ../shared/data/commonsense \\
-        --out docs/results/finetune/runs --steps 30 --batch-size 4 --max-eval 20 --max-new-tokens 16
+        --out docs/results/finetune/methods --steps 30 --batch-size 4 --max-eval 20 --max-new-tokens 16
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data"
                                                   / "commonsense"))
-    parser.add_argument("--out", default="docs/results/finetune/runs")
+    parser.add_argument("--out", default="docs/results/finetune/methods")
     parser.add_argument("--report", default=None, help="report path (default OUT/../report.md)")
     parser.add_argument("--model-cache", default="runs/finetune_bench/smollm2-135m-instruct")
     parser.add_argument("--methods", default="none,fira,galore,lora,fira-lora,adamw")
