@@ -101,33 +101,44 @@ def randomized_basis(
     power_iters: int = 1,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    r"""Approximate top-``rank`` basis by subspace iteration with Rayleigh-Ritz extraction.
+    r"""Approximate top-``rank`` basis by block subspace iteration.
 
-    Start from ``Q_0 = [previous, Gaussian]`` (warm start: the subspace moves slowly between
-    refreshes) or from a Gaussian sketch, run ``power_iters`` rounds of
-    :math:`Y \leftarrow G G^\top Y` with re-orthonormalisation, then take the top ``rank``
-    left singular vectors of the small matrix :math:`Q^\top G` and map them back. Cost is a
-    handful of ``m x n x (r + p)`` GEMMs and one ``(r + p) x n`` SVD instead of the full SVD.
+    Warm start (``previous`` given, every refresh after the first): the gradient subspace moves
+    slowly between refreshes, so ``power_iters`` rounds of
+    :math:`Q \leftarrow \mathrm{qr}(G (G^	op Q))` from the previous basis suffice. Each round
+    costs two ``m x n x r`` GEMMs and one ``m x r`` QR instead of a full SVD, and the columns stay
+    aligned with the previous ones (signs fixed so that :math:`\mathrm{diag}(R) \ge 0`), which keeps
+    the carried-over Adam moments meaningful.
+
+    Cold start: a Gaussian sketch with ``oversample`` extra columns, ``power_iters + 1`` rounds,
+    then Rayleigh-Ritz (the top ``rank`` left singular vectors of the small :math:`Q^	op G`).
     """
     a = _as_left_problem(grad, side)
     a = a.to(torch.promote_types(a.dtype, torch.float32))
     m, n = a.shape
+    if previous is not None:
+        q = previous.to(a.dtype)
+        for _ in range(power_iters):
+            q = _orthonormal(a @ (a.T @ q))
+        return q.contiguous()
     if oversample is None:
         oversample = max(8, rank // 8)
     k = min(rank + oversample, m, n)
-    parts = []
-    if previous is not None:
-        parts.append(previous.to(a.dtype))
-    extra = k - sum(p.shape[1] for p in parts)
-    if extra > 0:
-        sketch = torch.randn(n, extra, generator=generator, dtype=a.dtype, device="cpu").to(a.device)
-        parts.append(a @ sketch)
-    q, _ = torch.linalg.qr(torch.cat(parts, dim=1)[:, :k])
-    for _ in range(power_iters):
-        q, _ = torch.linalg.qr(a @ (a.T @ q))
-    small = q.T @ a  # (k, n)
-    u_small, _, _ = torch.linalg.svd(small, full_matrices=False)
+    sketch = torch.randn(n, k, generator=generator, dtype=a.dtype, device="cpu").to(a.device)
+    q = _orthonormal(a @ sketch)
+    for _ in range(power_iters + 1):
+        q = _orthonormal(a @ (a.T @ q))
+    u_small, _, _ = torch.linalg.svd(q.T @ a, full_matrices=False)  # (k, n) -> (k, k)
     return (q @ u_small[:, :rank]).contiguous()
+
+
+def _orthonormal(y: torch.Tensor) -> torch.Tensor:
+    """Q of the QR decomposition with the sign convention diag(R) >= 0 (column i of Q points
+    the same way as column i of ``y``)."""
+    q, r = torch.linalg.qr(y)
+    signs = torch.sign(torch.diagonal(r))
+    signs[signs == 0] = 1
+    return q * signs
 
 
 def random_basis(

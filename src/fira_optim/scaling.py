@@ -18,7 +18,12 @@ SCALINGS = ("column", "matrix", "none")
 
 
 def scaling_factor(
-    direction: torch.Tensor, low: torch.Tensor, dim: int, level: str, eps: float
+    direction: torch.Tensor,
+    low: torch.Tensor,
+    dim: int,
+    level: str,
+    eps: float,
+    low_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return :math:`\\phi` shaped to broadcast against the full ``m x n`` gradient.
 

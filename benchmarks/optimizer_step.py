@@ -1,0 +1,209 @@
+"""Optimizer-step benchmark on LLaMA-60M matrix shapes (issue 2).
+
+Side by side in one process: torch.optim.AdamW, fira 1.0.2, galore-torch 1.0,
+pytorch_optimizer.Fira and fira_optim (exact SVD, randomized projector, staggered refreshes),
+plus the floor of a Fira step: the two GEMMs it cannot avoid (P^T G, then P X added into the
+parameter) and one elementwise pass (c * G added into the parameter).
+
+Shapes: 8 layers x (q, k, v, o 512x512; gate, up 1376x512; down 512x1376), rank 128, fp32.
+
+    python benchmarks/optimizer_step.py --threads 2 --out docs/benchmarks/optimizer_step.json
+
+Optimizers are run round-robin (a few steps each, repeated) so that drift in machine load
+hits all of them alike; the median steady step is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import warnings
+from datetime import date
+
+import torch
+
+LAYER = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
+
+
+def shapes(layers: int) -> list[tuple[int, int]]:
+    return LAYER * layers
+
+
+def make_params(shape_list, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shape_list]
+    grads = [torch.randn(s, generator=g) * 1e-3 for s in shape_list]
+    return params, grads
+
+
+def build(name: str, params, rank: int, gap: int):
+    """The optimizer under test, projecting every matrix with the same rank and gap."""
+    lr = 1e-3
+    if name == "torch AdamW":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "fira 1.0.2":
+        import fira
+
+        return fira.FiraAdamW(
+            [{"params": params, "rank": rank, "update_proj_gap": gap, "alpha": 0.25, "proj_type": "std"}],
+            lr=lr, no_deprecation_warning=True,
+        )
+    if name == "galore-torch 1.0":
+        import galore_torch
+
+        return galore_torch.GaLoreAdamW(
+            [{"params": params, "rank": rank, "update_proj_gap": gap, "scale": 0.25, "proj_type": "std"}],
+            lr=lr, no_deprecation_warning=True,
+        )
+    if name == "pytorch_optimizer.Fira":
+        import pytorch_optimizer
+
+        return pytorch_optimizer.Fira(
+            [{"params": params, "rank": rank, "update_proj_gap": gap, "scale": 0.25,
+              "projection_type": "std"}], lr=lr,
+        )
+    from fira_optim import FiraAdamW
+
+    options = {
+        "fira_optim": {},
+        "fira_optim randomized": {"projector": "randomized"},
+        "fira_optim reference": {},
+    }[name]
+    impl = "reference" if name.endswith("reference") else "fast"
+    return FiraAdamW([{"params": params, "rank": rank, "update_proj_gap": gap, **options}],
+                     lr=lr, implementation=impl)
+
+
+class Floor:
+    """What a Fira step cannot avoid: GEMM1 (R = P^T G), GEMM2 (W += P X), one pass (W += c G)."""
+
+    def __init__(self, params, grads, rank):
+        from fira_optim.projection import LEFT, projection_side
+
+        self.items = []
+        for p, g in zip(params, grads):
+            side = projection_side(p.shape, "std")
+            m, n = p.shape
+            basis = torch.linalg.qr(torch.randn(m if side == LEFT else n, rank))[0]
+            c = torch.rand((1, n) if side == LEFT else (m, 1))
+            self.items.append((p, g, basis, side, c))
+
+    @torch.no_grad()
+    def step(self):
+        for p, g, basis, side, c in self.items:
+            if side == "left":
+                low = basis.T @ g
+                p.addmm_(basis, low, alpha=-1e-3)
+            else:
+                low = g @ basis
+                p.addmm_(low, basis.T, alpha=-1e-3)
+            p.addcmul_(g, c, value=-1e-3)
+
+
+def set_grads(params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def large_allocations(opt, params, threshold_bytes: int) -> int:
+    """Allocations of at least ``threshold_bytes`` (one m x n fp32 matrix) during one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    return sum(
+        1 for e in prof.events()
+        if e.self_cpu_memory_usage is not None and e.self_cpu_memory_usage >= threshold_bytes
+    )
+
+
+def stagger_profile(layers: int, rank: int, steps: int) -> dict:
+    """Worst step over one refresh period, with and without staggered refreshes."""
+    from fira_optim import FiraAdamW
+
+    out = {}
+    for stagger in (False, True):
+        params, grads = make_params(shapes(layers), seed=3)
+        set_grads(params, grads)
+        opt = FiraAdamW([{"params": params, "rank": rank, "update_proj_gap": steps,
+                          "stagger": stagger}], lr=1e-3)
+        opt.step()  # the first step initialises every basis in both cases
+        times = [timed(opt.step) for _ in range(steps)]
+        out["staggered" if stagger else "all at once"] = {
+            "max_step_s": max(times), "median_step_s": statistics.median(times),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds")
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--stagger-steps", type=int, default=56, help="T for the stagger profile")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+
+    names = ["torch AdamW", "fira 1.0.2", "galore-torch 1.0", "pytorch_optimizer.Fira",
+             "fira_optim", "fira_optim randomized", "fira_optim reference"]
+    never = 10**9  # no refresh during the steady-state measurement
+    runs, refresh = {}, {}
+    for name in names:
+        params, grads = make_params(shapes(args.layers))
+        set_grads(params, grads)
+        opt = build(name, params, args.rank, never)
+        refresh[name] = timed(opt.step)  # step 0: every projection is computed
+        runs[name] = (opt, params)
+    params, grads = make_params(shapes(args.layers))
+    floor = Floor(params, grads, args.rank)
+    samples = {name: [] for name in [*names, "floor"]}
+    for _ in range(args.rounds):
+        for name in names:
+            opt = runs[name][0]
+            samples[name] += [timed(opt.step) for _ in range(args.steps_per_round)]
+        samples["floor"] += [timed(floor.step) for _ in range(args.steps_per_round)]
+    steady = {name: statistics.median(v) for name, v in samples.items()}
+
+    m, n = 512, 512
+    threshold = m * n * 4
+    allocs = {}
+    for name in ["torch AdamW", "fira 1.0.2", "fira_optim", "fira_optim reference"]:
+        opt, params = runs[name]
+        allocs[name] = large_allocations(opt, params, threshold)
+
+    result = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "shapes": f"{args.layers} layers x (q,k,v,o 512x512; gate, up 1376x512; down 512x1376)",
+        "rank": args.rank,
+        "steady_step_s": steady,
+        "refresh_step_s": refresh,
+        "allocations_ge_512x512_fp32_per_step": allocs,
+        "speedup_vs_fira_1_0_2": steady["fira 1.0.2"] / steady["fira_optim"],
+        "ratio_to_floor": steady["fira_optim"] / steady["floor"],
+        "refresh_speedup_randomized_vs_svd": refresh["fira_optim"] / refresh["fira_optim randomized"],
+        "stagger": stagger_profile(args.layers, args.rank, args.stagger_steps),
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""fira-optim: Fira (full-rank training under a low-rank optimizer-state constraint) for PyTorch.
+
+Depends on torch alone. Start with :class:`FiraAdamW` and :func:`param_groups`.
+"""
+
+from .groups import divide_params, param_groups
+from .optimizer import Fira, FiraAdamW, GaLoreAdamW, NonFiniteGradientError
+from .state import optimizer_state_numel
+from .variants import VARIANTS
+
+__all__ = [
+    "Fira",
+    "FiraAdamW",
+    "GaLoreAdamW",
+    "NonFiniteGradientError",
+    "VARIANTS",
+    "divide_params",
+    "optimizer_state_numel",
+    "param_groups",
+]
+__version__ = "0.1.0"

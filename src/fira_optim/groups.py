@@ -1,0 +1,111 @@
+"""Building param groups: which weights are projected.
+
+:func:`param_groups` is the recommended helper; :func:`divide_params` reproduces the released
+``fira.divide_params`` (same groups, same meaning) for drop-in use.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def divide_params(
+    model: nn.Module,
+    target_modules_list: Iterable[str] = (),
+    rank: int = 8,
+    update_proj_gap: int = 200,
+    alpha: float = 1.0,
+    proj_type: str = "std",
+) -> list[dict[str, Any]]:
+    """The released helper: project the weight of every ``nn.Linear`` whose module name contains
+    one of ``target_modules_list``; everything else goes to an unprojected group."""
+    targets = list(target_modules_list)
+    projected = [
+        module.weight
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and any(key in name for key in targets)
+    ]
+    chosen = {id(p) for p in projected}
+    regular = [p for p in model.parameters() if id(p) not in chosen]
+    return [
+        {"params": regular},
+        {"params": projected, "rank": rank, "update_proj_gap": update_proj_gap,
+         "alpha": alpha, "proj_type": proj_type},
+    ]
+
+
+def _matches(name: str, patterns: Iterable[str] | str | None) -> bool:
+    if patterns is None:
+        return False
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    return any(re.search(p, name) for p in patterns)
+
+
+def _excluded_by_role(model: nn.Module) -> set[int]:
+    """Ids of weights that are never projected: embeddings and the output head."""
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    for getter in ("get_output_embeddings", "get_input_embeddings"):
+        fn = getattr(model, getter, None)
+        module = fn() if callable(fn) else None
+        if module is not None and getattr(module, "weight", None) is not None:
+            ids.add(id(module.weight))
+    return ids
+
+
+def param_groups(
+    model: nn.Module,
+    rank: int = 128,
+    update_proj_gap: int = 200,
+    alpha: float = 0.25,
+    *,
+    include: Iterable[str] | str | None = None,
+    exclude: Iterable[str] | str | None = None,
+    **group_options: Any,
+) -> list[dict[str, Any]]:
+    r"""Param groups for :class:`fira_optim.FiraAdamW`.
+
+    Projects the 2-D weights of ``nn.Linear`` layers (attention and MLP matrices), never
+    embeddings or the output head (``get_output_embeddings()`` and any weight tied to an
+    embedding), nor 1-D tensors. ``include`` / ``exclude`` are regular expressions searched in
+    the module name (``include`` restricts the projected set, ``exclude`` removes from it).
+    Tied weights appear once. ``group_options`` (e.g. ``proj_type``, ``gamma``, any variant
+    setting) are set on the projected group.
+    """
+    never = _excluded_by_role(model)
+    projected: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or weight is None or weight.dim() != 2:
+            continue
+        if id(weight) in never or id(weight) in seen or not weight.requires_grad:
+            continue
+        if include is not None and not _matches(name, include):
+            continue
+        if _matches(name, exclude):
+            continue
+        seen.add(id(weight))
+        projected.append(weight)
+    regular = [p for p in _unique(model.parameters()) if id(p) not in seen and p.requires_grad]
+    groups: list[dict[str, Any]] = []
+    if regular:
+        groups.append({"params": regular, "rank": None})
+    if projected:
+        groups.append({"params": projected, "rank": rank, "update_proj_gap": update_proj_gap,
+                       "alpha": alpha, **group_options})
+    return groups
+
+
+def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    out, seen = [], set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out

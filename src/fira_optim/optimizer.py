@@ -1,0 +1,532 @@
+r"""The Fira optimizer: one class, every variant of the paper as a setting.
+
+.. math::
+    \begin{aligned}
+    &\textbf{input: } \eta, \beta_1, \beta_2, \epsilon, \lambda, r, T, \alpha, \gamma \\
+    &\textbf{for } t = 0, 1, \dots: \\
+    &\quad G_t \leftarrow \nabla_W f_t(W_t) \\
+    &\quad \textbf{if } t \bmod T = 0: \ U, \Sigma, V^\top \leftarrow \mathrm{SVD}(G_t),\ P_t \leftarrow U_{:, :r}
+      \quad \textbf{else } P_t \leftarrow P_{t-1} \\
+    &\quad R_t \leftarrow P_t^\top G_t, \quad S_t \leftarrow G_t - P_t R_t \\
+    &\quad N_t \leftarrow \psi_t(R_t) \quad \text{(Adam on } R_t\text{, bias-corrected)} \\
+    &\quad \phi_i \leftarrow \|N_{t,:,i}\| / (\|R_{t,:,i}\| + \epsilon), \quad S_t \leftarrow S_t \operatorname{diag}(\phi) \\
+    &\quad S_t \leftarrow S_t \cdot \gamma / \max(\|S_t\| / (\|S_{t-1}\| + \epsilon), \gamma) \\
+    &\quad W_{t+1} \leftarrow (1 - \eta\lambda) W_t - \eta\,\alpha\,(P_t N_t + S_t)
+    \end{aligned}
+
+(Algorithm 1 of Chen et al., "Fira: Can We Achieve Full-rank Training of LLMs under
+Low-rank Constraint?", NeurIPS 2025; weight decay decoupled as in ``torch.optim.AdamW``.)
+Matrices with ``m > n`` are projected on the right (``R = G Q``) by the ``"std"`` rule, and
+the scaling factors are then per row.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any, Callable
+
+import torch
+from torch.optim import Optimizer
+
+from . import unprojected
+from .limiter import LIMITERS
+from .projection import (
+    PROJ_TYPES,
+    PROJECTORS,
+    basis_shape,
+    compute_basis,
+    low_rank_shape,
+    project,
+    projection_side,
+    reduce_dim,
+)
+from .scaling import SCALINGS
+from .subspace import BASES, STATE_KEYS
+from .update import Hyper, apply_fast, apply_reference, fast_path_supports
+
+ARITHMETICS = ("paper", "released")
+RESIDUALS = ("add", "drop", "sign")
+NONFINITE = ("error", "skip", "ignore")
+IMPLEMENTATIONS = ("fast", "reference")
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A gradient holds NaN or Inf; raised before anything is modified."""
+
+
+class Fira(Optimizer):
+    r"""Fira over a pluggable base optimizer (Adam, Adagrad or RMSProp) in the subspace.
+
+    Args:
+        params: tensors, or param-group dicts. A group is projected iff it has a non-``None``
+            ``rank`` (the released ``fira`` semantics, so ``fira.divide_params`` groups work
+            unchanged). A flat iterable of tensors is split into a projected group of its 2-D
+            tensors and a plain group with the rest.
+        lr: learning rate :math:`\eta` (default 1e-3).
+        betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)); RMSProp uses :math:`\beta_2`.
+        eps: :math:`\epsilon` of the base optimizer, the scaling factor and the limiter.
+        weight_decay: decoupled weight decay :math:`\lambda` (default 0).
+        rank: projection rank ``r`` for groups given as tensors (default 128). A matrix with
+            ``rank >= min(m, n)`` is trained by the plain base optimizer (no residual exists).
+        update_proj_gap: ``T``, steps between projection refreshes (default 200).
+        alpha: :math:`\alpha`, GaLore's scale of the update (default 0.25).
+        gamma: :math:`\gamma` of the norm-growth limiter (default 1.01).
+        proj_type: ``"std"`` (right if ``m >= n`` else left), ``"reverse_std"``, ``"left"``, ``"right"``.
+        projector: ``"svd"`` (exact, the paper), ``"randomized"`` (subspace iteration warm-started
+            from the previous basis), ``"random"`` (orthonormal Gaussian; the w.o.-SVD ablation).
+        arithmetic: ``"paper"`` (Algorithm 1) or ``"released"`` (``fira`` 1.0.2: residual
+            ``G - alpha P R``, bias correction in the step size, weight decay after the update).
+        base: ``"adam"``, ``"adagrad"`` or ``"rmsprop"``: the optimizer run on ``R``.
+        scaling: ``"column"`` (Fira), ``"matrix"`` (Fira-matrix) or ``"none"`` (:math:`\phi = 1`).
+        limiter: ``"growth"`` (Fira), ``"none"``, ``"clip"`` (``clip_norm``), ``"shrink"`` or
+            ``"tensorwise"`` (``mu``): the stabilisers compared in the paper's ablation.
+        residual: ``"add"`` (Fira), ``"drop"`` (GaLore) or ``"sign"`` (FRUGAL's signSGD).
+        only_scaling: update with :math:`\phi(R) \odot G` alone (Fira-only-scaling).
+        clip_norm: threshold of ``limiter="clip"`` (default 1.0).
+        mu: :math:`\mu` of ``"shrink"`` / ``"tensorwise"`` (default 0.1).
+        stagger: spread projection refreshes over the ``T`` steps instead of refreshing every
+            matrix on the same step (the first step still initialises every basis).
+        correct_bias: Adam bias correction (default True; released API compatibility).
+        seed: seed of the random projectors (bases are reproducible across resumes).
+        nonfinite: ``"error"`` (raise :class:`NonFiniteGradientError` naming the parameter, before
+            anything changes), ``"skip"`` (skip the whole step, warn) or ``"ignore"``.
+        implementation: ``"fast"`` (fused, no ``m x n`` temporaries) or ``"reference"``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        rank: int | None = 128,
+        update_proj_gap: int = 200,
+        alpha: float = 0.25,
+        gamma: float = 1.01,
+        proj_type: str = "std",
+        projector: str = "svd",
+        arithmetic: str = "paper",
+        base: str = "adam",
+        scaling: str = "column",
+        limiter: str = "growth",
+        residual: str = "add",
+        only_scaling: bool = False,
+        clip_norm: float = 1.0,
+        mu: float = 0.1,
+        stagger: bool = False,
+        correct_bias: bool = True,
+        seed: int = 0,
+        nonfinite: str = "error",
+        implementation: str = "fast",
+        no_deprecation_warning: bool = True,  # accepted for drop-in use of fira.FiraAdamW
+    ):
+        if isinstance(params, torch.Tensor):
+            raise TypeError(
+                "params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                f"but got {torch.typename(params)}"
+            )
+        _check_choice("nonfinite", nonfinite, NONFINITE)
+        _check_choice("implementation", implementation, IMPLEMENTATIONS)
+        self.nonfinite = nonfinite
+        self.implementation = implementation
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=None,
+            update_proj_gap=update_proj_gap, alpha=alpha, gamma=gamma, proj_type=proj_type,
+            projector=projector, arithmetic=arithmetic, base=base, scaling=scaling,
+            limiter=limiter, residual=residual, only_scaling=only_scaling, clip_norm=clip_norm,
+            mu=mu, stagger=stagger, correct_bias=correct_bias, seed=seed,
+        )
+        _validate_options(defaults)
+        if rank is not None:
+            _check_rank(rank)
+        super().__init__(_split_flat_params(params, rank), defaults)
+
+    # ------------------------------------------------------------------ groups and state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # Released semantics: a group without a "rank" key is not projected, whatever the
+        # constructor's rank (which only applies to flat tensor lists, via _split_flat_params).
+        param_group.setdefault("rank", None)
+        if "scale" in param_group and "alpha" not in param_group:  # galore-torch's name
+            param_group["alpha"] = param_group["scale"]
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _validate_options(group)
+        if group["rank"] is not None:
+            _check_rank(group["rank"])
+            for index, p in enumerate(group["params"]):
+                _check_projectable(p, index, len(self.param_groups) - 1)
+        for index, p in enumerate(group["params"]):
+            if p.is_complex():
+                raise ValueError(
+                    f"param_groups[{len(self.param_groups) - 1}]['params'][{index}] is complex "
+                    f"({p.dtype}); Fira supports real floating-point parameters only"
+                )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups, so
+        # copy.deepcopy and pickle silently reset these two options to their defaults (a copy
+        # of a nonfinite="skip" optimizer raised on NaN, a "reference" one ran the fast path).
+        state = super().__getstate__()
+        state["nonfinite"] = self.nonfinite
+        state["implementation"] = self.implementation
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("nonfinite", "error")
+        self.__dict__.setdefault("implementation", "fast")
+        for group in self.param_groups:  # state dicts from older versions lack newer keys
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    @staticmethod
+    def _process_value_according_to_param_policy(
+        param: torch.Tensor, value: torch.Tensor, param_id: int, param_groups: list, key: Any = None
+    ) -> torch.Tensor:
+        # torch casts loaded state to the parameter's dtype. Our low-rank states and basis of a
+        # bf16/fp16 parameter are kept in fp32 on purpose: move them, keep their dtype.
+        if key == "step":
+            return value
+        if key in _PROJECTED_KEYS or value.dtype != param.dtype and value.dtype == torch.float32:
+            return value.to(device=param.device)
+        return Optimizer._process_value_according_to_param_policy(
+            param, value, param_id, param_groups, key
+        )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch.optim.Optimizer.load_state_dict calls its cast policy as
+        # Optimizer._process_value_according_to_param_policy (on the base class), so the override
+        # above was never reached: the fp32 basis and moments of a bf16/fp16 matrix came back in
+        # bf16/fp16 and its next step failed (matmul of bf16 and fp32). Capture the state dict as
+        # the load pre-hooks leave it (this hook runs last) and re-take its tensors through our
+        # policy.
+        seen: dict[str, Any] = {}
+
+        def capture(_optimizer, loaded):
+            seen["state_dict"] = loaded
+
+        handle = self.register_load_state_dict_pre_hook(capture)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        loaded = seen["state_dict"]
+        saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            for key, value in loaded["state"].get(saved_id, {}).items():
+                if isinstance(value, torch.Tensor):
+                    self.state[p][key] = self._process_value_according_to_param_policy(
+                        p, value, saved_id, loaded["param_groups"], key
+                    )
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                state = self.state.get(p)
+                if state and "basis" in state:
+                    _check_loaded_state(p, state, group, gi, pi)
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        prepared = self._prepare()
+        if prepared is None:  # a non-finite gradient with nonfinite="skip"
+            return loss
+        plans, plain = prepared
+        self._apply(plans)
+        unprojected.step_groups(plain, self.state)
+        return loss
+
+    def _prepare(self):
+        """Phase A: new bases and projections for every matrix; nothing is committed until
+        every gradient has been checked, so a non-finite gradient leaves everything as it was."""
+        plans: list[_Plan] = []
+        plain: list[tuple[dict, list[torch.Tensor]]] = []
+        checks: list[tuple[torch.Tensor, int, int]] = []
+        order = 0  # global index of projected matrices: stagger offsets and projector seeds
+        total = None
+        if any(g["stagger"] for g in self.param_groups):
+            total = sum(1 for g in self.param_groups for p in g["params"] if _is_projected(p, g))
+        for gi, group in enumerate(self.param_groups):
+            plain_params = []
+            hyper = None
+            for pi, p in enumerate(group["params"]):
+                projected = _is_projected(p, group)
+                order += projected
+                if p.grad is None or p.numel() == 0:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"Fira does not support sparse gradients ({_name(gi, pi, p)})")
+                if not projected:
+                    # Until its first real step, an all-zero gradient only builds state. Test
+                    # the step count, not mere presence of state: a second zero-gradient step
+                    # must not count either, or the bias correction of this param runs one
+                    # step ahead of the projected matrices (which stay at step 0) and of a
+                    # fresh optimizer.
+                    state = self.state.get(p)
+                    if (state and float(state["step"]) > 0) or bool(p.grad.any()):
+                        plain_params.append(p)
+                    elif not state:  # build the state, change nothing
+                        unprojected.init_state(self.state[p], p, group["base"])
+                    if self.nonfinite != "ignore":
+                        checks.append((torch.isfinite(p.grad).all(), gi, pi))
+                    continue
+                hyper = hyper or Hyper.from_group(group)
+                plan = self._plan(p, group, gi, pi, order - 1, total, hyper)
+                if plan is _SKIP_STEP:
+                    return None
+                if plan is not None:
+                    plans.append(plan)
+                    if self.nonfinite != "ignore":
+                        # Column norms of R: needed by the update anyway, and non-finite iff G
+                        # is (a NaN or Inf in g_i reaches r_i = P^T g_i).
+                        checks.append((torch.isfinite(plan.low_norm).all(), gi, pi))
+            if plain_params:
+                plain.append((group, plain_params))
+        if checks and not bool(torch.stack([c for c, _, _ in checks]).all()):
+            gi, pi = next((gi, pi) for c, gi, pi in checks if not bool(c))
+            self._nonfinite_found(_name(gi, pi, self.param_groups[gi]["params"][pi]))
+            return None
+        return plans, plain
+
+    def _nonfinite_found(self, name: str) -> None:
+        """Raise (``nonfinite="error"``) or warn that the step is skipped."""
+        if self.nonfinite == "error":
+            raise NonFiniteGradientError(
+                f"non-finite gradient in {name}; nothing was updated "
+                "(pass nonfinite='skip' to skip such steps)"
+            )
+        warnings.warn(f"non-finite gradient in {name}: step skipped", RuntimeWarning, stacklevel=4)
+
+    def _plan(self, p, group, gi, pi, order, total, hyper):
+        work_dtype = torch.promote_types(p.dtype, torch.float32)
+        grad = p.grad if p.grad.dtype == work_dtype else p.grad.to(work_dtype)
+        side = projection_side(p.shape, group["proj_type"])
+        rank = group["rank"]
+        state = self.state[p]
+        step = int(state["step"]) if state else 0
+        period = group["update_proj_gap"]
+        offset = (order * period) // total if group["stagger"] else 0
+        new_basis = None
+        if step == 0 or (step - offset) % period == 0:
+            finite = bool(torch.isfinite(grad).all())
+            if not finite and self.nonfinite != "ignore":
+                self._nonfinite_found(_name(gi, pi, p))
+                return _SKIP_STEP
+            if finite and bool(grad.any()):
+                previous = state["basis"] if step > 0 else None
+                new_basis = self._new_basis(
+                    grad, rank, side, group, previous, order, step, _name(gi, pi, p)
+                )
+            elif step == 0:
+                # Never derive a basis from a zero or non-finite gradient. Before the first
+                # basis exists the step is a no-op for this matrix, so the zero-gradient step
+                # that torch.distributed.checkpoint uses to build state changes nothing.
+                if not state:
+                    shape = tuple(p.shape)
+                    _init_projected_state(state, p, low_rank_shape(shape, rank, side),
+                                          basis_shape(shape, rank, side), hyper, work_dtype)
+                return None
+        basis = new_basis if new_basis is not None else state["basis"]
+        low = project(grad, basis, side)
+        low_norm = torch.linalg.vector_norm(low, dim=reduce_dim(side), keepdim=True)
+        return _Plan(p, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype)
+
+    def _new_basis(self, grad, rank, side, group, previous, order, step, name):
+        generator = torch.Generator().manual_seed(
+            (group["seed"] * 1_000_003 + order * 7919 + step) % (2**63)
+        )
+        try:
+            return compute_basis(grad, rank, side, group["projector"], previous, generator)
+        except RuntimeError as err:
+            fallback = "using a random basis" if previous is None else "keeping the previous basis"
+            warnings.warn(f"projection basis failed for {name} ({err}); {fallback}", RuntimeWarning)
+            if previous is None:
+                return compute_basis(grad, rank, side, "random", None, generator)
+            return None
+
+    def _apply(self, plans: list["_Plan"]) -> None:
+        """Phase B: commit the bases, then the base optimizer, scaling, limiter and update.
+
+        Matrices that share hyper-parameters and step count go through the multi-tensor fast
+        path together; the rest (low precision, FRUGAL, ``implementation="reference"``) one by
+        one through the reference path.
+        """
+        buckets: dict[tuple[int, int], list[_Plan]] = {}
+        for plan in plans:
+            p, hp = plan.param, plan.hyper
+            state = self.state[p]
+            if not state:
+                _init_projected_state(state, p, plan.low.shape, plan.basis.shape, hp, plan.work_dtype)
+            if plan.new_basis is not None:
+                state["basis"].copy_(plan.new_basis)
+            state["step"] += 1
+            step = int(state["step"])
+            if self.implementation == "fast" and fast_path_supports(hp, p, plan.grad):
+                buckets.setdefault((id(hp), step), []).append(plan)
+            else:
+                apply_reference(p, plan.grad, plan.low, plan.basis, plan.side, state, step, hp)
+        for (_, step), bucket in buckets.items():
+            apply_fast(
+                [b.param for b in bucket], [b.grad for b in bucket], [b.low for b in bucket],
+                [b.low_norm for b in bucket], [b.basis for b in bucket], [b.side for b in bucket],
+                [self.state[b.param] for b in bucket], step, bucket[0].hyper,
+            )
+
+
+class FiraAdamW(Fira):
+    """Fira with Adam in the subspace (the paper's main algorithm); see :class:`Fira`."""
+
+
+class GaLoreAdamW(Fira):
+    """GaLore: Fira's machinery with the residual dropped (``W -= lr * alpha * P N``).
+
+    Accepts galore-torch's group key ``scale`` as an alias of ``alpha``.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, **kwargs: Any):
+        kwargs.setdefault("residual", "drop")
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+class _Plan:
+    """What phase A computed for one matrix, for phase B to commit."""
+
+    __slots__ = ("param", "hyper", "grad", "low", "low_norm", "basis", "new_basis", "side",
+                 "work_dtype")
+
+    def __init__(self, param, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype):
+        self.param, self.hyper, self.grad, self.low, self.low_norm = param, hyper, grad, low, low_norm
+        self.basis, self.new_basis, self.side, self.work_dtype = basis, new_basis, side, work_dtype
+
+
+_SKIP_STEP = object()
+
+
+_PROJECTED_KEYS = {"basis", "prev_norm", *(k for keys in STATE_KEYS.values() for k in keys)}
+
+
+def _name(gi: int, pi: int, p: torch.Tensor) -> str:
+    return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+
+
+def _is_projected(p: torch.Tensor, group: dict) -> bool:
+    rank = group["rank"]
+    return rank is not None and p.dim() == 2 and rank < min(p.shape)
+
+
+def _init_projected_state(state, p, low_shape, basis_shape_, hp: Hyper, dtype) -> None:
+    # Tensors only, created with their final shapes: weights_only loads, and a state dict
+    # taken after a zero-gradient step already has the layout of a trained one.
+    device = p.device
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    for key in STATE_KEYS[hp.base]:
+        state[key] = torch.zeros(low_shape, dtype=dtype, device=device)
+    state["basis"] = torch.zeros(basis_shape_, dtype=dtype, device=device)
+    if hp.residual != "drop":
+        state["prev_norm"] = torch.zeros((), dtype=dtype, device=device)
+
+
+def _split_flat_params(params, rank):
+    params = list(params)
+    if len(params) == 0:
+        raise ValueError("optimizer got an empty parameter list")
+    if all(isinstance(p, dict) for p in params):
+        return params
+    if any(isinstance(p, dict) for p in params):
+        raise TypeError("params must be all tensors or all dicts, not a mix")
+    matrices = [p for p in params if p.dim() == 2] if rank is not None else []
+    others = [p for p in params if rank is None or p.dim() != 2]
+    groups = []
+    if matrices:
+        groups.append({"params": matrices, "rank": rank})
+    if others:
+        groups.append({"params": others, "rank": None})
+    return groups
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"Invalid {name}: {value!r}; expected one of {choices}")
+
+
+def _check_rank(rank: Any) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"Invalid rank: {rank!r}; expected a positive int (or None for no projection)")
+
+
+def _validate_options(g: dict) -> None:
+    """Range checks shared by the constructor and add_param_group; each names the argument."""
+    lr = g["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr = float(lr)
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate (lr): {g['lr']}")
+    if not 0.0 <= g["eps"]:
+        raise ValueError(f"Invalid epsilon value (eps): {g['eps']}")
+    betas = g["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"Invalid betas: {betas}; each must be in [0, 1)")
+    if not 0.0 <= g["weight_decay"]:
+        raise ValueError(f"Invalid weight_decay value: {g['weight_decay']}")
+    gap = g["update_proj_gap"]
+    if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
+        raise ValueError(f"Invalid update_proj_gap: {gap!r}; expected an int >= 1")
+    if not g["alpha"] > 0:
+        raise ValueError(f"Invalid alpha: {g['alpha']}; expected > 0")
+    if not g["gamma"] >= 1.0:
+        raise ValueError(f"Invalid gamma: {g['gamma']}; expected >= 1 (use limiter='none' to disable)")
+    if not g["clip_norm"] > 0:
+        raise ValueError(f"Invalid clip_norm: {g['clip_norm']}; expected > 0")
+    if not 0.0 < g["mu"] <= 1.0:
+        raise ValueError(f"Invalid mu: {g['mu']}; expected in (0, 1]")
+    _check_choice("proj_type", g["proj_type"], PROJ_TYPES)
+    _check_choice("projector", g["projector"], PROJECTORS)
+    _check_choice("arithmetic", g["arithmetic"], ARITHMETICS)
+    _check_choice("base", g["base"], BASES)
+    _check_choice("scaling", g["scaling"], SCALINGS)
+    _check_choice("limiter", g["limiter"], LIMITERS)
+    _check_choice("residual", g["residual"], RESIDUALS)
+    if g["arithmetic"] == "released" and g["base"] != "adam":
+        raise ValueError(f"arithmetic='released' exists only for base='adam', got base={g['base']!r}")
+    if not g["correct_bias"] and g["arithmetic"] == "paper" and g["base"] == "adam":
+        raise ValueError("correct_bias=False is only available with arithmetic='released'")
+
+
+def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:
+    if p.dim() != 2:
+        raise ValueError(
+            f"param_groups[{group_index}]['params'][{index}] has shape {tuple(p.shape)}: a projected "
+            "group (rank set) takes 2-D weight matrices only; put other tensors in a group with "
+            "rank=None (fira_optim.param_groups does this). 1-D views of 2-D weights (FSDP1 flat "
+            "parameters, ZeRO partitions) cannot be projected."
+        )
+
+
+def _check_loaded_state(p, state, group, gi, pi) -> None:
+    name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+    side = projection_side(p.shape, group["proj_type"])
+    rank = group["rank"]
+    want = basis_shape(tuple(p.shape), rank, side)
+    if tuple(state["basis"].shape) != want:
+        raise ValueError(
+            f"loaded projection basis of {name} has shape {tuple(state['basis'].shape)}, "
+            f"expected {want} for rank={rank}, proj_type={group['proj_type']!r}"
+        )
+    low = low_rank_shape(tuple(p.shape), rank, side)
+    for key in STATE_KEYS[group["base"]]:
+        if key not in state or tuple(state[key].shape) != low:
+            got = tuple(state[key].shape) if key in state else "missing"
+            raise ValueError(f"loaded state {key!r} of {name} is {got}, expected shape {low}")

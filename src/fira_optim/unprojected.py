@@ -1,0 +1,98 @@
+r"""Parameters that are not projected: biases, norms, embeddings, ``rank=None`` groups and
+matrices with ``rank >= min(m, n)``.
+
+With ``arithmetic="paper"`` they are updated by torch's own functional optimizers, so a
+``rank=None`` group is *exactly* ``torch.optim.AdamW`` (or ``Adagrad`` / ``RMSprop`` with
+decoupled weight decay), fast multi-tensor path included. With ``arithmetic="released"``
+they follow ``fira`` 1.0.2 (the Hugging Face AdamW it copies):
+
+.. math::
+    p \leftarrow p - \eta \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t} \frac{m_t}{\sqrt{v_t} + \epsilon},
+    \qquad p \leftarrow p - \eta\lambda p
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import adagrad as torch_adagrad
+from torch.optim import adam as torch_adam
+from torch.optim import rmsprop as torch_rmsprop
+
+from .subspace import STATE_KEYS, adam_bias_correction
+
+
+def init_state(state: dict, p: torch.Tensor, base: str) -> None:
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    for key in STATE_KEYS[base]:
+        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> None:
+    """Update each ``(group, params)`` pair; ``states`` is the optimizer's ``self.state``."""
+    for group, params in groups:
+        for p in params:
+            if not states[p]:
+                init_state(states[p], p, group["base"])
+        if group["arithmetic"] == "released":
+            _released_adamw(group, params, states)
+        elif group["base"] == "adam":
+            _torch_adamw(group, params, states)
+        else:
+            _torch_adagrad_or_rmsprop(group, params, states)
+
+
+def _torch_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:
+    beta1, beta2 = group["betas"]
+    torch_adam.adam(
+        params,
+        [p.grad for p in params],
+        [states[p]["exp_avg"] for p in params],
+        [states[p]["exp_avg_sq"] for p in params],
+        [],
+        [states[p]["step"] for p in params],
+        foreach=None,
+        has_complex=False,
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
+
+
+def _torch_adagrad_or_rmsprop(group: dict, params: list[torch.Tensor], states: dict) -> None:
+    if group["weight_decay"] != 0:  # decoupled, as for the projected matrices
+        torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+    grads = [p.grad for p in params]
+    steps = [states[p]["step"] for p in params]
+    if group["base"] == "adagrad":
+        torch_adagrad.adagrad(
+            params, grads, [states[p]["sum"] for p in params], steps,
+            lr=group["lr"], weight_decay=0.0, lr_decay=0.0, eps=group["eps"], maximize=False,
+        )
+    else:
+        torch_rmsprop.rmsprop(
+            params, grads, [states[p]["square_avg"] for p in params], [], [], steps,
+            lr=group["lr"], alpha=group["betas"][1], eps=group["eps"], weight_decay=0.0,
+            momentum=0.0, centered=False,
+        )
+
+
+def _released_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:
+    beta1, beta2 = group["betas"]
+    for p in params:
+        state = states[p]
+        state["step"] += 1
+        step = int(state["step"])
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
+        step_size = group["lr"]
+        if group["correct_bias"]:
+            step_size *= adam_bias_correction(step, beta1, beta2)
+        p.add_(exp_avg / exp_avg_sq.sqrt().add_(group["eps"]), alpha=-step_size)
+        if group["weight_decay"] > 0.0:
+            p.add_(p, alpha=-group["lr"] * group["weight_decay"])

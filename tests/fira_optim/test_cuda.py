@@ -1,0 +1,50 @@
+"""Device-agnostic code on CUDA: the same steps on GPU and CPU agree (skipped without a GPU)."""
+
+import pytest
+import torch
+
+from fira_optim import FiraAdamW
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("projector", ["svd", "randomized"])
+def test_cuda_matches_cpu(dtype, projector):
+    shapes = [(64, 96), (96, 64), (48, 48)]
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) * 1e-2 for s in shapes] for _ in range(7)]
+    results = {}
+    for device in ("cpu", "cuda"):
+        params = [torch.nn.Parameter(w.to(device=device, dtype=dtype)) for w in init]
+        opt = FiraAdamW([{"params": params, "rank": 8}], lr=1e-2, update_proj_gap=3,
+                        projector=projector, seed=1)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.to(device=device, dtype=dtype)
+            opt.step()
+        for p in params:
+            assert p.dtype == dtype and p.device.type == device
+            assert opt.state[p]["basis"].dtype == torch.float32  # SVD and states in fp32
+        results[device] = [p.detach().float().cpu() for p in params]
+    tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    for a, b in zip(results["cpu"], results["cuda"]):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_state_moves_with_the_optimizer_to_cuda():
+    p_cpu = torch.nn.Parameter(torch.randn(32, 48))
+    opt = FiraAdamW([{"params": [p_cpu], "rank": 4}], lr=1e-2)
+    p_cpu.grad = torch.randn(32, 48)
+    opt.step()
+    p_gpu = torch.nn.Parameter(p_cpu.detach().cuda())
+    opt2 = FiraAdamW([{"params": [p_gpu], "rank": 4}], lr=1e-2)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.state[p_gpu]["basis"].device.type == "cuda"
+    p_gpu.grad = torch.randn(32, 48, device="cuda")
+    opt2.step()
+    assert torch.isfinite(p_gpu).all()
