@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 #: d_model 256), C4, 10K steps of 131K tokens (1.3B tokens), T = 200.
 PAPER_SCALE = ("LLaMA 60M on C4, 10,000 steps of 512 x 256 tokens (1.3B tokens), T = 200")
 
+PAPER_TOKENS = 10_000 * 512 * 256
 RUN_SPEC_FILE = "analysis_run.json"
 
 
@@ -138,6 +139,16 @@ def budget_description(config: "RunConfig") -> str:
             f"alpha = {config.optim.alpha}")
 
 
+def scale_note(config: "RunConfig") -> str:
+    """How far the budget is from the paper's, in tokens."""
+    t = config.train
+    tokens = t.steps * t.batch_size * config.data.seq_len
+    if tokens >= PAPER_TOKENS:
+        return "This budget reaches the paper's number of tokens."
+    return (f"This budget is {tokens / PAPER_TOKENS:.1e} of the paper's tokens: the paper's scale was "
+            "not reached, and the numbers below are as measured, not tuned.")
+
+
 def report_header(title: str, config: "RunConfig", *, command: str | None, note: str = "") -> list[str]:
     """Title, date, command, machine and budget lines of a report."""
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -145,7 +156,7 @@ def report_header(title: str, config: "RunConfig", *, command: str | None, note:
              f"- Command: `{command}`" if command else "- Command: (called from Python)",
              f"- Machine: {machine_description()}",
              f"- Budget: {budget_description(config)}",
-             f"- Paper's scale: {PAPER_SCALE}."]
+             f"- Paper's scale: {PAPER_SCALE}. {scale_note(config)}"]
     if note:
         lines.append(f"- {note}")
     return lines + [""]
