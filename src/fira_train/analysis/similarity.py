@@ -55,7 +55,7 @@ FACTORS_FILE = "scaling_factors.jsonl"
 FULL_RANK_RUN = "adamw"
 METRICS = ("cosine", "mse", "distance", "spearman", "kendall", "pearson")
 
-#: The paper's LLaMA 60M row (r/d_model = 128/256 ... its main low-rank setup), averaged over 10K steps.
+#: The paper's LLaMA 60M row (rank 128, d_model 512: its main pre-training setup), averaged over 10K steps.
 PAPER_60M = {
     "matrix": {"cosine": 0.9922, "mse": 3e-4, "spearman": (0.9972, 2e-62), "kendall": (0.9662, 7e-26),
                "pearson": (0.9891, 1e-46)},
