@@ -80,6 +80,7 @@ def test_similarity_metrics() -> None:
     assert same["cosine"] == pytest.approx(1.0)
     assert same["spearman"] == pytest.approx(1.0) and same["kendall"] == pytest.approx(1.0)
     assert same["pearson"] == pytest.approx(1.0) and same["pearson_p"] < 0.01
+    assert same["rel_mse"] == pytest.approx(0.25)
     assert same["mse"] == pytest.approx(np.mean(x ** 2)) and same["distance"] == pytest.approx(np.linalg.norm(x))
     reverse = similarity(x, x[::-1].copy())
     assert reverse["spearman"] == pytest.approx(-0.3)  # ranks 1 3 2 5 4 vs 4 5 2 3 1
