@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fira_train.analysis.callbacks import GradientNoise
-from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, report_header, train_runs
+from fira_train.analysis.callbacks import GradientNoise, NormRecorder
+from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, read_jsonl, report_header, train_runs
 from fira_train.metrics import read_metrics
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 DEFAULT_METHODS = ("fira-only-scaling", "adamw")
 DEFAULT_SCALE = 1e-5
+NORMS_FILE = "norms.jsonl"
 #: Validation perplexity (LLaMA 60M, C4, 10K steps): without noise, with noise 1e-5 N(0, 1).
 PAPER = {"fira-only-scaling": (31.68, 34.64), "adamw": (34.06, 445.47)}
 
@@ -34,12 +35,21 @@ def noisy_name(method: str) -> str:
 
 
 def noise_runs(methods: Sequence[str], scale: float, seed: int) -> list[AnalysisRun]:
+    """Each method clean and noisy; both record the raw gradient norm (before the noise)."""
     runs = []
     for m in methods:
-        runs.append(AnalysisRun(m, m))
-        runs.append(AnalysisRun(noisy_name(m), m, callbacks=lambda _d: [GradientNoise(scale, seed)],
-                                describe=f"GradientNoise(scale={scale!r}, seed={seed})"))
+        runs.append(AnalysisRun(m, m, callbacks=lambda d: [NormRecorder(d / NORMS_FILE)],
+                                describe="NormRecorder"))
+        runs.append(AnalysisRun(
+            noisy_name(m), m, callbacks=lambda d: [NormRecorder(d / NORMS_FILE), GradientNoise(scale, seed)],
+            describe=f"NormRecorder, GradientNoise(scale={scale!r}, seed={seed})"))
     return runs
+
+
+def gradient_rms(run_dir: Path, parameters: int) -> float:
+    """Root-mean-square gradient entry of a run, averaged over its steps (from ``norms.jsonl``)."""
+    norms = [r["grad_norm"] for r in read_jsonl(run_dir / NORMS_FILE)]
+    return float(sum(norms) / len(norms)) / math.sqrt(parameters)
 
 
 def _plot(out: Path, methods: Sequence[str], path: Path) -> None:
@@ -88,6 +98,12 @@ def run_noise(config: "RunConfig", out_dir: str | Path, *, methods: Sequence[str
                      clean, noisy, f"{100 * (noisy / clean - 1):+.1f}%"])
     lines += [markdown_table(["method", "paper: without", "paper: with noise", "paper: change",
                               "measured: without", "measured: with noise", "measured: change"], rows), ""]
+    rms = {m: gradient_rms(out / m, summaries[m]["trainable_parameters"]) for m in methods}
+    lines += ["Size of the noise against the gradient: root-mean-square gradient entry of the noise-free "
+              "runs, averaged over the steps: "
+              + ", ".join(f"{m} {rms[m]:.3g} (noise / gradient = {scale / rms[m]:.3g})" for m in methods)
+              + ". The paper reports no gradient magnitudes for LLaMA 60M, so how the ratio compares is not known.",
+              ""]
     lines += ["![validation perplexity with and without noise](noise.png)", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")

@@ -83,8 +83,9 @@ def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | 
     """Train ``runs`` one after another on one shared corpus; returns ``{name: summary}``.
 
     ``reuse``: a run whose folder already holds a finished run of the same config and spec is
-    not trained again. ``overwrite``: an existing unfinished or different run is deleted and
-    redone (otherwise :func:`fira_train.train.train` refuses to overwrite it).
+    not trained again; any other run in the way is deleted and redone. ``overwrite``: every
+    existing run is deleted and redone. With neither, an existing run is an error
+    (:func:`fira_train.train.train` refuses to overwrite it).
     """
     from fira_train.data import build_corpus
     from fira_train.train import train

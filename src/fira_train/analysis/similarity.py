@@ -303,7 +303,8 @@ def run_similarity(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[
               "and the scale-free cosine and rank correlations are. The relative MSE is large even where "
               "the cosine is high because the low-rank factors are systematically smaller: Adam's corrected "
               "entries are of order 1 early on, so ||psi(R)|| ~ sqrt(r n) while ||R|| ~ ||G|| (the top-r "
-              "directions hold most of the gradient), i.e. about sqrt(r / m) times the full-rank factor; "
+              "directions hold most of the gradient), i.e. about sqrt(r / d) times the full-rank factor (d the "
+              "projected dimension); "
               "the two runs also follow different trajectories (different learning rates)."]
     lines += ["", "## Spearman, Kendall and Pearson coefficients (p-values) (Appendix D)", ""]
     header = [""] + [f"{level} {k}" for level in ("matrix", "column") for k in ("Spearman", "Kendall", "Pearson")]
