@@ -153,9 +153,12 @@ def register(subparsers: Any) -> None:
     p = sub.add_parser("spikes", help="loss and gradient norm with / without the limiter; GaLore vs GaLore-add")
     p.add_argument("--limiter-runs", default="fira,fira-no-limiter,fira-clip", help="Fira variants of the limiter figure")
     p.add_argument("--galore-runs", default="galore,galore-add", help="runs of the GaLore-add figure")
+    p.add_argument("--galore-rank", type=int, default=16,
+                   help="rank of the GaLore runs (default 16: the paper's r/d_model = 16/256)")
     _common(p, "spikes")
     p.set_defaults(func=_run("fira_train.analysis.spikes:run_spikes", limiter_runs=lambda a: _names(a.limiter_runs, "--limiter-runs"),
-                             galore_runs=lambda a: _names(a.galore_runs, "--galore-runs")))
+                             galore_runs=lambda a: _names(a.galore_runs, "--galore-runs"),
+                             galore_rank=lambda a: a.galore_rank))
 
     p = sub.add_parser("noise", help="Fira-only-scaling vs AdamW with and without gradient noise")
     p.add_argument("--methods", default="fira-only-scaling,adamw", help="methods (default fira-only-scaling,adamw)")

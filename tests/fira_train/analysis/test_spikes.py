@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def test_spike_statistics_find_a_spike_after_a_refresh() -> None:
 def test_spikes_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=8", "optim.update_proj_gap=3")
     out = tmp_path / "spikes"
-    result = run_spikes(config, out)
+    result = run_spikes(config, out, galore_rank=8)
     for name in ("fira", "fira-no-limiter", "fira-clip", "galore", "galore-add"):
         records = read_jsonl(out / name / NORMS_FILE)
         assert [r["step"] for r in records] == list(range(1, 9))
@@ -43,5 +44,7 @@ def test_spikes_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert set(result["stats"]) == {"fira", "fira-no-limiter", "fira-clip", "galore", "galore-add"}
     assert all(math.isfinite(s["max_rise"]) for s in result["stats"].values())
     text = result["report"].read_text()
-    assert "| galore-add |" in text and "T = 3" in text
+    assert "| galore-add |" in text and "T = 3" in text and "rank 8 for galore, galore-add" in text
+    assert json.loads((out / "galore" / "config.json").read_text())["optim"]["rank"] == 8
+    assert json.loads((out / "fira" / "config.json").read_text())["optim"]["rank"] == 32
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
