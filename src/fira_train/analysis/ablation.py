@@ -142,7 +142,12 @@ def run_ablation(config: "RunConfig", out_dir: str | Path, *, variants: Sequence
                                  [["paper", *(PAPER_GAMMA.get(g, "-") for g in gammas)],
                                   ["measured", *(by_gamma[g] for g in gammas)]]),
                   "", _rank_note(by_gamma, PAPER_GAMMA, gammas), ""]
-    lines += ["![training loss and validation perplexity](ablation.png)", ""]
+    values = list(ppl.values())
+    lines += [f"Spread of all measured perplexities: {100 * (max(values) / min(values) - 1):.1f}% "
+              f"(min {min(values):.4g}, max {max(values):.4g}). One seed per run: differences of this size "
+              "are not separated from seed-to-seed variation, which this analysis does not measure "
+              "(rerun with `--seed` to see it).", "",
+              "![training loss and validation perplexity](ablation.png)", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
     return {"report": report, "figure": figure, "ppl": ppl, "summaries": summaries}

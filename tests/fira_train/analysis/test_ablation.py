@@ -35,6 +35,8 @@ def test_ablation_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     # gamma = 1 forbids any growth of ||S_t||: the run differs from gamma = 1.1
     assert ppl["fira-gamma1"] != ppl["fira-gamma1.1"]
     text = result["report"].read_text()
+    spread = 100 * (max(ppl.values()) / min(ppl.values()) - 1)
+    assert f"Spread of all measured perplexities: {spread:.1f}%" in text
     for label in ("Fira-w.o.-scaling", "Fira-gradient-shrink", "inf (no limiter)", "37.06", "Sensitivity to gamma"):
         assert label in text
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
