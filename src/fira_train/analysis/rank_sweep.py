@@ -98,6 +98,14 @@ def run_rank_sweep(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[
     if "fira" in table and "galore" in table:
         better = sum(table["fira"][r] < table["galore"][r] for r in ranks)
         findings.append(f"- fira below galore at {better} of {len(ranks)} ranks (the paper: at every rank).")
+    if all(v < baseline for row in table.values() for v in row.values()):
+        findings.append(f"- adamw (lr {summaries[BASELINE]['lr']:g}) is behind every low-rank run: each method runs at "
+                        "its default learning rate, untuned, and over a budget this short the step size "
+                        "dominates the comparison with the full-rank line.")
+    decreasing = [m for m in methods if table[m][ranks[0]] < table[m][ranks[-1]]]
+    if decreasing:
+        findings.append(f"- Lower rank gave lower perplexity for {', '.join(decreasing)}, the opposite of the "
+                        "paper's trend: at this budget the runs are far from convergence.")
     lines += ["Measured:", "", *findings, "", "![perplexity vs rank](ranks.png)", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")
