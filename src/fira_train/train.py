@@ -17,6 +17,10 @@ L - 1 next-token predictions, and
 Model, method (optimizer) and schedule are built by :func:`build_training`, so that a
 ``parallelize(model, ...)`` step (DDP / FSDP2) can be inserted between the model and the
 optimizer without touching the loop.
+
+Analyses hook into the loop through ``callbacks`` (:class:`TrainCallback`): code that must see
+the gradients or the optimizer's state at every step (recording scaling factors, injecting
+gradient noise) without a second training loop.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -64,6 +69,26 @@ class NonFiniteLossError(FloatingPointError):
                          "resume from an earlier checkpoint)")
         self.step = step
         self.loss = loss
+
+
+class TrainCallback:
+    """Hooks into :func:`train`'s loop; subclasses override what they need (both default to no-ops).
+
+    ``step`` is the number of the optimizer step being taken (1 for the first), ``loss`` that
+    step's mean training loss. Callbacks are not part of the config or the checkpoint: one that
+    changes the trajectory (gradient noise, optimizer options) must be recorded by its caller,
+    and is re-applied, not restored, on resume.
+    """
+
+    def before_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    loss: float) -> None:
+        """After the step's gradients are accumulated in ``p.grad``, before clipping and
+        ``optimizer.step()``: gradients may be read or modified here."""
+
+    def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   loss: float) -> None:
+        """After ``optimizer.step()``, before the gradients are zeroed: the step's gradients
+        and the optimizer state that step produced are both available."""
 
 
 @dataclass
@@ -170,13 +195,14 @@ def _prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, ove
 
 
 def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool = False,
-          corpus: Any = None) -> dict[str, Any]:
+          corpus: Any = None, callbacks: Sequence[TrainCallback] = ()) -> dict[str, Any]:
     """Run (or resume) ``config``; returns the summary also written to ``OUT/summary.json``.
 
     ``resume``: None (fresh run; an existing run in OUT is an error unless ``overwrite``),
     ``"latest"`` (continue from the newest complete checkpoint, or start fresh if there is
     none) or a step number (that checkpoint; FileNotFoundError if absent). ``corpus`` lets
-    several runs share one tokenised corpus (``compare``).
+    several runs share one tokenised corpus (``compare``). ``callbacks`` are called in order
+    at every step (:class:`TrainCallback`).
     """
     config = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
     get_method(config.optim.method)
@@ -246,9 +272,13 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
         if not math.isfinite(step_loss):
             bar.close()
             raise NonFiniteLossError(step + 1, step_loss)
+        for callback in callbacks:
+            callback.before_step(step + 1, model, optimizer, step_loss)
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(trainable, t.grad_clip)
         optimizer.step()
+        for callback in callbacks:
+            callback.after_step(step + 1, model, optimizer, step_loss)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
