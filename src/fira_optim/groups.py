@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distributed import reject_fsdp1
+
 
 def divide_params(
     model: nn.Module,
@@ -24,6 +26,7 @@ def divide_params(
 ) -> list[dict[str, Any]]:
     """The released helper: project the weight of every ``nn.Linear`` whose module name contains
     one of ``target_modules_list``; everything else goes to an unprojected group."""
+    reject_fsdp1(model)  # FSDP1 flattens the weights: nothing would be projected, silently
     targets = list(target_modules_list)
     projected = [
         module.weight
@@ -77,6 +80,7 @@ def param_groups(
     Tied weights appear once. ``group_options`` (e.g. ``proj_type``, ``gamma``, any variant
     setting) are set on the projected group.
     """
+    reject_fsdp1(model)  # FSDP1 flattens the weights: nothing would be projected, silently
     never = _excluded_by_role(model)
     projected: list[torch.Tensor] = []
     seen: set[int] = set()

@@ -22,6 +22,7 @@ the scaling factors are then per row.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable
 from typing import Any, Callable
@@ -29,10 +30,12 @@ from typing import Any, Callable
 import torch
 from torch.optim import Optimizer
 
-from . import unprojected
+from . import distributed, unprojected
 from .limiter import LIMITERS
 from .projection import (
+    LEFT,
     PROJ_TYPES,
+    RIGHT,
     PROJECTORS,
     basis_shape,
     compute_basis,
@@ -92,6 +95,11 @@ class Fira(Optimizer):
         nonfinite: ``"error"`` (raise :class:`NonFiniteGradientError` naming the parameter, before
             anything changes), ``"skip"`` (skip the whole step, warn) or ``"ignore"``.
         implementation: ``"fast"`` (fused, no ``m x n`` temporaries) or ``"reference"``.
+        split_refresh: under DDP, deal the refresh SVDs round-robin to the ranks of
+            ``process_group`` and broadcast the bases, so a refresh costs ``1/N`` of the SVD work
+            per rank (default False: every rank computes every basis). FSDP2 (DTensor) parameters
+            always refresh this way. See :mod:`fira_optim.distributed`.
+        process_group: the group of ``split_refresh`` (default: the default group).
     """
 
     def __init__(
@@ -121,6 +129,8 @@ class Fira(Optimizer):
         seed: int = 0,
         nonfinite: str = "error",
         implementation: str = "fast",
+        split_refresh: bool = False,
+        process_group: Any = None,
         no_deprecation_warning: bool = True,  # accepted for drop-in use of fira.FiraAdamW
     ):
         if isinstance(params, torch.Tensor):
@@ -132,6 +142,8 @@ class Fira(Optimizer):
         _check_choice("implementation", implementation, IMPLEMENTATIONS)
         self.nonfinite = nonfinite
         self.implementation = implementation
+        self.split_refresh = bool(split_refresh)
+        self.process_group = process_group
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=None,
             update_proj_gap=update_proj_gap, alpha=alpha, gamma=gamma, proj_type=proj_type,
@@ -179,6 +191,8 @@ class Fira(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("nonfinite", "error")
         self.__dict__.setdefault("implementation", "fast")
+        self.__dict__.setdefault("split_refresh", False)
+        self.__dict__.setdefault("process_group", None)
         for group in self.param_groups:  # state dicts from older versions lack newer keys
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -255,6 +269,13 @@ class Fira(Optimizer):
         total = None
         if any(g["stagger"] for g in self.param_groups):
             total = sum(1 for g in self.param_groups for p in g["params"] if _is_projected(p, g))
+        # FSDP2 shards, or DDP with split_refresh: the refresh bases are computed across ranks
+        # first (one rank per matrix, broadcast to all); None in one process and plain DDP.
+        shard_group = distributed.shard_group(self.param_groups)
+        refresh_group = shard_group if shard_group is not None else self._split_refresh_group()
+        refreshed = None
+        if refresh_group is not None:
+            refreshed = self._refresh_together(refresh_group, total)
         for gi, group in enumerate(self.param_groups):
             plain_params = []
             hyper = None
@@ -277,10 +298,10 @@ class Fira(Optimizer):
                     elif not state:  # build the state, change nothing
                         unprojected.init_state(self.state[p], p, group["base"])
                     if self.nonfinite != "ignore":
-                        checks.append((torch.isfinite(p.grad).all(), gi, pi))
+                        checks.append((torch.isfinite(distributed.to_local(p.grad)).all(), gi, pi))
                     continue
                 hyper = hyper or Hyper.from_group(group)
-                plan = self._plan(p, group, gi, pi, order - 1, total, hyper)
+                plan = self._plan(p, group, gi, pi, order - 1, total, hyper, refreshed)
                 if plan is _SKIP_STEP:
                     return None
                 if plan is not None:
@@ -291,11 +312,56 @@ class Fira(Optimizer):
                         checks.append((torch.isfinite(plan.low_norm).all(), gi, pi))
             if plain_params:
                 plain.append((group, plain_params))
-        if checks and not bool(torch.stack([c for c, _, _ in checks]).all()):
-            gi, pi = next((gi, pi) for c, gi, pi in checks if not bool(c))
+        flags = torch.stack([c for c, _, _ in checks]) if checks else None
+        if shard_group is not None:
+            # FSDP2: R = sum_k P_k^T G_k of the left projections and every shard's finiteness
+            # checks, completed in one all-reduce; then the column norms of the whole R.
+            left = [pl for pl in plans if pl.sharding is not None and pl.side == LEFT]
+            flags = distributed.reduce_partials([pl.low for pl in left], flags, shard_group)
+            for pl in left:
+                pl.low_norm = torch.linalg.vector_norm(pl.low, dim=0, keepdim=True)
+        if flags is not None and not bool(flags.all()):
+            _, gi, pi = checks[int((~flags).nonzero()[0, 0])]
             self._nonfinite_found(_name(gi, pi, self.param_groups[gi]["params"][pi]))
             return None
         return plans, plain
+
+    def _split_refresh_group(self) -> Any:
+        """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""
+        if not self.split_refresh:
+            return None
+        return distributed.process_group_or_world(self.process_group)
+
+    def _refresh_together(self, process_group: Any, total: int | None) -> dict:
+        """The refresh outcomes of every matrix due this step, computed across the ranks of
+        ``process_group`` by :func:`fira_optim.distributed.refresh_bases`; keyed by parameter."""
+        jobs, params = [], []
+        order = 0
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if not _is_projected(p, group):
+                    continue
+                order += 1
+                if p.grad is None or p.numel() == 0:
+                    continue
+                state = self.state[p]
+                step = int(state["step"]) if state else 0
+                if not _refresh_due(group, step, order - 1, total):
+                    continue
+                work_dtype = torch.promote_types(p.dtype, torch.float32)
+                grad = distributed.to_local(p.grad).to(work_dtype)
+                side = projection_side(p.shape, group["proj_type"])
+                compute = functools.partial(
+                    self._refresh_outcome, rank=group["rank"], side=side, group=group,
+                    order=order - 1, step=step, name=_name(gi, pi, p),
+                )
+                previous = distributed.to_local(state["basis"]) if step > 0 else None
+                jobs.append(distributed.RefreshJob(
+                    grad, p.shape[0], order - 1, previous, side, group["rank"],
+                    distributed.row_sharding(p), compute,
+                ))
+                params.append(p)
+        return dict(zip(params, distributed.refresh_bases(jobs, process_group)))
 
     def _nonfinite_found(self, name: str) -> None:
         """Raise (``nonfinite="error"``) or warn that the step is skipped."""
@@ -306,39 +372,52 @@ class Fira(Optimizer):
             )
         warnings.warn(f"non-finite gradient in {name}: step skipped", RuntimeWarning, stacklevel=4)
 
-    def _plan(self, p, group, gi, pi, order, total, hyper):
+    def _plan(self, p, group, gi, pi, order, total, hyper, refreshed=None):
         work_dtype = torch.promote_types(p.dtype, torch.float32)
-        grad = p.grad if p.grad.dtype == work_dtype else p.grad.to(work_dtype)
+        sharding = distributed.row_sharding(p)  # FSDP2: this rank holds a row block of p, p.grad
+        grad = p.grad if sharding is None else p.grad.to_local()
+        grad = grad if grad.dtype == work_dtype else grad.to(work_dtype)
         side = projection_side(p.shape, group["proj_type"])
         rank = group["rank"]
         state = self.state[p]
         step = int(state["step"]) if state else 0
-        period = group["update_proj_gap"]
-        offset = (order * period) // total if group["stagger"] else 0
         new_basis = None
-        if step == 0 or (step - offset) % period == 0:
-            finite = bool(torch.isfinite(grad).all())
-            if not finite and self.nonfinite != "ignore":
+        if _refresh_due(group, step, order, total):
+            if refreshed is not None:  # decided on one rank for all (distributed.refresh_bases)
+                status, new_basis = refreshed[p]
+            else:
+                previous = state["basis"] if step > 0 else None
+                status, new_basis = self._refresh_outcome(
+                    grad, previous, rank=rank, side=side, group=group, order=order, step=step,
+                    name=_name(gi, pi, p),
+                )
+            if status == "nonfinite" and self.nonfinite != "ignore":
                 self._nonfinite_found(_name(gi, pi, p))
                 return _SKIP_STEP
-            if finite and bool(grad.any()):
-                previous = state["basis"] if step > 0 else None
-                new_basis = self._new_basis(
-                    grad, rank, side, group, previous, order, step, _name(gi, pi, p)
-                )
-            elif step == 0:
+            if status not in ("new", "keep") and step == 0:
                 # Never derive a basis from a zero or non-finite gradient. Before the first
                 # basis exists the step is a no-op for this matrix, so the zero-gradient step
                 # that torch.distributed.checkpoint uses to build state changes nothing.
                 if not state:
                     shape = tuple(p.shape)
                     _init_projected_state(state, p, low_rank_shape(shape, rank, side),
-                                          basis_shape(shape, rank, side), hyper, work_dtype)
+                                          basis_shape(shape, rank, side), hyper, work_dtype, side)
                 return None
-        basis = new_basis if new_basis is not None else state["basis"]
-        low = project(grad, basis, side)
+        basis = new_basis if new_basis is not None else distributed.to_local(state["basis"])
+        low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
         low_norm = torch.linalg.vector_norm(low, dim=reduce_dim(side), keepdim=True)
-        return _Plan(p, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype)
+        return _Plan(p, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype, sharding)
+
+    def _refresh_outcome(self, grad, previous, *, rank, side, group, order, step, name):
+        """The refresh rule on a whole gradient: ``(status, basis)``, status one of
+        :data:`fira_optim.distributed.REFRESH_STATUSES`. Never a basis from a zero or
+        non-finite gradient."""
+        if not bool(torch.isfinite(grad).all()):
+            return "nonfinite", None
+        if not bool(grad.any()):
+            return "zero", None
+        basis = self._new_basis(grad, rank, side, group, previous, order, step, name)
+        return ("new", basis) if basis is not None else ("keep", None)
 
     def _new_basis(self, grad, rank, side, group, previous, order, step, name):
         generator = torch.Generator().manual_seed(
@@ -360,25 +439,36 @@ class Fira(Optimizer):
         path together; the rest (low precision, FRUGAL, ``implementation="reference"``) one by
         one through the reference path.
         """
-        buckets: dict[tuple[int, int], list[_Plan]] = {}
+        # FSDP2 plans work on this rank's blocks (updating the local views updates the
+        # DTensors) and complete sums over rows across the shards (row_sum, an all-reduce).
+        buckets: dict[tuple[int, int, Any], list[_Plan]] = {}
         for plan in plans:
             p, hp = plan.param, plan.hyper
             state = self.state[p]
             if not state:
-                _init_projected_state(state, p, plan.low.shape, plan.basis.shape, hp, plan.work_dtype)
+                rank, shape = plan.basis.shape[1], tuple(p.shape)
+                _init_projected_state(state, p, low_rank_shape(shape, rank, plan.side),
+                                      basis_shape(shape, rank, plan.side), hp, plan.work_dtype,
+                                      plan.side)
+            tensors = state if plan.sharding is None else distributed.local_views(state)
             if plan.new_basis is not None:
-                state["basis"].copy_(plan.new_basis)
+                tensors["basis"].copy_(plan.new_basis)
             state["step"] += 1
             step = int(state["step"])
+            row_sum = None if plan.sharding is None else plan.sharding.sum
             if self.implementation == "fast" and fast_path_supports(hp, p, plan.grad):
-                buckets.setdefault((id(hp), step), []).append(plan)
+                shards = None if plan.sharding is None else plan.sharding.group
+                buckets.setdefault((id(hp), step, shards), []).append(plan)
             else:
-                apply_reference(p, plan.grad, plan.low, plan.basis, plan.side, state, step, hp)
-        for (_, step), bucket in buckets.items():
+                apply_reference(_local(p, plan), plan.grad, plan.low, plan.basis, plan.side,
+                                tensors, step, hp, row_sum)
+        for (_, step, shards), bucket in buckets.items():
+            row_sum = None if shards is None else bucket[0].sharding.sum
             apply_fast(
-                [b.param for b in bucket], [b.grad for b in bucket], [b.low for b in bucket],
-                [b.low_norm for b in bucket], [b.basis for b in bucket], [b.side for b in bucket],
-                [self.state[b.param] for b in bucket], step, bucket[0].hyper,
+                [_local(b.param, b) for b in bucket], [b.grad for b in bucket],
+                [b.low for b in bucket], [b.low_norm for b in bucket], [b.basis for b in bucket],
+                [b.side for b in bucket], [_local_state(self.state[b.param], b) for b in bucket],
+                step, bucket[0].hyper, row_sum,
             )
 
 
@@ -405,11 +495,22 @@ class _Plan:
     """What phase A computed for one matrix, for phase B to commit."""
 
     __slots__ = ("param", "hyper", "grad", "low", "low_norm", "basis", "new_basis", "side",
-                 "work_dtype")
+                 "work_dtype", "sharding")
 
-    def __init__(self, param, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype):
+    def __init__(self, param, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype,
+                 sharding=None):
         self.param, self.hyper, self.grad, self.low, self.low_norm = param, hyper, grad, low, low_norm
         self.basis, self.new_basis, self.side, self.work_dtype = basis, new_basis, side, work_dtype
+        # FSDP2: grad, low, basis are this rank's blocks (distributed.RowSharding), else None.
+        self.sharding = sharding
+
+
+def _local(p: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    return p if plan.sharding is None else p.to_local()
+
+
+def _local_state(state: dict, plan: _Plan) -> dict:
+    return state if plan.sharding is None else distributed.local_views(state)
 
 
 _SKIP_STEP = object()
@@ -427,16 +528,25 @@ def _is_projected(p: torch.Tensor, group: dict) -> bool:
     return rank is not None and p.dim() == 2 and rank < min(p.shape)
 
 
-def _init_projected_state(state, p, low_shape, basis_shape_, hp: Hyper, dtype) -> None:
+def _init_projected_state(state, p, low_shape, basis_shape_, hp: Hyper, dtype, side) -> None:
     # Tensors only, created with their final shapes: weights_only loads, and a state dict
-    # taken after a zero-gradient step already has the layout of a trained one.
-    device = p.device
+    # taken after a zero-gradient step already has the layout of a trained one. For an FSDP2
+    # parameter they are DTensors of these global shapes: rows follow p's shards for P (left)
+    # and for the states of R = G Q (right), the rest is replicated.
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
     for key in STATE_KEYS[hp.base]:
-        state[key] = torch.zeros(low_shape, dtype=dtype, device=device)
-    state["basis"] = torch.zeros(basis_shape_, dtype=dtype, device=device)
+        state[key] = distributed.state_zeros(p, low_shape, dtype, row_sharded=side == RIGHT)
+    state["basis"] = distributed.state_zeros(p, basis_shape_, dtype, row_sharded=side == LEFT)
     if hp.residual != "drop":
-        state["prev_norm"] = torch.zeros((), dtype=dtype, device=device)
+        state["prev_norm"] = distributed.state_zeros(p, (), dtype, row_sharded=False)
+
+
+def _refresh_due(group: dict, step: int, order: int, total: int | None) -> bool:
+    """Whether matrix number ``order`` (of ``total``, counted under ``stagger``) takes a new
+    basis at ``step``."""
+    period = group["update_proj_gap"]
+    offset = (order * period) // total if group["stagger"] else 0
+    return step == 0 or (step - offset) % period == 0
 
 
 def _split_flat_params(params, rank):
@@ -506,13 +616,18 @@ def _validate_options(g: dict) -> None:
 
 
 def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:
+    where = f"param_groups[{group_index}]['params'][{index}]"
+    if distributed.is_flat_parameter(p):
+        raise ValueError(f"{where} is a FlatParameter of {distributed.FSDP1_MESSAGE}")
     if p.dim() != 2:
         raise ValueError(
-            f"param_groups[{group_index}]['params'][{index}] has shape {tuple(p.shape)}: a projected "
+            f"{where} has shape {tuple(p.shape)}: a projected "
             "group (rank set) takes 2-D weight matrices only; put other tensors in a group with "
             "rank=None (fira_optim.param_groups does this). 1-D views of 2-D weights (FSDP1 flat "
-            "parameters, ZeRO partitions) cannot be projected."
+            "parameters, ZeRO partitions) cannot be projected: shard with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard), whose parameters stay 2-D."
         )
+    distributed.row_sharding(p)  # a DTensor must be row-sharded (FSDP2): ValueError otherwise
 
 
 def _check_loaded_state(p, state, group, gi, pi) -> None:

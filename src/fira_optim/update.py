@@ -30,16 +30,23 @@ into the parameter. It is tested against the reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
 from .limiter import limiter_factor
-from .projection import LEFT, project_back, reduce_dim
+from .projection import LEFT, RIGHT, project_back, reduce_dim
 from .scaling import scaling_factor
 from .subspace import adam_bias_correction, base_direction
 
 #: The epsilon that ``fira`` 1.0.2 hard-codes in the scaling factor and the limiter.
 RELEASED_EPS = 1e-8
+
+#: Under FSDP2 each rank holds a row block of ``param`` and ``grad`` (and of ``low`` for a right
+#: projection; a left ``R`` is whole). ``row_sum`` completes, in place, a sum that runs over the
+#: rows of the matrix (an all-reduce over the shards: :mod:`fira_optim.distributed`); ``None``
+#: in one process.
+RowSum = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,7 @@ def apply_reference(
     state: dict,
     step: int,
     hp: Hyper,
+    row_sum: RowSum = None,
 ) -> None:
     """Readable path: every term of Algorithm 1 as an explicit tensor.
 
@@ -142,9 +150,15 @@ def apply_reference(
         if hp.residual == "sign":  # FRUGAL: signSGD outside the subspace, no scaling
             scaled = torch.sign(outside)
         else:
-            phi = scaling_factor(direction, low, dim, hp.scaling, hp.residual_eps)
+            if row_sum is not None and side == RIGHT and hp.scaling == "matrix":
+                phi = _sharded_matrix_scaling([direction], [low], row_sum, hp)[0]
+            else:
+                phi = scaling_factor(direction, low, dim, hp.scaling, hp.residual_eps)
             scaled = phi * (grad if hp.only_scaling else outside)
-        scaled = scaled * _limit(hp, torch.linalg.vector_norm(scaled), state)
+        norm = torch.linalg.vector_norm(scaled)
+        if row_sum is not None:  # ||S||^2 sums over every shard's rows
+            norm = row_sum(norm.square()).sqrt()
+        scaled = scaled * _limit(hp, norm, state)
         if hp.only_scaling:
             update = hp.alpha * scaled
         elif hp.released:
@@ -168,6 +182,7 @@ def apply_fast(
     states: list[dict],
     step: int,
     hp: Hyper,
+    row_sum: RowSum = None,
 ) -> None:
     """Multi-tensor fused path for matrices that share hyper-parameters and step count.
 
@@ -193,6 +208,16 @@ def apply_fast(
             torch.linalg.vector_norm(g, dim=dim, keepdim=True).square_()
             for g, dim in zip(grads, dims)
         ]
+        if row_sum is not None:
+            # Row blocks: a right matrix-level phi and a left ||g_i||^2 sum over all rows.
+            right = [i for i, side in enumerate(sides) if side == RIGHT]
+            if hp.scaling == "matrix" and right:
+                whole = _sharded_matrix_scaling([directions[i] for i in right],
+                                                [lows[i] for i in right], row_sum, hp)
+                phis = list(phis)
+                for i, phi in zip(right, whole):
+                    phis[i] = phi
+            _row_sum_many([q for q, side in zip(outside_sq, sides) if side == LEFT], row_sum)
         if not hp.only_scaling:
             # ||g_i - a P r_i||^2 = ||g_i||^2 - (2a - a^2) ||r_i||^2 for orthonormal P.
             coef = (2.0 * hp.alpha - hp.alpha**2) if hp.released else 1.0
@@ -203,6 +228,13 @@ def apply_fast(
         terms = torch._foreach_mul(torch._foreach_mul(phis, phis), outside_sq)
         torch._foreach_sqrt_(terms)
         norms = torch.stack(torch._foreach_norm(terms))
+        if row_sum is not None and RIGHT in sides:
+            # A right matrix's ||S||^2 has one term per row: sum the shards' parts.
+            right = torch.tensor([side == RIGHT for side in sides], device=norms.device)
+            squares = norms.square()
+            part = squares[right]
+            squares[right] = row_sum(part)
+            norms = squares.sqrt()
         prev = [state["prev_norm"] for state in states]
         factors = _limit_many(hp, norms, prev)
         cs = torch._foreach_mul(phis, factors)  # c = f * phi: (1, n), (m, 1) or 0-d each
@@ -247,6 +279,24 @@ def _foreach_scaling(directions, low_norms, dims, hp: Hyper) -> list[torch.Tenso
         dn = torch._foreach_norm(directions)
         return torch._foreach_div(dn, torch._foreach_add(torch._foreach_norm(low_norms), eps))
     return [torch.ones((), dtype=d.dtype, device=d.device) for d in directions]
+
+
+def _sharded_matrix_scaling(directions, lows, row_sum, hp: Hyper) -> list[torch.Tensor]:
+    """Matrix-level phi = ||N|| / (||R|| + eps) of row-sharded ``N`` and ``R`` (right side)."""
+    squares = torch.stack([t.square().sum() for pair in zip(directions, lows) for t in pair])
+    norms = row_sum(squares).sqrt()
+    return [norms[2 * i] / (norms[2 * i + 1] + hp.residual_eps) for i in range(len(directions))]
+
+
+def _row_sum_many(tensors: list[torch.Tensor], row_sum: RowSum) -> None:
+    """``row_sum`` applied to each of ``tensors`` in place, in one collective."""
+    if not tensors:
+        return
+    flat = row_sum(torch.cat([t.reshape(-1) for t in tensors]))
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _limit_many(hp: Hyper, norms: torch.Tensor, prev: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,312 @@
+"""Fira on FSDP2 row shards and with DDP split refreshes: 2 gloo processes on CPU, each test
+under a timeout, compared with a one-process run on the same gradients."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from fira_optim import FiraAdamW, NonFiniteGradientError
+from tests.multiprocess import run_ranks
+
+# std rule: left when m < n, right when m >= n (a square matrix projects on the right).
+# 5, 13, 7 and 9 rows do not divide by 2: FSDP2 gives the ranks 3/2, 7/6, 4/3 and 5/4 rows.
+SHAPES = {"left": (5, 12), "right": (13, 6), "square": (7, 7)}
+PLAIN_SHAPES = {"bias": (9,), "head": (3, 4)}
+RANK, GAP, STEPS = 2, 3, 7
+
+CONFIGS: dict[str, dict] = {
+    "fira": {},
+    "reference": {"implementation": "reference"},
+    "galore": {"residual": "drop"},
+    "matrix-scaling": {"scaling": "matrix"},
+    "only-scaling": {"only_scaling": True},
+    "released": {"arithmetic": "released"},
+    "randomized": {"projector": "randomized"},
+    "stagger": {"stagger": True},
+    "frugal": {"residual": "sign", "limiter": "none"},
+    "adagrad": {"base": "adagrad"},
+    "float32": {"dtype": torch.float32},
+}
+
+
+def _initial(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = {**SHAPES, **PLAIN_SHAPES}
+    return {name: torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for name, shape in shapes.items()}
+
+
+def _gradient(name: str, shape: tuple, step: int, dtype: torch.dtype) -> torch.Tensor:
+    # Growing scale: the norm-growth limiter acts on some steps.
+    g = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+    return (1.0 + step) * torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _optimizer(params: dict[str, torch.Tensor], config: dict) -> FiraAdamW:
+    options = {k: v for k, v in config.items() if k != "dtype"}
+    groups = [
+        {"params": [params[k] for k in SHAPES], "rank": RANK, "update_proj_gap": GAP},
+        {"params": [params[k] for k in PLAIN_SHAPES], "rank": None},
+    ]
+    return FiraAdamW(groups, lr=0.05, weight_decay=0.1, **options)
+
+
+def _train(params: dict[str, torch.Tensor], config: dict, make_grad) -> FiraAdamW:
+    optimizer = _optimizer(params, config)
+    for step in range(STEPS):
+        for name, p in params.items():
+            p.grad = make_grad(name, tuple(p.shape), step)
+        optimizer.step()
+    return optimizer
+
+
+def _reference(config: dict):
+    dtype = config.get("dtype", torch.float64)
+    params = {k: torch.nn.Parameter(v) for k, v in _initial(dtype).items()}
+    optimizer = _train(params, config, lambda n, s, t: _gradient(n, s, t, dtype))
+    states = {name: dict(optimizer.state[p]) for name, p in params.items() if name in SHAPES}
+    return {k: v.detach() for k, v in params.items()}, states
+
+
+@functools.cache
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+
+def _shard(tensor: torch.Tensor):
+    """This rank's rows of ``tensor`` as a DTensor ``Shard(0)``: FSDP2's layout."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return distribute_tensor(tensor, _mesh(), [Shard(0)], src_data_rank=None)
+
+
+def _fsdp2_worker(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for config_name in names:
+        config = CONFIGS[config_name]
+        dtype = config.get("dtype", torch.float64)
+        params = {k: torch.nn.Parameter(_shard(v)) for k, v in _initial(dtype).items()}
+        optimizer = _train(params, config, lambda n, s, t: _shard(_gradient(n, s, t, dtype)))
+        out[config_name] = {
+            "local": {k: p.to_local().detach().clone() for k, p in params.items()},
+            "state": {
+                name: {key: value.full_tensor() if hasattr(value, "full_tensor") else value
+                       for key, value in optimizer.state[params[name]].items()}
+                for name in SHAPES
+            },
+            "state_local_rows": {
+                name: {key: tuple(value.to_local().shape) for key, value in optimizer.state[params[name]].items()
+                       if key != "step"}
+                for name in SHAPES
+            },
+        }
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_shards_equal_one_process_chunks(tmp_path):
+    """Each rank's rows of every parameter, and the gathered optimizer state, equal the
+    one-process run, for left, right and square projections with uneven rows, across two
+    refreshes, for every variant and both update paths."""
+    results = run_ranks(_fsdp2_worker, 2, tmp_path, list(CONFIGS), timeout=100)
+    for config_name, config in CONFIGS.items():
+        tol = dict(rtol=1e-4, atol=1e-5) if config.get("dtype") == torch.float32 else dict(rtol=1e-9, atol=1e-11)
+        ref_params, ref_states = _reference(config)
+        for rank, result in enumerate(results):
+            got = result[config_name]
+            for name, full in ref_params.items():
+                expected = full.chunk(2)[rank]
+                torch.testing.assert_close(got["local"][name], expected, **tol, msg=f"{config_name} {name} rank {rank}")
+            for name in SHAPES:
+                for key, value in ref_states[name].items():
+                    torch.testing.assert_close(
+                        got["state"][name][key], value, **tol, msg=f"{config_name} state {name}.{key}"
+                    )
+    # The sharded states are sharded: a left basis and the states of a right R follow the rows.
+    local_rows = results[1]["fira"]["state_local_rows"]
+    assert local_rows["left"]["basis"] == (2, RANK)  # 5 rows: ranks hold 3 and 2
+    assert local_rows["left"]["exp_avg"] == (RANK, 12)  # R = P^T G is replicated
+    assert local_rows["right"]["basis"] == (6, RANK)  # Q replicated
+    assert local_rows["right"]["exp_avg"] == (6, RANK)  # 13 rows: ranks hold 7 and 6
+    assert local_rows["square"]["exp_avg_sq"] == (3, RANK)
+
+
+def _nonfinite_worker(rank: int, world: int, mode: str) -> dict:
+    params = {k: torch.nn.Parameter(_shard(v)) for k, v in _initial(torch.float64).items()}
+    optimizer = _optimizer(params, {"nonfinite": mode})
+    outcome = "stepped"
+    for step in range(2):
+        for name, p in params.items():
+            grad = _gradient(name, tuple(p.shape), step, torch.float64)
+            if step == 1 and name == "right":
+                grad[-1, 0] = float("nan")  # the last row lives on rank 1 only
+            p.grad = _shard(grad)
+        before = {k: p.to_local().clone() for k, p in params.items()}
+        try:
+            optimizer.step()
+        except NonFiniteGradientError as err:
+            outcome = f"raised: {err}"
+    unchanged = all(torch.equal(before[k], p.to_local()) for k, p in params.items())
+    steps = [int(optimizer.state[params[k]]["step"]) for k in SHAPES]
+    return {"outcome": outcome, "unchanged": unchanged, "steps": steps}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["skip", "error"])
+def test_fsdp2_nonfinite_row_on_one_rank_stops_every_rank(tmp_path, mode):
+    """A NaN in rows that only rank 1 holds: both ranks skip (or both raise, naming the
+    parameter) and change nothing; neither hangs in a collective the other never joins."""
+    results = run_ranks(_nonfinite_worker, 2, tmp_path, mode, timeout=50)
+    for result in results:
+        assert result["unchanged"]
+        assert result["steps"] == [1, 1, 1]
+        if mode == "error":
+            assert result["outcome"].startswith("raised") and "shape (13, 6)" in result["outcome"]
+        else:
+            assert result["outcome"] == "stepped"
+
+
+
+class _CountCollectives:
+    """Patch torch.distributed's all_reduce / gather / broadcast to record element counts."""
+
+    NAMES = ("all_reduce", "gather", "broadcast", "all_gather", "all_gather_into_tensor")
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.calls: dict[str, list[int]] = {name: [] for name in self.NAMES}
+        self.saved = {name: getattr(dist, name) for name in self.NAMES}
+        for name in self.NAMES:
+            setattr(dist, name, self._wrap(name, self.saved[name]))
+        return self
+
+    def _wrap(self, name, fn):
+        def counted(tensor, *args, **kwargs):
+            self.calls[name].append(tensor.numel() if isinstance(tensor, torch.Tensor) else -1)
+            return fn(tensor, *args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+        return False
+
+
+def _communication_worker(rank: int, world: int) -> dict:
+    params = {k: torch.nn.Parameter(_shard(v)) for k, v in _initial(torch.float64).items()}
+    optimizer = _optimizer(params, {})
+    calls = []
+    for step in range(GAP + 1):  # steps 0 and GAP refresh
+        for name, p in params.items():
+            p.grad = _shard(_gradient(name, tuple(p.shape), step, torch.float64))
+        with _CountCollectives() as counter:
+            optimizer.step()
+        calls.append(counter.calls)
+    return {"calls": calls}
+
+
+@pytest.mark.timeout(60)
+def test_fsdp2_ordinary_step_communicates_only_small_reductions(tmp_path):
+    """Counted, not guessed: an ordinary step moves R of the left matrix (r x n) with one
+    finiteness flag per gradient, the left matrix's n column norms, and ||S||^2 of the right
+    and square matrices: three all-reduces whatever the number of matrices; no gather, no
+    broadcast. A refresh step adds one gather and one broadcast per rank."""
+    results = run_ranks(_communication_worker, 2, tmp_path, timeout=50)
+    n_left = SHAPES["left"][1]
+    n_checks = len(SHAPES) + len(PLAIN_SHAPES)
+    expected_all_reduce = sorted([RANK * n_left + n_checks, n_left, 2])
+    for result in results:
+        for step, calls in enumerate(result["calls"]):
+            refresh = step % GAP == 0
+            assert sorted(calls["all_reduce"]) == expected_all_reduce, (step, calls)
+            assert calls["all_gather"] == [] and calls["all_gather_into_tensor"] == []
+            assert len(calls["gather"]) == (2 if refresh else 0), (step, calls)
+            assert len(calls["broadcast"]) == (2 if refresh else 0), (step, calls)
+        # What a refresh moves: each gradient's rows once (plus a left projection's previous
+        # basis rows after the first refresh), never the full gradient to every rank.
+        first, later = result["calls"][0]["gather"], result["calls"][GAP]["gather"]
+        rows = {k: -(-m // 2) for k, (m, _) in SHAPES.items()}  # padded rows per rank
+        # jobs 0, 2 (left, square) go to rank 0; job 1 (right) to rank 1
+        assert first == [rows["left"] * 12 + rows["square"] * 7, rows["right"] * 6]
+        assert later == [rows["left"] * (12 + RANK) + rows["square"] * 7, rows["right"] * 6]
+
+
+def _split_refresh_worker(rank: int, world: int, stagger: bool) -> dict:
+    # DDP's situation: plain tensors, the same gradient on every rank.
+    import fira_optim.projection as projection
+
+    params = {k: torch.nn.Parameter(v) for k, v in _initial(torch.float64).items()}
+    svds = []
+    real_svd = projection.torch.linalg.svd
+
+    def counting_svd(a, *args, **kwargs):
+        svds.append(tuple(a.shape))
+        return real_svd(a, *args, **kwargs)
+
+    projection.torch.linalg.svd = counting_svd
+    try:
+        optimizer = _optimizer(params, {"split_refresh": True, "stagger": stagger})
+        for step in range(STEPS):
+            for name, p in params.items():
+                p.grad = _gradient(name, tuple(p.shape), step, torch.float64)
+            optimizer.step()
+    finally:
+        projection.torch.linalg.svd = real_svd
+    return {"params": {k: p.detach() for k, p in params.items()}, "svds": svds}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stagger", [False, True])
+def test_split_refresh_shares_svds_and_matches_one_process(tmp_path, stagger):
+    """DDP split refresh: each rank runs only its share of the SVDs, and both ranks end
+    bitwise equal to the one-process run (the owner's basis is broadcast exactly)."""
+    results = run_ranks(_split_refresh_worker, 2, tmp_path, stagger, timeout=50)
+    ref_params, _ = _reference({"stagger": stagger})
+    for result in results:
+        for name, value in ref_params.items():
+            assert torch.equal(result["params"][name], value), name
+    # Matrix i belongs to rank i % 2 (left, square -> 0; right -> 1). Without stagger all
+    # three refresh at steps 0, 3, 6; with it each refreshes at steps i, i + 3 (and all at 0):
+    # either way rank 0 runs 6 SVDs and rank 1 runs 3, instead of 9 each.
+    assert [len(r["svds"]) for r in results] == [6, 3]
+    assert set(results[0]["svds"]) == {(5, 12), (7, 7)} and set(results[1]["svds"]) == {(13, 6)}
+
+
+def _fsdp1_worker(rank: int, world: int, use_orig_params: bool) -> str:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    import fira_optim
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    model = FullyShardedDataParallel(model, use_orig_params=use_orig_params, device_id=torch.device("cpu"))
+    messages = []
+    for build in (
+        lambda: FiraAdamW([{"params": list(model.parameters()), "rank": 2}]),
+        lambda: FiraAdamW(fira_optim.param_groups(model, rank=2)),
+        lambda: FiraAdamW(fira_optim.divide_params(model, ["0", "2"], rank=2)),
+    ):
+        try:
+            build()
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_flat_parameters_are_rejected_with_a_clear_error(tmp_path, use_orig_params):
+    """FSDP1 flattens weights into 1-D shards: projecting them would be silently wrong math
+    (or silently no projection); every entry point says so and points at FSDP2."""
+    results = run_ranks(_fsdp1_worker, 2, tmp_path, use_orig_params, timeout=50)
+    for messages in results:
+        for message in messages:
+            assert "FSDP1" in message and "fully_shard" in message, message
