@@ -54,7 +54,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _config(args: argparse.Namespace):
-    from fira_train.config import apply_overrides
+    from fira_train.overrides import apply_overrides
     from fira_train.recipes import get_recipe
 
     config = get_recipe(args.recipe)

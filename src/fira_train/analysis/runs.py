@@ -63,7 +63,7 @@ class AnalysisRun:
 
 def run_config(config: "RunConfig", run: AnalysisRun, out_dir: str | Path) -> "RunConfig":
     """``config`` with ``run``'s method and overrides, writing to ``out_dir/run.name``."""
-    from fira_train.config import apply_overrides
+    from fira_train.overrides import apply_overrides
 
     config = replace(config, optim=replace(config.optim, method=run.method))
     config = apply_overrides(config, list(run.overrides))
