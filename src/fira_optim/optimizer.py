@@ -178,6 +178,15 @@ class Fira(Optimizer):
                     f"({p.dtype}); Fira supports real floating-point parameters only"
                 )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups, so
+        # copy.deepcopy and pickle silently reset these two options to their defaults (a copy
+        # of a nonfinite="skip" optimizer raised on NaN, a "reference" one ran the fast path).
+        state = super().__getstate__()
+        state["nonfinite"] = self.nonfinite
+        state["implementation"] = self.implementation
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("nonfinite", "error")
@@ -203,7 +212,31 @@ class Fira(Optimizer):
         )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        # torch.optim.Optimizer.load_state_dict calls its cast policy as
+        # Optimizer._process_value_according_to_param_policy (on the base class), so the override
+        # above was never reached: the fp32 basis and moments of a bf16/fp16 matrix came back in
+        # bf16/fp16 and its next step failed (matmul of bf16 and fp32). Capture the state dict as
+        # the load pre-hooks leave it (this hook runs last) and re-take its tensors through our
+        # policy.
+        seen: dict[str, Any] = {}
+
+        def capture(_optimizer, loaded):
+            seen["state_dict"] = loaded
+
+        handle = self.register_load_state_dict_pre_hook(capture)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        loaded = seen["state_dict"]
+        saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            for key, value in loaded["state"].get(saved_id, {}).items():
+                if isinstance(value, torch.Tensor):
+                    self.state[p][key] = self._process_value_according_to_param_policy(
+                        p, value, saved_id, loaded["param_groups"], key
+                    )
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 state = self.state.get(p)
@@ -254,9 +287,15 @@ class Fira(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"Fira does not support sparse gradients ({_name(gi, pi, p)})")
                 if not projected:
-                    if self.state.get(p) or bool(p.grad.any()):
+                    # Until its first real step, an all-zero gradient only builds state. Test
+                    # the step count, not mere presence of state: a second zero-gradient step
+                    # must not count either, or the bias correction of this param runs one
+                    # step ahead of the projected matrices (which stay at step 0) and of a
+                    # fresh optimizer.
+                    state = self.state.get(p)
+                    if (state and float(state["step"]) > 0) or bool(p.grad.any()):
                         plain_params.append(p)
-                    else:  # first step with an all-zero gradient: build state, change nothing
+                    elif not state:  # build the state, change nothing
                         unprojected.init_state(self.state[p], p, group["base"])
                     if self.nonfinite != "ignore":
                         checks.append((torch.isfinite(distributed.to_local(p.grad)).all(), gi, pi))

@@ -1,0 +1,413 @@
+r"""Fira in the Hugging Face ``transformers.Trainer`` (needs ``transformers``; ``import fira_optim`` does not).
+
+The Trainer offers GaLore by name (``optim="galore_adamw"``) and reads three arguments for it;
+this module gives them the same meaning for Fira, so switching is a change of class:
+
+* ``optim_target_modules`` -- which weights are projected. Exactly the Trainer's rule
+  (``transformers.trainer_utils.check_target_module_exists``): a *string* is a regular
+  expression that must match the whole module name (``re.fullmatch``), except ``"all-linear"``
+  (or ``"all_linear"``), which selects every ``nn.Linear``; a *list* selects a module whose name
+  equals an entry, contains an entry as a substring, or fully matches an entry as a regular
+  expression. Only ``nn.Linear`` modules are projected (their ``weight``); a tied output head
+  whose weight is registered first as the input embedding is not (the parameter keeps its
+  first name, as in ``named_parameters()``). Parameters with ``requires_grad=False`` are left
+  out, so a frozen base model under ``peft`` is never in the optimizer.
+* ``optim_args`` -- ``"rank=64,update_proj_gap=100,alpha=0.25,proj_type=std"``; GaLore's
+  ``scale`` is accepted as a synonym of ``alpha``, and any other keyword of
+  :class:`fira_optim.FiraAdamW` may be given (``gamma=1.01``, ``projector=svd``, ...), converted
+  to the type of its default.
+* ``learning_rate``, ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``, ``weight_decay`` -- as for
+  ``adamw_torch``. Weight decay goes to the Trainer's decay parameters (not biases or norms).
+
+Three ways to use it::
+
+    # 1. A Trainer subclass: create_optimizer builds Fira from the TrainingArguments.
+    trainer = FiraTrainer(model=model, args=TrainingArguments(..., optim_target_modules="all-linear",
+                          optim_args="rank=64,update_proj_gap=100,alpha=0.25"), train_dataset=ds)
+
+    # 2. An (optimizer, scheduler) pair for Trainer(optimizers=...).
+    opt, sched = create_fira_optimizer_and_scheduler(model, args, num_training_steps=1000)
+    trainer = Trainer(model=model, args=args, optimizers=(opt, sched), train_dataset=ds)
+
+    # 3. The Trainer's own factory hook (it then builds its usual scheduler).
+    trainer = Trainer(model=model, args=args, optimizer_cls_and_kwargs=fira_optimizer_cls_and_kwargs(model, args))
+
+Fira on LoRA adapters (the released fine-tuning recipe: LoRA ``r=32``, Fira rank 16): wrap the
+model with ``peft`` first, then target the adapter matrices, e.g.
+``optim_target_modules=["lora_A", "lora_B"]``. ``lora_A`` is ``r x n`` and ``lora_B`` is
+``m x r``; Fira's ``std`` projection projects the *smaller* side, which for both is the LoRA rank
+``r``: Adam's moments become ``16 x n`` and ``m x 16`` (half of LoRA's) while the update stays a
+full ``r``-rank matrix through Fira's scaled residual. A matrix whose smaller side is ``<= rank``
+is not compressed: the library updates it with plain Adam.
+
+The optimizer's state holds tensors and plain Python values only, so the Trainer's checkpoints
+(``optimizer.pt`` written with ``torch.save``, read with ``torch.load(weights_only=True)``) save
+and resume it; :func:`fira_optim.optimizer_state_numel` reports its size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+try:
+    import transformers
+    from transformers import Trainer
+except ImportError as _err:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "fira_optim.integrations needs the `transformers` package (pip install 'transformers>=4.45'); "
+        "the optimizer itself (`import fira_optim`) needs torch only"
+    ) from _err
+
+from . import FiraAdamW, VARIANTS
+
+__all__ = [
+    "parse_optim_args",
+    "target_module_matches",
+    "target_parameter_names",
+    "trainer_param_groups",
+    "create_fira_optimizer",
+    "create_fira_optimizer_and_scheduler",
+    "fira_optimizer_cls_and_kwargs",
+    "FiraTrainer",
+]
+
+#: ``optim_args`` keys that are another library's name for a Fira keyword.
+OPTIM_ARG_ALIASES: dict[str, str] = {"scale": "alpha"}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _fira_keyword_defaults() -> dict[str, Any]:
+    """Keyword -> default of ``FiraAdamW.__init__`` (the options a param group may carry)."""
+    signature = inspect.signature(FiraAdamW.__init__)
+    return {
+        name: p.default
+        for name, p in signature.parameters.items()
+        if name not in ("self", "params") and p.default is not inspect.Parameter.empty
+        and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def _convert(key: str, text: str, default: Any) -> Any:
+    # The type of the default decides; None-defaulted options take an int, a float or a string.
+    if text.lower() in ("none", "null"):
+        return None
+    if isinstance(default, bool):
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"optim_args: {key}={text!r} must be a boolean (true/false)")
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"optim_args: {key}={text!r} must be an integer") from None
+    if isinstance(default, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"optim_args: {key}={text!r} must be a number") from None
+    if isinstance(default, (tuple, list)):
+        raise ValueError(f"optim_args: {key} takes a tuple; pass it as a keyword, not in optim_args")
+    if default is None:
+        for cast in (int, float):
+            try:
+                return cast(text)
+            except ValueError:
+                pass
+    return text
+
+
+def parse_optim_args(optim_args: str | dict[str, Any] | None) -> dict[str, Any]:
+    """Fira keywords from a Trainer ``optim_args`` string (``"rank=64,update_proj_gap=100,alpha=0.25"``).
+
+    Spaces are ignored, ``scale`` means ``alpha``, values are converted to the type of the
+    keyword's default in :class:`FiraAdamW`. A dict passes through the same checks. Unknown keys
+    and malformed items raise ``ValueError`` naming them.
+    """
+    if optim_args is None or optim_args == "":
+        return {}
+    if isinstance(optim_args, dict):
+        items = [(str(k), v) for k, v in optim_args.items()]
+    elif isinstance(optim_args, str):
+        items = []
+        for item in optim_args.replace(" ", "").split(","):
+            if not item:
+                continue
+            if item.count("=") != 1:
+                raise ValueError(f"optim_args: item {item!r} of {optim_args!r} must be key=value")
+            key, value = item.split("=")
+            items.append((key, value))
+    else:
+        raise TypeError(f"optim_args must be a string like 'rank=64,alpha=0.25' or a dict, got {optim_args!r}")
+    defaults = _fira_keyword_defaults()
+    parsed: dict[str, Any] = {}
+    for key, value in items:
+        key = OPTIM_ARG_ALIASES.get(key, key)
+        if key in ("lr", "betas", "eps", "weight_decay"):
+            raise ValueError(
+                f"optim_args: {key!r} comes from the TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, "
+                f"weight_decay), not from optim_args"
+            )
+        if key not in defaults:
+            raise ValueError(f"optim_args: unknown key {key!r}; FiraAdamW takes {sorted(defaults)}")
+        parsed[key] = _convert(key, value, defaults[key]) if isinstance(value, str) else value
+    return parsed
+
+
+def _is_all_linear(optim_target_modules: Any) -> bool:
+    return isinstance(optim_target_modules, str) and optim_target_modules.replace("_", "-") == "all-linear"
+
+
+def target_module_matches(optim_target_modules: str | Sequence[str], module_name: str) -> bool:
+    """Whether ``module_name`` is selected by ``optim_target_modules`` (the Trainer's rule, see module doc).
+
+    A string is a regular expression over the whole name (``"all-linear"`` selects everything
+    here; the ``nn.Linear`` filter is applied by the caller). A list entry selects a name that
+    equals it, contains it, or fully matches it as a regular expression.
+    """
+    if _is_all_linear(optim_target_modules):
+        return True
+    if isinstance(optim_target_modules, str):
+        return re.fullmatch(optim_target_modules, module_name) is not None
+    return any(
+        entry == module_name or entry in module_name or re.fullmatch(entry, module_name) is not None
+        for entry in optim_target_modules
+    )
+
+
+def _check_target_modules(optim_target_modules: Any) -> None:
+    if optim_target_modules is None:
+        raise ValueError(
+            "optim_target_modules is None: Fira needs to know which weights to project, e.g. "
+            "optim_target_modules='all-linear', ['q_proj', 'v_proj'] or r'.*\\.mlp\\..*'"
+        )
+    ok = isinstance(optim_target_modules, str) or (
+        isinstance(optim_target_modules, (list, tuple)) and all(isinstance(e, str) for e in optim_target_modules)
+    )
+    if not ok:
+        raise TypeError(
+            f"optim_target_modules must be a list of strings, a regex string or 'all-linear', "
+            f"got {optim_target_modules!r}"
+        )
+    if isinstance(optim_target_modules, str) and not _is_all_linear(optim_target_modules):
+        try:
+            re.compile(optim_target_modules)
+        except re.error as err:
+            raise ValueError(f"optim_target_modules={optim_target_modules!r} is not a valid regex: {err}") from None
+
+
+def target_parameter_names(model: nn.Module, optim_target_modules: str | Sequence[str]) -> list[str]:
+    """Names (as in ``model.named_parameters()``) of the trainable weights that Fira projects.
+
+    The weight of every ``nn.Linear`` whose module name :func:`target_module_matches`, that
+    requires grad and is 2-D. Raises ``ValueError`` when nothing matches.
+    """
+    _check_target_modules(optim_target_modules)
+    wanted: set[str] = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and target_module_matches(optim_target_modules, module_name):
+            wanted.add(f"{module_name}.weight" if module_name else "weight")
+    names = [n for n, p in model.named_parameters() if n in wanted and p.requires_grad and p.ndim == 2]
+    if not names:
+        raise ValueError(
+            f"optim_target_modules={optim_target_modules!r} matches no trainable nn.Linear weight of "
+            f"{type(model).__name__}; linear modules are e.g. "
+            f"{[n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:6]}"
+        )
+    return names
+
+
+def trainer_param_groups(
+    model: nn.Module,
+    optim_target_modules: str | Sequence[str],
+    *,
+    weight_decay: float = 0.0,
+    decay_parameter_names: Iterable[str] | None = None,
+    **fira_options: Any,
+) -> list[dict[str, Any]]:
+    """Param groups for :class:`FiraAdamW`: the projected weights, then the rest split by decay.
+
+    ``[{"params": projected, "weight_decay": wd, **fira_options}, {"params": other decayed,
+    "rank": None, "weight_decay": wd}, {"params": not decayed, "rank": None, "weight_decay": 0}]``
+    (empty groups dropped). ``decay_parameter_names`` defaults to every parameter with two or more
+    dimensions (biases and norm gains are not decayed); ``FiraTrainer`` passes the Trainer's own
+    list. Frozen parameters are left out.
+    """
+    projected = set(target_parameter_names(model, optim_target_modules))
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = (
+        {n for n, p in trainable if p.ndim >= 2} if decay_parameter_names is None else set(decay_parameter_names)
+    )
+    projected_group = {"params": [p for n, p in trainable if n in projected], "weight_decay": weight_decay}
+    projected_group.update(fira_options)
+    groups = [
+        projected_group,
+        {"params": [p for n, p in trainable if n not in projected and n in decay], "rank": None,
+         "weight_decay": weight_decay},
+        {"params": [p for n, p in trainable if n not in projected and n not in decay], "rank": None,
+         "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _variant_options(variant: str) -> dict[str, Any]:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not one of fira_optim.VARIANTS: {sorted(VARIANTS)}")
+    return dict(VARIANTS[variant])
+
+
+def _resolve(
+    model: nn.Module,
+    args: Any | None,
+    *,
+    optim_target_modules: str | Sequence[str] | None,
+    optim_args: str | dict[str, Any] | None,
+    variant: str,
+    lr: float | None,
+    betas: tuple[float, float] | None,
+    eps: float | None,
+    weight_decay: float | None,
+    decay_parameter_names: Iterable[str] | None,
+    fira_options: dict[str, Any],
+) -> dict[str, Any]:
+    """Keyword arguments of FiraAdamW (``params`` included): explicit keywords > optim_args > args."""
+    targets = optim_target_modules if optim_target_modules is not None else getattr(args, "optim_target_modules", None)
+    parsed = parse_optim_args(optim_args if optim_args is not None else getattr(args, "optim_args", None))
+    options = {**_variant_options(variant), **parsed, **parse_optim_args(fira_options)}
+    defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    if args is not None:
+        defaults = {
+            "lr": args.learning_rate,
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "eps": args.adam_epsilon,
+            "weight_decay": args.weight_decay,
+        }
+    lr = defaults["lr"] if lr is None else lr
+    betas = defaults["betas"] if betas is None else betas
+    eps = defaults["eps"] if eps is None else eps
+    weight_decay = defaults["weight_decay"] if weight_decay is None else weight_decay
+    # The projected group carries its rank explicitly (a group is projected iff its rank is not None);
+    # every other option is an optimizer default, so variants that change the base optimizer reach
+    # all groups the way the library defines them.
+    rank = options.pop("rank", _fira_keyword_defaults().get("rank"))
+    if rank is None:
+        raise ValueError("rank=None would project nothing; give a positive rank (optim_args='rank=64')")
+    groups = trainer_param_groups(
+        model, targets, weight_decay=weight_decay, decay_parameter_names=decay_parameter_names, rank=rank
+    )
+    return {"params": groups, "lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **options}
+
+
+def create_fira_optimizer(
+    model: nn.Module,
+    args: Any | None = None,
+    *,
+    optim_target_modules: str | Sequence[str] | None = None,
+    optim_args: str | dict[str, Any] | None = None,
+    variant: str = "fira",
+    lr: float | None = None,
+    betas: tuple[float, float] | None = None,
+    eps: float | None = None,
+    weight_decay: float | None = None,
+    decay_parameter_names: Iterable[str] | None = None,
+    **fira_options: Any,
+) -> FiraAdamW:
+    """A :class:`FiraAdamW` over ``model``'s trainable parameters, configured like a Trainer run.
+
+    Args:
+        model: the model (a ``peft`` model too: frozen weights are skipped).
+        args: a ``TrainingArguments`` (or any object with ``learning_rate``, ``adam_beta1``,
+            ``adam_beta2``, ``adam_epsilon``, ``weight_decay`` and optionally
+            ``optim_target_modules`` / ``optim_args``); ``None`` uses torch's AdamW defaults.
+        optim_target_modules: overrides ``args.optim_target_modules`` (see module doc).
+        optim_args: overrides ``args.optim_args``: ``"rank=64,update_proj_gap=100,alpha=0.25"``.
+        variant: a name of :data:`fira_optim.VARIANTS` (``"fira"``, ``"galore"``, ablations...)
+            whose overrides are applied first.
+        lr, betas, eps, weight_decay: override the values read from ``args``.
+        decay_parameter_names: parameters that receive weight decay (default: the >= 2-D ones).
+        **fira_options: any other FiraAdamW keyword (``rank=16``, ``alpha=1.0``, ...) for the
+            projected group; they win over ``optim_args``.
+    """
+    kwargs = _resolve(
+        model, args, optim_target_modules=optim_target_modules, optim_args=optim_args, variant=variant, lr=lr,
+        betas=betas, eps=eps, weight_decay=weight_decay, decay_parameter_names=decay_parameter_names,
+        fira_options=fira_options,
+    )
+    params = kwargs.pop("params")
+    return FiraAdamW(params, **kwargs)
+
+
+def create_fira_optimizer_and_scheduler(
+    model: nn.Module,
+    args: Any,
+    num_training_steps: int,
+    **kwargs: Any,
+) -> tuple[FiraAdamW, torch.optim.lr_scheduler.LRScheduler]:
+    """``(optimizer, scheduler)`` for ``Trainer(optimizers=(optimizer, scheduler))``.
+
+    The scheduler is the one the Trainer would build: ``transformers.get_scheduler(
+    args.lr_scheduler_type, warmup=args.get_warmup_steps(num_training_steps), ...)``.
+    ``num_training_steps`` must equal the Trainer's (``args.max_steps`` when set). Other keywords
+    go to :func:`create_fira_optimizer`.
+    """
+    if not isinstance(num_training_steps, int) or num_training_steps <= 0:
+        raise ValueError(f"num_training_steps={num_training_steps!r} must be a positive int")
+    optimizer = create_fira_optimizer(model, args, **kwargs)
+    scheduler = transformers.get_scheduler(
+        args.lr_scheduler_type,
+        optimizer=optimizer,
+        num_warmup_steps=args.get_warmup_steps(num_training_steps),
+        num_training_steps=num_training_steps,
+        scheduler_specific_kwargs=getattr(args, "lr_scheduler_kwargs", None) or {},
+    )
+    return optimizer, scheduler
+
+
+def fira_optimizer_cls_and_kwargs(model: nn.Module, args: Any, **kwargs: Any) -> tuple[type[FiraAdamW], dict]:
+    """``(FiraAdamW, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` (``params`` inside kwargs)."""
+    return FiraAdamW, _resolve(
+        model, args,
+        optim_target_modules=kwargs.pop("optim_target_modules", None),
+        optim_args=kwargs.pop("optim_args", None),
+        variant=kwargs.pop("variant", "fira"),
+        lr=kwargs.pop("lr", None), betas=kwargs.pop("betas", None), eps=kwargs.pop("eps", None),
+        weight_decay=kwargs.pop("weight_decay", None),
+        decay_parameter_names=kwargs.pop("decay_parameter_names", None),
+        fira_options=kwargs,
+    )
+
+
+class FiraTrainer(Trainer):
+    """A ``transformers.Trainer`` whose optimizer is :class:`FiraAdamW`.
+
+    The TrainingArguments' ``optim_target_modules`` and ``optim_args`` configure it (``optim``
+    itself is ignored). ``fira_options`` (a dict of FiraAdamW keywords, plus ``variant``,
+    ``optim_target_modules`` or ``optim_args``) overrides them::
+
+        FiraTrainer(model=model, args=args, train_dataset=ds,
+                    fira_options={"variant": "fira", "rank": 16, "optim_target_modules": ["lora_A", "lora_B"]})
+    """
+
+    def __init__(self, *args: Any, fira_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.fira_options = dict(fira_options or {})
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            options = dict(self.fira_options)
+            self.optimizer = create_fira_optimizer(
+                opt_model,
+                self.args,
+                decay_parameter_names=self.get_decay_parameter_names(opt_model),
+                **options,
+            )
+        return self.optimizer

@@ -1,0 +1,111 @@
+r"""Training-loop callbacks of the analyses (:class:`fira_train.train.TrainCallback`).
+
+- :class:`GradientNoise`: :math:`G \leftarrow G + s\,\xi,\ \xi \sim \mathcal{N}(0, I)` for every
+  trainable parameter before the optimizer step (the paper's noise-robustness table).
+- :class:`GroupOptions`: sets optimizer options (e.g. the limiter's :math:`\gamma`) on every
+  projected param group before each step.
+- :class:`NormRecorder`: per step, the global norm of the raw gradient and, for the Fira
+  family, the global norm of the scaled, limited residual :math:`\|S_t\|` that the optimizer
+  applied (the limiter figure).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fira_train.analysis.runs import JsonlWriter
+from fira_train.train import TrainCallback
+
+
+class GradientNoise(TrainCallback):
+    r"""Add :math:`s\,\mathcal{N}(0, 1)` noise to every gradient entry before the optimizer step.
+
+    The noise comes from a generator of its own (``seed``), so the data order and every other
+    random draw of the run are those of the noise-free run.
+    """
+
+    def __init__(self, scale: float, seed: int = 0) -> None:
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale >= 0):
+            raise ValueError(f"noise scale must be a finite number >= 0, got scale={scale!r}")
+        self.scale = float(scale)
+        self.seed = seed
+        self._generator: torch.Generator | None = None
+
+    def before_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    loss: float) -> None:
+        if self.scale == 0:
+            return
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.seed)
+        for p in model.parameters():
+            if p.grad is not None:
+                noise = torch.randn(p.grad.shape, generator=self._generator, dtype=torch.float32)
+                p.grad.add_(noise.to(device=p.grad.device, dtype=p.grad.dtype), alpha=self.scale)
+
+
+class GroupOptions(TrainCallback):
+    """Set ``options`` on every projected param group (``rank`` not None) before each step.
+
+    Used for option values that the run config does not carry (the limiter's ``gamma``).
+    Raises ValueError at the first step if the optimizer has no projected group.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        if not options:
+            raise ValueError("GroupOptions needs at least one option")
+        self.options = options
+
+    def before_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    loss: float) -> None:
+        groups = [g for g in optimizer.param_groups if g.get("rank") is not None]
+        if not groups:
+            raise ValueError(f"GroupOptions({self.options}) found no projected param group in "
+                             f"{type(optimizer).__name__}")
+        for group in groups:
+            for key, value in self.options.items():
+                if key not in group:
+                    raise ValueError(f"param groups of {type(optimizer).__name__} have no option {key!r}")
+                group[key] = value
+
+
+def global_grad_norm(model: torch.nn.Module) -> float:
+    """:math:`\\sqrt{\\sum_p \\|\\nabla_p\\|^2}` over the parameters that have a gradient."""
+    norms = [torch.linalg.vector_norm(p.grad.float()) for p in model.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
+def residual_norm(optimizer: torch.optim.Optimizer) -> float | None:
+    r""":math:`\sqrt{\sum \|S_t\|^2}` over the projected matrices: the norm of the scaled residual
+    after the limiter, which the Fira family keeps as ``prev_norm``; None without such state."""
+    norms = [s["prev_norm"] for s in optimizer.state.values() if "prev_norm" in s]
+    if not norms:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack([n.float() for n in norms])))
+
+
+class NormRecorder(TrainCallback):
+    """Write ``{"step", "loss", "grad_norm"[, "residual_norm"]}`` per step to ``path`` (JSONL).
+
+    ``grad_norm`` is the raw gradient's global norm (before clipping and before the step);
+    ``residual_norm`` is :func:`residual_norm` after the step (Fira family only).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.writer = JsonlWriter(path)
+        self._grad_norm = float("nan")
+
+    def before_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    loss: float) -> None:
+        self._grad_norm = global_grad_norm(model)
+
+    def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   loss: float) -> None:
+        record: dict[str, Any] = {"step": step, "loss": loss, "grad_norm": self._grad_norm}
+        residual = residual_norm(optimizer)
+        if residual is not None:
+            record["residual_norm"] = residual
+        self.writer.write(record)

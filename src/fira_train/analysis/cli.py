@@ -1,0 +1,175 @@
+"""``fira-train analyze``: the paper's analyses as commands.
+
+::
+
+    fira-train analyze similarity [--ranks 16,128] [--every N] [--columns 100] [common flags]
+    fira-train analyze rank-sweep [--ranks 4,16,64,128] [--methods fira,galore,fira-only-scaling]
+    fira-train analyze ablation   [--variants fira,fira-no-scaling,...] [--gammas inf,1.1,1.01,1.001,1]
+    fira-train analyze spikes     [--limiter-runs fira,fira-no-limiter,fira-clip] [--galore-runs galore,galore-add]
+    fira-train analyze noise      [--methods fira-only-scaling,adamw] [--scale 1e-5]
+    fira-train analyze variance   [--samples N] [--steps N] [--seed S] [--out DIR]
+
+Common flags of the training analyses: ``--recipe`` (default ``tiny``), ``--out DIR`` (default
+``runs/analysis/<name>``), ``--steps N``, ``--seed S``, ``--data SOURCE``, ``--reuse`` (keep
+finished runs of the same config), ``--overwrite`` (redo existing runs) and trailing
+``section.field=value`` overrides applied to the recipe (e.g. ``train.batch_size=4``).
+Each writes ``OUT/report.md`` and a PNG figure, and one run folder per training run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import shlex
+from pathlib import Path
+from typing import Any, Callable
+
+ANALYSES = ("similarity", "rank-sweep", "ablation", "spikes", "noise", "variance")
+
+
+def _names(text: str, flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"{flag} must list at least one name, got {text!r}")
+    return names
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(n) for n in _names(text, flag)]
+    except ValueError as err:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from err
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [math.inf if n.lower() in ("inf", "infinity") else float(n) for n in _names(text, flag)]
+    except ValueError as err:
+        raise ValueError(f"{flag} must be comma-separated numbers (or inf), got {text!r}") from err
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    return "fira-train " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
+
+
+def _config(args: argparse.Namespace):
+    from fira_train.overrides import apply_overrides
+    from fira_train.recipes import get_recipe
+
+    config = get_recipe(args.recipe)
+    flags = {}
+    if args.steps is not None:
+        flags["train.steps"] = str(args.steps)
+    if args.seed is not None:
+        flags["train.seed"] = str(args.seed)
+    if args.data is not None:
+        flags["data.source"] = args.data
+    config = apply_overrides(config, flags)
+    return apply_overrides(config, list(args.overrides))
+
+
+def _run(target: str, **extra: Callable[[argparse.Namespace], Any]):
+    """The ``func`` of an analysis sub-command; ``target`` is ``"module:function"``, imported
+    only when the command runs (torch stays out of ``fira-train --help``)."""
+    module_name, function = target.split(":")
+
+    def command(args: argparse.Namespace) -> int:
+        analysis = getattr(importlib.import_module(module_name), function)
+        config = _config(args)
+        out = args.out or f"runs/analysis/{args.analysis}"
+        options = {key: get(args) for key, get in extra.items()}
+        options = {k: v for k, v in options.items() if v is not None}
+        result = analysis(config, out, reuse=args.reuse, overwrite=args.overwrite,
+                          command=_command_line(args), **options)
+        print(Path(result["report"]).read_text())
+        print(f"report: {result['report']}")
+        print(f"figure: {result['figure']}")
+        return 0
+
+    return command
+
+
+def _common(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("--recipe", default="tiny", help="recipe (default tiny; micro for a smoke test)")
+    parser.add_argument("--out", help=f"output folder (default runs/analysis/{name})")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (train.steps)")
+    parser.add_argument("--seed", type=int, help="seed of init, data order and noise (train.seed)")
+    parser.add_argument("--data", help="data source (data.source): wiki, c4 or a local path")
+    parser.add_argument("--reuse", action="store_true", help="keep finished runs made with the same config")
+    parser.add_argument("--overwrite", action="store_true", help="delete and redo existing runs")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. train.batch_size=4 model.num_hidden_layers=2")
+    parser.set_defaults(analysis=name)
+
+
+def _variance(args: argparse.Namespace) -> int:
+    from fira_train.analysis.variance import run_variance_analysis
+
+    out = args.out or "runs/analysis/variance"
+    result = run_variance_analysis(out, samples=args.samples, steps=args.steps, seed=args.seed,
+                                   command=_command_line(args), machine=_machine())
+    print(Path(result["report"]).read_text())
+    print(f"report: {result['report']}")
+    print(f"figure: {result['figure']}")
+    return 0
+
+
+def _machine() -> str:
+    from fira_train.analysis.runs import machine_description
+
+    return machine_description()
+
+
+def register(subparsers: Any) -> None:
+    """Add ``fira-train analyze {similarity,rank-sweep,ablation,spikes,noise,variance}``."""
+    parser = subparsers.add_parser(
+        "analyze", help="the paper's analyses (similarity, rank-sweep, ablation, spikes, noise, variance)",
+        description="Train what an analysis of the Fira paper needs and write OUT/report.md and a figure.")
+    sub = parser.add_subparsers(dest="analysis_name", required=True, metavar="ANALYSIS")
+
+    p = sub.add_parser("similarity", help="low-rank vs full-rank scaling factors (cosine, MSE, correlations)")
+    p.add_argument("--ranks", default="16,128", help="Fira ranks (default 16,128: r/d_model 16/256 and 128/256)")
+    p.add_argument("--every", type=int, help="record the factors every N steps (default steps // 100)")
+    p.add_argument("--columns", type=int, default=100, help="columns sampled per matrix (default 100)")
+    _common(p, "similarity")
+    p.set_defaults(func=_run("fira_train.analysis.similarity:run_similarity", ranks=lambda a: _ints(a.ranks, "--ranks"),
+                             every=lambda a: a.every, columns=lambda a: a.columns))
+
+    p = sub.add_parser("rank-sweep", help="validation perplexity of Fira / GaLore / Fira-only-scaling vs rank")
+    p.add_argument("--ranks", default="4,16,64,128", help="ranks (default 4,16,64,128)")
+    p.add_argument("--methods", default="fira,galore,fira-only-scaling", help="methods swept over the ranks")
+    _common(p, "rank-sweep")
+    p.set_defaults(func=_run("fira_train.analysis.rank_sweep:run_rank_sweep", ranks=lambda a: _ints(a.ranks, "--ranks"),
+                             methods=lambda a: _names(a.methods, "--methods")))
+
+    p = sub.add_parser("ablation", help="scaling / limiter ablations, stabilisers and gamma")
+    p.add_argument("--variants", default="fira,fira-no-scaling,fira-matrix,fira-no-limiter,fira-clip,fira-shrink,fira-tensorwise", help="ablation methods")
+    p.add_argument("--gammas", default="inf,1.1,1.01,1.001,1", help="limiter gammas (inf: no limiter)")
+    _common(p, "ablation")
+    p.set_defaults(func=_run("fira_train.analysis.ablation:run_ablation", variants=lambda a: _names(a.variants, "--variants"),
+                             gammas=lambda a: _floats(a.gammas, "--gammas")))
+
+    p = sub.add_parser("spikes", help="loss and gradient norm with / without the limiter; GaLore vs GaLore-add")
+    p.add_argument("--limiter-runs", default="fira,fira-no-limiter,fira-clip", help="Fira variants of the limiter figure")
+    p.add_argument("--galore-runs", default="galore,galore-add", help="runs of the GaLore-add figure")
+    p.add_argument("--galore-rank", type=int, default=16,
+                   help="rank of the GaLore runs (default 16: the paper's r/d_model = 16/256)")
+    _common(p, "spikes")
+    p.set_defaults(func=_run("fira_train.analysis.spikes:run_spikes", limiter_runs=lambda a: _names(a.limiter_runs, "--limiter-runs"),
+                             galore_runs=lambda a: _names(a.galore_runs, "--galore-runs"),
+                             galore_rank=lambda a: a.galore_rank))
+
+    p = sub.add_parser("noise", help="Fira-only-scaling vs AdamW with and without gradient noise")
+    p.add_argument("--methods", default="fira-only-scaling,adamw", help="methods (default fira-only-scaling,adamw)")
+    p.add_argument("--scale", type=float, default=1e-5, help="noise scale s in s * N(0, 1) (default 1e-5)")
+    _common(p, "noise")
+    p.set_defaults(func=_run("fira_train.analysis.noise:run_noise", methods=lambda a: _names(a.methods, "--methods"),
+                             scale=lambda a: a.scale))
+
+    p = sub.add_parser("variance", help="Var[phi] simulation across ranks and the Theorem 2 check (no training)")
+    p.add_argument("--samples", type=int, default=10_000, help="Monte Carlo samples (default 10000)")
+    p.add_argument("--steps", type=int, default=1000, help="simulated Adam steps (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every draw (default 0)")
+    p.add_argument("--out", help="output folder (default runs/analysis/variance)")
+    p.set_defaults(func=_variance, analysis="variance")

@@ -1,0 +1,203 @@
+"""What every training analysis shares: a list of runs, trained one after another, and the report.
+
+An analysis is a thin layer over :func:`fira_train.train.train`: it names its runs
+(:class:`AnalysisRun`: a method, ``key=value`` overrides and optional callbacks), trains them
+on one shared corpus into ``OUT/<run name>/`` (:func:`train_runs`), then turns their
+``metrics.jsonl`` / ``summary.json`` (and any file a callback wrote) into ``OUT/report.md`` and
+a PNG figure.
+
+Every run of an analysis starts from the same configuration, so the same seed gives the same
+initial weights and the same batches in the same order; only what the run names changes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fira_train.config import RunConfig
+    from fira_train.train import TrainCallback
+
+log = logging.getLogger(__name__)
+
+#: Where the paper's numbers come from: LLaMA 60M (d_model 512, 8 layers; the rank study at
+#: d_model 256), C4, 10K steps of 131K tokens (1.3B tokens), T = 200.
+PAPER_SCALE = ("LLaMA 60M on C4, 10,000 steps of 512 x 256 tokens (1.3B tokens), T = 200")
+
+PAPER_TOKENS = 10_000 * 512 * 256
+RUN_SPEC_FILE = "analysis_run.json"
+
+
+@dataclass(frozen=True)
+class AnalysisRun:
+    """One training run of an analysis."""
+
+    name: str
+    """Directory name under the analysis folder, and the label in tables and figures."""
+    method: str
+    """A :mod:`fira_train.methods` name."""
+    overrides: tuple[str, ...] = ()
+    """``section.field=value`` config overrides applied after the method."""
+    callbacks: Callable[[Path], Sequence["TrainCallback"]] | None = field(default=None, compare=False)
+    """Builds the run's callbacks given its directory (they may write files there)."""
+    describe: str = ""
+    """What the callbacks change, recorded with the run (``OUT/<name>/analysis_run.json``) so that
+    a run is only reused when it was made the same way."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"run name must be a plain directory name, got name={self.name!r}")
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, "method": self.method, "overrides": list(self.overrides),
+                "callbacks": self.describe}
+
+
+def run_config(config: "RunConfig", run: AnalysisRun, out_dir: str | Path) -> "RunConfig":
+    """``config`` with ``run``'s method and overrides, writing to ``out_dir/run.name``."""
+    from fira_train.overrides import apply_overrides
+
+    config = replace(config, optim=replace(config.optim, method=run.method))
+    config = apply_overrides(config, list(run.overrides))
+    return replace(config, train=replace(config.train, out_dir=str(Path(out_dir) / run.name)))
+
+
+def _reusable(config: "RunConfig", run: AnalysisRun, run_dir: Path) -> bool:
+    from fira_train.compare import _finished_with
+
+    spec = run_dir / RUN_SPEC_FILE
+    return (_finished_with(config, run_dir) and spec.exists()
+            and json.loads(spec.read_text()) == run.spec())
+
+
+def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | Path, *,
+               reuse: bool = False, overwrite: bool = False) -> dict[str, dict[str, Any]]:
+    """Train ``runs`` one after another on one shared corpus; returns ``{name: summary}``.
+
+    ``reuse``: a run whose folder already holds a finished run of the same config and spec is
+    not trained again; any other run in the way is deleted and redone. ``overwrite``: every
+    existing run is deleted and redone. With neither, an existing run is an error
+    (:func:`fira_train.train.train` refuses to overwrite it).
+    """
+    from fira_train.data import build_corpus
+    from fira_train.train import train
+
+    names = [r.name for r in runs]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"run name {duplicates[0]!r} appears twice")
+    out_dir = Path(out_dir)
+    configs = [run_config(config, r, out_dir) for r in runs]  # validates every override first
+    out_dir.mkdir(parents=True, exist_ok=True)
+    corpus = build_corpus(config.data)
+    summaries = {}
+    for index, (run, cfg) in enumerate(zip(runs, configs), start=1):
+        run_dir = Path(cfg.train.out_dir)
+        if reuse and _reusable(cfg, run, run_dir):
+            log.info("[%d/%d] %s: finished run reused from %s", index, len(runs), run.name, run_dir)
+            summaries[run.name] = json.loads((run_dir / "summary.json").read_text())
+            continue
+        log.info("[%d/%d] %s (%s %s) -> %s", index, len(runs), run.name, run.method,
+                 " ".join(run.overrides), run_dir)
+        (run_dir / RUN_SPEC_FILE).unlink(missing_ok=True)
+        callbacks = list(run.callbacks(run_dir)) if run.callbacks is not None else []
+        summary = train(cfg, overwrite=overwrite or reuse, corpus=corpus, callbacks=callbacks)
+        (run_dir / RUN_SPEC_FILE).write_text(json.dumps(run.spec(), indent=2) + "\n")
+        log.info("[%d/%d] %s: validation perplexity %.2f", index, len(runs), run.name, summary["val_ppl"])
+        summaries[run.name] = summary
+    return summaries
+
+
+# --------------------------------------------------------------------------- report helpers
+
+
+def machine_description() -> str:
+    """CPU / GPU, core count and library versions, for the report header."""
+    import torch
+
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+    else:
+        device = f"CPU ({platform.machine()}, {os.cpu_count()} logical cores)"
+    return f"{device}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def budget_description(config: "RunConfig") -> str:
+    """The scale the analysis ran at, in one sentence."""
+    t, m, d = config.train, config.model, config.data
+    tokens = t.steps * t.batch_size * d.seq_len
+    return (f"recipe `{config.recipe}`: LLaMA d_model {m.hidden_size}, {m.num_hidden_layers} layers, "
+            f"{m.num_attention_heads} heads; {t.steps} steps of {t.batch_size} x {d.seq_len} tokens "
+            f"({tokens:,} tokens), data `{d.source}`, seed {t.seed}, T = {config.optim.update_proj_gap}, "
+            f"alpha = {config.optim.alpha}")
+
+
+def scale_note(config: "RunConfig") -> str:
+    """How far the budget is from the paper's, in tokens."""
+    t = config.train
+    tokens = t.steps * t.batch_size * config.data.seq_len
+    if tokens >= PAPER_TOKENS:
+        return "This budget reaches the paper's number of tokens."
+    return (f"This budget is {tokens / PAPER_TOKENS:.1e} of the paper's tokens: the paper's scale was "
+            "not reached, and the numbers below are as measured, not tuned.")
+
+
+def report_header(title: str, config: "RunConfig", *, command: str | None, note: str = "") -> list[str]:
+    """Title, date, command, machine and budget lines of a report."""
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# {title}", "", f"- Date: {date}",
+             f"- Command: `{command}`" if command else "- Command: (called from Python)",
+             f"- Machine: {machine_description()}",
+             f"- Budget: {budget_description(config)}",
+             f"- Paper's scale: {PAPER_SCALE}. {scale_note(config)}"]
+    if note:
+        lines.append(f"- {note}")
+    return lines + [""]
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table; floats are written with 4 significant digits."""
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+class JsonlWriter:
+    """Appends one JSON object per line to a file (created empty on construction)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("")
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")

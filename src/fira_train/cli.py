@@ -1,0 +1,194 @@
+"""``fira-train``: the command line (``python -m fira_train`` is the same).
+
+Subcommands (stable names):
+
+- ``fira-train pretrain --recipe NAME --method NAME [--data wiki|c4|PATH] [--steps N] [--out DIR]
+  [--resume | --resume-step STEP] [key=value ...]``: one run;
+- ``fira-train compare --recipe NAME --methods a,b,c [--out DIR] ...``: several runs on the same
+  data, tokens and seed, then ``DIR/report.md`` and ``DIR/loss.png`` (:mod:`fira_train.compare`);
+- ``fira-train memory``: the paper's memory-estimate table (:mod:`fira_train.memory`);
+- ``fira-train methods``: the method registry with default learning rates.
+
+Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
+``func``; :func:`build_parser` imports them (and optional plug-ins: ``fira_train.finetune``,
+``fira_train.analysis.cli``) only when the parser is built, so ``--help`` stays fast.
+
+Flags map onto config keys and are applied after the recipe, then the trailing
+``section.field=value`` overrides (which win): ``--data`` -> ``data.source``, ``--steps`` ->
+``train.steps``, ``--out`` -> ``train.out_dir``, ``--rank`` -> ``optim.rank``,
+``--update-proj-gap`` -> ``optim.update_proj_gap``, ``--lr`` -> ``optim.lr``, ``--seed`` ->
+``train.seed``, ``--save-every`` -> ``train.save_every``, ``--eval-every`` -> ``train.eval_every``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Any
+
+PROG = "fira-train"
+
+#: flag dest -> config key
+FLAG_KEYS = {
+    "data": "data.source",
+    "steps": "train.steps",
+    "out": "train.out_dir",
+    "rank": "optim.rank",
+    "update_proj_gap": "optim.update_proj_gap",
+    "lr": "optim.lr",
+    "seed": "train.seed",
+    "save_every": "train.save_every",
+    "eval_every": "train.eval_every",
+}
+
+#: Optional subcommand modules written elsewhere in the project.
+PLUGINS = ("fira_train.finetune", "fira_train.analysis.cli")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags shared by ``pretrain`` and ``compare``."""
+    parser.add_argument("--recipe", required=True,
+                        help="60m, 130m, 350m, 1b, 7b (the paper's LLaMA models), tiny (CPU, ~10 min "
+                             "per method) or micro (seconds, for tests)")
+    parser.add_argument("--data", help="wiki (the embedded Wikipedia corpus, default), c4 (streams "
+                                       "allenai/c4, online) or a local file / folder of .txt/.jsonl")
+    parser.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    parser.add_argument("--rank", type=int, help="projection / LoRA rank (optim.rank)")
+    parser.add_argument("--update-proj-gap", type=int, help="subspace update gap T (optim.update_proj_gap)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr; default: the method's)")
+    parser.add_argument("--seed", type=int, help="seed of init, data order and RNGs (train.seed)")
+    parser.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (train.save_every)")
+    parser.add_argument("--eval-every", type=int, metavar="N", help="validate every N steps (train.eval_every)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in the output directory "
+                             "(from step 0 if there is none)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete a previous run in the output directory and start over")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides, e.g. train.batch_size=32 optim.alpha=0.5 "
+                             "model.num_hidden_layers=2 (sections: model, optim, data, train)")
+
+
+def config_from_args(args: argparse.Namespace):
+    """The recipe, then the flags (``--method`` -> ``optim.method`` too), then the overrides."""
+    from fira_train.overrides import apply_overrides
+    from fira_train.recipes import get_recipe
+
+    config = get_recipe(args.recipe)
+    flags = {key: str(getattr(args, dest)) for dest, key in FLAG_KEYS.items()
+             if getattr(args, dest, None) is not None}
+    if getattr(args, "method", None) is not None:
+        flags["optim.method"] = args.method
+    config = apply_overrides(config, flags)
+    return apply_overrides(config, list(args.overrides))
+
+
+def resume_request(args: argparse.Namespace) -> str | int | None:
+    """``train``'s ``resume`` argument from ``--resume`` / ``--resume-step``."""
+    if getattr(args, "resume_step", None) is not None:
+        if args.resume_step < 0:
+            raise ValueError(f"--resume-step must be >= 0, got {args.resume_step}")
+        return args.resume_step
+    return "latest" if args.resume else None
+
+
+def _human_bytes(n: float) -> str:
+    return f"{n / 1024 ** 3:.2f} GiB" if n >= 1024 ** 3 else f"{n / 1024 ** 2:.1f} MiB"
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from fira_train.train import train
+
+    config = config_from_args(args)
+    summary = train(config, resume=resume_request(args), overwrite=args.overwrite)
+    out = config.train.out_dir
+    print(f"{summary['method']}: validation perplexity {summary['val_ppl']:.2f} (loss "
+          f"{summary['val_loss']:.4f}) after {summary['steps']} steps, {summary['tokens']:,} tokens")
+    print(f"throughput {summary['tokens_per_s']:,.0f} tokens/s; optimizer state "
+          f"{summary['optimizer_state_numel']:,} elements ({_human_bytes(summary['optimizer_state_bytes'])}); "
+          f"peak memory {_human_bytes(summary['peak_memory_bytes'])}")
+    print(f"run directory: {out} (config.json, metrics.jsonl, summary.json, tb/, checkpoints/)")
+    return 0
+
+
+def _register_pretrain(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "pretrain", help="pre-train a LLaMA model with one method",
+        description="Pre-train a randomly initialised LLaMA with one method; writes OUT/config.json, "
+                    "OUT/metrics.jsonl, OUT/summary.json, OUT/tb/ and OUT/checkpoints/.")
+    parser.add_argument("--method", required=True,
+                        help="training method (fira, galore, adamw, lora, relora, ...; "
+                             "`fira-train methods` lists them all)")
+    parser.add_argument("--out", help="run directory (train.out_dir; default: the recipe's, e.g. runs/tiny)")
+    parser.add_argument("--resume-step", type=int, metavar="STEP",
+                        help="continue from the checkpoint of step STEP (an error if it is missing)")
+    add_run_arguments(parser)
+    parser.set_defaults(func=_pretrain)
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from fira_train.memory import format_memory_table, memory_table
+
+    print(format_memory_table(memory_table()))
+    return 0
+
+
+def _register_memory(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "memory", help="the paper's memory estimates (params + grads + optimizer states, BF16)",
+        description="Memory estimate of parameters, gradients and optimizer states in BF16 for the "
+                    "paper's LLaMA sizes and every method (the paper's appendix C.1).")
+    parser.set_defaults(func=_memory)
+
+
+def _methods(args: argparse.Namespace) -> int:
+    from fira_train.methods import METHODS
+
+    width = max(len(name) for name in METHODS)
+    for method in METHODS.values():
+        print(f"{method.name:<{width}}  lr {method.default_lr:<6g} {method.description}")
+    return 0
+
+
+def _register_methods(subparsers: Any) -> None:
+    parser = subparsers.add_parser("methods", help="list the training methods and their default learning rates")
+    parser.set_defaults(func=_methods)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Pre-train LLaMA models with Fira, GaLore, AdamW, LoRA and more.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from fira_train import compare
+
+    _register_pretrain(subparsers)
+    compare.register(subparsers)
+    _register_memory(subparsers)
+    _register_methods(subparsers)
+    for module_name in PLUGINS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and module_name.startswith(err.name):
+                continue  # that plug-in is not part of this installation
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``fira-train`` and ``python -m fira_train``; returns the exit status."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv  # recorded in reports
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    from fira_train.checkpoint import CheckpointError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError) as err:
+        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,337 @@
+r"""One pre-training run: build, (resume,) train, evaluate, checkpoint, summarise.
+
+:func:`train` is one flat loop. Each optimizer step accumulates ``train.grad_accum``
+micro-batches (each loss divided by the number of micro-batches, so the gradient is that of
+the mean token loss of the whole batch), optionally clips the global gradient norm, steps the
+optimizer and the warm-up + cosine schedule, and logs ``step, loss, lr, tokens_per_s``.
+
+Validation perplexity is averaged over tokens: every validation sequence of length L gives
+L - 1 next-token predictions, and
+
+.. math::
+    \mathrm{val\_loss} = \frac{\sum_{b}\sum_{i,t} \ell_{b,i,t}}{\sum_b B_b (L - 1)}, \qquad
+    \mathrm{val\_ppl} = \exp(\mathrm{val\_loss})
+
+(the released harness divides a sum of per-batch means by the number of batches plus one).
+
+Model, method (optimizer) and schedule are built by :func:`build_training`, so that a
+``parallelize(model, ...)`` step (DDP / FSDP2) can be inserted between the model and the
+optimizer without touching the loop.
+
+Analyses hook into the loop through ``callbacks`` (:class:`TrainCallback`): code that must see
+the gradients or the optimizer's state at every step (recording scaling factors, injecting
+gradient noise) without a second training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fira_train import checkpoint as ckpt
+from fira_train.config import RunConfig
+from fira_train.overrides import config_from_dict, config_to_dict
+from fira_train.run_state import capture_state, restore_state, seed_everything
+from fira_train.data import build_corpus
+from fira_train.methods import MethodSetup, build_method, get_method, resolved_lr
+from fira_train.metrics import MetricsLog, PeakMemory, optimizer_state_bytes, optimizer_state_numel, perplexity
+from fira_train.model import build_model, count_parameters
+from fira_train.schedule import WarmupCosine
+
+log = logging.getLogger(__name__)
+
+#: Config keys that may differ between a run and its resumption (they do not change the
+#: trajectory of the weights).
+RESUMABLE_CHANGES = frozenset({
+    "train.save_every", "train.keep_last", "train.eval_every", "train.progress",
+    "train.tensorboard", "train.out_dir",
+})
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite; the run stops before updating the weights."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"non-finite training loss {loss} at step {step}; the run stopped before "
+                         "applying that step's update (lower optim.lr, enable train.grad_clip, or "
+                         "resume from an earlier checkpoint)")
+        self.step = step
+        self.loss = loss
+
+
+class TrainCallback:
+    """Hooks into :func:`train`'s loop; subclasses override what they need (both default to no-ops).
+
+    ``step`` is the number of the optimizer step being taken (1 for the first), ``loss`` that
+    step's mean training loss. Callbacks are not part of the config or the checkpoint: one that
+    changes the trajectory (gradient noise, optimizer options) must be recorded by its caller,
+    and is re-applied, not restored, on resume.
+    """
+
+    def before_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    loss: float) -> None:
+        """After the step's gradients are accumulated in ``p.grad``, before clipping and
+        ``optimizer.step()``: gradients may be read or modified here."""
+
+    def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   loss: float) -> None:
+        """After ``optimizer.step()``, before the gradients are zeroed: the step's gradients
+        and the optimizer state that step produced are both available."""
+
+
+@dataclass
+class Training:
+    """Everything the loop mutates, built by :func:`build_training`."""
+
+    setup: MethodSetup
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    device: torch.device
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.setup.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.setup.optimizer
+
+
+def resolve_device(config: RunConfig) -> torch.device:
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but CUDA is not available")
+    if config.train.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.train.device)
+
+
+def autocast_for(config: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA devices that support it ("auto"), or wherever "bf16" asks for it."""
+    precision = config.train.precision
+    if precision == "auto":
+        use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    else:
+        use_bf16 = precision == "bf16"
+    if use_bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build_training(config: RunConfig, vocab_size: int, device: torch.device) -> Training:
+    """Model (seeded random init) -> [parallelize] -> method (optimizer) -> schedule."""
+    model = build_model(config.model, vocab_size, config.data.seq_len, config.train.seed).to(device)
+    # A parallelize(model, config) step (DDP / FSDP2) goes here, before the optimizer sees
+    # the parameters.
+    setup = build_method(model, config)
+    schedule = WarmupCosine(config.train.steps, config.train.warmup_fraction, config.train.min_lr_ratio,
+                            restart_every=setup.restart_every, rewarmup=setup.rewarmup)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, schedule)
+    return Training(setup, scheduler, device)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device,
+             autocast: contextlib.AbstractContextManager) -> tuple[float, int]:
+    """(mean next-token loss over all validation tokens, number of tokens)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for batch in batches:
+        ids = batch.to(device)  # (B, L)
+        with autocast:
+            logits = model(input_ids=ids).logits  # (B, L, V)
+        targets = ids[:, 1:]  # position t predicts token t + 1
+        losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        total += losses.double()
+        count += targets.numel()
+    model.train(was_training)
+    return (total / count).item(), count
+
+
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _config_changes(old: RunConfig, new: RunConfig) -> list[str]:
+    a, b = config_to_dict(old), config_to_dict(new)
+    changed = []
+    for section in ("model", "optim", "data", "train"):
+        for key in a[section].keys() | b[section].keys():
+            if a[section].get(key) != b[section].get(key):
+                changed.append(f"{section}.{key}")
+    return sorted(k for k in changed if k not in RESUMABLE_CHANGES)
+
+
+def _prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool) -> None:
+    previous = [p for p in ("metrics.jsonl", "summary.json", ckpt.CHECKPOINT_DIR) if (out / p).exists()]
+    if resume is None and previous:
+        if not overwrite:
+            raise FileExistsError(f"{str(out)!r} already holds a run ({', '.join(previous)}); pass "
+                                  "--resume to continue it or --overwrite to start over")
+        for name in ("metrics.jsonl", "summary.json", "config.json", "tb", ckpt.CHECKPOINT_DIR):
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+    if resume is not None and (out / "config.json").exists():
+        saved = config_from_dict(json.loads((out / "config.json").read_text()))
+        changes = _config_changes(saved, config)
+        if changes:
+            raise ValueError(f"cannot resume {str(out)!r} with a different config: {', '.join(changes)} "
+                             "differ from its config.json (resuming must reproduce the same run)")
+
+
+def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool = False,
+          corpus: Any = None, callbacks: Sequence[TrainCallback] = ()) -> dict[str, Any]:
+    """Run (or resume) ``config``; returns the summary also written to ``OUT/summary.json``.
+
+    ``resume``: None (fresh run; an existing run in OUT is an error unless ``overwrite``),
+    ``"latest"`` (continue from the newest complete checkpoint, or start fresh if there is
+    none) or a step number (that checkpoint; FileNotFoundError if absent). ``corpus`` lets
+    several runs share one tokenised corpus (``compare``). ``callbacks`` are called in order
+    at every step (:class:`TrainCallback`).
+    """
+    config = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
+    get_method(config.optim.method)
+    out = Path(config.train.out_dir)
+    main = _is_main_process()
+    _prepare_out_dir(config, out, resume, overwrite)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+
+    state = None
+    if resume is not None:
+        path = ckpt.latest_checkpoint(out) if resume == "latest" else ckpt.find_checkpoint(out, int(resume))
+        if path is None:
+            log.info("no complete checkpoint in %s: starting from step 0", out)
+        else:
+            state = ckpt.load_checkpoint(out, path)  # verified and fully read before anything loads
+        if main:
+            ckpt.remove_partial(out)
+
+    if config.train.num_threads:
+        torch.set_num_threads(config.train.num_threads)
+    seed_everything(config.train.seed)
+    device = resolve_device(config)
+    autocast = autocast_for(config, device)
+    if corpus is None:
+        corpus = build_corpus(config.data)
+    training = build_training(config, corpus.vocab_size, device)
+    model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
+    stream = corpus.train_batches(config.train.micro_batch_size or config.train.batch_size, config.train.seed)
+    val_batches = corpus.val_batches(config.train.micro_batch_size or config.train.batch_size)
+
+    step, progress = 0, {"tokens": 0, "train_time_s": 0.0}
+    restored = state is not None
+    if restored:
+        step, progress = restore_state(state, training, stream)
+        log.info("resumed %s from step %d", out, step)
+    del state
+    metrics = MetricsLog(out, tensorboard=config.train.tensorboard and main,
+                         resume_step=step if resume is not None else None) if main else None
+
+    t = config.train
+    accum = t.grad_accum
+    tokens_per_step = t.batch_size * config.data.seq_len
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    memory = PeakMemory(device)
+    memory.reset()
+    val_loss = float("nan")
+    run_start = time.perf_counter()
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=t.steps, initial=step, desc=config.optim.method, unit="step",
+               disable=not (t.progress and main), dynamic_ncols=True)
+    model.train()
+    while step < t.steps:
+        started = time.perf_counter()
+        lr = optimizer.param_groups[0]["lr"]
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(accum):
+            ids = next(stream).to(device)  # (micro_batch, seq_len)
+            with autocast:
+                loss = model(input_ids=ids, labels=ids).loss  # mean over micro_batch * (seq_len - 1)
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        step_loss = (loss_sum / accum).item()
+        if not math.isfinite(step_loss):
+            bar.close()
+            raise NonFiniteLossError(step + 1, step_loss)
+        for callback in callbacks:
+            callback.before_step(step + 1, model, optimizer, step_loss)
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(trainable, t.grad_clip)
+        optimizer.step()
+        for callback in callbacks:
+            callback.after_step(step + 1, model, optimizer, step_loss)
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if training.setup.after_step is not None:
+            training.setup.after_step(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - started
+        progress["tokens"] += tokens_per_step
+        progress["train_time_s"] += elapsed
+
+        record = {"step": step, "loss": step_loss, "lr": lr, "tokens_per_s": tokens_per_step / elapsed,
+                  "tokens": progress["tokens"]}
+        if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+            val_loss, _ = evaluate(model, val_batches, device, autocast)
+            record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
+        if metrics is not None:
+            metrics.log(record)
+        bar.update(1)
+        bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "tokens_per_s", "val_ppl") if k in record})
+        if main and (step == t.steps or (t.save_every and step % t.save_every == 0)):
+            ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress))
+            ckpt.prune_checkpoints(out, t.keep_last)
+    bar.close()
+
+    if math.isnan(val_loss):  # resumed at the final step: evaluate the restored weights
+        val_loss, _ = evaluate(model, val_batches, device, autocast)
+    summary = {
+        "recipe": config.recipe,
+        "method": config.optim.method,
+        "rank": config.optim.rank if get_method(config.optim.method).uses_rank else None,
+        "update_proj_gap": config.optim.update_proj_gap,
+        "lr": config.optim.lr,
+        "steps": step,
+        "tokens": progress["tokens"],
+        "seed": t.seed,
+        "parameters": count_parameters(model),
+        "trainable_parameters": sum(p.numel() for p in trainable),
+        "val_loss": val_loss,
+        "val_ppl": perplexity(val_loss),
+        "val_tokens": sum(b[:, 1:].numel() for b in val_batches),
+        "tokens_per_s": progress["tokens"] / max(progress["train_time_s"], 1e-9),
+        "train_time_s": progress["train_time_s"],
+        "wall_time_s": time.perf_counter() - run_start,
+        "optimizer_state_numel": optimizer_state_numel(optimizer),
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+        "peak_memory_bytes": memory.peak_bytes(),
+        "peak_memory_kind": memory.kind,
+        "device": str(device),
+        "data": corpus.describe(),
+    }
+    if metrics is not None:
+        metrics.close()
+    if main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,309 @@
+"""fira_optim.integrations: Fira inside transformers.Trainer, with peft, and through checkpoints."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fira_optim import FiraAdamW, optimizer_state_numel  # noqa: E402
+from fira_optim.integrations import (  # noqa: E402
+    FiraTrainer,
+    create_fira_optimizer,
+    create_fira_optimizer_and_scheduler,
+    fira_optimizer_cls_and_kwargs,
+    parse_optim_args,
+    target_module_matches,
+    target_parameter_names,
+    trainer_param_groups,
+)
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine extra threads only contend."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+HIDDEN, VOCAB, SEQ = 32, 64, 12
+
+
+def tiny_llama(seed: int = 0, tie: bool = False) -> "transformers.LlamaForCausalLM":
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token sequences with a learnable rule (next token = token + 1 mod VOCAB)."""
+
+    def __init__(self, n: int = 32, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (n, 1), generator=g)
+        self.ids = (start + torch.arange(SEQ)) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def training_args(out: Path, **overrides) -> "transformers.TrainingArguments":
+    options = dict(
+        output_dir=str(out), per_device_train_batch_size=4, max_steps=6, learning_rate=1e-2,
+        lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=True, seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        optim_target_modules=["q_proj", "v_proj", "mlp"], optim_args="rank=4,update_proj_gap=2,alpha=0.5",
+    )
+    options.update(overrides)
+    return transformers.TrainingArguments(**options)
+
+
+LINEARS_PER_LAYER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+# ---------------------------------------------------------------- optim_args and target modules
+
+
+def test_parse_optim_args_types_aliases_and_errors():
+    parsed = parse_optim_args("rank=64, update_proj_gap=100,scale=0.25,proj_type=std,stagger=true,gamma=1.1")
+    assert parsed == {"rank": 64, "update_proj_gap": 100, "alpha": 0.25, "proj_type": "std", "stagger": True,
+                      "gamma": 1.1}
+    assert isinstance(parsed["rank"], int) and isinstance(parsed["alpha"], float)
+    assert parse_optim_args(None) == {} and parse_optim_args("") == {}
+    with pytest.raises(ValueError, match="unknown key 'rnak'"):
+        parse_optim_args("rnak=4")
+    with pytest.raises(ValueError, match="rank='four' must be an integer"):
+        parse_optim_args("rank=four")
+    with pytest.raises(ValueError, match="must be key=value"):
+        parse_optim_args("rank")
+    with pytest.raises(ValueError, match="'lr' comes from the TrainingArguments"):
+        parse_optim_args("lr=0.1")
+
+
+@pytest.mark.parametrize(
+    "targets, expected",
+    [
+        ("all-linear", {f"model.layers.{i}.{k}" for i in range(2) for k in
+                        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")} | {"lm_head"}),
+        ("all_linear", None),  # same as all-linear
+        (["q_proj", "v_proj"], {f"model.layers.{i}.self_attn.{k}" for i in range(2) for k in ("q_proj", "v_proj")}),
+        ([r"model\.layers\.1\.mlp\..*"], {f"model.layers.1.mlp.{k}" for k in ("gate_proj", "up_proj", "down_proj")}),
+        (r"model\.layers\.0\.self_attn\.(q|k)_proj", {"model.layers.0.self_attn.q_proj",
+                                                      "model.layers.0.self_attn.k_proj"}),
+        # A string is a full-match regex: a bare substring matches nothing.
+        ("q_proj", set()),
+    ],
+)
+def test_target_parameter_names_follow_trainer_semantics(targets, expected):
+    model = tiny_llama()
+    if expected is None:
+        expected = {n[: -len(".weight")] for n in target_parameter_names(model, "all-linear")}
+    if not expected:
+        with pytest.raises(ValueError, match="matches no trainable nn.Linear weight"):
+            target_parameter_names(model, targets)
+        return
+    names = target_parameter_names(model, targets)
+    assert {n[: -len(".weight")] for n in names} == expected
+    # The same decision as transformers' own helper for every module.
+    from transformers.trainer_utils import check_target_module_exists
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not (isinstance(targets, str) and "all" in targets):
+            assert target_module_matches(targets, name) == check_target_module_exists(targets, name)
+
+
+def test_tied_output_head_is_not_projected_by_all_linear():
+    model = tiny_llama(tie=True)
+    names = target_parameter_names(model, "all-linear")
+    assert "lm_head.weight" not in names and len(names) == 2 * len(LINEARS_PER_LAYER)
+
+
+def test_target_module_type_errors():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="optim_target_modules is None"):
+        target_parameter_names(model, None)
+    with pytest.raises(TypeError, match="must be a list of strings"):
+        target_parameter_names(model, 3)
+    with pytest.raises(ValueError, match="not a valid regex"):
+        target_parameter_names(model, "(")
+
+
+def test_trainer_param_groups_cover_every_trainable_parameter_once():
+    model = tiny_llama()
+    model.model.norm.weight.requires_grad_(False)
+    groups = trainer_param_groups(model, ["q_proj"], weight_decay=0.1, rank=4)
+    ids = [id(p) for g in groups for p in g["params"]]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(ids) == len(set(ids)) == len(trainable)
+    projected, decayed, plain = groups
+    assert projected["rank"] == 4 and len(projected["params"]) == 2
+    assert decayed["rank"] is None and decayed["weight_decay"] == 0.1
+    assert all(p.ndim >= 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and all(p.ndim == 1 for p in plain["params"])
+
+
+def test_create_fira_optimizer_reads_training_arguments_and_keywords_win(tmp_path):
+    model = tiny_llama()
+    args = training_args(tmp_path, adam_beta1=0.8, adam_epsilon=1e-7, weight_decay=0.01)
+    optimizer = create_fira_optimizer(model, args, gamma=1.05)
+    assert isinstance(optimizer, FiraAdamW)
+    projected = [g for g in optimizer.param_groups if g["rank"] is not None]
+    assert len(projected) == 1 and projected[0]["rank"] == 4
+    g = projected[0]
+    assert (g["update_proj_gap"], g["alpha"], g["gamma"], g["lr"]) == (2, 0.5, 1.05, 1e-2)
+    assert g["betas"] == (0.8, 0.999) and g["eps"] == 1e-7 and g["weight_decay"] == 0.01
+    # 2 layers x (q, v, gate, up, down): "mlp" is a substring of the MLP linears' names.
+    assert len(g["params"]) == 10
+    galore = create_fira_optimizer(model, args, variant="galore", optim_args="rank=2")
+    assert [g["residual"] for g in galore.param_groups if g["rank"] is not None] == ["drop"]
+    with pytest.raises(ValueError, match="variant='fira-typo'"):
+        create_fira_optimizer(model, args, variant="fira-typo")
+
+
+def test_importing_fira_optim_does_not_import_transformers():
+    code = "import sys, fira_optim; assert 'transformers' not in sys.modules, 'transformers imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- training through the Trainer
+
+
+def _fira(trainer) -> FiraAdamW:
+    """The Trainer's optimizer with accelerate's wrapper removed."""
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    assert isinstance(optimizer, FiraAdamW)
+    return optimizer
+
+
+def _final_losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"], r".*\.mlp\.(up|down)_proj"])
+def test_fira_trainer_trains_with_each_target_form(tmp_path, targets):
+    model = tiny_llama()
+    args = training_args(tmp_path, optim_target_modules=targets, max_steps=5)
+    trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    _fira(trainer)
+    losses = _final_losses(trainer)
+    assert len(losses) == 5 and all(math.isfinite(x) for x in losses)
+    projected = set(target_parameter_names(model, targets))
+    assert projected and all(not torch.equal(before[n], p) for n, p in model.named_parameters() if n in projected)
+    # The projected matrices really keep a rank-4 state (basis and low-rank moments).
+    state = _fira(trainer).state[dict(model.named_parameters())[sorted(projected)[0]]]
+    assert 4 in state["basis"].shape and 4 in state["exp_avg"].shape
+
+
+def test_optimizers_pair_and_cls_and_kwargs_give_the_same_training(tmp_path):
+    args = training_args(tmp_path, max_steps=4)
+    results = []
+    for mode in ("pair", "factory", "subclass"):
+        model = tiny_llama()
+        if mode == "pair":
+            pair = create_fira_optimizer_and_scheduler(model, args, num_training_steps=4)
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=pair)
+        elif mode == "factory":
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(),
+                                           optimizer_cls_and_kwargs=fira_optimizer_cls_and_kwargs(model, args))
+        else:
+            trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset())
+        trainer.train()
+        _fira(trainer)
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    # The pair uses the ">= 2-D decays" default, the others the Trainer's list; with weight_decay=0 all agree.
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+    torch.testing.assert_close(results[1], results[2], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="num_training_steps=0"):
+        create_fira_optimizer_and_scheduler(tiny_llama(), args, num_training_steps=0)
+
+
+def test_checkpoint_resume_continues_identically(tmp_path):
+    """Train 6 steps saving at 3; a fresh Trainer resumed from checkpoint-3 ends with the same weights.
+
+    update_proj_gap=2 makes the resumed run refresh its bases (steps 4 and 6) from the restored state,
+    and the Trainer loads optimizer.pt with torch.load(weights_only=True).
+    """
+    out = tmp_path / "run"
+    args = training_args(out, save_strategy="steps", save_steps=3, max_steps=6)
+    reference = tiny_llama()
+    trainer = FiraTrainer(model=reference, args=args, train_dataset=TokenDataset())
+    trainer.train()
+    checkpoint = out / "checkpoint-3"
+    assert (checkpoint / "optimizer.pt").is_file()
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)  # what the Trainer does
+    assert any("basis" in s for s in state["state"].values())
+
+    resumed_model = tiny_llama(seed=123)  # different init: everything must come from the checkpoint
+    resumed = FiraTrainer(model=resumed_model, args=args, train_dataset=TokenDataset())
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for (name, p), q in zip(reference.named_parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert _final_losses(resumed)[-1] == pytest.approx(_final_losses(trainer)[-1], rel=1e-5)
+
+
+def test_checkpoint_resume_differs_without_optimizer_state(tmp_path):
+    """Control for the test above: dropping optimizer.pt changes the result, so the state matters."""
+    out = tmp_path / "run"
+    args = training_args(out, save_strategy="steps", save_steps=3, max_steps=6)
+    reference = tiny_llama()
+    FiraTrainer(model=reference, args=args, train_dataset=TokenDataset()).train()
+    (out / "checkpoint-3" / "optimizer.pt").unlink()
+    other = tiny_llama()
+    FiraTrainer(model=other, args=args, train_dataset=TokenDataset()).train(
+        resume_from_checkpoint=str(out / "checkpoint-3"))
+    diff = max((p - q).abs().max().item() for p, q in zip(reference.parameters(), other.parameters()))
+    assert diff > 1e-4
+
+
+# ---------------------------------------------------------------- LoRA adapters + Fira
+
+
+def test_fira_on_lora_adapters_projects_the_lora_rank(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = tiny_llama()
+    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"],
+                           task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, lora)
+    names = target_parameter_names(model, ["lora_A", "lora_B"])
+    assert len(names) == 2 * 3 * 2 and all(".lora_" in n for n in names)
+    # Frozen base weights never enter the optimizer even when a pattern matches them.
+    assert not any(n.endswith("base_layer.weight") for n in target_parameter_names(model, "all-linear"))
+
+    args = training_args(tmp_path, max_steps=4, optim_target_modules=["lora_A", "lora_B"], optim_args="rank=4")
+    trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset())
+    trainer.train()
+    assert all(math.isfinite(x) for x in _final_losses(trainer))
+    lora_params = dict(model.named_parameters())
+    for name in names:
+        p = lora_params[name]
+        state = _fira(trainer).state[p]
+        # lora_A is r x n (left projection), lora_B is m x r (right): the LoRA rank side is compressed 8 -> 4.
+        expected = (4, p.shape[1]) if ".lora_A." in name else (p.shape[0], 4)
+        assert tuple(state["exp_avg"].shape) == expected, name
+    fira_numel = optimizer_state_numel(_fira(trainer))
+    adam_moments = 2 * sum(lora_params[n].numel() for n in names)
+    basis = sum(8 * 4 for _ in names)  # one r x rank basis per adapter matrix
+    assert fira_numel == adam_moments // 2 + basis + len(names)  # + one limiter norm each
+
+    # Rank >= the LoRA rank: nothing to compress, the library updates the adapters with plain Adam.
+    plain = create_fira_optimizer(model, args, optim_args="rank=8")
+    model(input_ids=TokenDataset()[0]["input_ids"][None], labels=TokenDataset()[0]["labels"][None]).loss.backward()
+    plain.step()
+    assert optimizer_state_numel(plain) == adam_moments

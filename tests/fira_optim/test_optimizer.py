@@ -1,0 +1,271 @@
+"""Optimizer behaviour (RELIABILITY.md section A): training, per-group options, no-ops, dtypes,
+state size, hooks, printing and copying."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from fira_optim import VARIANTS, FiraAdamW, GaLoreAdamW, optimizer_state_numel
+
+from .common import (assert_params_equal, assert_states_equal, clone_params, grad_sequence,
+                     make_params, run, set_grads, state_snapshot)
+
+
+# ---------------------------------------------------------------------- training
+
+
+def _regression_problem():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 16, generator=g)
+    teacher = torch.randn(8, 16, generator=g)
+    return x, torch.sin(x @ teacher.T)
+
+
+def _regression_params():
+    g = torch.Generator().manual_seed(0)
+    # A non-contiguous weight (a transposed view) and a contiguous one.
+    w1 = torch.nn.Parameter((torch.randn(16, 32, generator=g) * 0.25).t())  # 32 x 16
+    b1 = torch.nn.Parameter(torch.zeros(32))
+    w2 = torch.nn.Parameter(torch.randn(8, 32, generator=g) * 0.18)
+    return w1, b1, w2
+
+
+def _warmup_cosine(step: int) -> float:
+    return min(1.0, (step + 1) / 5) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / 20)))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_loss_goes_down_with_a_scheduler(variant):
+    x, y = _regression_problem()
+    w1, b1, w2 = _regression_params()
+    assert not w1.is_contiguous() and w2.is_contiguous()
+    opt = FiraAdamW([{"params": [w1, w2], "rank": 4, "update_proj_gap": 5}, {"params": [b1]}],
+                    lr=3e-2, **VARIANTS[variant])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine)
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = ((torch.tanh(x @ w1.T + b1) @ w2.T - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        scheduler.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.85 * losses[0], losses
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-2 * _warmup_cosine(20))
+    assert not w1.is_contiguous()  # updated in place, layout kept
+
+
+def test_step_with_closure_returns_the_loss():
+    x, y = _regression_problem()
+    w1, b1, w2 = _regression_params()
+    opt = FiraAdamW([{"params": [w1, w2], "rank": 4}, {"params": [b1]}], lr=1e-2)
+
+    def closure():
+        opt.zero_grad()
+        loss = ((torch.tanh(x @ w1.T + b1) @ w2.T - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    before = w2.detach().clone()
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+    assert not torch.equal(before, w2)
+
+
+# ---------------------------------------------------------------------- per-group options
+
+
+@pytest.mark.parametrize("arithmetic", ["paper", "released"])
+@pytest.mark.parametrize("projected", [True, False], ids=["projected", "plain"])
+def test_per_group_lr_and_weight_decay_apply(projected, arithmetic):
+    shape = (10, 14)
+    base = make_params([shape], dtype=torch.float64)[0]  # fp64: differences of deltas are exact
+    a, b, c = (clone_params([base])[0] for _ in range(3))
+    rank = {"rank": 3} if projected else {}
+    opt = FiraAdamW([
+        {"params": [a], "lr": 1e-2, **rank},
+        {"params": [b], "lr": 2e-2, **rank},
+        {"params": [c], "lr": 1e-2, "weight_decay": 0.1, **rank},
+    ], weight_decay=0.0, arithmetic=arithmetic)
+    (g,) = grad_sequence([shape], 1, seed=2, dtype=torch.float64)[0]
+    set_grads([a, b, c], [g, g, g])
+    opt.step()
+    w0 = base.detach()
+    delta_a, delta_b = a.detach() - w0, b.detach() - w0
+    assert delta_a.abs().max() > 1e-4
+    # Twice the learning rate, twice the step (the update does not otherwise depend on lr).
+    torch.testing.assert_close(delta_b, 2 * delta_a, rtol=1e-9, atol=1e-13)
+    # Decoupled weight decay: the only difference is lr * wd * W (before the update in the
+    # paper arithmetic, after it in the released one).
+    w_before_decay = w0 if arithmetic == "paper" else a.detach()
+    torch.testing.assert_close(c.detach() - a.detach(), -1e-2 * 0.1 * w_before_decay,
+                               rtol=1e-9, atol=1e-13)
+
+
+def test_tiny_lr_group_is_bitwise_unchanged():
+    params = make_params([(10, 14), (14, 10), (10,), (10, 14)])
+    before = [p.detach().clone() for p in params]
+    opt = FiraAdamW([
+        {"params": params[:2], "rank": 3, "lr": 1e-28, "update_proj_gap": 2},
+        {"params": params[2:3], "lr": 1e-28},
+        {"params": params[3:], "rank": 3, "update_proj_gap": 2},  # the default lr
+    ], lr=1e-2, weight_decay=0.0)
+    run(opt, params, grad_sequence([tuple(p.shape) for p in params], 5, seed=3))
+    assert_params_equal(params[:3], before[:3])
+    assert not torch.equal(params[3], before[3])
+
+
+def test_param_without_grad_is_unchanged_even_with_weight_decay():
+    params = make_params([(10, 14), (10, 14), (6,)])
+    before = [p.detach().clone() for p in params]
+    opt = FiraAdamW([{"params": params[:2], "rank": 3}, {"params": params[2:]}],
+                    lr=1e-2, weight_decay=0.1)
+    grads = grad_sequence([(10, 14)], 4, seed=4)
+    for (g,) in grads:
+        set_grads(params, [g, None, None])
+        opt.step()
+    assert_params_equal(params[1:], before[1:])
+    assert not opt.state.get(params[1]) and not opt.state.get(params[2])
+    assert not torch.equal(params[0], before[0])
+
+
+@pytest.mark.parametrize("variant", ["fira", "galore", "fira-adagrad", "fira-released"])
+def test_zero_gradients_on_a_fresh_optimizer_change_nothing(variant):
+    shapes = [(10, 14), (14, 10), (6,), ()]
+    params = make_params(shapes)
+    twins = clone_params(params)
+    before = [p.detach().clone() for p in params]
+    kw = dict(lr=1e-2, weight_decay=0.0, **VARIANTS[variant])
+    opt = FiraAdamW([{"params": params[:2], "rank": 3, "update_proj_gap": 3},
+                     {"params": params[2:]}], **kw)
+    set_grads(params, [torch.zeros(s) for s in shapes])
+    opt.step()
+    opt.step()
+    assert_params_equal(params, before)
+    for p in params[:2]:  # state exists with its final layout, but no basis was derived
+        assert int(opt.state[p]["step"]) == 0
+        assert not opt.state[p]["basis"].any()
+    # No refresh came from the zero SVD: the first real step derives the basis from the real
+    # gradient, exactly as a fresh optimizer does.
+    fresh = FiraAdamW([{"params": twins[:2], "rank": 3, "update_proj_gap": 3},
+                       {"params": twins[2:]}], **kw)
+    grads = grad_sequence(shapes, 4, seed=5)
+    run(opt, params, grads)
+    run(fresh, twins, grads)
+    assert_params_equal(params, twins)
+    assert_states_equal(state_snapshot(opt), state_snapshot(fresh))
+
+
+# ---------------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_dtypes_are_kept_and_the_svd_runs_in_at_least_fp32(dtype, monkeypatch):
+    """State dtype policy: the basis, the low-rank moments and the limiter history of a projected
+    matrix are kept in ``promote_types(param.dtype, float32)`` -- fp32 for bf16/fp16 params (so
+    the small states do not lose the precision the SVD and Adam need), the param's own dtype
+    for fp32/fp64. Plain (unprojected) params keep torch's policy: state in the param dtype."""
+    seen = []
+    real_svd = torch.linalg.svd
+
+    def recording_svd(a, *args, **kwargs):
+        seen.append(a.dtype)
+        return real_svd(a, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "svd", recording_svd)
+    shapes = [(10, 14), (14, 10), (6,)]
+    initial = [p.detach().to(dtype) for p in make_params(shapes)]
+    params = [torch.nn.Parameter(p.clone()) for p in initial]
+    reference = [torch.nn.Parameter(p.float().clone()) for p in initial]  # same start, fp32
+    work = torch.promote_types(dtype, torch.float32)
+    grads = grad_sequence(shapes, 4, seed=6)
+    states = []
+    for ps in (params, reference):
+        opt = FiraAdamW([{"params": ps[:2], "rank": 3, "update_proj_gap": 2}, {"params": ps[2:]}],
+                        lr=5e-2)
+        run(opt, ps, [[g.to(ps[0].dtype) for g in row] for row in grads])
+        states.append(opt.state)
+        if ps is params:
+            svd_dtypes = set(seen)
+    assert svd_dtypes == {work}  # two refreshes ran, never a bf16/fp16 SVD (CPU has none)
+    state = states[0]
+    for p, p0 in zip(params, initial):
+        assert p.dtype == dtype and torch.isfinite(p).all()
+        assert not torch.equal(p, p0)
+    for p in params[:2]:
+        for key in ("basis", "exp_avg", "exp_avg_sq", "prev_norm"):
+            assert state[p][key].dtype == work, key
+    assert state[params[2]]["exp_avg"].dtype == dtype
+    # The low-precision run tracks the fp32 run to the precision of its dtype.
+    tol = {torch.bfloat16: 3e-2, torch.float16: 5e-3}.get(dtype, 1e-5)
+    for p, q in zip(params, reference):
+        torch.testing.assert_close(p.float(), q.detach(), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------------- state size
+
+
+@pytest.mark.parametrize("shape", [(12, 20), (20, 12), (16, 16)])
+@pytest.mark.parametrize("cls,extra", [(FiraAdamW, 1), (GaLoreAdamW, 0)])
+def test_state_numel_is_the_design_formula(shape, cls, extra):
+    # Per projected m x n matrix: basis min(m, n) x r, two moments r x max(m, n), and (Fira
+    # only) the limiter's previous norm; step counters are not counted.
+    rank = 3
+    params = make_params([shape, (7,)])
+    opt = cls([{"params": params[:1], "rank": rank}, {"params": params[1:]}], lr=1e-2)
+    run(opt, params, grad_sequence([shape, (7,)], 2, seed=7))
+    small, large = min(shape), max(shape)
+    assert optimizer_state_numel(opt) == small * rank + 2 * large * rank + extra + 2 * 7
+    assert optimizer_state_numel(opt, count_steps=True) == optimizer_state_numel(opt) + 2
+    # No hidden full-size buffer anywhere in the state.
+    assert all(v.numel() < shape[0] * shape[1] for s in opt.state.values() for v in s.values())
+
+
+# ---------------------------------------------------------------------- hooks, repr, copy
+
+
+def test_hooks_fire():
+    params = make_params([(10, 14), (6,)])
+    opt = FiraAdamW([{"params": params[:1], "rank": 3}, {"params": params[1:]}], lr=1e-2)
+    fired = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: fired.append("step_pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: fired.append("step_post"))
+    opt.register_state_dict_pre_hook(lambda o: fired.append("state_dict_pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: fired.append("state_dict_post"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: fired.append("load_pre"))
+    opt.register_load_state_dict_post_hook(lambda o: fired.append("load_post"))
+    run(opt, params, grad_sequence([(10, 14), (6,)], 1, seed=8))
+    opt.load_state_dict(opt.state_dict())
+    assert fired == ["step_pre", "step_post", "state_dict_pre", "state_dict_post",
+                     "load_pre", "load_post"]
+
+
+def test_repr_names_the_class_and_the_options():
+    params = make_params([(10, 14), (6,)])
+    text = repr(GaLoreAdamW([{"params": params[:1], "rank": 3}, {"params": params[1:]}]))
+    assert text.startswith("GaLoreAdamW (")
+    assert "Parameter Group 1" in text and "rank: 3" in text and "residual: drop" in text
+
+
+@pytest.mark.parametrize("implementation,nonfinite", [("reference", "skip"), ("fast", "error")])
+def test_deepcopy_is_an_independent_identical_optimizer(implementation, nonfinite):
+    shapes = [(10, 14), (6,)]
+    params = make_params(shapes)
+    opt = FiraAdamW([{"params": params[:1], "rank": 3, "update_proj_gap": 2},
+                     {"params": params[1:]}], lr=1e-2, implementation=implementation,
+                    nonfinite=nonfinite)
+    grads = grad_sequence(shapes, 5, seed=9)
+    run(opt, params, grads[:2])
+    twin = copy.deepcopy(opt)
+    assert twin.implementation == implementation and twin.nonfinite == nonfinite
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    assert all(p is not q for p, q in zip(params, twin_params))
+    assert_params_equal(params, twin_params)
+    assert_states_equal(state_snapshot(opt), state_snapshot(twin))
+    run(opt, params, grads[2:])
+    run(twin, twin_params, grads[2:])
+    assert_params_equal(params, twin_params)
+    assert_states_equal(state_snapshot(opt), state_snapshot(twin))

@@ -1,0 +1,269 @@
+"""State and checkpoints (RELIABILITY.md section B): exact resume, weights-only loads, the
+zero-gradient step of torch.distributed.checkpoint, loading errors, old state dicts, dtypes."""
+
+import pytest
+import torch
+
+from fira_optim import VARIANTS, FiraAdamW
+
+from .common import (assert_params_equal, assert_states_equal, clone_params, grad_sequence,
+                     make_params, round_trip, run, set_grads, state_snapshot)
+
+SHAPES = [(12, 20), (20, 12), (16, 16), (7,), ()]  # wide, tall, square, bias, 0-d
+GAP, STEPS = 3, 8
+
+
+def _optimizer(params, **options):
+    options.setdefault("update_proj_gap", GAP)
+    projected = [p for p in params if p.dim() == 2]
+    plain = [p for p in params if p.dim() != 2]
+    return FiraAdamW([{"params": projected, "rank": 3}, {"params": plain}], lr=1e-2,
+                     weight_decay=0.01, **options)
+
+
+def _uninterrupted(options, grads, dtype=torch.float32):
+    params = make_params(SHAPES, dtype=dtype)
+    opt = _optimizer(params, **options)
+    run(opt, params, grads)
+    return params, opt
+
+
+def _resumed(options, grads, k, dtype=torch.float32):
+    params = make_params(SHAPES, dtype=dtype)
+    opt = _optimizer(params, **options)
+    run(opt, params, grads[:k])
+    checkpoint = round_trip(opt.state_dict())  # torch.save + torch.load(weights_only=True)
+    params_k = [p.detach().clone() for p in params]
+    del opt, params
+    fresh = clone_params(params_k)
+    opt = _optimizer(fresh, **options)
+    opt.load_state_dict(checkpoint)
+    run(opt, fresh, grads[k:])
+    return fresh, opt
+
+
+@pytest.mark.parametrize("k", [3, 4], ids=["k%T==0", "k%T!=0"])
+@pytest.mark.parametrize("projector", ["svd", "randomized", "random"])
+def test_resume_is_bitwise_identical(projector, k):
+    grads = grad_sequence(SHAPES, STEPS, seed=20)
+    options = dict(projector=projector)
+    straight, straight_opt = _uninterrupted(options, grads)
+    resumed, resumed_opt = _resumed(options, grads, k)
+    assert_params_equal(resumed, straight)
+    assert_states_equal(state_snapshot(resumed_opt), state_snapshot(straight_opt))
+    if k == 3:
+        # Not vacuous: continuing with a fresh (unloaded) optimizer gives a different run.
+        params = make_params(SHAPES)
+        opt = _optimizer(params, **options)
+        run(opt, params, grads[:k])
+        restarted = clone_params(params)
+        run(_optimizer(restarted, **options), restarted, grads[k:])
+        assert not torch.equal(restarted[0], straight[0])
+
+
+@pytest.mark.parametrize("variant", ["galore", "fira-adagrad", "fira-rmsprop", "fira-released",
+                                     "fira-shrink"])
+@pytest.mark.parametrize("stagger", [False, True])
+def test_resume_is_bitwise_identical_for_variants(variant, stagger):
+    grads = grad_sequence(SHAPES, STEPS, seed=21)
+    options = dict(stagger=stagger, **VARIANTS[variant])
+    straight, straight_opt = _uninterrupted(options, grads)
+    resumed, resumed_opt = _resumed(options, grads, 4)
+    assert_params_equal(resumed, straight)
+    assert_states_equal(state_snapshot(resumed_opt), state_snapshot(straight_opt))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_resume_keeps_the_fp32_state_of_low_precision_params(dtype):
+    # Device/dtype policy on load: torch casts loaded state to the param's dtype; the basis,
+    # the low-rank moments and the limiter history of a bf16/fp16 matrix must stay fp32.
+    grads = [[g.to(dtype) for g in row] for row in grad_sequence(SHAPES, STEPS, seed=22)]
+    straight, straight_opt = _uninterrupted({}, grads, dtype)
+    resumed, resumed_opt = _resumed({}, grads, 4, dtype)
+    for p in resumed[:3]:
+        for key in ("basis", "exp_avg", "exp_avg_sq", "prev_norm"):
+            assert resumed_opt.state[p][key].dtype == torch.float32, key
+            assert resumed_opt.state[p][key].device == p.device
+    assert resumed_opt.state[resumed[3]]["exp_avg"].dtype == dtype  # plain: torch's policy
+    assert_params_equal(resumed, straight)
+    assert_states_equal(state_snapshot(resumed_opt), state_snapshot(straight_opt))
+
+
+def test_state_dict_holds_only_tensors_and_primitives():
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    run(opt, params, grad_sequence(SHAPES, 2, seed=23))
+
+    def leaves(obj):
+        if isinstance(obj, dict):
+            for v in obj.values():
+                yield from leaves(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                yield from leaves(v)
+        else:
+            yield obj
+
+    sd = opt.state_dict()
+    assert all(isinstance(x, (torch.Tensor, int, float, str, bool, type(None)))
+               for x in leaves(sd))
+    loaded = round_trip(sd)
+    assert loaded["param_groups"][0]["rank"] == 3
+    assert torch.equal(loaded["state"][0]["basis"], opt.state[params[0]]["basis"])
+
+
+def test_state_dict_before_the_first_step_changes_nothing():
+    grads = grad_sequence(SHAPES, STEPS, seed=24)
+    straight, straight_opt = _uninterrupted({}, grads)
+
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    early = round_trip(opt.state_dict())
+    assert early["state"] == {}
+    run(opt, params, grads)
+    assert_params_equal(params, straight)
+    assert_states_equal(state_snapshot(opt), state_snapshot(straight_opt))
+
+    # Loading that early state dict into a fresh optimizer is a no-op as well.
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    opt.load_state_dict(early)
+    run(opt, params, grads)
+    assert_params_equal(params, straight)
+
+
+def _dcp_zero_step(opt, params):
+    """What torch.distributed.checkpoint / torchtitan do to build optimizer state."""
+    saved_lrs = [g["lr"] for g in opt.param_groups]
+    set_grads(params, [torch.zeros_like(p) for p in params])
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for g, lr in zip(opt.param_groups, saved_lrs):
+        g["lr"] = lr
+
+
+@pytest.mark.parametrize("variant", ["fira", "galore", "fira-adagrad"])
+def test_dcp_zero_gradient_step_then_training_equals_training(variant):
+    grads = grad_sequence(SHAPES, STEPS, seed=25)
+    options = VARIANTS[variant]
+    straight, straight_opt = _uninterrupted(options, grads)
+
+    params = make_params(SHAPES)
+    before = [p.detach().clone() for p in params]
+    opt = _optimizer(params, **options)
+    _dcp_zero_step(opt, params)
+    assert_params_equal(params, before)
+    # The state exists with the layout of a trained optimizer (what DCP needs to plan loads).
+    sd = round_trip(opt.state_dict())
+    assert sorted(sd["state"]) == list(range(len(SHAPES)))
+    assert sd["state"][0]["basis"].shape == (12, 3) and sd["state"][1]["basis"].shape == (12, 3)
+    # DCP then loads the (here: just taken) state back before training.
+    opt.load_state_dict(sd)
+    run(opt, params, grads)
+    assert_params_equal(params, straight)
+    assert_states_equal(state_snapshot(opt), state_snapshot(straight_opt))
+
+
+# ---------------------------------------------------------------------- loading errors
+
+
+def _trained_state_dict(shapes=SHAPES, rank=3):
+    params = make_params(shapes)
+    projected = [p for p in params if p.dim() == 2]
+    plain = [p for p in params if p.dim() != 2]
+    opt = FiraAdamW([{"params": projected, "rank": rank}, {"params": plain}], lr=1e-2)
+    run(opt, params, grad_sequence(shapes, 2, seed=26))
+    return round_trip(opt.state_dict())
+
+
+def test_load_with_a_different_number_of_groups_raises():
+    sd = _trained_state_dict()
+    params = make_params(SHAPES)
+    opt = FiraAdamW([{"params": params[:3], "rank": 3}], lr=1e-2)
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        opt.load_state_dict(sd)
+
+
+def test_load_with_a_group_size_mismatch_raises():
+    sd = _trained_state_dict()
+    params = make_params(SHAPES)
+    opt = FiraAdamW([{"params": params[:2], "rank": 3}, {"params": params[2:]}], lr=1e-2)
+    with pytest.raises(ValueError, match="doesn't match the size"):
+        opt.load_state_dict(sd)
+
+
+def test_load_with_a_wrong_basis_shape_names_the_parameter():
+    sd = _trained_state_dict()
+    sd["state"][1]["basis"] = torch.zeros(20, 3)  # the tall matrix's basis is 12 x 3
+    opt = _optimizer(make_params(SHAPES))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*\(20, 12\)"):
+        opt.load_state_dict(sd)
+
+
+def test_load_with_a_rank_mismatch_names_the_parameter():
+    sd = _trained_state_dict(rank=3)
+    sd["param_groups"][0]["rank"] = 5  # the saved bases have rank 3
+    opt = _optimizer(make_params(SHAPES))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*rank=5"):
+        opt.load_state_dict(sd)
+
+
+def test_load_into_transposed_shapes_names_the_parameter():
+    # A wide matrix's state (left basis 12 x 3, moments 3 x 20) loaded onto a tall one.
+    sd = _trained_state_dict(shapes=[(12, 20), (7,)])
+    params = make_params([(20, 12), (7,)])
+    opt = FiraAdamW([{"params": params[:1], "rank": 3}, {"params": params[1:]}], lr=1e-2)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\]"):
+        opt.load_state_dict(sd)
+
+
+def test_load_with_wrong_moment_shape_names_the_parameter():
+    sd = _trained_state_dict()
+    sd["state"][2]["exp_avg"] = torch.zeros(3, 16)  # square: right projection, moments 16 x 3
+    opt = _optimizer(make_params(SHAPES))
+    with pytest.raises(ValueError, match=r"'exp_avg'.*param_groups\[0\]\['params'\]\[2\]"):
+        opt.load_state_dict(sd)
+
+
+def test_older_state_dicts_missing_new_group_keys_load_and_continue():
+    grads = grad_sequence(SHAPES, STEPS, seed=27)
+    straight, straight_opt = _uninterrupted({}, grads)
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    run(opt, params, grads[:4])
+    sd = round_trip(opt.state_dict())
+    # Keep only what fira 1.0.2's groups hold: every later option must default on load.
+    released_keys = {"params", "lr", "betas", "eps", "weight_decay", "correct_bias", "rank",
+                     "update_proj_gap", "alpha", "proj_type"}
+    for g in sd["param_groups"]:
+        for key in set(g) - released_keys:
+            del g[key]
+    assert "limiter" not in sd["param_groups"][0] and "stagger" not in sd["param_groups"][0]
+    fresh = clone_params(params)
+    opt = _optimizer(fresh)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["limiter"] == "growth" and opt.param_groups[1]["rank"] is None
+    run(opt, fresh, grads[4:])
+    assert_params_equal(fresh, straight)
+    assert_states_equal(state_snapshot(opt), state_snapshot(straight_opt))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_state_saved_on_cpu_continues_on_cuda():
+    grads = grad_sequence(SHAPES, STEPS, seed=28)
+    straight, _ = _uninterrupted({}, grads)
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    run(opt, params, grads[:4])
+    sd = round_trip(opt.state_dict())
+    cuda_params = [torch.nn.Parameter(p.detach().cuda()) for p in params]
+    opt = _optimizer(cuda_params)
+    opt.load_state_dict(sd)
+    for p in cuda_params[:3]:
+        assert all(v.device == p.device for k, v in opt.state[p].items() if k != "step")
+    run(opt, cuda_params, [[g.cuda() for g in row] for row in grads[4:]])
+    for p, q in zip(cuda_params, straight):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5)

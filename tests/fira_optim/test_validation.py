@@ -1,0 +1,125 @@
+"""Bad input at construction (RELIABILITY.md section E): every error names the argument and the
+value, for constructor arguments and for the same options given per param group."""
+
+import pytest
+import torch
+
+from fira_optim import FiraAdamW, GaLoreAdamW
+
+from .common import make_params
+
+
+def _params():
+    return make_params([(12, 20), (7,)])
+
+
+def test_bare_tensor_is_a_type_error():
+    with pytest.raises(TypeError, match="iterable of Tensors or dicts"):
+        FiraAdamW(torch.nn.Parameter(torch.randn(4, 4)))
+
+
+@pytest.mark.parametrize("params", [[], iter([])])
+def test_empty_params_raise(params):
+    with pytest.raises(ValueError, match="empty parameter list"):
+        FiraAdamW(params)
+
+
+def test_tensors_and_dicts_mixed_is_a_type_error():
+    a, b = _params()
+    with pytest.raises(TypeError, match="all tensors or all dicts"):
+        FiraAdamW([a, {"params": [b]}])
+
+
+def test_same_param_in_two_groups_raises():
+    # Tied embeddings: one tensor reachable as the input embedding and the output head.
+    a, b = _params()
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        FiraAdamW([{"params": [a], "rank": 3}, {"params": [b, a]}])
+
+
+# (argument, bad value): the message must contain both.
+BAD_VALUES = [
+    ("lr", -1e-3),
+    ("eps", -1e-8),
+    ("betas", (1.0, 0.999)),
+    ("betas", (0.9, 1.0)),
+    ("betas", (-0.1, 0.999)),
+    ("betas", (0.9,)),
+    ("weight_decay", -0.1),
+    ("rank", 0),
+    ("rank", -4),
+    ("rank", 2.5),
+    ("update_proj_gap", 0),
+    ("update_proj_gap", 1.5),
+    ("alpha", 0.0),
+    ("alpha", -0.25),
+    ("gamma", 0.99),
+    ("clip_norm", 0.0),
+    ("mu", 0.0),
+    ("mu", 1.5),
+    ("proj_type", "full"),
+    ("projector", "power"),
+    ("arithmetic", "torch"),
+    ("base", "sgd"),
+    ("scaling", "row"),
+    ("limiter", "max"),
+    ("residual", "keep"),
+]
+
+
+def _assert_names(err, name, value):
+    message = str(err.value)
+    assert name in message, message
+    assert str(value) in message, message
+
+
+@pytest.mark.parametrize("name,value", BAD_VALUES, ids=[f"{n}={v}" for n, v in BAD_VALUES])
+def test_bad_constructor_argument_names_argument_and_value(name, value):
+    a, b = _params()
+    with pytest.raises(ValueError) as err:
+        FiraAdamW([a, b], **{name: value})
+    _assert_names(err, name, value)
+
+
+@pytest.mark.parametrize("name,value", BAD_VALUES, ids=[f"{n}={v}" for n, v in BAD_VALUES])
+def test_bad_group_option_names_argument_and_value(name, value):
+    a, b = _params()
+    group = {"params": [a], "rank": 3, name: value}
+    with pytest.raises(ValueError) as err:
+        FiraAdamW([group, {"params": [b]}])
+    _assert_names(err, name, value)
+    # The same through add_param_group, after construction.
+    opt = FiraAdamW([{"params": [b]}])
+    with pytest.raises(ValueError) as err:
+        opt.add_param_group({"params": [a], "rank": 3, name: value})
+    _assert_names(err, name, value)
+
+
+@pytest.mark.parametrize("name,value", [("nonfinite", "warn"), ("implementation", "cuda")])
+def test_bad_instance_option_names_argument_and_value(name, value):
+    with pytest.raises(ValueError) as err:
+        FiraAdamW(_params(), **{name: value})
+    _assert_names(err, name, value)
+
+
+def test_galore_validates_too():
+    with pytest.raises(ValueError) as err:
+        GaLoreAdamW(_params(), lr=-1.0)
+    _assert_names(err, "lr", -1.0)
+
+
+def test_released_arithmetic_needs_the_adam_base():
+    with pytest.raises(ValueError, match="arithmetic='released'.*base='adagrad'"):
+        FiraAdamW(_params(), arithmetic="released", base="adagrad")
+
+
+def test_uncorrected_bias_only_with_released_arithmetic():
+    with pytest.raises(ValueError, match="correct_bias=False"):
+        FiraAdamW(_params(), correct_bias=False)
+    FiraAdamW(_params(), correct_bias=False, arithmetic="released")  # the released option
+
+
+def test_valid_edge_values_are_accepted():
+    # The closed ends of each range are legal.
+    FiraAdamW(_params(), lr=0.0, eps=0.0, betas=(0.0, 0.0), weight_decay=0.0, rank=1,
+              update_proj_gap=1, gamma=1.0, mu=1.0)

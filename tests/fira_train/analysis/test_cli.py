@@ -1,0 +1,66 @@
+"""fira-train analyze: sub-commands, flags and overrides reach the analyses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fira_train.cli import build_parser, main
+from tests.fira_train.analysis.analysis_fixtures import corpus_root  # noqa: F401
+from tests.fira_train.harness_fixtures import one_thread, write_corpus  # noqa: F401
+
+
+def _data_flags(root: Path) -> list[str]:
+    corpus = root / "corpus"
+    if not corpus.exists():
+        write_corpus(corpus)
+    return [f"data.source={corpus}", f"data.cache_dir={root / 'cache'}", "data.vocab_size=300",
+            "data.val_fraction=0.1", "train.progress=false", "train.tensorboard=false", "train.num_threads=1",
+            "train.eval_every=0", "train.save_every=0"]
+
+
+def test_every_analysis_is_a_subcommand() -> None:
+    parser = build_parser()
+    for name in ("similarity", "rank-sweep", "ablation", "spikes", "noise", "variance"):
+        args = parser.parse_args(["analyze", name])
+        assert callable(args.func)
+    args = parser.parse_args(["analyze", "noise", "--steps", "7", "train.batch_size=4"])
+    assert args.recipe == "tiny" and args.steps == 7 and args.overrides == ["train.batch_size=4"]
+
+
+def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpus_root: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "noise"
+    argv = ["analyze", "noise", "--recipe", "micro", "--out", str(out), "--steps", "2", "--seed", "3",
+            "--methods", "adamw", "--scale", "0.001", *_data_flags(corpus_root)]
+    assert main(argv) == 0
+    assert "report:" in capsys.readouterr().out
+    assert json.loads((out / "adamw" / "config.json").read_text())["train"]["seed"] == 3
+    report = (out / "report.md").read_text()
+    assert "fira-train analyze noise --recipe micro" in report and "2 steps" in report
+    stamp = (out / "adamw-noise" / "summary.json").stat().st_mtime_ns
+    assert main([*argv, "--reuse"]) == 0
+    assert (out / "adamw-noise" / "summary.json").stat().st_mtime_ns == stamp
+    assert main(argv) == 1  # the runs exist: neither --reuse nor --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["analyze", "ablation", "--gammas", "1.1,x"], "--gammas must be comma-separated numbers"),
+    (["analyze", "rank-sweep", "--ranks", "4,a"], "--ranks must be comma-separated integers"),
+    (["analyze", "noise", "--methods", " , "], "--methods must list at least one name"),
+])
+def test_bad_lists_name_the_flag(argv: list[str], message: str, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture) -> None:
+    assert main([*argv, "--recipe", "micro", "--out", str(tmp_path / "x")]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_analyze_variance_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "variance"
+    assert main(["analyze", "variance", "--samples", "200", "--steps", "20", "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "fira-train analyze variance --samples 200" in text
+    assert (out / "variance.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,37 @@
+"""Noise: the same runs with and without gradient noise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fira_train.analysis.noise import run_noise
+from fira_train.metrics import read_metrics
+from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
+from tests.fira_train.harness_fixtures import one_thread  # noqa: F401
+
+
+def test_noise_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=3")
+    out = tmp_path / "noise"
+    result = run_noise(config, out, scale=1e-3)
+    table = result["table"]
+    assert set(table) == {"fira-only-scaling", "adamw"}
+    for method, (clean, noisy) in table.items():
+        assert clean != noisy
+        # noise enters at the first update, not before: the first loss is the same
+        assert read_metrics(out / method)[0]["loss"] == read_metrics(out / f"{method}-noise")[0]["loss"]
+    spec = json.loads((out / "adamw-noise" / "analysis_run.json").read_text())
+    assert spec["callbacks"] == "NormRecorder, GradientNoise(scale=0.001, seed=0)"
+    assert "noise / gradient = " in result["report"].read_text()
+    text = result["report"].read_text()
+    assert "445.5" in text and "| adamw |" in text
+    assert result["figure"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_noise_scale_is_checked_before_training(tmp_path: Path, corpus_root: Path) -> None:
+    with pytest.raises(ValueError, match="scale"):
+        run_noise(analysis_config(corpus_root, tmp_path / "run"), tmp_path / "x", scale=-1.0)
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,37 @@
+"""Rank sweep: one run per method and rank plus the AdamW line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fira_train.analysis.rank_sweep import rank_sweep_runs, run_rank_sweep
+from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
+from tests.fira_train.harness_fixtures import one_thread  # noqa: F401
+
+
+def test_rank_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=3")
+    out = tmp_path / "ranks"
+    result = run_rank_sweep(config, out, ranks=(16, 4), methods=("fira", "galore"))
+    assert set(result["table"]) == {"fira", "galore"} and set(result["table"]["fira"]) == {4, 16}
+    for name, rank in (("fira-r4", 4), ("galore-r16", 16)):
+        saved = json.loads((out / name / "config.json").read_text())
+        assert saved["optim"]["rank"] == rank
+    assert result["table"]["galore"][4] != result["table"]["galore"][16]
+    assert result["baseline"] == json.loads((out / "adamw" / "summary.json").read_text())["val_ppl"]
+    text = result["report"].read_text()
+    assert "| fira |" in text and "| galore |" in text and "r = 4" in text
+    assert "fira below galore at" in text
+    assert result["figure"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rank_sweep_rejects_bad_ranks_and_rankless_methods(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run")
+    with pytest.raises(ValueError, match="d_model=64"):
+        run_rank_sweep(config, tmp_path / "x", ranks=(64,))
+    with pytest.raises(ValueError, match="'adamw' has no rank"):
+        run_rank_sweep(config, tmp_path / "x", ranks=(4,), methods=("adamw",))
+    assert [r.name for r in rank_sweep_runs(["fira"], [4, 8])] == ["adamw", "fira-r4", "fira-r8"]

@@ -1,0 +1,50 @@
+"""Spikes: per-step norms, the limiter's bound on ||S_t|| growth, spike statistics."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fira_train.analysis.runs import read_jsonl
+from fira_train.analysis.spikes import NORMS_FILE, run_spikes, spike_statistics
+from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
+from tests.fira_train.harness_fixtures import one_thread  # noqa: F401
+
+
+def test_spike_statistics_find_a_spike_after_a_refresh() -> None:
+    losses = [5.0, 4.9, 4.8, 4.7, 4.6, 4.5, 6.0, 4.4, 4.3, 4.2, 4.1, 5.5, 4.0]
+    # T = 5: new bases at steps 6 and 11, their first effect at steps 7 and 12
+    stats = spike_statistics(losses, gap=5)
+    assert stats["max_rise"] == pytest.approx(1.5) and stats["max_rise_step"] == 7
+    assert stats["spikes"] == 2
+    assert stats["mean_change_after_refresh"] == pytest.approx((1.5 + 1.4) / 2)
+    assert stats["mean_change_elsewhere"] < 0
+    with pytest.raises(ValueError, match="gap"):
+        spike_statistics(losses, gap=0)
+
+
+def test_spikes_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=8", "optim.update_proj_gap=3")
+    out = tmp_path / "spikes"
+    result = run_spikes(config, out, galore_rank=8)
+    for name in ("fira", "fira-no-limiter", "fira-clip", "galore", "galore-add"):
+        records = read_jsonl(out / name / NORMS_FILE)
+        assert [r["step"] for r in records] == list(range(1, 9))
+        assert all(r["grad_norm"] > 0 for r in records)
+        assert ("residual_norm" in records[0]) == (name != "galore")
+    # the limiter: ||S_t|| of every matrix grows at most by gamma = 1.01 per step, so the global
+    # norm does too; without it the growth is unbounded
+    fira = [r["residual_norm"] for r in read_jsonl(out / "fira" / NORMS_FILE)]
+    assert all(b <= 1.01 * a * (1 + 1e-5) for a, b in zip(fira, fira[1:]))
+    free = [r["residual_norm"] for r in read_jsonl(out / "fira-no-limiter" / NORMS_FILE)]
+    assert max(b / a for a, b in zip(free, free[1:])) > 1.01
+    assert set(result["stats"]) == {"fira", "fira-no-limiter", "fira-clip", "galore", "galore-add"}
+    assert all(math.isfinite(s["max_rise"]) for s in result["stats"].values())
+    text = result["report"].read_text()
+    assert "| galore-add |" in text and "T = 3" in text and "rank 8 for galore, galore-add" in text
+    assert json.loads((out / "galore" / "config.json").read_text())["optim"]["rank"] == 8
+    assert json.loads((out / "fira" / "config.json").read_text())["optim"]["rank"] == 32
+    assert result["figure"].read_bytes()[:4] == b"\x89PNG"

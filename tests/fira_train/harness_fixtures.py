@@ -1,0 +1,51 @@
+"""Shared helpers of the harness tests: a tiny local corpus and micro-recipe configs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from fira_train.config import RunConfig
+from fira_train.overrides import apply_overrides
+from fira_train.recipes import micro
+
+SUBJECTS = ["the cat", "a dog", "the old bird", "my friend", "the teacher", "a small child", "the king"]
+VERBS = ["sees", "likes", "finds", "follows", "helps", "watches", "paints"]
+OBJECTS = ["the red ball", "a tall tree", "the house", "the river", "a book", "the garden", "a song"]
+
+
+def write_corpus(directory: Path, documents: int = 300, seed: int = 0) -> Path:
+    """A folder with one .txt file of ``documents`` paragraphs of simple, learnable sentences."""
+    rng = random.Random(seed)
+    paragraphs = []
+    for _ in range(documents):
+        sentences = [f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}."
+                     for _ in range(rng.randint(4, 9))]
+        paragraphs.append(" ".join(s.capitalize() for s in sentences))
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "corpus.txt").write_text("\n\n".join(paragraphs) + "\n", encoding="utf-8")
+    return directory
+
+
+def micro_config(root: Path, *overrides: str, out: str = "run") -> RunConfig:
+    """The micro recipe on ``root/corpus`` (written if missing), a 300-entry BPE, one CPU thread."""
+    corpus = root / "corpus"
+    if not corpus.exists():
+        write_corpus(corpus)
+    return apply_overrides(micro(), [
+        f"data.source={corpus}", f"data.cache_dir={root / 'cache'}", "data.vocab_size=300",
+        "data.val_fraction=0.1", f"train.out_dir={root / out}", "train.progress=false",
+        "train.tensorboard=false", "train.num_threads=1", *overrides,
+    ])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and oversubscribed threads on a shared CPU are slow."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

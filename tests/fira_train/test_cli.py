@@ -1,0 +1,112 @@
+"""The command line: help, flags -> config, pretrain / compare / memory / methods, errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from fira_train.cli import build_parser, config_from_args, main, resume_request
+from tests.fira_train.harness_fixtures import micro_config, one_thread  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _data_flags(tmp_path: Path) -> list[str]:
+    config = micro_config(tmp_path)  # writes the corpus
+    return ["--data", config.data.source, f"data.cache_dir={config.data.cache_dir}", "data.vocab_size=300",
+            "data.val_fraction=0.1", "train.progress=false", "train.tensorboard=false", "train.num_threads=1"]
+
+
+def test_python_dash_m_help_works() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "fira_train", "--help"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("pretrain", "compare", "memory"):
+        assert command in proc.stdout
+
+
+def test_flags_and_overrides_map_onto_the_config() -> None:
+    args = build_parser().parse_args([
+        "pretrain", "--recipe", "micro", "--method", "galore", "--rank", "8", "--update-proj-gap", "3",
+        "--lr", "0.02", "--seed", "5", "--steps", "7", "--save-every", "2", "--eval-every", "3",
+        "--data", "/some/folder", "--out", "runs/x", "train.batch_size=16", "train.steps=9",
+    ])
+    config = config_from_args(args)
+    assert config.recipe == "micro" and config.optim.method == "galore"
+    assert (config.optim.rank, config.optim.update_proj_gap, config.optim.lr) == (8, 3, 0.02)
+    assert (config.train.seed, config.train.save_every, config.train.eval_every) == (5, 2, 3)
+    assert config.data.source == "/some/folder" and config.train.out_dir == "runs/x"
+    assert config.train.batch_size == 16
+    assert config.train.steps == 9  # key=value overrides come last and win
+    assert not args.resume and args.resume_step is None
+
+
+def test_resume_flag_values() -> None:
+    parser = build_parser()
+    base = ["pretrain", "--recipe", "micro", "--method", "fira"]
+    assert resume_request(parser.parse_args(base)) is None
+    assert resume_request(parser.parse_args(base + ["--resume", "train.steps=3"])) == "latest"
+    assert resume_request(parser.parse_args(base + ["--resume-step", "40"])) == 40
+    with pytest.raises(SystemExit):
+        parser.parse_args(base + ["--resume-step", "soon"])
+    with pytest.raises(ValueError, match="--resume-step"):
+        resume_request(parser.parse_args(base + ["--resume-step", "-2"]))
+
+
+def test_pretrain_end_to_end(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    code = main(["pretrain", "--recipe", "micro", "--method", "adamw", "--steps", "3", "--out", str(out),
+                 *_data_flags(tmp_path)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "validation perplexity" in printed and str(out) in printed
+    assert (out / "metrics.jsonl").exists() and (out / "config.json").exists()
+    # the same command again is refused; --resume continues (here: nothing left to do)
+    assert main(["pretrain", "--recipe", "micro", "--method", "adamw", "--steps", "3", "--out", str(out),
+                 *_data_flags(tmp_path)]) == 1
+    assert "--resume" in capsys.readouterr().err
+    assert main(["pretrain", "--recipe", "micro", "--method", "adamw", "--steps", "3", "--out", str(out),
+                 "--resume", *_data_flags(tmp_path)]) == 0
+
+
+def test_compare_end_to_end_prints_report_and_plot(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "cmp"
+    code = main(["compare", "--recipe", "micro", "--methods", "fira,adamw", "--steps", "2", "--out", str(out),
+                 "--eval-every", "0", *_data_flags(tmp_path)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert f"report: {out / 'report.md'}" in printed and f"plot:   {out / 'loss.png'}" in printed
+    assert "| fira |" in printed and "| adamw |" in printed
+    assert "fira-train compare --recipe micro --methods fira,adamw" in (out / "report.md").read_text()
+
+
+def test_errors_are_one_line_messages(tmp_path: Path, capsys) -> None:
+    assert main(["pretrain", "--recipe", "micro", "--method", "adamx", "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "adamx" in err and "fira" in err and "galore" in err and "Traceback" not in err
+    assert main(["pretrain", "--recipe", "nano", "--method", "fira"]) == 1
+    assert "unknown recipe 'nano'" in capsys.readouterr().err
+    assert main(["pretrain", "--recipe", "micro", "--method", "fira", "train.stepz=3"]) == 1
+    assert "train.stepz" in capsys.readouterr().err
+
+
+def test_memory_prints_the_memory_table(monkeypatch, capsys) -> None:
+    fake = types.ModuleType("fira_train.memory")
+    fake.memory_table = lambda: [{"size": "60m", "method": "fira"}]
+    fake.format_memory_table = lambda rows: f"TABLE {rows[0]['size']} {rows[0]['method']}"
+    monkeypatch.setitem(sys.modules, "fira_train.memory", fake)
+    assert main(["memory"]) == 0
+    assert capsys.readouterr().out.strip() == "TABLE 60m fira"
+
+
+def test_methods_lists_the_registry(capsys) -> None:
+    assert main(["methods"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("adamw", "fira", "galore", "lora", "relora", "adam-mini", "frugal"):
+        assert f"\n{name} " in "\n" + printed
