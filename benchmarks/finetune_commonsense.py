@@ -81,6 +81,32 @@ def run_method(method: str, args: argparse.Namespace, model_dir: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+def measure_states(args: argparse.Namespace, model_dir: Path) -> dict[str, dict]:
+    """Optimizer-state elements and trainable parameters of every training method after one step.
+
+    Exact and cheap (one record, one step, lr irrelevant): it completes the memory columns for methods
+    whose full run did not fit. Uses the same model preparation and Trainer path as ``fira-train finetune``.
+    """
+    from fira_train import finetune
+    from fira_train.commonsense import load_split
+    from fira_train.pretrained import load_causal_lm
+
+    record = load_split(args.data_dir, "boolq", "train")[0]
+    states: dict[str, dict] = {}
+    for method in [m for m in args.methods if m != "none"]:
+        model, tokenizer = load_causal_lm(str(model_dir))
+        config = finetune.FinetuneConfig(tasks=["boolq"], data_dir=args.data_dir, method=method, steps=1,
+                                         batch_size=1, out=str(Path(args.out) / "_state_probe"), seed=args.seed)
+        model = finetune._prepare_model(model, config)
+        trained = finetune._train(model, tokenizer, [record], config)
+        states[method] = {"optimizer_state_numel": trained["optimizer_state_numel"],
+                          "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                          "optimizer": trained["optimizer"]}
+        print(f"[state] {method}: {states[method]}", flush=True)
+        del model
+    return states
+
+
 def render(results: dict[str, dict], args: argparse.Namespace, command: str, header: dict) -> str:
     done = [m for m in METHOD_ORDER if m in results]
     missing = [m for m in args.methods if m not in results]
@@ -117,6 +143,16 @@ def render(results: dict[str, dict], args: argparse.Namespace, command: str, hea
             f"{mem['optimizer_state_numel'] / 1e6:.1f} | {r['model']['trainable_parameters'] / 1e6:.1f} | {rss} | "
             f"{r['time']['train_s']:.0f} | {r['time']['eval_s']:.0f} |"
         )
+    states = header.get("states") or {}
+    if states:
+        lines += ["", "Optimizer state after one step (exact element counts, measured for every method with one "
+                  "record; fp32 MiB = elements x 4 / 2^20):", "",
+                  "| method | optimizer | opt. state (elements) | fp32 MiB | trainable parameters |", "|---|---|---|---|---|"]
+        for m in METHOD_ORDER:
+            if m in states:
+                st = states[m]
+                lines.append(f"| {LABEL[m]} | {st['optimizer']} | {st['optimizer_state_numel']:,} | "
+                             f"{st['optimizer_state_numel'] * 4 / 2**20:.1f} | {st['trainable_parameters']:,} |")
     lines += [""]
     for m in done:
         t = results[m].get("training")
@@ -144,6 +180,8 @@ def main() -> None:
     parser.add_argument("--lr", action="append", default=[], metavar="METHOD=LR",
                         help="learning rate of one method, e.g. --lr fira=5e-5 (repeatable)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--state-only", action="store_true",
+                        help="only measure each method's optimizer state after one step (adds it to the report)")
     args = parser.parse_args()
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHOD_ORDER]
@@ -172,7 +210,14 @@ def main() -> None:
         path = out / method / "results.json"
         if path.is_file():
             results[method] = json.loads(path.read_text())
-    if not args.report_only:
+    if args.state_only:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        header["states"] = measure_states(args, cached_model(Path(args.model_cache)))
+        header_file.write_text(json.dumps(header, indent=2))
+    elif not args.report_only:
         model_dir = cached_model(Path(args.model_cache))
         for method in args.methods:
             results[method] = run_method(method, args, model_dir)
