@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import sys
 import statistics
 import time
 import warnings
@@ -185,6 +187,9 @@ def main() -> None:
         allocs[name] = large_allocations(opt, params, threshold)
 
     result = {
+        "command": "python " + " ".join(sys.argv),
+        "load": "1/5/15-min load average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "stagger_steps": args.stagger_steps,
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch": torch.__version__,
