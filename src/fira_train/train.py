@@ -33,9 +33,9 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
