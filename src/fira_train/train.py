@@ -32,9 +32,9 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import torch

@@ -144,19 +144,23 @@ def register(subparsers: Any) -> None:
                              methods=lambda a: _names(a.methods, "--methods")))
 
     p = sub.add_parser("ablation", help="scaling / limiter ablations, stabilisers and gamma")
-    p.add_argument("--variants", default="fira,fira-no-scaling,fira-matrix,fira-no-limiter,fira-clip,fira-shrink,fira-tensorwise", help="ablation methods")
+    p.add_argument("--variants", help="ablation methods",
+                   default="fira,fira-no-scaling,fira-matrix,fira-no-limiter,fira-clip,fira-shrink,fira-tensorwise")
     p.add_argument("--gammas", default="inf,1.1,1.01,1.001,1", help="limiter gammas (inf: no limiter)")
     _common(p, "ablation")
-    p.set_defaults(func=_run("fira_train.analysis.ablation:run_ablation", variants=lambda a: _names(a.variants, "--variants"),
+    p.set_defaults(func=_run("fira_train.analysis.ablation:run_ablation",
+                             variants=lambda a: _names(a.variants, "--variants"),
                              gammas=lambda a: _floats(a.gammas, "--gammas")))
 
     p = sub.add_parser("spikes", help="loss and gradient norm with / without the limiter; GaLore vs GaLore-add")
-    p.add_argument("--limiter-runs", default="fira,fira-no-limiter,fira-clip", help="Fira variants of the limiter figure")
+    p.add_argument("--limiter-runs", default="fira,fira-no-limiter,fira-clip",
+                   help="Fira variants of the limiter figure")
     p.add_argument("--galore-runs", default="galore,galore-add", help="runs of the GaLore-add figure")
     p.add_argument("--galore-rank", type=int, default=16,
                    help="rank of the GaLore runs (default 16: the paper's r/d_model = 16/256)")
     _common(p, "spikes")
-    p.set_defaults(func=_run("fira_train.analysis.spikes:run_spikes", limiter_runs=lambda a: _names(a.limiter_runs, "--limiter-runs"),
+    p.set_defaults(func=_run("fira_train.analysis.spikes:run_spikes",
+                             limiter_runs=lambda a: _names(a.limiter_runs, "--limiter-runs"),
                              galore_runs=lambda a: _names(a.galore_runs, "--galore-runs"),
                              galore_rank=lambda a: a.galore_rank))
 

@@ -105,7 +105,8 @@ def run_rank_sweep(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[
     decreasing = [m for m in methods if table[m][ranks[0]] < table[m][ranks[-1]]]
     if decreasing:
         findings.append(f"- Lower rank gave lower perplexity for {', '.join(decreasing)}, the opposite of the "
-                        "paper's trend: at this budget the runs are far from convergence.")
+                        "paper's trend (the runs are far from convergence at this budget; the cause was not "
+                        "investigated).")
     lines += ["Measured:", "", *findings, "", "![perplexity vs rank](ranks.png)", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 import fira_optim
-from fira_optim.projection import LEFT, project, projection_side, reduce_dim
+from fira_optim.projection import project, projection_side, reduce_dim
 from fira_optim.subspace import adam_bias_correction
 from fira_train.analysis.runs import (
     AnalysisRun,
@@ -290,7 +290,8 @@ def run_similarity(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[
     for r in ranks:
         a = averages[r]
         rows.append([f"measured, r/d_model = {r}/{d_model}"] + [
-            a[level].get(k, math.nan) for level in ("matrix", "column") for k in ("cosine", "mse", "rel_mse", "distance")])
+            a[level].get(k, math.nan) for level in ("matrix", "column")
+            for k in ("cosine", "mse", "rel_mse", "distance")])
     lines.append(markdown_table(["", "matrix cosine", "matrix MSE", "matrix rel. MSE", "matrix distance",
                                  "column cosine", "column MSE", "column rel. MSE", "column distance"], rows))
     mean_phi = {level: float(np.mean([v for rec in full for vals in rec[level].values()
@@ -329,7 +330,8 @@ def run_similarity(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[
     lines += ["", "## Trend over training", "",
               "Mean cosine similarity over the first and the last quarter of the recorded steps "
               "(the paper: fluctuations early, then a steady, high similarity; little loss at 16/256).", "",
-              markdown_table(["r/d_model", "level", "first quarter", "last quarter"], trend) if trend else "(too few steps)",
+              (markdown_table(["r/d_model", "level", "first quarter", "last quarter"], trend)
+               if trend else "(too few steps)"),
               ""]
     findings = []
     for r in ranks:
@@ -345,7 +347,8 @@ def run_similarity(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[
         findings.append(
             f"- Lower rank: matrix cosine {averages[lo]['matrix'].get('cosine', math.nan):.4f} at {lo} vs "
             f"{averages[hi]['matrix'].get('cosine', math.nan):.4f} at {hi}, column "
-            f"{averages[lo]['column'].get('cosine', math.nan):.4f} vs {averages[hi]['column'].get('cosine', math.nan):.4f} "
+            f"{averages[lo]['column'].get('cosine', math.nan):.4f} vs "
+            f"{averages[hi]['column'].get('cosine', math.nan):.4f} "
             "(the paper: negligible reduction at 16/256).")
     lines += ["## Paper vs measured", "", *findings, "", "![similarity trends](similarity.png)", ""]
     report = out / "report.md"

@@ -163,10 +163,11 @@ def run_spikes(config: "RunConfig", out_dir: str | Path, *, limiter_runs: Sequen
     rows = []
     for n in names:
         s, rec = stats[n], records[n]
+        residual = [r.get("residual_norm", math.nan) for r in rec]
+        has_residual = "residual_norm" in rec[-1]
         rows.append([n, s["max_rise"], s["max_rise_step"], int(s["spikes"]), s["mean_change_after_refresh"],
                      s["mean_change_elsewhere"], _peak_ratio([r["grad_norm"] for r in rec]),
-                     _peak_ratio([r.get("residual_norm", math.nan) for r in rec]) if "residual_norm" in rec[-1] else "-",
-                     _median([r.get("residual_norm", math.nan) for r in rec]) if "residual_norm" in rec[-1] else "-",
+                     _peak_ratio(residual) if has_residual else "-", _median(residual) if has_residual else "-",
                      rec[-1]["loss"]])
     lines += [markdown_table(["run", "max 1-step loss rise", "at step", "spikes", "change after refresh",
                               "change elsewhere", "max/median ‖G‖", "max/median ‖S_t‖", "median ‖S_t‖",

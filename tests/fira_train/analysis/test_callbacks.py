@@ -80,7 +80,8 @@ def test_norms_match_their_definitions(tmp_path: Path) -> None:
         low = projection.project(p.grad, state["basis"], side)
         dim = projection.reduce_dim(side)
         n = (state["exp_avg"] / (state["exp_avg_sq"].sqrt() + 1e-8)) * subspace.adam_bias_correction(1, 0.9, 0.999)
-        phi = torch.linalg.vector_norm(n, dim=dim, keepdim=True) / (torch.linalg.vector_norm(low, dim=dim, keepdim=True) + 1e-8)
+        phi = (torch.linalg.vector_norm(n, dim=dim, keepdim=True)
+               / (torch.linalg.vector_norm(low, dim=dim, keepdim=True) + 1e-8))
         residual = p.grad - projection.project_back(low, state["basis"], side)
         squares += float(torch.linalg.vector_norm(phi * residual)) ** 2
     assert record["residual_norm"] == pytest.approx(math.sqrt(squares), rel=1e-4)
