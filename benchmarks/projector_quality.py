@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -77,7 +78,7 @@ def main() -> None:
         batch = torch.stack([data[s : s + args.seq] for s in starts])
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % args.gap == 0 and step > 0:
             for i, p in enumerate(matrices):
                 g = p.grad.float()
@@ -104,6 +105,7 @@ def main() -> None:
     rnd_total = sum(r["randomized_s"] for r in rows)
     energies = [r["energy"] for r in rows]
     result = {
+        "command": "python " + " ".join(sys.argv),
         "date": date.today().isoformat(),
         "threads": args.threads, "rank": args.rank, "gap": args.gap,
         "power_iters": args.power_iters,

@@ -53,7 +53,7 @@ def projector_quality(data: dict) -> list[str]:
     return [
         "## Projector refresh on real gradients (issue 2)",
         "",
-        "- Command: `python benchmarks/projector_quality.py --steps 21 --gap 10 --out docs/benchmarks/projector_quality.json`",
+        f"- Command: `{data.get('command', 'python benchmarks/projector_quality.py --layers 2 --steps 16 --gap 5 --batch 2 --out docs/benchmarks/projector_quality.json')}`",
         f"- Date {data['date']}, {data['threads']} threads. Model: {data['model']}, trained with Fira on the"
         " embedded Wikipedia corpus; at every refresh after the first, each of the 56 weight gradients is"
         " projected by exact SVD and by the randomized projector warm-started from the previous basis.",
