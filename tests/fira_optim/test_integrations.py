@@ -24,13 +24,6 @@ from fira_optim.integrations import (  # noqa: E402
     trainer_param_groups,
 )
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine extra threads only contend."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 HIDDEN, VOCAB, SEQ = 32, 64, 12

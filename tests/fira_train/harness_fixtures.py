@@ -5,8 +5,6 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import pytest
-import torch
 
 from fira_train.config import RunConfig
 from fira_train.overrides import apply_overrides
@@ -41,11 +39,3 @@ def micro_config(root: Path, *overrides: str, out: str = "run") -> RunConfig:
         "train.tensorboard=false", "train.num_threads=1", *overrides,
     ])
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and oversubscribed threads on a shared CPU are slow."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fira_train.cli import build_parser, config_from_args, main, resume_request
-from tests.fira_train.harness_fixtures import micro_config, one_thread  # noqa: F401
+from tests.fira_train.harness_fixtures import micro_config  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import pytest
 
 from fira_train.compare import compare, method_config, parse_methods
 from fira_train.metrics import read_metrics
-from tests.fira_train.harness_fixtures import micro_config, one_thread  # noqa: F401
+from tests.fira_train.harness_fixtures import micro_config  # noqa: F401
 
 
 def test_compare_runs_every_method_on_the_same_data_and_writes_the_report(tmp_path: Path) -> None:

@@ -22,13 +22,6 @@ from fira_train.finetune import (  # noqa: E402
     tokenize_for_training,
 )
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine extra threads only contend."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 WORDS = "sky grass snow fire water stone tree river cloud sand".split()

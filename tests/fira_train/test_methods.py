@@ -21,7 +21,6 @@ from fira_train.methods import (
 )
 from fira_train.model import build_model
 from fira_train.recipes import micro
-from tests.fira_train.harness_fixtures import one_thread  # noqa: F401  (autouse fixture)
 
 VOCAB, SEQ = 96, 16
 

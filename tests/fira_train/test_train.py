@@ -23,7 +23,7 @@ from fira_train.overrides import apply_overrides, config_from_dict
 from fira_train.metrics import read_metrics
 from fira_train.model import build_model
 from fira_train.train import NonFiniteLossError, evaluate, train
-from tests.fira_train.harness_fixtures import micro_config, one_thread  # noqa: F401
+from tests.fira_train.harness_fixtures import micro_config  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 

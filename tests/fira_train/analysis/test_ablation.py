@@ -17,7 +17,6 @@ from fira_train.analysis.ablation import (
 )
 from fira_train.analysis.runs import RUN_SPEC_FILE
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
-from tests.fira_train.harness_fixtures import one_thread  # noqa: F401
 
 
 def test_gamma_runs_reuse_the_variants_they_equal() -> None:

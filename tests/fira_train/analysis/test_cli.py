@@ -9,7 +9,7 @@ import pytest
 
 from fira_train.cli import build_parser, main
 from tests.fira_train.analysis.analysis_fixtures import corpus_root  # noqa: F401
-from tests.fira_train.harness_fixtures import one_thread, write_corpus  # noqa: F401
+from tests.fira_train.harness_fixtures import write_corpus  # noqa: F401
 
 
 def _data_flags(root: Path) -> list[str]:

@@ -10,7 +10,6 @@ import pytest
 from fira_train.analysis.noise import run_noise
 from fira_train.metrics import read_metrics
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
-from tests.fira_train.harness_fixtures import one_thread  # noqa: F401
 
 
 def test_noise_end_to_end(tmp_path: Path, corpus_root: Path) -> None:

@@ -9,7 +9,6 @@ import pytest
 
 from fira_train.analysis.rank_sweep import rank_sweep_runs, run_rank_sweep
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
-from tests.fira_train.harness_fixtures import one_thread  # noqa: F401
 
 
 def test_rank_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:

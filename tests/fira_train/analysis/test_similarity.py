@@ -20,7 +20,6 @@ from fira_train.analysis.similarity import (
     similarity,
 )
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
-from tests.fira_train.harness_fixtures import one_thread  # noqa: F401
 
 LR, ALPHA = 0.01, 0.25
 

@@ -11,7 +11,6 @@ import pytest
 from fira_train.analysis.runs import read_jsonl
 from fira_train.analysis.spikes import NORMS_FILE, run_spikes, spike_statistics
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
-from tests.fira_train.harness_fixtures import one_thread  # noqa: F401
 
 
 def test_spike_statistics_find_a_spike_after_a_refresh() -> None:

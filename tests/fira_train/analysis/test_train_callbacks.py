@@ -8,7 +8,6 @@ import torch
 
 from fira_train.train import TrainCallback, train
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
-from tests.fira_train.harness_fixtures import one_thread  # noqa: F401
 
 
 class Probe(TrainCallback):
