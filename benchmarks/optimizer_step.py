@@ -8,6 +8,7 @@ parameter) and one elementwise pass (c * G added into the parameter).
 Shapes: 8 layers x (q, k, v, o 512x512; gate, up 1376x512; down 512x1376), rank 128, fp32.
 
     python benchmarks/optimizer_step.py --threads 2 --out docs/benchmarks/optimizer_step.json
+    python benchmarks/optimizer_step.py --device cuda --out docs/benchmarks/optimizer_step_cuda.json
 
 Optimizers are run round-robin (a few steps each, repeated) so that drift in machine load
 hits all of them alike; the median steady step is reported.
@@ -27,6 +28,8 @@ from datetime import date
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fira_optim"))
+
 LAYER = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
 
 
@@ -34,10 +37,13 @@ def shapes(layers: int) -> list[tuple[int, int]]:
     return LAYER * layers
 
 
+DEVICE = torch.device("cpu")
+
+
 def make_params(shape_list, seed=0):
     g = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shape_list]
-    grads = [torch.randn(s, generator=g) * 1e-3 for s in shape_list]
+    params = [torch.nn.Parameter((torch.randn(s, generator=g) * 0.02).to(DEVICE)) for s in shape_list]
+    grads = [(torch.randn(s, generator=g) * 1e-3).to(DEVICE) for s in shape_list]
     return params, grads
 
 
@@ -54,9 +60,10 @@ def build(name: str, params, rank: int, gap: int):
             lr=lr, no_deprecation_warning=True,
         )
     if name == "galore-torch 1.0":
-        import galore_torch
+        # galore_torch's __init__ imports bitsandbytes; its AdamW needs none of it.
+        from released import galore_adamw_class
 
-        return galore_torch.GaLoreAdamW(
+        return galore_adamw_class()(
             [{"params": params, "rank": rank, "update_proj_gap": gap, "scale": 0.25, "proj_type": "std"}],
             lr=lr, no_deprecation_warning=True,
         )
@@ -89,8 +96,8 @@ class Floor:
         for p, g in zip(params, grads):
             side = projection_side(p.shape, "std")
             m, n = p.shape
-            basis = torch.linalg.qr(torch.randn(m if side == LEFT else n, rank))[0]
-            c = torch.rand((1, n) if side == LEFT else (m, 1))
+            basis = torch.linalg.qr(torch.randn(m if side == LEFT else n, rank, device=DEVICE))[0]
+            c = torch.rand((1, n) if side == LEFT else (m, 1), device=DEVICE)
             self.items.append((p, g, basis, side, c))
 
     @torch.no_grad()
@@ -110,9 +117,16 @@ def set_grads(params, grads):
         p.grad = g
 
 
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed(fn) -> float:
+    _sync()
     start = time.perf_counter()
     fn()
+    _sync()
     return time.perf_counter() - start
 
 
@@ -120,12 +134,12 @@ def large_allocations(opt, params, threshold_bytes: int) -> int:
     """Allocations of at least ``threshold_bytes`` (one m x n fp32 matrix) during one step."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
         opt.step()
-    return sum(
-        1 for e in prof.events()
-        if e.self_cpu_memory_usage is not None and e.self_cpu_memory_usage >= threshold_bytes
-    )
+        _sync()
+    field = "self_device_memory_usage" if DEVICE.type == "cuda" else "self_cpu_memory_usage"
+    return sum(1 for e in prof.events() if (getattr(e, field, None) or 0) >= threshold_bytes)
 
 
 def stagger_profile(layers: int, rank: int, steps: int) -> dict:
@@ -154,8 +168,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds")
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--stagger-steps", type=int, default=56, help="T for the stagger profile")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (fp32 parameters either way)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: no CUDA device is available")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
 
@@ -192,6 +211,7 @@ def main() -> None:
         "stagger_steps": args.stagger_steps,
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "threads": args.threads,
         "shapes": f"{args.layers} layers x (q,k,v,o 512x512; gate, up 1376x512; down 512x1376)",

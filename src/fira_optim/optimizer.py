@@ -88,6 +88,13 @@ class Fira(Optimizer):
         only_scaling: update with :math:`\phi(R) \odot G` alone (Fira-only-scaling).
         clip_norm: threshold of ``limiter="clip"`` (default 1.0).
         mu: :math:`\mu` of ``"shrink"`` / ``"tensorwise"`` (default 0.1).
+        align_signs: give each new exact-SVD basis vector the sign that points it along the
+            previous basis vector of the same index (:math:`\mathrm{diag}(P_{old}^\top P_{new}) \ge 0`).
+            Singular vectors are defined up to sign and LAPACK, cuSOLVER and float precisions
+            pick signs differently; the Adam moments carried over a refresh are coordinates in
+            the old basis, so an arbitrary flip reverses their first moment along that
+            direction. Aligned, the run is the same on every device (default True; the
+            released ``fira`` and ``galore-torch`` keep the raw signs: ``False``).
         stagger: spread projection refreshes over the ``T`` steps instead of refreshing every
             matrix on the same step (the first step still initialises every basis).
         correct_bias: Adam bias correction (default True; released API compatibility).
@@ -124,6 +131,7 @@ class Fira(Optimizer):
         only_scaling: bool = False,
         clip_norm: float = 1.0,
         mu: float = 0.1,
+        align_signs: bool = True,
         stagger: bool = False,
         correct_bias: bool = True,
         seed: int = 0,
@@ -149,7 +157,7 @@ class Fira(Optimizer):
             update_proj_gap=update_proj_gap, alpha=alpha, gamma=gamma, proj_type=proj_type,
             projector=projector, arithmetic=arithmetic, base=base, scaling=scaling,
             limiter=limiter, residual=residual, only_scaling=only_scaling, clip_norm=clip_norm,
-            mu=mu, stagger=stagger, correct_bias=correct_bias, seed=seed,
+            mu=mu, align_signs=align_signs, stagger=stagger, correct_bias=correct_bias, seed=seed,
         )
         _validate_options(defaults)
         if rank is not None:
@@ -424,7 +432,8 @@ class Fira(Optimizer):
             (group["seed"] * 1_000_003 + order * 7919 + step) % (2**63)
         )
         try:
-            return compute_basis(grad, rank, side, group["projector"], previous, generator)
+            return compute_basis(grad, rank, side, group["projector"], previous, generator,
+                                 align_signs=group["align_signs"])
         except RuntimeError as err:
             fallback = "using a random basis" if previous is None else "keeping the previous basis"
             warnings.warn(f"projection basis failed for {name} ({err}); {fallback}", RuntimeWarning)
@@ -602,6 +611,8 @@ def _validate_options(g: dict) -> None:
         raise ValueError(f"Invalid clip_norm: {g['clip_norm']}; expected > 0")
     if not 0.0 < g["mu"] <= 1.0:
         raise ValueError(f"Invalid mu: {g['mu']}; expected in (0, 1]")
+    if not isinstance(g["align_signs"], bool):
+        raise ValueError(f"Invalid align_signs: {g['align_signs']!r}; expected True or False")
     _check_choice("proj_type", g["proj_type"], PROJ_TYPES)
     _check_choice("projector", g["projector"], PROJECTORS)
     _check_choice("arithmetic", g["arithmetic"], ARITHMETICS)

@@ -152,6 +152,19 @@ def random_basis(
     return q.to(grad.device).contiguous()
 
 
+def _align(basis: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    r"""``basis`` with column ``i`` negated where it points away from column ``i`` of
+    ``previous``, so that :math:`\mathrm{diag}(P_{old}^\top P_{new}) \ge 0`.
+
+    The span, hence Algorithm 1's update, is unchanged; what changes is that the Adam moments
+    carried over the refresh keep meaning the same directions, and that the choice no longer
+    depends on which SVD routine (CPU, CUDA, precision) produced the vectors.
+    """
+    dots = (previous.to(basis.dtype) * basis).sum(dim=0)
+    signs = torch.where(dots < 0, -1.0, 1.0).to(basis.dtype)
+    return basis * signs
+
+
 def compute_basis(
     grad: torch.Tensor,
     rank: int,
@@ -159,10 +172,17 @@ def compute_basis(
     projector: str,
     previous: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    *,
+    align_signs: bool = True,
 ) -> torch.Tensor:
-    """Dispatch to the named projector."""
+    """Dispatch to the named projector. ``align_signs``: see :func:`_align` (exact SVD
+    only: the warm-started randomized projector keeps its columns aligned by construction and
+    a random basis has nothing to align with)."""
     if projector == "svd":
-        return svd_basis(grad, rank, side)
+        basis = svd_basis(grad, rank, side)
+        if align_signs and previous is not None:
+            basis = _align(basis, previous)
+        return basis
     if projector == "randomized":
         return randomized_basis(grad, rank, side, previous, generator=generator)
     if projector == "random":

@@ -21,8 +21,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Appendix E: W -= lr * phi(R) * G, with and without SVD.
     "fira-only-scaling": {"only_scaling": True},
     "fira-only-scaling-random": {"only_scaling": True, "projector": "random"},
-    # The arithmetic of the released fira 1.0.2 (residual G - alpha P R, ...).
-    "fira-released": {"arithmetic": "released"},
+    # The released fira 1.0.2: its arithmetic (residual G - alpha P R, ...) and raw SVD signs.
+    "fira-released": {"arithmetic": "released", "align_signs": False},
     # GaLore, and GaLore-add (raw residual: no scaling, no limiter; Eqn. 9).
     "galore": {"residual": "drop"},
     "galore-add": {"scaling": "none", "limiter": "none"},

@@ -12,12 +12,13 @@ import torch
 
 class Algorithm1:
     def __init__(self, w0, *, lr, rank, T, alpha, gamma=1.01, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, transpose=False):
+                 weight_decay=0.0, transpose=False, align_signs=True):
         self.W = w0.detach().clone().double()
         self.lr, self.r, self.T, self.alpha, self.gamma = lr, rank, T, alpha, gamma
         self.b1, self.b2 = betas
         self.eps, self.wd = eps, weight_decay
         self.transpose = transpose
+        self.align_signs = align_signs
         self.M = self.V = self.P = None
         self.S_prev_norm = None  # no history before the first step
         self.t = 0
@@ -31,10 +32,15 @@ class Algorithm1:
                 # Footnote of Section 3.3: for m > n, Q = V[:, :r] of the SVD of G itself
                 # (the left singular vectors of G^T, with the signs that SVD(G) gives).
                 _, _, Vh = torch.linalg.svd(G.T, full_matrices=False)
-                self.P = Vh[: self.r].T
+                P_new = Vh[: self.r].T
             else:
                 U, _, _ = torch.linalg.svd(G, full_matrices=False)
-                self.P = U[:, : self.r]
+                P_new = U[:, : self.r]
+            if self.align_signs and self.P is not None:
+                # Singular vectors are defined up to sign; the paper is silent on which one.
+                # Convention (fira_optim's default): P_new[:, i] . P_old[:, i] >= 0.
+                P_new = P_new * torch.where((self.P * P_new).sum(0) < 0, -1.0, 1.0).double()
+            self.P = P_new
         P = self.P
         R = P.T @ G
         S = G - P @ (P.T @ G)  # (I - P P^T) G

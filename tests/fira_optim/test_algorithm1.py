@@ -23,15 +23,17 @@ def _grads(shape, steps, seed):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("implementation", ["reference", "fast"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_matches_algorithm1_float64(shape, implementation, weight_decay):
+@pytest.mark.parametrize("align_signs", [True, False])
+def test_matches_algorithm1_float64(shape, implementation, weight_decay, align_signs):
     steps, T, rank = 23, 5, 4  # crosses four projection refreshes
     w0 = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     w = torch.nn.Parameter(w0.clone())
     opt = FiraAdamW([{"params": [w], "rank": rank}], lr=0.01, update_proj_gap=T, alpha=0.25,
-                    weight_decay=weight_decay, implementation=implementation)
+                    weight_decay=weight_decay, implementation=implementation,
+                    align_signs=align_signs)
     side = projection_side(shape, "std")
     ref = Algorithm1(w0, lr=0.01, rank=rank, T=T, alpha=0.25, weight_decay=weight_decay,
-                     transpose=(side == "right"))
+                     transpose=(side == "right"), align_signs=align_signs)
     for k, g in enumerate(_grads(shape, steps, seed=2)):
         w.grad = g.clone()
         opt.step()

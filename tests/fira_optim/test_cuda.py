@@ -20,7 +20,8 @@ def test_cuda_matches_cpu(dtype, projector):
     grads = [[torch.randn(s, generator=gen) * 1e-2 for s in shapes] for _ in range(7)]
     results = {}
     for device in ("cpu", "cuda"):
-        params = [torch.nn.Parameter(w.to(device=device, dtype=dtype)) for w in init]
+        # copy=True: on the CPU, .to() would return init itself and the run would train it in place
+        params = [torch.nn.Parameter(w.to(device=device, dtype=dtype, copy=True)) for w in init]
         opt = FiraAdamW([{"params": params, "rank": 8}], lr=1e-2, update_proj_gap=3,
                         projector=projector, seed=1)
         for step_grads in grads:
@@ -30,7 +31,7 @@ def test_cuda_matches_cpu(dtype, projector):
         for p in params:
             assert p.dtype == dtype and p.device.type == device
             assert opt.state[p]["basis"].dtype == torch.float32  # SVD and states in fp32
-        results[device] = [p.detach().float().cpu() for p in params]
+        results[device] = [p.detach().float().cpu().clone() for p in params]
     tol = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
     for a, b in zip(results["cpu"], results["cuda"]):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
