@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch.optim import Optimizer
 
-from . import distributed, unprojected
+from . import compiled, distributed, unprojected
 from .limiter import LIMITERS
 from .projection import (
     LEFT,
@@ -51,7 +51,7 @@ from .update import Hyper, apply_fast, apply_reference, fast_path_supports
 ARITHMETICS = ("paper", "released")
 RESIDUALS = ("add", "drop", "sign")
 NONFINITE = ("error", "skip", "ignore")
-IMPLEMENTATIONS = ("fast", "reference")
+IMPLEMENTATIONS = ("fast", "compiled", "reference")
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -101,7 +101,10 @@ class Fira(Optimizer):
         seed: seed of the random projectors (bases are reproducible across resumes).
         nonfinite: ``"error"`` (raise :class:`NonFiniteGradientError` naming the parameter, before
             anything changes), ``"skip"`` (skip the whole step, warn) or ``"ignore"``.
-        implementation: ``"fast"`` (fused, no ``m x n`` temporaries) or ``"reference"``.
+        implementation: ``"fast"`` (multi-tensor, no ``m x n`` temporaries), ``"compiled"``
+            (the fast path with its low-rank arithmetic fused by ``torch.compile``: faster
+            steady steps after a one-time compilation; see :mod:`fira_optim.compiled`) or
+            ``"reference"`` (every term of Algorithm 1 explicit).
         split_refresh: under DDP, deal the refresh SVDs round-robin to the ranks of
             ``process_group`` and broadcast the bases, so a refresh costs ``1/N`` of the SVD work
             per rank (default False: every rank computes every basis). FSDP2 (DTensor) parameters
@@ -465,13 +468,20 @@ class Fira(Optimizer):
             state["step"] += 1
             step = int(state["step"])
             row_sum = None if plan.sharding is None else plan.sharding.sum
-            if self.implementation == "fast" and fast_path_supports(hp, p, plan.grad):
+            if self.implementation != "reference" and fast_path_supports(hp, p, plan.grad):
                 shards = None if plan.sharding is None else plan.sharding.group
                 buckets.setdefault((id(hp), step, shards), []).append(plan)
             else:
                 apply_reference(_local(p, plan), plan.grad, plan.low, plan.basis, plan.side,
                                 tensors, step, hp, row_sum)
         for (_, step, shards), bucket in buckets.items():
+            hp = bucket[0].hyper
+            if (self.implementation == "compiled" and shards is None and compiled.supports(hp)
+                    and compiled.apply_compiled(
+                        [b.param for b in bucket], [b.grad for b in bucket], [b.low for b in bucket],
+                        [b.low_norm for b in bucket], [b.basis for b in bucket],
+                        [b.side for b in bucket], [self.state[b.param] for b in bucket], step, hp)):
+                continue
             row_sum = None if shards is None else bucket[0].sharding.sum
             apply_fast(
                 [_local(b.param, b) for b in bucket], [b.grad for b in bucket],
