@@ -17,7 +17,9 @@ Flags map onto config keys and are applied after the recipe, then the trailing
 ``section.field=value`` overrides (which win): ``--data`` -> ``data.source``, ``--steps`` ->
 ``train.steps``, ``--out`` -> ``train.out_dir``, ``--rank`` -> ``optim.rank``,
 ``--update-proj-gap`` -> ``optim.update_proj_gap``, ``--lr`` -> ``optim.lr``, ``--seed`` ->
-``train.seed``, ``--save-every`` -> ``train.save_every``, ``--eval-every`` -> ``train.eval_every``.
+``train.seed``, ``--save-every`` -> ``train.save_every``, ``--eval-every`` -> ``train.eval_every``,
+``--parallel`` -> ``train.parallel`` (``none``, ``ddp`` or ``fsdp2``; launch several processes
+with ``torchrun --nproc_per_node N -m fira_train pretrain ... --parallel ddp``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ FLAG_KEYS = {
     "seed": "train.seed",
     "save_every": "train.save_every",
     "eval_every": "train.eval_every",
+    "parallel": "train.parallel",
 }
 
 #: Optional subcommand modules written elsewhere in the project.
@@ -61,6 +64,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed of init, data order and RNGs (train.seed)")
     parser.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (train.save_every)")
     parser.add_argument("--eval-every", type=int, metavar="N", help="validate every N steps (train.eval_every)")
+    parser.add_argument("--parallel", choices=("none", "ddp", "fsdp2"),
+                        help="data parallelism over the processes of a torchrun launch "
+                             "(train.parallel; default none): torchrun --nproc_per_node N -m "
+                             "fira_train pretrain ... --parallel ddp|fsdp2")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in the output directory "
                              "(from step 0 if there is none)")
