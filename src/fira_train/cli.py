@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import Any
 
@@ -101,6 +102,11 @@ def resume_request(args: argparse.Namespace) -> str | int | None:
     return "latest" if args.resume else None
 
 
+def is_rank_zero() -> bool:
+    """Whether this process prints: the only one, or rank 0 of a ``torchrun`` launch."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _human_bytes(n: float) -> str:
     return f"{n / 1024 ** 3:.2f} GiB" if n >= 1024 ** 3 else f"{n / 1024 ** 2:.1f} MiB"
 
@@ -111,6 +117,8 @@ def _pretrain(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     summary = train(config, resume=resume_request(args), overwrite=args.overwrite)
     out = config.train.out_dir
+    if not is_rank_zero():
+        return 0
     print(f"{summary['method']}: validation perplexity {summary['val_ppl']:.2f} (loss "
           f"{summary['val_loss']:.4f}) after {summary['steps']} steps, {summary['tokens']:,} tokens")
     print(f"throughput {summary['tokens_per_s']:,.0f} tokens/s; optimizer state "
@@ -191,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv  # recorded in reports
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
+    logging.basicConfig(level=logging.INFO if is_rank_zero() else logging.WARNING,
+                        format="%(message)s", stream=sys.stderr)
     from fira_train.checkpoint import CheckpointError
 
     try:
