@@ -17,7 +17,9 @@ Flags map onto config keys and are applied after the recipe, then the trailing
 ``section.field=value`` overrides (which win): ``--data`` -> ``data.source``, ``--steps`` ->
 ``train.steps``, ``--out`` -> ``train.out_dir``, ``--rank`` -> ``optim.rank``,
 ``--update-proj-gap`` -> ``optim.update_proj_gap``, ``--lr`` -> ``optim.lr``, ``--seed`` ->
-``train.seed``, ``--save-every`` -> ``train.save_every``, ``--eval-every`` -> ``train.eval_every``.
+``train.seed``, ``--save-every`` -> ``train.save_every``, ``--eval-every`` -> ``train.eval_every``,
+``--parallel`` -> ``train.parallel`` (``none``, ``ddp`` or ``fsdp2``; launch several processes
+with ``torchrun --nproc_per_node N -m fira_train pretrain ... --parallel ddp``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import Any
 
@@ -41,6 +44,7 @@ FLAG_KEYS = {
     "seed": "train.seed",
     "save_every": "train.save_every",
     "eval_every": "train.eval_every",
+    "parallel": "train.parallel",
 }
 
 #: Optional subcommand modules written elsewhere in the project.
@@ -61,6 +65,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed of init, data order and RNGs (train.seed)")
     parser.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (train.save_every)")
     parser.add_argument("--eval-every", type=int, metavar="N", help="validate every N steps (train.eval_every)")
+    parser.add_argument("--parallel", choices=("none", "ddp", "fsdp2"),
+                        help="data parallelism over the processes of a torchrun launch "
+                             "(train.parallel; default none): torchrun --nproc_per_node N -m "
+                             "fira_train pretrain ... --parallel ddp|fsdp2")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in the output directory "
                              "(from step 0 if there is none)")
@@ -94,6 +102,11 @@ def resume_request(args: argparse.Namespace) -> str | int | None:
     return "latest" if args.resume else None
 
 
+def is_rank_zero() -> bool:
+    """Whether this process prints: the only one, or rank 0 of a ``torchrun`` launch."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _human_bytes(n: float) -> str:
     return f"{n / 1024 ** 3:.2f} GiB" if n >= 1024 ** 3 else f"{n / 1024 ** 2:.1f} MiB"
 
@@ -104,6 +117,8 @@ def _pretrain(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     summary = train(config, resume=resume_request(args), overwrite=args.overwrite)
     out = config.train.out_dir
+    if not is_rank_zero():
+        return 0
     print(f"{summary['method']}: validation perplexity {summary['val_ppl']:.2f} (loss "
           f"{summary['val_loss']:.4f}) after {summary['steps']} steps, {summary['tokens']:,} tokens")
     print(f"throughput {summary['tokens_per_s']:,.0f} tokens/s; optimizer state "
@@ -184,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv  # recorded in reports
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
+    logging.basicConfig(level=logging.INFO if is_rank_zero() else logging.WARNING,
+                        format="%(message)s", stream=sys.stderr)
     from fira_train.checkpoint import CheckpointError
 
     try:

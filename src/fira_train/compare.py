@@ -62,13 +62,36 @@ def _finished_with(config: "RunConfig", run_dir: Path) -> bool:
 
 def compare(config: "RunConfig", methods: list[str], out_dir: str | Path, *, resume: bool = False,
             overwrite: bool = False, command: str | None = None) -> tuple[Path, Path]:
-    """Train every method of ``methods`` on ``config`` and write the report; (report, plot) paths."""
-    from fira_train.data import build_corpus
+    """Train every method of ``methods`` on ``config`` and write the report; (report, plot) paths.
+
+    With ``train.parallel`` ddp / fsdp2 (under ``torchrun``) every rank trains every method and
+    rank 0 writes the report.
+    """
     from fira_train.report import plot_curves, write_report
-    from fira_train.train import train
 
     out_dir = Path(out_dir)
     configs = [method_config(config, m, out_dir) for m in methods]  # validates every name first
+    if config.train.parallel != "none":
+        from fira_train.train_parallel import distributed_session
+
+        # One process group for all the runs (each train() then reuses it); rank 0 reports.
+        with distributed_session(config) as env:
+            _train_all(config, methods, configs, out_dir, resume, overwrite)
+            if not env.is_main:
+                return out_dir / "report.md", out_dir / "loss.png"
+            return write_report(out_dir, methods, command=command), plot_curves(out_dir, methods)
+    _train_all(config, methods, configs, out_dir, resume, overwrite)
+    report = write_report(out_dir, methods, command=command)
+    plot = plot_curves(out_dir, methods)
+    return report, plot
+
+
+def _train_all(config: "RunConfig", methods: list[str], configs: list["RunConfig"], out_dir: Path,
+               resume: bool, overwrite: bool) -> None:
+    """Train the methods one after another on one shared corpus."""
+    from fira_train.data import build_corpus
+    from fira_train.train import train
+
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(config.data)
     for index, (method, run_config) in enumerate(zip(methods, configs), start=1):
@@ -80,9 +103,6 @@ def compare(config: "RunConfig", methods: list[str], out_dir: str | Path, *, res
         summary = train(run_config, resume="latest" if resume else None, overwrite=overwrite, corpus=corpus)
         log.info("[%d/%d] %s: validation perplexity %.2f, %.0f tokens/s", index, len(methods), method,
                  summary["val_ppl"], summary["tokens_per_s"])
-    report = write_report(out_dir, methods, command=command)
-    plot = plot_curves(out_dir, methods)
-    return report, plot
 
 
 def _compare_command(args: argparse.Namespace) -> int:
@@ -95,6 +115,10 @@ def _compare_command(args: argparse.Namespace) -> int:
     command = "fira-train " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
     report, plot = compare(config, methods, out_dir, resume=args.resume,
                            overwrite=args.overwrite, command=command)
+    from fira_train.cli import is_rank_zero
+
+    if not is_rank_zero():
+        return 0
     print(report_table([load_run(Path(out_dir) / m)[0] for m in methods]))
     print(f"report: {report}")
     print(f"plot:   {plot}")

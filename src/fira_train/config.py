@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fira_train.data import DataSpec
+from fira_train.parallel import PARALLEL_MODES
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -189,6 +190,11 @@ class TrainConfig:
     num_threads: int = 0
     """CPU threads for torch (``torch.set_num_threads``, process-wide); 0 keeps torch's default.
     On a CPU shared with other jobs, 1 can be many times faster than oversubscribed threads."""
+    parallel: str = "none"
+    """Data parallelism over the processes of a ``torchrun`` launch: "none" (one process),
+    "ddp" (replicated weights, averaged gradients) or "fsdp2" (weights, gradients and
+    optimizer states sharded by rows). Every rank trains on its rows of each global batch, so
+    ``batch_size`` and the tokens per step stay what the recipe says at any world size."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):
@@ -214,6 +220,7 @@ class TrainConfig:
                "a non-empty path")
         _check(self.precision in PRECISIONS, "train.precision", self.precision, f"one of {PRECISIONS}")
         _check(self.device in DEVICES, "train.device", self.device, f"one of {DEVICES}")
+        _check(self.parallel in PARALLEL_MODES, "train.parallel", self.parallel, f"one of {PARALLEL_MODES}")
         for name in ("tensorboard", "progress"):
             _check(isinstance(getattr(self, name), bool), f"train.{name}", getattr(self, name), "a bool")
 
@@ -247,3 +254,9 @@ class RunConfig:
 
         _check(self.optim.method in METHODS, "optim.method", self.optim.method,
                f"one of {', '.join(sorted(METHODS))}")
+        # peft wraps the model after it is built; DDP / FSDP2 must wrap it before the optimizer
+        # sees the parameters, and the two orders do not compose yet.
+        _check(self.train.parallel == "none" or not METHODS[self.optim.method].wraps_model,
+               "train.parallel", self.train.parallel,
+               f"'none' with optim.method={self.optim.method!r} (its adapters are not supported "
+               "under DDP / FSDP2 yet)")

@@ -73,6 +73,11 @@ class Method:
     description: str
     uses_rank: bool = False
     """Whether ``optim.rank`` (and for the Fira family ``optim.update_proj_gap``) matter."""
+    wraps_model: bool = False
+    """Whether ``build`` returns a wrapper of the model (``peft`` adapters) rather than the model."""
+    split_refresh: bool = False
+    """Whether ``build`` accepts ``split_refresh=`` (``fira_optim.FiraAdamW``'s option that deals
+    the refresh SVDs to the ranks of a DDP run)."""
 
 
 def resolved_lr(config: "RunConfig") -> float:
@@ -80,9 +85,16 @@ def resolved_lr(config: "RunConfig") -> float:
     return config.optim.lr if config.optim.lr is not None else get_method(config.optim.method).default_lr
 
 
-def build_method(model: nn.Module, config: "RunConfig") -> MethodSetup:
-    """Build ``config.optim.method`` for ``model``."""
-    return get_method(config.optim.method).build(model, config, resolved_lr(config))
+def build_method(model: nn.Module, config: "RunConfig", *, split_refresh: bool = False) -> MethodSetup:
+    """Build ``config.optim.method`` for ``model``.
+
+    ``split_refresh=True`` (a DDP run) is passed on to the methods that accept it
+    (:attr:`Method.split_refresh`) and ignored by the others.
+    """
+    method = get_method(config.optim.method)
+    if split_refresh and method.split_refresh:
+        return method.build(model, config, resolved_lr(config), split_refresh=True)
+    return method.build(model, config, resolved_lr(config))
 
 
 def get_method(name: str) -> Method:
@@ -132,13 +144,13 @@ def _adam_mini(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
 
 
 def _fira_family(variant: str) -> Callable[[nn.Module, "RunConfig", float], MethodSetup]:
-    def build(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    def build(model: nn.Module, config: "RunConfig", lr: float, split_refresh: bool = False) -> MethodSetup:
         o = config.optim
         groups = fira_optim.param_groups(model, rank=o.rank, update_proj_gap=o.update_proj_gap,
                                          alpha=o.alpha)
         optimizer = fira_optim.FiraAdamW(
             groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-            seed=config.train.seed, **fira_optim.VARIANTS[variant],
+            seed=config.train.seed, split_refresh=split_refresh, **fira_optim.VARIANTS[variant],
         )
         return MethodSetup(model, optimizer)
 
@@ -230,12 +242,13 @@ METHODS: dict[str, Method] = {
 for _name, _overrides in fira_optim.VARIANTS.items():
     _what = ", ".join(f"{k}={v!r}" for k, v in _overrides.items()) or "the paper's Fira"
     METHODS[_name] = Method(_name, FIRA_LR, _fira_family(_name),
-                            f"fira_optim.FiraAdamW with {_what}", uses_rank=True)
+                            f"fira_optim.FiraAdamW with {_what}", uses_rank=True, split_refresh=True)
 METHODS.update({
     "lora": Method("lora", 1e-3, _lora, "peft LoRA on attention + MLP, the rest trained in full",
-                   uses_rank=True),
+                   uses_rank=True, wraps_model=True),
     "relora": Method("relora", 1e-3, _relora,
-                     "LoRA merged and restarted periodically, moments pruned, jagged LR", uses_rank=True),
+                     "LoRA merged and restarted periodically, moments pruned, jagged LR", uses_rank=True,
+                     wraps_model=True),
     "sgd": Method("sgd", 0.03, _sgd, "torch.optim.SGD with momentum betas[0]"),
     "adagrad": Method("adagrad", 1e-2, _adagrad, "torch.optim.Adagrad"),
     "adam-mini": Method("adam-mini", 1e-3, _adam_mini, "Adam-mini (the adam-mini package)"),

@@ -14,9 +14,14 @@ L - 1 next-token predictions, and
 
 (the released harness divides a sum of per-batch means by the number of batches plus one).
 
-Model, method (optimizer) and schedule are built by :func:`build_training`, so that a
-``parallelize(model, ...)`` step (DDP / FSDP2) can be inserted between the model and the
-optimizer without touching the loop.
+Model, method (optimizer) and schedule are built by :func:`build_training`, which applies
+``train.parallel`` (DDP / FSDP2, :func:`fira_train.parallel.parallelize`) between the model and
+the optimizer. Under ``torchrun`` every rank reads the same global batches and trains on its
+rows of each micro-batch, the logged loss and the validation loss are reduced over the ranks,
+only rank 0 writes the run's files, and checkpoints go through
+:mod:`fira_train.dist_checkpoint`; the distributed-only pieces are in
+:mod:`fira_train.train_parallel`. A run at any world size trains on the same global batches as
+one process, to floating-point round-off.
 
 Analyses hook into the loop through ``callbacks`` (:class:`TrainCallback`): code that must see
 the gradients or the optimizer's state at every step (recording scaling factors, injecting
@@ -38,9 +43,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from fira_train import checkpoint as ckpt
+from fira_train import dist_checkpoint
+from fira_train import train_parallel
 from fira_train.config import RunConfig
 from fira_train.overrides import config_from_dict, config_to_dict
 from fira_train.run_state import capture_state, restore_state, seed_everything
@@ -48,6 +56,7 @@ from fira_train.data import build_corpus
 from fira_train.methods import MethodSetup, build_method, get_method, resolved_lr
 from fira_train.metrics import MetricsLog, PeakMemory, optimizer_state_bytes, optimizer_state_numel, perplexity
 from fira_train.model import build_model, count_parameters
+from fira_train.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, parallelize, shard_batch, unwrap
 from fira_train.schedule import WarmupCosine
 
 log = logging.getLogger(__name__)
@@ -57,6 +66,8 @@ log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = frozenset({
     "train.save_every", "train.keep_last", "train.eval_every", "train.progress",
     "train.tensorboard", "train.out_dir",
+    # the same global batches at any world size: equal to round-off
+    "train.parallel",
 })
 
 
@@ -98,10 +109,19 @@ class Training:
     setup: MethodSetup
     scheduler: torch.optim.lr_scheduler.LambdaLR
     device: torch.device
+    parallel_model: torch.nn.Module | None = None
+    """The DDP wrapper that runs the forward passes (None otherwise: FSDP2 shards the model in
+    place, and ``model`` is then the FSDP2 module)."""
 
     @property
     def model(self) -> torch.nn.Module:
+        """The model whose parameters the optimizer holds (checkpointed, seen by callbacks)."""
         return self.setup.model
+
+    @property
+    def forward_model(self) -> torch.nn.Module:
+        """The module to call for the training and validation forward passes."""
+        return self.parallel_model if self.parallel_model is not None else self.setup.model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -128,35 +148,58 @@ def autocast_for(config: RunConfig, device: torch.device) -> contextlib.Abstract
     return contextlib.nullcontext()
 
 
-def build_training(config: RunConfig, vocab_size: int, device: torch.device) -> Training:
-    """Model (seeded random init) -> [parallelize] -> method (optimizer) -> schedule."""
+def build_training(config: RunConfig, vocab_size: int, device: torch.device,
+                   env: DistributedEnv | None = None) -> Training:
+    """Model (seeded random init) -> [parallelize] -> method (optimizer) -> schedule.
+
+    With ``train.parallel`` ddp / fsdp2 (``env``: the process group's), the model is
+    parallelized before the optimizer sees its parameters: FSDP2 replaces them by row-sharded
+    DTensors, which the optimizer must hold; under DDP the optimizer holds the wrapped
+    module's parameters and Fira-family methods deal their refresh SVDs to the ranks
+    (``split_refresh``).
+    """
     model = build_model(config.model, vocab_size, config.data.seq_len, config.train.seed).to(device)
-    # A parallelize(model, config) step (DDP / FSDP2) goes here, before the optimizer sees
-    # the parameters.
-    setup = build_method(model, config)
+    mode = config.train.parallel
+    wrapped = None
+    if mode != "none":
+        wrapped = parallelize(model, mode, env)
+        model = unwrap(wrapped)  # FSDP2: the sharded model itself
+    setup = build_method(model, config, split_refresh=mode == "ddp")
     schedule = WarmupCosine(config.train.steps, config.train.warmup_fraction, config.train.min_lr_ratio,
                             restart_every=setup.restart_every, rewarmup=setup.rewarmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, schedule)
-    return Training(setup, scheduler, device)
+    return Training(setup, scheduler, device, wrapped if wrapped is not model else None)
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device,
-             autocast: contextlib.AbstractContextManager) -> tuple[float, int]:
-    """(mean next-token loss over all validation tokens, number of tokens)."""
+             autocast: contextlib.AbstractContextManager,
+             env: DistributedEnv | None = None) -> tuple[float, int]:
+    """(mean next-token loss over all validation tokens, number of tokens).
+
+    With a distributed ``env`` each rank evaluates its rows of every batch and the sums of
+    losses and of tokens are reduced over the ranks: the same mean as one process.
+    """
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     for batch in batches:
         ids = batch.to(device)  # (B, L)
+        counted = True
+        if env is not None and env.distributed:
+            ids, counted = train_parallel.eval_rows(ids, env)
         with autocast:
             logits = model(input_ids=ids).logits  # (B, L, V)
+        if not counted:
+            continue
         targets = ids[:, 1:]  # position t predicts token t + 1
         losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="sum")
         total += losses.double()
         count += targets.numel()
     model.train(was_training)
+    if env is not None and env.distributed:
+        total, count = train_parallel.sum_over_ranks(total, count, env)
     return (total / count).item(), count
 
 
@@ -174,7 +217,10 @@ def _config_changes(old: RunConfig, new: RunConfig) -> list[str]:
     return sorted(k for k in changed if k not in RESUMABLE_CHANGES)
 
 
-def _prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool) -> None:
+def _prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool,
+                     delete: bool = True) -> None:
+    """Check that OUT may hold this run; with ``overwrite`` (and ``delete``: rank 0 only)
+    remove a previous one."""
     previous = [p for p in ("metrics.jsonl", "summary.json", ckpt.CHECKPOINT_DIR) if (out / p).exists()]
     if resume is None and previous:
         if not overwrite:
@@ -182,9 +228,9 @@ def _prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, ove
                                   "--resume to continue it or --overwrite to start over")
         for name in ("metrics.jsonl", "summary.json", "config.json", "tb", ckpt.CHECKPOINT_DIR):
             path = out / name
-            if path.is_dir():
+            if delete and path.is_dir():
                 shutil.rmtree(path)
-            elif path.exists():
+            elif delete and path.exists():
                 path.unlink()
     if resume is not None and (out / "config.json").exists():
         saved = config_from_dict(json.loads((out / "config.json").read_text()))
@@ -203,21 +249,39 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     none) or a step number (that checkpoint; FileNotFoundError if absent). ``corpus`` lets
     several runs share one tokenised corpus (``compare``). ``callbacks`` are called in order
     at every step (:class:`TrainCallback`).
+
+    With ``train.parallel`` ddp / fsdp2, every process of a ``torchrun`` launch calls this
+    (:mod:`fira_train.train_parallel`); every rank returns the summary, rank 0 writes it.
     """
     config = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
     get_method(config.optim.method)
+    if config.train.parallel == "none":
+        train_parallel.check_launch(config)
+        return _train(config, None, resume, overwrite, corpus, callbacks)
+    with train_parallel.distributed_session(config) as env:
+        return _train(config, env, resume, overwrite, corpus, callbacks)
+
+
+def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | None, overwrite: bool,
+           corpus: Any, callbacks: Sequence[TrainCallback]) -> dict[str, Any]:
+    """:func:`train`'s body; ``env`` is None for one process, the process group's otherwise."""
+    distributed = env is not None
     out = Path(config.train.out_dir)
-    main = _is_main_process()
-    _prepare_out_dir(config, out, resume, overwrite)
+    main = env.is_main if distributed else _is_main_process()
+    _prepare_out_dir(config, out, resume, overwrite, delete=main or not distributed)
+    if distributed:
+        dist.barrier()  # every rank has checked OUT before rank 0 rewrites config.json
     if main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
 
-    state = None
+    state, resume_path = None, None
     if resume is not None:
         path = ckpt.latest_checkpoint(out) if resume == "latest" else ckpt.find_checkpoint(out, int(resume))
         if path is None:
             log.info("no complete checkpoint in %s: starting from step 0", out)
+        elif distributed or dist_checkpoint.is_dcp_checkpoint(path):
+            resume_path = path  # loaded into the built model (DCP loads in place)
         else:
             state = ckpt.load_checkpoint(out, path)  # verified and fully read before anything loads
         if main:
@@ -226,20 +290,28 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     seed_everything(config.train.seed)
-    device = resolve_device(config)
+    device = env.device if distributed else resolve_device(config)
     autocast = autocast_for(config, device)
     if corpus is None:
         corpus = build_corpus(config.data)
-    training = build_training(config, corpus.vocab_size, device)
+    training = build_training(config, corpus.vocab_size, device, env)
     model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
-    stream = corpus.train_batches(config.train.micro_batch_size or config.train.batch_size, config.train.seed)
-    val_batches = corpus.val_batches(config.train.micro_batch_size or config.train.batch_size)
+    net = training.forward_model  # the DDP wrapper, else the model
+    micro_batch = config.train.micro_batch_size or config.train.batch_size
+    if distributed and micro_batch % env.world_size:
+        raise ValueError(f"train.micro_batch_size={micro_batch} (the sequences of one forward pass) "
+                         f"must divide by the {env.world_size} processes: each trains on its rows")
+    stream = corpus.train_batches(micro_batch, config.train.seed)
+    val_batches = corpus.val_batches(micro_batch)
 
     step, progress = 0, {"tokens": 0, "train_time_s": 0.0}
     restored = state is not None
     if restored:
         step, progress = restore_state(state, training, stream)
         log.info("resumed %s from step %d", out, step)
+    elif resume_path is not None:
+        step, progress = train_parallel.load(out, resume_path, training, stream, config.train.parallel)
+        log.info("resumed %s from step %d (%s)", out, step, resume_path.name)
     del state
     metrics = MetricsLog(out, tensorboard=config.train.tensorboard and main,
                          resume_step=step if resume is not None else None) if main else None
@@ -257,25 +329,29 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
 
     bar = tqdm(total=t.steps, initial=step, desc=config.optim.method, unit="step",
                disable=not (t.progress and main), dynamic_ncols=True)
-    model.train()
+    net.train()
     while step < t.steps:
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
         loss_sum = torch.zeros((), device=device)
-        for _ in range(accum):
-            ids = next(stream).to(device)  # (micro_batch, seq_len)
-            with autocast:
-                loss = model(input_ids=ids, labels=ids).loss  # mean over micro_batch * (seq_len - 1)
-            (loss / accum).backward()
+        for micro in range(accum):
+            ids = next(stream).to(device)  # (micro_batch, seq_len), the same on every rank
+            if distributed:
+                ids = shard_batch(ids, env)  # this rank's micro_batch / world_size rows
+            with train_parallel.accumulation_context(net, last=micro == accum - 1):
+                with autocast:
+                    loss = net(input_ids=ids, labels=ids).loss  # mean over micro_batch * (seq_len - 1)
+                (loss / accum).backward()
             loss_sum += loss.detach()
-        step_loss = (loss_sum / accum).item()
+        # equal rows per rank: the mean of the ranks' means is the global mean
+        step_loss = all_reduce_mean(loss_sum / accum, env) if distributed else (loss_sum / accum).item()
         if not math.isfinite(step_loss):
             bar.close()
             raise NonFiniteLossError(step + 1, step_loss)
         for callback in callbacks:
             callback.before_step(step + 1, model, optimizer, step_loss)
         if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(trainable, t.grad_clip)
+            clip_grad_norm_(trainable, t.grad_clip)  # the global norm over FSDP2's shards too
         optimizer.step()
         for callback in callbacks:
             callback.after_step(step + 1, model, optimizer, step_loss)
@@ -293,19 +369,22 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
         record = {"step": step, "loss": step_loss, "lr": lr, "tokens_per_s": tokens_per_step / elapsed,
                   "tokens": progress["tokens"]}
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
-            val_loss, _ = evaluate(model, val_batches, device, autocast)
+            val_loss, _ = evaluate(net, val_batches, device, autocast, env)
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
         if metrics is not None:
             metrics.log(record)
         bar.update(1)
         bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "tokens_per_s", "val_ppl") if k in record})
-        if main and (step == t.steps or (t.save_every and step % t.save_every == 0)):
-            ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress))
-            ckpt.prune_checkpoints(out, t.keep_last)
+        if step == t.steps or (t.save_every and step % t.save_every == 0):
+            if distributed:  # every rank writes its shards
+                train_parallel.save(out, step, training, stream, progress, t.keep_last)
+            elif main:
+                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress))
+                ckpt.prune_checkpoints(out, t.keep_last)
     bar.close()
 
     if math.isnan(val_loss):  # resumed at the final step: evaluate the restored weights
-        val_loss, _ = evaluate(model, val_batches, device, autocast)
+        val_loss, _ = evaluate(net, val_batches, device, autocast, env)
     summary = {
         "recipe": config.recipe,
         "method": config.optim.method,
@@ -330,6 +409,8 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
         "device": str(device),
         "data": corpus.describe(),
     }
+    if distributed:  # peak memory is rank 0's
+        summary.update(parallel=t.parallel, world_size=env.world_size)
     if metrics is not None:
         metrics.close()
     if main:
