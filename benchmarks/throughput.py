@@ -1,0 +1,115 @@
+"""Training throughput of several methods side by side on one recipe (issue 3: Fira >= 97% of AdamW).
+
+    python benchmarks/throughput.py --recipe tiny --methods adamw,fira,galore --rounds 6 \
+        --out docs/benchmarks/throughput_tiny.json
+
+Every method gets its own model, optimizer and schedule, built by the harness exactly as
+`fira-train pretrain` builds them, on the same batches. The methods then take turns: in each
+round every method runs one refresh period (``T`` steps of the recipe, so every Fira/GaLore
+round contains exactly one projection refresh) and is timed over it. Interleaving makes
+machine-load drift hit every method alike; the ratio is taken per round and the median
+reported. A step is forward + backward (with gradient accumulation), clipping, optimizer
+and scheduler: what `fira-train` times for tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from fira_train.data import build_corpus
+from fira_train.overrides import apply_overrides
+from fira_train.recipes import get_recipe
+from fira_train.train import autocast_for, build_training, resolve_device
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="tiny")
+    parser.add_argument("--methods", default="adamw,fira,galore")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per method first")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the recipe's)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every method")
+    args = parser.parse_args()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or "adamw" not in methods:
+        parser.error(f"--methods {args.methods!r}: list at least adamw (the reference) and one other")
+    base = apply_overrides(get_recipe(args.recipe), list(args.overrides))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif base.train.num_threads:
+        torch.set_num_threads(base.train.num_threads)
+    corpus = build_corpus(base.data)
+    runs = {}
+    for method in methods:
+        config = apply_overrides(base, [f"optim.method={method}"])
+        device = resolve_device(config)
+        training = build_training(config, corpus.vocab_size, device)
+        micro = config.train.micro_batch_size or config.train.batch_size
+        runs[method] = dict(config=config, training=training, device=device,
+                            autocast=autocast_for(config, device),
+                            stream=corpus.train_batches(micro, config.train.seed))
+    period = base.optim.update_proj_gap
+    tokens_per_step = base.train.batch_size * base.data.seq_len
+
+    def step(run) -> None:
+        config, training = run["config"], run["training"]
+        model, optimizer = training.setup.model, training.setup.optimizer
+        accum = config.train.grad_accum
+        for _ in range(accum):
+            ids = next(run["stream"]).to(run["device"])
+            with run["autocast"]:
+                loss = model(input_ids=ids, labels=ids).loss
+            (loss / accum).backward()
+        if config.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                           config.train.grad_clip)
+        optimizer.step()
+        training.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for method in methods:
+        for _ in range(args.warmup_steps):
+            step(runs[method])
+    seconds = {m: [] for m in methods}
+    for r in range(args.rounds):
+        for method in methods:
+            start = time.perf_counter()
+            for _ in range(period):
+                step(runs[method])
+            seconds[method].append(time.perf_counter() - start)
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+            f"{m} {tokens_per_step * period / seconds[m][-1]:.0f} tok/s" for m in methods), flush=True)
+    ratios = {m: [a / b for a, b in zip(seconds["adamw"], seconds[m])] for m in methods}
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                   f"{torch.get_num_threads()} threads",
+        "load": "1/5/15-min load average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "recipe": args.recipe,
+        "steps_per_round": period,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s_median": {m: tokens_per_step * period / statistics.median(v) for m, v in seconds.items()},
+        "ratio_to_adamw_median": {m: statistics.median(v) for m, v in ratios.items()},
+        "ratio_to_adamw_per_round": ratios,
+        "round_seconds": seconds,
+    }
+    print(json.dumps({k: result[k] for k in ("tokens_per_s_median", "ratio_to_adamw_median")}, indent=2))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
