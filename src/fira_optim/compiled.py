@@ -84,7 +84,8 @@ def _kernel():
     return _compiled
 
 
-def apply_compiled(params, grads, lows, low_norms, bases, sides, states, step: int, hp: Hyper) -> bool:
+def apply_compiled(params, grads, lows, low_norms, bases, sides, states, step: int, hp: Hyper,
+                   grad_sqs=None) -> bool:
     """:func:`fira_optim.update.apply_fast` for one bucket, with the fused kernel.
 
     Returns ``False`` with nothing modified if torch.compile is unavailable here (no C++
@@ -102,13 +103,16 @@ def apply_compiled(params, grads, lows, low_norms, bases, sides, states, step: i
     )
     kernel = _kernel()
     updates = []
-    for i, (grad, low, low_norm, side, state) in enumerate(zip(grads, lows, low_norms, sides, states)):
+    grad_sqs = grad_sqs or [None] * len(grads)
+    for i, (grad, low, low_norm, side, state, grad_sq) in enumerate(
+            zip(grads, lows, low_norms, sides, states, grad_sqs)):
         dim = reduce_dim(side)
         scalars = torch.tensor([values[k] for k in SCALARS], dtype=low.dtype, device=low.device)
         if hp.residual == "drop":  # no residual, no limiter history: placeholders
             g_sq, prev = low_norm.square(), low_norm.new_zeros(())
         else:
-            g_sq = torch.linalg.vector_norm(grad, dim=dim, keepdim=True).square_()
+            g_sq = grad_sq if grad_sq is not None else (
+                torch.linalg.vector_norm(grad, dim=dim, keepdim=True).square_())
             prev = state["prev_norm"]
         try:
             updates.append(kernel(low, low_norm, g_sq, state["exp_avg"], state["exp_avg_sq"], prev,

@@ -417,7 +417,13 @@ class Fira(Optimizer):
         basis = new_basis if new_basis is not None else distributed.to_local(state["basis"])
         low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
         low_norm = torch.linalg.vector_norm(low, dim=reduce_dim(side), keepdim=True)
-        return _Plan(p, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype, sharding)
+        grad_sq = None
+        if hyper.residual != "drop" and self.implementation != "reference":
+            # ||g_i||^2 for ||S||, read now while G is still in cache from the projection: on the
+            # CPU a second sweep over every gradient later in the step streams it from memory.
+            grad_sq = torch.linalg.vector_norm(grad, dim=reduce_dim(side), keepdim=True).square_()
+        return _Plan(p, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype, sharding,
+                     grad_sq)
 
     def _refresh_outcome(self, grad, previous, *, rank, side, group, order, step, name):
         """The refresh rule on a whole gradient: ``(status, basis)``, status one of
@@ -480,14 +486,15 @@ class Fira(Optimizer):
                     and compiled.apply_compiled(
                         [b.param for b in bucket], [b.grad for b in bucket], [b.low for b in bucket],
                         [b.low_norm for b in bucket], [b.basis for b in bucket],
-                        [b.side for b in bucket], [self.state[b.param] for b in bucket], step, hp)):
+                        [b.side for b in bucket], [self.state[b.param] for b in bucket], step, hp,
+                        [b.grad_sq for b in bucket])):
                 continue
             row_sum = None if shards is None else bucket[0].sharding.sum
             apply_fast(
                 [_local(b.param, b) for b in bucket], [b.grad for b in bucket],
                 [b.low for b in bucket], [b.low_norm for b in bucket], [b.basis for b in bucket],
                 [b.side for b in bucket], [_local_state(self.state[b.param], b) for b in bucket],
-                step, bucket[0].hyper, row_sum,
+                step, bucket[0].hyper, row_sum, [b.grad_sq for b in bucket],
             )
 
 
@@ -514,14 +521,15 @@ class _Plan:
     """What phase A computed for one matrix, for phase B to commit."""
 
     __slots__ = ("param", "hyper", "grad", "low", "low_norm", "basis", "new_basis", "side",
-                 "work_dtype", "sharding")
+                 "work_dtype", "sharding", "grad_sq")
 
     def __init__(self, param, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype,
-                 sharding=None):
+                 sharding=None, grad_sq=None):
         self.param, self.hyper, self.grad, self.low, self.low_norm = param, hyper, grad, low, low_norm
         self.basis, self.new_basis, self.side, self.work_dtype = basis, new_basis, side, work_dtype
         # FSDP2: grad, low, basis are this rank's blocks (distributed.RowSharding), else None.
         self.sharding = sharding
+        self.grad_sq = grad_sq  # per-column (left) / per-row (right) ||g_i||^2, local rows
 
 
 def _local(p: torch.Tensor, plan: _Plan) -> torch.Tensor:

@@ -183,13 +183,16 @@ def apply_fast(
     step: int,
     hp: Hyper,
     row_sum: RowSum = None,
+    grad_sqs: Optional[list[torch.Tensor]] = None,
 ) -> None:
     """Multi-tensor fused path for matrices that share hyper-parameters and step count.
 
     No ``m x n`` temporaries: per matrix, one GEMM (``addmm_`` into the parameter) and one
     read of ``G`` for its column norms; everything else is ``foreach`` arithmetic on the
     small ``r x n`` tensors and norm vectors. ``low_norms`` are the per-column (``keepdim``)
-    norms of the ``lows``; ``params`` and ``grads`` share the working dtype.
+    norms of the ``lows``; ``grad_sqs``, if given, the squared per-column norms of the
+    ``grads`` (this rank's rows), which are otherwise computed here; ``params`` and ``grads``
+    share the working dtype.
     """
     dims = [reduce_dim(side) for side in sides]
     directions = _foreach_direction(lows, states, step, hp)
@@ -204,10 +207,10 @@ def apply_fast(
             _addmm(p, basis, d, side, inside_coef)
     else:
         phis = _foreach_scaling(directions, low_norms, dims, hp)
-        outside_sq = [
-            torch.linalg.vector_norm(g, dim=dim, keepdim=True).square_()
-            for g, dim in zip(grads, dims)
-        ]
+        if grad_sqs is None or any(q is None for q in grad_sqs):
+            grad_sqs = [torch.linalg.vector_norm(g, dim=dim, keepdim=True).square_()
+                        for g, dim in zip(grads, dims)]
+        outside_sq = list(grad_sqs)  # becomes ||s_i||^2 in place below
         if row_sum is not None:
             # Row blocks: a right matrix-level phi and a left ||g_i||^2 sum over all rows.
             right = [i for i, side in enumerate(sides) if side == RIGHT]
