@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fira_train.data import DataSpec
+from fira_optim.optimizer import IMPLEMENTATIONS
+from fira_optim.projection import PROJECTORS
 from fira_train.parallel import PARALLEL_MODES
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -107,6 +109,13 @@ class OptimConfig:
     """Adam's epsilon."""
     weight_decay: float = 0.0
     """Decoupled weight decay (0 in the paper's pre-training runs)."""
+    gamma: float = 1.01
+    """Fira's norm-growth limiter threshold gamma (the paper's 1.01)."""
+    projector: str = "svd"
+    """How the Fira/GaLore family finds its subspace: "svd" (exact, the paper), "randomized"
+    (warm-started subspace iteration) or "random" (a variant's own projector wins)."""
+    implementation: str = "fast"
+    """The Fira/GaLore optimizer's code path: "fast", "compiled" (torch.compile) or "reference"."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator: adapters are scaled by lora_alpha / rank (lora, relora)."""
     lora_dropout: float = 0.0
@@ -126,6 +135,10 @@ class OptimConfig:
                "a method name")
         if self.lr is not None:
             _check(_is_number(self.lr) and self.lr > 0, "optim.lr", self.lr, "None or a positive number")
+        _check(_is_number(self.gamma) and self.gamma >= 1, "optim.gamma", self.gamma, "a number >= 1")
+        _check(self.projector in PROJECTORS, "optim.projector", self.projector, f"one of {PROJECTORS}")
+        _check(self.implementation in IMPLEMENTATIONS, "optim.implementation", self.implementation,
+               f"one of {IMPLEMENTATIONS}")
         _check(_is_int(self.rank) and self.rank >= 1, "optim.rank", self.rank, "an integer >= 1")
         _check(_is_int(self.update_proj_gap) and self.update_proj_gap >= 1,
                "optim.update_proj_gap", self.update_proj_gap, "an integer >= 1")

@@ -148,9 +148,12 @@ def _fira_family(variant: str) -> Callable[[nn.Module, "RunConfig", float], Meth
         o = config.optim
         groups = fira_optim.param_groups(model, rank=o.rank, update_proj_gap=o.update_proj_gap,
                                          alpha=o.alpha)
+        # The variant's own settings (e.g. fira-only-scaling-random's projector) win.
+        options = {"gamma": o.gamma, "projector": o.projector, "implementation": o.implementation,
+                   **fira_optim.VARIANTS[variant]}
         optimizer = fira_optim.FiraAdamW(
             groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-            seed=config.train.seed, split_refresh=split_refresh, **fira_optim.VARIANTS[variant],
+            seed=config.train.seed, split_refresh=split_refresh, **options,
         )
         return MethodSetup(model, optimizer)
 

@@ -61,3 +61,29 @@ def test_unknown_method_lists_valid_names() -> None:
 def test_grad_accum_is_batch_over_micro_batch() -> None:
     assert TrainConfig(batch_size=512, micro_batch_size=128).grad_accum == 4
     assert TrainConfig(batch_size=16).grad_accum == 1
+
+
+@pytest.mark.parametrize("key,value", [("gamma", 0.5), ("projector", "qr"), ("implementation", "cuda")])
+def test_optim_fira_options_are_validated(key, value):
+    with pytest.raises(ValueError, match=f"optim.{key}"):
+        OptimConfig(**{key: value})
+
+
+def test_optim_fira_options_reach_the_optimizer():
+    from fira_train.methods import build_method
+    from fira_train.overrides import apply_overrides
+    from fira_train.recipes import get_recipe
+
+    import torch
+
+    config = apply_overrides(get_recipe("micro"), ["optim.gamma=1.1", "optim.projector=randomized",
+                                                   "optim.implementation=reference"])
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    opt = build_method(model, config).optimizer
+    projected = [g for g in opt.param_groups if g["rank"] is not None]
+    assert projected and all(g["gamma"] == 1.1 and g["projector"] == "randomized" for g in projected)
+    assert opt.implementation == "reference"
+    # A variant's own projector wins over optim.projector.
+    only = apply_overrides(config, ["optim.method=fira-only-scaling-random"])
+    assert all(g["projector"] == "random" for g in build_method(model, only).optimizer.param_groups
+               if g["rank"] is not None)
