@@ -3,6 +3,8 @@
     python benchmarks/throughput.py --recipe tiny --methods adamw,fira,galore --rounds 6 \
         --out docs/benchmarks/throughput_tiny.json
 
+``--methods`` entries may carry their own overrides: ``fira@optim.projector=randomized``.
+
 Every method gets its own model, optimizer and schedule, built by the harness exactly as
 `fira-train pretrain` builds them, on the same batches. The methods then take turns: in each
 round every method runs one refresh period (``T`` steps of the recipe, so every Fira/GaLore
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every method")
     args = parser.parse_args()
+    # An entry is a method name, optionally with its own overrides: fira@optim.projector=randomized
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or "adamw" not in methods:
         parser.error(f"--methods {args.methods!r}: list at least adamw (the reference) and one other")
@@ -52,7 +55,8 @@ def main() -> None:
     corpus = build_corpus(base.data)
     runs = {}
     for method in methods:
-        config = apply_overrides(base, [f"optim.method={method}"])
+        name, *extra = method.split("@")
+        config = apply_overrides(base, [f"optim.method={name}", *extra])
         device = resolve_device(config)
         training = build_training(config, corpus.vocab_size, device)
         micro = config.train.micro_batch_size or config.train.batch_size
