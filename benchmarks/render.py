@@ -50,6 +50,11 @@ def optimizer_step(data: dict) -> list[str]:
             f" than fira 1.0.2, **{data['compiled_ratio_to_floor']:.2f}x** the floor; its first step, which"
             f" compiles the kernel, took {data['compiled_first_step_s']:.1f} s (the table's first-step column"
             " for it is a later refresh step, without compilation).")
+        if not cpu and data["compiled_ratio_to_floor"] > data["ratio_to_floor"]:
+            lines.append(
+                "- On this GPU the compiled kernel, called once per matrix, is slower than the multi-tensor"
+                " path: the step is bound by launches and Python, not by memory traffic; keep the default"
+                " `implementation=\"fast\"` on CUDA.")
     lines += [
         f"- First step, randomized vs exact SVD projector: {data['refresh_speedup_randomized_vs_svd']:.2f}x"
         " (the first refresh has no previous basis to warm-start from; see the projector table for refreshes).",
@@ -87,13 +92,34 @@ def projector_quality(data: dict) -> list[str]:
     ]
 
 
+def throughput(data: dict) -> list[str]:
+    lines = [
+        f"## Training throughput on `{data['recipe']}` (issue 3)",
+        "",
+        f"- Command: `{data['command']}`",
+        f"- Date {data['date']}, {data['machine']}; {data['load']}.",
+        f"- Each method trains its own model on the same batches; the methods take turns, one refresh"
+        f" period ({data['steps_per_round']} steps of {data['tokens_per_step']:,} tokens) each per round,"
+        " so every Fira/GaLore round holds exactly one projection refresh; ratios are per round, median"
+        " reported.",
+        "",
+        "| method | tokens/s (median round) | vs AdamW (median of per-round ratios) | per round |",
+        "|---|---|---|---|",
+    ]
+    for name, tps in data["tokens_per_s_median"].items():
+        rounds = ", ".join(f"{r:.3f}" for r in data["ratio_to_adamw_per_round"][name])
+        lines.append(f"| {name} | {tps:,.0f} | **{data['ratio_to_adamw_median'][name]:.1%}** | {rounds} |")
+    lines.append("")
+    return lines
+
+
 def main() -> None:
     out = ["# Benchmarks", "",
            "Every number below was written by the script named with it; `benchmarks/render.py` turns",
            "their JSON (in `docs/benchmarks/`) into this page. Distributed runs: [benchmarks_distributed.md](benchmarks_distributed.md).",
            ""]
     sections = {"optimizer_step.json": optimizer_step, "optimizer_step_cuda.json": optimizer_step,
-                "projector_quality.json": projector_quality}
+                "projector_quality.json": projector_quality, "throughput_tiny.json": throughput}
     for name, render in sections.items():
         path = RESULTS / name
         if path.exists():
