@@ -11,7 +11,11 @@ round every method runs one refresh period (``T`` steps of the recipe, so every 
 round contains exactly one projection refresh) and is timed over it. Interleaving makes
 machine-load drift hit every method alike; the ratio is taken per round and the median
 reported. A step is forward + backward (with gradient accumulation), clipping, optimizer
-and scheduler: what `fira-train` times for tokens/s.
+and scheduler: what `fira-train` times for tokens/s. On a machine whose speed drifts (a shared
+2-core VM), the round ratios scatter by several percent; the script therefore also times the
+part after the backward passes (clipping, optimizer, schedule) on its own and reports
+``ratio_to_adamw_pooled`` = (F + O_adamw) / (F + O_method), F the median forward + backward time
+of a round pooled over all methods, O each method's median optimizer time per round.
 """
 
 from __future__ import annotations
@@ -66,7 +70,9 @@ def main() -> None:
     period = base.optim.update_proj_gap
     tokens_per_step = base.train.batch_size * base.data.seq_len
 
-    def step(run) -> None:
+    def step(run) -> float:
+        """One training step; returns the seconds spent after the backward passes (clipping,
+        optimizer, schedule): the part that differs between methods."""
         config, training = run["config"], run["training"]
         model, optimizer = training.setup.model, training.setup.optimizer
         accum = config.train.grad_accum
@@ -75,26 +81,36 @@ def main() -> None:
             with run["autocast"]:
                 loss = model(input_ids=ids, labels=ids).loss
             (loss / accum).backward()
+        start = time.perf_counter()
         if config.train.grad_clip:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
                                            config.train.grad_clip)
         optimizer.step()
         training.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
 
     for method in methods:
         for _ in range(args.warmup_steps):
             step(runs[method])
     seconds = {m: [] for m in methods}
+    optimizer_seconds = {m: [] for m in methods}
     for r in range(args.rounds):
         for method in methods:
             start = time.perf_counter()
-            for _ in range(period):
-                step(runs[method])
+            optimizer_seconds[method].append(sum(step(runs[method]) for _ in range(period)))
             seconds[method].append(time.perf_counter() - start)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{m} {tokens_per_step * period / seconds[m][-1]:.0f} tok/s" for m in methods), flush=True)
     ratios = {m: [a / b for a, b in zip(seconds["adamw"], seconds[m])] for m in methods}
+    # Less noisy: the forward and backward passes are the same computation for every method, so
+    # pool their time over all methods and rounds, and add each method's own median optimizer
+    # time per period. Load drift then moves the common part, not the comparison.
+    forward_backward = statistics.median(
+        t - o for m in methods for t, o in zip(seconds[m], optimizer_seconds[m]))
+    optimizer_median = {m: statistics.median(v) for m, v in optimizer_seconds.items()}
+    pooled = {m: (forward_backward + optimizer_median["adamw"]) / (forward_backward + optimizer_median[m])
+              for m in methods}
     result = {
         "command": "python " + " ".join(sys.argv),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -108,8 +124,13 @@ def main() -> None:
         "ratio_to_adamw_median": {m: statistics.median(v) for m, v in ratios.items()},
         "ratio_to_adamw_per_round": ratios,
         "round_seconds": seconds,
+        "optimizer_seconds_per_round_median": optimizer_median,
+        "forward_backward_seconds_per_round_median": forward_backward,
+        "ratio_to_adamw_pooled": pooled,
     }
-    print(json.dumps({k: result[k] for k in ("tokens_per_s_median", "ratio_to_adamw_median")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("tokens_per_s_median", "ratio_to_adamw_median",
+                                             "optimizer_seconds_per_round_median",
+                                             "ratio_to_adamw_pooled")}, indent=2))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=2)
