@@ -1,5 +1,7 @@
 """``implementation="compiled"``: the fused low-rank kernel against the reference path."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -24,6 +26,13 @@ def _run(implementation, options, steps=9, weight_decay=0.0):
     return [p.detach().clone() for p in [*params, bias]], opt
 
 
+needs_compiler = pytest.mark.skipif(
+    not any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++")),
+    reason="torch.compile on the CPU needs a C++ compiler",
+)
+
+
+@needs_compiler
 @pytest.mark.parametrize("variant", ["fira", "galore", "fira-released", "fira-no-limiter",
                                      "fira-no-scaling", "galore-add"])
 def test_compiled_matches_reference(variant):
