@@ -95,10 +95,27 @@ def _ddp_worker(rank: int, world: int, root: str) -> dict:
             "resumed_params": resumed.params, "resumed_val_loss": resumed_summary["val_loss"]}
 
 
+class RowsSeen(TrainCallback):
+    """From step 2 on, the token ids of every training forward pass this rank runs."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+        self.handle = None
+
+    def before_step(self, step, model, optimizer, loss) -> None:
+        if step == 1:
+            def record(module, args, kwargs):
+                if module.training:
+                    self.batches.append(kwargs["input_ids"].detach().clone())
+
+            self.handle = model.register_forward_pre_hook(record, with_kwargs=True)
+
+
 def _fsdp2_worker(rank: int, world: int, root: str) -> dict:
-    final = FinalParameters()
-    summary = train(_config(Path(root), "fsdp2", "fsdp2"), callbacks=[final])
-    return {"params": final.params, "val_loss": summary["val_loss"]}
+    final, rows = FinalParameters(), RowsSeen()
+    summary = train(_config(Path(root), "fsdp2", "fsdp2"), callbacks=[final, rows])
+    rows.handle.remove()
+    return {"params": final.params, "val_loss": summary["val_loss"], "batches": rows.batches}
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +190,12 @@ def test_fsdp2_two_processes_equal_one_process(reference):
     for rank in results:
         _assert_same_run(reference, rank["params"], rank["val_loss"], root / "fsdp2")
     assert all(is_dcp_checkpoint(p) for p in (root / "fsdp2" / "checkpoints").glob("step_*"))
+    # Each rank trained on its own half of every micro-batch (micro: 4 sequences -> 2 each).
+    zero, one = results[0]["batches"], results[1]["batches"]
+    assert len(zero) == len(one) == 2 * (STEPS - 1)  # 2 micro-batches per step, steps 2..STEPS
+    for a, b in zip(zero, one):
+        assert a.shape[0] == b.shape[0] == 2
+        assert not torch.equal(a, b)
 
 
 def test_bad_parallel_mode_is_a_config_error(tmp_path):
