@@ -104,10 +104,12 @@ def apply_compiled(params, grads, lows, low_norms, bases, sides, states, step: i
     kernel = _kernel()
     updates = []
     grad_sqs = grad_sqs or [None] * len(grads)
+    scalars = None
     for i, (grad, low, low_norm, side, state, grad_sq) in enumerate(
             zip(grads, lows, low_norms, sides, states, grad_sqs)):
         dim = reduce_dim(side)
-        scalars = torch.tensor([values[k] for k in SCALARS], dtype=low.dtype, device=low.device)
+        if scalars is None or scalars.dtype != low.dtype or scalars.device != low.device:
+            scalars = torch.tensor([values[k] for k in SCALARS], dtype=low.dtype, device=low.device)
         if hp.residual == "drop":  # no residual, no limiter history: placeholders
             g_sq, prev = low_norm.square(), low_norm.new_zeros(())
         else:

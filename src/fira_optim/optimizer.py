@@ -319,11 +319,11 @@ class Fira(Optimizer):
                     plans.append(plan)
                     if self.nonfinite != "ignore":
                         # Column norms of R: needed by the update anyway, and non-finite iff G
-                        # is (a NaN or Inf in g_i reaches r_i = P^T g_i).
-                        checks.append((torch.isfinite(plan.low_norm).all(), gi, pi))
+                        # is (a NaN or Inf in g_i reaches r_i = P^T g_i). Checked all at once below.
+                        checks.append((plan.low_norm, gi, pi))
             if plain_params:
                 plain.append((group, plain_params))
-        flags = torch.stack([c for c, _, _ in checks]) if checks else None
+        flags = _finite_flags([c for c, _, _ in checks]) if checks else None
         if shard_group is not None:
             # FSDP2: R = sum_k P_k^T G_k of the left projections and every shard's finiteness
             # checks, completed in one all-reduce; then the column norms of the whole R.
@@ -541,6 +541,22 @@ def _local_state(state: dict, plan: _Plan) -> dict:
 
 
 _SKIP_STEP = object()
+
+
+def _finite_flags(checks: list[torch.Tensor]) -> torch.Tensor:
+    """One bool per check, in order: a 0-d bool flag is taken as is; a float tensor (a matrix's
+    column norms of R) is finite iff its norm is, so all of those take one ``foreach`` call."""
+    norms = [i for i, c in enumerate(checks) if c.dtype != torch.bool]
+    if not norms:
+        return torch.stack(checks)
+    totals = torch.isfinite(torch.stack(torch._foreach_norm([checks[i] for i in norms])))
+    if len(norms) == len(checks):
+        return totals
+    flags = torch.ones(len(checks), dtype=torch.bool, device=totals.device)
+    flags[torch.tensor(norms, device=totals.device)] = totals
+    plain = [i for i, c in enumerate(checks) if c.dtype == torch.bool]
+    flags[torch.tensor(plain, device=totals.device)] = torch.stack([checks[i] for i in plain]).to(totals.device)
+    return flags
 
 
 _PROJECTED_KEYS = {"basis", "prev_norm", *(k for keys in STATE_KEYS.values() for k in keys)}
