@@ -72,26 +72,15 @@ def _core(low, low_norm, g_sq, exp_avg, exp_avg_sq, prev_norm, scalars, dim: int
     return direction - low * c, c
 
 
-def _core_many(lows, low_norms, g_sqs, exp_avgs, exp_avg_sqs, prevs, scalars, dims):
-    """:func:`_core` for a chunk of matrices: one compiled call (one guard check, one wrapper)
-    instead of one per matrix, which on the CPU cost more than the arithmetic itself."""
-    return [_core(*args, scalars, dim)
-            for *args, dim in zip(lows, low_norms, g_sqs, exp_avgs, exp_avg_sqs, prevs, dims)]
-
-
-#: Matrices per compiled call. A LLaMA layer has 7 projected matrices, so chunks of 7 repeat the
-#: same shapes layer after layer and share one compiled graph.
-CHUNK = 7
-
 _compiled = None
 _failed: str | None = None
 
 
 def _kernel():
-    """The compiled :func:`_core_many` (compilation itself happens at its first call)."""
+    """The compiled :func:`_core` (compilation itself happens at its first call)."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(_core_many, fullgraph=True)
+        _compiled = torch.compile(_core, fullgraph=True)
     return _compiled
 
 
@@ -113,28 +102,25 @@ def apply_compiled(params, grads, lows, low_norms, bases, sides, states, step: i
         use_limiter=float(hp.limiter == "growth"), keep_residual=float(hp.residual == "add"),
     )
     kernel = _kernel()
-    grad_sqs = grad_sqs or [None] * len(grads)
-    dims = [reduce_dim(side) for side in sides]
-    scalars = torch.tensor([values[k] for k in SCALARS], dtype=lows[0].dtype, device=lows[0].device)
-    g_sqs, prevs = [], []
-    for grad, low_norm, dim, state, grad_sq in zip(grads, low_norms, dims, states, grad_sqs):
-        if hp.residual == "drop":  # no residual, no limiter history: placeholders
-            g_sqs.append(low_norm.square())
-            prevs.append(low_norm.new_zeros(()))
-        else:
-            g_sqs.append(grad_sq if grad_sq is not None else
-                         torch.linalg.vector_norm(grad, dim=dim, keepdim=True).square_())
-            prevs.append(state["prev_norm"])
-    exp_avgs = [state["exp_avg"] for state in states]
-    exp_avg_sqs = [state["exp_avg_sq"] for state in states]
     updates = []
-    for start in range(0, len(lows), CHUNK):
-        part = slice(start, start + CHUNK)
+    grad_sqs = grad_sqs or [None] * len(grads)
+    scalars = None
+    for i, (grad, low, low_norm, side, state, grad_sq) in enumerate(
+            zip(grads, lows, low_norms, sides, states, grad_sqs)):
+        dim = reduce_dim(side)
+        if scalars is None or scalars.dtype != low.dtype or scalars.device != low.device:
+            scalars = torch.tensor([values[k] for k in SCALARS], dtype=low.dtype, device=low.device)
+        if hp.residual == "drop":  # no residual, no limiter history: placeholders
+            g_sq, prev = low_norm.square(), low_norm.new_zeros(())
+        else:
+            g_sq = grad_sq if grad_sq is not None else (
+                torch.linalg.vector_norm(grad, dim=dim, keepdim=True).square_())
+            prev = state["prev_norm"]
         try:
-            updates += kernel(lows[part], low_norms[part], g_sqs[part], exp_avgs[part],
-                              exp_avg_sqs[part], prevs[part], scalars, tuple(dims[part]))
+            updates.append(kernel(low, low_norm, g_sq, state["exp_avg"], state["exp_avg_sq"], prev,
+                                  scalars, dim))
         except Exception as err:  # noqa: BLE001 (a compiler failure fails before running)
-            if start > 0:  # earlier matrices' moments are already updated: no clean fallback
+            if i > 0:  # earlier matrices' moments are already updated: no clean fallback
                 raise
             _failed = f"{type(err).__name__}: {err}"
             warnings.warn(f"implementation='compiled' is unavailable ({_failed}); using the "
