@@ -418,7 +418,8 @@ class Fira(Optimizer):
         low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
         low_norm = torch.linalg.vector_norm(low, dim=reduce_dim(side), keepdim=True)
         grad_sq = None
-        if hyper.residual != "drop" and self.implementation != "reference":
+        if (hyper.residual != "drop" and self.implementation != "reference"
+                and fast_path_supports(hyper, p, grad)):  # the reference path forms S itself
             # ||g_i||^2 for ||S||, read now while G is still in cache from the projection: on the
             # CPU a second sweep over every gradient later in the step streams it from memory.
             grad_sq = torch.linalg.vector_norm(grad, dim=reduce_dim(side), keepdim=True).square_()

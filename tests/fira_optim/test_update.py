@@ -122,3 +122,17 @@ def test_fast_path_allocates_no_full_size_temporaries(variant, shape):
     assert big["reference"], "profiler saw no m x n allocation in the reference path"
     # ... and the fused path makes none: only r x n / m x r / per-column temporaries.
     assert big["fast"] == []
+
+
+@pytest.mark.parametrize("dtype,options,wanted", [
+    (torch.float32, {}, True),                      # fast path: ||g_i||^2 taken in phase A
+    (torch.bfloat16, {}, False),                    # reference path forms S itself
+    (torch.float32, {"residual": "sign"}, False),   # FRUGAL: reference path
+    (torch.float32, {"residual": "drop"}, False),   # GaLore: no residual
+])
+def test_gradient_column_norms_are_only_taken_for_the_fast_path(dtype, options, wanted):
+    w = torch.nn.Parameter(torch.randn(12, 20, dtype=dtype))
+    opt = FiraAdamW([{"params": [w], "rank": 3}], **options)
+    w.grad = torch.randn(12, 20, dtype=dtype)
+    plans, _ = opt._prepare()
+    assert (plans[0].grad_sq is not None) == wanted
