@@ -49,15 +49,17 @@ def method_config(config: "RunConfig", method: str, out_dir: str | Path) -> RunC
 
 
 def _finished_with(config: "RunConfig", run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a finished run of exactly ``config`` (learning rate resolved)."""
+    """Whether ``run_dir`` holds a finished run of ``config`` (learning rate resolved): equal up
+    to the keys that do not change the weights' trajectory (``train.RESUMABLE_CHANGES``)."""
     from fira_train.overrides import config_from_dict
     from fira_train.methods import resolved_lr
+    from fira_train.train import config_changes
 
     if not (run_dir / "summary.json").exists() or not (run_dir / "config.json").exists():
         return False
     saved = config_from_dict(json.loads((run_dir / "config.json").read_text()))
     wanted = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
-    return saved == wanted
+    return not config_changes(saved, wanted)
 
 
 def compare(config: "RunConfig", methods: list[str], out_dir: str | Path, *, resume: bool = False,

@@ -66,8 +66,8 @@ log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = frozenset({
     "train.save_every", "train.keep_last", "train.eval_every", "train.progress",
     "train.tensorboard", "train.out_dir",
-    # the same global batches at any world size: equal to round-off
-    "train.parallel",
+    # the same global batches at any world size or thread count: equal to round-off
+    "train.parallel", "train.num_threads",
 })
 
 
@@ -207,7 +207,7 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _config_changes(old: RunConfig, new: RunConfig) -> list[str]:
+def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
     a, b = config_to_dict(old), config_to_dict(new)
     changed = []
     for section in ("model", "optim", "data", "train"):
@@ -234,7 +234,7 @@ def _prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, ove
                 path.unlink()
     if resume is not None and (out / "config.json").exists():
         saved = config_from_dict(json.loads((out / "config.json").read_text()))
-        changes = _config_changes(saved, config)
+        changes = config_changes(saved, config)
         if changes:
             raise ValueError(f"cannot resume {str(out)!r} with a different config: {', '.join(changes)} "
                              "differ from its config.json (resuming must reproduce the same run)")

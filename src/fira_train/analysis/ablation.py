@@ -14,11 +14,12 @@ Three tables of the paper from one set of runs (same initialisation and batches)
 from __future__ import annotations
 
 import math
+from functools import partial
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fira_train.analysis.callbacks import GroupOptions
+from fira_train.analysis.callbacks import set_options
 from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, report_header, train_runs
 from fira_train.metrics import read_metrics
 
@@ -61,7 +62,7 @@ def ablation_runs(variants: Sequence[str], gammas: Sequence[float]) -> list[Anal
     for name in names:
         if name.startswith("fira-gamma"):
             gamma = float(name[len("fira-gamma"):])
-            runs.append(AnalysisRun(name, "fira", callbacks=lambda _dir, g=gamma: [GroupOptions(gamma=g)],
+            runs.append(AnalysisRun(name, "fira", callbacks=partial(set_options, gamma=gamma),
                                     describe=f"GroupOptions(gamma={gamma!r})"))
         else:
             runs.append(AnalysisRun(name, name))
@@ -105,7 +106,7 @@ def _rank_note(measured: dict[str, float], paper: dict[Any, float], keys: Sequen
 
 
 def run_ablation(config: "RunConfig", out_dir: str | Path, *, variants: Sequence[str] = DEFAULT_VARIANTS,
-                 gammas: Sequence[float] = DEFAULT_GAMMAS, reuse: bool = False, overwrite: bool = False,
+                 gammas: Sequence[float] = DEFAULT_GAMMAS, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
                  command: str | None = None) -> dict[str, Any]:
     """Train the variants and the gamma runs; write ``OUT/report.md`` and ``OUT/ablation.png``."""
     from fira_train.methods import get_method
@@ -115,7 +116,7 @@ def run_ablation(config: "RunConfig", out_dir: str | Path, *, variants: Sequence
     gammas = [_check_gamma(g) for g in gammas]
     out = Path(out_dir)
     runs = ablation_runs(variants, gammas)
-    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite)
+    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs)
     ppl = {name: s["val_ppl"] for name, s in summaries.items()}
 
     figure = out / "ablation.png"

@@ -7,6 +7,11 @@ r"""Training-loop callbacks of the analyses (:class:`fira_train.train.TrainCallb
 - :class:`NormRecorder`: per step, the global norm of the raw gradient and, for the Fira
   family, the global norm of the scaled, limited residual :math:`\|S_t\|` that the optimizer
   applied (the limiter figure).
+
+The builders at the end (:func:`record_norms`, :func:`record_norms_with_noise`,
+:func:`set_options`) are what an :class:`~fira_train.analysis.runs.AnalysisRun` names as its
+``callbacks``: module-level functions (bound with :func:`functools.partial`), so that a run can
+be sent to a worker process (``--jobs``).
 """
 
 from __future__ import annotations
@@ -109,3 +114,24 @@ class NormRecorder(TrainCallback):
         if residual is not None:
             record["residual_norm"] = residual
         self.writer.write(record)
+
+
+# --------------------------------------------------------------------------- picklable builders
+
+NORMS_FILE = "norms.jsonl"
+"""Where :func:`record_norms` writes, in the run's folder."""
+
+
+def record_norms(run_dir: Path) -> list[TrainCallback]:
+    """A :class:`NormRecorder` writing ``run_dir / NORMS_FILE``."""
+    return [NormRecorder(run_dir / NORMS_FILE)]
+
+
+def record_norms_with_noise(run_dir: Path, *, scale: float, seed: int) -> list[TrainCallback]:
+    """:func:`record_norms` (the raw gradient, before the noise), then :class:`GradientNoise`."""
+    return [NormRecorder(run_dir / NORMS_FILE), GradientNoise(scale, seed)]
+
+
+def set_options(run_dir: Path, **options: Any) -> list[TrainCallback]:
+    """A :class:`GroupOptions` setting ``options`` (``run_dir`` is not used)."""
+    return [GroupOptions(**options)]

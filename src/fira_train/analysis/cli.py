@@ -11,7 +11,8 @@
 
 Common flags of the training analyses: ``--recipe`` (default ``tiny``), ``--out DIR`` (default
 ``runs/analysis/<name>``), ``--steps N``, ``--seed S``, ``--data SOURCE``, ``--reuse`` (keep
-finished runs of the same config), ``--overwrite`` (redo existing runs) and trailing
+finished runs of the same config), ``--overwrite`` (redo existing runs), ``--jobs N`` (train N
+runs at once, in worker processes) and trailing
 ``section.field=value`` overrides applied to the recipe (e.g. ``train.batch_size=4``).
 Each writes ``OUT/report.md`` and a PNG figure, and one run folder per training run.
 """
@@ -80,7 +81,7 @@ def _run(target: str, **extra: Callable[[argparse.Namespace], Any]):
         out = args.out or f"runs/analysis/{args.analysis}"
         options = {key: get(args) for key, get in extra.items()}
         options = {k: v for k, v in options.items() if v is not None}
-        result = analysis(config, out, reuse=args.reuse, overwrite=args.overwrite,
+        result = analysis(config, out, reuse=args.reuse, overwrite=args.overwrite, jobs=args.jobs,
                           command=_command_line(args), **options)
         print(Path(result["report"]).read_text())
         print(f"report: {result['report']}")
@@ -98,6 +99,9 @@ def _common(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--data", help="data source (data.source): wiki, c4 or a local path")
     parser.add_argument("--reuse", action="store_true", help="keep finished runs made with the same config")
     parser.add_argument("--overwrite", action="store_true", help="delete and redo existing runs")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained at once, one worker process each (default 1; e.g. 4 on a GPU "
+                             "that one run leaves waiting on kernel launches)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides, e.g. train.batch_size=4 model.num_hidden_layers=2")
     parser.set_defaults(analysis=name)

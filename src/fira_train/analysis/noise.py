@@ -12,11 +12,12 @@ wherever the true gradient is small.
 from __future__ import annotations
 
 import math
+from functools import partial
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fira_train.analysis.callbacks import GradientNoise, NormRecorder
+from fira_train.analysis.callbacks import NORMS_FILE, GradientNoise, record_norms, record_norms_with_noise
 from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, read_jsonl, report_header, train_runs
 from fira_train.metrics import read_metrics
 
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
 DEFAULT_METHODS = ("fira-only-scaling", "adamw")
 DEFAULT_SCALE = 1e-5
-NORMS_FILE = "norms.jsonl"
 #: Validation perplexity (LLaMA 60M, C4, 10K steps): without noise, with noise 1e-5 N(0, 1).
 PAPER = {"fira-only-scaling": (31.68, 34.64), "adamw": (34.06, 445.47)}
 
@@ -38,10 +38,10 @@ def noise_runs(methods: Sequence[str], scale: float, seed: int) -> list[Analysis
     """Each method clean and noisy; both record the raw gradient norm (before the noise)."""
     runs = []
     for m in methods:
-        runs.append(AnalysisRun(m, m, callbacks=lambda d: [NormRecorder(d / NORMS_FILE)],
+        runs.append(AnalysisRun(m, m, callbacks=record_norms,
                                 describe="NormRecorder"))
         runs.append(AnalysisRun(
-            noisy_name(m), m, callbacks=lambda d: [NormRecorder(d / NORMS_FILE), GradientNoise(scale, seed)],
+            noisy_name(m), m, callbacks=partial(record_norms_with_noise, scale=scale, seed=seed),
             describe=f"NormRecorder, GradientNoise(scale={scale!r}, seed={seed})"))
     return runs
 
@@ -71,7 +71,7 @@ def _plot(out: Path, methods: Sequence[str], path: Path) -> None:
 
 
 def run_noise(config: "RunConfig", out_dir: str | Path, *, methods: Sequence[str] = DEFAULT_METHODS,
-              scale: float = DEFAULT_SCALE, reuse: bool = False, overwrite: bool = False,
+              scale: float = DEFAULT_SCALE, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
               command: str | None = None) -> dict[str, Any]:
     """Train each method with and without noise; write ``OUT/report.md`` and ``OUT/noise.png``."""
     from fira_train.methods import get_method
@@ -81,7 +81,7 @@ def run_noise(config: "RunConfig", out_dir: str | Path, *, methods: Sequence[str
     GradientNoise(scale)  # validates the scale before anything trains
     out = Path(out_dir)
     summaries = train_runs(config, noise_runs(methods, scale, config.train.seed), out,
-                           reuse=reuse, overwrite=overwrite)
+                           reuse=reuse, overwrite=overwrite, jobs=jobs)
     table = {m: (summaries[m]["val_ppl"], summaries[noisy_name(m)]["val_ppl"]) for m in methods}
     figure = out / "noise.png"
     _plot(out, methods, figure)

@@ -54,7 +54,7 @@ def _plot(table: dict[str, dict[int, float]], baseline: float, ranks: Sequence[i
 
 
 def run_rank_sweep(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[int] = DEFAULT_RANKS,
-                   methods: Sequence[str] = DEFAULT_METHODS, reuse: bool = False, overwrite: bool = False,
+                   methods: Sequence[str] = DEFAULT_METHODS, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
                    command: str | None = None) -> dict[str, Any]:
     """Train the sweep and write ``OUT/report.md`` and ``OUT/ranks.png``; returns the table."""
     from fira_train.methods import get_method
@@ -68,7 +68,7 @@ def run_rank_sweep(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[
         if not get_method(m).uses_rank:
             raise ValueError(f"method {m!r} has no rank; the sweep takes rank-dependent methods")
     out = Path(out_dir)
-    summaries = train_runs(config, rank_sweep_runs(methods, ranks), out, reuse=reuse, overwrite=overwrite)
+    summaries = train_runs(config, rank_sweep_runs(methods, ranks), out, reuse=reuse, overwrite=overwrite, jobs=jobs)
     baseline = summaries[BASELINE]["val_ppl"]
     table = {m: {r: summaries[run_name(m, r)]["val_ppl"] for r in ranks} for m in methods}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import multiprocessing
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -79,17 +80,26 @@ def _reusable(config: "RunConfig", run: AnalysisRun, run_dir: Path) -> bool:
 
 
 def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | Path, *,
-               reuse: bool = False, overwrite: bool = False) -> dict[str, dict[str, Any]]:
-    """Train ``runs`` one after another on one shared corpus; returns ``{name: summary}``.
+               reuse: bool = False, overwrite: bool = False, jobs: int = 1) -> dict[str, dict[str, Any]]:
+    """Train ``runs`` on one shared corpus; returns ``{name: summary}``.
 
     ``reuse``: a run whose folder already holds a finished run of the same config and spec is
     not trained again; any other run in the way is deleted and redone. ``overwrite``: every
     existing run is deleted and redone. With neither, an existing run is an error
     (:func:`fira_train.train.train` refuses to overwrite it).
+
+    ``jobs``: how many runs train at once, each in a worker process of its own (``spawn``, so
+    each initializes CUDA for itself). Runs share nothing but the corpus cache on disk, which is
+    built here first, so the results do not depend on ``jobs``. A worker whose run sets no
+    ``train.num_threads`` gets ``cpu_count // jobs`` torch threads. Useful where one run leaves
+    the hardware idle (a GPU that waits on kernel launches, many CPU cores); on 2 cores it only
+    splits them. If a run fails, the others still finish (``reuse`` keeps them) before its error is
+    raised.
     """
     from fira_train.data import build_corpus
-    from fira_train.train import train
 
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got jobs={jobs!r}")
     names = [r.name for r in runs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
@@ -97,23 +107,76 @@ def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | 
     out_dir = Path(out_dir)
     configs = [run_config(config, r, out_dir) for r in runs]  # validates every override first
     out_dir.mkdir(parents=True, exist_ok=True)
-    corpus = build_corpus(config.data)
-    summaries = {}
+    corpus = build_corpus(config.data)  # trains and caches the tokenizer once, before any worker
+    summaries: dict[str, dict[str, Any]] = {}
+    pending = []
     for index, (run, cfg) in enumerate(zip(runs, configs), start=1):
         run_dir = Path(cfg.train.out_dir)
         if reuse and _reusable(cfg, run, run_dir):
             log.info("[%d/%d] %s: finished run reused from %s", index, len(runs), run.name, run_dir)
             summaries[run.name] = json.loads((run_dir / "summary.json").read_text())
-            continue
-        log.info("[%d/%d] %s (%s %s) -> %s", index, len(runs), run.name, run.method,
-                 " ".join(run.overrides), run_dir)
-        (run_dir / RUN_SPEC_FILE).unlink(missing_ok=True)
-        callbacks = list(run.callbacks(run_dir)) if run.callbacks is not None else []
-        summary = train(cfg, overwrite=overwrite or reuse, corpus=corpus, callbacks=callbacks)
-        (run_dir / RUN_SPEC_FILE).write_text(json.dumps(run.spec(), indent=2) + "\n")
-        log.info("[%d/%d] %s: validation perplexity %.2f", index, len(runs), run.name, summary["val_ppl"])
-        summaries[run.name] = summary
-    return summaries
+        else:
+            pending.append((index, run, cfg))
+    if jobs == 1 or len(pending) <= 1:
+        for index, run, cfg in pending:
+            summaries[run.name] = _train_one(index, len(runs), run, cfg, overwrite or reuse, corpus)
+    else:
+        workers = min(jobs, len(pending))
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        tasks = [(index, len(runs), run, _with_threads(cfg, threads), overwrite or reuse, None)
+                 for index, run, cfg in pending]
+        log.info("training %d runs in %d worker processes", len(tasks), workers)
+        context = multiprocessing.get_context("spawn")
+        errors = []
+        with context.Pool(workers, initializer=_init_worker, initargs=(logging.getLogger().level,)) as pool:
+            results = [pool.apply_async(_train_task, (task,)) for task in tasks]
+            for task, result in zip(tasks, results):
+                try:  # wait for every run: a failure does not cut the others short
+                    name, summary = result.get()
+                    summaries[name] = summary
+                except Exception as err:  # noqa: BLE001 -- re-raised below, after the others finish
+                    log.error("%s failed: %s", task[2].name, err)
+                    errors.append(err)
+        if errors:
+            raise errors[0]
+    return {name: summaries[name] for name in names}
+
+
+def _with_threads(cfg: "RunConfig", threads: int) -> "RunConfig":
+    """``cfg`` with ``threads`` torch threads unless it names its own, and no progress bar (the
+    bars of parallel workers would overwrite each other; each run logs its start and end)."""
+    train_config = cfg.train
+    if not train_config.num_threads:
+        train_config = replace(train_config, num_threads=threads)
+    return replace(cfg, train=replace(train_config, progress=False))
+
+
+def _init_worker(level: int) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [%(processName)s] %(message)s")
+
+
+def _train_task(task: tuple) -> tuple[str, dict[str, Any]]:
+    index, total, run, cfg, overwrite, corpus = task
+    return run.name, _train_one(index, total, run, cfg, overwrite, corpus)
+
+
+def _train_one(index: int, total: int, run: AnalysisRun, cfg: "RunConfig", overwrite: bool,
+               corpus: Any) -> dict[str, Any]:
+    """Train one run into its folder (building the corpus from the cache if not given) and
+    record its spec there once it finished."""
+    from fira_train.data import build_corpus
+    from fira_train.train import train
+
+    run_dir = Path(cfg.train.out_dir)
+    log.info("[%d/%d] %s (%s %s) -> %s", index, total, run.name, run.method, " ".join(run.overrides), run_dir)
+    (run_dir / RUN_SPEC_FILE).unlink(missing_ok=True)
+    if corpus is None:
+        corpus = build_corpus(cfg.data)
+    callbacks = list(run.callbacks(run_dir)) if run.callbacks is not None else []
+    summary = train(cfg, overwrite=overwrite, corpus=corpus, callbacks=callbacks)
+    (run_dir / RUN_SPEC_FILE).write_text(json.dumps(run.spec(), indent=2) + "\n")
+    log.info("[%d/%d] %s: validation perplexity %.2f", index, total, run.name, summary["val_ppl"])
+    return summary
 
 
 # --------------------------------------------------------------------------- report helpers

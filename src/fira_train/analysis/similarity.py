@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from functools import partial
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -213,10 +214,13 @@ def average(per_step: list[dict[str, float]]) -> dict[str, float]:
 # --------------------------------------------------------------------------- the analysis
 
 
-def similarity_runs(ranks: Sequence[int], *, every: int, columns: int, seed: int) -> list[AnalysisRun]:
-    def recorder(run_dir: Path) -> list[TrainCallback]:
-        return [ScalingFactorRecorder(run_dir / FACTORS_FILE, every=every, columns=columns, seed=seed)]
+def record_factors(run_dir: Path, *, every: int, columns: int, seed: int) -> list[TrainCallback]:
+    """A :class:`ScalingFactorRecorder` writing ``run_dir / FACTORS_FILE``."""
+    return [ScalingFactorRecorder(run_dir / FACTORS_FILE, every=every, columns=columns, seed=seed)]
 
+
+def similarity_runs(ranks: Sequence[int], *, every: int, columns: int, seed: int) -> list[AnalysisRun]:
+    recorder = partial(record_factors, every=every, columns=columns, seed=seed)
     spec = f"ScalingFactorRecorder(every={every}, columns={columns}, seed={seed})"
     runs = [AnalysisRun(FULL_RANK_RUN, "adamw", callbacks=recorder, describe=spec)]
     runs += [AnalysisRun(f"fira-r{r}", "fira", (f"optim.rank={r}",), callbacks=recorder, describe=spec)
@@ -251,7 +255,7 @@ def _fmt_p(value: float) -> str:
 
 def run_similarity(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[int] = (16, 128),
                    every: int | None = None, columns: int = 100, reuse: bool = False,
-                   overwrite: bool = False, command: str | None = None) -> dict[str, Any]:
+                   overwrite: bool = False, jobs: int = 1, command: str | None = None) -> dict[str, Any]:
     """Train ``adamw`` and ``fira`` at each rank, compare their scaling factors, write
     ``OUT/report.md`` and ``OUT/similarity.png``. ``every`` defaults to ``steps // 100`` (>= 1).
     """
@@ -263,7 +267,7 @@ def run_similarity(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[
     every = every if every is not None else max(1, config.train.steps // 100)
     out = Path(out_dir)
     runs = similarity_runs(ranks, every=every, columns=columns, seed=config.train.seed)
-    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite)
+    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs)
     full = read_jsonl(out / FULL_RANK_RUN / FACTORS_FILE)
     results = {r: compare_factors(read_jsonl(out / f"fira-r{r}" / FACTORS_FILE), full) for r in ranks}
     averages = {r: {level: average(res[level]) for level in ("matrix", "column")} for r, res in results.items()}

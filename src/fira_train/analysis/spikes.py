@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fira_train.analysis.callbacks import NormRecorder
+from fira_train.analysis.callbacks import NORMS_FILE, record_norms
 from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, read_jsonl, report_header, train_runs
 
 if TYPE_CHECKING:
     from fira_train.config import RunConfig
 
-NORMS_FILE = "norms.jsonl"
 LIMITER_RUNS = ("fira", "fira-no-limiter", "fira-clip")
 GALORE_RUNS = ("galore", "galore-add")
 
@@ -43,7 +42,7 @@ def spike_runs(names: Sequence[str], rank_of: dict[str, int] | None = None) -> l
     """One run per name, recording norms; ``rank_of`` overrides the rank of some runs."""
     rank_of = rank_of or {}
     return [AnalysisRun(n, n, tuple([f"optim.rank={rank_of[n]}"] if n in rank_of else []),
-                        callbacks=lambda d: [NormRecorder(d / NORMS_FILE)], describe="NormRecorder")
+                        callbacks=record_norms, describe="NormRecorder")
             for n in names]
 
 
@@ -127,7 +126,7 @@ def _plot(out: Path, limiter: Sequence[str], galore: Sequence[str], gap: int, st
 
 def run_spikes(config: "RunConfig", out_dir: str | Path, *, limiter_runs: Sequence[str] = LIMITER_RUNS,
                galore_runs: Sequence[str] = GALORE_RUNS, galore_rank: int | None = 16, reuse: bool = False,
-               overwrite: bool = False, command: str | None = None) -> dict[str, Any]:
+               overwrite: bool = False, jobs: int = 1, command: str | None = None) -> dict[str, Any]:
     """Train the runs, write ``OUT/report.md`` and ``OUT/spikes.png``; returns the statistics.
 
     The ``galore_runs`` use rank ``galore_rank`` (default 16, the paper's GaLore-add figure has
@@ -144,7 +143,7 @@ def run_spikes(config: "RunConfig", out_dir: str | Path, *, limiter_runs: Sequen
     if galore_rank is not None and not (isinstance(galore_rank, int) and 1 <= galore_rank < config.model.hidden_size):
         raise ValueError(f"galore_rank must be an int in [1, d_model={config.model.hidden_size}), got {galore_rank!r}")
     rank_of = {n: galore_rank for n in galore_runs if galore_rank is not None and n not in limiter_runs}
-    train_runs(config, spike_runs(names, rank_of), out, reuse=reuse, overwrite=overwrite)
+    train_runs(config, spike_runs(names, rank_of), out, reuse=reuse, overwrite=overwrite, jobs=jobs)
     gap, steps = config.optim.update_proj_gap, config.train.steps
     records = {n: read_jsonl(out / n / NORMS_FILE) for n in names}
     stats = {n: spike_statistics([r["loss"] for r in rec], gap) for n, rec in records.items()}

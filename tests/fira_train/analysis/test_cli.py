@@ -26,8 +26,9 @@ def test_every_analysis_is_a_subcommand() -> None:
     for name in ("similarity", "rank-sweep", "ablation", "spikes", "noise", "variance"):
         args = parser.parse_args(["analyze", name])
         assert callable(args.func)
-    args = parser.parse_args(["analyze", "noise", "--steps", "7", "train.batch_size=4"])
+    args = parser.parse_args(["analyze", "noise", "--steps", "7", "--jobs", "3", "train.batch_size=4"])
     assert args.recipe == "tiny" and args.steps == 7 and args.overrides == ["train.batch_size=4"]
+    assert args.jobs == 3 and parser.parse_args(["analyze", "ablation"]).jobs == 1
 
 
 def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpus_root: Path,
@@ -51,6 +52,7 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     (["analyze", "ablation", "--gammas", "1.1,x"], "--gammas must be comma-separated numbers"),
     (["analyze", "rank-sweep", "--ranks", "4,a"], "--ranks must be comma-separated integers"),
     (["analyze", "noise", "--methods", " , "], "--methods must list at least one name"),
+    (["analyze", "spikes", "--jobs", "0"], "jobs must be an int >= 1, got jobs=0"),
 ])
 def test_bad_lists_name_the_flag(argv: list[str], message: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture) -> None:

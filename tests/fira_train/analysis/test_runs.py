@@ -1,0 +1,64 @@
+"""train_runs: parallel worker processes give the runs of one process, and reuse finds them."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+from fira_train.analysis.ablation import ablation_runs
+from fira_train.analysis.noise import noise_runs
+from fira_train.analysis.runs import RUN_SPEC_FILE, train_runs
+from fira_train.analysis.similarity import similarity_runs
+from fira_train.analysis.spikes import spike_runs
+from fira_train.metrics import read_metrics
+from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
+
+
+def test_every_analysis_run_can_be_sent_to_a_worker() -> None:
+    runs = [*ablation_runs(["fira"], [1.1]), *noise_runs(["adamw"], 1e-3, 0), *spike_runs(["fira"]),
+            *similarity_runs([4], every=1, columns=3, seed=0)]
+    for run in runs:
+        assert pickle.loads(pickle.dumps(run)).spec() == run.spec()
+
+
+def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=3")
+    # a plain run and one whose callbacks (a functools.partial) change the optimizer's gamma
+    runs = ablation_runs(["fira-no-limiter"], [1.1])
+    serial = train_runs(config, runs, tmp_path / "serial")
+    parallel = train_runs(config, runs, tmp_path / "parallel", jobs=2)
+    assert list(parallel) == [r.name for r in runs]
+    for run in runs:
+        # one thread per run either way (micro_config sets train.num_threads=1): bit for bit
+        assert parallel[run.name]["val_ppl"] == serial[run.name]["val_ppl"]
+        assert ([m["loss"] for m in read_metrics(tmp_path / "parallel" / run.name)]
+                == [m["loss"] for m in read_metrics(tmp_path / "serial" / run.name)])
+        spec = json.loads((tmp_path / "parallel" / run.name / RUN_SPEC_FILE).read_text())
+        assert spec == run.spec()
+    assert serial["fira-gamma1.1"]["val_ppl"] != serial["fira-no-limiter"]["val_ppl"]
+
+    metrics = tmp_path / "parallel" / "fira-gamma1.1" / "metrics.jsonl"
+    before = metrics.stat().st_mtime_ns
+    again = train_runs(config, runs, tmp_path / "parallel", reuse=True, jobs=2)
+    assert again == parallel and metrics.stat().st_mtime_ns == before
+
+
+def test_a_failing_worker_run_raises_and_keeps_the_finished_runs(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
+    runs = ablation_runs(["fira"], [])
+    out = tmp_path / "out"
+    (out / "fira").mkdir(parents=True)
+    (out / "fira" / "summary.json").write_text("{}")  # a run in the way, and neither reuse nor overwrite
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        train_runs(config, [*runs, *ablation_runs(["fira-matrix"], [])], out, jobs=2)
+    assert (out / "fira-matrix" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
+def test_bad_jobs_name_the_argument(jobs, tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run")
+    with pytest.raises(ValueError, match="jobs"):
+        train_runs(config, ablation_runs(["fira"], []), tmp_path / "out", jobs=jobs)
