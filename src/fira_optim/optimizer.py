@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -287,6 +288,8 @@ class Fira(Optimizer):
         refreshed = None
         if refresh_group is not None:
             refreshed = self._refresh_together(refresh_group, total)
+        elif self.implementation != "reference":
+            refreshed = self._refresh_in_threads(total)
         for gi, group in enumerate(self.param_groups):
             plain_params = []
             hyper = None
@@ -309,7 +312,7 @@ class Fira(Optimizer):
                     elif not state:  # build the state, change nothing
                         unprojected.init_state(self.state[p], p, group["base"])
                     if self.nonfinite != "ignore":
-                        checks.append((torch.isfinite(distributed.to_local(p.grad)).all(), gi, pi))
+                        checks.append((distributed.to_local(p.grad), gi, pi))
                     continue
                 hyper = hyper or Hyper.from_group(group)
                 plan = self._plan(p, group, gi, pi, order - 1, total, hyper, refreshed)
@@ -343,10 +346,11 @@ class Fira(Optimizer):
             return None
         return distributed.process_group_or_world(self.process_group)
 
-    def _refresh_together(self, process_group: Any, total: int | None) -> dict:
-        """The refresh outcomes of every matrix due this step, computed across the ranks of
-        ``process_group`` by :func:`fira_optim.distributed.refresh_bases`; keyed by parameter."""
-        jobs, params = [], []
+    def _due_refreshes(self, total: int | None) -> list[tuple]:
+        """``(param, job)`` for every matrix whose basis is due this step, in the order of the
+        projected matrices; ``job`` is a :class:`fira_optim.distributed.RefreshJob` holding this
+        rank's gradient and the refresh rule (:meth:`_refresh_outcome`) to run on it."""
+        due = []
         order = 0
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -367,12 +371,39 @@ class Fira(Optimizer):
                     order=order - 1, step=step, name=_name(gi, pi, p),
                 )
                 previous = distributed.to_local(state["basis"]) if step > 0 else None
-                jobs.append(distributed.RefreshJob(
+                due.append((p, distributed.RefreshJob(
                     grad, p.shape[0], order - 1, previous, side, group["rank"],
                     distributed.row_sharding(p), compute,
-                ))
-                params.append(p)
-        return dict(zip(params, distributed.refresh_bases(jobs, process_group)))
+                )))
+        return due
+
+    def _refresh_together(self, process_group: Any, total: int | None) -> dict:
+        """The refresh outcomes of every matrix due this step, computed across the ranks of
+        ``process_group`` by :func:`fira_optim.distributed.refresh_bases`; keyed by parameter."""
+        due = self._due_refreshes(total)
+        outcomes = distributed.refresh_bases([job for _, job in due], process_group)
+        return dict(zip([p for p, _ in due], outcomes))
+
+    def _refresh_in_threads(self, total: int | None) -> dict | None:
+        """One process on the CPU: the refresh outcomes of every matrix due this step, computed
+        by ``torch.get_num_threads()`` threads at once; keyed by parameter. None (each matrix
+        refreshes in its turn in phase A) if fewer than two are due or the gradients are not
+        on the CPU.
+
+        LAPACK's SVD at these sizes keeps barely more than one core busy, so decompositions of
+        different matrices side by side use the others. Each outcome is exactly what the
+        sequential refresh computes (the same calls on the same inputs); a gradient found
+        non-finite is reported in phase A in the usual order.
+        """
+        workers = torch.get_num_threads()
+        if workers < 2:
+            return None
+        due = self._due_refreshes(total)
+        if len(due) < 2 or any(job.grad.device.type != "cpu" for _, job in due):
+            return None
+        with ThreadPoolExecutor(min(workers, len(due))) as pool:
+            outcomes = list(pool.map(lambda job: job.compute(job.grad, job.previous), [j for _, j in due]))
+        return dict(zip([p for p, _ in due], outcomes))
 
     def _nonfinite_found(self, name: str) -> None:
         """Raise (``nonfinite="error"``) or warn that the step is skipped."""
@@ -545,18 +576,21 @@ _SKIP_STEP = object()
 
 
 def _finite_flags(checks: list[torch.Tensor]) -> torch.Tensor:
-    """One bool per check, in order: a 0-d bool flag is taken as is; a float tensor (a matrix's
-    column norms of R) is finite iff its norm is, so all of those take one ``foreach`` call."""
-    norms = [i for i, c in enumerate(checks) if c.dtype != torch.bool]
-    if not norms:
-        return torch.stack(checks)
-    totals = torch.isfinite(torch.stack(torch._foreach_norm([checks[i] for i in norms])))
-    if len(norms) == len(checks):
-        return totals
-    flags = torch.ones(len(checks), dtype=torch.bool, device=totals.device)
-    flags[torch.tensor(norms, device=totals.device)] = totals
-    plain = [i for i, c in enumerate(checks) if c.dtype == torch.bool]
-    flags[torch.tensor(plain, device=totals.device)] = torch.stack([checks[i] for i in plain]).to(totals.device)
+    """One bool per tensor, in order: whether all its entries are finite.
+
+    A NaN or Inf entry makes a tensor's norm non-finite, so one ``foreach`` norm over all of
+    them (a single read of each) decides the common case; a norm that overflowed from finite
+    entries (|x| near the dtype's maximum) is rechecked entry by entry. The checks are the
+    gradients of the unprojected params and the column norms of each R = P^T G (non-finite iff
+    G is, up to the same overflow).
+    """
+    norms = torch._foreach_norm(checks)
+    if any(n.dtype != norms[0].dtype for n in norms):
+        norms = [n.float() for n in norms]
+    flags = torch.isfinite(torch.stack(norms))
+    if not bool(flags.all()):
+        for i in (~flags).nonzero().flatten().tolist():
+            flags[i] = torch.isfinite(checks[i]).all()
     return flags
 
 

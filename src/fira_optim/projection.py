@@ -73,20 +73,31 @@ def _as_left_problem(grad: torch.Tensor, side: str) -> torch.Tensor:
     return grad if side == LEFT else grad.T
 
 
-def svd_basis(grad: torch.Tensor, rank: int, side: str) -> torch.Tensor:
+def svd_basis(grad: torch.Tensor, rank: int, side: str, *, transpose_wide: bool = False) -> torch.Tensor:
     """Exact top-``rank`` singular vectors of ``grad`` (the paper's projector).
 
     Runs in at least fp32 (CPU has no bf16/fp16 SVD). If the decomposition fails to
     converge it is retried in float64; a second failure propagates to the caller, which
     keeps the previous basis.
+
+    ``transpose_wide``: decompose a wide ``grad`` (m < n) as its transpose, whose left and right
+    singular vectors are ``grad``'s right and left ones. The same exact SVD, and faster with the
+    CPU's LAPACK, which handles tall matrices better (a 256 x 688 LLaMA down-projection); its round-off
+    and the signs it picks differ from ``torch.linalg.svd(grad)``'s, so only callers that align
+    signs (``align_signs=True``) use it, and the parity paths keep the plain call.
     """
     work = grad.to(torch.promote_types(grad.dtype, torch.float32))
+    transposed = transpose_wide and work.shape[0] < work.shape[1]
+    if transposed:
+        work = work.T.contiguous()
     try:
         u, _, vh = torch.linalg.svd(work, full_matrices=False)
     except RuntimeError as err:  # torch raises torch.linalg.LinAlgError (a RuntimeError)
         warnings.warn(f"SVD failed ({err}); retrying in float64", RuntimeWarning, stacklevel=3)
         u, _, vh = torch.linalg.svd(work.double(), full_matrices=False)
         u, vh = u.to(work.dtype), vh.to(work.dtype)
+    if transposed:  # grad = work^T = vh^T S u^T
+        u, vh = vh.T, u.T
     basis = u[:, :rank] if side == LEFT else vh[:rank].T
     return basis.contiguous()
 
@@ -179,7 +190,7 @@ def compute_basis(
     only: the warm-started randomized projector keeps its columns aligned by construction and
     a random basis has nothing to align with)."""
     if projector == "svd":
-        basis = svd_basis(grad, rank, side)
+        basis = svd_basis(grad, rank, side, transpose_wide=align_signs)
         if align_signs and previous is not None:
             basis = _align(basis, previous)
         return basis

@@ -269,3 +269,36 @@ def test_deepcopy_is_an_independent_identical_optimizer(implementation, nonfinit
     run(twin, twin_params, grads[2:])
     assert_params_equal(params, twin_params)
     assert_states_equal(state_snapshot(opt), state_snapshot(twin))
+
+
+def test_refreshes_computed_in_threads_equal_the_sequential_ones(monkeypatch):
+    """On the CPU with 2+ torch threads, the SVDs due at one step run side by side in a
+    thread pool; the run is bitwise the one where each matrix refreshes in its turn."""
+    import threading
+
+    import fira_optim.projection as projection
+
+    shapes = [(12, 20), (20, 12), (16, 16), (9, 30), (7,)]
+    grads = grad_sequence(shapes, 7, seed=5)
+    svd = torch.linalg.svd
+    threads = []
+    monkeypatch.setattr(projection.torch.linalg, "svd",
+                        lambda a, **kw: threads.append(threading.get_ident()) or svd(a, **kw))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+
+    def train(sequential):
+        if sequential:
+            monkeypatch.setattr(FiraAdamW, "_refresh_in_threads", lambda self, total: None)
+        params = make_params(shapes)
+        opt = FiraAdamW([{"params": params[:4], "rank": 3, "update_proj_gap": 3}, {"params": params[4:]}],
+                        lr=1e-2)
+        run(opt, params, grads)
+        return params, opt
+
+    params, opt = train(sequential=False)
+    in_pool = {t for t in threads if t != threading.get_ident()}
+    threads.clear()
+    seq_params, seq_opt = train(sequential=True)
+    assert in_pool and set(threads) == {threading.get_ident()}
+    assert_params_equal(params, seq_params)
+    assert_states_equal(state_snapshot(opt), state_snapshot(seq_opt))

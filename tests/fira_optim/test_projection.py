@@ -81,3 +81,18 @@ def test_aligned_basis_points_along_the_previous_one(side):
 def test_align_signs_must_be_a_bool():
     with pytest.raises(ValueError, match="align_signs"):
         FiraAdamW([torch.nn.Parameter(torch.zeros(4, 4))], align_signs="yes")
+
+
+@pytest.mark.parametrize("shape", [(6, 15), (15, 6), (9, 9)])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_wide_gradient_is_decomposed_as_its_transpose_with_the_same_basis(shape, side, monkeypatch):
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    plain = projection.svd_basis(grad, 4, side)
+    inputs = []
+    svd = torch.linalg.svd
+    monkeypatch.setattr(projection.torch.linalg, "svd", lambda a, **kw: inputs.append(tuple(a.shape)) or svd(a, **kw))
+    tall = projection.svd_basis(grad, 4, side, transpose_wide=True)
+    assert inputs == [(max(shape), min(shape))] if shape[0] < shape[1] else inputs == [shape]
+    signs = torch.sign(torch.diagonal(plain.T @ tall))
+    torch.testing.assert_close(tall * signs, plain, rtol=0, atol=1e-10)
+    assert tall.is_contiguous() and tall.shape == plain.shape

@@ -75,6 +75,19 @@ def test_nonfinite_skip_leaves_everything_unchanged_and_warns():
     assert_states_equal(state_snapshot(opt), state_snapshot(clean_opt))
 
 
+def test_a_huge_finite_gradient_is_not_taken_for_a_nonfinite_one():
+    """The finiteness check reads one norm per gradient; 1e20 entries overflow that norm in
+    fp32, and the entry-by-entry recheck must still let the step run."""
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    grads = grad_sequence(SHAPES, 1, seed=32)[0]
+    grads[3] = torch.full_like(grads[3], 1e20)
+    assert not torch.isfinite(torch.linalg.vector_norm(grads[3]))
+    set_grads(params, grads)
+    opt.step()  # nonfinite="error": no exception
+    assert all(float(opt.state[p]["step"]) == 1 for p in params)
+
+
 # ---------------------------------------------------------------------- SVD failure
 
 
