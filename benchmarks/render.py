@@ -128,8 +128,15 @@ def throughput(data: dict) -> list[str]:
             " per round more than AdamW in the optimizer; GaLore, which does the same SVD refresh and"
             " projections without the residual, spends"
             f" {data['optimizer_seconds_per_round_median']['galore'] - data['optimizer_seconds_per_round_median']['adamw']:.2f} s"
-            " more: most of the cost is the exact-SVD refresh that `tiny` runs every 6 steps (T = steps / 50).",
+            " more.",
         ]
+    slowest, others = data.get("slowest_step_seconds_median"), data.get("other_steps_seconds_median")
+    if slowest and others:
+        parts = ", ".join(f"{m} {others[m] * 1e3:.0f} ms and {slowest[m] * 1e3:.0f} ms" for m in slowest)
+        lines.append("- Time after the backward passes, median over rounds, for the other steps of a round and"
+                     f" for its slowest step (the one that refreshes the projections, every T = {data['steps_per_round']}"
+                     f" steps, for the Fira/GaLore family): {parts}.")
+
     lines.append("")
     return lines
 

@@ -34,7 +34,7 @@ import torch
 from fira_train.data import build_corpus
 from fira_train.overrides import apply_overrides
 from fira_train.recipes import get_recipe
-from fira_train.train import autocast_for, build_training, resolve_device
+from fira_train.train import autocast_for, build_training, resolve_device, train_step
 
 
 def main() -> None:
@@ -66,40 +66,32 @@ def main() -> None:
         micro = config.train.micro_batch_size or config.train.batch_size
         runs[method] = dict(config=config, training=training, device=device,
                             autocast=autocast_for(config, device),
-                            stream=corpus.train_batches(micro, config.train.seed))
+                            stream=corpus.train_batches(micro, config.train.seed), step=0)
     period = base.optim.update_proj_gap
     tokens_per_step = base.train.batch_size * base.data.seq_len
 
     def step(run) -> float:
-        """One training step; returns the seconds spent after the backward passes (clipping,
-        optimizer, schedule): the part that differs between methods."""
-        config, training = run["config"], run["training"]
-        model, optimizer = training.setup.model, training.setup.optimizer
-        accum = config.train.grad_accum
-        for _ in range(accum):
-            ids = next(run["stream"]).to(run["device"])
-            with run["autocast"]:
-                loss = model(input_ids=ids, labels=ids).loss
-            (loss / accum).backward()
-        start = time.perf_counter()
-        if config.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                           config.train.grad_clip)
-        optimizer.step()
-        training.scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        """One training step as `fira-train` runs it (:func:`fira_train.train.train_step`);
+        returns the seconds spent after the backward passes (clipping, optimizer, schedule):
+        the part that differs between methods."""
+        run["step"] += 1
+        _, update_seconds = train_step(run["training"], run["config"], run["stream"], run["autocast"],
+                                       run["step"])
+        return update_seconds
 
     for method in methods:
         for _ in range(args.warmup_steps):
             step(runs[method])
     seconds = {m: [] for m in methods}
     optimizer_seconds = {m: [] for m in methods}
+    step_seconds = {m: [] for m in methods}  # per round: the update seconds of each step
     for r in range(args.rounds):
         for method in methods:
             start = time.perf_counter()
-            optimizer_seconds[method].append(sum(step(runs[method]) for _ in range(period)))
+            steps = [step(runs[method]) for _ in range(period)]
             seconds[method].append(time.perf_counter() - start)
+            optimizer_seconds[method].append(sum(steps))
+            step_seconds[method].append(steps)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{m} {tokens_per_step * period / seconds[m][-1]:.0f} tok/s" for m in methods), flush=True)
     ratios = {m: [a / b for a, b in zip(seconds["adamw"], seconds[m])] for m in methods}
@@ -111,6 +103,10 @@ def main() -> None:
     optimizer_median = {m: statistics.median(v) for m, v in optimizer_seconds.items()}
     pooled = {m: (forward_backward + optimizer_median["adamw"]) / (forward_backward + optimizer_median[m])
               for m in methods}
+    # The slowest step of a round is the one that refreshes the projections (one per round for
+    # the Fira/GaLore family); the others are steady steps.
+    refresh_step = {m: statistics.median(max(r) for r in v) for m, v in step_seconds.items()}
+    steady_step = {m: statistics.median(t for r in v for t in sorted(r)[:-1]) for m, v in step_seconds.items()}
     result = {
         "command": "python " + " ".join(sys.argv),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -127,6 +123,9 @@ def main() -> None:
         "optimizer_seconds_per_round_median": optimizer_median,
         "forward_backward_seconds_per_round_median": forward_backward,
         "ratio_to_adamw_pooled": pooled,
+        "update_seconds_per_step": step_seconds,
+        "slowest_step_seconds_median": refresh_step,
+        "other_steps_seconds_median": steady_step,
     }
     print(json.dumps({k: result[k] for k in ("tokens_per_s_median", "ratio_to_adamw_median",
                                              "optimizer_seconds_per_round_median",

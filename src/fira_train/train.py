@@ -1,6 +1,7 @@
 r"""One pre-training run: build, (resume,) train, evaluate, checkpoint, summarise.
 
-:func:`train` is one flat loop. Each optimizer step accumulates ``train.grad_accum``
+:func:`train` is one flat loop around :func:`train_step` (which benchmarks reuse, so that
+they time what a run does). Each optimizer step accumulates ``train.grad_accum``
 micro-batches (each loss divided by the number of micro-batches, so the gradient is that of
 the mean token loss of the whole batch), optionally clips the global gradient norm, steps the
 optimizer and the warm-up + cosine schedule, and logs ``step, loss, lr, tokens_per_s``.
@@ -37,7 +38,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,56 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
         return _train(config, env, resume, overwrite, corpus, callbacks)
 
 
+def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Tensor],
+               autocast: contextlib.AbstractContextManager, step: int, *,
+               env: DistributedEnv | None = None, callbacks: Sequence[TrainCallback] = (),
+               trainable: list[torch.nn.Parameter] | None = None) -> tuple[float, float]:
+    """Optimizer step number ``step`` (1-based) as ``fira-train`` runs it; returns ``(loss,
+    seconds after the backward passes)``.
+
+    ``train.grad_accum`` micro-batches from ``stream`` forward and backward (each rank its rows
+    under ``env``), the mean loss (raises :class:`NonFiniteLossError` before anything is
+    updated if it is not finite), callbacks, gradient clipping, the optimizer, the schedule,
+    the method's ``after_step`` (ReLoRA's merges). The second number times the part that
+    differs between methods (from the callbacks on): ``benchmarks/throughput.py`` reports it.
+    """
+    distributed = env is not None
+    net, model, optimizer = training.forward_model, training.model, training.optimizer
+    device = training.device
+    accum = config.train.grad_accum
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(accum):
+        ids = next(stream).to(device)  # (micro_batch, seq_len), the same on every rank
+        if distributed:
+            ids = shard_batch(ids, env)  # this rank's micro_batch / world_size rows
+        with train_parallel.accumulation_context(net, last=micro == accum - 1):
+            with autocast:
+                loss = net(input_ids=ids, labels=ids).loss  # mean over micro_batch * (seq_len - 1)
+            (loss / accum).backward()
+        loss_sum += loss.detach()
+    # equal rows per rank: the mean of the ranks' means is the global mean
+    step_loss = all_reduce_mean(loss_sum / accum, env) if distributed else (loss_sum / accum).item()
+    if not math.isfinite(step_loss):
+        raise NonFiniteLossError(step, step_loss)
+    started = time.perf_counter()
+    for callback in callbacks:
+        callback.before_step(step, model, optimizer, step_loss)
+    if config.train.grad_clip > 0:
+        if trainable is None:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+        clip_grad_norm_(trainable, config.train.grad_clip)  # the global norm over FSDP2's shards too
+    optimizer.step()
+    for callback in callbacks:
+        callback.after_step(step, model, optimizer, step_loss)
+    training.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if training.setup.after_step is not None:
+        training.setup.after_step(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return step_loss, time.perf_counter() - started
+
+
 def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | None, overwrite: bool,
            corpus: Any, callbacks: Sequence[TrainCallback]) -> dict[str, Any]:
     """:func:`train`'s body; ``env`` is None for one process, the process group's otherwise."""
@@ -295,7 +346,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if corpus is None:
         corpus = build_corpus(config.data)
     training = build_training(config, corpus.vocab_size, device, env)
-    model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
+    model, optimizer = training.model, training.optimizer
     net = training.forward_model  # the DDP wrapper, else the model
     micro_batch = config.train.micro_batch_size or config.train.batch_size
     if distributed and micro_batch % env.world_size:
@@ -317,7 +368,6 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
                          resume_step=step if resume is not None else None) if main else None
 
     t = config.train
-    accum = t.grad_accum
     tokens_per_step = t.batch_size * config.data.seq_len
     trainable = [p for p in model.parameters() if p.requires_grad]
     memory = PeakMemory(device)
@@ -333,35 +383,13 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     while step < t.steps:
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            ids = next(stream).to(device)  # (micro_batch, seq_len), the same on every rank
-            if distributed:
-                ids = shard_batch(ids, env)  # this rank's micro_batch / world_size rows
-            with train_parallel.accumulation_context(net, last=micro == accum - 1):
-                with autocast:
-                    loss = net(input_ids=ids, labels=ids).loss  # mean over micro_batch * (seq_len - 1)
-                (loss / accum).backward()
-            loss_sum += loss.detach()
-        # equal rows per rank: the mean of the ranks' means is the global mean
-        step_loss = all_reduce_mean(loss_sum / accum, env) if distributed else (loss_sum / accum).item()
-        if not math.isfinite(step_loss):
+        try:
+            step_loss, _ = train_step(training, config, stream, autocast, step + 1, env=env,
+                                      callbacks=callbacks, trainable=trainable)
+        except NonFiniteLossError:
             bar.close()
-            raise NonFiniteLossError(step + 1, step_loss)
-        for callback in callbacks:
-            callback.before_step(step + 1, model, optimizer, step_loss)
-        if t.grad_clip > 0:
-            clip_grad_norm_(trainable, t.grad_clip)  # the global norm over FSDP2's shards too
-        optimizer.step()
-        for callback in callbacks:
-            callback.after_step(step + 1, model, optimizer, step_loss)
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+            raise
         step += 1
-        if training.setup.after_step is not None:
-            training.setup.after_step(step)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
         progress["tokens"] += tokens_per_step
         progress["train_time_s"] += elapsed

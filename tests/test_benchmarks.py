@@ -1,0 +1,34 @@
+"""The benchmark scripts run (on the micro recipe): their numbers are committed in docs/, so a
+script that no longer runs would leave those numbers unreproducible."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fira_train.harness_fixtures import write_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(300)
+def test_throughput_script_times_every_method_on_the_same_batches(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "throughput.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--recipe", "micro",
+               "--methods", "adamw,fira,galore@optim.rank=8", "--rounds", "2", "--threads", "1",
+               "--out", str(out), f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+               "data.vocab_size=300", "data.val_fraction=0.1", "train.progress=false"]
+    subprocess.run(command, check=True, cwd=ROOT, timeout=280, capture_output=True)
+    result = json.loads(out.read_text())
+    methods = ["adamw", "fira", "galore@optim.rank=8"]
+    assert list(result["ratio_to_adamw_pooled"]) == methods
+    assert result["ratio_to_adamw_pooled"]["adamw"] == 1.0
+    for method in methods:
+        rounds = result["update_seconds_per_step"][method]
+        assert len(rounds) == 2 and all(len(r) == result["steps_per_round"] for r in rounds)
+        assert 0 < result["other_steps_seconds_median"][method] <= result["slowest_step_seconds_median"][method]
