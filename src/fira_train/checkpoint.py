@@ -56,7 +56,8 @@ def _confined(run_dir: str | Path, path: Path) -> Path:
     return resolved
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (a rename into it) to disk, where the platform allows."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -94,25 +95,32 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any]) -> Pa
         json.dump(marker, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # re-saving a step (a resumed run that ends where it started)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     return final
 
 
-def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """``(step, directory)`` of every checkpoint with a completion marker, oldest first."""
-    root = _root(run_dir)
+def marked_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every ``step_XXXXXXXX`` directory directly under ``root`` that
+    has a completion marker, oldest first: the layout shared with
+    :mod:`fira_train.dist_checkpoint`."""
+    root = Path(root)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
         match = _NAME.match(child.name)
         if match and (child / MARKER).is_file():
-            found.append((int(match.group(1)), _confined(run_dir, child)))
+            found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every checkpoint with a completion marker, oldest first."""
+    return [(step, _confined(run_dir, path)) for step, path in marked_step_dirs(_root(run_dir))]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -173,10 +181,15 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
 
     The newest complete checkpoint is never deleted, whatever ``keep_last`` is.
     """
-    if not isinstance(keep_last, int) or keep_last < 1:
+    return delete_oldest([path for _, path in complete_checkpoints(run_dir)], keep_last)
+
+
+def delete_oldest(paths: list[Path], keep_last: int) -> list[Path]:
+    """Delete all but the last ``keep_last`` of ``paths`` (checkpoint directories, oldest
+    first); returns the deleted ones."""
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
         raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
-    found = complete_checkpoints(run_dir)
-    doomed = [path for _, path in found[:-keep_last]]
+    doomed = paths[:-keep_last]
     for path in doomed:
         shutil.rmtree(path)
     return doomed

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -31,18 +30,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-MARKER = "COMPLETE"
+from fira_train import checkpoint as ckpt
+
+MARKER = ckpt.MARKER
 #: ``"format"`` in the marker's JSON: tells these checkpoints from single-file ones that use the
 #: same ``step_XXXXXXXX/COMPLETE`` layout (``fira_train.checkpoint``).
 FORMAT = "torch.distributed.checkpoint"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
     """``RUN/step_XXXXXXXX``: where the checkpoint of ``step`` lives."""
-    if step < 0:
-        raise ValueError(f"Invalid step: {step}; expected >= 0")
-    return Path(run_dir) / f"step_{step:08d}"
+    return Path(run_dir) / ckpt.checkpoint_name(step)
 
 
 def is_complete(path: str | Path) -> bool:
@@ -60,15 +58,7 @@ def is_dcp_checkpoint(path: str | Path) -> bool:
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints under ``run_dir``, oldest first (partial ones are ignored)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    found = []
-    for child in run_dir.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and is_complete(child):
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
+    return [path for _, path in ckpt.marked_step_dirs(run_dir) if path.is_dir()]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -110,7 +100,7 @@ def save_checkpoint(
     if rank == 0:
         info = {"format": FORMAT, "step": step, "world_size": _world_size(), "time": time.time()}
         _write_synced(tmp / MARKER, json.dumps(info))
-        _fsync_dir(tmp)
+        ckpt.fsync_dir(tmp)
         if final.exists():  # re-saving a step (after a resume): swap, then delete the old one
             old = final.with_name(".old-" + final.name)
             shutil.rmtree(old, ignore_errors=True)
@@ -119,7 +109,7 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        ckpt.fsync_dir(final.parent)
         if keep_last is not None:
             prune_checkpoints(run_dir, keep_last)
     _barrier()
@@ -162,12 +152,7 @@ def load_checkpoint(
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints; returns what was deleted.
     The newest complete checkpoint is never deleted."""
-    if keep_last < 1:
-        raise ValueError(f"Invalid keep_last: {keep_last}; expected >= 1")
-    doomed = list_checkpoints(run_dir)[:-keep_last]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
+    return ckpt.delete_oldest(list_checkpoints(run_dir), keep_last)
 
 
 # ---------------------------------------------------------------------- the saved state
@@ -315,11 +300,3 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -184,8 +184,8 @@ def test_listing_and_pruning_ignore_partial_and_keep_newest(tmp_path):
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
     assert prune_checkpoints(tmp_path, 1) == [checkpoint_dir(tmp_path, 1), checkpoint_dir(tmp_path, 2)]
     assert list_checkpoints(tmp_path) == [checkpoint_dir(tmp_path, 3)]
-    with pytest.raises(ValueError, match="keep_last: 0"):
+    with pytest.raises(ValueError, match="keep_last must be an integer >= 1, got 0"):
         prune_checkpoints(tmp_path, 0)
-    with pytest.raises(ValueError, match="Invalid step: -1"):
+    with pytest.raises(ValueError, match="step must be an integer >= 0, got -1"):
         checkpoint_dir(tmp_path, -1)
     assert latest_checkpoint(tmp_path / "missing") is None
