@@ -10,8 +10,9 @@ Shapes: 8 layers x (q, k, v, o 512x512; gate, up 1376x512; down 512x1376), rank 
     python benchmarks/optimizer_step.py --threads 2 --out docs/benchmarks/optimizer_step.json
     python benchmarks/optimizer_step.py --device cuda --out docs/benchmarks/optimizer_step_cuda.json
 
-Optimizers are run round-robin (a few steps each, repeated) so that drift in machine load
-hits all of them alike; the median steady step is reported.
+Optimizers are run round-robin (a few steps each, repeated, the order rotating every round)
+so that drift in machine load and the state each leaves behind hit all of them alike; the
+median steady step is reported.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds")
+    parser.add_argument("--rounds", type=int, default=9, help="round-robin rounds (the order rotates: 9 = once per position)")
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--stagger-steps", type=int, default=56, help="T for the stagger profile")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (fp32 parameters either way)")
@@ -199,11 +200,14 @@ def main() -> None:
     params, grads = make_params(shapes(args.layers))
     floor = Floor(params, grads, args.rank)
     samples = {name: [] for name in [*names, "floor"]}
-    for _ in range(args.rounds):
-        for name in names:
-            opt = runs[name][0]
-            samples[name] += [timed(opt.step) for _ in range(args.steps_per_round)]
-        samples["floor"] += [timed(floor.step) for _ in range(args.steps_per_round)]
+    steppers = {**{name: runs[name][0].step for name in names}, "floor": floor.step}
+    order = list(steppers)
+    for r in range(args.rounds):
+        # The order rotates every round: each one runs after every other equally often, so
+        # what a predecessor leaves behind (cache, allocator state: the reference path's m x n
+        # temporaries) does not always fall on the same one.
+        for name in order[r % len(order):] + order[: r % len(order)]:
+            samples[name] += [timed(steppers[name]) for _ in range(args.steps_per_round)]
     steady = {name: statistics.median(v) for name, v in samples.items()}
 
     m, n = 512, 512
