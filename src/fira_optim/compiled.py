@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from .projection import reduce_dim
+from .projection import reduce_dim, sq_norms
 from .subspace import adam_bias_correction
 from .update import Hyper, _addmm
 
@@ -113,8 +113,7 @@ def apply_compiled(params, grads, lows, low_norms, bases, sides, states, step: i
         if hp.residual == "drop":  # no residual, no limiter history: placeholders
             g_sq, prev = low_norm.square(), low_norm.new_zeros(())
         else:
-            g_sq = grad_sq if grad_sq is not None else (
-                torch.linalg.vector_norm(grad, dim=dim, keepdim=True).square_())
+            g_sq = grad_sq if grad_sq is not None else sq_norms(grad, dim)
             prev = state["prev_norm"]
         try:
             updates.append(kernel(low, low_norm, g_sq, state["exp_avg"], state["exp_avg_sq"], prev,

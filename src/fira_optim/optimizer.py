@@ -41,9 +41,11 @@ from .projection import (
     basis_shape,
     compute_basis,
     low_rank_shape,
+    norms,
     project,
     projection_side,
     reduce_dim,
+    sq_norms,
 )
 from .scaling import SCALINGS
 from .subspace import BASES, STATE_KEYS
@@ -333,7 +335,7 @@ class Fira(Optimizer):
             left = [pl for pl in plans if pl.sharding is not None and pl.side == LEFT]
             flags = distributed.reduce_partials([pl.low for pl in left], flags, shard_group)
             for pl in left:
-                pl.low_norm = torch.linalg.vector_norm(pl.low, dim=0, keepdim=True)
+                pl.low_norm = norms(pl.low, 0)
         if flags is not None and not bool(flags.all()):
             _, gi, pi = checks[int((~flags).nonzero()[0, 0])]
             self._nonfinite_found(_name(gi, pi, self.param_groups[gi]["params"][pi]))
@@ -447,13 +449,13 @@ class Fira(Optimizer):
                 return None
         basis = new_basis if new_basis is not None else distributed.to_local(state["basis"])
         low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
-        low_norm = torch.linalg.vector_norm(low, dim=reduce_dim(side), keepdim=True)
+        low_norm = norms(low, reduce_dim(side))
         grad_sq = None
         if (hyper.residual != "drop" and self.implementation != "reference"
                 and fast_path_supports(hyper, p, grad)):  # the reference path forms S itself
             # ||g_i||^2 for ||S||, read now while G is still in cache from the projection: on the
             # CPU a second sweep over every gradient later in the step streams it from memory.
-            grad_sq = torch.linalg.vector_norm(grad, dim=reduce_dim(side), keepdim=True).square_()
+            grad_sq = sq_norms(grad, reduce_dim(side))
         return _Plan(p, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype, sharding,
                      grad_sq)
 

@@ -48,6 +48,33 @@ def reduce_dim(side: str) -> int:
     return 0 if side == LEFT else 1
 
 
+#: Rows summed at a time by :func:`sq_norms` down the columns of a CPU matrix.
+BLOCK_ROWS = 128
+
+
+def sq_norms(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Squared norms of the columns (``dim=0``, shape ``1 x n``) or rows (``dim=1``, ``m x 1``)
+    of a matrix: ``torch.linalg.vector_norm(t, dim=dim, keepdim=True) ** 2``.
+
+    Down the columns of a row-major matrix on the CPU, that strided reduction is about 4x slower
+    than squaring and summing whole rows (a 512 x 1376 gradient: ~0.5 ms against ~0.12), so
+    there the rows are squared and summed in blocks of :data:`BLOCK_ROWS`: temporaries of at
+    most 128 x n, never the whole matrix. Elsewhere (rows, or a GPU) the reduction is used as is.
+    """
+    if dim != 0 or t.device.type != "cpu":
+        return torch.linalg.vector_norm(t, dim=dim, keepdim=True).square_()
+    total = t[:BLOCK_ROWS].square().sum(dim=0, keepdim=True)
+    for start in range(BLOCK_ROWS, t.shape[0], BLOCK_ROWS):
+        total.add_(t[start : start + BLOCK_ROWS].square().sum(dim=0, keepdim=True))
+    return total
+
+
+def norms(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The column (``dim=0``) or row (``dim=1``) norms of a matrix, keepdim: :func:`sq_norms`'s
+    square roots."""
+    return sq_norms(t, dim).sqrt_()
+
+
 def basis_shape(shape: tuple[int, int], rank: int, side: str) -> tuple[int, int]:
     m, n = shape
     return (m, rank) if side == LEFT else (n, rank)

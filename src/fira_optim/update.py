@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from .limiter import limiter_factor
-from .projection import LEFT, RIGHT, project_back, reduce_dim
+from .projection import LEFT, RIGHT, norms, project_back, reduce_dim, sq_norms
 from .scaling import scaling_factor
 from .subspace import adam_bias_correction, base_direction
 
@@ -208,8 +208,7 @@ def apply_fast(
     else:
         phis = _foreach_scaling(directions, low_norms, dims, hp)
         if grad_sqs is None or any(q is None for q in grad_sqs):
-            grad_sqs = [torch.linalg.vector_norm(g, dim=dim, keepdim=True).square_()
-                        for g, dim in zip(grads, dims)]
+            grad_sqs = [sq_norms(g, dim) for g, dim in zip(grads, dims)]
         outside_sq = list(grad_sqs)  # becomes ||s_i||^2 in place below
         if row_sum is not None:
             # Row blocks: a right matrix-level phi and a left ||g_i||^2 sum over all rows.
@@ -276,7 +275,7 @@ def _foreach_direction(lows, states, step, hp: Hyper) -> list[torch.Tensor]:
 def _foreach_scaling(directions, low_norms, dims, hp: Hyper) -> list[torch.Tensor]:
     eps = hp.residual_eps
     if hp.scaling == "column":
-        dn = [torch.linalg.vector_norm(d, dim=dim, keepdim=True) for d, dim in zip(directions, dims)]
+        dn = [norms(d, dim) for d, dim in zip(directions, dims)]
         return torch._foreach_div(dn, torch._foreach_add(low_norms, eps))
     if hp.scaling == "matrix":
         dn = torch._foreach_norm(directions)

@@ -96,3 +96,15 @@ def test_a_wide_gradient_is_decomposed_as_its_transpose_with_the_same_basis(shap
     signs = torch.sign(torch.diagonal(plain.T @ tall))
     torch.testing.assert_close(tall * signs, plain, rtol=0, atol=1e-10)
     assert tall.is_contiguous() and tall.shape == plain.shape
+
+
+@pytest.mark.parametrize("shape", [(5, 9), (128, 4), (300, 7), (256, 3)])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_block_norms_equal_the_plain_reduction(shape, dim):
+    """sq_norms sums squared blocks of rows down the columns (dim 0): the same numbers as
+    vector_norm, for row counts below, at and across the block size."""
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    expected = torch.linalg.vector_norm(t, dim=dim, keepdim=True)
+    torch.testing.assert_close(projection.sq_norms(t, dim), expected.square(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(projection.norms(t, dim), expected, rtol=1e-12, atol=0)
+    assert projection.sq_norms(t, dim).shape == expected.shape
