@@ -145,6 +145,8 @@ class Fira(Optimizer):
         implementation: str = "fast",
         split_refresh: bool = False,
         process_group: Any = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
         no_deprecation_warning: bool = True,  # accepted for drop-in use of fira.FiraAdamW
     ):
         if isinstance(params, torch.Tensor):
@@ -164,6 +166,7 @@ class Fira(Optimizer):
             projector=projector, arithmetic=arithmetic, base=base, scaling=scaling,
             limiter=limiter, residual=residual, only_scaling=only_scaling, clip_norm=clip_norm,
             mu=mu, align_signs=align_signs, stagger=stagger, correct_bias=correct_bias, seed=seed,
+            foreach=foreach, fused=fused,
         )
         _validate_options(defaults)
         if rank is not None:
@@ -695,6 +698,14 @@ def _validate_options(g: dict) -> None:
         raise ValueError(f"arithmetic='released' exists only for base='adam', got base={g['base']!r}")
     if not g["correct_bias"] and g["arithmetic"] == "paper" and g["base"] == "adam":
         raise ValueError("correct_bias=False is only available with arithmetic='released'")
+    for key in ("foreach", "fused"):
+        if g.get(key) is not None and not isinstance(g[key], bool):
+            raise ValueError(f"Invalid {key}: {g[key]!r}; expected None, True or False")
+    if g.get("fused") and g.get("foreach"):
+        raise ValueError("foreach=True and fused=True cannot be set together (as in torch.optim.AdamW)")
+    if g.get("fused") and (g["base"] != "adam" or g["arithmetic"] != "paper"):
+        raise ValueError(f"fused=True is torch's fused AdamW: it needs base='adam' and arithmetic='paper', "
+                         f"got base={g['base']!r}, arithmetic={g['arithmetic']!r}")
 
 
 def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:

@@ -3,7 +3,8 @@ matrices with ``rank >= min(m, n)``.
 
 With ``arithmetic="paper"`` they are updated by torch's own functional optimizers, so a
 ``rank=None`` group is *exactly* ``torch.optim.AdamW`` (or ``Adagrad`` / ``RMSprop`` with
-decoupled weight decay), fast multi-tensor path included. With ``arithmetic="released"``
+decoupled weight decay), with torch's choice of implementation or the one the group's
+``foreach`` / ``fused`` options name, as for torch's optimizers. With ``arithmetic="released"``
 they follow ``fira`` 1.0.2 (the Hugging Face AdamW it copies):
 
 .. math::
@@ -50,7 +51,8 @@ def _torch_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:
         [states[p]["exp_avg_sq"] for p in params],
         [],
         [states[p]["step"] for p in params],
-        foreach=None,
+        foreach=group.get("foreach"),
+        fused=group.get("fused"),
         has_complex=False,
         decoupled_weight_decay=True,
         amsgrad=False,
@@ -70,12 +72,13 @@ def _torch_adagrad_or_rmsprop(group: dict, params: list[torch.Tensor], states: d
     steps = [states[p]["step"] for p in params]
     if group["base"] == "adagrad":
         torch_adagrad.adagrad(
-            params, grads, [states[p]["sum"] for p in params], steps,
+            params, grads, [states[p]["sum"] for p in params], steps, foreach=group.get("foreach"),
             lr=group["lr"], weight_decay=0.0, lr_decay=0.0, eps=group["eps"], maximize=False,
         )
     else:
         torch_rmsprop.rmsprop(
             params, grads, [states[p]["square_avg"] for p in params], [], [], steps,
+            foreach=group.get("foreach"),
             lr=group["lr"], alpha=group["betas"][1], eps=group["eps"], weight_decay=0.0,
             momentum=0.0, centered=False,
         )

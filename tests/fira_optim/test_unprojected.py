@@ -84,3 +84,23 @@ def test_released_arithmetic_plain_group_is_hf_style_adamw():
         expected = expected - lr * (1 - b2**t) ** 0.5 / (1 - b1**t) * m / (v.sqrt() + eps)
         expected = expected - lr * wd * expected
     torch.testing.assert_close(p.detach(), expected, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("option", [{"foreach": True}, {"foreach": False}, {"fused": True}])
+def test_foreach_and_fused_are_torch_adamws_own(option):
+    """The unprojected params take torch.optim.AdamW's implementation choice as AdamW does:
+    bitwise equal to AdamW given the same option; the projected matrices are not affected."""
+    shapes = [*PLAIN_SHAPES[:3], (12, 20)]
+    params = make_params(shapes)
+    twins = clone_params(params)
+    ours = FiraAdamW([{"params": params[:3]}, {"params": params[3:], "rank": 4}], lr=3e-3,
+                     weight_decay=0.1, **option)
+    plain = FiraAdamW([{"params": twins[:3]}, {"params": twins[3:], "rank": 4}], lr=3e-3, weight_decay=0.1)
+    ref_params = clone_params(params[:3])
+    ref = torch.optim.AdamW(ref_params, lr=3e-3, weight_decay=0.1, **option)
+    grads = grad_sequence(shapes, 6, seed=8)
+    run(ours, params, grads)
+    run(plain, twins, grads)
+    run(ref, ref_params, [row[:3] for row in grads])
+    assert_params_equal(params[:3], ref_params)
+    assert_params_equal(params[3:], twins[3:])

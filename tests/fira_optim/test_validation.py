@@ -64,6 +64,8 @@ BAD_VALUES = [
     ("scaling", "row"),
     ("limiter", "max"),
     ("residual", "keep"),
+    ("foreach", "yes"),
+    ("fused", 1),
 ]
 
 
@@ -123,3 +125,13 @@ def test_valid_edge_values_are_accepted():
     # The closed ends of each range are legal.
     FiraAdamW(_params(), lr=0.0, eps=0.0, betas=(0.0, 0.0), weight_decay=0.0, rank=1,
               update_proj_gap=1, gamma=1.0, mu=1.0)
+
+
+def test_fused_needs_torch_adamw_and_excludes_foreach():
+    a, b = _params()
+    with pytest.raises(ValueError, match="cannot be set together"):
+        FiraAdamW([a, b], foreach=True, fused=True)
+    with pytest.raises(ValueError, match="base='adagrad'"):
+        FiraAdamW([a, b], fused=True, base="adagrad")
+    with pytest.raises(ValueError, match="arithmetic='released'"):
+        FiraAdamW([a, b], fused=True, arithmetic="released")
