@@ -33,7 +33,7 @@ import torch
 
 from .projection import reduce_dim, sq_norms
 from .subspace import adam_bias_correction
-from .update import Hyper, _addmm
+from .update import Hyper, add_update
 
 
 def supports(hp: Hyper) -> bool:
@@ -125,16 +125,6 @@ def apply_compiled(params, grads, lows, low_norms, bases, sides, states, step: i
             warnings.warn(f"implementation='compiled' is unavailable ({_failed}); using the "
                           "multi-tensor fast path", RuntimeWarning, stacklevel=4)
             return False
-    step_size = hp.step_size(step)
-    inside_coef = -step_size * hp.alpha
-    # The released code does not multiply the scaled residual by alpha (ANCHORS.md).
-    outside_coef = -step_size if hp.released else inside_coef
-    if hp.weight_decay != 0 and not hp.released:
-        torch._foreach_mul_(params, 1.0 - hp.lr * hp.weight_decay)
-    for p, grad, basis, side, (x, c) in zip(params, grads, bases, sides, updates):
-        _addmm(p, basis, x, side, inside_coef)
-        if hp.residual != "drop":
-            p.addcmul_(grad, c, value=outside_coef)
-    if hp.weight_decay != 0 and hp.released:
-        torch._foreach_add_(params, params, alpha=-hp.lr * hp.weight_decay)
+    xs, cs = zip(*updates)
+    add_update(params, grads, bases, sides, xs, None if hp.residual == "drop" else cs, step, hp)
     return True

@@ -196,15 +196,8 @@ def apply_fast(
     """
     dims = [reduce_dim(side) for side in sides]
     directions = _foreach_direction(lows, states, step, hp)
-    step_size = hp.step_size(step)
-    inside_coef = -step_size * hp.alpha
-    # The released code does not multiply the scaled residual by alpha (ANCHORS.md).
-    outside_coef = -step_size if hp.released and not hp.only_scaling else inside_coef
-    if hp.weight_decay != 0 and not hp.released:
-        torch._foreach_mul_(params, 1.0 - hp.lr * hp.weight_decay)
     if hp.residual == "drop":
-        for p, basis, d, side in zip(params, bases, directions, sides):
-            _addmm(p, basis, d, side, inside_coef)
+        add_update(params, grads, bases, sides, directions, None, step, hp)
     else:
         phis = _foreach_scaling(directions, low_norms, dims, hp)
         if grad_sqs is None or any(q is None for q in grad_sqs):
@@ -243,9 +236,36 @@ def apply_fast(
         if not hp.only_scaling:
             # P N - c (.) (P R) == P (N - R (.) c); released: alpha P N' - c (.) (alpha P R).
             torch._foreach_sub_(directions, torch._foreach_mul(lows, cs))
-            for p, basis, d, side in zip(params, bases, directions, sides):
-                _addmm(p, basis, d, side, inside_coef)
-        torch._foreach_addcmul_(params, grads, cs, value=outside_coef)
+        add_update(params, grads, bases, sides, None if hp.only_scaling else directions, cs, step, hp)
+
+
+def add_update(params, grads, bases, sides, xs, cs, step: int, hp: Hyper) -> None:
+    r"""The commit of a step, shared by :func:`apply_fast` and :mod:`fira_optim.compiled`:
+
+    .. math:: W \leftarrow W - \eta_t\,(lpha\, P X + c \odot G)
+
+    (right projections: :math:`X Q^	op`), with decoupled weight decay. ``xs``: the low-rank
+    :math:`X = N - R \odot c` of each matrix (None: Fira-only-scaling has no low-rank term);
+    ``cs``: the scale of :math:`G`'s columns or rows (None: GaLore adds no residual). The
+    released arithmetic does not multiply the scaled residual by alpha (ANCHORS.md).
+    """
+    step_size = hp.step_size(step)
+    inside_coef = -step_size * hp.alpha
+    outside_coef = -step_size if hp.released and not hp.only_scaling else inside_coef
+    if hp.weight_decay != 0 and not hp.released:
+        torch._foreach_mul_(params, 1.0 - hp.lr * hp.weight_decay)
+    if xs is not None and cs is not None and params[0].device.type == "cpu":
+        # On the CPU, W's second update right after its first, while W is still in cache; on a
+        # GPU one multi-tensor launch for all the c (.) G beats one launch per matrix.
+        for p, grad, basis, x, side, c in zip(params, grads, bases, xs, sides, cs):
+            _addmm(p, basis, x, side, inside_coef)
+            p.addcmul_(grad, c, value=outside_coef)
+    else:
+        if xs is not None:
+            for p, basis, x, side in zip(params, bases, xs, sides):
+                _addmm(p, basis, x, side, inside_coef)
+        if cs is not None:
+            torch._foreach_addcmul_(params, grads, cs, value=outside_coef)
     if hp.weight_decay != 0 and hp.released:
         torch._foreach_add_(params, params, alpha=-hp.lr * hp.weight_decay)
 
