@@ -331,7 +331,9 @@ class Fira(Optimizer):
                         checks.append((plan.low_norm, gi, pi))
             if plain_params:
                 plain.append((group, plain_params))
-        flags = _finite_flags([c for c, _, _ in checks]) if checks else None
+        tensors = [c for c, _, _ in checks]
+        flags = _finite_flags(tensors) if checks else None
+        local = flags
         if shard_group is not None:
             # FSDP2: R = sum_k P_k^T G_k of the left projections and every shard's finiteness
             # checks, completed in one all-reduce; then the column norms of the whole R.
@@ -339,6 +341,12 @@ class Fira(Optimizer):
             flags = distributed.reduce_partials([pl.low for pl in left], flags, shard_group)
             for pl in left:
                 pl.low_norm = norms(pl.low, 0)
+        if flags is not None and not bool(flags.all()):  # the step's one host sync
+            # Rare: a norm also overflows from finite entries. Decide those entry by entry
+            # (and agree across the shards again).
+            flags = _recheck_overflow(tensors, local)
+            if shard_group is not None:
+                flags = distributed.reduce_partials([], flags, shard_group)
         if flags is not None and not bool(flags.all()):
             _, gi, pi = checks[int((~flags).nonzero()[0, 0])]
             self._nonfinite_found(_name(gi, pi, self.param_groups[gi]["params"][pi]))
@@ -582,21 +590,24 @@ _SKIP_STEP = object()
 
 
 def _finite_flags(checks: list[torch.Tensor]) -> torch.Tensor:
-    """One bool per tensor, in order: whether all its entries are finite.
+    """One bool per tensor, in order: whether its norm is finite, without a host sync.
 
     A NaN or Inf entry makes a tensor's norm non-finite, so one ``foreach`` norm over all of
-    them (a single read of each) decides the common case; a norm that overflowed from finite
-    entries (|x| near the dtype's maximum) is rechecked entry by entry. The checks are the
-    gradients of the unprojected params and the column norms of each R = P^T G (non-finite iff
-    G is, up to the same overflow).
+    them (a single read of each) clears the common case. The checks are the gradients of the
+    unprojected params and the column norms of each R = P^T G (non-finite iff G is). A False
+    can also be a norm that overflowed from finite entries: :func:`_recheck_overflow`.
     """
     totals = torch._foreach_norm(checks)
     if any(t.dtype != totals[0].dtype for t in totals):
         totals = [t.float() for t in totals]
-    flags = torch.isfinite(torch.stack(totals))
-    if not bool(flags.all()):
-        for i in (~flags).nonzero().flatten().tolist():
-            flags[i] = torch.isfinite(checks[i]).all()
+    return torch.isfinite(torch.stack(totals))
+
+
+def _recheck_overflow(checks: list[torch.Tensor], flags: torch.Tensor) -> torch.Tensor:
+    """``flags`` with each False decided entry by entry (whether all entries are finite)."""
+    flags = flags.clone()
+    for i in (~flags).nonzero().flatten().tolist():
+        flags[i] = torch.isfinite(checks[i]).all()
     return flags
 
 
