@@ -35,7 +35,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from collections.abc import Iterator, Sequence
@@ -48,6 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fira_train import checkpoint as ckpt
+from fira_train.cli import is_rank_zero
 from fira_train import dist_checkpoint
 from fira_train import train_parallel
 from fira_train.config import RunConfig
@@ -204,10 +204,6 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.
     return (total / count).item(), count
 
 
-def _is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
     a, b = config_to_dict(old), config_to_dict(new)
     changed = []
@@ -318,7 +314,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     """:func:`train`'s body; ``env`` is None for one process, the process group's otherwise."""
     distributed = env is not None
     out = Path(config.train.out_dir)
-    main = env.is_main if distributed else _is_main_process()
+    main = env.is_main if distributed else is_rank_zero()
     _prepare_out_dir(config, out, resume, overwrite, delete=main or not distributed)
     if distributed:
         dist.barrier()  # every rank has checked OUT before rank 0 rewrites config.json

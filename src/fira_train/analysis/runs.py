@@ -123,7 +123,7 @@ def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | 
     else:
         workers = min(jobs, len(pending))
         threads = max(1, (os.cpu_count() or 1) // workers)
-        tasks = [(index, len(runs), run, _with_threads(cfg, threads), overwrite or reuse, None)
+        tasks = [(index, len(runs), run, _with_threads(cfg, threads), overwrite or reuse)
                  for index, run, cfg in pending]
         log.info("training %d runs in %d worker processes", len(tasks), workers)
         context = multiprocessing.get_context("spawn")
@@ -156,8 +156,9 @@ def _init_worker(level: int) -> None:
 
 
 def _train_task(task: tuple) -> tuple[str, dict[str, Any]]:
-    index, total, run, cfg, overwrite, corpus = task
-    return run.name, _train_one(index, total, run, cfg, overwrite, corpus)
+    """A worker's job: the corpus comes from the cache the parent filled."""
+    index, total, run, cfg, overwrite = task
+    return run.name, _train_one(index, total, run, cfg, overwrite, None)
 
 
 def _train_one(index: int, total: int, run: AnalysisRun, cfg: "RunConfig", overwrite: bool,
