@@ -403,9 +403,8 @@ class Fira(Optimizer):
         refreshes in its turn in phase A) if fewer than two are due or the gradients are not
         on the CPU.
 
-        LAPACK's SVD of a small matrix (d_model 256) keeps barely more than one core busy, so
-        decompositions of different matrices side by side use the others (at 512 it made no
-        measurable difference either way). Each outcome is exactly what the
+        LAPACK's SVD of a small matrix keeps few cores busy, so decompositions of different
+        matrices side by side use the others. Each outcome is exactly what the
         sequential refresh computes (the same calls on the same inputs); a gradient found
         non-finite is reported in phase A in the usual order.
         """

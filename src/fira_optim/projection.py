@@ -56,10 +56,10 @@ def sq_norms(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Squared norms of the columns (``dim=0``, shape ``1 x n``) or rows (``dim=1``, ``m x 1``)
     of a matrix: ``torch.linalg.vector_norm(t, dim=dim, keepdim=True) ** 2``.
 
-    Down the columns of a row-major matrix on the CPU, that strided reduction is about 4x slower
-    than squaring and summing whole rows (a 512 x 1376 gradient: ~0.5 ms against ~0.12), so
-    there the rows are squared and summed in blocks of :data:`BLOCK_ROWS`: temporaries of at
-    most 128 x n, never the whole matrix. Elsewhere (rows, or a GPU) the reduction is used as is.
+    Down the columns of a row-major matrix, torch's CPU reduction is strided and several times
+    slower than squaring and summing whole rows, so there the rows are squared and summed in
+    blocks of :data:`BLOCK_ROWS`: temporaries of at most 128 x n, never the whole matrix.
+    Elsewhere (rows, or a GPU) the reduction is used as is.
     """
     if dim != 0 or t.device.type != "cpu":
         return torch.linalg.vector_norm(t, dim=dim, keepdim=True).square_()
