@@ -1,44 +1,63 @@
-"""How often Fira's norm-growth limiter binds on the `tiny` recipe at rank 16, step by step.
+"""How often Fira's norm-growth limiter binds on a recipe, step by step.
 
-    python benchmarks/limiter_probe.py 60 /tmp/limiter_probe.json
+    python benchmarks/limiter_probe.py --recipe tiny --rank 16 --steps 70 --out /tmp/limiter_probe.json
 
-Trains Fira (rank 16) on `tiny` exactly as the harness builds it (one thread) and records, at
-every step, the limiter factor f = gamma / max(||S_t|| / ||S_{t-1}||, gamma) of each projected
-matrix: the fraction of matrices with f < 1 (limited) and the mean and minimum f, printed every
-10 steps and written as JSON at the end. Used in docs/results/tiny/README.md.
+Trains Fira as ``fira-train pretrain`` does (:func:`fira_train.train.train_step`, one CPU thread)
+and records at every step the limiter factor f = gamma / max(||S_t|| / ||S_{t-1}||, gamma) of
+each projected matrix: the fraction of matrices with f < 1 (limited), the mean and the minimum
+f. Prints every 10 steps and writes all steps as JSON. Used in docs/results/tiny/README.md.
 """
-import json, sys, torch
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
 import fira_optim.update as update
 from fira_train.data import build_corpus
 from fira_train.overrides import apply_overrides
 from fira_train.recipes import get_recipe
-from fira_train.train import build_training, resolve_device
+from fira_train.train import autocast_for, build_training, resolve_device, train_step
 
-steps = int(sys.argv[1]) if len(sys.argv) > 1 else 100
-records = []
-original = update.limiter_factor
-def recording(kind, norm, prev_norm, **kw):
-    f = original(kind, norm, prev_norm, **kw)
-    records[-1].append(f.detach().flatten().clone())
-    return f
-update.limiter_factor = recording
-config = apply_overrides(get_recipe("tiny"), ["optim.method=fira", "optim.rank=16"])
-torch.set_num_threads(1)
-corpus = build_corpus(config.data)
-device = resolve_device(config)
-training = build_training(config, corpus.vocab_size, device)
-model, opt = training.setup.model, training.setup.optimizer
-stream = corpus.train_batches(config.train.batch_size, config.train.seed)
-out = []
-for step in range(1, steps + 1):
-    records.append([])
-    ids = next(stream)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step(); training.scheduler.step(); opt.zero_grad(set_to_none=True)
-    f = torch.cat(records[-1])
-    out.append({"step": step, "loss": float(loss.detach()), "limited_fraction": float((f < 1).float().mean()),
-                "mean_factor": float(f.mean()), "min_factor": float(f.min())})
-    if step % 10 == 0:
-        print(out[-1], flush=True)
-json.dump(out, open(sys.argv[2] if len(sys.argv) > 2 else "/tmp/limiter_probe.json", "w"))
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="tiny")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--out", default="/tmp/limiter_probe.json")
+    args = parser.parse_args()
+
+    factors: list[torch.Tensor] = []  # this step's limiter factors, one tensor per bucket
+    original = update.limiter_factor
+
+    def recording(kind, norm, prev_norm, **kw):
+        f = original(kind, norm, prev_norm, **kw)
+        factors.append(f.detach().flatten().clone())
+        return f
+
+    update.limiter_factor = recording
+    config = apply_overrides(get_recipe(args.recipe), ["optim.method=fira", f"optim.rank={args.rank}"])
+    torch.set_num_threads(1)
+    corpus = build_corpus(config.data)
+    device = resolve_device(config)
+    training = build_training(config, corpus.vocab_size, device)
+    stream = corpus.train_batches(config.train.micro_batch_size or config.train.batch_size, config.train.seed)
+    autocast = autocast_for(config, device)
+    out = []
+    for step in range(1, args.steps + 1):
+        factors.clear()
+        loss, _ = train_step(training, config, stream, autocast, step)
+        f = torch.cat(factors)
+        out.append({"step": step, "loss": loss, "limited_fraction": float((f < 1).float().mean()),
+                    "mean_factor": float(f.mean()), "min_factor": float(f.min())})
+        if step % 10 == 0:
+            print(out[-1], flush=True)
+    with open(args.out, "w") as fh:
+        json.dump(out, fh)
+
+
+if __name__ == "__main__":
+    main()
