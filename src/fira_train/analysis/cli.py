@@ -4,6 +4,7 @@
 
     fira-train analyze similarity [--ranks 16,128] [--every N] [--columns 100] [common flags]
     fira-train analyze rank-sweep [--ranks 4,16,64,128] [--methods fira,galore,fira-only-scaling]
+    fira-train analyze gap-sweep  [--gaps 3,6,12,25,50] [--methods fira,galore] [--seeds 0,1]
     fira-train analyze ablation   [--variants fira,fira-no-scaling,...] [--gammas inf,1.1,1.01,1.001,1]
     fira-train analyze spikes     [--limiter-runs fira,fira-no-limiter,fira-clip] [--galore-runs galore,galore-add]
     fira-train analyze noise      [--methods fira-only-scaling,adamw] [--scale 1e-5]
@@ -26,7 +27,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
-ANALYSES = ("similarity", "rank-sweep", "ablation", "spikes", "noise", "variance")
+ANALYSES = ("similarity", "rank-sweep", "gap-sweep", "ablation", "spikes", "noise", "variance")
 
 
 def _names(text: str, flag: str) -> list[str]:
@@ -126,9 +127,9 @@ def _machine() -> str:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``fira-train analyze {similarity,rank-sweep,ablation,spikes,noise,variance}``."""
+    """Add ``fira-train analyze {similarity,rank-sweep,gap-sweep,ablation,spikes,noise,variance}``."""
     parser = subparsers.add_parser(
-        "analyze", help="the paper's analyses (similarity, rank-sweep, ablation, spikes, noise, variance)",
+        "analyze", help="the paper's analyses (similarity, rank-sweep, gap-sweep, ablation, spikes, noise, variance)",
         description="Train what an analysis of the Fira paper needs and write OUT/report.md and a figure.")
     sub = parser.add_subparsers(dest="analysis_name", required=True, metavar="ANALYSIS")
 
@@ -146,6 +147,15 @@ def register(subparsers: Any) -> None:
     _common(p, "rank-sweep")
     p.set_defaults(func=_run("fira_train.analysis.rank_sweep:run_rank_sweep", ranks=lambda a: _ints(a.ranks, "--ranks"),
                              methods=lambda a: _names(a.methods, "--methods")))
+
+    p = sub.add_parser("gap-sweep", help="validation perplexity of Fira / GaLore vs the update gap T")
+    p.add_argument("--gaps", default="3,6,12,25,50", help="update gaps T (default 3,6,12,25,50)")
+    p.add_argument("--methods", default="fira,galore", help="methods swept over the gaps (default fira,galore)")
+    p.add_argument("--seeds", help="seeds, each a run per method and gap (default: --seed or the recipe's)")
+    _common(p, "gap-sweep")
+    p.set_defaults(func=_run("fira_train.analysis.gap_sweep:run_gap_sweep", gaps=lambda a: _ints(a.gaps, "--gaps"),
+                             methods=lambda a: _names(a.methods, "--methods"),
+                             seeds=lambda a: _ints(a.seeds, "--seeds") if a.seeds else None))
 
     p = sub.add_parser("ablation", help="scaling / limiter ablations, stabilisers and gamma")
     p.add_argument("--variants", help="ablation methods",

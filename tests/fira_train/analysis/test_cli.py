@@ -23,7 +23,7 @@ def _data_flags(root: Path) -> list[str]:
 
 def test_every_analysis_is_a_subcommand() -> None:
     parser = build_parser()
-    for name in ("similarity", "rank-sweep", "ablation", "spikes", "noise", "variance"):
+    for name in ("similarity", "rank-sweep", "gap-sweep", "ablation", "spikes", "noise", "variance"):
         args = parser.parse_args(["analyze", name])
         assert callable(args.func)
     args = parser.parse_args(["analyze", "noise", "--steps", "7", "--jobs", "3", "train.batch_size=4"])
@@ -51,6 +51,7 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
 @pytest.mark.parametrize(("argv", "message"), [
     (["analyze", "ablation", "--gammas", "1.1,x"], "--gammas must be comma-separated numbers"),
     (["analyze", "rank-sweep", "--ranks", "4,a"], "--ranks must be comma-separated integers"),
+    (["analyze", "gap-sweep", "--seeds", "0,x"], "--seeds must be comma-separated integers"),
     (["analyze", "noise", "--methods", " , "], "--methods must list at least one name"),
     (["analyze", "spikes", "--jobs", "0"], "jobs must be an int >= 1, got jobs=0"),
 ])

@@ -1,0 +1,53 @@
+"""Gap sweep: one run per method, update gap and seed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fira_train.analysis.gap_sweep import gap_sweep_runs, run_gap_sweep
+from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
+
+
+def test_gap_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=5")
+    out = tmp_path / "gaps"
+    result = run_gap_sweep(config, out, gaps=(5, 1), methods=("fira", "galore"), seeds=(0, 1))
+    assert set(result["table"]) == {"fira", "galore"} and set(result["table"]["fira"]) == {1, 5}
+    for name, gap, seed in (("fira-T1-s0", 1, 0), ("galore-T5-s1", 5, 1)):
+        saved = json.loads((out / name / "config.json").read_text())
+        assert saved["optim"]["update_proj_gap"] == gap and saved["train"]["seed"] == seed
+    values = result["values"]["fira"][1]
+    assert values == [json.loads((out / f"fira-T1-s{s}" / "summary.json").read_text())["val_ppl"] for s in (0, 1)]
+    assert values[0] != values[1]  # the seed changes the run
+    assert result["table"]["fira"][1] == pytest.approx(sum(values) / 2)
+    assert result["values"]["fira"][1] != result["values"]["fira"][5]  # so does the gap
+    text = result["report"].read_text()
+    assert "T = 1 (5 refreshes)" in text and "T = 5 (1 refresh)" in text and "spread" in text
+    assert "| fira, seed 1 |" in text and "fira below galore at" in text
+    ref = result["values"]["fira"][5]
+    changes = [100 * (a / b - 1) for a, b in zip(values, ref)]
+    assert f"T = 1 {sum(changes) / 2:+.1f}% ({changes[0]:+.1f}% / {changes[1]:+.1f}%)" in text
+    assert result["figure"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gap_sweep_one_seed_names_runs_without_it() -> None:
+    runs = gap_sweep_runs(["fira"], [6, 12], [3])
+    assert [r.name for r in runs] == ["fira-T6", "fira-T12"]
+    assert runs[1].overrides == ("optim.update_proj_gap=12", "train.seed=3")
+    assert [r.name for r in gap_sweep_runs(["galore"], [6], [0, 1])] == ["galore-T6-s0", "galore-T6-s1"]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"gaps": (0,)}, "gaps must be ints in [1, steps=20], got 0"),
+    ({"gaps": (21,)}, "steps=20], got 21"),
+    ({"gaps": (2,), "methods": ("adamw",)}, "'adamw' refreshes no projection"),
+    ({"gaps": (2,), "seeds": (1, 1)}, "seeds must be distinct"),
+    ({"gaps": (2,), "seeds": (-1,)}, "seeds must be ints >= 0, got -1"),
+])
+def test_gap_sweep_rejects_bad_input(kwargs: dict, message: str, tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run")
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        run_gap_sweep(config, tmp_path / "x", **kwargs)
