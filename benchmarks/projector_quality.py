@@ -85,7 +85,7 @@ def main() -> None:
                 side = projection_side(p.shape, "std")
                 t0 = time.perf_counter()
                 # the exact SVD as the optimizer computes it by default (align_signs=True)
-                exact = svd_basis(g, args.rank, side, transpose_wide=True)
+                exact = svd_basis(g, args.rank, side, fast_route=True)
                 t1 = time.perf_counter()
                 approx = randomized_basis(g, args.rank, side, previous[i], power_iters=args.power_iters)
                 t2 = time.perf_counter()

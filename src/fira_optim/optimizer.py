@@ -26,6 +26,7 @@ import functools
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -404,9 +405,18 @@ class Fira(Optimizer):
         on the CPU.
 
         LAPACK's SVD of a small matrix keeps few cores busy, so decompositions of different
-        matrices side by side use the others. Each outcome is exactly what the
-        sequential refresh computes (the same calls on the same inputs); a gradient found
-        non-finite is reported in phase A in the usual order.
+        matrices side by side use the others. Each worker runs its decompositions on one
+        intra-op thread. Workers left at the default each open an OpenMP team of all the cores
+        inside MKL's LAPACK, and those teams oversubscribe the cores: measured on 2 cores
+        (``benchmarks/refresh_threads.py``), a refresh then often stalled for hundreds of
+        milliseconds, even for matrices that take a millisecond each. A worker's OpenMP
+        setting is its own (a new thread starts at the default), so every worker sets it when
+        it starts (``_one_thread``), as well as the process-wide count. The outcomes are the sequential
+        refresh's calls on the same inputs; they equal its results bitwise wherever LAPACK's
+        do not depend on the thread count (small matrices), and otherwise to round-off, except
+        that a basis may rotate within a group of (nearly) equal singular values, where any
+        rotation is an exact answer. A gradient found non-finite is reported in phase A in the
+        usual order.
         """
         workers = torch.get_num_threads()
         if workers < 2:
@@ -414,7 +424,7 @@ class Fira(Optimizer):
         due = self._due_refreshes(total)
         if len(due) < 2 or any(job.grad.device.type != "cpu" for _, job in due):
             return None
-        with ThreadPoolExecutor(min(workers, len(due))) as pool:
+        with _intra_op_threads(1), ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
             outcomes = list(pool.map(lambda job: job.compute(job.grad, job.previous), [j for _, j in due]))
         return dict(zip([p for p, _ in due], outcomes))
 
@@ -586,6 +596,23 @@ def _local_state(state: dict, plan: _Plan) -> dict:
 
 
 _SKIP_STEP = object()
+
+
+def _one_thread() -> None:
+    """A refresh worker's initializer: its own LAPACK calls on one thread."""
+    torch.set_num_threads(1)
+
+
+@contextmanager
+def _intra_op_threads(count: int):
+    """torch's intra-op thread count set to ``count`` for the block (threads started inside it
+    take the new count), then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _finite_flags(checks: list[torch.Tensor]) -> torch.Tensor:

@@ -100,33 +100,52 @@ def _as_left_problem(grad: torch.Tensor, side: str) -> torch.Tensor:
     return grad if side == LEFT else grad.T
 
 
-def svd_basis(grad: torch.Tensor, rank: int, side: str, *, transpose_wide: bool = False) -> torch.Tensor:
-    """Exact top-``rank`` singular vectors of ``grad`` (the paper's projector).
+#: A tall matrix at least this many times taller than wide has its small-side singular vectors
+#: computed from its QR factor R (:func:`svd_basis` with ``fast_route``).
+QR_FIRST_RATIO = 1.5
+
+
+def svd_basis(grad: torch.Tensor, rank: int, side: str, *, fast_route: bool = False) -> torch.Tensor:
+    r"""Exact top-``rank`` singular vectors of ``grad`` (the paper's projector).
 
     Runs in at least fp32 (CPU has no bf16/fp16 SVD). If the decomposition fails to
     converge it is retried in float64; a second failure propagates to the caller, which
     keeps the previous basis.
 
-    ``transpose_wide``: decompose a wide ``grad`` (m < n) as its transpose, whose left and right
-    singular vectors are ``grad``'s right and left ones. The same exact SVD, and faster with the
-    CPU's LAPACK, which handles tall matrices better (a 256 x 688 LLaMA down-projection); its round-off
-    and the signs it picks differ from ``torch.linalg.svd(grad)``'s, so only callers that align
+    ``fast_route``: the same exact SVD, by a cheaper route. Work on the tall orientation
+    :math:`A` (``grad`` or its transpose: the left and right singular vectors swap), which the
+    CPU's LAPACK handles better than a wide matrix. And when the basis wanted is :math:`A`'s
+    small side (its right singular vectors: the usual case, a projection on the smaller
+    dimension) and :math:`A` is at least :data:`QR_FIRST_RATIO` times taller than wide, take
+    :math:`A = QR` first (Householder, ``geqrf``, Q never formed): :math:`A^\top A = R^\top R`,
+    so :math:`A`'s right singular vectors are those of the small square :math:`R`, and the SVD
+    never computes the ``m x n`` left factor it would then throw away. The round-off and the
+    signs it picks differ from ``torch.linalg.svd(grad)``'s, so only callers that align
     signs (``align_signs=True``) use it, and the parity paths keep the plain call.
     """
     work = grad.to(torch.promote_types(grad.dtype, torch.float32))
-    transposed = transpose_wide and work.shape[0] < work.shape[1]
-    if transposed:
-        work = work.T.contiguous()
     try:
-        u, _, vh = torch.linalg.svd(work, full_matrices=False)
+        return _svd_basis(work, rank, side, fast_route)
     except RuntimeError as err:  # torch raises torch.linalg.LinAlgError (a RuntimeError)
         warnings.warn(f"SVD failed ({err}); retrying in float64", RuntimeWarning, stacklevel=3)
-        u, _, vh = torch.linalg.svd(work.double(), full_matrices=False)
-        u, vh = u.to(work.dtype), vh.to(work.dtype)
-    if transposed:  # grad = work^T = vh^T S u^T
-        u, vh = vh.T, u.T
-    basis = u[:, :rank] if side == LEFT else vh[:rank].T
-    return basis.contiguous()
+        return _svd_basis(work.double(), rank, side, fast_route).to(work.dtype)
+
+
+def _svd_basis(work: torch.Tensor, rank: int, side: str, fast_route: bool) -> torch.Tensor:
+    if not fast_route:
+        u, _, vh = torch.linalg.svd(work, full_matrices=False)
+        return (u[:, :rank] if side == LEFT else vh[:rank].T).contiguous()
+    transposed = work.shape[0] < work.shape[1]
+    tall = work.T if transposed else work  # m' >= n'; a wide row-major grad's .T is column-major,
+    # the layout LAPACK reads without a copy
+    # LEFT wants grad's left vectors: tall's right ones if transposed; RIGHT the other way round.
+    small_side = (side == LEFT) == transposed
+    if small_side and tall.shape[0] >= QR_FIRST_RATIO * tall.shape[1]:
+        packed, _ = torch.geqrf(tall)
+        _, _, vh = torch.linalg.svd(packed[: tall.shape[1]].triu(), full_matrices=False)
+        return vh[:rank].T.contiguous()
+    u, _, vh = torch.linalg.svd(tall, full_matrices=False)
+    return (vh[:rank].T if small_side else u[:, :rank]).contiguous()
 
 
 def randomized_basis(
@@ -217,7 +236,7 @@ def compute_basis(
     only: the warm-started randomized projector keeps its columns aligned by construction and
     a random basis has nothing to align with)."""
     if projector == "svd":
-        basis = svd_basis(grad, rank, side, transpose_wide=align_signs)
+        basis = svd_basis(grad, rank, side, fast_route=align_signs)
         if align_signs and previous is not None:
             basis = _align(basis, previous)
         return basis

@@ -281,8 +281,9 @@ def test_split_refresh_shares_svds_and_matches_one_process(tmp_path, stagger):
     # three refresh at steps 0, 3, 6; with it each refreshes at steps i, i + 3 (and all at 0):
     # either way rank 0 runs 6 SVDs and rank 1 runs 3, instead of 9 each.
     assert [len(r["svds"]) for r in results] == [6, 3]
-    # (the wide 5 x 12 gradient is decomposed as its 12 x 5 transpose: svd_basis(transpose_wide))
-    assert set(results[0]["svds"]) == {(12, 5), (7, 7)} and set(results[1]["svds"]) == {(13, 6)}
+    # (svd_basis(fast_route): the wide 5 x 12 and the tall 13 x 6 gradient, projected on their
+    # small side, are decomposed through the R factor of their tall orientation's QR)
+    assert set(results[0]["svds"]) == {(5, 5), (7, 7)} and set(results[1]["svds"]) == {(6, 6)}
 
 
 def _fsdp1_worker(rank: int, world: int, use_orig_params: bool) -> str:

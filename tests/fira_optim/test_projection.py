@@ -83,19 +83,43 @@ def test_align_signs_must_be_a_bool():
         FiraAdamW([torch.nn.Parameter(torch.zeros(4, 4))], align_signs="yes")
 
 
-@pytest.mark.parametrize("shape", [(6, 15), (15, 6), (9, 9)])
+@pytest.mark.parametrize("shape", [(6, 15), (15, 6), (9, 9), (12, 10), (10, 12)])
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_a_wide_gradient_is_decomposed_as_its_transpose_with_the_same_basis(shape, side, monkeypatch):
-    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_fast_svd_route_gives_the_plain_basis(shape, side, dtype, monkeypatch):
+    """fast_route decomposes the tall orientation, through the R factor of its QR when the
+    small side is wanted and the matrix is at least 1.5 times taller than wide: the same
+    singular vectors as the plain SVD up to sign, to round-off."""
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
     plain = projection.svd_basis(grad, 4, side)
     inputs = []
     svd = torch.linalg.svd
     monkeypatch.setattr(projection.torch.linalg, "svd", lambda a, **kw: inputs.append(tuple(a.shape)) or svd(a, **kw))
-    tall = projection.svd_basis(grad, 4, side, transpose_wide=True)
-    assert inputs == [(max(shape), min(shape))] if shape[0] < shape[1] else inputs == [shape]
-    signs = torch.sign(torch.diagonal(plain.T @ tall))
-    torch.testing.assert_close(tall * signs, plain, rtol=0, atol=1e-10)
-    assert tall.is_contiguous() and tall.shape == plain.shape
+    fast = projection.svd_basis(grad, 4, side, fast_route=True)
+    small, large = min(shape), max(shape)
+    wants_small_side = (side == "left") == (shape[0] < shape[1])
+    qr_first = wants_small_side and large >= projection.QR_FIRST_RATIO * small
+    assert inputs == [(small, small) if qr_first else (large, small)]
+    signs = torch.sign(torch.diagonal(plain.T @ fast))
+    torch.testing.assert_close(fast * signs, plain, rtol=0, atol=1e-10 if dtype == torch.float64 else 1e-4)
+    assert fast.is_contiguous() and fast.shape == plain.shape and fast.dtype == dtype
+
+
+def test_the_fast_svd_route_retries_in_float64(monkeypatch):
+    grad = torch.randn(20, 6, generator=torch.Generator().manual_seed(1))
+    svd = torch.linalg.svd
+
+    def fail_in_fp32(a, **kw):
+        if a.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("simulated")
+        return svd(a, **kw)
+
+    monkeypatch.setattr(projection.torch.linalg, "svd", fail_in_fp32)
+    with pytest.warns(RuntimeWarning, match="retrying in float64"):
+        fast = projection.svd_basis(grad, 3, "right", fast_route=True)
+    exact = svd(grad.double(), full_matrices=False)[2][:3].T
+    assert fast.dtype == torch.float32
+    torch.testing.assert_close(fast.double().abs(), exact.abs(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(5, 9), (128, 4), (300, 7), (256, 3)])
