@@ -89,7 +89,8 @@ def tiny() -> RunConfig:
     """d_model 256 (the paper's rank study), 4 layers of 4 heads, 8K BPE, rank 128 (r/d = 1/2).
 
     16 x 256 = 4,096 tokens per step, 300 steps = 1.2M tokens (about one pass over the
-    embedded corpus), T = 300 / 50 = 6. Measured on 2 otherwise idle CPU cores: a forward and
+    embedded corpus), T = 300 / 50 = 6: of T = 3 to 50, the lowest perplexity for Fira and
+    GaLore over three seeds (``fira-train analyze gap-sweep``, docs/results/gap-sweep). Measured on 2 otherwise idle CPU cores: a forward and
     backward pass of one step takes ~2.0 s (~2K tokens/s), so ~10 minutes of training per
     method, plus ~30 s of evaluation (10 x 64 validation sequences).
     """

@@ -2,6 +2,8 @@
 
 - :mod:`~fira_train.analysis.similarity`: low-rank vs full-rank scaling factors;
 - :mod:`~fira_train.analysis.rank_sweep`: validation perplexity against the rank;
+- :mod:`~fira_train.analysis.gap_sweep`: validation perplexity against the update gap T (not in
+  the paper: it checks a recipe's T);
 - :mod:`~fira_train.analysis.ablation`: scaling / limiter ablations and gamma;
 - :mod:`~fira_train.analysis.spikes`: loss and gradient-norm spikes, GaLore vs GaLore-add;
 - :mod:`~fira_train.analysis.noise`: robustness to gradient noise;
