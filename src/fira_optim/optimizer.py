@@ -114,6 +114,13 @@ class Fira(Optimizer):
             per rank (default False: every rank computes every basis). FSDP2 (DTensor) parameters
             always refresh this way. See :mod:`fira_optim.distributed`.
         process_group: the group of ``split_refresh`` (default: the default group).
+        host_refresh: decompose the refresh SVDs of gradients held on an accelerator on the
+            host CPU instead: gradients copied to the host, the SVDs run side by side in
+            ``torch.get_num_threads()`` single-thread workers (as on the CPU), the bases copied
+            back. cuSOLVER's SVD of the matrices of a small model is bound by launch and
+            iteration latency, and a host with many cores does the same exact SVDs in a
+            fraction of the time (``benchmarks/refresh_host.py`` measures both on your machine).
+            One process only: ``split_refresh`` and FSDP2 refresh on the devices (default False).
     """
 
     def __init__(
@@ -146,6 +153,7 @@ class Fira(Optimizer):
         implementation: str = "fast",
         split_refresh: bool = False,
         process_group: Any = None,
+        host_refresh: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
         no_deprecation_warning: bool = True,  # accepted for drop-in use of fira.FiraAdamW
@@ -161,6 +169,9 @@ class Fira(Optimizer):
         self.implementation = implementation
         self.split_refresh = bool(split_refresh)
         self.process_group = process_group
+        if not isinstance(host_refresh, bool):
+            raise ValueError(f"Invalid host_refresh: {host_refresh!r}; expected True or False")
+        self.host_refresh = host_refresh
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=None,
             update_proj_gap=update_proj_gap, alpha=alpha, gamma=gamma, proj_type=proj_type,
@@ -203,6 +214,7 @@ class Fira(Optimizer):
         state = super().__getstate__()
         state["nonfinite"] = self.nonfinite
         state["implementation"] = self.implementation
+        state["host_refresh"] = self.host_refresh
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -211,6 +223,7 @@ class Fira(Optimizer):
         self.__dict__.setdefault("implementation", "fast")
         self.__dict__.setdefault("split_refresh", False)
         self.__dict__.setdefault("process_group", None)
+        self.__dict__.setdefault("host_refresh", False)
         for group in self.param_groups:  # state dicts from older versions lack newer keys
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -399,10 +412,11 @@ class Fira(Optimizer):
         return dict(zip([p for p, _ in due], outcomes))
 
     def _refresh_in_threads(self, total: int | None) -> dict | None:
-        """One process on the CPU: the refresh outcomes of every matrix due this step, computed
-        by ``torch.get_num_threads()`` threads at once; keyed by parameter. None (each matrix
-        refreshes in its turn in phase A) if fewer than two are due or the gradients are not
-        on the CPU.
+        """One process on the CPU (or on an accelerator with ``host_refresh``): the refresh
+        outcomes of every matrix due this step, computed by ``torch.get_num_threads()`` threads
+        at once on the host; keyed by parameter. None (each matrix refreshes in its turn in
+        phase A) if fewer than two are due or the gradients are elsewhere than on the CPU
+        without ``host_refresh``.
 
         LAPACK's SVD of a small matrix keeps few cores busy, so decompositions of different
         matrices side by side use the others. Each worker runs its decompositions on one
@@ -422,10 +436,19 @@ class Fira(Optimizer):
         if workers < 2:
             return None
         due = self._due_refreshes(total)
-        if len(due) < 2 or any(job.grad.device.type != "cpu" for _, job in due):
+        on_host = all(job.grad.device.type == "cpu" for _, job in due)
+        if len(due) < 2 or not (on_host or self.host_refresh):
             return None
+        jobs = [job for _, job in due]
+        if not on_host:  # blocking copies: the SVDs must see the finished gradients
+            inputs = [(job.grad.cpu(), None if job.previous is None else job.previous.cpu()) for job in jobs]
+        else:
+            inputs = [(job.grad, job.previous) for job in jobs]
         with _intra_op_threads(1), ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
-            outcomes = list(pool.map(lambda job: job.compute(job.grad, job.previous), [j for _, j in due]))
+            outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
+        if not on_host:
+            outcomes = [(status, None if basis is None else basis.to(job.grad.device))
+                        for (status, basis), job in zip(outcomes, jobs)]
         return dict(zip([p for p, _ in due], outcomes))
 
     def _nonfinite_found(self, name: str) -> None:

@@ -71,3 +71,39 @@ def test_compiled_kernel_matches_the_fast_path_on_cuda():
     assert compiled._failed is None, compiled._failed  # Triton compiled and ran the kernel
     for a, b in zip(results["fast"], results["compiled"]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_host_refresh_decomposes_cuda_gradients_on_the_host(monkeypatch):
+    """host_refresh: the SVDs of CUDA gradients run on the CPU in the refresh pool, and the
+    bases are the CPU run's bit for bit (same gradients, same host SVDs), back on the GPU."""
+    import fira_optim.projection as projection
+
+    shapes = [(64, 96), (96, 64), (48, 48)]
+    gen = torch.Generator().manual_seed(2)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) * 1e-2 for s in shapes] for _ in range(7)]
+    svd = torch.linalg.svd
+    devices = []
+    monkeypatch.setattr(projection.torch.linalg, "svd",
+                        lambda a, **kw: devices.append(a.device.type) or svd(a, **kw))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # the pool needs two threads
+    bases = {}
+    try:
+        for device, host_refresh in (("cpu", False), ("cuda", True)):
+            params = [torch.nn.Parameter(w.to(device, copy=True)) for w in init]
+            opt = FiraAdamW([{"params": params, "rank": 8}], lr=1e-2, update_proj_gap=3,
+                            host_refresh=host_refresh)
+            bases[device] = []
+            for row in grads:
+                for p, g in zip(params, row):
+                    p.grad = g.to(device)
+                opt.step()
+                bases[device].append([opt.state[p]["basis"].detach().cpu().clone() for p in params])
+            assert all(opt.state[p]["basis"].device.type == device for p in params)
+    finally:
+        torch.set_num_threads(threads)
+    assert devices and set(devices) == {"cpu"}  # no SVD ran on the GPU
+    for step_cpu, step_cuda in zip(bases["cpu"], bases["cuda"]):
+        for a, b in zip(step_cpu, step_cuda):
+            assert torch.equal(a, b)

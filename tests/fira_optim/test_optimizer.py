@@ -328,3 +328,18 @@ def test_refreshes_computed_in_threads_equal_the_sequential_ones(monkeypatch):
     assert in_pool and set(threads) == {threading.get_ident()}
     assert_params_equal(params, seq_params)
     assert_states_equal(state_snapshot(opt), state_snapshot(seq_opt))
+
+
+def test_host_refresh_is_a_bool_kept_by_copies_and_a_no_op_on_the_cpu():
+    with pytest.raises(ValueError, match="Invalid host_refresh: 'yes'"):
+        FiraAdamW([torch.nn.Parameter(torch.zeros(4, 4))], host_refresh="yes")
+    shapes = [(12, 20), (20, 12), (16, 16)]
+    grads = grad_sequence(shapes, 5, seed=8)
+    runs = []
+    for host_refresh in (False, True):
+        params = make_params(shapes)
+        opt = FiraAdamW(params, rank=3, update_proj_gap=2, host_refresh=host_refresh)
+        assert copy.deepcopy(opt).host_refresh is host_refresh
+        run(opt, params, grads)
+        runs.append(params)
+    assert_params_equal(*runs)  # on the CPU the refresh already runs on the host

@@ -1,0 +1,102 @@
+"""A refresh step of FiraAdamW on a GPU: SVDs by cuSOLVER vs on the host (``host_refresh=True``).
+
+    python benchmarks/refresh_host.py --sizes tiny,60m,130m --out docs/benchmarks/refresh_host_cuda.json
+
+For each size, the projected matrices of that LLaMA (4 attention matrices of d x d and three
+MLP matrices of d x ffn per layer; ``tiny`` is the CPU recipe, the others the paper's shapes),
+as CUDA parameters with gradients of a decaying spectrum (the projection of Gaussian noise is
+ill-defined: its singular values have no gap at r). Two optimizers, ``host_refresh`` False and
+True, take turns doing steps that refresh every basis (``update_proj_gap=1``); the median step
+time of each is reported, and how far apart their subspaces are (the largest spectral norm of
+``P P^T - P' P'^T`` over the matrices, after one step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from fira_optim import FiraAdamW
+
+SIZES = {  # name: (d_model, ffn, layers, rank)
+    "tiny": (256, 688, 4, 128),
+    "60m": (512, 1376, 8, 128),
+    "130m": (768, 2048, 12, 256),
+    "350m": (1024, 2736, 24, 256),
+}
+
+
+def decaying(m: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """An ``m x n`` matrix with singular values exp(-i / 30)."""
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(m, k, generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(n, k, generator=generator))
+    return (u * torch.exp(-torch.arange(k) / 30.0)) @ v.T
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="tiny,60m")
+    parser.add_argument("--steps", type=int, default=3, help="timed refresh steps per optimizer")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device: on the CPU the refresh already runs on the host")
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
+    results = {}
+    for size in sizes:
+        d, ffn, layers, rank = SIZES[size]
+        shapes = [(d, d)] * 4 * layers + [(ffn, d)] * 2 * layers + [(d, ffn)] * layers
+        gen = torch.Generator().manual_seed(0)
+        grads = {s: decaying(*s, gen).cuda() for s in set(shapes)}
+        runs = {}
+        for host in (False, True):
+            params = [torch.nn.Parameter(torch.zeros(s, device="cuda")) for s in shapes]
+            opt = FiraAdamW([{"params": params, "rank": rank}], lr=1e-3, update_proj_gap=1, host_refresh=host)
+            runs[host] = (params, opt, [])
+        for turn in range(args.steps + 1):  # the first step of each is a warm-up
+            for host, (params, opt, times) in runs.items():
+                for p, s in zip(params, shapes):
+                    p.grad = grads[s]
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                opt.step()
+                torch.cuda.synchronize()
+                if turn:
+                    times.append(time.perf_counter() - start)
+        apart = 0.0
+        for p, q in zip(runs[False][0], runs[True][0]):
+            a, b = runs[False][1].state[p]["basis"], runs[True][1].state[q]["basis"]
+            apart = max(apart, float(torch.linalg.matrix_norm(a @ a.T - b @ b.T, ord=2)))
+        results[size] = {
+            "matrices": len(shapes), "rank": rank,
+            "step_seconds_median": {"cusolver": statistics.median(runs[False][2]),
+                                    "host_refresh": statistics.median(runs[True][2])},
+            "max_projector_distance": apart,
+        }
+        print(size, json.dumps(results[size]), flush=True)
+    out = {
+        "command": "python " + " ".join(sys.argv),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPUs ({platform.machine()}), "
+                   f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "sizes": results,
+    }
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
