@@ -116,6 +116,9 @@ class OptimConfig:
     (warm-started subspace iteration) or "random" (a variant's own projector wins)."""
     implementation: str = "fast"
     """The Fira/GaLore optimizer's code path: "fast", "compiled" (torch.compile) or "reference"."""
+    host_refresh: bool = False
+    """On a GPU, compute the Fira/GaLore refresh SVDs on the host CPU (FiraAdamW's
+    ``host_refresh``; no effect on the CPU)."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator: adapters are scaled by lora_alpha / rank (lora, relora)."""
     lora_dropout: float = 0.0
@@ -139,6 +142,7 @@ class OptimConfig:
         _check(self.projector in PROJECTORS, "optim.projector", self.projector, f"one of {PROJECTORS}")
         _check(self.implementation in IMPLEMENTATIONS, "optim.implementation", self.implementation,
                f"one of {IMPLEMENTATIONS}")
+        _check(isinstance(self.host_refresh, bool), "optim.host_refresh", self.host_refresh, "true or false")
         _check(_is_int(self.rank) and self.rank >= 1, "optim.rank", self.rank, "an integer >= 1")
         _check(_is_int(self.update_proj_gap) and self.update_proj_gap >= 1,
                "optim.update_proj_gap", self.update_proj_gap, "an integer >= 1")

@@ -63,7 +63,8 @@ def test_grad_accum_is_batch_over_micro_batch() -> None:
     assert TrainConfig(batch_size=16).grad_accum == 1
 
 
-@pytest.mark.parametrize("key,value", [("gamma", 0.5), ("projector", "qr"), ("implementation", "cuda")])
+@pytest.mark.parametrize("key,value", [("gamma", 0.5), ("projector", "qr"), ("implementation", "cuda"),
+                                       ("host_refresh", "yes")])
 def test_optim_fira_options_are_validated(key, value):
     with pytest.raises(ValueError, match=f"optim.{key}"):
         OptimConfig(**{key: value})
@@ -77,12 +78,12 @@ def test_optim_fira_options_reach_the_optimizer():
     import torch
 
     config = apply_overrides(get_recipe("micro"), ["optim.gamma=1.1", "optim.projector=randomized",
-                                                   "optim.implementation=reference"])
+                                                   "optim.implementation=reference", "optim.host_refresh=true"])
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
     opt = build_method(model, config).optimizer
     projected = [g for g in opt.param_groups if g["rank"] is not None]
     assert projected and all(g["gamma"] == 1.1 and g["projector"] == "randomized" for g in projected)
-    assert opt.implementation == "reference"
+    assert opt.implementation == "reference" and opt.host_refresh is True
     # A variant's own projector wins over optim.projector.
     only = apply_overrides(config, ["optim.method=fira-only-scaling-random"])
     assert all(g["projector"] == "random" for g in build_method(model, only).optimizer.param_groups
