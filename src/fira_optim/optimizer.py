@@ -419,18 +419,18 @@ class Fira(Optimizer):
         without ``host_refresh``.
 
         LAPACK's SVD of a small matrix keeps few cores busy, so decompositions of different
-        matrices side by side use the others. Each worker runs its decompositions on one
-        intra-op thread. Workers left at the default each open an OpenMP team of all the cores
-        inside MKL's LAPACK, and those teams oversubscribe the cores: measured on 2 cores
-        (``benchmarks/refresh_threads.py``), a refresh then often stalled for hundreds of
-        milliseconds, even for matrices that take a millisecond each. A worker's OpenMP
-        setting is its own (a new thread starts at the default), so every worker sets it when
-        it starts (``_one_thread``), as well as the process-wide count. The outcomes are the sequential
-        refresh's calls on the same inputs; they equal its results bitwise wherever LAPACK's
-        do not depend on the thread count (small matrices), and otherwise to round-off, except
-        that a basis may rotate within a group of (nearly) equal singular values, where any
-        rotation is an exact answer. A gradient found non-finite is reported in phase A in the
-        usual order.
+        matrices side by side use the others, each on one intra-op thread. Workers left at
+        torch's default each open an OpenMP team of every core inside MKL's LAPACK, and the
+        teams oversubscribe the cores: on 2 cores a refresh then often stalled for hundreds of
+        milliseconds, even where each matrix takes one (``benchmarks/refresh_threads.py``, ``micro``).
+        A new thread starts at the default whatever the process-wide count, so each worker sets
+        its own as it starts (``_one_thread``).
+
+        The outcomes are the sequential refresh's calls on the same inputs: bitwise its results
+        where LAPACK's do not depend on the thread count (small matrices), else equal to
+        round-off, up to a rotation within a group of (nearly) equal singular values (any such
+        rotation is exact). A gradient found non-finite is reported in phase A in the usual
+        order.
         """
         workers = torch.get_num_threads()
         if workers < 2:

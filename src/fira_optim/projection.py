@@ -136,8 +136,8 @@ def _svd_basis(work: torch.Tensor, rank: int, side: str, fast_route: bool) -> to
         u, _, vh = torch.linalg.svd(work, full_matrices=False)
         return (u[:, :rank] if side == LEFT else vh[:rank].T).contiguous()
     transposed = work.shape[0] < work.shape[1]
-    tall = work.T if transposed else work  # m' >= n'; a wide row-major grad's .T is column-major,
-    # the layout LAPACK reads without a copy
+    # A wide row-major grad's .T is column-major: the layout LAPACK reads without a copy.
+    tall = work.T if transposed else work
     # LEFT wants grad's left vectors: tall's right ones if transposed; RIGHT the other way round.
     small_side = (side == LEFT) == transposed
     if small_side and tall.shape[0] >= QR_FIRST_RATIO * tall.shape[1]:
