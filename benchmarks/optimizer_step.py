@@ -25,9 +25,9 @@ import sys
 import statistics
 import time
 import warnings
-from datetime import date
 
 import torch
+from record import provenance, save
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fira_optim"))
 
@@ -218,10 +218,8 @@ def main() -> None:
         allocs[name] = large_allocations(opt, params, threshold)
 
     result = {
-        "command": "python " + " ".join(sys.argv),
-        "load": "1/5/15-min load average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        **provenance(),
         "stagger_steps": args.stagger_steps,
-        "date": date.today().isoformat(),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -240,9 +238,7 @@ def main() -> None:
         "stagger": stagger_profile(args.layers, args.rank, args.stagger_steps),
     }
     print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2)
+    save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,14 @@ import argparse
 import importlib.util
 import json
 import statistics
-import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
 from fira_optim import FiraAdamW, param_groups
 from fira_optim.projection import captured_energy, projection_side, randomized_basis, svd_basis
+from record import provenance, save
 
 
 def wiki_bytes() -> torch.Tensor:
@@ -106,8 +105,7 @@ def main() -> None:
     rnd_total = sum(r["randomized_s"] for r in rows)
     energies = [r["energy"] for r in rows]
     result = {
-        "command": "python " + " ".join(sys.argv),
-        "date": date.today().isoformat(),
+        **provenance(),
         "threads": args.threads, "rank": args.rank, "gap": args.gap,
         "power_iters": args.power_iters,
         "model": f"LLaMA {args.layers} layers, hidden 512, intermediate 1376, byte vocab",
@@ -121,9 +119,7 @@ def main() -> None:
         "rows": rows,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    save(result, args.out)
 
 
 if __name__ == "__main__":

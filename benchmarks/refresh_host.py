@@ -18,13 +18,12 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 
 import torch
 
 from fira_optim import FiraAdamW
+from record import provenance, save
 
 SIZES = {  # name: (d_model, ffn, layers, rank)
     "tiny": (256, 688, 4, 128),
@@ -87,15 +86,12 @@ def main() -> None:
         }
         print(size, json.dumps(results[size]), flush=True)
     out = {
-        "command": "python " + " ".join(sys.argv),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        **provenance(),
         "machine": f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPUs ({platform.machine()}), "
                    f"torch {torch.__version__}, {torch.get_num_threads()} threads",
         "sizes": results,
     }
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=2)
+    save(out, args.out)
 
 
 if __name__ == "__main__":

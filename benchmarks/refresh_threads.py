@@ -27,10 +27,8 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 
 import torch
 
@@ -40,11 +38,12 @@ from fira_train.data import build_corpus
 from fira_train.overrides import apply_overrides
 from fira_train.recipes import get_recipe
 from fira_train.train import autocast_for, build_training, resolve_device, train_step
+from record import provenance, save
 
 
-def gradients(recipe: str, steps: int) -> tuple[list[torch.Tensor], int, str]:
+def gradients(recipe: str, steps: int, overrides: list[str]) -> tuple[list[torch.Tensor], int, str]:
     """The projected matrices' gradients after ``steps`` Fira steps, the rank, the proj_type."""
-    config = apply_overrides(get_recipe(recipe), ["optim.method=fira", "train.tensorboard=false"])
+    config = apply_overrides(get_recipe(recipe), ["optim.method=fira", "train.tensorboard=false", *overrides])
     corpus = build_corpus(config.data)
     device = resolve_device(config)
     training = build_training(config, corpus.vocab_size, device)
@@ -96,8 +95,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="Fira steps before the gradients are taken")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=None)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the recipe")
     args = parser.parse_args()
-    grads, rank, proj_type = gradients(args.recipe, args.steps)
+    grads, rank, proj_type = gradients(args.recipe, args.steps, list(args.overrides))
     threads = torch.get_num_threads()
     configs = {}
     for route, qr_first in (("tall", False), ("QR first", True)):
@@ -120,10 +120,8 @@ def main() -> None:
     median = {name: statistics.median(v) for name, v in seconds.items()}
     shapes = sorted({tuple(g.shape) for g in grads})
     result = {
-        "command": "python " + " ".join(sys.argv),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        **provenance(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {threads} threads",
-        "load": "1/5/15-min load average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()),
         "recipe": args.recipe,
         "matrices": len(grads),
         "shapes": {str(list(s)): sum(tuple(g.shape) == s for g in grads) for s in shapes},
@@ -133,9 +131,7 @@ def main() -> None:
         "refresh_seconds": seconds,
     }
     print(json.dumps(median, indent=2))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2)
+    save(result, args.out)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
 
 import torch
 
@@ -35,6 +33,7 @@ from fira_train.data import build_corpus
 from fira_train.overrides import apply_overrides
 from fira_train.recipes import get_recipe
 from fira_train.train import autocast_for, build_training, resolve_device, train_step
+from record import provenance, save
 
 
 def main() -> None:
@@ -108,11 +107,9 @@ def main() -> None:
     refresh_step = {m: statistics.median(max(r) for r in v) for m, v in step_seconds.items()}
     steady_step = {m: statistics.median(t for r in v for t in sorted(r)[:-1]) for m, v in step_seconds.items()}
     result = {
-        "command": "python " + " ".join(sys.argv),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        **provenance(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads",
-        "load": "1/5/15-min load average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()),
         "recipe": args.recipe,
         "steps_per_round": period,
         "tokens_per_step": tokens_per_step,
@@ -130,9 +127,7 @@ def main() -> None:
     print(json.dumps({k: result[k] for k in ("tokens_per_s_median", "ratio_to_adamw_median",
                                              "optimizer_seconds_per_round_median",
                                              "ratio_to_adamw_pooled")}, indent=2))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2)
+    save(result, args.out)
 
 
 if __name__ == "__main__":

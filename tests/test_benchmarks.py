@@ -32,3 +32,21 @@ def test_throughput_script_times_every_method_on_the_same_batches(tmp_path: Path
         rounds = result["update_seconds_per_step"][method]
         assert len(rounds) == 2 and all(len(r) == result["steps_per_round"] for r in rounds)
         assert 0 < result["other_steps_seconds_median"][method] <= result["slowest_step_seconds_median"][method]
+
+
+@pytest.mark.timeout(300)
+def test_refresh_threads_script_times_every_configuration(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "refresh.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "refresh_threads.py"), "--recipe", "micro",
+               "--rounds", "2", "--steps", "1", "--out", str(out), f"data.source={corpus}",
+               f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300", "data.val_fraction=0.1",
+               "train.progress=false"]
+    subprocess.run(command, check=True, cwd=ROOT, timeout=280, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["matrices"] == 2 * 7 and result["rank"] == 32  # micro: 2 layers of 7 matrices
+    names = set(result["refresh_seconds_median"])
+    assert {"sequential, tall", "sequential, QR first"} <= names
+    if "pool, 1 thread per worker, QR first" in names:  # 2+ torch threads
+        assert len(names) == 6
+    assert all(len(v) == 2 and min(v) > 0 for v in result["refresh_seconds"].values())
