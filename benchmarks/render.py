@@ -181,7 +181,8 @@ def main() -> None:
            "their JSON (in `docs/benchmarks/`) into this page. Distributed runs: [benchmarks_distributed.md](benchmarks_distributed.md).",
            ""]
     sections = {"optimizer_step.json": optimizer_step, "optimizer_step_cuda.json": optimizer_step,
-                "projector_quality.json": projector_quality, "refresh_tiny.json": refresh_threads,
+                "projector_quality.json": projector_quality, "refresh_micro.json": refresh_threads,
+                "refresh_tiny.json": refresh_threads,
                 "throughput_tiny.json": throughput}
     for name, render in sections.items():
         path = RESULTS / name
