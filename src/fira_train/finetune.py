@@ -32,9 +32,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .commonsense import (
     CommonsenseDataError,
@@ -47,6 +45,9 @@ from .commonsense import (
 )
 
 __all__ = ["METHODS", "FinetuneConfig", "FinetuneError", "run_finetune", "render_report", "register", "main"]
+
+if TYPE_CHECKING:  # torch is imported where it runs: `fira-train --help` stays fast
+    import torch
 
 METHODS = ("none", "adamw", "lora", "galore", "fira", "fira-lora")
 LORA_METHODS = ("lora", "fira-lora")
@@ -218,6 +219,8 @@ class PaddingCollator:
         self.pad_id = pad_id
 
     def __call__(self, features: Sequence[dict]) -> dict[str, torch.Tensor]:
+        import torch
+
         width = max(len(f["input_ids"]) for f in features)
         ids = torch.full((len(features), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(features), width), dtype=torch.long)
@@ -275,6 +278,7 @@ def _prepare_model(model: torch.nn.Module, config: FinetuneConfig) -> torch.nn.M
 
 
 def _train(model: torch.nn.Module, tokenizer: Any, train: list[dict], config: FinetuneConfig) -> dict[str, Any]:
+    import torch
     import transformers
 
     from fira_optim import optimizer_state_numel
@@ -355,6 +359,8 @@ def run_finetune(
     ``model``/``tokenizer`` may be given (then ``config.model`` only labels the run); the model is
     modified in place. Returns the results dictionary.
     """
+    import torch
+
     from .commonsense_eval import evaluate_task
     from .pretrained import load_causal_lm
 

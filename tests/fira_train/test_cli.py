@@ -27,8 +27,17 @@ def test_python_dash_m_help_works() -> None:
     proc = subprocess.run([sys.executable, "-m", "fira_train", "--help"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for command in ("pretrain", "compare", "memory"):
+    for command in ("pretrain", "compare", "memory", "finetune", "analyze"):
         assert command in proc.stdout
+
+
+def test_the_parser_is_built_without_importing_torch() -> None:
+    """`fira-train --help` and argument errors answer at once: torch is imported when a command runs."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    code = "import sys; from fira_train.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
 
 
 def test_flags_and_overrides_map_onto_the_config() -> None:
