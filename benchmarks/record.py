@@ -15,10 +15,11 @@ from typing import Any
 
 def provenance() -> dict[str, str]:
     """The command line, the UTC time and the machine's load average at the end of the run."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "not available"
     return {
         "command": "python " + " ".join(sys.argv),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "load": "1/5/15-min load average at the end: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "load": "1/5/15-min load average at the end: " + load,
     }
 
 
