@@ -406,15 +406,15 @@ class Fira(Optimizer):
 
     def _refresh_together(self, process_group: Any, total: int | None) -> dict:
         """The refresh outcomes of every matrix due this step, computed across the ranks of
-        ``process_group`` by :func:`fira_optim.distributed.refresh_bases`; keyed by parameter."""
+        ``process_group`` by :func:`fira_optim.distributed.refresh_bases`, keyed by parameter
+        (:func:`_keyed`)."""
         due = self._due_refreshes(total)
-        outcomes = distributed.refresh_bases([job for _, job in due], process_group)
-        return dict(zip([p for p, _ in due], outcomes))
+        return _keyed(due, distributed.refresh_bases([job for _, job in due], process_group))
 
     def _refresh_in_threads(self, total: int | None) -> dict | None:
         """One process on the CPU (or on an accelerator with ``host_refresh``): the refresh
         outcomes of every matrix due this step, computed by ``torch.get_num_threads()`` threads
-        at once on the host; keyed by parameter. None (each matrix refreshes in its turn in
+        at once on the host; keyed by parameter (:func:`_keyed`). None (each matrix refreshes in its turn in
         phase A) if fewer than two are due or the gradients are elsewhere than on the CPU
         without ``host_refresh``.
 
@@ -433,11 +433,11 @@ class Fira(Optimizer):
         order.
         """
         workers = torch.get_num_threads()
-        if workers < 2:
-            return None
+        on_host = all(p.device.type == "cpu" for group in self.param_groups for p in group["params"])
+        if workers < 2 or not (on_host or self.host_refresh):
+            return None  # before _due_refreshes, which converts every due gradient
         due = self._due_refreshes(total)
-        on_host = all(job.grad.device.type == "cpu" for _, job in due)
-        if len(due) < 2 or not (on_host or self.host_refresh):
+        if len(due) < 2:
             return None
         jobs = [job for _, job in due]
         if not on_host:  # blocking copies: the SVDs must see the finished gradients
@@ -449,7 +449,7 @@ class Fira(Optimizer):
         if not on_host:
             outcomes = [(status, None if basis is None else basis.to(job.grad.device))
                         for (status, basis), job in zip(outcomes, jobs)]
-        return dict(zip([p for p, _ in due], outcomes))
+        return _keyed(due, outcomes)
 
     def _nonfinite_found(self, name: str) -> None:
         """Raise (``nonfinite="error"``) or warn that the step is skipped."""
@@ -463,8 +463,11 @@ class Fira(Optimizer):
     def _plan(self, p, group, gi, pi, order, total, hyper, refreshed=None):
         work_dtype = torch.promote_types(p.dtype, torch.float32)
         sharding = distributed.row_sharding(p)  # FSDP2: this rank holds a row block of p, p.grad
-        grad = p.grad if sharding is None else p.grad.to_local()
-        grad = grad if grad.dtype == work_dtype else grad.to(work_dtype)
+        if refreshed is not None and p in refreshed:
+            grad = refreshed[p][2]  # converted once, for the refresh
+        else:
+            grad = p.grad if sharding is None else p.grad.to_local()
+            grad = grad if grad.dtype == work_dtype else grad.to(work_dtype)
         side = projection_side(p.shape, group["proj_type"])
         rank = group["rank"]
         state = self.state[p]
@@ -472,7 +475,7 @@ class Fira(Optimizer):
         new_basis = None
         if _refresh_due(group, step, order, total):
             if refreshed is not None:  # decided on one rank for all (distributed.refresh_bases)
-                status, new_basis = refreshed[p]
+                status, new_basis, _ = refreshed[p]
             else:
                 previous = state["basis"] if step > 0 else None
                 status, new_basis = self._refresh_outcome(
@@ -619,6 +622,13 @@ def _local_state(state: dict, plan: _Plan) -> dict:
 
 
 _SKIP_STEP = object()
+
+
+def _keyed(due: list[tuple], outcomes: list[tuple]) -> dict:
+    """``{param: (status, basis, grad)}`` from :meth:`Fira._due_refreshes`' ``(param, job)`` pairs
+    and their refresh outcomes; ``grad`` is the job's working-dtype gradient, which phase A
+    then uses instead of converting ``p.grad`` a second time."""
+    return {p: (*outcome, job.grad) for (p, job), outcome in zip(due, outcomes)}
 
 
 def _one_thread() -> None:

@@ -343,3 +343,37 @@ def test_host_refresh_is_a_bool_kept_by_copies_and_a_no_op_on_the_cpu():
         run(opt, params, grads)
         runs.append(params)
     assert_params_equal(*runs)  # on the CPU the refresh already runs on the host
+
+
+def test_a_refreshed_gradient_is_converted_once(monkeypatch):
+    """A bf16 gradient due for a refresh is converted to fp32 once: the pool's SVD and the
+    step's projection read the same tensor."""
+    import fira_optim.optimizer as optimizer_module
+
+    shapes = [(12, 20), (20, 12)]
+    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.bfloat16)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the pool path
+    opt = FiraAdamW(params, rank=3, update_proj_gap=2)
+    due_grads, projected = [], []
+    due = opt._due_refreshes
+
+    def recorded(total):
+        pairs = due(total)
+        due_grads.extend(job.grad for _, job in pairs)
+        return pairs
+
+    monkeypatch.setattr(opt, "_due_refreshes", recorded)
+    project = optimizer_module.project
+    monkeypatch.setattr(optimizer_module, "project", lambda g, *a: projected.append(g) or project(g, *a))
+    opt.step()
+    assert len(due_grads) == 2 and all(g.dtype == torch.float32 for g in due_grads)
+    assert all(a is b for a, b in zip(due_grads, projected))
+
+
+def test_no_refresh_jobs_are_built_off_the_cpu_without_host_refresh(monkeypatch):
+    opt = FiraAdamW([torch.nn.Parameter(torch.empty(8, 8, device="meta"))], rank=2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(opt, "_due_refreshes", lambda total: pytest.fail("jobs built"))
+    assert opt._refresh_in_threads(None) is None
