@@ -28,6 +28,8 @@ def test_throughput_script_times_every_method_on_the_same_batches(tmp_path: Path
     methods = ["adamw", "fira", "galore@optim.rank=8"]
     assert list(result["ratio_to_adamw_pooled"]) == methods
     assert result["ratio_to_adamw_pooled"]["adamw"] == 1.0
+    assert result["ratio_to_adamw_pooled_per_round"]["adamw"] == [1.0, 1.0]
+    assert all(len(v) == 2 and all(r > 0 for r in v) for v in result["ratio_to_adamw_pooled_per_round"].values())
     for method in methods:
         rounds = result["update_seconds_per_step"][method]
         assert len(rounds) == 2 and all(len(r) == result["steps_per_round"] for r in rounds)

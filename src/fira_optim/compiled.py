@@ -1,9 +1,9 @@
 r"""The low-rank arithmetic of a Fira step as one ``torch.compile``-d kernel per matrix.
 
-:func:`fira_optim.update.apply_fast` runs Adam on :math:`R`, the scaling factors and the
-limiter as about fifteen ``foreach`` passes over the small ``r x n`` tensors; on a CPU (no
-multi-tensor kernels) and on a GPU (one launch per op and matrix) those passes, not the two
-GEMMs, are what separates a step from its floor. Here the same arithmetic,
+:func:`fira_optim.update.apply_fast` runs Adam on :math:`R` in torch's fused Adam kernel, then
+the scaling factors and the limiter as several ``foreach`` passes over the small ``r x n``
+tensors; on a CPU (no multi-tensor kernels) and on a GPU (one launch per op and matrix) those
+passes, not the two GEMMs, are what separates a step from its floor. Here the same arithmetic,
 
 .. math::
     \begin{aligned}

@@ -29,6 +29,7 @@ into the parameter. It is tested against the reference.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -188,8 +189,9 @@ def apply_fast(
     """Multi-tensor fused path for matrices that share hyper-parameters and step count.
 
     No ``m x n`` temporaries: per matrix, one GEMM (``addmm_`` into the parameter) and one
-    read of ``G`` for its column norms; everything else is ``foreach`` arithmetic on the
-    small ``r x n`` tensors and norm vectors. ``low_norms`` are the per-column (``keepdim``)
+    read of ``G`` for its column norms; Adam on the small ``r x n`` tensors is one pass of
+    torch's fused Adam kernel where it exists (:func:`_fused_adam_direction`), everything
+    else ``foreach`` arithmetic on them and on norm vectors. ``low_norms`` are the per-column (``keepdim``)
     norms of the ``lows``; ``grad_sqs``, if given, the squared per-column norms of the
     ``grads`` (this rank's rows), which are otherwise computed here; ``params`` and ``grads``
     share the working dtype.
@@ -235,7 +237,7 @@ def apply_fast(
         cs = torch._foreach_mul(phis, factors)  # c = f * phi: (1, n), (m, 1) or 0-d each
         if not hp.only_scaling:
             # P N - c (.) (P R) == P (N - R (.) c); released: alpha P N' - c (.) (alpha P R).
-            torch._foreach_sub_(directions, torch._foreach_mul(lows, cs))
+            torch._foreach_addcmul_(directions, lows, cs, value=-1.0)
         add_update(params, grads, bases, sides, None if hp.only_scaling else directions, cs, step, hp)
 
 
@@ -276,6 +278,8 @@ def _foreach_direction(lows, states, step, hp: Hyper) -> list[torch.Tensor]:
     if hp.base == "adam":
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        if _fused_adam_supported(lows, exp_avgs, exp_avg_sqs):
+            return _fused_adam_direction(lows, exp_avgs, exp_avg_sqs, step, hp)
         torch._foreach_mul_(exp_avgs, beta1)
         torch._foreach_add_(exp_avgs, lows, alpha=1.0 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -290,6 +294,44 @@ def _foreach_direction(lows, states, step, hp: Hyper) -> list[torch.Tensor]:
         base_direction(hp.base, low, state, step, hp.betas, hp.eps, hp.direction_bias_corrected())
         for low, state in zip(lows, states)
     ]
+
+
+#: Devices with torch's fused Adam kernel (``torch._fused_adam_``), and its dtypes here.
+FUSED_ADAM_DEVICES = ("cpu", "cuda")
+FUSED_ADAM_DTYPES = (torch.float32, torch.float64)
+
+
+def _fused_adam_supported(*lists: list[torch.Tensor]) -> bool:
+    first = lists[0][0]
+    return (first.device.type in FUSED_ADAM_DEVICES and first.dtype in FUSED_ADAM_DTYPES
+            and hasattr(torch, "_fused_adam_")
+            and all(t.device == first.device and t.dtype == first.dtype
+                    and type(t) is torch.Tensor for ts in lists for t in ts))
+
+
+def _fused_adam_direction(lows, exp_avgs, exp_avg_sqs, step: int, hp: Hyper) -> list[torch.Tensor]:
+    r"""Algorithm 1's Adam on ``R`` in one pass per matrix: torch's fused Adam kernel, run on
+    zero "parameters" with a negative learning rate so that the "parameter" it writes is
+    the direction itself.
+
+    The kernel computes :math:`\theta - \frac{lr}{1-\beta_1^t} \cdot
+    \frac{M}{\sqrt{V}/\sqrt{1-\beta_2^t} + \epsilon'}`. With :math:`\theta = 0` and
+    :math:`\epsilon' = \epsilon / \sqrt{1-\beta_2^t}` this is :math:`-lr \cdot b_t\,
+    M / (\sqrt{V} + \epsilon)` (:math:`b_t = \sqrt{1-\beta_2^t}/(1-\beta_1^t)`), so
+    :math:`lr = -1` gives Algorithm 1's :math:`N_t` and :math:`lr = -1/b_t` the released
+    un-corrected :math:`M / (\sqrt{V} + \epsilon)`, equal to the ``foreach`` passes up to
+    rounding. The moments are updated in place as by those passes.
+    """
+    beta1, beta2 = hp.betas
+    correction2 = math.sqrt(1.0 - beta2**step)
+    lr = -1.0 if hp.direction_bias_corrected() else -1.0 / adam_bias_correction(step, beta1, beta2)
+    directions = [torch.zeros_like(low) for low in lows]
+    # The kernel reads the step count from a tensor (torch.optim keeps one per parameter).
+    steps = [torch.full((), float(step), dtype=torch.float32, device=lows[0].device)] * len(lows)
+    torch._fused_adam_(directions, lows, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1,
+                       beta2=beta2, weight_decay=0.0, eps=hp.eps / correction2, amsgrad=False,
+                       maximize=False)
+    return directions
 
 
 def _foreach_scaling(directions, low_norms, dims, hp: Hyper) -> list[torch.Tensor]:

@@ -5,7 +5,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fira_optim.optimizer as optimizer_module
+import fira_optim.update as update
 from fira_optim import VARIANTS, FiraAdamW
+from fira_optim.update import Hyper
 
 from .common import grad_sequence, make_params
 
@@ -136,3 +138,44 @@ def test_gradient_column_norms_are_only_taken_for_the_fast_path(dtype, options, 
     w.grad = torch.randn(12, 20, dtype=dtype)
     plans, _ = opt._prepare()
     assert (plans[0].grad_sq is not None) == wanted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("arithmetic", ["paper", "released"])
+def test_fused_adam_direction_equals_the_foreach_passes(arithmetic, dtype):
+    """torch's fused Adam kernel, run on zero "parameters" with lr = -1 (or -1/b_t for the
+    released un-corrected direction) and eps / sqrt(1 - beta2^t), gives N_t and the same
+    moments as the foreach passes, over several steps and with an all-zero column."""
+    hp = Hyper.from_group({**FiraAdamW([torch.nn.Parameter(torch.zeros(4, 4))],
+                                       arithmetic=arithmetic).param_groups[0], "betas": (0.8, 0.95)})
+    gen = torch.Generator().manual_seed(9)
+    lows = [torch.randn(shape, generator=gen, dtype=dtype) for shape in [(3, 7), (5, 2), (1, 1)]]
+    lows[0][:, 2] = 0
+    fused_states = [{"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)} for t in lows]
+    foreach_states = [{k: v.clone() for k, v in s.items()} for s in fused_states]
+    assert update._fused_adam_supported(lows)
+    for step in range(1, 5):
+        fused = update._foreach_direction(lows, fused_states, step, hp)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(update, "_fused_adam_supported", lambda *lists: False)
+            passes = update._foreach_direction(lows, foreach_states, step, hp)
+        tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-13, atol=1e-15)
+        for a, b, s, t in zip(fused, passes, fused_states, foreach_states):
+            torch.testing.assert_close(a, b, **tol)
+            for key in s:
+                torch.testing.assert_close(s[key], t[key], **tol)
+        lows = [t * (torch.rand(t.shape, generator=gen, dtype=dtype) * 3 - 1) for t in lows]
+    assert bool((fused[0][:, 2] == 0).all())
+
+
+def test_the_fast_path_runs_adam_through_the_fused_kernel(monkeypatch):
+    calls = []
+    real = torch._fused_adam_
+    monkeypatch.setattr(torch, "_fused_adam_", lambda *a, **kw: calls.append(len(a[0])) or real(*a, **kw))
+    params = make_params([(12, 20), (20, 12), (10,)], seed=3)
+    opt = FiraAdamW([{"params": params[:2], "rank": 4}, {"params": params[2:]}])
+    for row in grad_sequence([(12, 20), (20, 12), (10,)], 2, seed=4):
+        for p, g in zip(params, row):
+            p.grad = g
+        opt.step()
+    assert calls == [2, 2]  # both matrices in one call per step; the bias takes torch's AdamW
