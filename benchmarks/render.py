@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,9 +143,15 @@ def throughput(data: dict) -> list[str]:
         if pooled:
             row += f" {data['optimizer_seconds_per_round_median'][name]:.3f} | **{pooled[name]:.1%}** |"
         lines.append(row)
+    spread = data.get("ratio_to_adamw_pooled_per_round")
     if pooled:
+        lines += [""]
+        if spread:
+            lines.append("- The same pooled estimate round by round (each round's forward + backward pooled over its"
+                         " methods), lowest / median / highest: " + "; ".join(
+                             f"{m} {min(v):.1%} / {statistics.median(v):.1%} / {max(v):.1%}"
+                             for m, v in spread.items() if m != "adamw") + ".")
         lines += [
-            "",
             f"- The per-round ratios scatter by several percent (the machine's speed drifts); the last column"
             f" pools the forward + backward time of all rounds and methods"
             f" ({data['forward_backward_seconds_per_round_median']:.2f} s per round) and adds each method's own"
@@ -163,14 +170,6 @@ def throughput(data: dict) -> list[str]:
                      f" for its slowest step (the one that refreshes the projections, every T = {data['steps_per_round']}"
                      f" steps, for the Fira/GaLore family): {parts}.")
 
-    earlier = RESULTS / "throughput_tiny_6rounds.json"
-    if data["recipe"] == "tiny" and earlier.exists():
-        run = json.loads(earlier.read_text())
-        ratios = ", ".join(f"{m} {r:.1%}" for m, r in run["ratio_to_adamw_pooled"].items() if m != "adamw")
-        lines.append(f"- An earlier run on the same code, `{run['command']}` ({run['date']}; forward + backward"
-                     f" {run['forward_backward_seconds_per_round_median']:.2f} s per round; its JSON was kept as"
-                     f" `{earlier.name}` before the run above replaced it), pooled: {ratios}."
-                     " Between the two runs Fira's ratio moved by more than its distance to 97%.")
     lines.append("")
     return lines
 

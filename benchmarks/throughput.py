@@ -102,6 +102,14 @@ def main() -> None:
     optimizer_median = {m: statistics.median(v) for m, v in optimizer_seconds.items()}
     pooled = {m: (forward_backward + optimizer_median["adamw"]) / (forward_backward + optimizer_median[m])
               for m in methods}
+    # The same estimate round by round (each round's forward + backward pooled over its
+    # methods, each method's own optimizer time in that round): its spread says how far the
+    # pooled ratio can be trusted.
+    pooled_rounds = {m: [] for m in methods}
+    for r in range(args.rounds):
+        common = statistics.median(seconds[m][r] - optimizer_seconds[m][r] for m in methods)
+        for m in methods:
+            pooled_rounds[m].append((common + optimizer_seconds["adamw"][r]) / (common + optimizer_seconds[m][r]))
     # The slowest step of a round is the one that refreshes the projections (one per round for
     # the Fira/GaLore family); the others are steady steps.
     refresh_step = {m: statistics.median(max(r) for r in v) for m, v in step_seconds.items()}
@@ -120,6 +128,7 @@ def main() -> None:
         "optimizer_seconds_per_round_median": optimizer_median,
         "forward_backward_seconds_per_round_median": forward_backward,
         "ratio_to_adamw_pooled": pooled,
+        "ratio_to_adamw_pooled_per_round": pooled_rounds,
         "update_seconds_per_step": step_seconds,
         "slowest_step_seconds_median": refresh_step,
         "other_steps_seconds_median": steady_step,
