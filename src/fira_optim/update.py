@@ -305,8 +305,11 @@ def _fused_adam_supported(*lists: list[torch.Tensor]) -> bool:
     first = lists[0][0]
     return (first.device.type in FUSED_ADAM_DEVICES and first.dtype in FUSED_ADAM_DTYPES
             and hasattr(torch, "_fused_adam_")
-            and all(t.device == first.device and t.dtype == first.dtype
-                    and type(t) is torch.Tensor for ts in lists for t in ts))
+            # the kernel's own restrictions (CUDA's raise rather than fall back): plain dense
+            # tensors of one device and dtype, each shaped and strided like its R
+            and all(type(t) is torch.Tensor and t.device == first.device and t.dtype == first.dtype
+                    and t.is_contiguous() for ts in lists for t in ts)
+            and all(len({t.shape for t in row}) == 1 for row in zip(*lists)))
 
 
 def _fused_adam_direction(lows, exp_avgs, exp_avg_sqs, step: int, hp: Hyper) -> list[torch.Tensor]:

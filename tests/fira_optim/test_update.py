@@ -154,6 +154,9 @@ def test_fused_adam_direction_equals_the_foreach_passes(arithmetic, dtype):
     fused_states = [{"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)} for t in lows]
     foreach_states = [{k: v.clone() for k, v in s.items()} for s in fused_states]
     assert update._fused_adam_supported(lows)
+    assert not update._fused_adam_supported([lows[0].T.contiguous().T])  # not dense row-major
+    assert not update._fused_adam_supported([lows[0]], [lows[1]])  # R and a state of another shape
+    assert not update._fused_adam_supported([lows[0]], [lows[0].float() if dtype == torch.float64 else lows[0].double()])
     for step in range(1, 5):
         fused = update._foreach_direction(lows, fused_states, step, hp)
         with pytest.MonkeyPatch.context() as mp:
