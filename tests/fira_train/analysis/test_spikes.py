@@ -45,5 +45,5 @@ def test_spikes_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     text = result["report"].read_text()
     assert "| galore-add |" in text and "T = 3" in text and "rank 8 for galore, galore-add" in text
     assert json.loads((out / "galore" / "config.json").read_text())["optim"]["rank"] == 8
-    assert json.loads((out / "fira" / "config.json").read_text())["optim"]["rank"] == 32
+    assert json.loads((out / "fira" / "config.json").read_text())["optim"]["rank"] == 16
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
