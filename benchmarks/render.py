@@ -128,7 +128,7 @@ def throughput(data: dict) -> list[str]:
         f"- Each method trains its own model on the same batches; the methods take turns, one refresh"
         f" period ({data['steps_per_round']} steps of {data['tokens_per_step']:,} tokens) each per round,"
         " so every Fira/GaLore round holds exactly one projection refresh; ratios are per round, median"
-        " reported.",
+        " reported." + (f" Fira/GaLore rank {data['rank']}, T = {data['update_proj_gap']}." if "rank" in data else ""),
         "",
         "| method | tokens/s (median round) | vs AdamW (median of per-round ratios) | per round |",
         "|---|---|---|---|",
@@ -169,7 +169,12 @@ def throughput(data: dict) -> list[str]:
         lines.append("- Time after the backward passes, median over rounds, for the other steps of a round and"
                      f" for its slowest step (the one that refreshes the projections, every T = {data['steps_per_round']}"
                      f" steps, for the Fira/GaLore family): {parts}.")
-
+    # Earlier runs kept beside the newest (throughput_<recipe>_<label>.json), one line each.
+    for kept in sorted(RESULTS.glob(f"throughput_{data['recipe']}_*.json")):
+        run = json.loads(kept.read_text())
+        ratios = ", ".join(f"{m} {r:.1%}" for m, r in run["ratio_to_adamw_pooled"].items() if m != "adamw")
+        lines.append(f"- Kept run `{kept.name}`, rank {run['rank']}: `{run['command']}` ({run['date']}; forward + backward"
+                     f" {run['forward_backward_seconds_per_round_median']:.2f} s per round), pooled: {ratios}.")
     lines.append("")
     return lines
 

@@ -119,6 +119,8 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                    f"{torch.get_num_threads()} threads",
         "recipe": args.recipe,
+        "rank": base.optim.rank,
+        "update_proj_gap": base.optim.update_proj_gap,
         "steps_per_round": period,
         "tokens_per_step": tokens_per_step,
         "tokens_per_s_median": {m: tokens_per_step * period / statistics.median(v) for m, v in seconds.items()},
