@@ -209,12 +209,15 @@ class Fira(Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups, so
-        # copy.deepcopy and pickle silently reset these two options to their defaults (a copy
-        # of a nonfinite="skip" optimizer raised on NaN, a "reference" one ran the fast path).
+        # copy.deepcopy and pickle silently reset the constructor's other options to their
+        # defaults (a copy of a nonfinite="skip" optimizer raised on NaN, a "reference" one
+        # ran the fast path). A process group is not copyable: a copy of a split_refresh
+        # optimizer shares its refreshes over the default group.
         state = super().__getstate__()
         state["nonfinite"] = self.nonfinite
         state["implementation"] = self.implementation
         state["host_refresh"] = self.host_refresh
+        state["split_refresh"] = self.split_refresh
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

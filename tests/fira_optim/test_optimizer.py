@@ -261,6 +261,7 @@ def test_deepcopy_is_an_independent_identical_optimizer(implementation, nonfinit
     run(opt, params, grads[:2])
     twin = copy.deepcopy(opt)
     assert twin.implementation == implementation and twin.nonfinite == nonfinite
+    assert copy.deepcopy(FiraAdamW(params[:1], rank=3, split_refresh=True)).split_refresh is True
     twin_params = [p for g in twin.param_groups for p in g["params"]]
     assert all(p is not q for p, q in zip(params, twin_params))
     assert_params_equal(params, twin_params)
