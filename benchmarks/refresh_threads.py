@@ -76,8 +76,7 @@ def refresh(grads: list[torch.Tensor], rank: int, proj_type: str, *, workers: in
         if workers == 1:
             for grad in grads:
                 basis(grad)
-        elif worker_threads == 1:  # as FiraAdamW: process-wide, and in each worker as it starts
-            torch.set_num_threads(1)
+        elif worker_threads == 1:  # as FiraAdamW: each worker sets one thread as it starts
             with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
                 list(pool.map(basis, grads))
         else:  # each worker at the default: an OpenMP team of every core in each LAPACK call

@@ -26,7 +26,6 @@ import functools
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -426,8 +425,8 @@ class Fira(Optimizer):
         torch's default each open an OpenMP team of every core inside MKL's LAPACK, and the
         teams oversubscribe the cores: on 2 cores a refresh then often stalled for hundreds of
         milliseconds, even where each matrix takes one (``benchmarks/refresh_threads.py``, ``micro``).
-        A new thread starts at the default whatever the process-wide count, so each worker sets
-        its own as it starts (``_one_thread``).
+        So each worker sets its own count as it starts (``_one_thread``); the count is per
+        thread, and the caller's stays as it was.
 
         The outcomes are the sequential refresh's calls on the same inputs: bitwise its results
         where LAPACK's do not depend on the thread count (small matrices), else equal to
@@ -447,7 +446,7 @@ class Fira(Optimizer):
             inputs = [(job.grad.cpu(), None if job.previous is None else job.previous.cpu()) for job in jobs]
         else:
             inputs = [(job.grad, job.previous) for job in jobs]
-        with _intra_op_threads(1), ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
+        with ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
             outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
         if not on_host:
             outcomes = [(status, None if basis is None else basis.to(job.grad.device))
@@ -635,20 +634,9 @@ def _keyed(due: list[tuple], outcomes: list[tuple]) -> dict:
 
 
 def _one_thread() -> None:
-    """A refresh worker's initializer: its own LAPACK calls on one thread."""
+    """A refresh worker's initializer: its own LAPACK calls on one thread (the calling
+    thread's count is untouched, ``tests/fira_optim/test_optimizer.py`` checks it)."""
     torch.set_num_threads(1)
-
-
-@contextmanager
-def _intra_op_threads(count: int):
-    """torch's intra-op thread count set to ``count`` for the block (threads started inside it
-    take the new count), then restored."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _finite_flags(checks: list[torch.Tensor]) -> torch.Tensor:
