@@ -2,8 +2,9 @@
 
     python benchmarks/refresh_host.py --sizes tiny,60m,130m --out docs/benchmarks/refresh_host_cuda.json
 
-For each size, the projected matrices of that LLaMA (4 attention matrices of d x d and three
-MLP matrices of d x ffn per layer; ``tiny`` is the CPU recipe, the others the paper's shapes),
+For each size, the projected matrices of that recipe's LLaMA, at its rank (4 attention matrices of
+d x d and three MLP matrices of d x ffn per layer; ``tiny`` is the CPU recipe, the others the
+paper's),
 as CUDA parameters with gradients of a decaying spectrum (the projection of Gaussian noise is
 ill-defined: its singular values have no gap at r). Two optimizers, ``host_refresh`` False and
 True, take turns doing steps that refresh every basis (``update_proj_gap=1``); the median step
@@ -23,14 +24,18 @@ import time
 import torch
 
 from fira_optim import FiraAdamW
+from fira_train.recipes import get_recipe
 from record import provenance, save
 
-SIZES = {  # name: (d_model, ffn, layers, rank)
-    "tiny": (256, 688, 4, 128),
-    "60m": (512, 1376, 8, 128),
-    "130m": (768, 2048, 12, 256),
-    "350m": (1024, 2736, 24, 256),
-}
+#: The recipes whose shapes it takes (fira_train's: d_model, MLP width, layers and rank).
+SIZES = ("tiny", "60m", "130m", "350m")
+
+
+def recipe_shapes(name: str) -> tuple[list[tuple[int, int]], int]:
+    """The projected matrices of a recipe's LLaMA (q, k, v, o, gate, up, down per layer) and its rank."""
+    config = get_recipe(name)
+    d, ffn, layers = config.model.hidden_size, config.model.intermediate_size, config.model.num_hidden_layers
+    return [(d, d)] * 4 * layers + [(ffn, d)] * 2 * layers + [(d, ffn)] * layers, config.optim.rank
 
 
 def decaying(m: int, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -55,8 +60,7 @@ def main() -> None:
         parser.error(f"--sizes: unknown {unknown}; choose from {list(SIZES)}")
     results = {}
     for size in sizes:
-        d, ffn, layers, rank = SIZES[size]
-        shapes = [(d, d)] * 4 * layers + [(ffn, d)] * 2 * layers + [(d, ffn)] * layers
+        shapes, rank = recipe_shapes(size)
         gen = torch.Generator().manual_seed(0)
         grads = {s: decaying(*s, gen).cuda() for s in set(shapes)}
         runs = {}

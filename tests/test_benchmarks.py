@@ -53,3 +53,15 @@ def test_refresh_threads_script_times_every_configuration(tmp_path: Path) -> Non
     if "pool, 1 thread per worker, QR first" in names:  # 2+ torch threads
         assert len(names) == 6
     assert all(len(v) == 2 and min(v) > 0 for v in result["refresh_seconds"].values())
+
+
+def test_refresh_host_takes_its_shapes_from_the_recipes() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import refresh_host
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    shapes, rank = refresh_host.recipe_shapes("60m")  # hidden 512, MLP 1376, 8 layers, rank 128
+    assert rank == 128 and len(shapes) == 8 * 7
+    assert shapes.count((512, 512)) == 32 and shapes.count((1376, 512)) == 16 and shapes.count((512, 1376)) == 8
+    assert refresh_host.recipe_shapes("tiny")[1] == 64
