@@ -56,8 +56,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import fira_optim
     from fira_optim.distributed import to_local
-    from fira_train.parallel import (
-        CommunicationCounter,
+    from fira_train.run.communication import CommunicationCounter
+    from fira_train.run.parallel import (
         all_reduce_mean,
         init_distributed,
         parallelize,
@@ -349,7 +349,7 @@ def main() -> None:
     parser.add_argument("--json", default="", help="also write the raw numbers here")
     args = parser.parse_args()
     if args.worker:
-        from fira_train.parallel import destroy_distributed
+        from fira_train.run.parallel import destroy_distributed
 
         worker(args)
         # Only after the DDP model is gone: seen here, a DDP reducer destroyed after its process

@@ -36,7 +36,7 @@ def cached_model(cache: Path) -> Path:
     """The packaged SmolLM2 converted once to a plain save_pretrained folder (fast to reload)."""
     if (cache / "config.json").is_file():
         return cache
-    from fira_train.pretrained import load_causal_lm
+    from fira_train.methods.pretrained import load_causal_lm
 
     model, tokenizer = load_causal_lm(None)
     cache.mkdir(parents=True, exist_ok=True)
@@ -87,18 +87,19 @@ def measure_states(args: argparse.Namespace, model_dir: Path) -> dict[str, dict]
     Exact and cheap (one record, one step, lr irrelevant): it completes the memory columns for methods
     whose full run did not fit. Uses the same model preparation and Trainer path as ``fira-train finetune``.
     """
-    from fira_train import finetune
-    from fira_train.commonsense import load_split
-    from fira_train.pretrained import load_causal_lm
+    from fira_train.finetune.commonsense import load_split
+    from fira_train.finetune.config import FinetuneConfig
+    from fira_train.finetune.train import prepare_model, train_model
+    from fira_train.methods.pretrained import load_causal_lm
 
     record = load_split(args.data_dir, "boolq", "train")[0]
     states: dict[str, dict] = {}
     for method in [m for m in args.methods if m != "none"]:
         model, tokenizer = load_causal_lm(str(model_dir))
-        config = finetune.FinetuneConfig(tasks=["boolq"], data_dir=args.data_dir, method=method, steps=1,
-                                         batch_size=1, out=str(Path(args.out) / "_state_probe"), seed=args.seed)
-        model = finetune._prepare_model(model, config)
-        trained = finetune._train(model, tokenizer, [record], config)
+        config = FinetuneConfig(tasks=["boolq"], data_dir=args.data_dir, method=method, steps=1,
+                                batch_size=1, out=str(Path(args.out) / "_state_probe"), seed=args.seed)
+        model = prepare_model(model, config)
+        trained = train_model(model, tokenizer, [record], config)
         states[method] = {"optimizer_state_numel": trained["optimizer_state_numel"],
                           "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
                           "optimizer": trained["optimizer"]}

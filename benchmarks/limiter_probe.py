@@ -2,7 +2,7 @@
 
     python benchmarks/limiter_probe.py --recipe tiny --rank 16 --steps 70 --out /tmp/limiter_probe.json
 
-Trains Fira as ``fira-train pretrain`` does (:func:`fira_train.train.train_step`, one CPU thread)
+Trains Fira as ``fira-train pretrain`` does (:func:`fira_train.run.train.train_step`, one CPU thread)
 and records at every step the limiter factor f = gamma / max(||S_t|| / ||S_{t-1}||, gamma) of
 each projected matrix: the fraction of matrices with f < 1 (limited), the mean and the minimum
 f. Prints every 10 steps and writes all steps as JSON. Used in docs/results/tiny/README.md.
@@ -16,10 +16,11 @@ import json
 import torch
 
 import fira_optim.update as update
-from fira_train.data import build_corpus
-from fira_train.overrides import apply_overrides
-from fira_train.recipes import get_recipe
-from fira_train.train import autocast_for, build_training, resolve_device, train_step
+from fira_train.config.overrides import apply_overrides
+from fira_train.config.recipes import get_recipe
+from fira_train.data.build import build_corpus
+from fira_train.run.train import train_step
+from fira_train.run.training import autocast_for, build_training, resolve_device
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import time
 import torch
 
 from fira_optim import FiraAdamW
-from fira_train.recipes import get_recipe
+from fira_train.config.recipes import get_recipe
 from record import provenance, save
 
 #: The recipes whose shapes it takes (fira_train's: d_model, MLP width, layers and rank).

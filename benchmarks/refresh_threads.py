@@ -34,10 +34,11 @@ import torch
 
 import fira_optim.projection as projection
 from fira_optim.projection import projection_side, svd_basis
-from fira_train.data import build_corpus
-from fira_train.overrides import apply_overrides
-from fira_train.recipes import get_recipe
-from fira_train.train import autocast_for, build_training, resolve_device, train_step
+from fira_train.config.overrides import apply_overrides
+from fira_train.config.recipes import get_recipe
+from fira_train.data.build import build_corpus
+from fira_train.run.train import train_step
+from fira_train.run.training import autocast_for, build_training, resolve_device
 from record import provenance, save
 
 

@@ -29,10 +29,11 @@ import time
 
 import torch
 
-from fira_train.data import build_corpus
-from fira_train.overrides import apply_overrides
-from fira_train.recipes import get_recipe
-from fira_train.train import autocast_for, build_training, resolve_device, train_step
+from fira_train.config.overrides import apply_overrides
+from fira_train.config.recipes import get_recipe
+from fira_train.data.build import build_corpus
+from fira_train.run.train import train_step
+from fira_train.run.training import autocast_for, build_training, resolve_device
 from record import provenance, save
 
 
@@ -70,7 +71,7 @@ def main() -> None:
     tokens_per_step = base.train.batch_size * base.data.seq_len
 
     def step(run) -> float:
-        """One training step as `fira-train` runs it (:func:`fira_train.train.train_step`);
+        """One training step as `fira-train` runs it (:func:`fira_train.run.train.train_step`);
         returns the seconds spent after the backward passes (clipping, optimizer, schedule):
         the part that differs between methods."""
         run["step"] += 1

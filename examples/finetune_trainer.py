@@ -23,8 +23,8 @@ import transformers
 
 from fira_optim import optimizer_state_numel
 from fira_optim.integrations import FiraTrainer  # <-- Fira
-from fira_train.commonsense import format_prompt
-from fira_train.pretrained import load_causal_lm
+from fira_train.finetune.commonsense import format_prompt
+from fira_train.methods.pretrained import load_causal_lm
 
 
 def tokenized(records: list[dict], tokenizer, cutoff: int = 256) -> list[dict]:

@@ -1,5 +1,17 @@
 """fira_train: the pre-training harness of fira-optim (data, models, training loop, reports).
 
-Submodules are imported on demand (``from fira_train.data import build_corpus``) so that
+Its subpackages are layers, each importing only the ones below it (``lint-imports`` checks this):
+
+- :mod:`fira_train.cli`: the ``fira-train`` command line;
+- :mod:`fira_train.analysis`, :mod:`fira_train.compare`, :mod:`fira_train.finetune`: the paper's
+  analyses, the comparison of methods, fine-tuning;
+- :mod:`fira_train.report`: reports built from finished run directories;
+- :mod:`fira_train.run`: one training run (loop, checkpoints, parallelism, logs);
+- :mod:`fira_train.config`: what a run is (config dataclasses, recipes, overrides);
+- :mod:`fira_train.data`, :mod:`fira_train.memory`, :mod:`fira_train.methods`: corpora and
+  tokenizers, memory estimates, the method registry and the models;
+- :mod:`fira_train.files`: file helpers.
+
+Submodules are imported on demand (``from fira_train.data.build import build_corpus``), so that
 ``import fira_train`` stays cheap and does not pull in transformers.
 """

@@ -6,12 +6,13 @@ Subcommands (stable names):
   [--resume | --resume-step STEP] [key=value ...]``: one run;
 - ``fira-train compare --recipe NAME --methods a,b,c [--out DIR] ...``: several runs on the same
   data, tokens and seed, then ``DIR/report.md`` and ``DIR/loss.png`` (:mod:`fira_train.compare`);
-- ``fira-train memory``: the paper's memory-estimate table (:mod:`fira_train.memory`);
-- ``fira-train methods``: the method registry with default learning rates.
+- ``fira-train memory``: the paper's memory-estimate table (:mod:`fira_train.memory.estimates`);
+- ``fira-train methods``: the method registry with default learning rates;
+- ``fira-train finetune`` and ``fira-train analyze ...``: plug-ins (:data:`PLUGINS`), modules
+  that expose ``register(subparsers)``, which adds their parser and sets ``func``.
 
-Each subcommand module exposes ``register(subparsers)``, which adds its parser and sets
-``func``; :func:`build_parser` imports them (and optional plug-ins: ``fira_train.finetune``,
-``fira_train.analysis.cli``) only when the parser is built, so ``--help`` stays fast.
+Building the parser imports no torch, so ``--help`` answers at once: each command imports what
+it runs when it runs (the imports inside the command functions below).
 
 Flags map onto config keys and are applied after the recipe, then the trailing
 ``section.field=value`` overrides (which win): ``--data`` -> ``data.source``, ``--steps`` ->
@@ -27,9 +28,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
+import shlex
 import sys
+from pathlib import Path
 from typing import Any
+
+from fira_train.memory.estimates import format_memory_table, memory_table
+from fira_train.report.markdown import format_bytes, load_run, report_table
+from fira_train.run.launch import is_rank_zero
 
 PROG = "fira-train"
 
@@ -47,8 +53,8 @@ FLAG_KEYS = {
     "parallel": "train.parallel",
 }
 
-#: Optional subcommand modules written elsewhere in the project.
-PLUGINS = ("fira_train.finetune", "fira_train.analysis.cli")
+#: Subcommand modules registered after the built-in ones (skipped if not installed).
+PLUGINS = ("fira_train.finetune.cli", "fira_train.analysis.cli")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,8 +87,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """The recipe, then the flags (``--method`` -> ``optim.method`` too), then the overrides."""
-    from fira_train.overrides import apply_overrides
-    from fira_train.recipes import get_recipe
+    from fira_train.config.overrides import apply_overrides  # imports torch: not at parser build
+    from fira_train.config.recipes import get_recipe
 
     config = get_recipe(args.recipe)
     flags = {key: str(getattr(args, dest)) for dest, key in FLAG_KEYS.items()
@@ -102,17 +108,8 @@ def resume_request(args: argparse.Namespace) -> str | int | None:
     return "latest" if args.resume else None
 
 
-def is_rank_zero() -> bool:
-    """Whether this process prints: the only one, or rank 0 of a ``torchrun`` launch."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-def _human_bytes(n: float) -> str:
-    return f"{n / 1024 ** 3:.2f} GiB" if n >= 1024 ** 3 else f"{n / 1024 ** 2:.1f} MiB"
-
-
 def _pretrain(args: argparse.Namespace) -> int:
-    from fira_train.train import train
+    from fira_train.run.train import train  # imports torch: not at parser build
 
     config = config_from_args(args)
     summary = train(config, resume=resume_request(args), overwrite=args.overwrite)
@@ -122,8 +119,8 @@ def _pretrain(args: argparse.Namespace) -> int:
     print(f"{summary['method']}: validation perplexity {summary['val_ppl']:.2f} (loss "
           f"{summary['val_loss']:.4f}) after {summary['steps']} steps, {summary['tokens']:,} tokens")
     print(f"throughput {summary['tokens_per_s']:,.0f} tokens/s; optimizer state "
-          f"{summary['optimizer_state_numel']:,} elements ({_human_bytes(summary['optimizer_state_bytes'])}); "
-          f"peak memory {_human_bytes(summary['peak_memory_bytes'])}")
+          f"{summary['optimizer_state_numel']:,} elements ({format_bytes(summary['optimizer_state_bytes'])} "
+          f"with step counters); peak memory {format_bytes(summary['peak_memory_bytes'])}")
     print(f"run directory: {out} (config.json, metrics.jsonl, summary.json, tb/, checkpoints/)")
     return 0
 
@@ -143,9 +140,35 @@ def _register_pretrain(subparsers: Any) -> None:
     parser.set_defaults(func=_pretrain)
 
 
-def _memory(args: argparse.Namespace) -> int:
-    from fira_train.memory import format_memory_table, memory_table
+def _compare(args: argparse.Namespace) -> int:
+    from fira_train.compare import compare, parse_methods  # imports torch: not at parser build
 
+    methods = parse_methods(args.methods)
+    config = config_from_args(args)
+    out_dir = args.out or f"runs/{config.recipe}-compare"
+    command = "fira-train " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
+    report, plot = compare(config, methods, out_dir, resume=args.resume,
+                           overwrite=args.overwrite, command=command)
+    if not is_rank_zero():
+        return 0
+    print(report_table([load_run(Path(out_dir) / m)[0] for m in methods]))
+    print(f"report: {report}")
+    print(f"plot:   {plot}")
+    return 0
+
+
+def _register_compare(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "compare", help="pre-train several methods on the same data and write a report",
+        description="Run several methods on the same data, tokens and seed, one after another, "
+                    "into OUT/<method>/, then write OUT/report.md and OUT/loss.png.")
+    parser.add_argument("--methods", required=True, help="comma-separated method names, e.g. fira,galore,adamw")
+    parser.add_argument("--out", help="output directory (default: runs/<recipe>-compare)")
+    add_run_arguments(parser)
+    parser.set_defaults(func=_compare)
+
+
+def _memory(args: argparse.Namespace) -> int:
     print(format_memory_table(memory_table()))
     return 0
 
@@ -159,7 +182,7 @@ def _register_memory(subparsers: Any) -> None:
 
 
 def _methods(args: argparse.Namespace) -> int:
-    from fira_train.methods import METHODS
+    from fira_train.methods.registry import METHODS  # imports torch: not at parser build
 
     width = max(len(name) for name in METHODS)
     for method in METHODS.values():
@@ -176,10 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Pre-train LLaMA models with Fira, GaLore, AdamW, LoRA and more.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from fira_train import compare
-
     _register_pretrain(subparsers)
-    compare.register(subparsers)
+    _register_compare(subparsers)
     _register_memory(subparsers)
     _register_methods(subparsers)
     for module_name in PLUGINS:
@@ -202,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
     logging.basicConfig(level=logging.INFO if is_rank_zero() else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
-    from fira_train.checkpoint import CheckpointError
+    from fira_train.run.checkpoint import CheckpointError  # imports torch: not at parser build
 
     try:
         return int(args.func(args) or 0)

@@ -6,9 +6,9 @@ import random
 from pathlib import Path
 
 
-from fira_train.config import RunConfig
-from fira_train.overrides import apply_overrides
-from fira_train.recipes import micro
+from fira_train.config.overrides import apply_overrides
+from fira_train.config.recipes import micro
+from fira_train.config.run_config import RunConfig
 
 SUBJECTS = ["the cat", "a dog", "the old bird", "my friend", "the teacher", "a small child", "the king"]
 VERBS = ["sees", "likes", "finds", "follows", "helps", "watches", "paints"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
+from fira_train import cli
 from fira_train.cli import build_parser, config_from_args, main, resume_request
 from tests.fira_train.harness_fixtures import micro_config  # noqa: F401
 
@@ -106,10 +106,8 @@ def test_errors_are_one_line_messages(tmp_path: Path, capsys) -> None:
 
 
 def test_memory_prints_the_memory_table(monkeypatch, capsys) -> None:
-    fake = types.ModuleType("fira_train.memory")
-    fake.memory_table = lambda: [{"size": "60m", "method": "fira"}]
-    fake.format_memory_table = lambda rows: f"TABLE {rows[0]['size']} {rows[0]['method']}"
-    monkeypatch.setitem(sys.modules, "fira_train.memory", fake)
+    monkeypatch.setattr(cli, "memory_table", lambda: [{"size": "60m", "method": "fira"}])
+    monkeypatch.setattr(cli, "format_memory_table", lambda rows: f"TABLE {rows[0]['size']} {rows[0]['method']}")
     assert main(["memory"]) == 0
     assert capsys.readouterr().out.strip() == "TABLE 60m fira"
 

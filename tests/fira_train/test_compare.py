@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fira_train.compare import compare, method_config, parse_methods
-from fira_train.metrics import read_metrics
+from fira_train.run.metrics import read_metrics
 from tests.fira_train.harness_fixtures import micro_config  # noqa: F401
 
 

@@ -69,7 +69,7 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 def make_optimizer(model: nn.Module, kind: str, **options):
     """``"fira"`` (rank 2, T = 2: refreshes at steps 0, 2, 4, ...) or ``"adamw"``."""
     import fira_optim
-    from fira_train.parallel import unwrap
+    from fira_train.run.parallel import unwrap
 
     if kind == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
@@ -83,8 +83,8 @@ def train_worker(rank: int, world: int, mode: str, steps: int, kind: str = "fira
     """Train the tiny LM under ``mode`` ("none", "ddp", "fsdp2") for global steps up to
     ``steps``, optionally saving a checkpoint after ``save_at`` steps or starting from one.
     Returns the global mean loss of each step run and the full parameters at the end."""
-    from fira_train.dist_checkpoint import load_checkpoint, save_checkpoint
-    from fira_train.parallel import all_reduce_mean, current_env, parallelize, shard_batch
+    from fira_train.run.dist_checkpoint import load_checkpoint, save_checkpoint
+    from fira_train.run.parallel import all_reduce_mean, current_env, parallelize, shard_batch
 
     env = current_env()
     model = parallelize(build_model(), mode, env)

@@ -10,11 +10,11 @@
 - :mod:`~fira_train.analysis.variance`: the Var[phi] simulation and Theorem 2 (no training).
 
 The training analyses share :mod:`~fira_train.analysis.runs` (a list of runs trained by
-:func:`fira_train.train.train`, report helpers) and :mod:`~fira_train.analysis.callbacks`.
-Only the variance simulation is imported here (it needs numpy alone).
+:func:`fira_train.run.train.train`, report helpers) and :mod:`~fira_train.analysis.callbacks`.
+Only the variance simulation is imported here (it needs numpy alone, no torch).
 """
 
-from .variance import (
+from fira_train.analysis.variance import (
     VarianceCurves,
     check_theorem2,
     run_variance_analysis,

@@ -14,17 +14,17 @@ Three tables of the paper from one set of runs (same initialisation and batches)
 from __future__ import annotations
 
 import math
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fira_train.analysis.callbacks import set_options
-from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, report_header, train_runs
-from fira_train.metrics import read_metrics
-
-if TYPE_CHECKING:
-    from fira_train.config import RunConfig
+from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
+from fira_train.config.run_config import RunConfig
+from fira_train.methods.registry import get_method
+from fira_train.report.plots import pyplot, smooth
+from fira_train.run.metrics import read_metrics
 
 DEFAULT_VARIANTS = ("fira", "fira-no-scaling", "fira-matrix", "fira-no-limiter", "fira-clip",
                     "fira-shrink", "fira-tensorwise")
@@ -70,14 +70,12 @@ def ablation_runs(variants: Sequence[str], gammas: Sequence[float]) -> list[Anal
 
 
 def _plot(out: Path, names: Sequence[str], path: Path) -> None:
-    from fira_train.report import _smooth
-
     plt = pyplot()
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in names:
         records = read_metrics(out / name)
         window = max(1, len(records) // 30)
-        ax_loss.plot([r["step"] for r in records], _smooth([r["loss"] for r in records], window),
+        ax_loss.plot([r["step"] for r in records], smooth([r["loss"] for r in records], window),
                      label=name, linewidth=1.1)
         evals = [(r["step"], r["val_ppl"]) for r in records if "val_ppl" in r and math.isfinite(r["val_ppl"])]
         if evals:
@@ -105,12 +103,10 @@ def _rank_note(measured: dict[str, float], paper: dict[Any, float], keys: Sequen
             f"{same} of {len(pairs)}.")
 
 
-def run_ablation(config: "RunConfig", out_dir: str | Path, *, variants: Sequence[str] = DEFAULT_VARIANTS,
+def run_ablation(config: RunConfig, out_dir: str | Path, *, variants: Sequence[str] = DEFAULT_VARIANTS,
                  gammas: Sequence[float] = DEFAULT_GAMMAS, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
                  command: str | None = None) -> dict[str, Any]:
     """Train the variants and the gamma runs; write ``OUT/report.md`` and ``OUT/ablation.png``."""
-    from fira_train.methods import get_method
-
     for v in variants:
         get_method(v)
     gammas = [_check_gamma(g) for g in gammas]

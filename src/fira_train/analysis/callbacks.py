@@ -1,4 +1,4 @@
-r"""Training-loop callbacks of the analyses (:class:`fira_train.train.TrainCallback`).
+r"""Training-loop callbacks of the analyses (:class:`fira_train.run.callbacks.TrainCallback`).
 
 - :class:`GradientNoise`: :math:`G \leftarrow G + s\,\xi,\ \xi \sim \mathcal{N}(0, I)` for every
   trainable parameter before the optimizer step (the paper's noise-robustness table).
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fira_train.analysis.runs import JsonlWriter
-from fira_train.train import TrainCallback
+from fira_train.run.callbacks import TrainCallback
 
 
 class GradientNoise(TrainCallback):

@@ -27,6 +27,8 @@ import shlex
 from pathlib import Path
 from typing import Any, Callable
 
+from fira_train.analysis.variance import run_variance_analysis
+
 ANALYSES = ("similarity", "rank-sweep", "gap-sweep", "ablation", "spikes", "noise", "variance")
 
 
@@ -56,8 +58,8 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _config(args: argparse.Namespace):
-    from fira_train.overrides import apply_overrides
-    from fira_train.recipes import get_recipe
+    from fira_train.config.overrides import apply_overrides  # imports torch: not at parser build
+    from fira_train.config.recipes import get_recipe
 
     config = get_recipe(args.recipe)
     flags = {}
@@ -109,8 +111,6 @@ def _common(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def _variance(args: argparse.Namespace) -> int:
-    from fira_train.analysis.variance import run_variance_analysis
-
     out = args.out or "runs/analysis/variance"
     result = run_variance_analysis(out, samples=args.samples, steps=args.steps, seed=args.seed,
                                    command=_command_line(args), machine=_machine())
@@ -121,7 +121,7 @@ def _variance(args: argparse.Namespace) -> int:
 
 
 def _machine() -> str:
-    from fira_train.analysis.runs import machine_description
+    from fira_train.analysis.runs import machine_description  # imports torch: not at parser build
 
     return machine_description()
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, report_header, train_runs
-
-if TYPE_CHECKING:
-    from fira_train.config import RunConfig
+import fira_optim
+from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
+from fira_train.config.run_config import RunConfig
+from fira_train.methods.registry import get_method
+from fira_train.report.plots import pyplot
 
 DEFAULT_GAPS = (3, 6, 12, 25, 50)
 DEFAULT_METHODS = ("fira", "galore")
@@ -44,10 +45,7 @@ def gap_sweep_runs(methods: Sequence[str], gaps: Sequence[int], seeds: Sequence[
     return runs
 
 
-def _check(config: "RunConfig", gaps: Sequence[int], methods: Sequence[str], seeds: Sequence[int]) -> None:
-    import fira_optim
-    from fira_train.methods import get_method
-
+def _check(config: RunConfig, gaps: Sequence[int], methods: Sequence[str], seeds: Sequence[int]) -> None:
     steps = config.train.steps
     for g in gaps:
         if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= steps:
@@ -97,7 +95,7 @@ def _plot(values: dict[str, dict[int, list[float]]], gaps: Sequence[int], path: 
     plt.close(fig)
 
 
-def run_gap_sweep(config: "RunConfig", out_dir: str | Path, *, gaps: Sequence[int] = DEFAULT_GAPS,
+def run_gap_sweep(config: RunConfig, out_dir: str | Path, *, gaps: Sequence[int] = DEFAULT_GAPS,
                   methods: Sequence[str] = DEFAULT_METHODS, seeds: Sequence[int] | None = None,
                   reuse: bool = False, overwrite: bool = False, jobs: int = 1,
                   command: str | None = None) -> dict[str, Any]:

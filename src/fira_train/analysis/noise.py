@@ -12,17 +12,17 @@ wherever the true gradient is small.
 from __future__ import annotations
 
 import math
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fira_train.analysis.callbacks import NORMS_FILE, GradientNoise, record_norms, record_norms_with_noise
-from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, read_jsonl, report_header, train_runs
-from fira_train.metrics import read_metrics
-
-if TYPE_CHECKING:
-    from fira_train.config import RunConfig
+from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
+from fira_train.config.run_config import RunConfig
+from fira_train.methods.registry import get_method
+from fira_train.report.plots import pyplot
+from fira_train.run.metrics import read_jsonl, read_metrics
 
 DEFAULT_METHODS = ("fira-only-scaling", "adamw")
 DEFAULT_SCALE = 1e-5
@@ -70,12 +70,10 @@ def _plot(out: Path, methods: Sequence[str], path: Path) -> None:
     plt.close(fig)
 
 
-def run_noise(config: "RunConfig", out_dir: str | Path, *, methods: Sequence[str] = DEFAULT_METHODS,
+def run_noise(config: RunConfig, out_dir: str | Path, *, methods: Sequence[str] = DEFAULT_METHODS,
               scale: float = DEFAULT_SCALE, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
               command: str | None = None) -> dict[str, Any]:
     """Train each method with and without noise; write ``OUT/report.md`` and ``OUT/noise.png``."""
-    from fira_train.methods import get_method
-
     for m in methods:
         get_method(m)
     GradientNoise(scale)  # validates the scale before anything trains

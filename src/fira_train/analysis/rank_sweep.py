@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, report_header, train_runs
-
-if TYPE_CHECKING:
-    from fira_train.config import RunConfig
+from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
+from fira_train.config.run_config import RunConfig
+from fira_train.methods.registry import get_method
+from fira_train.report.plots import pyplot
 
 DEFAULT_RANKS = (4, 16, 64, 128)
 DEFAULT_METHODS = ("fira", "galore", "fira-only-scaling")
@@ -53,12 +53,10 @@ def _plot(table: dict[str, dict[int, float]], baseline: float, ranks: Sequence[i
     plt.close(fig)
 
 
-def run_rank_sweep(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[int] = DEFAULT_RANKS,
+def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] = DEFAULT_RANKS,
                    methods: Sequence[str] = DEFAULT_METHODS, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
                    command: str | None = None) -> dict[str, Any]:
     """Train the sweep and write ``OUT/report.md`` and ``OUT/ranks.png``; returns the table."""
-    from fira_train.methods import get_method
-
     ranks = sorted(set(ranks))
     d_model = config.model.hidden_size
     for r in ranks:

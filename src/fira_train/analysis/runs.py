@@ -1,6 +1,6 @@
 """What every training analysis shares: a list of runs, trained one after another, and the report.
 
-An analysis is a thin layer over :func:`fira_train.train.train`: it names its runs
+An analysis is a thin layer over :func:`fira_train.run.train.train`: it names its runs
 (:class:`AnalysisRun`: a method, ``key=value`` overrides and optional callbacks), trains them
 on one shared corpus into ``OUT/<run name>/`` (:func:`train_runs`), then turns their
 ``metrics.jsonl`` / ``summary.json`` (and any file a callback wrote) into ``OUT/report.md`` and
@@ -21,11 +21,16 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from fira_train.config import RunConfig
-    from fira_train.train import TrainCallback
+import torch
+
+from fira_train.config.overrides import apply_overrides
+from fira_train.config.run_config import RunConfig
+from fira_train.data.build import build_corpus
+from fira_train.run.callbacks import TrainCallback
+from fira_train.run.run_dir import finished_with
+from fira_train.run.train import train
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +49,10 @@ class AnalysisRun:
     name: str
     """Directory name under the analysis folder, and the label in tables and figures."""
     method: str
-    """A :mod:`fira_train.methods` name."""
+    """A :mod:`fira_train.methods.registry` name."""
     overrides: tuple[str, ...] = ()
     """``section.field=value`` config overrides applied after the method."""
-    callbacks: Callable[[Path], Sequence["TrainCallback"]] | None = field(default=None, compare=False)
+    callbacks: Callable[[Path], Sequence[TrainCallback]] | None = field(default=None, compare=False)
     """Builds the run's callbacks given its directory (they may write files there)."""
     describe: str = ""
     """What the callbacks change, recorded with the run (``OUT/<name>/analysis_run.json``) so that
@@ -62,31 +67,27 @@ class AnalysisRun:
                 "callbacks": self.describe}
 
 
-def run_config(config: "RunConfig", run: AnalysisRun, out_dir: str | Path) -> "RunConfig":
+def run_config(config: RunConfig, run: AnalysisRun, out_dir: str | Path) -> RunConfig:
     """``config`` with ``run``'s method and overrides, writing to ``out_dir/run.name``."""
-    from fira_train.overrides import apply_overrides
-
     config = replace(config, optim=replace(config.optim, method=run.method))
     config = apply_overrides(config, list(run.overrides))
     return replace(config, train=replace(config.train, out_dir=str(Path(out_dir) / run.name)))
 
 
-def _reusable(config: "RunConfig", run: AnalysisRun, run_dir: Path) -> bool:
-    from fira_train.compare import _finished_with
-
+def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path) -> bool:
     spec = run_dir / RUN_SPEC_FILE
-    return (_finished_with(config, run_dir) and spec.exists()
+    return (finished_with(config, run_dir) and spec.exists()
             and json.loads(spec.read_text()) == run.spec())
 
 
-def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | Path, *,
+def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Path, *,
                reuse: bool = False, overwrite: bool = False, jobs: int = 1) -> dict[str, dict[str, Any]]:
     """Train ``runs`` on one shared corpus; returns ``{name: summary}``.
 
     ``reuse``: a run whose folder already holds a finished run of the same config and spec is
     not trained again; any other run in the way is deleted and redone. ``overwrite``: every
     existing run is deleted and redone. With neither, an existing run is an error
-    (:func:`fira_train.train.train` refuses to overwrite it).
+    (:func:`fira_train.run.train.train` refuses to overwrite it).
 
     ``jobs``: how many runs train at once, each in a worker process of its own (``spawn``, so
     each initializes CUDA for itself). Runs share nothing but the corpus cache on disk, which is
@@ -96,8 +97,6 @@ def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | 
     splits them. If a run fails, the others still finish (``reuse`` keeps them) before its error is
     raised.
     """
-    from fira_train.data import build_corpus
-
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got jobs={jobs!r}")
     names = [r.name for r in runs]
@@ -142,7 +141,7 @@ def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | 
     return {name: summaries[name] for name in names}
 
 
-def _with_threads(cfg: "RunConfig", threads: int) -> "RunConfig":
+def _with_threads(cfg: RunConfig, threads: int) -> RunConfig:
     """``cfg`` with ``threads`` torch threads unless it names its own, and no progress bar (the
     bars of parallel workers would overwrite each other; each run logs its start and end)."""
     train_config = cfg.train
@@ -161,13 +160,10 @@ def _train_task(task: tuple) -> tuple[str, dict[str, Any]]:
     return run.name, _train_one(index, total, run, cfg, overwrite, None)
 
 
-def _train_one(index: int, total: int, run: AnalysisRun, cfg: "RunConfig", overwrite: bool,
+def _train_one(index: int, total: int, run: AnalysisRun, cfg: RunConfig, overwrite: bool,
                corpus: Any) -> dict[str, Any]:
     """Train one run into its folder (building the corpus from the cache if not given) and
     record its spec there once it finished."""
-    from fira_train.data import build_corpus
-    from fira_train.train import train
-
     run_dir = Path(cfg.train.out_dir)
     log.info("[%d/%d] %s (%s %s) -> %s", index, total, run.name, run.method, " ".join(run.overrides), run_dir)
     (run_dir / RUN_SPEC_FILE).unlink(missing_ok=True)
@@ -185,8 +181,6 @@ def _train_one(index: int, total: int, run: AnalysisRun, cfg: "RunConfig", overw
 
 def machine_description() -> str:
     """CPU / GPU, core count and library versions, for the report header."""
-    import torch
-
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(0)
     else:
@@ -194,7 +188,7 @@ def machine_description() -> str:
     return f"{device}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def budget_description(config: "RunConfig") -> str:
+def budget_description(config: RunConfig) -> str:
     """The scale the analysis ran at, in one sentence."""
     t, m, d = config.train, config.model, config.data
     tokens = t.steps * t.batch_size * d.seq_len
@@ -204,7 +198,7 @@ def budget_description(config: "RunConfig") -> str:
             f"alpha = {config.optim.alpha}")
 
 
-def scale_note(config: "RunConfig") -> str:
+def scale_note(config: RunConfig) -> str:
     """How far the budget is from the paper's, in tokens."""
     t = config.train
     tokens = t.steps * t.batch_size * config.data.seq_len
@@ -214,7 +208,7 @@ def scale_note(config: "RunConfig") -> str:
             "not reached, and the numbers below are as measured, not tuned.")
 
 
-def report_header(title: str, config: "RunConfig", *, command: str | None, note: str = "") -> list[str]:
+def report_header(title: str, config: RunConfig, *, command: str | None, note: str = "") -> list[str]:
     """Title, date, command, machine and budget lines of a report."""
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# {title}", "", f"- Date: {date}",
@@ -237,21 +231,6 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 class JsonlWriter:

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 import zlib
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
+from scipy import stats
 
 import fira_optim
 from fira_optim.projection import project, projection_side, reduce_dim
@@ -42,15 +43,13 @@ from fira_train.analysis.runs import (
     AnalysisRun,
     JsonlWriter,
     markdown_table,
-    pyplot,
-    read_jsonl,
     report_header,
     train_runs,
 )
-from fira_train.train import TrainCallback
-
-if TYPE_CHECKING:
-    from fira_train.config import RunConfig
+from fira_train.config.run_config import RunConfig
+from fira_train.report.plots import pyplot
+from fira_train.run.callbacks import TrainCallback
+from fira_train.run.metrics import read_jsonl
 
 FACTORS_FILE = "scaling_factors.jsonl"
 FULL_RANK_RUN = "adamw"
@@ -158,8 +157,6 @@ class ScalingFactorRecorder(TrainCallback):
 def similarity(low: np.ndarray, full: np.ndarray) -> dict[str, float]:
     """Cosine, MSE, relative MSE (MSE / mean(full^2)), Euclidean distance and (coefficient,
     p-value) of Spearman, Kendall and Pearson."""
-    from scipy import stats
-
     low, full = np.asarray(low, dtype=np.float64), np.asarray(full, dtype=np.float64)
     if low.shape != full.shape or low.ndim != 1 or low.size < 2:
         raise ValueError(f"need two 1-D vectors of the same length >= 2, got shapes {low.shape} and {full.shape}")
@@ -253,7 +250,7 @@ def _fmt_p(value: float) -> str:
     return f"{value:.1e}" if math.isfinite(value) else "nan"
 
 
-def run_similarity(config: "RunConfig", out_dir: str | Path, *, ranks: Sequence[int] = (16, 128),
+def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] = (16, 128),
                    every: int | None = None, columns: int = 100, reuse: bool = False,
                    overwrite: bool = False, jobs: int = 1, command: str | None = None) -> dict[str, Any]:
     """Train ``adamw`` and ``fira`` at each rank, compare their scaling factors, write

@@ -24,15 +24,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from fira_train.analysis.callbacks import NORMS_FILE, record_norms
-from fira_train.analysis.runs import AnalysisRun, markdown_table, pyplot, read_jsonl, report_header, train_runs
-
-if TYPE_CHECKING:
-    from fira_train.config import RunConfig
+from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
+from fira_train.config.run_config import RunConfig
+from fira_train.methods.registry import get_method
+from fira_train.report.plots import pyplot
+from fira_train.run.metrics import read_jsonl
 
 LIMITER_RUNS = ("fira", "fira-no-limiter", "fira-clip")
 GALORE_RUNS = ("galore", "galore-add")
@@ -124,7 +125,7 @@ def _plot(out: Path, limiter: Sequence[str], galore: Sequence[str], gap: int, st
     plt.close(fig)
 
 
-def run_spikes(config: "RunConfig", out_dir: str | Path, *, limiter_runs: Sequence[str] = LIMITER_RUNS,
+def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence[str] = LIMITER_RUNS,
                galore_runs: Sequence[str] = GALORE_RUNS, galore_rank: int | None = 16, reuse: bool = False,
                overwrite: bool = False, jobs: int = 1, command: str | None = None) -> dict[str, Any]:
     """Train the runs, write ``OUT/report.md`` and ``OUT/spikes.png``; returns the statistics.
@@ -132,8 +133,6 @@ def run_spikes(config: "RunConfig", out_dir: str | Path, *, limiter_runs: Sequen
     The ``galore_runs`` use rank ``galore_rank`` (default 16, the paper's GaLore-add figure has
     r/d_model = 16/256; None keeps the config's rank), the ``limiter_runs`` the config's rank.
     """
-    from fira_train.methods import get_method
-
     names = list(dict.fromkeys([*limiter_runs, *galore_runs]))
     if not names:
         raise ValueError("spikes needs at least one run")

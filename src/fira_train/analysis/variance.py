@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from fira_train.report.plots import pyplot
+
 DEFAULT_RANKS = (1, 5, 10, 50, 100)
 REPORT_STEPS = (1, 2, 3, 5, 10, 20, 50, 100, 200, 500, 1000)
 RATIO_STEPS = (5, 10, 100, 1000)
@@ -276,11 +278,7 @@ def _infinite(rank: int, t: int, variant: str) -> bool:
 
 
 def _plot(curves: VarianceCurves, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = plt.cm.viridis(np.linspace(0.0, 0.9, len(curves.ranks)))
     for k, (rank, color) in enumerate(zip(curves.ranks, colors)):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fira_train.config import RunConfig
-from fira_train.overrides import apply_overrides
+from fira_train.config.overrides import apply_overrides
+from fira_train.config.run_config import RunConfig
 from tests.fira_train.harness_fixtures import micro_config
 
 

@@ -10,8 +10,14 @@ import torch
 
 import fira_optim
 from fira_optim import projection, subspace
-from fira_train.analysis.callbacks import GradientNoise, GroupOptions, NormRecorder, global_grad_norm, residual_norm
-from fira_train.analysis.runs import read_jsonl
+from fira_train.analysis.callbacks import (
+    GradientNoise,
+    GroupOptions,
+    NormRecorder,
+    global_grad_norm,
+    residual_norm,
+)
+from fira_train.run.metrics import read_jsonl
 
 
 def _model_with_grads(value: float = 0.0) -> torch.nn.Module:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fira_train.analysis.noise import run_noise
-from fira_train.metrics import read_metrics
+from fira_train.run.metrics import read_metrics
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
 
 

@@ -13,7 +13,7 @@ from fira_train.analysis.noise import noise_runs
 from fira_train.analysis.runs import RUN_SPEC_FILE, train_runs
 from fira_train.analysis.similarity import similarity_runs
 from fira_train.analysis.spikes import spike_runs
-from fira_train.metrics import read_metrics
+from fira_train.run.metrics import read_metrics
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
 
 

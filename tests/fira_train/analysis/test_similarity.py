@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import fira_optim
-from fira_train.analysis.runs import read_jsonl
 from fira_train.analysis.similarity import (
     FACTORS_FILE,
     ScalingFactorRecorder,
@@ -19,6 +18,7 @@ from fira_train.analysis.similarity import (
     scaling_factors,
     similarity,
 )
+from fira_train.run.metrics import read_jsonl
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
 
 LR, ALPHA = 0.01, 0.25

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from fira_train.analysis.runs import read_jsonl
-from fira_train.analysis.spikes import NORMS_FILE, run_spikes, spike_statistics
+from fira_train.analysis.callbacks import NORMS_FILE
+from fira_train.analysis.spikes import run_spikes, spike_statistics
+from fira_train.run.metrics import read_jsonl
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
 
 

@@ -1,4 +1,4 @@
-"""The ``callbacks`` hook of fira_train.train.train: when callbacks run and what they see."""
+"""The ``callbacks`` hook of fira_train.run.train.train: when callbacks run and what they see."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from fira_train.train import TrainCallback, train
+from fira_train.run.callbacks import TrainCallback
+from fira_train.run.train import train
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
 
 

@@ -1,0 +1,144 @@
+"""Config <-> dict (``OUT/config.json``) and ``section.field=value`` overrides (the CLI's).
+
+:func:`apply_overrides` parses each value with the type of its dataclass field (ints, floats,
+bools, strings, ``none`` for optional fields, comma-separated tuples), rebuilds the config (so
+every ``__post_init__`` check runs again) and rejects unknown keys with the list of valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Union
+
+from fira_train.config.run_config import ModelConfig, OptimConfig, RunConfig, TrainConfig
+from fira_train.data.spec import DataSpec
+
+SECTIONS = ("model", "optim", "data", "train")
+KINDS: dict[str, type] = {"model": ModelConfig, "optim": OptimConfig, "data": DataSpec, "train": TrainConfig}
+
+
+def config_to_dict(config: RunConfig) -> dict[str, Any]:
+    """A JSON-ready dict (tuples become lists)."""
+    return dataclasses.asdict(config)
+
+
+def _section_from_dict(kind: type, values: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(values, dict):
+        raise ValueError(f"{prefix} must be a mapping, got {values!r}")
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown config key {prefix}.{unknown[0]}; valid keys: "
+                         + ", ".join(f"{prefix}.{n}" for n in sorted(names)))
+    hints = typing.get_type_hints(kind)
+    converted = {}
+    for key, value in values.items():
+        if isinstance(value, list) and _is_tuple_type(hints[key]):
+            value = tuple(value)
+        converted[key] = value
+    return kind(**converted)
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """Inverse of :func:`config_to_dict`; rejects unknown keys and re-validates every field."""
+    if not isinstance(values, dict):
+        raise ValueError(f"a config must be a mapping, got {values!r}")
+    unknown = sorted(set(values) - {"recipe", *SECTIONS})
+    if unknown:
+        raise ValueError(f"unknown config key {unknown[0]}; valid keys: recipe, " + ", ".join(SECTIONS))
+    sections = {name: _section_from_dict(KINDS[name], values.get(name, {}), name) for name in SECTIONS}
+    return RunConfig(recipe=values.get("recipe", "custom"), **sections)
+
+
+def _is_tuple_type(hint: Any) -> bool:
+    return typing.get_origin(hint) is tuple
+
+
+def _optional_inner(hint: Any) -> Any | None:
+    """X for ``X | None`` / ``Optional[X]``, else None."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(hint)) == 2:
+            return args[0]
+    return None
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def parse_value(key: str, text: str, hint: Any) -> Any:
+    """Parse the string ``text`` as a value of type ``hint`` for the field ``key``."""
+    inner = _optional_inner(hint)
+    if inner is not None:
+        if text.strip().lower() in ("none", "null"):
+            return None
+        return parse_value(key, text, inner)
+    try:
+        if hint is bool:
+            lowered = text.strip().lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError
+        if hint is int:
+            return int(text)
+        if hint is float:
+            return float(text)
+        if hint is str:
+            return text
+        if _is_tuple_type(hint):
+            item_types = typing.get_args(hint)
+            parts = [p for p in text.replace("(", "").replace(")", "").split(",") if p.strip()]
+            if len(parts) != len(item_types):
+                raise ValueError
+            return tuple(parse_value(key, p.strip(), t) for p, t in zip(parts, item_types))
+    except ValueError:
+        raise ValueError(f"cannot parse {key}={text!r} as {_type_name(hint)}") from None
+    raise TypeError(f"no parser for {key} of type {hint!r}")
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint)
+
+
+def apply_overrides(config: RunConfig, overrides: list[str] | dict[str, str]) -> RunConfig:
+    """A new config with ``section.field=value`` overrides applied (and validated).
+
+    ``overrides`` is a list of ``"key=value"`` strings (the CLI form) or a ``{key: value}``
+    dict of strings. Values are parsed with the field's type: ints, floats, bools
+    (true/false/1/0/yes/no), strings, ``none`` for optional fields, comma-separated tuples
+    (``optim.betas=0.9,0.95``). An unknown key raises ``ValueError`` listing the valid keys.
+    """
+    if isinstance(overrides, dict):
+        items = list(overrides.items())
+    else:
+        items = []
+        for item in overrides:
+            if "=" not in item:
+                raise ValueError(f"override {item!r} is not of the form section.field=value")
+            key, _, text = item.partition("=")
+            items.append((key.strip(), text))
+    values = config_to_dict(config)
+    for key, text in items:
+        if key == "recipe":
+            values["recipe"] = text
+            continue
+        section, _, name = key.partition(".")
+        if section not in KINDS or not name:
+            raise ValueError(f"unknown config key {key!r}; keys look like section.field with section "
+                             f"one of {', '.join(SECTIONS)} (e.g. train.steps=100)")
+        hints = typing.get_type_hints(KINDS[section])
+        if name not in hints or name not in {f.name for f in dataclasses.fields(KINDS[section])}:
+            valid = ", ".join(f"{section}.{f.name}" for f in dataclasses.fields(KINDS[section]))
+            raise ValueError(f"unknown config key {key!r}; valid keys: {valid}")
+        values[section][name] = parse_value(key, text, hints[name])
+    return config_from_dict(values)
+
+
+def override_keys() -> list[str]:
+    """Every ``section.field`` key that :func:`apply_overrides` accepts."""
+    return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(KINDS[s])]

@@ -1,0 +1,279 @@
+"""Run configuration: nested dataclasses, validated on construction, overridable as ``key=value``.
+
+A run is described by one :class:`RunConfig` holding four sections:
+
+- ``model`` (:class:`ModelConfig`): the LLaMA architecture (``transformers.LlamaConfig`` names);
+- ``optim`` (:class:`OptimConfig`): the method (a name from :mod:`fira_train.methods.registry`)
+  and its hyper-parameters (learning rate, rank, subspace update gap T, alpha, ...);
+- ``data`` (:class:`fira_train.data.spec.DataSpec`): corpus, tokenizer, sequence length;
+- ``train`` (:class:`TrainConfig`): steps, batch, schedule, evaluation, checkpoints, output.
+
+Every field carries a docstring and every section checks its values in ``__post_init__``,
+raising ``ValueError`` with the field's name and the offending value. ``section.field=value``
+overrides and the ``config.json`` round trip are in :mod:`fira_train.config.overrides`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fira_optim.optimizer import IMPLEMENTATIONS
+from fira_optim.projection import PROJECTORS
+from fira_train.data.spec import DataSpec
+from fira_train.methods.registry import METHODS
+
+PRECISIONS = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+#: ``train.parallel``: one process, or the data parallelism of :func:`fira_train.run.parallel.parallelize`.
+PARALLEL_MODES = ("none", "ddp", "fsdp2")
+
+
+def _check(condition: bool, name: str, value: Any, requirement: str) -> None:
+    if not condition:
+        raise ValueError(f"{name} must be {requirement}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass
+class ModelConfig:
+    """A LLaMA decoder (RMSNorm, SwiGLU, rotary positions), in ``transformers.LlamaConfig`` terms.
+
+    The vocabulary size comes from the tokenizer and the context length from ``data.seq_len``.
+    """
+
+    hidden_size: int = 256
+    """Width d_model of the residual stream."""
+    intermediate_size: int = 688
+    """Width of the SwiGLU MLP (LLaMA uses about 8/3 * hidden_size)."""
+    num_attention_heads: int = 4
+    """Attention heads; must divide hidden_size."""
+    num_hidden_layers: int = 4
+    """Transformer blocks."""
+    num_key_value_heads: int | None = None
+    """Key/value heads for grouped-query attention; None means one per attention head."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal initialisation of every weight matrix."""
+    rope_theta: float = 10000.0
+    """Base of the rotary position embedding."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output head (the paper's models do not)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, f"model.{name}", value, "an integer >= 1")
+        _check(
+            self.hidden_size % self.num_attention_heads == 0,
+            "model.num_attention_heads", self.num_attention_heads,
+            f"a divisor of model.hidden_size={self.hidden_size}",
+        )
+        if self.num_key_value_heads is not None:
+            value = self.num_key_value_heads
+            _check(
+                _is_int(value) and value >= 1 and self.num_attention_heads % value == 0,
+                "model.num_key_value_heads", value,
+                f"None or a divisor of model.num_attention_heads={self.num_attention_heads}",
+            )
+        _check(_is_number(self.initializer_range) and self.initializer_range > 0,
+               "model.initializer_range", self.initializer_range, "a positive number")
+        _check(_is_number(self.rope_theta) and self.rope_theta > 0,
+               "model.rope_theta", self.rope_theta, "a positive number")
+        _check(isinstance(self.tie_word_embeddings, bool),
+               "model.tie_word_embeddings", self.tie_word_embeddings, "a bool")
+
+
+@dataclass
+class OptimConfig:
+    """The training method and its hyper-parameters (see :mod:`fira_train.methods.registry`)."""
+
+    method: str = "fira"
+    """A name from the method registry (``fira-train pretrain --help`` lists them)."""
+    lr: float | None = None
+    """Peak learning rate; None takes the method's default (0.01 for Fira/GaLore, 0.001 for AdamW, ...)."""
+    rank: int = 128
+    """Rank r of the projected subspace (Fira/GaLore family) or of the LoRA adapters (lora/relora)."""
+    update_proj_gap: int = 200
+    """Subspace update frequency T: the projection is recomputed every T optimizer steps."""
+    alpha: float = 0.25
+    """Fira/GaLore scale factor alpha (0.25 below 1B, 0.0625 from 1B in the paper)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's moment decay rates (beta1, beta2)."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (0 in the paper's pre-training runs)."""
+    gamma: float = 1.01
+    """Fira's norm-growth limiter threshold gamma (the paper's 1.01)."""
+    projector: str = "svd"
+    """How the Fira/GaLore family finds its subspace: "svd" (exact, the paper), "randomized"
+    (warm-started subspace iteration) or "random" (a variant's own projector wins)."""
+    implementation: str = "fast"
+    """The Fira/GaLore optimizer's code path: "fast", "compiled" (torch.compile) or "reference"."""
+    host_refresh: bool = False
+    """On a GPU, compute the Fira/GaLore refresh SVDs on the host CPU (FiraAdamW's
+    ``host_refresh``; no effect on the CPU)."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator: adapters are scaled by lora_alpha / rank (lora, relora)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch (lora, relora)."""
+    relora_every: int | None = None
+    """ReLoRA: merge the adapters into the weights and restart them every this many steps;
+    None means a quarter of the run (four cycles, as in the ReLoRA paper's 20K/5K)."""
+    relora_prune: float = 0.99
+    """ReLoRA: fraction of the adapters' Adam moments zeroed (smallest magnitudes) at a restart;
+    1.0 resets them completely."""
+    relora_rewarmup: int | None = None
+    """ReLoRA: steps of linear learning-rate re-warm-up after each restart; None means 2% of a
+    cycle (ReLoRA's 100 steps per 5000), at least 1."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.method, str) and self.method != "", "optim.method", self.method,
+               "a method name")
+        if self.lr is not None:
+            _check(_is_number(self.lr) and self.lr > 0, "optim.lr", self.lr, "None or a positive number")
+        _check(_is_number(self.gamma) and self.gamma >= 1, "optim.gamma", self.gamma, "a number >= 1")
+        _check(self.projector in PROJECTORS, "optim.projector", self.projector, f"one of {PROJECTORS}")
+        _check(self.implementation in IMPLEMENTATIONS, "optim.implementation", self.implementation,
+               f"one of {IMPLEMENTATIONS}")
+        _check(isinstance(self.host_refresh, bool), "optim.host_refresh", self.host_refresh, "true or false")
+        _check(_is_int(self.rank) and self.rank >= 1, "optim.rank", self.rank, "an integer >= 1")
+        _check(_is_int(self.update_proj_gap) and self.update_proj_gap >= 1,
+               "optim.update_proj_gap", self.update_proj_gap, "an integer >= 1")
+        _check(_is_number(self.alpha) and self.alpha > 0, "optim.alpha", self.alpha, "a positive number")
+        _check(
+            isinstance(self.betas, tuple) and len(self.betas) == 2
+            and all(_is_number(b) and 0.0 <= b < 1.0 for b in self.betas),
+            "optim.betas", self.betas, "two numbers in [0, 1)",
+        )
+        _check(_is_number(self.eps) and self.eps >= 0, "optim.eps", self.eps, "a number >= 0")
+        _check(_is_number(self.weight_decay) and self.weight_decay >= 0,
+               "optim.weight_decay", self.weight_decay, "a number >= 0")
+        _check(_is_number(self.lora_alpha) and self.lora_alpha > 0,
+               "optim.lora_alpha", self.lora_alpha, "a positive number")
+        _check(_is_number(self.lora_dropout) and 0 <= self.lora_dropout < 1,
+               "optim.lora_dropout", self.lora_dropout, "a number in [0, 1)")
+        for name in ("relora_every", "relora_rewarmup"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(_is_int(value) and value >= 1, f"optim.{name}", value, "None or an integer >= 1")
+        _check(_is_number(self.relora_prune) and 0 <= self.relora_prune <= 1,
+               "optim.relora_prune", self.relora_prune, "a number in [0, 1]")
+
+
+@dataclass
+class TrainConfig:
+    """Steps, batch, schedule, evaluation, checkpoints and output of one run."""
+
+    steps: int = 1000
+    """Optimizer steps."""
+    batch_size: int = 512
+    """Sequences per optimizer step (the paper: 512 x 256 = 131K tokens)."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward pass; batch_size / micro_batch_size is the number of
+    gradient-accumulation steps. None means batch_size (no accumulation)."""
+    warmup_fraction: float = 0.1
+    """Fraction of the steps with a linear learning-rate warm-up from 0 (the paper: 10%)."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at this fraction of the peak learning rate (the paper: 10%)."""
+    grad_clip: float = 0.0
+    """Clip the global gradient norm to this value before each step; 0 disables (the released
+    harness's default: the Fira family relies on its norm-growth limiter instead)."""
+    eval_every: int = 1000
+    """Validation every this many steps (and always after the last step); 0 means only at the end."""
+    save_every: int = 1000
+    """Checkpoint every this many steps (and always after the last step); 0 means only at the end."""
+    keep_last: int = 2
+    """Complete checkpoints kept in OUT/checkpoints (older ones are deleted; the newest never)."""
+    seed: int = 0
+    """Seed of the model initialisation, the data order and every random number generator."""
+    out_dir: str = "runs/run"
+    """Run directory: config.json, metrics.jsonl, summary.json, tb/ and checkpoints/ go here."""
+    precision: str = "auto"
+    """"auto" (bf16 autocast on CUDA devices that support it, float32 otherwise), "bf16"
+    (autocast, also on CPU) or "fp32"."""
+    device: str = "auto"
+    """"auto" (CUDA if available), "cpu" or "cuda"."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to OUT/tb."""
+    progress: bool = True
+    """Show a tqdm progress bar."""
+    num_threads: int = 0
+    """CPU threads for torch (``torch.set_num_threads``, process-wide); 0 keeps torch's default.
+    On a CPU shared with other jobs, 1 can be many times faster than oversubscribed threads."""
+    parallel: str = "none"
+    """Data parallelism over the processes of a ``torchrun`` launch: "none" (one process),
+    "ddp" (replicated weights, averaged gradients) or "fsdp2" (weights, gradients and
+    optimizer states sharded by rows). Every rank trains on its rows of each global batch, so
+    ``batch_size`` and the tokens per step stay what the recipe says at any world size."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, f"train.{name}", value, "an integer >= 1")
+        if self.micro_batch_size is not None:
+            value = self.micro_batch_size
+            _check(_is_int(value) and value >= 1 and self.batch_size % value == 0,
+                   "train.micro_batch_size", value,
+                   f"None or a divisor of train.batch_size={self.batch_size}")
+        _check(_is_number(self.warmup_fraction) and 0 <= self.warmup_fraction < 1,
+               "train.warmup_fraction", self.warmup_fraction, "a number in [0, 1)")
+        _check(_is_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1,
+               "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _check(_is_number(self.grad_clip) and self.grad_clip >= 0,
+               "train.grad_clip", self.grad_clip, "a number >= 0 (0 disables clipping)")
+        for name in ("eval_every", "save_every", "seed", "num_threads"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 0, f"train.{name}", value, "an integer >= 0")
+        _check(_is_int(self.keep_last) and self.keep_last >= 1,
+               "train.keep_last", self.keep_last, "an integer >= 1")
+        _check(isinstance(self.out_dir, str) and self.out_dir != "", "train.out_dir", self.out_dir,
+               "a non-empty path")
+        _check(self.precision in PRECISIONS, "train.precision", self.precision, f"one of {PRECISIONS}")
+        _check(self.device in DEVICES, "train.device", self.device, f"one of {DEVICES}")
+        _check(self.parallel in PARALLEL_MODES, "train.parallel", self.parallel, f"one of {PARALLEL_MODES}")
+        for name in ("tensorboard", "progress"):
+            _check(isinstance(getattr(self, name), bool), f"train.{name}", getattr(self, name), "a bool")
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches accumulated into one optimizer step."""
+        return self.batch_size // (self.micro_batch_size or self.batch_size)
+
+
+@dataclass
+class RunConfig:
+    """Everything one pre-training run depends on."""
+
+    recipe: str = "custom"
+    """Name of the recipe the config came from (informational)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The architecture."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The method and its hyper-parameters."""
+    data: DataSpec = field(default_factory=DataSpec)
+    """Corpus, tokenizer and sequence length."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch, schedule, evaluation, checkpoints, output."""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("model", ModelConfig), ("optim", OptimConfig), ("data", DataSpec),
+                           ("train", TrainConfig)):
+            _check(isinstance(getattr(self, name), kind), name, getattr(self, name),
+                   f"a {kind.__name__}")
+        _check(self.optim.method in METHODS, "optim.method", self.optim.method,
+               f"one of {', '.join(sorted(METHODS))}")
+        # peft wraps the model after it is built; DDP / FSDP2 must wrap it before the optimizer
+        # sees the parameters, and the two orders do not compose yet.
+        _check(self.train.parallel == "none" or not METHODS[self.optim.method].wraps_model,
+               "train.parallel", self.train.parallel,
+               f"'none' with optim.method={self.optim.method!r} (its adapters are not supported "
+               "under DDP / FSDP2 yet)")

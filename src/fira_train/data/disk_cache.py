@@ -1,0 +1,70 @@
+"""Content-addressed on-disk cache for tokenizers and tokenized corpora.
+
+Every cache entry is a directory named by a hash of what produced it (corpus content, split,
+tokenizer, recipe version). Entries are written into a temporary sibling directory, flushed to
+disk, then renamed into place: a reader therefore sees either a complete entry or none, even
+if the writer is killed half-way (``kill -9``) or two processes build the same entry at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from fira_train.files import fsync_dir
+
+CACHE_ENV_VAR = "FIRA_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """``$FIRA_CACHE`` if set, else ``~/.cache/fira-train``."""
+    env = os.environ.get(CACHE_ENV_VAR)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fira-train"
+
+
+def fingerprint(*parts: object) -> str:
+    """A short stable hash of JSON-serialisable ``parts`` (key order does not matter)."""
+    payload = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
+
+
+def _fsync_tree(root: Path) -> None:
+    # Flush file contents before the rename publishes them: otherwise a crash right after the
+    # rename can leave a complete-looking entry whose files are empty.
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    with contextlib.suppress(OSError):  # directories cannot be fsynced on every platform
+        fsync_dir(root)
+
+
+@contextlib.contextmanager
+def atomic_directory(final: Path) -> Iterator[Path]:
+    """Yield an empty temporary directory that replaces nothing and becomes ``final`` on success.
+
+    If ``final`` appeared meanwhile (another process built the same entry), the temporary copy
+    is discarded: entries are content-addressed, so both copies are equivalent. On an exception
+    the temporary directory is removed and ``final`` is left untouched.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temp.mkdir()
+    try:
+        yield temp
+        _fsync_tree(temp)
+        try:
+            os.rename(temp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            shutil.rmtree(temp, ignore_errors=True)  # lost the race to an identical entry
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise

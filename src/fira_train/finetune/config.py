@@ -1,0 +1,144 @@
+"""A fine-tuning run's options (:class:`FinetuneConfig`, one per CLI option) and the methods.
+
+Importing this module loads no torch: the ``finetune`` parser is built from it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fira_train.finetune.commonsense import TaskSpec, parse_tasks
+
+#: The entries of the method registry (:data:`fira_train.methods.registry.METHODS`) that
+#: fine-tuning offers, under the same names; it runs them through the Hugging Face ``Trainer``
+#: (``galore`` and ``fira`` through :class:`fira_optim.integrations.FiraTrainer`). The registry
+#: itself is not imported here: it loads torch.
+REGISTRY_METHODS = ("adamw", "lora", "galore", "fira")
+#: ``--method``: a view of the registry, :data:`REGISTRY_METHODS` and two methods only fine-tuning
+#: has: ``none`` (zero-shot, no training) and ``fira-lora`` (the released recipe: ``lora``'s
+#: adapters trained by Fira).
+METHODS = ("none", *REGISTRY_METHODS, "fira-lora")
+LORA_METHODS = ("lora", "fira-lora")
+FIRA_METHODS = ("galore", "fira", "fira-lora")
+
+#: Learning rate per method when ``--lr`` is not given, set for short CPU runs (tens to hundreds of
+#: steps): LoRA's B starts at zero and needs a larger step than full fine-tuning of pretrained
+#: weights (LLM-Adapters uses 3e-4 for LoRA; the paper 1e-4 for every method over 3 epochs).
+DEFAULT_LR = {"adamw": 5e-5, "galore": 5e-5, "fira": 5e-5, "lora": 5e-4, "fira-lora": 5e-4, "none": 0.0}
+#: Projection rank when ``--rank`` is not given: the paper's r = 32; the released Fira-on-LoRA uses 16.
+DEFAULT_RANK = {"galore": 32, "fira": 32, "fira-lora": 16}
+
+
+class FinetuneError(ValueError):
+    """A bad option value; the message names the option and the value."""
+
+
+@dataclass
+class FinetuneConfig:
+    """One fine-tuning run. Every field is a CLI option (``--max-eval`` for ``max_eval``, ...)."""
+
+    tasks: list[str]
+    """Task names (folder names under ``data_dir``); those with ``train.json`` are trained on."""
+    data_dir: str
+    """Folder holding ``<task>/train.json`` and ``<task>/test.json`` in the LLM-Adapters format."""
+    method: str = "fira"
+    """One of :data:`METHODS`."""
+    model: str | None = None
+    """Hub name, local folder or .gguf file; ``None``: the packaged SmolLM2-135M-Instruct."""
+    steps: int = 100
+    """Optimizer steps (0: zero-shot evaluation)."""
+    max_eval: int | None = None
+    """Test examples per task (a seeded random subset); ``None``: all."""
+    max_train: int | None = None
+    """Training records drawn from the union (seeded); ``None``: ``steps * batch_size`` (one pass)."""
+    out: str | None = None
+    """Output folder; ``None``: ``runs/finetune/<method>``."""
+    batch_size: int = 8
+    lr: float | None = None
+    """Peak learning rate; ``None``: :data:`DEFAULT_LR` of the method."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps; ``None``: ``min(100, steps // 10)`` (the paper warms up 100 steps)."""
+    weight_decay: float = 0.0
+    rank: int | None = None
+    """Fira/GaLore projection rank; ``None``: :data:`DEFAULT_RANK` of the method."""
+    update_proj_gap: int = 200
+    alpha: float = 1.0
+    """Fira/GaLore scale: 1 keeps the update on the same scale as Adam's, so one lr serves all."""
+    target_modules: str = "all-linear"
+    """Weights Fira/GaLore project in full fine-tuning (``optim_target_modules``: comma list,
+    ``all-linear``, or a regex when it contains regex characters)."""
+    lora_r: int = 32
+    lora_alpha: int = 64
+    lora_dropout: float = 0.05
+    lora_targets: str = "q_proj,k_proj,v_proj,up_proj,down_proj"
+    cutoff_len: int = 256
+    train_on_inputs: bool = True
+    """Loss on the prompt tokens too (LLM-Adapters' default)."""
+    max_new_tokens: int = 32
+    eval_batch_size: int = 16
+    seed: int = 42
+    threads: int | None = None
+    """torch threads (``torch.set_num_threads``); ``None``: torch's default."""
+    task_specs: list[TaskSpec] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise FinetuneError(f"method={self.method!r} must be one of {', '.join(METHODS)}")
+        self.task_specs = parse_tasks(self.tasks)
+        self.tasks = [spec.name for spec in self.task_specs]
+        positive = {"batch_size": self.batch_size, "cutoff_len": self.cutoff_len, "lora_r": self.lora_r,
+                    "max_new_tokens": self.max_new_tokens, "eval_batch_size": self.eval_batch_size,
+                    "update_proj_gap": self.update_proj_gap}
+        for name, value in positive.items():
+            if not isinstance(value, int) or value <= 0:
+                raise FinetuneError(f"{name}={value!r} must be a positive integer")
+        for name in ("steps", "max_eval", "max_train", "warmup_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise FinetuneError(f"{name}={value!r} must be a non-negative integer")
+        if self.max_eval == 0:
+            raise FinetuneError("max_eval=0 would evaluate nothing; leave it out to evaluate every example")
+        if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
+            raise FinetuneError(f"lr={self.lr!r} must be a positive number")
+        if self.rank is not None and self.rank <= 0:
+            raise FinetuneError(f"rank={self.rank!r} must be a positive integer")
+        if not (0.0 <= self.lora_dropout < 1.0):
+            raise FinetuneError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
+        if self.threads is not None and self.threads <= 0:
+            raise FinetuneError(f"threads={self.threads!r} must be a positive integer")
+
+    @property
+    def trains(self) -> bool:
+        return self.method != "none" and self.steps > 0
+
+    @property
+    def effective_method(self) -> str:
+        return self.method if self.trains else "none"
+
+    @property
+    def effective_lr(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.effective_method]
+
+    @property
+    def effective_rank(self) -> int | None:
+        return self.rank if self.rank is not None else DEFAULT_RANK.get(self.effective_method)
+
+    @property
+    def effective_warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else min(100, self.steps // 10)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out) if self.out else Path("runs") / "finetune" / self.effective_method
+
+    def optim_target_modules(self) -> str | list[str]:
+        """``target_modules`` in ``optim_target_modules`` form (``all-linear``, a regex or a list)."""
+        value = self.target_modules.strip()
+        if value.replace("_", "-") == "all-linear":
+            return "all-linear"
+        if re.search(r"[\\()\[\]*+?^$|]", value):
+            return value
+        return [v.strip() for v in value.split(",") if v.strip()]

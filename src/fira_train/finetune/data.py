@@ -1,0 +1,68 @@
+"""Fine-tuning records and batches: the union of the tasks' training sets, tokenized LLM-Adapters
+style, right-padded into batches."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fira_train.finetune.commonsense import CommonsenseDataError, format_prompt, has_split, load_split, subsample
+from fira_train.finetune.config import FinetuneConfig
+
+
+def load_records(config: FinetuneConfig) -> tuple[list[dict], dict[str, list[dict]], list[str]]:
+    """``(train_records, test_records_by_task, trained_on)`` -- every file checked before any model loads."""
+    tests = {spec.name: subsample(load_split(config.data_dir, spec, "test"), config.max_eval, config.seed)
+             for spec in config.task_specs}
+    train: list[dict] = []
+    trained_on: list[str] = []
+    if config.trains:
+        for spec in config.task_specs:
+            if has_split(config.data_dir, spec, "train"):
+                train.extend(load_split(config.data_dir, spec, "train"))
+                trained_on.append(spec.name)
+        if not train:
+            raise CommonsenseDataError(
+                f"none of the tasks {config.tasks} has a train.json under {config.data_dir}; "
+                f"add a task with a training set or run zero-shot (--method none or --steps 0)"
+            )
+        random.Random(config.seed).shuffle(train)
+        limit = config.max_train if config.max_train is not None else config.steps * config.batch_size
+        train = train[:limit]
+    return train, tests, trained_on
+
+
+def tokenize_for_training(tokenizer: Any, record: dict, cutoff_len: int, train_on_inputs: bool) -> dict:
+    """Token ids and labels of prompt + output + EOS, cut at ``cutoff_len`` (LLM-Adapters' ``tokenize``)."""
+    full = format_prompt(record["instruction"], record.get("input", ""), record["output"])
+    ids = tokenizer(full, truncation=True, max_length=cutoff_len)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if eos is not None and ids[-1] != eos and len(ids) < cutoff_len:
+        ids = ids + [eos]
+    labels = list(ids)
+    if not train_on_inputs:
+        prompt_len = len(tokenizer(format_prompt(record["instruction"], record.get("input", "")))["input_ids"])
+        labels[:prompt_len] = [-100] * min(prompt_len, len(labels))
+    return {"input_ids": ids, "labels": labels}
+
+
+class PaddingCollator:
+    """Right-pads a batch: ``pad_id`` in the inputs, 0 in the mask, -100 (ignored) in the labels."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, features: Sequence[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(f["input_ids"]) for f in features)
+        ids = torch.full((len(features), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(features), width), dtype=torch.long)
+        labels = torch.full((len(features), width), -100, dtype=torch.long)
+        for row, f in enumerate(features):
+            n = len(f["input_ids"])
+            ids[row, :n] = torch.tensor(f["input_ids"])
+            mask[row, :n] = 1
+            labels[row, :n] = torch.tensor(f["labels"])
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}

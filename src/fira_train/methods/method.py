@@ -1,0 +1,47 @@
+"""What a registry entry is (:class:`Method`) and what its factory builds (:class:`MethodSetup`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # annotations only: the config validates method names against the registry
+    from fira_train.config.run_config import RunConfig
+
+
+@dataclass
+class MethodSetup:
+    """What a method factory returns to the training loop."""
+
+    model: nn.Module
+    """The model to train (the input model, or a ``peft`` wrapper of it)."""
+    optimizer: torch.optim.Optimizer
+    """The optimizer over the model's trainable parameters."""
+    after_step: Callable[[int], None] | None = None
+    """Called with the number of completed optimizer steps after each step (ReLoRA's restarts)."""
+    restart_every: int | None = None
+    """If set, the schedule re-warms the learning rate after every this many steps."""
+    rewarmup: int = 1
+    """Length of that re-warm-up in steps."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registry entry."""
+
+    name: str
+    default_lr: float
+    build: Callable[[nn.Module, "RunConfig", float], MethodSetup]
+    """``build(model, config, lr)``: the model (possibly wrapped) and its optimizer."""
+    description: str
+    uses_rank: bool = False
+    """Whether ``optim.rank`` (and for the Fira family ``optim.update_proj_gap``) matter."""
+    wraps_model: bool = False
+    """Whether ``build`` returns a wrapper of the model (``peft`` adapters) rather than the model."""
+    split_refresh: bool = False
+    """Whether ``build`` accepts ``split_refresh=`` (``fira_optim.FiraAdamW``'s option that deals
+    the refresh SVDs to the ranks of a DDP run)."""

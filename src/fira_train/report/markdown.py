@@ -1,0 +1,96 @@
+"""The comparison report ``report.md``: a Markdown table of the runs' summaries.
+
+It is built from the run directories alone (``summary.json`` of each method), like the curves
+of :mod:`fira_train.report.plots`, so a report can be regenerated without re-training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fira_train.run.metrics import read_metrics
+
+MiB = 1024 ** 2
+
+
+def format_bytes(n: float | None) -> str:
+    """``n`` bytes in MiB, or GiB from 1 GiB on (``-`` for None)."""
+    if n is None:
+        return "-"
+    if n >= 1024 ** 3:
+        return f"{n / 1024 ** 3:.2f} GiB"
+    return f"{n / MiB:.1f} MiB"
+
+
+def format_count(n: int) -> str:
+    """A count in millions from 100,000 on, else with thousands separators."""
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
+
+
+def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(summary, metric records) of a finished run directory."""
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise FileNotFoundError(f"{str(summary_path)!r} not found: the run in {str(run_dir)!r} has not finished")
+    return json.loads(summary_path.read_text()), read_metrics(run_dir)
+
+
+def report_table(summaries: list[dict[str, Any]]) -> str:
+    """The Markdown table, one row per run, in the given order.
+
+    Throughput is also given relative to ``adamw`` when it is among the runs.
+    """
+    baseline = next((s["tokens_per_s"] for s in summaries if s["method"] == "adamw"), None)
+    header = ("| Method | Rank | T | LR | Val. loss | Val. PPL | Tokens/s | vs AdamW "
+              "| Optimizer state | Peak memory | Train time |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for s in summaries:
+        rank = "-" if s.get("rank") is None else str(s["rank"])
+        gap = str(s["update_proj_gap"]) if s.get("rank") is not None and s["method"] not in ("lora", "relora") else "-"
+        relative = f"{100 * s['tokens_per_s'] / baseline:.1f}%" if baseline else "-"
+        state = f"{format_count(s['optimizer_state_numel'])} ({format_bytes(s['optimizer_state_bytes'])})"
+        lines.append(
+            f"| {s['method']} | {rank} | {gap} | {s['lr']:g} | {s['val_loss']:.4f} | {s['val_ppl']:.2f} "
+            f"| {s['tokens_per_s']:,.0f} | {relative} | {state} | {format_bytes(s['peak_memory_bytes'])} "
+            f"| {s['train_time_s'] / 60:.1f} min |")
+    return "\n".join(lines)
+
+
+def write_report(out_dir: str | Path, methods: list[str], *, command: str | None = None) -> Path:
+    """Write ``OUT/report.md`` for the runs ``OUT/<method>``; returns its path."""
+    out_dir = Path(out_dir)
+    summaries = [load_run(out_dir / m)[0] for m in methods]
+    first = summaries[0]
+    data = first.get("data", {})
+    memory_kind = {"cuda_max_allocated": "CUDA max_memory_allocated",
+                   "process_peak_rss": "peak resident memory of the process during the run"}
+    parts = [
+        f"# Pre-training comparison: recipe `{first['recipe']}`",
+        "",
+        f"Same data, tokens and seed for every method: {first['steps']} steps, "
+        f"{first['tokens']:,} training tokens, seed {first['seed']}, data `{data.get('source', '?')}` "
+        f"({data.get('train_tokens', '?'):,} training tokens available, tokenizer "
+        f"`{data.get('tokenizer', '?')}`), model {format_count(first['parameters'])} parameters, "
+        f"device `{first['device']}`.",
+        "",
+        report_table(summaries),
+        "",
+        "- Val. loss / PPL: mean next-token loss over all "
+        f"{first.get('val_tokens', '?'):,} validation tokens after the last step, and its exponential.",
+        "- Tokens/s: training tokens divided by the time spent in training steps (evaluation and "
+        "checkpoints excluded); `vs AdamW` is the ratio to the `adamw` run.",
+        "- Optimizer state: elements held in the optimizer's state (step counters excluded) and "
+        "the bytes of its tensors (step counters included).",
+        f"- Peak memory: {memory_kind.get(first['peak_memory_kind'], first['peak_memory_kind'])}.",
+        "- T: subspace update gap (Fira/GaLore family).",
+        "",
+        "![training loss and validation perplexity](loss.png)",
+    ]
+    if command:
+        parts += ["", "Command:", "", "```bash", command, "```"]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path

@@ -1,0 +1,60 @@
+"""The comparison's curves ``loss.png``, and the figure helpers the analyses share.
+
+Built from the run directories alone (``metrics.jsonl`` of each method).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from fira_train.run.metrics import read_metrics
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend."""
+    # Imported here, when a figure is drawn: choosing the backend is a process-wide side effect
+    # that merely importing a report module must not have.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what is available)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_curves(out_dir: str | Path, methods: list[str]) -> Path:
+    """Write ``OUT/loss.png``: training loss (smoothed) and validation perplexity per method."""
+    plt = pyplot()
+    out_dir = Path(out_dir)
+    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method in methods:
+        records = read_metrics(out_dir / method)
+        steps = [r["step"] for r in records]
+        losses = [r["loss"] for r in records]
+        window = max(1, len(records) // 50)
+        ax_loss.plot(steps, smooth(losses, window), label=method, linewidth=1.2)
+        evals = [(r["step"], r["val_ppl"]) for r in records if "val_ppl" in r and math.isfinite(r["val_ppl"])]
+        if evals:
+            ax_ppl.plot(*zip(*evals), marker="o", markersize=3, label=method)
+    ax_loss.set(xlabel="step", ylabel="training loss (moving average)", title="Training loss")
+    ax_ppl.set(xlabel="step", ylabel="validation perplexity", title="Validation perplexity", yscale="log")
+    for ax in (ax_loss, ax_ppl):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = out_dir / "loss.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

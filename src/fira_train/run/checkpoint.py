@@ -1,0 +1,190 @@
+"""Atomic, verified checkpoints confined to the run directory.
+
+Layout: ``OUT/checkpoints/step_00000100/`` holds ``state.pt`` (one ``torch.save`` dict of
+tensors and plain Python values) and ``COMPLETE`` (JSON: step, size and SHA-256 of
+``state.pt``). A checkpoint is written as
+
+1. ``OUT/checkpoints/.tmp-step_00000100-<pid>/state.pt``, flushed and ``fsync``-ed;
+2. the ``COMPLETE`` marker, ``fsync``-ed, then the directory itself;
+3. ``os.rename`` of the temporary directory to ``step_00000100`` and an ``fsync`` of the parent.
+
+A process killed at any point leaves either no ``step_*`` directory or a complete one; leftover
+``.tmp-*`` directories are ignored (and removed by :func:`remove_partial`). Loading verifies the
+marker, the size and the hash before ``torch.load(weights_only=True)``, so a truncated or
+corrupted file raises :class:`CheckpointError` and nothing is loaded. Only the newest
+``keep_last`` complete checkpoints are kept, and never the newest one deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fira_train.files import file_digest, fsync_dir
+
+CHECKPOINT_DIR = "checkpoints"
+STATE_FILE = "state.pt"
+MARKER = "COMPLETE"
+_NAME = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint exists but cannot be used (incomplete, truncated, corrupted, foreign)."""
+
+
+def checkpoint_name(step: int) -> str:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    return f"step_{step:08d}"
+
+
+def _root(run_dir: str | Path) -> Path:
+    return Path(run_dir).resolve() / CHECKPOINT_DIR
+
+
+def _confined(run_dir: str | Path, path: Path) -> Path:
+    """``path`` resolved (symlinks followed); ValueError if it leaves the run directory."""
+    base = Path(run_dir).resolve()
+    resolved = path.resolve()
+    if resolved != base and base not in resolved.parents:
+        raise ValueError(f"checkpoint path {str(path)!r} is outside the run directory {str(base)!r}")
+    return resolved
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
+    """Write ``state`` atomically as the checkpoint of ``step``; returns its directory."""
+    root = _root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = _confined(run_dir, root / checkpoint_name(step))
+    tmp = root / f".tmp-{checkpoint_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    state_path = tmp / STATE_FILE
+    with open(state_path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    marker = {"step": step, "size": state_path.stat().st_size, "sha256": file_digest(state_path)}
+    with open(tmp / MARKER, "w", encoding="utf-8") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    if final.exists():  # re-saving a step (a resumed run that ends where it started)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    return final
+
+
+def marked_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every ``step_XXXXXXXX`` directory directly under ``root`` that
+    has a completion marker, oldest first: the layout shared with
+    :mod:`fira_train.run.dist_checkpoint`."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _NAME.match(child.name)
+        if match and (child / MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """``(step, directory)`` of every checkpoint with a completion marker, oldest first."""
+    return [(step, _confined(run_dir, path)) for step, path in marked_step_dirs(_root(run_dir))]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint's directory, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def find_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """The complete checkpoint of ``step``; FileNotFoundError if there is none."""
+    path = _confined(run_dir, _root(run_dir) / checkpoint_name(step))
+    if not (path / MARKER).is_file():
+        available = [s for s, _ in complete_checkpoints(run_dir)]
+        raise FileNotFoundError(
+            f"no complete checkpoint for step {step} in {str(_root(run_dir))!r}; available steps: "
+            f"{available or 'none'}")
+    return path
+
+
+def load_checkpoint(run_dir: str | Path, path: str | Path) -> dict[str, Any]:
+    """Verify and load a checkpoint directory (inside ``run_dir``) into memory.
+
+    Raises FileNotFoundError if it does not exist, :class:`CheckpointError` if it is
+    incomplete, truncated or corrupted, ValueError if it lies outside ``run_dir``.
+    """
+    directory = Path(path)
+    if not directory.is_absolute():
+        directory = Path(run_dir) / directory
+    directory = _confined(run_dir, directory)
+    state_path = directory / STATE_FILE
+    if not directory.is_dir() or not state_path.exists():
+        raise FileNotFoundError(f"checkpoint {str(directory)!r} does not exist")
+    try:
+        marker = json.loads((directory / MARKER).read_text())
+        expected_size, expected_hash = int(marker["size"]), str(marker["sha256"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"checkpoint {str(directory)!r} has no valid {MARKER} marker "
+                              f"(interrupted while being written?): {err}") from None
+    size = state_path.stat().st_size
+    if size != expected_size:
+        raise CheckpointError(f"checkpoint file {str(state_path)!r} is truncated or altered: "
+                              f"{size} bytes, the marker records {expected_size}")
+    if file_digest(state_path) != expected_hash:
+        raise CheckpointError(f"checkpoint file {str(state_path)!r} is corrupted: its SHA-256 does "
+                              "not match the one recorded when it was written")
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as err:  # the unpickler's errors vary by failure; all mean "unusable"
+        raise CheckpointError(f"checkpoint file {str(state_path)!r} cannot be loaded: {err}") from err
+    if not isinstance(state, dict) or state.get("step") != marker.get("step"):
+        raise CheckpointError(f"checkpoint file {str(state_path)!r} does not hold the state of "
+                              f"step {marker.get('step')}")
+    return state
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the ``keep_last`` newest complete checkpoints; returns the deleted ones.
+
+    The newest complete checkpoint is never deleted, whatever ``keep_last`` is.
+    """
+    return delete_oldest([path for _, path in complete_checkpoints(run_dir)], keep_last)
+
+
+def delete_oldest(paths: list[Path], keep_last: int) -> list[Path]:
+    """Delete all but the last ``keep_last`` of ``paths`` (checkpoint directories, oldest
+    first); returns the deleted ones."""
+    if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
+        raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
+    doomed = paths[:-keep_last]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def remove_partial(run_dir: str | Path) -> list[Path]:
+    """Delete leftovers of interrupted writes (``.tmp-*`` directories and unmarked ``step_*``)."""
+    root = _root(run_dir)
+    if not root.is_dir():
+        return []
+    removed = []
+    for child in root.iterdir():
+        partial = child.name.startswith(".tmp-") or (_NAME.match(child.name) and not (child / MARKER).exists())
+        if partial and child.is_dir():
+            shutil.rmtree(_confined(run_dir, child))
+            removed.append(child)
+    return removed

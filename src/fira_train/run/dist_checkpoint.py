@@ -1,0 +1,250 @@
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP): sharded, reshardable, atomic.
+
+A checkpoint is a directory ``RUN/step_00000100/`` holding DCP's files (each rank writes its
+own shards, rank 0 the ``.metadata``) and a ``COMPLETE`` marker. It holds the model, the
+optimizer (Fira's state included: DTensors under FSDP2, plain tensors otherwise), the LR
+scheduler, a dictionary of plain values for the training loop (data position, step) and
+every rank's RNG states. Because DCP stores each tensor with its global shape, a checkpoint
+written at one world size (or parallel mode) loads at another.
+
+Atomic: everything is written into ``RUN/.tmp-step_00000100/``; only after every rank has
+finished and the files are synced does rank 0 write the marker and rename the directory into
+place. A kill at any moment leaves either the complete new checkpoint or none, and the
+previous ones untouched; :func:`latest_checkpoint` ignores temporary and unmarked folders.
+
+Non-tensor values are read back with ``torch.load(weights_only=True)`` (DCP's default
+planner would unpickle arbitrary objects).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from fira_train.files import fsync_dir
+from fira_train.run import checkpoint as ckpt
+from fira_train.run.parallel import world_size
+from fira_train.run.rng import rank_rng_state, set_rank_rng_state
+
+MARKER = ckpt.MARKER
+#: ``"format"`` in the marker's JSON: tells these checkpoints from single-file ones that use the
+#: same ``step_XXXXXXXX/COMPLETE`` layout (``fira_train.run.checkpoint``).
+FORMAT = "torch.distributed.checkpoint"
+
+
+def checkpoint_dir(run_dir: str | Path, step: int) -> Path:
+    """``RUN/step_XXXXXXXX``: where the checkpoint of ``step`` lives."""
+    return Path(run_dir) / ckpt.checkpoint_name(step)
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint whose write finished (it has the marker)."""
+    return (Path(path) / MARKER).is_file()
+
+
+def is_dcp_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a complete checkpoint written by :func:`save_checkpoint`."""
+    try:
+        return json.loads((Path(path) / MARKER).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``run_dir``, oldest first (partial ones are ignored)."""
+    return [path for _, path in ckpt.marked_step_dirs(run_dir) if path.is_dir()]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``run_dir``, or ``None``."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+    *,
+    keep_last: int | None = None,
+) -> Path:
+    """Write the checkpoint of ``step`` atomically; every rank must call this.
+
+    ``model`` is the model as trained (DDP wrapper, FSDP2 module or plain), ``optimizer`` any
+    torch optimizer over its parameters, ``scheduler`` anything with ``state_dict`` /
+    ``load_state_dict``, ``extra`` plain values (ints, floats, strings, lists, dicts: the
+    data position, the step, config hashes). ``keep_last`` deletes older complete checkpoints
+    beyond the newest ``keep_last``. Returns the checkpoint directory.
+    """
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(".tmp-" + final.name)
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a killed write
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = _state(model, optimizer, scheduler, extra, save=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    _barrier()  # every rank's shards are on disk
+    if rank == 0:
+        info = {"format": FORMAT, "step": step, "world_size": world_size(), "time": time.time()}
+        _write_synced(tmp / MARKER, json.dumps(info))
+        fsync_dir(tmp)
+        if final.exists():  # re-saving a step (after a resume): swap, then delete the old one
+            old = final.with_name(".old-" + final.name)
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(final.parent)
+        if keep_last is not None:
+            prune_checkpoints(run_dir, keep_last)
+    _barrier()
+    return final
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_checkpoint` (at any world size) in place.
+
+    Restores the model, the optimizer, the scheduler and this rank's RNG states (rank 0's
+    when the checkpoint had fewer ranks); returns the ``extra`` dictionary. Raises
+    ``FileNotFoundError`` for a missing directory and ``ValueError`` for an incomplete, corrupt
+    or unsafe one (a pickle that is not plain data). DCP reads tensors in place: after a
+    failed load the model may be partly overwritten, so load another checkpoint or restart.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    if not is_complete(path):
+        raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker): its write was interrupted")
+    try:
+        saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        state = _state(model, optimizer, scheduler, None, save=False, saved_keys=saved_keys)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_SafeLoadPlanner())
+    except CheckpointException as err:  # a BaseException in DCP: make it an ordinary error
+        raise ValueError(f"checkpoint {path} could not be loaded (corrupt, unsafe or from a "
+                         f"different model): {err}") from err
+    return state["run"].loaded_extra
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints; returns what was deleted.
+    The newest complete checkpoint is never deleted."""
+    return ckpt.delete_oldest(list_checkpoints(run_dir), keep_last)
+
+
+# ---------------------------------------------------------------------- the saved state
+
+
+def _state(model, optimizer, scheduler, extra, *, save: bool, saved_keys: set[str] | None = None):
+    """The DCP state dict: Stateful objects that DCP asks for their state when saving and
+    hands the loaded values to when loading."""
+    return {
+        "app": _ModelAndOptimizer(model, optimizer),
+        "run": _RunState(scheduler, extra, saved_keys),
+    }
+
+
+class _ModelAndOptimizer:
+    """Model and optimizer through DCP's state-dict helpers (FQN keys, DTensors resharded)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+
+class _RunState:
+    """Scheduler, the training loop's plain values, and each rank's RNG states.
+
+    ``extra`` travels as one JSON string: on load its keys are not known in advance, and DCP
+    loads only the keys that the loading side asks for.
+    """
+
+    def __init__(self, scheduler: Any, extra: dict[str, Any] | None, saved_keys: set[str] | None):
+        self.scheduler = scheduler
+        self.extra_json = json.dumps(dict(extra or {}))
+        self.loaded_extra: dict[str, Any] = {}
+        self.saved_keys = saved_keys
+        # Loading at a larger world size: ranks the checkpoint did not have take rank 0's RNG.
+        rank = _rank()
+        self.rng_key = f"rank{rank}"
+        if saved_keys is not None and f"run.rng.rank{rank}.torch" not in saved_keys:
+            self.rng_key = "rank0"
+
+    def state_dict(self) -> dict[str, Any]:
+        rng = rank_rng_state()
+        if self.saved_keys is not None:  # loading: ask only for what was saved (CPU vs CUDA)
+            saved = {key.split(".")[3] for key in self.saved_keys
+                     if key.startswith(f"run.rng.{self.rng_key}.")}
+            rng = {k: v for k, v in rng.items() if k in saved}
+        return {
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            "extra_json": self.extra_json,
+            "rng": {self.rng_key: rng},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.loaded_extra = json.loads(state["extra_json"])
+        set_rank_rng_state(state["rng"][self.rng_key])
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor values load with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

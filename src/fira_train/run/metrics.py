@@ -1,0 +1,74 @@
+"""A run's logs: ``OUT/metrics.jsonl`` and TensorBoard (:class:`MetricsLog`), reading them back.
+
+``OUT/metrics.jsonl`` holds one JSON object per optimizer step: ``step`` (optimizer steps
+completed), ``loss`` (mean token loss of that step's batch), ``lr`` (the learning rate the step
+used), ``tokens_per_s`` (that step's throughput) and ``tokens`` (training tokens so far); the
+lines of evaluation steps add ``val_loss`` (mean over every validation token) and ``val_ppl``
+(its exponential).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Appends metric dicts to ``OUT/metrics.jsonl`` and, optionally, to TensorBoard ``OUT/tb``.
+
+    On resume from step ``k`` the JSONL file is first cut back to the lines with ``step <= k``
+    (a killed run may have logged steps past its last checkpoint) and TensorBoard purges the
+    same events, so the logs read like one uninterrupted run.
+    """
+
+    def __init__(self, out_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
+        self.path = Path(out_dir) / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            # only with train.tensorboard: it takes half a second to import
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = resume_step + 1 if resume_step is not None else None
+            self._tb = SummaryWriter(str(Path(out_dir) / "tb"), purge_step=purge)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            step = record["step"]
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``OUT/metrics.jsonl``."""
+    return read_jsonl(Path(out_dir) / "metrics.jsonl")
+
+
+def perplexity(mean_loss: float) -> float:
+    """``exp(mean token loss)``; ``inf`` where that overflows."""
+    try:
+        return math.exp(mean_loss)
+    except OverflowError:
+        return float("inf")

@@ -1,0 +1,66 @@
+"""The run directory (``OUT``): whether a config may write, resume or reuse the run it holds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from fira_train.config.overrides import config_from_dict, config_to_dict
+from fira_train.config.run_config import RunConfig
+from fira_train.methods.registry import resolved_lr
+from fira_train.run.checkpoint import CHECKPOINT_DIR
+
+#: Config keys that may differ between a run and its resumption (they do not change the
+#: trajectory of the weights).
+RESUMABLE_CHANGES = frozenset({
+    "train.save_every", "train.keep_last", "train.eval_every", "train.progress",
+    "train.tensorboard", "train.out_dir",
+    # the same global batches at any world size or thread count: equal to round-off
+    "train.parallel", "train.num_threads",
+})
+
+
+def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
+    """The ``section.field`` keys in which ``new`` differs from ``old``, but for :data:`RESUMABLE_CHANGES`."""
+    a, b = config_to_dict(old), config_to_dict(new)
+    changed = []
+    for section in ("model", "optim", "data", "train"):
+        for key in a[section].keys() | b[section].keys():
+            if a[section].get(key) != b[section].get(key):
+                changed.append(f"{section}.{key}")
+    return sorted(k for k in changed if k not in RESUMABLE_CHANGES)
+
+
+def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool,
+                    delete: bool = True) -> None:
+    """Check that OUT may hold this run; with ``overwrite`` (and ``delete``: rank 0 only)
+    remove a previous one."""
+    previous = [p for p in ("metrics.jsonl", "summary.json", CHECKPOINT_DIR) if (out / p).exists()]
+    if resume is None and previous:
+        if not overwrite:
+            raise FileExistsError(f"{str(out)!r} already holds a run ({', '.join(previous)}); pass "
+                                  "--resume to continue it or --overwrite to start over")
+        for name in ("metrics.jsonl", "summary.json", "config.json", "tb", CHECKPOINT_DIR):
+            path = out / name
+            if delete and path.is_dir():
+                shutil.rmtree(path)
+            elif delete and path.exists():
+                path.unlink()
+    if resume is not None and (out / "config.json").exists():
+        saved = config_from_dict(json.loads((out / "config.json").read_text()))
+        changes = config_changes(saved, config)
+        if changes:
+            raise ValueError(f"cannot resume {str(out)!r} with a different config: {', '.join(changes)} "
+                             "differ from its config.json (resuming must reproduce the same run)")
+
+
+def finished_with(config: RunConfig, run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a finished run of ``config`` (learning rate resolved): equal up
+    to the keys that do not change the weights' trajectory (:data:`RESUMABLE_CHANGES`)."""
+    if not (run_dir / "summary.json").exists() or not (run_dir / "config.json").exists():
+        return False
+    saved = config_from_dict(json.loads((run_dir / "config.json").read_text()))
+    wanted = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
+    return not config_changes(saved, wanted)

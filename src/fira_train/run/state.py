@@ -1,0 +1,41 @@
+"""What a one-process checkpoint holds: everything a run needs to continue exactly.
+
+A checkpoint payload (:func:`capture_state`) has the model, optimizer and scheduler state
+dicts, the data stream position (``BatchStream.state_dict()``), the Python, NumPy, torch and
+CUDA generator states, the step and the run's running totals (tokens, training time). It holds
+tensors and plain Python values only, so ``torch.load(weights_only=True)`` reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fira_train.run.checkpoint import CheckpointError
+from fira_train.run.rng import rng_state, set_rng_state
+from fira_train.run.training import Training
+
+
+def capture_state(step: int, training: Training, stream: Any, progress: dict[str, float]) -> dict[str, Any]:
+    """The checkpoint payload: tensors and plain Python values only (``weights_only`` loads it)."""
+    return {
+        "step": step,
+        "model": training.model.state_dict(),
+        "optimizer": training.optimizer.state_dict(),
+        "scheduler": training.scheduler.state_dict(),
+        "data": stream.state_dict(),
+        "rng": rng_state(),
+        "progress": dict(progress),
+    }
+
+
+def restore_state(state: dict[str, Any], training: Training, stream: Any) -> tuple[int, dict[str, float]]:
+    """Load a checkpoint payload into freshly built objects; returns (step, progress)."""
+    missing = {"step", "model", "optimizer", "scheduler", "data", "rng", "progress"} - set(state)
+    if missing:
+        raise CheckpointError(f"checkpoint lacks {sorted(missing)}")
+    training.model.load_state_dict(state["model"])
+    training.optimizer.load_state_dict(state["optimizer"])
+    training.scheduler.load_state_dict(state["scheduler"])
+    stream.load_state_dict(state["data"])
+    set_rng_state(state["rng"])
+    return int(state["step"]), dict(state["progress"])

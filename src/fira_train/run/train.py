@@ -1,0 +1,315 @@
+r"""One pre-training run: build, (resume,) train, evaluate, checkpoint, summarise.
+
+:func:`train` is one flat loop around :func:`train_step` (which benchmarks reuse, so that
+they time what a run does). Each optimizer step accumulates ``train.grad_accum``
+micro-batches (each loss divided by the number of micro-batches, so the gradient is that of
+the mean token loss of the whole batch), optionally clips the global gradient norm, steps the
+optimizer and the warm-up + cosine schedule, and logs ``step, loss, lr, tokens_per_s``.
+
+Validation perplexity is averaged over tokens: every validation sequence of length L gives
+L - 1 next-token predictions, and
+
+.. math::
+    \mathrm{val\_loss} = \frac{\sum_{b}\sum_{i,t} \ell_{b,i,t}}{\sum_b B_b (L - 1)}, \qquad
+    \mathrm{val\_ppl} = \exp(\mathrm{val\_loss})
+
+(the released harness divides a sum of per-batch means by the number of batches plus one).
+
+Model, method (optimizer) and schedule are built by
+:func:`fira_train.run.training.build_training`, which applies ``train.parallel`` (DDP / FSDP2,
+:func:`fira_train.run.parallel.parallelize`) between the model and the optimizer. Under ``torchrun`` every rank reads the same global batches and trains on its
+rows of each micro-batch, the logged loss and the validation loss are reduced over the ranks,
+only rank 0 writes the run's files, and checkpoints go through
+:mod:`fira_train.run.dist_checkpoint`; the distributed-only pieces are in
+:mod:`fira_train.run.train_parallel`. A run at any world size trains on the same global batches
+as one process, to floating-point round-off.
+
+Analyses hook into the loop through ``callbacks``
+(:class:`~fira_train.run.callbacks.TrainCallback`): code that must see
+the gradients or the optimizer's state at every step (recording scaling factors, injecting
+gradient noise) without a second training loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from fira_optim import optimizer_state_numel
+from fira_optim.state import optimizer_state_bytes
+from fira_train.config.overrides import config_to_dict
+from fira_train.config.run_config import RunConfig
+from fira_train.data.build import build_corpus
+from fira_train.methods.model import count_parameters
+from fira_train.methods.registry import get_method, resolved_lr
+from fira_train.run import checkpoint as ckpt
+from fira_train.run import dist_checkpoint, train_parallel
+from fira_train.run.callbacks import TrainCallback
+from fira_train.run.launch import is_rank_zero
+from fira_train.run.metrics import MetricsLog, perplexity
+from fira_train.run.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, shard_batch
+from fira_train.run.peak_memory import PeakMemory
+from fira_train.run.rng import seed_everything
+from fira_train.run.run_dir import prepare_out_dir
+from fira_train.run.state import capture_state, restore_state
+from fira_train.run.training import Training, autocast_for, build_training, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite; the run stops before updating the weights."""
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(f"non-finite training loss {loss} at step {step}; the run stopped before "
+                         "applying that step's update (lower optim.lr, enable train.grad_clip, or "
+                         "resume from an earlier checkpoint)")
+        self.step = step
+        self.loss = loss
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device,
+             autocast: contextlib.AbstractContextManager,
+             env: DistributedEnv | None = None) -> tuple[float, int]:
+    """(mean next-token loss over all validation tokens, number of tokens).
+
+    With a distributed ``env`` each rank evaluates its rows of every batch and the sums of
+    losses and of tokens are reduced over the ranks: the same mean as one process.
+    """
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for batch in batches:
+        ids = batch.to(device)  # (B, L)
+        counted = True
+        if env is not None and env.distributed:
+            ids, counted = train_parallel.eval_rows(ids, env)
+        with autocast:
+            logits = model(input_ids=ids).logits  # (B, L, V)
+        if not counted:
+            continue
+        targets = ids[:, 1:]  # position t predicts token t + 1
+        losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        total += losses.double()
+        count += targets.numel()
+    model.train(was_training)
+    if env is not None and env.distributed:
+        total, count = train_parallel.sum_over_ranks(total, count, env)
+    return (total / count).item(), count
+
+
+def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool = False,
+          corpus: Any = None, callbacks: Sequence[TrainCallback] = ()) -> dict[str, Any]:
+    """Run (or resume) ``config``; returns the summary also written to ``OUT/summary.json``.
+
+    ``resume``: None (fresh run; an existing run in OUT is an error unless ``overwrite``),
+    ``"latest"`` (continue from the newest complete checkpoint, or start fresh if there is
+    none) or a step number (that checkpoint; FileNotFoundError if absent). ``corpus`` lets
+    several runs share one tokenised corpus (``compare``). ``callbacks`` are called in order
+    at every step (:class:`TrainCallback`).
+
+    With ``train.parallel`` ddp / fsdp2, every process of a ``torchrun`` launch calls this
+    (:mod:`fira_train.run.train_parallel`); every rank returns the summary, rank 0 writes it.
+    """
+    config = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
+    get_method(config.optim.method)
+    if config.train.parallel == "none":
+        train_parallel.check_launch(config)
+        return _train(config, None, resume, overwrite, corpus, callbacks)
+    with train_parallel.distributed_session(config) as env:
+        return _train(config, env, resume, overwrite, corpus, callbacks)
+
+
+def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Tensor],
+               autocast: contextlib.AbstractContextManager, step: int, *,
+               env: DistributedEnv | None = None, callbacks: Sequence[TrainCallback] = (),
+               trainable: list[torch.nn.Parameter] | None = None) -> tuple[float, float]:
+    """Optimizer step number ``step`` (1-based) as ``fira-train`` runs it; returns ``(loss,
+    seconds after the backward passes)``.
+
+    ``train.grad_accum`` micro-batches from ``stream`` forward and backward (each rank its rows
+    under ``env``), the mean loss (raises :class:`NonFiniteLossError` before anything is
+    updated if it is not finite), callbacks, gradient clipping, the optimizer, the schedule,
+    the method's ``after_step`` (ReLoRA's merges). The second number times the part that
+    differs between methods (from the callbacks on): ``benchmarks/throughput.py`` reports it.
+    """
+    distributed = env is not None
+    net, model, optimizer = training.forward_model, training.model, training.optimizer
+    device = training.device
+    accum = config.train.grad_accum
+    loss_sum = torch.zeros((), device=device)
+    for micro in range(accum):
+        ids = next(stream).to(device)  # (micro_batch, seq_len), the same on every rank
+        if distributed:
+            ids = shard_batch(ids, env)  # this rank's micro_batch / world_size rows
+        with train_parallel.accumulation_context(net, last=micro == accum - 1):
+            with autocast:
+                loss = net(input_ids=ids, labels=ids).loss  # mean over micro_batch * (seq_len - 1)
+            (loss / accum).backward()
+        loss_sum += loss.detach()
+    # equal rows per rank: the mean of the ranks' means is the global mean
+    step_loss = all_reduce_mean(loss_sum / accum, env) if distributed else (loss_sum / accum).item()
+    if not math.isfinite(step_loss):
+        raise NonFiniteLossError(step, step_loss)
+    started = time.perf_counter()
+    for callback in callbacks:
+        callback.before_step(step, model, optimizer, step_loss)
+    if config.train.grad_clip > 0:
+        if trainable is None:
+            trainable = [p for p in model.parameters() if p.requires_grad]
+        clip_grad_norm_(trainable, config.train.grad_clip)  # the global norm over FSDP2's shards too
+    optimizer.step()
+    for callback in callbacks:
+        callback.after_step(step, model, optimizer, step_loss)
+    training.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if training.setup.after_step is not None:
+        training.setup.after_step(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return step_loss, time.perf_counter() - started
+
+
+def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | None, overwrite: bool,
+           corpus: Any, callbacks: Sequence[TrainCallback]) -> dict[str, Any]:
+    """:func:`train`'s body; ``env`` is None for one process, the process group's otherwise."""
+    distributed = env is not None
+    out = Path(config.train.out_dir)
+    main = env.is_main if distributed else is_rank_zero()
+    prepare_out_dir(config, out, resume, overwrite, delete=main or not distributed)
+    if distributed:
+        dist.barrier()  # every rank has checked OUT before rank 0 rewrites config.json
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+
+    state, resume_path = None, None
+    if resume is not None:
+        path = ckpt.latest_checkpoint(out) if resume == "latest" else ckpt.find_checkpoint(out, int(resume))
+        if path is None:
+            log.info("no complete checkpoint in %s: starting from step 0", out)
+        elif distributed or dist_checkpoint.is_dcp_checkpoint(path):
+            resume_path = path  # loaded into the built model (DCP loads in place)
+        else:
+            state = ckpt.load_checkpoint(out, path)  # verified and fully read before anything loads
+        if main:
+            ckpt.remove_partial(out)
+
+    if config.train.num_threads:
+        torch.set_num_threads(config.train.num_threads)
+    seed_everything(config.train.seed)
+    device = env.device if distributed else resolve_device(config)
+    autocast = autocast_for(config, device)
+    if corpus is None:
+        corpus = build_corpus(config.data)
+    training = build_training(config, corpus.vocab_size, device, env)
+    model, optimizer = training.model, training.optimizer
+    net = training.forward_model  # the DDP wrapper, else the model
+    micro_batch = config.train.micro_batch_size or config.train.batch_size
+    if distributed and micro_batch % env.world_size:
+        raise ValueError(f"train.micro_batch_size={micro_batch} (the sequences of one forward pass) "
+                         f"must divide by the {env.world_size} processes: each trains on its rows")
+    stream = corpus.train_batches(micro_batch, config.train.seed)
+    val_batches = corpus.val_batches(micro_batch)
+
+    step, progress = 0, {"tokens": 0, "train_time_s": 0.0}
+    restored = state is not None
+    if restored:
+        step, progress = restore_state(state, training, stream)
+        log.info("resumed %s from step %d", out, step)
+    elif resume_path is not None:
+        step, progress = train_parallel.load(out, resume_path, training, stream, config.train.parallel)
+        log.info("resumed %s from step %d (%s)", out, step, resume_path.name)
+    del state
+    metrics = MetricsLog(out, tensorboard=config.train.tensorboard and main,
+                         resume_step=step if resume is not None else None) if main else None
+
+    t = config.train
+    tokens_per_step = t.batch_size * config.data.seq_len
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    memory = PeakMemory(device)
+    memory.reset()
+    val_loss = float("nan")
+    run_start = time.perf_counter()
+
+    bar = tqdm(total=t.steps, initial=step, desc=config.optim.method, unit="step",
+               disable=not (t.progress and main), dynamic_ncols=True)
+    net.train()
+    while step < t.steps:
+        started = time.perf_counter()
+        lr = optimizer.param_groups[0]["lr"]
+        try:
+            step_loss, _ = train_step(training, config, stream, autocast, step + 1, env=env,
+                                      callbacks=callbacks, trainable=trainable)
+        except NonFiniteLossError:
+            bar.close()
+            raise
+        step += 1
+        elapsed = time.perf_counter() - started
+        progress["tokens"] += tokens_per_step
+        progress["train_time_s"] += elapsed
+
+        record = {"step": step, "loss": step_loss, "lr": lr, "tokens_per_s": tokens_per_step / elapsed,
+                  "tokens": progress["tokens"]}
+        if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+            val_loss, _ = evaluate(net, val_batches, device, autocast, env)
+            record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
+        if metrics is not None:
+            metrics.log(record)
+        bar.update(1)
+        bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "tokens_per_s", "val_ppl") if k in record})
+        if step == t.steps or (t.save_every and step % t.save_every == 0):
+            if distributed:  # every rank writes its shards
+                train_parallel.save(out, step, training, stream, progress, t.keep_last)
+            elif main:
+                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress))
+                ckpt.prune_checkpoints(out, t.keep_last)
+    bar.close()
+
+    if math.isnan(val_loss):  # resumed at the final step: evaluate the restored weights
+        val_loss, _ = evaluate(net, val_batches, device, autocast, env)
+    summary = {
+        "recipe": config.recipe,
+        "method": config.optim.method,
+        "rank": config.optim.rank if get_method(config.optim.method).uses_rank else None,
+        "update_proj_gap": config.optim.update_proj_gap,
+        "lr": config.optim.lr,
+        "steps": step,
+        "tokens": progress["tokens"],
+        "seed": t.seed,
+        "parameters": count_parameters(model),
+        "trainable_parameters": sum(p.numel() for p in trainable),
+        "val_loss": val_loss,
+        "val_ppl": perplexity(val_loss),
+        "val_tokens": sum(b[:, 1:].numel() for b in val_batches),
+        "tokens_per_s": progress["tokens"] / max(progress["train_time_s"], 1e-9),
+        "train_time_s": progress["train_time_s"],
+        "wall_time_s": time.perf_counter() - run_start,
+        "optimizer_state_numel": optimizer_state_numel(optimizer),  # step counters excluded
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),  # step counters included
+        "peak_memory_bytes": memory.peak_bytes(),
+        "peak_memory_kind": memory.kind,
+        "device": str(device),
+        "data": corpus.describe(),
+    }
+    if distributed:  # peak memory is rank 0's
+        summary.update(parallel=t.parallel, world_size=env.world_size)
+    if metrics is not None:
+        metrics.close()
+    if main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

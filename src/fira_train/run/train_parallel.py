@@ -1,0 +1,150 @@
+"""The distributed-only pieces of :func:`fira_train.run.train.train` (``train.parallel`` ddp / fsdp2).
+
+The training loop stays one loop; what differs under ``torchrun`` lives here:
+
+- :func:`check_launch` / :func:`distributed_session`: refuse several processes without
+  ``--parallel``; join the process group (gloo on CPU, NCCL on CUDA) and leave it at the end,
+  also on an error, after the DDP / FSDP2 model is released (a DDP model that outlives its
+  gloo group can hang in its destructor);
+- :func:`accumulation_context`: DDP all-reduces the gradients once per optimizer step, not
+  once per micro-batch;
+- :func:`eval_rows` / :func:`sum_over_ranks`: validation on this rank's rows, reduced to the
+  one-process token mean;
+- :func:`save` / :func:`load`: checkpoints through :mod:`fira_train.run.dist_checkpoint` (DCP)
+  holding what :func:`fira_train.run.state.capture_state` holds: model, optimizer, scheduler,
+  data position, step, running totals and every rank's RNG states. They use the same
+  ``OUT/checkpoints/step_XXXXXXXX/COMPLETE`` layout as the one-process checkpoints, so
+  :func:`fira_train.run.checkpoint.latest_checkpoint` finds both, and :func:`load` reads either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import traceback
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fira_train.config.run_config import RunConfig
+from fira_train.run import checkpoint as ckpt
+from fira_train.run import dist_checkpoint
+from fira_train.run.parallel import DistributedEnv, destroy_distributed, init_distributed, world_size
+from fira_train.run.state import restore_state
+from fira_train.run.training import Training
+
+#: What a distributed checkpoint's ``extra`` holds besides the tensors DCP stores.
+EXTRA_KEYS = ("step", "data", "progress")
+
+
+def check_launch(config: RunConfig) -> None:
+    """ValueError for several processes with ``train.parallel="none"``: each would train the
+    whole batch alone and all would write the same files."""
+    world = world_size()
+    if config.train.parallel == "none" and world > 1:
+        raise ValueError(
+            f"{world} processes were launched (torchrun) but train.parallel is 'none': pass "
+            "--parallel ddp or --parallel fsdp2 (or train.parallel=ddp|fsdp2), or launch one process")
+
+
+@contextlib.contextmanager
+def distributed_session(config: RunConfig) -> Iterator[DistributedEnv]:
+    """The :class:`DistributedEnv` of a ``train.parallel`` run, inside its process group.
+
+    Joins the group ``torchrun`` describes (or uses one that is already initialised, e.g. by
+    ``compare`` or a test) and destroys it on exit only if it created it. ``train.device``
+    "cpu" forces gloo on a CUDA machine; "auto" / "cuda" take ``cuda:LOCAL_RANK`` when CUDA
+    is available.
+    """
+    mode = config.train.parallel
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but CUDA is not available")
+    created = not (dist.is_available() and dist.is_initialized())
+    env = init_distributed(device="cpu" if config.train.device == "cpu" else None)
+    try:
+        if not env.distributed:
+            raise ValueError(
+                f"train.parallel={mode!r} needs the processes of a torchrun launch, e.g. "
+                f"torchrun --nproc_per_node 2 -m fira_train pretrain ... --parallel {mode}")
+        yield env
+    except BaseException as err:
+        # The traceback keeps the finished training frames (and their DDP / FSDP2 model)
+        # alive; drop their locals so the model goes before the process group does.
+        traceback.clear_frames(err.__traceback__)
+        raise
+    finally:
+        if created:
+            gc.collect()
+            destroy_distributed()
+
+
+def accumulation_context(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """``model.no_sync()`` for a DDP model on every micro-batch but the step's last one.
+
+    DDP would all-reduce after every backward; the sum of the accumulated local gradients is
+    reduced once instead (the same average). FSDP2 keeps reduce-scattering each micro-batch:
+    skipping it would hold unsharded gradients, the memory FSDP2 is there to save.
+    """
+    if not last and isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def eval_rows(batch: torch.Tensor, env: DistributedEnv) -> tuple[torch.Tensor, bool]:
+    """This rank's rows of a validation batch and whether they count.
+
+    Validation batches need not divide by the world size (``tensor_split``: the first ranks
+    get one row more). A rank left without rows runs the batch's first row and does not count
+    it: under FSDP2 every rank must join every forward's all-gathers.
+    """
+    rows = batch.tensor_split(env.world_size)[env.rank]
+    if rows.shape[0] == 0:
+        return batch[:1], False
+    return rows, True
+
+
+def sum_over_ranks(total: torch.Tensor, count: int, env: DistributedEnv) -> tuple[torch.Tensor, int]:
+    """(sum of the ranks' loss sums, sum of their token counts), reduced in float64."""
+    both = torch.stack([total.double(), torch.tensor(float(count), dtype=torch.float64, device=total.device)])
+    dist.all_reduce(both)
+    return both[0], int(both[1].item())
+
+
+def save(out: Path, step: int, training: Training, stream: Any, progress: dict[str, float],
+         keep_last: int) -> Path:
+    """Write the DCP checkpoint of ``step`` under ``OUT/checkpoints`` (every rank calls this);
+    older complete checkpoints beyond ``keep_last`` are deleted."""
+    extra = {"step": step, "data": stream.state_dict(), "progress": dict(progress)}
+    return dist_checkpoint.save_checkpoint(Path(out) / ckpt.CHECKPOINT_DIR, step, training.model,
+                                           training.optimizer, training.scheduler, extra,
+                                           keep_last=keep_last)
+
+
+def load(out: Path, path: Path, training: Training, stream: Any, mode: str) -> tuple[int, dict[str, float]]:
+    """Restore ``training`` and ``stream`` from the checkpoint at ``path``; (step, progress).
+
+    A DCP checkpoint loads at any world size and parallel mode, one process included (DCP
+    then reads without a process group). A one-process (single-file) checkpoint loads under
+    DDP, whose parameters are the one-process model's; FSDP2 needs a DCP checkpoint.
+    """
+    if dist_checkpoint.is_dcp_checkpoint(path):
+        with warnings.catch_warnings():
+            # One process: DCP warns that it assumes a non-distributed load, which it is.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            extra = dist_checkpoint.load_checkpoint(path, training.model, training.optimizer,
+                                                    training.scheduler)
+        missing = [key for key in EXTRA_KEYS if key not in extra]
+        if missing:
+            raise ckpt.CheckpointError(f"checkpoint {str(path)!r} lacks {missing}")
+        stream.load_state_dict(extra["data"])
+        return int(extra["step"]), dict(extra["progress"])
+    if mode == "fsdp2":
+        raise ValueError(f"checkpoint {str(path)!r} was written by a one-process run; FSDP2 resumes "
+                         "only from checkpoints of a --parallel run (resume it with --parallel ddp, "
+                         "whose checkpoints FSDP2 can load)")
+    return restore_state(ckpt.load_checkpoint(out, path), training, stream)

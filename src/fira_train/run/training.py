@@ -1,0 +1,85 @@
+"""What a run trains, built from its config: model -> [parallelize] -> method -> schedule
+(:func:`build_training`), on the device and at the precision the config asks for."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from fira_train.config.run_config import RunConfig
+from fira_train.methods.method import MethodSetup
+from fira_train.methods.model import build_model
+from fira_train.methods.registry import build_method
+from fira_train.run.parallel import DistributedEnv, parallelize, unwrap
+from fira_train.run.schedule import WarmupCosine
+
+
+@dataclass
+class Training:
+    """Everything the loop mutates, built by :func:`build_training`."""
+
+    setup: MethodSetup
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    device: torch.device
+    parallel_model: torch.nn.Module | None = None
+    """The DDP wrapper that runs the forward passes (None otherwise: FSDP2 shards the model in
+    place, and ``model`` is then the FSDP2 module)."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model whose parameters the optimizer holds (checkpointed, seen by callbacks)."""
+        return self.setup.model
+
+    @property
+    def forward_model(self) -> torch.nn.Module:
+        """The module to call for the training and validation forward passes."""
+        return self.parallel_model if self.parallel_model is not None else self.setup.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.setup.optimizer
+
+
+def resolve_device(config: RunConfig) -> torch.device:
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but CUDA is not available")
+    if config.train.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.train.device)
+
+
+def autocast_for(config: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA devices that support it ("auto"), or wherever "bf16" asks for it."""
+    precision = config.train.precision
+    if precision == "auto":
+        use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    else:
+        use_bf16 = precision == "bf16"
+    if use_bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build_training(config: RunConfig, vocab_size: int, device: torch.device,
+                   env: DistributedEnv | None = None) -> Training:
+    """Model (seeded random init) -> [parallelize] -> method (optimizer) -> schedule.
+
+    With ``train.parallel`` ddp / fsdp2 (``env``: the process group's), the model is
+    parallelized before the optimizer sees its parameters: FSDP2 replaces them by row-sharded
+    DTensors, which the optimizer must hold; under DDP the optimizer holds the wrapped
+    module's parameters and Fira-family methods deal their refresh SVDs to the ranks
+    (``split_refresh``).
+    """
+    model = build_model(config.model, vocab_size, config.data.seq_len, config.train.seed).to(device)
+    mode = config.train.parallel
+    wrapped = None
+    if mode != "none":
+        wrapped = parallelize(model, mode, env)
+        model = unwrap(wrapped)  # FSDP2: the sharded model itself
+    setup = build_method(model, config, split_refresh=mode == "ddp")
+    schedule = WarmupCosine(config.train.steps, config.train.warmup_fraction, config.train.min_lr_ratio,
+                            restart_every=setup.restart_every, rewarmup=setup.rewarmup)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, schedule)
+    return Training(setup, scheduler, device, wrapped if wrapped is not model else None)

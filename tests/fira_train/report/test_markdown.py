@@ -1,0 +1,63 @@
+"""report.md and loss.png from run directories."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fira_train.report.markdown import load_run, report_table, write_report
+from fira_train.report.plots import plot_curves
+
+
+def _summary(method: str, rank: int | None, ppl: float, tps: float) -> dict:
+    return {"recipe": "micro", "method": method, "rank": rank, "update_proj_gap": 5, "lr": 0.01,
+            "steps": 4, "tokens": 1024, "seed": 0, "parameters": 123456, "trainable_parameters": 123456,
+            "val_loss": math.log(ppl), "val_ppl": ppl, "val_tokens": 248, "tokens_per_s": tps,
+            "train_time_s": 90.0, "wall_time_s": 100.0, "optimizer_state_numel": 250_000,
+            "optimizer_state_bytes": 1_000_000, "peak_memory_bytes": 500 * 1024 ** 2,
+            "peak_memory_kind": "process_peak_rss", "device": "cpu",
+            "data": {"source": "wiki", "train_tokens": 5000, "val_tokens": 256, "tokenizer": "bpe"}}
+
+
+def _write_run(root: Path, summary: dict) -> None:
+    run = root / summary["method"]
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(summary))
+    lines = [{"step": s, "loss": 5.0 - 0.1 * s, "lr": 0.01, "tokens_per_s": 1000.0} for s in range(1, 5)]
+    lines[1].update(val_loss=4.9, val_ppl=math.exp(4.9))
+    lines[3].update(val_loss=summary["val_loss"], val_ppl=summary["val_ppl"])
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_table_has_a_row_per_method_and_relative_throughput() -> None:
+    table = report_table([_summary("fira", 32, 100.0, 970.0), _summary("adamw", None, 110.0, 1000.0)])
+    lines = table.splitlines()
+    assert lines[0].startswith("| Method | Rank |") and "Val. PPL" in lines[0] and "Peak memory" in lines[0]
+    assert len(lines) == 4
+    fira, adamw = lines[2].split("|"), lines[3].split("|")
+    assert fira[1].strip() == "fira" and fira[2].strip() == "32" and fira[6].strip() == "100.00"
+    assert fira[8].strip() == "97.0%"
+    assert adamw[2].strip() == "-" and adamw[3].strip() == "-" and adamw[8].strip() == "100.0%"
+    assert "0.25M (1.0 MiB)" in lines[2] and "500.0 MiB" in lines[2]
+
+
+def test_write_report_and_plot(tmp_path: Path) -> None:
+    for summary in (_summary("fira", 32, 100.0, 970.0), _summary("galore", 32, 120.0, 990.0)):
+        _write_run(tmp_path, summary)
+    report = write_report(tmp_path, ["fira", "galore"], command="fira-train compare --recipe micro")
+    text = report.read_text()
+    assert report == tmp_path / "report.md"
+    assert "| fira | 32 |" in text and "| galore | 32 |" in text
+    assert "recipe `micro`" in text and "fira-train compare --recipe micro" in text
+    assert "loss.png" in text
+    plot = plot_curves(tmp_path, ["fira", "galore"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_unfinished_run_is_reported_clearly(tmp_path: Path) -> None:
+    (tmp_path / "fira").mkdir()
+    with pytest.raises(FileNotFoundError, match="has not finished"):
+        load_run(tmp_path / "fira")

@@ -1,0 +1,191 @@
+"""torch.distributed.checkpoint save / load: across world sizes, atomic under kill -9, safe."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from fira_train.run.dist_checkpoint import (
+    MARKER,
+    checkpoint_dir,
+    is_complete,
+    is_dcp_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    prune_checkpoints,
+)
+from tests.fira_train.tiny_lm import train_worker
+from tests.multiprocess import run_ranks
+
+STEPS, SAVE_AT = 5, 3  # the resumed run crosses the refresh at step 4 (T = 2)
+
+
+def _assert_continues(straight: dict, resumed: dict) -> None:
+    """The resumed run's losses from SAVE_AT on and its final parameters equal the run that
+    never stopped (to fp64 round-off: the two runs split the batch differently)."""
+    assert sorted(resumed["losses"]) == list(range(SAVE_AT, STEPS))
+    for step, loss in resumed["losses"].items():
+        assert loss == pytest.approx(straight["losses"][step], rel=1e-10), step
+    for name, value in straight["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=1e-9, atol=1e-11, msg=name)
+    assert resumed["lr"] == pytest.approx(straight["lr"])  # the scheduler came back too
+    for step, draw in resumed["draws"].items():  # and the torch, Python and NumPy RNG streams
+        assert draw == straight["draws"][step], step
+
+
+def _saved_keys(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("save_mode, save_world, load_mode, load_world", [
+    ("fsdp2", 2, "none", 1),
+    ("none", 1, "fsdp2", 2),
+    ("fsdp2", 2, "ddp", 2),
+    ("fsdp2", 2, "fsdp2", 4),  # 9 rows over 4 ranks: 3, 3, 3 and an empty shard
+])
+def test_save_at_one_world_size_load_at_another_continues_identically(
+    tmp_path, save_mode, save_world, load_mode, load_world
+):
+    """FSDP2 at world size 2 -> one process, one process -> FSDP2 at 2, FSDP2 -> DDP, FSDP2 at
+    2 -> at 4: model, Fira state (sharded left bases and right moments, replicated ones),
+    scheduler, data position and RNG come back and the run continues as if never stopped."""
+    run_dir = str(tmp_path / "run")
+    straight = run_ranks(train_worker, save_world, tmp_path / "a", save_mode, STEPS, "fira",
+                         None, run_dir, SAVE_AT, timeout=50)
+    path = checkpoint_dir(run_dir, SAVE_AT)
+    assert is_complete(path) and latest_checkpoint(run_dir) == path and is_dcp_checkpoint(path)
+    keys = _saved_keys(path)
+    for rank in range(save_world):  # every rank's RNG, under the names the loader asks for
+        assert {f"run.rng.rank{rank}.torch", f"run.rng.rank{rank}.python",
+                f"run.rng.rank{rank}.numpy.0"} <= keys
+    assert "app.optimizer.state.blocks.0.down.weight.basis" in keys  # Fira's state, by FQN
+    resumed = run_ranks(train_worker, load_world, tmp_path / "b", load_mode, STEPS, "fira",
+                        None, None, None, str(path), timeout=60)
+    for rank, result in enumerate(resumed):
+        # Each rank resumes its own RNG streams; ranks the checkpoint did not have take rank 0's.
+        _assert_continues(straight[rank if rank < len(straight) else 0], result)
+
+
+def _kill_during_save_worker(rank: int, world: int, run_dir: str, where: str) -> None:
+    """Save a checkpoint at step 2, then die (SIGKILL) in the middle of writing step 4."""
+    import torch.distributed.checkpoint as dcp
+
+    import fira_train.run.dist_checkpoint as ckpt
+    from tests.fira_train.tiny_lm import build_model, make_optimizer
+
+    model = build_model()
+    optimizer = make_optimizer(model, "fira")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    ckpt.save_checkpoint(run_dir, 2, model, optimizer, extra={"step": 2})
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "data":  # after DCP wrote the shards, before its metadata
+        dcp.FileSystemWriter.finish = die
+    else:  # everything written and synced, before the marker and the rename
+        ckpt._write_synced = die
+    optimizer.step()
+    ckpt.save_checkpoint(run_dir, 4, model, optimizer, extra={"step": 4})
+
+
+def _load_worker(rank: int, world: int, path: str) -> dict:
+    from fira_train.run.dist_checkpoint import load_checkpoint
+    from tests.fira_train.tiny_lm import build_model, make_optimizer
+
+    model = build_model()
+    optimizer = make_optimizer(model, "fira")
+    return load_checkpoint(path, model, optimizer)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["data", "marker"])
+def test_kill_during_write_leaves_previous_checkpoint_usable(tmp_path, where):
+    run_dir = tmp_path / "run"
+    with pytest.raises(AssertionError, match="exited with code -9"):
+        run_ranks(_kill_during_save_worker, 1, tmp_path / "w", str(run_dir), where, timeout=40)
+    partial = run_dir / ".tmp-step_00000004"
+    assert partial.is_dir() and not is_complete(partial)
+    assert not checkpoint_dir(run_dir, 4).exists()
+    assert latest_checkpoint(run_dir) == checkpoint_dir(run_dir, 2)
+    extra = run_ranks(_load_worker, 1, tmp_path / "l", str(checkpoint_dir(run_dir, 2)), timeout=40)[0]
+    assert extra == {"step": 2}
+    # The partial write is refused by name, a missing checkpoint is FileNotFoundError.
+    with pytest.raises(AssertionError, match="incomplete"):
+        run_ranks(_load_worker, 1, tmp_path / "l2", str(partial), timeout=40)
+    with pytest.raises(AssertionError, match="FileNotFoundError"):
+        run_ranks(_load_worker, 1, tmp_path / "l3", str(run_dir / "step_00000009"), timeout=40)
+
+
+class _Exploit:
+    """A pickle that creates a file when unpickled."""
+
+    def __init__(self, sentinel: str):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.sentinel),))
+
+
+def _crafted_checkpoint_worker(rank: int, world: int, path: str, sentinel: str) -> dict:
+    """Write a complete checkpoint whose ``extra`` runs code when unpickled; load it with our
+    loader, then with DCP's default planner (which does run it: the file is a real threat)."""
+    import torch.distributed.checkpoint as dcp
+
+    import fira_train.run.dist_checkpoint as ckpt
+    from tests.fira_train.tiny_lm import build_model, make_optimizer
+
+    model = build_model()
+    optimizer = make_optimizer(model, "fira")
+    state = ckpt._state(model, optimizer, None, None, save=True)
+    state["run"].extra_json = _Exploit(sentinel)
+    dcp.save(state, checkpoint_id=path)
+    Path(path, ckpt.MARKER).write_text("{}")
+    try:
+        ckpt.load_checkpoint(path, model, optimizer)
+        ours = "loaded"
+    except Exception as err:
+        ours = f"{type(err).__name__}: {err}"
+    created_by_ours = Path(sentinel).exists()
+    dcp.load({"run": {"extra_json": ""}}, checkpoint_id=path)  # DCP's default: weights_only=False
+    return {"ours": ours, "created_by_ours": created_by_ours, "created_by_default": Path(sentinel).exists()}
+
+
+@pytest.mark.timeout(60)
+def test_crafted_pickle_in_checkpoint_is_refused(tmp_path):
+    """Non-tensor values load with weights_only=True: a checkpoint carrying a pickle that
+    would create a file is refused and the file is not created."""
+    sentinel = tmp_path / "pwned"
+    result = run_ranks(_crafted_checkpoint_worker, 1, tmp_path / "w", str(tmp_path / "ckpt"),
+                       str(sentinel), timeout=40)[0]
+    assert result["ours"].startswith("ValueError: checkpoint") and "Weights only load failed" in result["ours"]
+    assert not result["created_by_ours"]
+    assert result["created_by_default"]  # the crafted file really runs code under a plain load
+
+
+def test_listing_and_pruning_ignore_partial_and_keep_newest(tmp_path):
+    for step in (1, 2, 3):
+        path = checkpoint_dir(tmp_path, step)
+        path.mkdir()
+        (path / MARKER).write_text("{}")  # a single-file checkpoint's marker: not ours
+    assert not is_dcp_checkpoint(checkpoint_dir(tmp_path, 1))
+    checkpoint_dir(tmp_path, 4).mkdir()  # no marker: an interrupted write
+    (tmp_path / ".tmp-step_00000005").mkdir()
+    assert list_checkpoints(tmp_path) == [checkpoint_dir(tmp_path, s) for s in (1, 2, 3)]
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
+    assert prune_checkpoints(tmp_path, 1) == [checkpoint_dir(tmp_path, 1), checkpoint_dir(tmp_path, 2)]
+    assert list_checkpoints(tmp_path) == [checkpoint_dir(tmp_path, 3)]
+    with pytest.raises(ValueError, match="keep_last must be an integer >= 1, got 0"):
+        prune_checkpoints(tmp_path, 0)
+    with pytest.raises(ValueError, match="step must be an integer >= 0, got -1"):
+        checkpoint_dir(tmp_path, -1)
+    assert latest_checkpoint(tmp_path / "missing") is None

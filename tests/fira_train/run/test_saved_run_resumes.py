@@ -1,0 +1,43 @@
+"""A checkpoint written by an earlier version of the harness resumes, and continues the same run."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fira_train.cli import main
+from fira_train.run.metrics import read_metrics
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "micro_fira_run"
+#: The command that wrote ``FIXTURE/run`` (see its README), without ``--out``.
+COMMAND = ["pretrain", "--recipe", "micro", "--method", "fira", "--steps", "6", "--save-every", "3",
+           "--eval-every", "3", "data.source=corpus", "data.cache_dir=cache", "data.vocab_size=300",
+           "data.val_fraction=0.1", "train.progress=false", "train.tensorboard=false",
+           "train.num_threads=1", "train.keep_last=2"]
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_the_same_run(tmp_path: Path, monkeypatch, caplog) -> None:
+    shutil.copytree(FIXTURE, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)  # the saved config names corpus/, cache/ and run/ relative to it
+    recorded = read_metrics("run")  # the earlier version's uninterrupted run: steps 1 to 6
+    assert [r["step"] for r in recorded] == [1, 2, 3, 4, 5, 6]
+
+    with caplog.at_level(logging.INFO):
+        assert main([*COMMAND, "--out", "run", "--resume"]) == 0
+    assert any("from step 3" in message for message in caplog.messages)
+    resumed = read_metrics("run")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert resumed[:3] == recorded[:3]  # the steps before the checkpoint are kept as written
+    assert sorted(p.name for p in Path("run/checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
+
+    assert main([*COMMAND, "--out", "fresh"]) == 0  # the same config, uninterrupted, by this version
+    fresh = read_metrics("fresh")
+    for key in ("loss", "lr", "tokens"):
+        assert [r[key] for r in resumed[3:]] == [r[key] for r in fresh[3:]]
+    assert resumed[-1]["val_loss"] == fresh[-1]["val_loss"]
+    # and what the earlier version computed (equal on the machine that wrote it; round-off elsewhere)
+    assert [r["loss"] for r in resumed[3:]] == pytest.approx([r["loss"] for r in recorded[3:]], rel=1e-5)
+    assert resumed[-1]["val_loss"] == pytest.approx(recorded[-1]["val_loss"], rel=1e-5)

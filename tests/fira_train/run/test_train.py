@@ -1,0 +1,217 @@
+"""The training loop: logs, token-averaged validation, accumulation, faults and exact resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fira_train.run.training as training_module
+from fira_train.config.overrides import apply_overrides, config_from_dict
+from fira_train.config.run_config import ModelConfig
+from fira_train.methods.model import build_model
+from fira_train.run import checkpoint as ckpt
+from fira_train.run.metrics import read_metrics
+from fira_train.run.train import NonFiniteLossError, evaluate, train
+from tests.fira_train.harness_fixtures import micro_config  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(run_dir)]
+
+
+def test_run_writes_config_metrics_summary_and_checkpoints(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, "optim.method=fira", "train.tensorboard=true")
+    summary = train(config)
+    out = tmp_path / "run"
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, 21))
+    for record in records:
+        assert {"step", "loss", "lr", "tokens_per_s"} <= set(record)
+        assert math.isfinite(record["loss"]) and record["tokens_per_s"] > 0
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [10, 20]
+    for record in evals:
+        assert record["val_ppl"] == pytest.approx(math.exp(record["val_loss"]))
+    assert records[0]["lr"] == pytest.approx(0.01 / 2)  # warm-up: 10% of 20 steps = 2 steps
+    assert records[-1]["lr"] < 0.011 * 0.2  # cosine decay towards 10%
+    saved = config_from_dict(json.loads((out / "config.json").read_text()))
+    assert saved.optim.lr == 0.01 and saved.optim.method == "fira" and saved.train.steps == 20
+    assert [s for s, _ in ckpt.complete_checkpoints(out)] == [10, 20]
+    assert any((out / "tb").iterdir())
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk == summary
+    assert summary["val_loss"] == evals[-1]["val_loss"]
+    assert summary["tokens"] == 20 * 8 * 32
+    assert summary["optimizer_state_numel"] > 0 and summary["peak_memory_bytes"] > 0
+    assert summary["rank"] == 16 and summary["method"] == "fira"
+
+
+def test_validation_loss_is_averaged_over_tokens_not_batches() -> None:
+    model = build_model(ModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                    num_hidden_layers=1), vocab_size=50, max_seq_len=8, seed=0)
+    data = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(1))
+    batches = [data[:3], data[3:]]  # unequal batches: a mean of batch means would be wrong
+    mean, tokens = evaluate(model, batches, torch.device("cpu"), nullcontext())
+    with torch.no_grad():
+        logits = model(input_ids=data).logits
+    per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), data[:, 1:].flatten(), reduction="none")
+    assert tokens == 4 * 7
+    assert mean == pytest.approx(per_token.mean().item(), rel=1e-6)
+    batch_means = [per_token.view(4, 7)[:3].mean().item(), per_token.view(4, 7)[3:].mean().item()]
+    assert abs(mean - sum(batch_means) / 2) > 1e-4  # the two averages differ on this data
+    released = sum(batch_means) / (len(batches) + 1)  # the released harness's n + 1 division
+    assert math.exp(released) < math.exp(mean)
+
+
+def test_gradient_accumulation_matches_one_large_batch(tmp_path: Path) -> None:
+    # fp32 on every device: under bf16 autocast (CUDA) the two batchings round differently.
+    common = ("optim.method=adamw", "train.steps=3", "train.precision=fp32")
+    a = train(micro_config(tmp_path, *common, "train.micro_batch_size=4", out="a"))
+    b = train(micro_config(tmp_path, *common, "train.micro_batch_size=8", out="b"))
+    assert _losses(tmp_path / "a") == pytest.approx(_losses(tmp_path / "b"), rel=1e-5)
+    assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path: Path, monkeypatch) -> None:
+    calls = {"forward": 0}
+
+    def poisoned(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+
+        def hook(module, inputs, output):
+            calls["forward"] += 1
+            if calls["forward"] == 5:  # 2 micro-batches per step: the first forward of step 3
+                return output * float("nan")
+            return output
+
+        model.lm_head.register_forward_hook(hook)
+        return model
+
+    monkeypatch.setattr(training_module, "build_model", poisoned)
+    config = micro_config(tmp_path, "optim.method=adamw", "train.save_every=2", "train.eval_every=0")
+    with pytest.raises(NonFiniteLossError, match="at step 3") as err:
+        train(config)
+    assert err.value.step == 3
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path / "run")] == [2]
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_an_existing_run_needs_resume_or_overwrite(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=2")
+    train(config)
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(config)
+    train(config, overwrite=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
+    train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4"))
+    with pytest.raises(ValueError, match="optim.lr"):
+        train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "optim.lr=0.5"), resume="latest")
+    # fields that do not change the trajectory may differ
+    train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.keep_last=5"), resume="latest")
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("method", ["fira", "relora"])
+def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path: Path, monkeypatch, method: str) -> None:
+    # save every 3 steps: step 6 is not a multiple of T=5, and the resumed part crosses the
+    # refresh at step 10 (fira) and the restart at step 8 (relora, every 4 steps)
+    common = [f"optim.method={method}", "train.steps=12", "train.save_every=3", "train.eval_every=4",
+              "optim.relora_every=4", "train.keep_last=5"]
+    straight = train(micro_config(tmp_path, *common, out="straight"))
+
+    real_save = ckpt.save_checkpoint
+
+    def save_then_crash(run_dir, step, state):
+        path = real_save(run_dir, step, state)
+        if step == 6:
+            raise _Stop
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_crash)
+    with pytest.raises(_Stop):
+        train(micro_config(tmp_path, *common, out="resumed"))
+    monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
+    resumed = train(micro_config(tmp_path, *common, out="resumed"), resume="latest")
+
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")  # exact, every step
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed")] == list(range(1, 13))
+    assert resumed["val_loss"] == straight["val_loss"]
+
+
+def test_kill_9_while_writing_a_checkpoint_then_resume_exactly(tmp_path: Path) -> None:
+    common = ["optim.method=fira", "train.steps=9", "train.save_every=3", "train.eval_every=0"]
+    straight_config = micro_config(tmp_path, *common, out="straight")
+    train(straight_config)
+    killed_config = micro_config(tmp_path, *common, out="killed")
+    flags = [f"{k}={v}" for k, v in [
+        ("data.source", killed_config.data.source), ("data.cache_dir", killed_config.data.cache_dir),
+        ("data.vocab_size", 300), ("data.val_fraction", 0.1), ("train.out_dir", killed_config.train.out_dir),
+        ("train.progress", "false"), ("train.tensorboard", "false"), ("train.num_threads", 1)]]
+    # In a separate process, SIGKILL ourselves in the middle of writing the step-6 checkpoint:
+    # state.pt and the marker are in the temporary directory, the rename has not happened.
+    driver = textwrap.dedent(f"""
+        import os, signal, sys
+        import fira_train.run.checkpoint as ckpt
+        real_rename = os.rename
+        def rename(src, dst):
+            if str(dst).endswith("step_00000006"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_rename(src, dst)
+        ckpt.os.rename = rename
+        from fira_train.cli import main
+        sys.exit(main(["pretrain", "--recipe", "micro", "--method", "fira", "--steps", "9",
+                       "--save-every", "3", "--eval-every", "0", *{flags!r}]))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    out = tmp_path / "killed"
+    assert [s for s, _ in ckpt.complete_checkpoints(out)] == [3]
+    assert any(p.name.startswith(".tmp-step_00000006") for p in (out / "checkpoints").iterdir())
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
+
+    train(killed_config, resume="latest")
+    assert _losses(out) == _losses(tmp_path / "straight")
+    assert not any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir())
+
+
+def test_resume_requests_and_failures(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.save_every=2")
+    train(config, resume="latest")  # nothing to resume: starts from step 0
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path / "run")] == [2, 4]
+    with pytest.raises(FileNotFoundError, match="step 3"):
+        train(config, resume=3)
+    first = json.loads((tmp_path / "run" / "summary.json").read_text())
+    again = train(config, resume=4)  # a finished run: nothing to train, same result
+    assert again["val_loss"] == first["val_loss"] and again["steps"] == 4
+    state = tmp_path / "run" / "checkpoints" / "step_00000004" / "state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    with pytest.raises(ckpt.CheckpointError, match="truncated"):
+        train(config, resume="latest")
+
+
+def test_bf16_autocast_only_where_asked_on_cpu(tmp_path: Path) -> None:
+    config = micro_config(tmp_path)
+    cpu = torch.device("cpu")
+    assert isinstance(training_module.autocast_for(config, cpu), nullcontext)
+    bf16 = apply_overrides(config, ["train.precision=bf16"])
+    assert isinstance(training_module.autocast_for(bf16, cpu), torch.autocast)

@@ -1,0 +1,230 @@
+"""``train.parallel`` ddp / fsdp2: 2 gloo processes train like one process on the same global batch.
+
+One 1-process reference run (module fixture) and one launch of 2 processes per mode, on the
+``micro`` recipe cut to a few steps: the 2-process runs must give the reference's per-step
+losses, validation loss and final weights to float32 round-off (the ranks sum their halves of
+each batch in another order), and a 2-process DDP run stopped after a checkpoint and resumed
+(with 2 processes, and with one from its DCP checkpoint) must continue as if never stopped.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from fira_train.cli import build_parser, config_from_args
+from fira_train.run.callbacks import TrainCallback
+from fira_train.run.dist_checkpoint import is_dcp_checkpoint
+from fira_train.run.metrics import read_metrics
+from fira_train.run.train import train
+from tests.fira_train.harness_fixtures import micro_config
+from tests.multiprocess import run_ranks
+
+STEPS = 6  # Fira refreshes at steps 1 and 6 (micro: T = 5)
+SAVE = 3
+# 7 validation sequences in batches of 4: the last batch splits 2 / 1 over the two ranks.
+COMMON = (f"train.steps={STEPS}", f"train.save_every={SAVE}", f"train.eval_every={SAVE}",
+          "data.val_sequences=7", "optim.method=fira")
+
+
+def _config(root: Path, mode: str, out: str):
+    return micro_config(Path(root), *COMMON, f"train.parallel={mode}", out=out)
+
+
+class FinalParameters(TrainCallback):
+    """Records the full parameters after the optimizer step ``steps`` (FSDP2 shards gathered)."""
+
+    def __init__(self, steps: int = STEPS) -> None:
+        self.steps = steps
+        self.params: dict[str, torch.Tensor] = {}
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def before_step(self, step, model, optimizer, loss) -> None:
+        if step == 1:
+            self.initial = _full(model)
+
+    def after_step(self, step, model, optimizer, loss) -> None:
+        if step == self.steps:
+            self.params = _full(model)
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
+
+
+class _Stop(Exception):
+    pass
+
+
+class StopBefore(TrainCallback):
+    """Raises at step ``step`` before its update: the run dies after the previous checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def before_step(self, step, model, optimizer, loss) -> None:
+        if step == self.step:
+            raise _Stop
+
+
+def _ddp_worker(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    root = Path(root)
+    try:  # several processes without --parallel: refused before anything is built
+        train(_config(root, "none", "refused"))
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    straight = FinalParameters()
+    summary = train(_config(root, "ddp", "ddp"), callbacks=[straight])
+    config = _config(root, "ddp", "ddp_stopped")
+    try:
+        train(config, callbacks=[StopBefore(SAVE + 1)])
+    except _Stop:
+        pass
+    if rank == 0:  # a copy of the stopped run for the 1-process resume in the test
+        shutil.copytree(root / "ddp_stopped", root / "ddp_stopped_copy")
+    dist.barrier()
+    resumed = FinalParameters()
+    resumed_summary = train(config, resume="latest", callbacks=[resumed])
+    return {"refused": refused, "params": straight.params, "val_loss": summary["val_loss"],
+            "resumed_params": resumed.params, "resumed_val_loss": resumed_summary["val_loss"]}
+
+
+class RowsSeen(TrainCallback):
+    """From step 2 on, the token ids of every training forward pass this rank runs."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+        self.handle = None
+
+    def before_step(self, step, model, optimizer, loss) -> None:
+        if step == 1:
+            def record(module, args, kwargs):
+                if module.training:
+                    self.batches.append(kwargs["input_ids"].detach().clone())
+
+            self.handle = model.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def _fsdp2_worker(rank: int, world: int, root: str) -> dict:
+    final, rows = FinalParameters(), RowsSeen()
+    summary = train(_config(Path(root), "fsdp2", "fsdp2"), callbacks=[final, rows])
+    rows.handle.remove()
+    return {"params": final.params, "val_loss": summary["val_loss"], "batches": rows.batches}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The 1-process run (it also builds the tokenizer cache that the ranks then read)."""
+    root = tmp_path_factory.mktemp("parallel")
+    final = FinalParameters()
+    summary = train(_config(root, "none", "one"), callbacks=[final])
+    return {"root": root, "params": final.params, "initial": final.initial, "val_loss": summary["val_loss"],
+            "losses": [r["loss"] for r in read_metrics(root / "one")]}
+
+
+def _assert_same_run(reference: dict, params: dict, val_loss: float, run_dir: Path | None = None) -> None:
+    assert params.keys() == reference["params"].keys()
+    for name, value in reference["params"].items():
+        # Relative to how far the weights moved: Adam-like updates divide by sqrt(v), so the
+        # float32 round-off of a near-zero gradient (the ranks add their halves in another
+        # order) becomes ~1e-5 of that element's step; a wrong batch, scale or reduction
+        # moves the weights by whole steps.
+        moved = (value - reference["initial"][name]).norm()
+        assert (params[name] - value).norm() <= 5e-4 * moved, name
+        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-4, msg=name)
+    assert val_loss == pytest.approx(reference["val_loss"], rel=1e-5)
+    if run_dir is not None:
+        records = read_metrics(run_dir)  # rank 0 alone wrote them: one record per step
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        assert [r["loss"] for r in records] == pytest.approx(reference["losses"], rel=1e-5)
+        assert [r["val_loss"] for r in records if "val_loss" in r][-1] == pytest.approx(val_loss, abs=0)
+
+
+@pytest.fixture(scope="module")
+def ddp(reference):
+    return run_ranks(_ddp_worker, 2, reference["root"] / "w-ddp", str(reference["root"]), timeout=100)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_two_processes_equal_one_process(reference, ddp):
+    root = reference["root"]
+    for rank in ddp:
+        _assert_same_run(reference, rank["params"], rank["val_loss"], root / "ddp")
+    checkpoints = sorted((root / "ddp" / "checkpoints").glob("step_*"))
+    assert [p.name for p in checkpoints] == ["step_00000003", "step_00000006"]
+    assert all(is_dcp_checkpoint(p) for p in checkpoints)
+    assert "--parallel ddp" in ddp[0]["refused"] and "'none'" in ddp[0]["refused"]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_stopped_and_resumed_continues_identically(reference, ddp):
+    """Stopped before step 4 (checkpoint at 3), resumed by 2 processes: the same weights and
+    validation loss as the uninterrupted 2-process run, bit for bit; resumed by one process
+    from the same DCP checkpoint: the same to round-off."""
+    root = reference["root"]
+    for rank in ddp:
+        for name, value in rank["params"].items():
+            assert torch.equal(rank["resumed_params"][name], value), name
+        assert rank["resumed_val_loss"] == rank["val_loss"]
+    records = read_metrics(root / "ddp_stopped")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+
+    one = FinalParameters()
+    copy = root / "ddp_stopped_copy"
+    config = micro_config(root, *COMMON, "train.parallel=none", out="ddp_stopped_copy")
+    summary = train(config, resume="latest", callbacks=[one])
+    assert [r["step"] for r in read_metrics(copy)] == list(range(1, STEPS + 1))
+    _assert_same_run(reference, one.params, summary["val_loss"])
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_two_processes_equal_one_process(reference):
+    root = reference["root"]
+    results = run_ranks(_fsdp2_worker, 2, root / "w-fsdp2", str(root), timeout=100)
+    for rank in results:
+        _assert_same_run(reference, rank["params"], rank["val_loss"], root / "fsdp2")
+    assert all(is_dcp_checkpoint(p) for p in (root / "fsdp2" / "checkpoints").glob("step_*"))
+    # Each rank trained on its own half of every micro-batch (micro: 4 sequences -> 2 each).
+    zero, one = results[0]["batches"], results[1]["batches"]
+    assert len(zero) == len(one) == 2 * (STEPS - 1)  # 2 micro-batches per step, steps 2..STEPS
+    for a, b in zip(zero, one):
+        assert a.shape[0] == b.shape[0] == 2
+        assert not torch.equal(a, b)
+
+
+def test_bad_parallel_mode_is_a_config_error(tmp_path):
+    with pytest.raises(ValueError, match=r"train\.parallel .*'pipeline'"):
+        micro_config(tmp_path, "train.parallel=pipeline")
+    with pytest.raises(ValueError, match=r"train\.parallel .*optim\.method='lora'"):
+        micro_config(tmp_path, "optim.method=lora", "train.parallel=ddp")
+
+
+def test_parallel_without_torchrun_or_with_world_size_and_none_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node"):
+        train(micro_config(tmp_path, "train.parallel=ddp", "train.device=cpu"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--parallel ddp or --parallel fsdp2"):
+        train(micro_config(tmp_path, out="other"))
+
+
+@pytest.mark.parametrize("command", [
+    ["pretrain", "--recipe", "micro", "--method", "fira"],
+    ["compare", "--recipe", "micro", "--methods", "fira,adamw"],
+])
+def test_parallel_flag_sets_train_parallel(command):
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(command)).train.parallel == "none"
+    for mode in ("none", "ddp", "fsdp2"):
+        args = parser.parse_args([*command, "--parallel", mode])
+        assert config_from_args(args).train.parallel == mode
+    args = parser.parse_args([*command, "--parallel", "ddp", "train.parallel=fsdp2"])
+    assert config_from_args(args).train.parallel == "fsdp2"  # overrides win, as for every flag
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--parallel", "tp"])
