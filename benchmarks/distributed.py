@@ -12,7 +12,7 @@ runs every configuration under ``torchrun --standalone --nproc_per_node 2`` (glo
 NCCL on GPUs) and writes the report. Per configuration and rank it measures:
 
 * tokens/s of ordinary steps (no projection refresh) and the time of a refresh step;
-* the payload of every collective per step, counted by ``fira_train.parallel.CommunicationCounter``
+* the payload of every collective per step, counted by ``fira_train.run.communication.CommunicationCounter``
   (Python collectives patched for FSDP2 and Fira, a comm hook for DDP's gradient buckets);
 * per-rank bytes of parameters, gradients and optimizer state (local shards), and the
   process's peak resident memory (CUDA: peak allocated).

@@ -8,7 +8,7 @@ own); results land in ``OUT/<method>/results.json`` and the comparison in ``OUT/
 (or ``--report``). Rerunning skips methods whose results exist, so an interrupted run can resume;
 ``--report-only`` rebuilds the report from what has finished.
 
-    python benchmarks/finetune_commonsense.py --data-dir ../shared/data/commonsense \\
+    python benchmarks/finetune_commonsense.py --data-dir DATA \\
         --out docs/results/finetune/methods --steps 30 --batch-size 4 --max-eval 20 --max-new-tokens 16
 """
 

@@ -1,4 +1,4 @@
-"""Optimizer-step benchmark on LLaMA-60M matrix shapes (issue 2).
+"""Optimizer-step benchmark on LLaMA-60M matrix shapes.
 
 Side by side in one process: torch.optim.AdamW, fira 1.0.2, galore-torch 1.0,
 pytorch_optimizer.Fira and fira_optim (exact SVD, randomized projector, staggered refreshes),

