@@ -3,9 +3,9 @@
 The paper's LLaMA recipes (``60m``, ``130m``, ``350m``, ``1b``, ``7b``) follow Appendix B (which
 follows GaLore): sequence length 256, 512 sequences (131K tokens) per step, linear warm-up over
 10% of the steps then cosine decay to 10%, learning rate 0.01 for Fira and GaLore (each other
-method uses its own default, :mod:`fira_train.methods.registry`), subspace update gap T = 200, alpha 0.25
-below 1B and 0.0625 from 1B, rank 128 / 256 / 256 / 512 (and 64 for 7B, the paper's 8x smaller
-rank than GaLore's 1024).
+method uses its own default, :mod:`fira_train.methods.registry`), subspace update gap T = 200,
+alpha 0.25 below 1B and 0.0625 from 1B, rank 128 / 256 / 256 / 512 (and 64 for 7B, the paper's
+8x smaller rank than GaLore's 1024).
 
 Data: the paper streams C4 with the ``t5-base`` tokenizer (``--data c4 data.tokenizer=t5-base``
 when online). Offline the recipes default to the embedded Wikipedia corpus with a byte-level BPE
@@ -19,7 +19,8 @@ The CPU recipes keep the paper's ratios -- rank / d_model = 1/4 (128 / 512 at 60
   method on 2 CPU cores (see :func:`tiny`).
 - ``micro``: d_model 64, 2 layers, 512 vocabulary, 20 steps; seconds, for tests.
 
-Any field can be overridden afterwards with ``key=value`` (:func:`fira_train.config.overrides.apply_overrides`).
+Any field can be overridden afterwards with ``key=value``
+(:func:`fira_train.config.overrides.apply_overrides`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from fira_train.methods.registry import METHODS
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-#: ``train.parallel``: one process, or the data parallelism of :func:`fira_train.run.parallel.parallelize`.
+#: ``train.parallel``: one process, or a data parallelism of
+#: :func:`fira_train.run.parallel.parallelize`.
 PARALLEL_MODES = ("none", "ddp", "fsdp2")
 
 

@@ -2,8 +2,8 @@ r"""``fira-train finetune``: fine-tune a pretrained causal LM on the commonsense
 
 The paper's fine-tuning experiment (Section 5.3, Appendix B.2) at a size a laptop runs: train on
 the union of the tasks' training sets in the LLM-Adapters format, then evaluate every task's test
-set by generating and extracting the answer (:mod:`fira_train.finetune.commonsense`). Methods, compared at
-equal steps, batch and learning-rate schedule (linear, warm-up):
+set by generating and extracting the answer (:mod:`fira_train.finetune.commonsense`). Methods,
+compared at equal steps, batch and learning-rate schedule (linear, warm-up):
 
 ============  ==========================================================================
 ``none``      zero-shot: no training (also ``--steps 0``)

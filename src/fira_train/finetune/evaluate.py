@@ -1,10 +1,10 @@
 """Generation-based evaluation of a causal LM on the commonsense tasks (the LLM-Adapters protocol).
 
-For each test record: prompt = :func:`~fira_train.finetune.commonsense.format_prompt` (instruction, input),
-greedy decoding of at most ``max_new_tokens`` tokens (stopping at EOS), the new tokens decoded
-without special tokens, then :func:`~fira_train.finetune.commonsense.extract_answer`. LLM-Adapters used
-beam search (4 beams, max 32 new tokens); greedy decoding is the single-path equivalent and
-what this harness reports.
+For each test record: prompt = :func:`~fira_train.finetune.commonsense.format_prompt`
+(instruction, input), greedy decoding of at most ``max_new_tokens`` tokens (stopping at EOS), the
+new tokens decoded without special tokens, then
+:func:`~fira_train.finetune.commonsense.extract_answer`. LLM-Adapters used beam search (4 beams,
+max 32 new tokens); greedy decoding is the single-path equivalent and what this harness reports.
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ Every tensor is counted in BF16 (2 bytes an element): weights, gradients and opt
 states, the three rows of the paper's Table "Comparison of different methods"
 (:func:`fira_train.memory.matrix.footprint_numel`). Which tensors each method holds:
 
-* the ``nn.Linear`` weights of attention and MLP (:func:`fira_train.memory.matrix.llama_matrix_shapes`)
-  are the matrices a method acts on: Fira and GaLore project their gradients at rank ``r``,
-  LoRA/ReLoRA freeze them and train rank-``r`` adapters ``B``, ``A`` on every one of them
-  (GaLore: "we apply them to all multi-head attention layers and feed-forward layers");
+* the ``nn.Linear`` weights of attention and MLP
+  (:func:`fira_train.memory.matrix.llama_matrix_shapes`) are the matrices a method acts on:
+  Fira and GaLore project their gradients at rank ``r``, LoRA/ReLoRA freeze them and train
+  rank-``r`` adapters ``B``, ``A`` on every one of them (GaLore: "we apply them to all
+  multi-head attention layers and feed-forward layers");
 * the token embedding, the untied output head and the RMSNorm weights are trained with
   full-rank Adam by every method (they are never projected, and ReLoRA trains them fully),
   so they cost weights + gradients + ``2 x`` Adam moments in every row.

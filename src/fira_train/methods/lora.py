@@ -19,6 +19,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def wrap_lora(model: nn.Module, config: "RunConfig") -> nn.Module:
+    """``model`` with ``peft`` LoRA adapters of rank ``optim.rank`` on :data:`LORA_TARGETS`; the
+    rest of the model trains in full."""
     from peft import LoraConfig, get_peft_model  # only the LoRA methods need peft: seconds to import
 
     o = config.optim
@@ -33,6 +35,7 @@ def wrap_lora(model: nn.Module, config: "RunConfig") -> nn.Module:
 
 
 def build_lora(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """LoRA adapters trained with AdamW."""
     wrapped = wrap_lora(model, config)
     return MethodSetup(wrapped, build_adamw(wrapped, config, lr).optimizer)
 
@@ -79,6 +82,7 @@ def prune_moments(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], 
 
 
 def build_relora(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """ReLoRA: LoRA merged and restarted every ``optim.relora_every`` steps, moments pruned, LR re-warmed."""
     o, steps = config.optim, config.train.steps
     every = o.relora_every or max(1, steps // 4)
     rewarmup = o.relora_rewarmup or max(1, every // 50)

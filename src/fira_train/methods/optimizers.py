@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # annotations only: the config validates method names against
 
 
 def build_adamw(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """``torch.optim.AdamW`` over the trainable parameters."""
     o = config.optim
     params = [p for p in model.parameters() if p.requires_grad]
     return MethodSetup(model, torch.optim.AdamW(params, lr=lr, betas=o.betas, eps=o.eps,
@@ -24,6 +25,7 @@ def build_adamw(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup
 
 
 def build_sgd(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """``torch.optim.SGD`` with momentum ``betas[0]``."""
     o = config.optim
     params = [p for p in model.parameters() if p.requires_grad]
     return MethodSetup(model, torch.optim.SGD(params, lr=lr, momentum=o.betas[0],
@@ -31,12 +33,14 @@ def build_sgd(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
 
 
 def build_adagrad(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """``torch.optim.Adagrad``."""
     o = config.optim
     params = [p for p in model.parameters() if p.requires_grad]
     return MethodSetup(model, torch.optim.Adagrad(params, lr=lr, eps=o.eps, weight_decay=o.weight_decay))
 
 
 def build_adam_mini(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """Adam-mini (the ``adam-mini`` package), told the model's width and heads."""
     from adam_mini import Adam_mini  # only this method needs it, and it takes a second to import
 
     o, m = config.optim, config.model
@@ -52,6 +56,7 @@ def build_adam_mini(model: nn.Module, config: "RunConfig", lr: float) -> MethodS
 
 
 def fira_family(variant: str) -> Callable[[nn.Module, "RunConfig", float], MethodSetup]:
+    """The factory of the Fira / GaLore variant ``variant`` (a key of :data:`fira_optim.VARIANTS`)."""
     def build(model: nn.Module, config: "RunConfig", lr: float, split_refresh: bool = False) -> MethodSetup:
         o = config.optim
         groups = fira_optim.param_groups(model, rank=o.rank, update_proj_gap=o.update_proj_gap,

@@ -6,7 +6,8 @@ import torch
 
 
 class TrainCallback:
-    """Hooks into :func:`~fira_train.run.train.train`'s loop; subclasses override what they need (both default to no-ops).
+    """Hooks into :func:`~fira_train.run.train.train`'s loop; subclasses override what they need
+    (both default to no-ops).
 
     ``step`` is the number of the optimizer step being taken (1 for the first), ``loss`` that
     step's mean training loss. Callbacks are not part of the config or the checkpoint: one that

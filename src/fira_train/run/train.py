@@ -17,17 +17,17 @@ L - 1 next-token predictions, and
 
 Model, method (optimizer) and schedule are built by
 :func:`fira_train.run.training.build_training`, which applies ``train.parallel`` (DDP / FSDP2,
-:func:`fira_train.run.parallel.parallelize`) between the model and the optimizer. Under ``torchrun`` every rank reads the same global batches and trains on its
-rows of each micro-batch, the logged loss and the validation loss are reduced over the ranks,
-only rank 0 writes the run's files, and checkpoints go through
-:mod:`fira_train.run.dist_checkpoint`; the distributed-only pieces are in
-:mod:`fira_train.run.train_parallel`. A run at any world size trains on the same global batches
-as one process, to floating-point round-off.
+:func:`fira_train.run.parallel.parallelize`) between the model and the optimizer. Under
+``torchrun`` every rank reads the same global batches and trains on its rows of each
+micro-batch, the logged loss and the validation loss are reduced over the ranks, only rank 0
+writes the run's files, and checkpoints go through :mod:`fira_train.run.dist_checkpoint`; the
+distributed-only pieces are in :mod:`fira_train.run.train_parallel`. A run at any world size
+trains on the same global batches as one process, to floating-point round-off.
 
 Analyses hook into the loop through ``callbacks``
-(:class:`~fira_train.run.callbacks.TrainCallback`): code that must see
-the gradients or the optimizer's state at every step (recording scaling factors, injecting
-gradient noise) without a second training loop.
+(:class:`~fira_train.run.callbacks.TrainCallback`): code that must see the gradients or the
+optimizer's state at every step (recording scaling factors, injecting gradient noise) without a
+second training loop.
 """
 
 from __future__ import annotations
