@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from fira_train.memory.estimates import format_memory_table, memory_table
-from fira_train.report.markdown import format_bytes, load_run, report_table
+from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import is_rank_zero
 
 PROG = "fira-train"
@@ -146,7 +145,7 @@ def _compare(args: argparse.Namespace) -> int:
     methods = parse_methods(args.methods)
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-compare"
-    command = "fira-train " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
+    command = command_line(getattr(args, "argv", []))
     report, plot = compare(config, methods, out_dir, resume=args.resume,
                            overwrite=args.overwrite, command=command)
     if not is_rank_zero():

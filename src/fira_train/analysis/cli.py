@@ -23,11 +23,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-import shlex
 from pathlib import Path
 from typing import Any, Callable
 
 from fira_train.analysis.variance import run_variance_analysis
+from fira_train.report.markdown import command_line
 
 ANALYSES = ("similarity", "rank-sweep", "gap-sweep", "ablation", "spikes", "noise", "variance")
 
@@ -54,7 +54,7 @@ def _floats(text: str, flag: str) -> list[float]:
 
 
 def _command_line(args: argparse.Namespace) -> str:
-    return "fira-train " + " ".join(shlex.quote(a) for a in getattr(args, "argv", []))
+    return command_line(getattr(args, "argv", []))
 
 
 def _config(args: argparse.Namespace):

@@ -7,12 +7,19 @@ of :mod:`fira_train.report.plots`, so a report can be regenerated without re-tra
 from __future__ import annotations
 
 import json
+import shlex
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fira_train.run.metrics import read_metrics
 
 MiB = 1024 ** 2
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """``fira-train`` with ``argv``, shell-quoted: the command a report records."""
+    return "fira-train " + " ".join(shlex.quote(a) for a in argv)
 
 
 def format_bytes(n: float | None) -> str:
