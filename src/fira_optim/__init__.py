@@ -5,11 +5,13 @@ Depends on torch alone. Start with :class:`FiraAdamW` and :func:`param_groups`.
 
 from .groups import divide_params, param_groups
 from .optimizer import Fira, FiraAdamW, GaLoreAdamW, NonFiniteGradientError
+from .pipeline import MatrixStats
 from .state import optimizer_state_numel
 from .variants import VARIANTS
 
 __all__ = [
     "Fira",
+    "MatrixStats",
     "FiraAdamW",
     "GaLoreAdamW",
     "NonFiniteGradientError",

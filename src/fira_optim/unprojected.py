@@ -19,6 +19,7 @@ from torch.optim import adagrad as torch_adagrad
 from torch.optim import adam as torch_adam
 from torch.optim import rmsprop as torch_rmsprop
 
+from .options import Arithmetic, Base
 from .subspace import STATE_KEYS, adam_bias_correction
 
 
@@ -34,9 +35,9 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> 
         for p in params:
             if not states[p]:
                 init_state(states[p], p, group["base"])
-        if group["arithmetic"] == "released":
+        if Arithmetic(group["arithmetic"]) is Arithmetic.RELEASED:
             _released_adamw(group, params, states)
-        elif group["base"] == "adam":
+        elif Base(group["base"]) is Base.ADAM:
             _torch_adamw(group, params, states)
         else:
             _torch_adagrad_or_rmsprop(group, params, states)
@@ -70,7 +71,7 @@ def _torch_adagrad_or_rmsprop(group: dict, params: list[torch.Tensor], states: d
         torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
     grads = [p.grad for p in params]
     steps = [states[p]["step"] for p in params]
-    if group["base"] == "adagrad":
+    if Base(group["base"]) is Base.ADAGRAD:
         torch_adagrad.adagrad(
             params, grads, [states[p]["sum"] for p in params], steps, foreach=group.get("foreach"),
             lr=group["lr"], weight_decay=0.0, lr_decay=0.0, eps=group["eps"], maximize=False,

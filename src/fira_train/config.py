@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fira_train.data import DataSpec
-from fira_optim.optimizer import IMPLEMENTATIONS
+from fira_optim.options import IMPLEMENTATIONS
 from fira_optim.projection import PROJECTORS
 from fira_train.parallel import PARALLEL_MODES
 

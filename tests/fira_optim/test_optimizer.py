@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import fira_optim.refresh as refresh
 from fira_optim import VARIANTS, FiraAdamW, GaLoreAdamW, optimizer_state_numel
 
 from .common import (assert_params_equal, assert_states_equal, clone_params, grad_sequence,
@@ -315,7 +316,7 @@ def test_refreshes_computed_in_threads_equal_the_sequential_ones(monkeypatch):
 
     def train(sequential):
         if sequential:
-            monkeypatch.setattr(FiraAdamW, "_refresh_in_threads", lambda self, total: None)
+            monkeypatch.setattr(refresh, "refresh_in_threads", lambda opt, total: None)
         params = make_params(shapes)
         opt = FiraAdamW([{"params": params[:4], "rank": 3, "update_proj_gap": 3}, {"params": params[4:]}],
                         lr=1e-2)
@@ -358,14 +359,14 @@ def test_a_refreshed_gradient_is_converted_once(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the pool path
     opt = FiraAdamW(params, rank=3, update_proj_gap=2)
     due_grads, projected = [], []
-    due = opt._due_refreshes
+    due = refresh.due_refreshes
 
-    def recorded(total):
-        pairs = due(total)
+    def recorded(optimizer, total):
+        pairs = due(optimizer, total)
         due_grads.extend(job.grad for _, job in pairs)
         return pairs
 
-    monkeypatch.setattr(opt, "_due_refreshes", recorded)
+    monkeypatch.setattr(refresh, "due_refreshes", recorded)
     project = optimizer_module.project
     monkeypatch.setattr(optimizer_module, "project", lambda g, *a: projected.append(g) or project(g, *a))
     opt.step()
@@ -376,5 +377,5 @@ def test_a_refreshed_gradient_is_converted_once(monkeypatch):
 def test_no_refresh_jobs_are_built_off_the_cpu_without_host_refresh(monkeypatch):
     opt = FiraAdamW([torch.nn.Parameter(torch.empty(8, 8, device="meta"))], rank=2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(opt, "_due_refreshes", lambda total: pytest.fail("jobs built"))
-    assert opt._refresh_in_threads(None) is None
+    monkeypatch.setattr(refresh, "due_refreshes", lambda optimizer, total: pytest.fail("jobs built"))
+    assert refresh.refresh_in_threads(opt, None) is None
