@@ -20,6 +20,9 @@ Flags map onto config keys and are applied after the recipe, then the trailing
 ``train.seed``, ``--save-every`` -> ``train.save_every``, ``--eval-every`` -> ``train.eval_every``,
 ``--parallel`` -> ``train.parallel`` (``none``, ``ddp`` or ``fsdp2``; launch several processes
 with ``torchrun --nproc_per_node N -m fira_train pretrain ... --parallel ddp``).
+
+An error that users cause (a bad value, a full disk, a folder that cannot be written, a run that
+diverged, ...) is one line on stderr and exit status 1 (:mod:`fira_train.user_errors`).
 """
 
 from __future__ import annotations
@@ -202,10 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
     logging.basicConfig(level=logging.INFO if is_rank_zero() else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
-    from fira_train.checkpoint import CheckpointError
+    from fira_train.user_errors import describe
 
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError) as err:
-        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+    except Exception as err:  # what users do: one line (fira_train.user_errors); a bug: its traceback
+        message = describe(err, args)
+        if message is None:
+            raise
+        print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
         return 1
