@@ -13,8 +13,8 @@ Each subcommand module exposes ``register(subparsers)``, which adds its parser a
 ``func``; :func:`build_parser` imports them (and optional plug-ins: ``fira_train.finetune``,
 ``fira_train.analysis.cli``) only when the parser is built, so ``--help`` stays fast.
 
-Flags map onto config keys and are applied after the recipe, then the trailing
-``section.field=value`` overrides (which win): ``--data`` -> ``data.source``, ``--steps`` ->
+Flags map onto config keys and are applied after the recipe, then the
+``section.field=value`` overrides (which win; anywhere among the flags): ``--data`` -> ``data.source``, ``--steps`` ->
 ``train.steps``, ``--out`` -> ``train.out_dir``, ``--rank`` -> ``optim.rank``,
 ``--update-proj-gap`` -> ``optim.update_proj_gap``, ``--lr`` -> ``optim.lr``, ``--seed`` ->
 ``train.seed``, ``--save-every`` -> ``train.save_every``, ``--eval-every`` -> ``train.eval_every``,
@@ -178,7 +178,11 @@ def _register_methods(subparsers: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Pre-train LLaMA models with Fira, GaLore, AdamW, LoRA and more.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from fira_train.cli_args import IntermixedArgumentParser
+
+    # key=value overrides may stand anywhere among a command's flags (fira_train.cli_args)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       parser_class=IntermixedArgumentParser)
     from fira_train import compare
 
     _register_pretrain(subparsers)
