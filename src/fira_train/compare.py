@@ -14,7 +14,6 @@ are reused and unfinished ones continue from their latest checkpoint.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shlex
 from dataclasses import replace
@@ -51,13 +50,15 @@ def method_config(config: "RunConfig", method: str, out_dir: str | Path) -> RunC
 def _finished_with(config: "RunConfig", run_dir: Path) -> bool:
     """Whether ``run_dir`` holds a finished run of ``config`` (learning rate resolved): equal up
     to the keys that do not change the weights' trajectory (``train.RESUMABLE_CHANGES``)."""
+    from fira_train.json_files import read_json
     from fira_train.overrides import config_from_dict
     from fira_train.methods import resolved_lr
     from fira_train.train import config_changes
 
     if not (run_dir / "summary.json").exists() or not (run_dir / "config.json").exists():
         return False
-    saved = config_from_dict(json.loads((run_dir / "config.json").read_text()))
+    saved = config_from_dict(read_json(run_dir / "config.json", hint="restore it, or delete the run's folder "
+                                       "to train it again"))
     wanted = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
     return not config_changes(saved, wanted)
 

@@ -16,7 +16,9 @@ equal steps, batch and learning-rate schedule (linear, warm-up):
 ============  ==========================================================================
 
 Outputs in ``--out``: ``results.json`` (config, per-task accuracy, average, memory, time, loss),
-``report.md`` and ``predictions/<task>.jsonl``.
+``report.md`` and ``predictions/<task>.jsonl``; the results of an earlier run there are only
+replaced with ``--overwrite``. Every task needs a non-empty test set (an empty one has no accuracy
+to average).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .json_files import dumps
 from .commonsense import (
     CommonsenseDataError,
     TaskSpec,
@@ -111,6 +114,8 @@ class FinetuneConfig:
     seed: int = 42
     threads: int | None = None
     """torch threads (``torch.set_num_threads``); ``None``: torch's default."""
+    overwrite: bool = False
+    """Replace the results of an earlier run in ``out`` (otherwise an existing ``results.json`` is an error)."""
     task_specs: list[TaskSpec] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -180,6 +185,11 @@ def load_records(config: FinetuneConfig) -> tuple[list[dict], dict[str, list[dic
     """``(train_records, test_records_by_task, trained_on)`` -- every file checked before any model loads."""
     tests = {spec.name: subsample(load_split(config.data_dir, spec, "test"), config.max_eval, config.seed)
              for spec in config.task_specs}
+    for name, records in tests.items():  # 0 of 0 would enter the average as accuracy 0
+        if not records:
+            raise CommonsenseDataError(
+                f"{Path(config.data_dir) / name / 'test.json'} holds no test records: add records, or leave "
+                f"{name} out of --tasks (an empty test set has no accuracy to average)")
     train: list[dict] = []
     trained_on: list[str] = []
     if config.trains:
@@ -366,6 +376,9 @@ def run_finetune(
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    if (config.out_dir / "results.json").exists() and not config.overwrite:
+        raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
+                            "--overwrite to replace them, or choose another --out")
     train, tests, trained_on = load_records(config)  # data errors before the (slow) model load
     started = time.perf_counter()
     if model is None or tokenizer is None:
@@ -430,7 +443,7 @@ def run_finetune(
                         "transformers": transformers.__version__, "device": str(device),
                         "threads": torch.get_num_threads(), "machine": platform.platform()},
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.json").write_text(dumps(results, indent=2))  # NaN / inf as null
     (out / "report.md").write_text(render_report(results))
     log(f"average accuracy {results['average_accuracy']:.3f}; results in {out}")
     return results
@@ -510,6 +523,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (results.json, report.md, predictions/)")
     p.set_defaults(func=run_from_args)
 
 

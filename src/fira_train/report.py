@@ -6,11 +6,11 @@ method), so a report can be regenerated without re-training.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from fira_train.json_files import read_json
 from fira_train.metrics import read_metrics
 
 MiB = 1024 ** 2
@@ -24,6 +24,11 @@ def _fmt_bytes(n: float | None) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    """A number as ``spec``; ``-`` for ``None`` (a non-finite value, :mod:`fira_train.json_files`)."""
+    return "-" if value is None else format(value, spec)
+
+
 def _fmt_count(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
 
@@ -34,7 +39,9 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FileNotFoundError(f"{str(summary_path)!r} not found: the run in {str(run_dir)!r} has not finished")
-    return json.loads(summary_path.read_text()), read_metrics(run_dir)
+    summary = read_json(summary_path, hint="delete it and rerun the run with --resume (it is rewritten "
+                                           "from the last checkpoint)")
+    return summary, read_metrics(run_dir)
 
 
 def report_table(summaries: list[dict[str, Any]]) -> str:
@@ -52,7 +59,8 @@ def report_table(summaries: list[dict[str, Any]]) -> str:
         relative = f"{100 * s['tokens_per_s'] / baseline:.1f}%" if baseline else "-"
         state = f"{_fmt_count(s['optimizer_state_numel'])} ({_fmt_bytes(s['optimizer_state_bytes'])})"
         lines.append(
-            f"| {s['method']} | {rank} | {gap} | {s['lr']:g} | {s['val_loss']:.4f} | {s['val_ppl']:.2f} "
+            f"| {s['method']} | {rank} | {gap} | {s['lr']:g} | {_fmt(s['val_loss'], '.4f')} "
+            f"| {_fmt(s['val_ppl'], '.2f')} "
             f"| {s['tokens_per_s']:,.0f} | {relative} | {state} | {_fmt_bytes(s['peak_memory_bytes'])} "
             f"| {s['train_time_s'] / 60:.1f} min |")
     return "\n".join(lines)
@@ -116,12 +124,13 @@ def plot_curves(out_dir: str | Path, methods: list[str]) -> Path:
     out_dir = Path(out_dir)
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4.2))
     for method in methods:
-        records = read_metrics(out_dir / method)
+        records = [r for r in read_metrics(out_dir / method) if r.get("loss") is not None]
         steps = [r["step"] for r in records]
         losses = [r["loss"] for r in records]
         window = max(1, len(records) // 50)
         ax_loss.plot(steps, _smooth(losses, window), label=method, linewidth=1.2)
-        evals = [(r["step"], r["val_ppl"]) for r in records if "val_ppl" in r and math.isfinite(r["val_ppl"])]
+        evals = [(r["step"], r["val_ppl"]) for r in records
+                 if r.get("val_ppl") is not None and math.isfinite(r["val_ppl"])]
         if evals:
             ax_ppl.plot(*zip(*evals), marker="o", markersize=3, label=method)
     ax_loss.set(xlabel="step", ylabel="training loss (moving average)", title="Training loss")

@@ -54,6 +54,8 @@ from fira_train.config import RunConfig
 from fira_train.overrides import config_from_dict, config_to_dict
 from fira_train.run_state import capture_state, restore_state, seed_everything
 from fira_train.data import build_corpus
+from fira_train.divergence import DivergedError, check_loss, diverged
+from fira_train.json_files import dumps as json_dumps, read_json
 from fira_train.methods import MethodSetup, build_method, get_method, resolved_lr
 from fira_train.metrics import MetricsLog, PeakMemory, optimizer_state_bytes, optimizer_state_numel, perplexity
 from fira_train.model import build_model, count_parameters
@@ -81,6 +83,9 @@ class NonFiniteLossError(FloatingPointError):
                          "resume from an earlier checkpoint)")
         self.step = step
         self.loss = loss
+
+    def __reduce__(self) -> tuple:  # crosses process boundaries (analysis workers)
+        return (type(self), (self.step, self.loss))
 
 
 class TrainCallback:
@@ -230,7 +235,8 @@ def _prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, ove
             elif delete and path.exists():
                 path.unlink()
     if resume is not None and (out / "config.json").exists():
-        saved = config_from_dict(json.loads((out / "config.json").read_text()))
+        saved = config_from_dict(read_json(out / "config.json", hint="restore it, or delete it and resume "
+                                           "with the command line that started the run"))
         changes = config_changes(saved, config)
         if changes:
             raise ValueError(f"cannot resume {str(out)!r} with a different config: {', '.join(changes)} "
@@ -268,7 +274,8 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
 
     ``train.grad_accum`` micro-batches from ``stream`` forward and backward (each rank its rows
     under ``env``), the mean loss (raises :class:`NonFiniteLossError` before anything is
-    updated if it is not finite), callbacks, gradient clipping, the optimizer, the schedule,
+    updated if it is not finite, :class:`~fira_train.divergence.DivergedError` if it is above
+    the divergence bound), callbacks, gradient clipping, the optimizer, the schedule,
     the method's ``after_step`` (ReLoRA's merges). The second number times the part that
     differs between methods (from the callbacks on): ``benchmarks/throughput.py`` reports it.
     """
@@ -290,6 +297,7 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
     step_loss = all_reduce_mean(loss_sum / accum, env) if distributed else (loss_sum / accum).item()
     if not math.isfinite(step_loss):
         raise NonFiniteLossError(step, step_loss)
+    check_loss(step, step_loss)  # a loss above the divergence bound (fira_train.divergence)
     started = time.perf_counter()
     for callback in callbacks:
         callback.before_step(step, model, optimizer, step_loss)
@@ -382,7 +390,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         try:
             step_loss, _ = train_step(training, config, stream, autocast, step + 1, env=env,
                                       callbacks=callbacks, trainable=trainable)
-        except NonFiniteLossError:
+        except (NonFiniteLossError, DivergedError):
             bar.close()
             raise
         step += 1
@@ -397,6 +405,9 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
         if metrics is not None:
             metrics.log(record)
+        if "val_loss" in record and diverged(val_loss):  # before a checkpoint keeps the weights
+            bar.close()
+            raise DivergedError(step, val_loss, "validation loss")
         bar.update(1)
         bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "tokens_per_s", "val_ppl") if k in record})
         if step == t.steps or (t.save_every and step % t.save_every == 0):
@@ -409,6 +420,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
 
     if math.isnan(val_loss):  # resumed at the final step: evaluate the restored weights
         val_loss, _ = evaluate(net, val_batches, device, autocast, env)
+        check_loss(step, val_loss, "validation loss")
     summary = {
         "recipe": config.recipe,
         "method": config.optim.method,
@@ -438,5 +450,5 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if metrics is not None:
         metrics.close()
     if main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "summary.json").write_text(json_dumps(summary, indent=2) + "\n")
     return summary

@@ -71,12 +71,16 @@ def run_config(config: "RunConfig", run: AnalysisRun, out_dir: str | Path) -> "R
     return replace(config, train=replace(config.train, out_dir=str(Path(out_dir) / run.name)))
 
 
+_REDO_HINT = "delete the run's folder (or pass --overwrite) to train it again"
+
+
 def _reusable(config: "RunConfig", run: AnalysisRun, run_dir: Path) -> bool:
     from fira_train.compare import _finished_with
+    from fira_train.json_files import read_json
 
     spec = run_dir / RUN_SPEC_FILE
     return (_finished_with(config, run_dir) and spec.exists()
-            and json.loads(spec.read_text()) == run.spec())
+            and read_json(spec, hint=_REDO_HINT) == run.spec())
 
 
 def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | Path, *,
@@ -97,6 +101,7 @@ def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | 
     raised.
     """
     from fira_train.data import build_corpus
+    from fira_train.json_files import read_json
 
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got jobs={jobs!r}")
@@ -114,7 +119,7 @@ def train_runs(config: "RunConfig", runs: Sequence[AnalysisRun], out_dir: str | 
         run_dir = Path(cfg.train.out_dir)
         if reuse and _reusable(cfg, run, run_dir):
             log.info("[%d/%d] %s: finished run reused from %s", index, len(runs), run.name, run_dir)
-            summaries[run.name] = json.loads((run_dir / "summary.json").read_text())
+            summaries[run.name] = read_json(run_dir / "summary.json", hint=_REDO_HINT)
         else:
             pending.append((index, run, cfg))
     if jobs == 1 or len(pending) <= 1:
