@@ -31,7 +31,7 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from . import distributed, refresh, unprojected
+from . import distributed, loading, refresh, unprojected
 from .compiled import COMPILED
 from .finite import NonFiniteGradientError, finite_flags, recheck_overflow
 from .options import (
@@ -230,7 +230,8 @@ class Fira(Optimizer):
         self.__dict__.setdefault("_stats_hooks", OrderedDict())
         for group in self.param_groups:  # state dicts from older versions lack newer keys
             for key, value in self.defaults.items():
-                group.setdefault(key, value)
+                if key != "differentiable":  # torch's __setstate__ adds it to the defaults
+                    group.setdefault(key, value)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch.optim.Optimizer.load_state_dict casts every loaded state tensor to its
@@ -238,10 +239,14 @@ class Fira(Optimizer):
         # fp32 on purpose, and that cast would lose them (the next step then multiplied bf16
         # by fp32). So capture the state dict as the load pre-hooks leave it (this hook runs
         # last), let torch load it, then re-take its tensors by our policy (_loaded_value).
+        # Older step counters and the released package's state are converted, and a state dict
+        # of another layout (rank, side rule, base; torch's AdamW) refused, before torch reads it.
         seen: dict[str, Any] = {}
 
         def capture(_optimizer, loaded):
-            seen["state_dict"] = loaded
+            loading.check_layout(self.param_groups, loaded)
+            seen["state_dict"] = loading.upgraded(loaded, self.param_groups)
+            return seen["state_dict"]
 
         handle = self.register_load_state_dict_pre_hook(capture)
         try:
@@ -531,8 +536,12 @@ def _split_flat_params(params, rank):
         return params
     if any(isinstance(p, dict) for p in params):
         raise TypeError("params must be all tensors or all dicts, not a mix")
-    matrices = [p for p in params if p.dim() == 2] if rank is not None else []
-    others = [p for p in params if rank is None or p.dim() != 2]
+
+    def dim(item) -> int:  # a tensor, or a (name, tensor) pair of model.named_parameters()
+        return (item[1] if isinstance(item, tuple) else item).dim()
+
+    matrices = [p for p in params if dim(p) == 2] if rank is not None else []
+    others = [p for p in params if rank is None or dim(p) != 2]
     groups = []
     if matrices:
         groups.append({"params": matrices, "rank": rank})
@@ -549,7 +558,10 @@ def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:
         raise ValueError(
             f"{where} has shape {tuple(p.shape)}: a projected "
             "group (rank set) takes 2-D weight matrices only; put other tensors in a group with "
-            "rank=None (fira_optim.param_groups does this). 1-D views of 2-D weights (FSDP1 flat "
+            "rank=None, e.g. [{'params': [p for p in ps if p.dim() == 2], 'rank': r}, "
+            "{'params': [p for p in ps if p.dim() != 2]}], or build the groups with "
+            "fira_optim.param_groups(model, rank=r) (a flat list of tensors is split this way "
+            "by itself). 1-D views of 2-D weights (FSDP1 flat "
             "parameters, ZeRO partitions) cannot be projected: shard with FSDP2 "
             "(torch.distributed.fsdp.fully_shard), whose parameters stay 2-D."
         )

@@ -150,6 +150,8 @@ class Hyper:
     @classmethod
     def from_group(cls, group: dict) -> "Hyper":
         values = {name: group[name] for name in cls.__dataclass_fields__}
+        if isinstance(values["lr"], torch.Tensor):  # one element (validate_group)
+            values["lr"] = float(values["lr"])
         for name, kind in cls._CHOICES.items():
             values[name] = kind(values[name])
         return cls(**values)
@@ -188,7 +190,11 @@ def check_rank(rank: Any) -> None:
 def validate_group(g: dict) -> None:
     """Range and choice checks of a group's options; each error names the argument and value."""
     lr = g["lr"]
-    if isinstance(lr, torch.Tensor):
+    if isinstance(lr, torch.Tensor):  # torch.optim.AdamW's rules for a tensor lr
+        if g.get("foreach"):
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
         lr = float(lr)
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate (lr): {g['lr']}")

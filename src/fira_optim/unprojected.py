@@ -10,6 +10,11 @@ they follow ``fira`` 1.0.2 (the Hugging Face AdamW it copies):
 .. math::
     p \leftarrow p - \eta \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t} \frac{m_t}{\sqrt{v_t} + \epsilon},
     \qquad p \leftarrow p - \eta\lambda p
+
+An fp16 parameter keeps its moments in fp32, and its update is formed in fp32 on a copy and
+rounded once: in fp16, :math:`\epsilon = 10^{-8}` and :math:`(1-\beta_2) g^2` of a small
+gradient round to 0, so fp16 moments give 0 / 0 wherever a gradient entry is 0 (torch's own
+AdamW does that). bf16 has fp32's range: its moments stay bf16, as in ``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
@@ -25,22 +30,34 @@ from .subspace import STATE_KEYS, adam_bias_correction
 
 def init_state(state: dict, p: torch.Tensor, base: str) -> None:
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
     for key in STATE_KEYS[base]:
-        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
 
 def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> None:
     """Update each ``(group, params)`` pair; ``states`` is the optimizer's ``self.state``."""
-    for group, params in groups:
-        for p in params:
+    for group, given in groups:
+        for p in given:
             if not states[p]:
                 init_state(states[p], p, group["base"])
-        if Arithmetic(group["arithmetic"]) is Arithmetic.RELEASED:
-            _released_adamw(group, params, states)
-        elif Base(group["base"]) is Base.ADAM:
-            _torch_adamw(group, params, states)
-        else:
-            _torch_adagrad_or_rmsprop(group, params, states)
+        # fp16 parameters are updated through fp32 copies (module docstring).
+        copies = {p: p.detach().float() for p in given if p.dtype == torch.float16}
+        for p, work in copies.items():
+            work.grad = p.grad.float()
+        params = [copies.get(p, p) for p in given]
+        _step(group, params, {copies.get(p, p): states[p] for p in given} if copies else states)
+        for p, work in copies.items():
+            p.copy_(work)
+
+
+def _step(group: dict, params: list[torch.Tensor], states: dict) -> None:
+    if Arithmetic(group["arithmetic"]) is Arithmetic.RELEASED:
+        _released_adamw(group, params, states)
+    elif Base(group["base"]) is Base.ADAM:
+        _torch_adamw(group, params, states)
+    else:
+        _torch_adagrad_or_rmsprop(group, params, states)
 
 
 def _torch_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:
