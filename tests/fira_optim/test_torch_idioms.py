@@ -8,7 +8,6 @@ import torch
 
 from fira_optim import FiraAdamW
 
-from .common import grad_sequence, make_params, run
 
 
 def _model():
