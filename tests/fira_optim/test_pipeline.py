@@ -124,7 +124,7 @@ def test_fast_path_allocates_no_full_size_temporaries(variant, shape):
 
 
 @pytest.mark.parametrize("dtype,options,wanted", [
-    (torch.float32, {}, True),                      # fast path: ||g_i||^2 taken in phase A
+    (torch.float32, {}, True),                      # fast path: ||g_i||^2 taken as the step is planned
     (torch.bfloat16, {}, False),                    # reference path forms S itself
     (torch.float32, {"residual": "sign"}, False),   # FRUGAL: reference path
     (torch.float32, {"residual": "drop"}, False),   # GaLore: no residual
