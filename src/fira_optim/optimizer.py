@@ -181,6 +181,7 @@ class Fira(Optimizer):
         if rank is not None:
             check_rank(rank)
         self._stats_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._in_backward = None  # the handle of fira_optim.step_in_backward, while registered
         super().__init__(_split_flat_params(params, rank), defaults)
 
 
@@ -228,6 +229,7 @@ class Fira(Optimizer):
         self.__dict__.setdefault("process_group", None)
         self.__dict__.setdefault("host_refresh", False)
         self.__dict__.setdefault("_stats_hooks", OrderedDict())
+        self.__dict__.setdefault("_in_backward", None)
         for group in self.param_groups:  # state dicts from older versions lack newer keys
             for key, value in self.defaults.items():
                 if key != "differentiable":  # torch's __setstate__ adds it to the defaults
@@ -289,9 +291,17 @@ class Fira(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        planned = self._plan_step()
+        if self._in_backward is None:  # else the parameters were updated in the backward pass
+            self._step_params(None)
+        return loss
+
+    @torch.no_grad()
+    def _step_params(self, only: set | None) -> None:
+        """One step of the parameters in ``only`` (all when None): the body of :meth:`step`,
+        and what :func:`fira_optim.step_in_backward` runs as each gradient is complete."""
+        planned = self._plan_step(only)
         if planned is None:  # a non-finite gradient with nonfinite="skip"
-            return loss
+            return
         matrices, plain = planned
         stats: list[MatrixStats] | None = [] if self._stats_hooks else None
         self._update(matrices, stats)
@@ -299,11 +309,10 @@ class Fira(Optimizer):
         if stats is not None:
             for hook in list(self._stats_hooks.values()):
                 hook(self, stats)
-        return loss
 
-    def _plan_step(self) -> tuple[list[tuple[MatrixStep, Hyper]], list] | None:
-        """Stages 1-2 of every matrix, and the finiteness checks: ``(matrices, plain)``, or
-        None if the step is skipped. Nothing is committed here."""
+    def _plan_step(self, only: set | None = None) -> tuple[list[tuple[MatrixStep, Hyper]], list] | None:
+        """Stages 1-2 of every matrix (of ``only``, if given), and the finiteness checks:
+        ``(matrices, plain)``, or None if the step is skipped. Nothing is committed here."""
         matrices: list[tuple[MatrixStep, Hyper]] = []
         plain: list[tuple[dict, list[torch.Tensor]]] = []
         checks: list[tuple[torch.Tensor, int, int]] = []
@@ -317,16 +326,16 @@ class Fira(Optimizer):
         refresh_group = shard_group if shard_group is not None else self._split_refresh_group()
         refreshed = None
         if refresh_group is not None:
-            refreshed = refresh.refresh_together(self, refresh_group, total)
+            refreshed = refresh.refresh_together(self, refresh_group, total, only)
         elif self.implementation != Implementation.REFERENCE:
-            refreshed = refresh.refresh_in_threads(self, total)
+            refreshed = refresh.refresh_in_threads(self, total, only)
         for gi, group in enumerate(self.param_groups):
             plain_params = []
             hyper = None
             for pi, p in enumerate(group["params"]):
                 projected = is_projected(p, group)
                 order += projected
-                if p.grad is None or p.numel() == 0:
+                if p.grad is None or p.numel() == 0 or (only is not None and p not in only):
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"Fira does not support sparse gradients ({param_name(gi, pi, p)})")

@@ -69,10 +69,10 @@ def new_basis(grad, rank, side, group, previous, order, step, name):
         return None
 
 
-def due_refreshes(opt: "Fira", total: Optional[int]) -> list[tuple]:
-    """``(param, job)`` for every matrix whose basis is due this step, in the order of the
-    projected matrices; ``job`` is a :class:`fira_optim.distributed.RefreshJob` holding this
-    rank's gradient and the refresh rule (:func:`refresh_outcome`) to run on it."""
+def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None) -> list[tuple]:
+    """``(param, job)`` for every matrix whose basis is due this step (of ``only``, if given),
+    in the order of the projected matrices; ``job`` is a :class:`fira_optim.distributed.RefreshJob`
+    holding this rank's gradient and the refresh rule (:func:`refresh_outcome`) to run on it."""
     due = []
     order = 0
     for gi, group in enumerate(opt.param_groups):
@@ -80,7 +80,7 @@ def due_refreshes(opt: "Fira", total: Optional[int]) -> list[tuple]:
             if not is_projected(p, group):
                 continue
             order += 1
-            if p.grad is None or p.numel() == 0:
+            if p.grad is None or p.numel() == 0 or (only is not None and p not in only):
                 continue
             state = opt.state[p]
             step = int(state["step"]) if state else 0
@@ -101,14 +101,16 @@ def due_refreshes(opt: "Fira", total: Optional[int]) -> list[tuple]:
     return due
 
 
-def refresh_together(opt: "Fira", process_group: Any, total: Optional[int]) -> Outcomes:
+def refresh_together(opt: "Fira", process_group: Any, total: Optional[int],
+                     only: Optional[set] = None) -> Outcomes:
     """The refresh outcomes of every matrix due this step, computed across the ranks of
     ``process_group`` by :func:`fira_optim.distributed.refresh_bases`."""
-    due = due_refreshes(opt, total)
+    due = due_refreshes(opt, total, only)
     return _keyed(due, distributed.refresh_bases([job for _, job in due], process_group))
 
 
-def refresh_in_threads(opt: "Fira", total: Optional[int]) -> Optional[Outcomes]:
+def refresh_in_threads(opt: "Fira", total: Optional[int],
+                       only: Optional[set] = None) -> Optional[Outcomes]:
     """One process on the CPU (or on an accelerator with ``host_refresh``): the refresh
     outcomes of every matrix due this step, computed by ``torch.get_num_threads()`` threads
     at once on the host. None (each matrix refreshes in its turn as it is planned) if fewer
@@ -131,7 +133,7 @@ def refresh_in_threads(opt: "Fira", total: Optional[int]) -> Optional[Outcomes]:
     on_host = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
     if workers < 2 or not (on_host or opt.host_refresh):
         return None  # before due_refreshes, which converts every due gradient
-    due = due_refreshes(opt, total)
+    due = due_refreshes(opt, total, only)
     if len(due) < 2:
         return None
     jobs = [job for _, job in due]
