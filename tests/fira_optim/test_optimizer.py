@@ -317,7 +317,7 @@ def test_refreshes_computed_in_threads_equal_the_sequential_ones(monkeypatch):
 
     def train(sequential):
         if sequential:
-            monkeypatch.setattr(refresh, "refresh_in_threads", lambda opt, total: None)
+            monkeypatch.setattr(refresh, "refresh_in_threads", lambda opt, total, only: None)
         params = make_params(shapes)
         opt = FiraAdamW([{"params": params[:4], "rank": 3, "update_proj_gap": 3}, {"params": params[4:]}],
                         lr=1e-2)
@@ -362,8 +362,8 @@ def test_a_refreshed_gradient_is_converted_once(monkeypatch):
     due_grads, projected = [], []
     due = refresh.due_refreshes
 
-    def recorded(optimizer, total):
-        pairs = due(optimizer, total)
+    def recorded(optimizer, total, only=None):
+        pairs = due(optimizer, total, only)
         due_grads.extend(job.grad for _, job in pairs)
         return pairs
 
@@ -378,5 +378,5 @@ def test_a_refreshed_gradient_is_converted_once(monkeypatch):
 def test_no_refresh_jobs_are_built_off_the_cpu_without_host_refresh(monkeypatch):
     opt = FiraAdamW([torch.nn.Parameter(torch.empty(8, 8, device="meta"))], rank=2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(refresh, "due_refreshes", lambda optimizer, total: pytest.fail("jobs built"))
+    monkeypatch.setattr(refresh, "due_refreshes", lambda optimizer, total, only=None: pytest.fail("jobs built"))
     assert refresh.refresh_in_threads(opt, None) is None
