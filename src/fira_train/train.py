@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from fira_train import checkpoint as ckpt
 from fira_train.cli import is_rank_zero
-from fira_train import dist_checkpoint
+from fira_train import resume_check
 from fira_train import train_parallel
 from fira_train.config import RunConfig
 from fira_train.overrides import config_from_dict, config_to_dict
@@ -318,21 +318,21 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     _prepare_out_dir(config, out, resume, overwrite, delete=main or not distributed)
     if distributed:
         dist.barrier()  # every rank has checked OUT before rank 0 rewrites config.json
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
 
     state, resume_path = None, None
     if resume is not None:
-        path = ckpt.latest_checkpoint(out) if resume == "latest" else ckpt.find_checkpoint(out, int(resume))
+        # the newest intact checkpoint (or the one asked for), verified, of this config: chosen
+        # before config.json is rewritten, so that a refused resume leaves the run as it was
+        path, state = resume_check.choose_checkpoint(out, resume, config, env)
         if path is None:
             log.info("no complete checkpoint in %s: starting from step 0", out)
-        elif distributed or dist_checkpoint.is_dcp_checkpoint(path):
+        elif state is None:
             resume_path = path  # loaded into the built model (DCP loads in place)
-        else:
-            state = ckpt.load_checkpoint(out, path)  # verified and fully read before anything loads
         if main:
             ckpt.remove_partial(out)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
 
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
@@ -401,9 +401,11 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "tokens_per_s", "val_ppl") if k in record})
         if step == t.steps or (t.save_every and step % t.save_every == 0):
             if distributed:  # every rank writes its shards
-                train_parallel.save(out, step, training, stream, progress, t.keep_last)
+                train_parallel.save(out, step, training, stream, progress, t.keep_last,
+                                    record={resume_check.CONFIG_KEY: config_to_dict(config)})
             elif main:
-                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress))
+                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress)
+                                     | {resume_check.CONFIG_KEY: config_to_dict(config)})
                 ckpt.prune_checkpoints(out, t.keep_last)
     bar.close()
 
