@@ -58,6 +58,7 @@ from fira_train.methods import MethodSetup, build_method, get_method, resolved_l
 from fira_train.metrics import MetricsLog, PeakMemory, optimizer_state_bytes, optimizer_state_numel, perplexity
 from fira_train.model import build_model, count_parameters
 from fira_train.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, parallelize, shard_batch, unwrap
+from fira_train.run_lock import locked_run_directory
 from fira_train.schedule import WarmupCosine
 
 log = logging.getLogger(__name__)
@@ -254,9 +255,11 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     get_method(config.optim.method)
     if config.train.parallel == "none":
         train_parallel.check_launch(config)
-        return _train(config, None, resume, overwrite, corpus, callbacks)
+        with locked_run_directory(config.train.out_dir):  # one run at a time per OUT
+            return _train(config, None, resume, overwrite, corpus, callbacks)
     with train_parallel.distributed_session(config) as env:
-        return _train(config, env, resume, overwrite, corpus, callbacks)
+        with locked_run_directory(config.train.out_dir, env):
+            return _train(config, env, resume, overwrite, corpus, callbacks)
 
 
 def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Tensor],
