@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from fira_train import checkpoint as ckpt
 from fira_train.cli import is_rank_zero
 from fira_train import resume_check
+from fira_train import run_files
 from fira_train import train_parallel
 from fira_train.config import RunConfig
 from fira_train.overrides import config_from_dict, config_to_dict
@@ -218,7 +219,9 @@ def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
 def _prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool,
                      delete: bool = True) -> None:
     """Check that OUT may hold this run; with ``overwrite`` (and ``delete``: rank 0 only)
-    remove a previous one."""
+    remove a previous one. Files fira-train did not write are never deleted, and refused
+    without ``overwrite`` (:func:`fira_train.run_files.check_foreign_files`)."""
+    run_files.check_foreign_files(out, resume, overwrite)
     previous = [p for p in ("metrics.jsonl", "summary.json", ckpt.CHECKPOINT_DIR) if (out / p).exists()]
     if resume is None and previous:
         if not overwrite:
@@ -253,6 +256,8 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     """
     config = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
     get_method(config.optim.method)
+    # before the lock file is created: nothing is added to a folder the run may not use
+    run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
     if config.train.parallel == "none":
         train_parallel.check_launch(config)
         with locked_run_directory(config.train.out_dir):  # one run at a time per OUT

@@ -127,3 +127,53 @@ def test_under_torchrun_every_rank_stops_when_out_is_held(tmp_path: Path) -> Non
     for result in results:
         assert result.startswith("RunDirectoryBusy: run directory") and "in use" in result, result
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------- files fira-train did not write
+
+
+def _hugging_face_folder(path: Path) -> dict[str, bytes]:
+    path.mkdir(parents=True)
+    files = {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}).encode(),
+             "model.safetensors": b"\x00" * 64}
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    return files
+
+
+def test_a_folder_with_foreign_files_is_not_written_without_overwrite(tmp_path: Path, capsys) -> None:
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0", out="hf")
+    files = _hugging_face_folder(tmp_path / "hf")
+    for resume in (None, "latest"):
+        with pytest.raises(FileExistsError, match=r"did not write \(config\.json, model\.safetensors\).*--overwrite"):
+            train(config, resume=resume)
+    assert main(["pretrain", *_flags(config)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json" in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == files  # untouched, no lock file
+    # --overwrite: the run writes its files (its config.json replaces the foreign one), the rest stays
+    train(config, overwrite=True)
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["optim"]["method"] == "adamw"
+
+
+def test_foreign_files_beside_a_run_do_not_block_its_resume(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=2", "train.save_every=1",
+                          "train.eval_every=0")
+    train(config)
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        train(config)  # a new run: refused (the run is there, and so is a foreign file)
+    train(config, resume=1)  # resuming writes only the run's own files
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_the_analyses_files_count_as_fira_trains() -> None:
+    from fira_train import run_files
+    from fira_train.analysis.callbacks import NORMS_FILE
+    from fira_train.analysis.runs import RUN_SPEC_FILE
+    from fira_train.analysis.similarity import FACTORS_FILE
+    from fira_train.run_lock import LOCK_FILE as lock_file
+
+    assert {NORMS_FILE, RUN_SPEC_FILE, FACTORS_FILE} <= run_files.ANALYSIS_FILES
+    assert lock_file == LOCK_FILE and lock_file in run_files.RUN_FILES
