@@ -112,8 +112,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # the pure-Python unpickler: its o
             return self.classes[key]
         if key in self.calls:
             return self.calls[key]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):  # no lazy imports
+            return vars(torch)[name]
         raise self.refuse(f"a reference to {module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
