@@ -203,11 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if is_rank_zero() else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
     from fira_train.checkpoint import CheckpointError
-    from fira_train.run_lock import RunDirectoryBusy
 
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError,
-            RunDirectoryBusy) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError) as err:
         print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
         return 1

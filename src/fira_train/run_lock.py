@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 LOCK_FILE = ".fira-train.lock"
 
 
-class RunDirectoryBusy(RuntimeError):
-    """Another run holds the run directory."""
+class RunDirectoryBusy(FileExistsError):
+    """Another run holds the run directory. A ``FileExistsError`` (without an errno), like the
+    refusal of a new run into a folder that already holds one: the command line reports both
+    as one line."""
 
 
 class RunLock:
