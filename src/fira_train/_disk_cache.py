@@ -41,6 +41,22 @@ def file_digest(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str
     return digest.hexdigest()
 
 
+def file_digests(directory: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """``{name: SHA-256}`` of the files ``names`` in ``directory`` (recorded in an entry's metadata)."""
+    return {name: file_digest(directory / name) for name in names}
+
+
+def check_digests(directory: Path, recorded: object, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of ``names`` whose SHA-256 differs from ``recorded`` (the
+    ``{name: digest}`` written with the entry), or if there is no such record (an entry written
+    before digests were recorded cannot be trusted either)."""
+    if not isinstance(recorded, dict):
+        raise ValueError("it records no digests of its files (written by an older fira-train)")
+    for name in names:
+        if recorded.get(name) != file_digest(directory / name):
+            raise ValueError(f"{name} does not match the SHA-256 recorded when it was written")
+
+
 def _fsync_tree(root: Path) -> None:
     # Flush file contents before the rename publishes them: otherwise a crash right after the
     # rename can leave a complete-looking entry whose files are empty.

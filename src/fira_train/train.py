@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 from fira_train import checkpoint as ckpt
 from fira_train.cli import is_rank_zero
-from fira_train import dist_checkpoint
+from fira_train import resume_check
+from fira_train import run_files
 from fira_train import train_parallel
 from fira_train.config import RunConfig
 from fira_train.overrides import config_from_dict, config_to_dict
@@ -60,6 +61,7 @@ from fira_train.methods import MethodSetup, build_method, get_method, resolved_l
 from fira_train.metrics import MetricsLog, PeakMemory, optimizer_state_bytes, optimizer_state_numel, perplexity
 from fira_train.model import build_model, count_parameters
 from fira_train.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, parallelize, shard_batch, unwrap
+from fira_train.run_lock import locked_run_directory
 from fira_train.schedule import WarmupCosine
 
 log = logging.getLogger(__name__)
@@ -222,7 +224,9 @@ def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
 def _prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool,
                      delete: bool = True) -> None:
     """Check that OUT may hold this run; with ``overwrite`` (and ``delete``: rank 0 only)
-    remove a previous one."""
+    remove a previous one. Files fira-train did not write are never deleted, and refused
+    without ``overwrite`` (:func:`fira_train.run_files.check_foreign_files`)."""
+    run_files.check_foreign_files(out, resume, overwrite)
     previous = [p for p in ("metrics.jsonl", "summary.json", ckpt.CHECKPOINT_DIR) if (out / p).exists()]
     if resume is None and previous:
         if not overwrite:
@@ -258,11 +262,15 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     """
     config = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
     get_method(config.optim.method)
+    # before the lock file is created: nothing is added to a folder the run may not use
+    run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
     if config.train.parallel == "none":
         train_parallel.check_launch(config)
-        return _train(config, None, resume, overwrite, corpus, callbacks)
+        with locked_run_directory(config.train.out_dir):  # one run at a time per OUT
+            return _train(config, None, resume, overwrite, corpus, callbacks)
     with train_parallel.distributed_session(config) as env:
-        return _train(config, env, resume, overwrite, corpus, callbacks)
+        with locked_run_directory(config.train.out_dir, env):
+            return _train(config, env, resume, overwrite, corpus, callbacks)
 
 
 def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Tensor],
@@ -326,21 +334,21 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     _prepare_out_dir(config, out, resume, overwrite, delete=main or not distributed)
     if distributed:
         dist.barrier()  # every rank has checked OUT before rank 0 rewrites config.json
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
 
     state, resume_path = None, None
     if resume is not None:
-        path = ckpt.latest_checkpoint(out) if resume == "latest" else ckpt.find_checkpoint(out, int(resume))
+        # the newest intact checkpoint (or the one asked for), verified, of this config: chosen
+        # before config.json is rewritten, so that a refused resume leaves the run as it was
+        path, state = resume_check.choose_checkpoint(out, resume, config, env)
         if path is None:
             log.info("no complete checkpoint in %s: starting from step 0", out)
-        elif distributed or dist_checkpoint.is_dcp_checkpoint(path):
+        elif state is None:
             resume_path = path  # loaded into the built model (DCP loads in place)
-        else:
-            state = ckpt.load_checkpoint(out, path)  # verified and fully read before anything loads
         if main:
             ckpt.remove_partial(out)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
 
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
@@ -412,9 +420,11 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "tokens_per_s", "val_ppl") if k in record})
         if step == t.steps or (t.save_every and step % t.save_every == 0):
             if distributed:  # every rank writes its shards
-                train_parallel.save(out, step, training, stream, progress, t.keep_last)
+                train_parallel.save(out, step, training, stream, progress, t.keep_last,
+                                    record={resume_check.CONFIG_KEY: config_to_dict(config)})
             elif main:
-                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress))
+                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress)
+                                     | {resume_check.CONFIG_KEY: config_to_dict(config)})
                 ckpt.prune_checkpoints(out, t.keep_last)
     bar.close()
 
