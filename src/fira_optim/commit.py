@@ -24,14 +24,15 @@ from __future__ import annotations
 import torch
 
 from .options import Hyper, Residual
+from .precision import round_into
 from .projection import LEFT, project_back
 
 
 def commit_explicit(param, grad, basis, side, direction, scaled, factor, step: int,
-                    hp: Hyper) -> None:
+                    hp: Hyper, rounding=None) -> None:
     """One matrix, every term explicit. ``scaled``: :math:`\\phi \\odot S` before the limiter
     (None for GaLore); ``param`` may be lower precision than ``grad``: then the update is formed
-    in the working dtype and added once."""
+    in the working dtype and added once (by stochastic rounding with the ``rounding`` generator)."""
     work = param if param.dtype == grad.dtype else param.to(grad.dtype)
     inside = project_back(direction, basis, side)  # P N
     if hp.residual is Residual.DROP:  # GaLore
@@ -51,7 +52,7 @@ def commit_explicit(param, grad, basis, side, direction, scaled, factor, step: i
         # fira 1.0.2 decays after the update with the un-corrected lr: p -= lr * wd * p.
         work.add_(work, alpha=-hp.lr * hp.weight_decay)
     if work is not param:
-        param.copy_(work)
+        round_into(param, work, rounding)
 
 
 def commit_fused(params, grads, bases, sides, directions, lows, phis, factors, step: int,

@@ -22,7 +22,7 @@ from .options import param_name
 from .projection import LEFT, projection_side
 
 #: Group options that fix the layout of a projected matrix's state.
-LAYOUT_KEYS = ("rank", "proj_type", "base")
+LAYOUT_KEYS = ("rank", "proj_type", "base", "state_dtype")
 
 
 def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:

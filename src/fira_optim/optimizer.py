@@ -31,7 +31,7 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from . import distributed, loading, refresh, unprojected
+from . import distributed, loading, precision, refresh, unprojected
 from .compiled import COMPILED
 from .finite import NonFiniteGradientError, finite_flags, recheck_overflow
 from .options import (
@@ -39,6 +39,7 @@ from .options import (
     Implementation,
     NonFinite,
     Residual,
+    StateDtype,
     check_rank,
     param_name,
     validate_group,
@@ -100,7 +101,12 @@ class Fira(Optimizer):
         stagger: spread projection refreshes over the ``T`` steps instead of refreshing every
             matrix on the same step (the first step still initialises every basis).
         correct_bias: Adam bias correction (default True; released API compatibility).
-        seed: seed of the random projectors (bases are reproducible across resumes).
+        seed: seed of the random projectors and of stochastic rounding (reproducible across resumes).
+        state_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"int8"`` (block-wise quantized,
+            needs torchao): how the moments of every parameter and the basis (bf16 at most) are
+            stored; the arithmetic stays fp32 (:mod:`fira_optim.precision`).
+        stochastic_rounding: write the updates of bf16 parameters by stochastic rounding
+            (default False: round to nearest).
         nonfinite: ``"error"`` (raise :class:`NonFiniteGradientError` naming the parameter, before
             anything changes), ``"skip"`` (skip the whole step, warn) or ``"ignore"``.
         implementation: the strategy that runs the stages (:mod:`fira_optim.pipeline`):
@@ -153,6 +159,8 @@ class Fira(Optimizer):
         split_refresh: bool = False,
         process_group: Any = None,
         host_refresh: bool = False,
+        state_dtype: str = "float32",
+        stochastic_rounding: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
         no_deprecation_warning: bool = True,  # accepted for drop-in use of fira.FiraAdamW
@@ -175,9 +183,12 @@ class Fira(Optimizer):
             projector=projector, arithmetic=arithmetic, base=base, scaling=scaling,
             limiter=limiter, residual=residual, only_scaling=only_scaling, clip_norm=clip_norm,
             mu=mu, align_signs=align_signs, stagger=stagger, correct_bias=correct_bias, seed=seed,
+            state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
             foreach=foreach, fused=fused,
         )
         validate_group(defaults)
+        if state_dtype == StateDtype.INT8:
+            precision.require_int8()
         if rank is not None:
             check_rank(rank)
         self._stats_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -197,6 +208,13 @@ class Fira(Optimizer):
         gi = len(self.param_groups) - 1
         group = self.param_groups[gi]
         validate_group(group)
+        if group["state_dtype"] == StateDtype.INT8:
+            precision.require_int8()
+            for index, p in enumerate(group["params"]):
+                if distributed.is_dtensor(p):
+                    raise ValueError(f"param_groups[{gi}]['params'][{index}] is a DTensor: "
+                                     "state_dtype='int8' is not supported with FSDP2 yet "
+                                     "(its blocks do not follow the shards); use 'bfloat16'")
         if group["rank"] is not None:
             check_rank(group["rank"])
             for index, p in enumerate(group["params"]):
@@ -349,7 +367,7 @@ class Fira(Optimizer):
                     if (state and float(state["step"]) > 0) or bool(p.grad.any()):
                         plain_params.append(p)
                     elif not state:  # build the state, change nothing
-                        unprojected.init_state(self.state[p], p, group["base"])
+                        unprojected.init_state(self.state[p], p, group)
                     if self.nonfinite != NonFinite.IGNORE:
                         checks.append((distributed.to_local(p.grad), gi, pi))
                     continue
@@ -444,7 +462,12 @@ class Fira(Optimizer):
                     _init_projected_state(state, p, rank, side, hyper, work_dtype)
                 return None
         basis = new_basis if new_basis is not None else distributed.to_local(state["basis"])
+        if basis.dtype != work_dtype:  # stored in bf16 (state_dtype)
+            basis = basis.to(work_dtype)
         strategy = self._strategy(hyper, p, grad)
+        rounding = None
+        if group["stochastic_rounding"] and p.dtype == torch.bfloat16:
+            rounding = precision.rounding_generator(group["seed"], order, step)
         low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
         dim = reduce_dim(side)
         low_norm = strategy.norms(low, dim)
@@ -456,13 +479,14 @@ class Fira(Optimizer):
         return MatrixStep(param=p, local=p if sharding is None else p.to_local(), grad=grad,
                           side=side, basis=basis, new_basis=new_basis, low=low, low_norm=low_norm,
                           strategy=strategy, work_dtype=work_dtype, sharding=sharding,
-                          grad_sq=grad_sq)
+                          grad_sq=grad_sq, order=order, rounding=rounding)
 
     def _update(self, matrices: list[tuple[MatrixStep, Hyper]], stats) -> None:
         """Commit the new bases and step counts, then stages 3-7: one matrix at a time for the
         reference strategy, in buckets of matrices that share hyper-parameters, step count,
         strategy and shard group otherwise."""
         buckets: dict[tuple, list[MatrixStep]] = {}
+        stored_states = []  # (stored, working) of low-precision states, encoded after the stages
         for m, hp in matrices:
             state = self.state[m.param]
             if not state:
@@ -470,6 +494,10 @@ class Fira(Optimizer):
             m.state = state if m.sharding is None else distributed.local_views(state)
             if m.new_basis is not None:
                 m.state["basis"].copy_(m.new_basis)
+            if hp.state_dtype is not StateDtype.FLOAT32:
+                stored = m.state
+                m.state = precision.decode(stored, STATE_KEYS[hp.base], m.work_dtype)
+                stored_states.append((stored, m.state, STATE_KEYS[hp.base]))
             state["step"] += 1
             step = int(state["step"])
             row_sum = None if m.sharding is None else m.sharding.sum
@@ -483,6 +511,8 @@ class Fira(Optimizer):
             first = batch[0]
             row_sum = None if first.sharding is None else first.sharding.sum
             first.strategy.run(batch, step, bucket[0][1], row_sum, stats)
+        for stored, working, keys in stored_states:
+            precision.encode(stored, working, keys)
 
 
 class FiraAdamW(Fira):
@@ -507,7 +537,8 @@ class GaLoreAdamW(Fira):
 _SKIP_STEP = object()
 
 
-_PROJECTED_KEYS = {"basis", "prev_norm", *(k for keys in STATE_KEYS.values() for k in keys)}
+_PROJECTED_KEYS = {"basis", "prev_norm", *(k for keys in STATE_KEYS.values() for k in keys),
+                   *(f"{k}_scale" for keys in STATE_KEYS.values() for k in keys)}
 
 
 def _loaded_value(param: torch.Tensor, value: torch.Tensor, key: Any,
@@ -523,6 +554,7 @@ def _loaded_value(param: torch.Tensor, value: torch.Tensor, key: Any,
 
 
 def _init_projected_state(state, p, rank: int, side: str, hp: Hyper, dtype) -> None:
+    """Zero state of its final shapes and storage (``state_dtype``)."""
     # Tensors only, created with their final shapes: weights_only loads, and a state dict
     # taken after a zero-gradient step already has the layout of a trained one. For an FSDP2
     # parameter they are DTensors of these global shapes: rows follow p's shards for P (left)
@@ -531,8 +563,11 @@ def _init_projected_state(state, p, rank: int, side: str, hp: Hyper, dtype) -> N
     low_shape, basis_shape_ = low_rank_shape(shape, rank, side), basis_shape(shape, rank, side)
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
     for key in STATE_KEYS[hp.base]:
-        state[key] = distributed.state_zeros(p, low_shape, dtype, row_sharded=side == RIGHT)
-    state["basis"] = distributed.state_zeros(p, basis_shape_, dtype, row_sharded=side == LEFT)
+        state.update(precision.moment_zeros(
+            low_shape, hp.state_dtype, dtype, p.device, key,
+            make=lambda shape, dt: distributed.state_zeros(p, shape, dt, row_sharded=side == RIGHT)))
+    state["basis"] = distributed.state_zeros(p, basis_shape_, precision.basis_dtype(hp.state_dtype, dtype),
+                                             row_sharded=side == LEFT)
     if hp.residual is not Residual.DROP:
         state["prev_norm"] = distributed.state_zeros(p, (), dtype, row_sharded=False)
 

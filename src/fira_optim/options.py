@@ -97,6 +97,14 @@ class Implementation(Choice):
     REFERENCE = "reference"
 
 
+class StateDtype(Choice):
+    """How optimizer states are stored (:mod:`fira_optim.precision`)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"
+
+
 class NonFinite(Choice):
     """What a NaN or Inf gradient does: raise, skip the step, or nothing."""
 
@@ -114,6 +122,7 @@ PROJECTORS = Projector.values()
 PROJ_TYPES = ProjType.values()
 IMPLEMENTATIONS = Implementation.values()
 NONFINITE = NonFinite.values()
+STATE_DTYPES = StateDtype.values()
 
 #: The epsilon that ``fira`` 1.0.2 hard-codes in the scaling factor and the limiter.
 RELEASED_EPS = 1e-8
@@ -143,9 +152,11 @@ class Hyper:
     correct_bias: bool
     clip_norm: float
     mu: float
+    state_dtype: StateDtype
+    stochastic_rounding: bool
 
     _CHOICES = {"base": Base, "scaling": Scaling, "limiter": Limiter, "residual": Residual,
-                "arithmetic": Arithmetic}
+                "arithmetic": Arithmetic, "state_dtype": StateDtype}
 
     @classmethod
     def from_group(cls, group: dict) -> "Hyper":
@@ -216,8 +227,10 @@ def validate_group(g: dict) -> None:
         raise ValueError(f"Invalid clip_norm: {g['clip_norm']}; expected > 0")
     if not 0.0 < g["mu"] <= 1.0:
         raise ValueError(f"Invalid mu: {g['mu']}; expected in (0, 1]")
-    if not isinstance(g["align_signs"], bool):
-        raise ValueError(f"Invalid align_signs: {g['align_signs']!r}; expected True or False")
+    for key in ("align_signs", "stochastic_rounding"):
+        if not isinstance(g[key], bool):
+            raise ValueError(f"Invalid {key}: {g[key]!r}; expected True or False")
+    StateDtype.parse("state_dtype", g["state_dtype"])
     ProjType.parse("proj_type", g["proj_type"])
     Projector.parse("projector", g["projector"])
     arithmetic = Arithmetic.parse("arithmetic", g["arithmetic"])

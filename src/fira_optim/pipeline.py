@@ -56,7 +56,9 @@ class MatrixStep:
     work_dtype: torch.dtype
     sharding: Any = None  #: fira_optim.distributed.RowSharding under FSDP2
     grad_sq: Optional[torch.Tensor] = None  #: ||g_i||^2 along the same dim, for the fast residual norm
-    state: dict = field(default_factory=dict)  #: the matrix's state tensors (local views)
+    state: dict = field(default_factory=dict)  #: the matrix's state tensors (local views, fp32)
+    order: int = 0  #: index among the optimizer's projected matrices
+    rounding: Optional[torch.Generator] = None  #: stochastic rounding of a bf16 param
 
     @property
     def dim(self) -> int:
@@ -140,7 +142,7 @@ def run_stages(batch: list[MatrixStep], step: int, hp: Hyper, strategy: Strategy
         for i, m in enumerate(batch):
             commit_explicit(m.local, m.grad, m.basis, m.side, directions[i],
                             None if factors is None else scaled[i],
-                            None if factors is None else factors[i], step, hp)
+                            None if factors is None else factors[i], step, hp, m.rounding)
     else:
         commit_fused([m.local for m in batch], [m.grad for m in batch], [m.basis for m in batch],
                      sides, directions, lows, None if factors is None else phis, factors, step, hp)

@@ -24,15 +24,26 @@ from torch.optim import adagrad as torch_adagrad
 from torch.optim import adam as torch_adam
 from torch.optim import rmsprop as torch_rmsprop
 
-from .options import Arithmetic, Base
+from . import precision
+from .options import Arithmetic, Base, StateDtype
 from .subspace import STATE_KEYS, adam_bias_correction
 
 
-def init_state(state: dict, p: torch.Tensor, base: str) -> None:
+def init_state(state: dict, p: torch.Tensor, group: dict) -> None:
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
     dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
-    for key in STATE_KEYS[base]:
-        state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    kind = StateDtype(group["state_dtype"])
+    for key in STATE_KEYS[group["base"]]:
+        if kind is StateDtype.FLOAT32:
+            state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        else:
+            state.update(precision.moment_zeros(tuple(p.shape), kind, dtype, p.device, key, make=(
+                lambda shape, dt: torch.zeros_like(p, dtype=dt) if tuple(shape) == tuple(p.shape)
+                else torch.zeros(shape, dtype=dt, device=p.device))))
+
+
+#: Offset of the unprojected parameters' indices in the stochastic-rounding seeds.
+_ROUNDING_OFFSET = 1 << 20
 
 
 def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> None:
@@ -40,15 +51,35 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> 
     for group, given in groups:
         for p in given:
             if not states[p]:
-                init_state(states[p], p, group["base"])
-        # fp16 parameters are updated through fp32 copies (module docstring).
-        copies = {p: p.detach().float() for p in given if p.dtype == torch.float16}
-        for p, work in copies.items():
+                init_state(states[p], p, group)
+        kind = StateDtype(group["state_dtype"])
+        rounding = group["stochastic_rounding"]
+        # Through fp32 copies: fp16 parameters (module docstring), low-precision states, and bf16
+        # parameters written by stochastic rounding.
+        copied = [p for p in given if p.dtype == torch.float16 or kind is not StateDtype.FLOAT32
+                  or (rounding and p.dtype == torch.bfloat16)]
+        if not copied:
+            _step(group, given, states)
+            continue
+        keys = STATE_KEYS[group["base"]]
+        copies, working = {}, {}
+        for p in copied:
+            work = p.detach().float()
             work.grad = p.grad.float()
+            copies[p] = work
+            working[p] = precision.decode(states[p], keys, torch.float32)
+        index = {p: i for i, p in enumerate(group["params"])} if rounding else {}
+        steps = {p: int(states[p]["step"]) for p in copied}
         params = [copies.get(p, p) for p in given]
-        _step(group, params, {copies.get(p, p): states[p] for p in given} if copies else states)
+        _step(group, params, {copies.get(p, p): working.get(p, states[p]) for p in given})
         for p, work in copies.items():
-            p.copy_(work)
+            precision.encode(states[p], working[p], keys)
+            states[p]["step"] = working[p]["step"]
+            generator = None
+            if rounding and p.dtype == torch.bfloat16:
+                generator = precision.rounding_generator(group["seed"], _ROUNDING_OFFSET + index[p],
+                                                         steps[p])
+            precision.round_into(p, work, generator)
 
 
 def _step(group: dict, params: list[torch.Tensor], states: dict) -> None:

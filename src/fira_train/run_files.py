@@ -51,6 +51,17 @@ def is_run_config(path: Path) -> bool:
             and all(isinstance(values.get(s), dict) for s in ("optim", "train")))
 
 
+def _damaged_run_config(path: Path) -> bool:
+    """A ``config.json`` that is not JSON at all, beside a run's metrics or checkpoints: the
+    run's own config, damaged (reading it then says so and names it), not a foreign file."""
+    try:
+        json.loads(path.read_text())
+        return False
+    except (OSError, ValueError):
+        out = path.parent
+        return (out / "metrics.jsonl").is_file() or (out / "checkpoints").is_dir()
+
+
 def foreign_files(out: str | Path) -> list[str]:
     """Entries of ``out`` that fira-train did not write (names relative to ``out``, folders
     with a trailing ``/``), sorted; [] for a missing directory."""
@@ -66,7 +77,7 @@ def foreign_files(out: str | Path) -> list[str]:
                             if not (_CHECKPOINT_ENTRY.match(c.name) and c.is_dir())]
             continue
         if child.is_file() and not child.is_symlink():
-            if name == "config.json" and is_run_config(child):
+            if name == "config.json" and (is_run_config(child) or _damaged_run_config(child)):
                 continue
             if name in (RUN_FILES | ANALYSIS_FILES) - {"config.json"}:
                 continue
