@@ -15,7 +15,6 @@ import json
 
 import torch
 
-import fira_optim.update as update
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.recipes import get_recipe
 from fira_train.data.build import build_corpus
@@ -31,20 +30,17 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/limiter_probe.json")
     args = parser.parse_args()
 
-    factors: list[torch.Tensor] = []  # this step's limiter factors, one tensor per bucket
-    original = update.limiter_factor
+    factors: list[torch.Tensor] = []  # this step's limiter factors, one per projected matrix
 
-    def recording(kind, norm, prev_norm, **kw):
-        f = original(kind, norm, prev_norm, **kw)
-        factors.append(f.detach().flatten().clone())
-        return f
+    def recording(_optimizer, stats):
+        factors.extend(s.limiter_factor.detach().reshape(1) for s in stats if s.limiter_factor is not None)
 
-    update.limiter_factor = recording
     config = apply_overrides(get_recipe(args.recipe), ["optim.method=fira", f"optim.rank={args.rank}"])
     torch.set_num_threads(1)
     corpus = build_corpus(config.data)
     device = resolve_device(config)
     training = build_training(config, corpus.vocab_size, device)
+    training.optimizer.register_step_stats_hook(recording)
     stream = corpus.train_batches(config.train.micro_batch_size or config.train.batch_size, config.train.seed)
     autocast = autocast_for(config, device)
     out = []

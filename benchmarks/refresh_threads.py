@@ -66,11 +66,11 @@ def refresh(grads: list[torch.Tensor], rank: int, proj_type: str, *, workers: in
             qr_first: bool) -> float:
     """Seconds for one refresh of every gradient."""
     threads = torch.get_num_threads()
-    ratio = projection.QR_FIRST_RATIO
-    projection.QR_FIRST_RATIO = ratio if qr_first else math.inf
+    ratio = projection.QR_FIRST_RATIO if qr_first else math.inf
 
     def basis(grad: torch.Tensor) -> torch.Tensor:
-        return svd_basis(grad, rank, projection_side(grad.shape, proj_type), fast_route=True)
+        return svd_basis(grad, rank, projection_side(grad.shape, proj_type), fast_route=True,
+                         qr_first_ratio=ratio)
 
     try:
         start = time.perf_counter()
@@ -86,7 +86,6 @@ def refresh(grads: list[torch.Tensor], rank: int, proj_type: str, *, workers: in
         return time.perf_counter() - start
     finally:
         torch.set_num_threads(threads)
-        projection.QR_FIRST_RATIO = ratio
 
 
 def main() -> None:

@@ -1,9 +1,11 @@
-r"""The low-rank arithmetic of a Fira step as one ``torch.compile``-d kernel per matrix.
+r"""The compiled strategy: stages 3-6 of a Fira step fused into one ``torch.compile``-d kernel
+per matrix.
 
-:func:`fira_optim.update.apply_fast` runs Adam on :math:`R` in torch's fused Adam kernel, then
-the scaling factors and the limiter as several ``foreach`` passes over the small ``r x n``
-tensors; on a CPU (no multi-tensor kernels) and on a GPU (one launch per op and matrix) those
-passes, not the two GEMMs, are what separates a step from its floor. Here the same arithmetic,
+The fast strategy (:data:`fira_optim.pipeline.FAST`) runs Adam on :math:`R` in torch's fused
+Adam kernel, then the scaling factors and the limiter as several ``foreach`` passes over the
+small ``r x n`` tensors; on a CPU (no multi-tensor kernels) and on a GPU (one launch per op and
+matrix) those passes, not the two GEMMs, are what separates a step from its floor. Here the
+same stages,
 
 .. math::
     \begin{aligned}
@@ -15,14 +17,15 @@ passes, not the two GEMMs, are what separates a step from its floor. Here the sa
       X = N - R \odot c
     \end{aligned}
 
-(``k = 1``, or ``2 alpha - alpha^2`` for the released residual), is one function that
-TorchInductor fuses into a couple of loops (C++/OpenMP on CPU, Triton on CUDA). The caller
-then adds ``P X`` (one GEMM) and ``c * G`` (one pass) into the parameter, as the fast path
-does. Opt in with ``implementation="compiled"``: the first step compiles (seconds to a
-minute, cached on disk by torch for later processes), so it pays off on long runs.
+(``k = 1``, or ``2 alpha - alpha^2`` for the released residual), are one function that
+TorchInductor fuses into a couple of loops (C++/OpenMP on CPU, Triton on CUDA); the limiter is
+:func:`fira_optim.limiter.limiter_factor` itself. Stage 7 is the fast strategy's commit
+(:func:`fira_optim.commit.add_update`: ``P X`` by one GEMM, ``c * G`` by one pass). Opt in with
+``implementation="compiled"``: the first step compiles (seconds to a minute, cached on disk by
+torch for later processes), so it pays off on long runs.
 
 Covered: Adam base; column or no scaling; growth or no limiter; residual added or dropped;
-one process. Everything else in the same optimizer falls back to the fast path.
+one process. Everything else in the same optimizer runs the fast strategy.
 """
 
 from __future__ import annotations
@@ -31,18 +34,21 @@ import warnings
 
 import torch
 
-from .projection import reduce_dim, sq_norms
-from .subspace import adam_bias_correction
-from .update import Hyper, add_update
+from .commit import add_update
+from .limiter import limiter_factor
+from .options import Base, Hyper, Limiter, Residual, Scaling, adam_bias_correction
+from .pipeline import FAST, FastStrategy, MatrixStats, MatrixStep
+from .projection import norms, sq_norms
+from .scaling import RowSum
 
 
 def supports(hp: Hyper) -> bool:
     """Whether the compiled kernel covers this group's hyper-parameters."""
     return (
-        hp.base == "adam"
-        and hp.scaling in ("column", "none")
-        and hp.limiter in ("growth", "none")
-        and hp.residual in ("add", "drop")
+        hp.base is Base.ADAM
+        and hp.scaling in (Scaling.COLUMN, Scaling.NONE)
+        and hp.limiter in (Limiter.GROWTH, Limiter.NONE)
+        and hp.residual in (Residual.ADD, Residual.DROP)
         and not hp.only_scaling
     )
 
@@ -55,7 +61,7 @@ SCALARS = ("beta1", "beta2", "eps", "residual_eps", "gamma", "low_coef", "bias_c
 
 
 def _core(low, low_norm, g_sq, exp_avg, exp_avg_sq, prev_norm, scalars, dim: int):
-    """One matrix: updates the moments and ``prev_norm`` in place, returns ``(X, c)``."""
+    """One matrix: updates the moments and ``prev_norm`` in place, returns ``(X, c, ||S||, f)``."""
     beta1, beta2, eps, residual_eps, gamma, low_coef, correction, use_scaling, use_limiter, keep = (
         scalars.unbind())
     exp_avg.mul_(beta1).add_(low * (1.0 - beta1))
@@ -65,11 +71,12 @@ def _core(low, low_norm, g_sq, exp_avg, exp_avg_sq, prev_norm, scalars, dim: int
     phi = torch.where(use_scaling > 0, column, torch.ones_like(column))
     outside_sq = (g_sq - low_coef * low_norm * low_norm).clamp_min(0.0)
     norm = (phi * phi * outside_sq).sum().sqrt()
-    limited = gamma / torch.clamp(norm / (prev_norm + residual_eps), min=gamma)
-    factor = torch.where((use_limiter > 0) & (prev_norm > 0), limited, torch.ones_like(norm))
+    growth = limiter_factor(Limiter.GROWTH, norm, prev_norm, gamma=gamma, eps=residual_eps,
+                            clip_norm=1.0, mu=1.0)
+    factor = torch.where(use_limiter > 0, growth, torch.ones_like(norm))
     prev_norm.copy_(norm * factor)
     c = phi * factor * keep  # keep = 0: GaLore (no residual), X = N
-    return direction - low * c, c
+    return direction - low * c, c, norm, factor
 
 
 _compiled = None
@@ -84,12 +91,23 @@ def _kernel():
     return _compiled
 
 
-def apply_compiled(params, grads, lows, low_norms, bases, sides, states, step: int, hp: Hyper,
-                   grad_sqs=None) -> bool:
-    """:func:`fira_optim.update.apply_fast` for one bucket, with the fused kernel.
+class CompiledStrategy(FastStrategy):
+    """The fast strategy with stages 3-6 of each matrix in the compiled kernel; it runs the fast
+    strategy itself where the kernel does not cover the group (:func:`supports`), under FSDP2,
+    or where torch.compile is unavailable."""
 
-    Returns ``False`` with nothing modified if torch.compile is unavailable here (no C++
-    compiler, say), so that the caller runs the fast path instead."""
+    def run(self, batch: list[MatrixStep], step: int, hp: Hyper, row_sum: RowSum = None,
+            stats=None) -> None:
+        if row_sum is not None or not supports(hp) or not _run_compiled(batch, step, hp, stats):
+            FAST.run(batch, step, hp, row_sum, stats)
+
+
+COMPILED = CompiledStrategy("compiled", explicit=False, fused_adam=True, column_norms=norms)
+
+
+def _run_compiled(batch: list[MatrixStep], step: int, hp: Hyper, stats) -> bool:
+    """Stages 3-7 of ``batch`` with the fused kernel. Returns ``False`` with nothing modified if
+    torch.compile is unavailable here (no C++ compiler, say)."""
     global _failed
     if _failed is not None:
         return False
@@ -97,34 +115,37 @@ def apply_compiled(params, grads, lows, low_norms, bases, sides, states, step: i
     correction = adam_bias_correction(step, beta1, beta2) if hp.direction_bias_corrected() else 1.0
     values = dict(
         beta1=beta1, beta2=beta2, eps=hp.eps, residual_eps=hp.residual_eps, gamma=hp.gamma,
-        low_coef=(2.0 * hp.alpha - hp.alpha**2) if hp.released else 1.0,
-        bias_correction=correction, use_scaling=float(hp.scaling == "column"),
-        use_limiter=float(hp.limiter == "growth"), keep_residual=float(hp.residual == "add"),
+        low_coef=hp.residual_coef, bias_correction=correction,
+        use_scaling=float(hp.scaling is Scaling.COLUMN),
+        use_limiter=float(hp.limiter is Limiter.GROWTH), keep_residual=float(hp.residual is Residual.ADD),
     )
     kernel = _kernel()
     updates = []
-    grad_sqs = grad_sqs or [None] * len(grads)
     scalars = None
-    for i, (grad, low, low_norm, side, state, grad_sq) in enumerate(
-            zip(grads, lows, low_norms, sides, states, grad_sqs)):
-        dim = reduce_dim(side)
+    for i, m in enumerate(batch):
+        low, low_norm, state = m.low, m.low_norm, m.state
         if scalars is None or scalars.dtype != low.dtype or scalars.device != low.device:
             scalars = torch.tensor([values[k] for k in SCALARS], dtype=low.dtype, device=low.device)
-        if hp.residual == "drop":  # no residual, no limiter history: placeholders
+        if hp.residual is Residual.DROP:  # no residual, no limiter history: placeholders
             g_sq, prev = low_norm.square(), low_norm.new_zeros(())
         else:
-            g_sq = grad_sq if grad_sq is not None else sq_norms(grad, dim)
+            g_sq = m.grad_sq if m.grad_sq is not None else sq_norms(m.grad, m.dim)
             prev = state["prev_norm"]
         try:
             updates.append(kernel(low, low_norm, g_sq, state["exp_avg"], state["exp_avg_sq"], prev,
-                                  scalars, dim))
+                                  scalars, m.dim))
         except Exception as err:  # noqa: BLE001 (a compiler failure fails before running)
             if i > 0:  # earlier matrices' moments are already updated: no clean fallback
                 raise
             _failed = f"{type(err).__name__}: {err}"
             warnings.warn(f"implementation='compiled' is unavailable ({_failed}); using the "
-                          "multi-tensor fast path", RuntimeWarning, stacklevel=4)
+                          "multi-tensor fast path", RuntimeWarning, stacklevel=5)
             return False
-    xs, cs = zip(*updates)
-    add_update(params, grads, bases, sides, xs, None if hp.residual == "drop" else cs, step, hp)
+    xs, cs, norms_, factors = zip(*updates)
+    drop = hp.residual is Residual.DROP
+    add_update([m.local for m in batch], [m.grad for m in batch], [m.basis for m in batch],
+               [m.side for m in batch], xs, None if drop else cs, step, hp)
+    if stats is not None:
+        stats.extend(MatrixStats(m.param, "compiled", None if drop else n, None if drop else f)
+                     for m, n, f in zip(batch, norms_, factors))
     return True

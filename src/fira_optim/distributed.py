@@ -153,7 +153,7 @@ FSDP1_MESSAGE = (
     "FSDP1 (FullyShardedDataParallel) flattens weights into 1-D FlatParameter shards, so a "
     "matrix's rows and columns are lost and Fira cannot project it (nor tell which pieces were "
     "2-D weights). Shard with FSDP2 instead, torch.distributed.fsdp.fully_shard, whose DTensor "
-    "parameters keep their 2-D shape (fira_train.parallel.parallelize(model, 'fsdp2'))"
+    "parameters keep their 2-D shape (fira_train.run.parallel.parallelize(model, 'fsdp2'))"
 )
 
 

@@ -1,4 +1,4 @@
-r"""Stabilisers for the scaled residual :math:`S_t = \phi_t(R_t) (G_t - P_t R_t)`.
+r"""Stage 6 of Algorithm 1: stabilisers for the scaled residual :math:`S_t = \phi_t(R_t) (G_t - P_t R_t)`.
 
 Each returns a 0-d factor ``f`` (a tensor, so no host synchronisation) that multiplies
 :math:`S_t`; the caller stores :math:`f \|S_t\|` as the history for the next step.
@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import torch
 
-LIMITERS = ("growth", "none", "clip", "shrink", "tensorwise")
+from .options import LIMITERS, Hyper, Limiter
+
+__all__ = ["LIMITERS", "limit", "limiter_factor"]
 
 
 def limiter_factor(
-    kind: str,
+    kind: Limiter | str,
     norm: torch.Tensor,
     prev_norm: torch.Tensor,
     *,
@@ -37,18 +39,27 @@ def limiter_factor(
     mu: float,
 ) -> torch.Tensor:
     """Factor applied to :math:`S_t` given its norm and the previous (post-limit) norm."""
+    if not isinstance(kind, Limiter):
+        kind = Limiter.parse("limiter", kind)
     one = torch.ones_like(norm)
-    if kind == "growth":
+    if kind is Limiter.GROWTH:
         ratio = norm / (prev_norm + eps)
         limited = gamma / torch.clamp(ratio, min=gamma)
         return torch.where(prev_norm > 0, limited, one)
-    if kind == "none":
+    if kind is Limiter.NONE:
         return one
-    if kind == "clip":
+    if kind is Limiter.CLIP:
         return torch.clamp(clip_norm / (norm + 1e-6), max=1.0)
-    if kind == "shrink":
+    if kind is Limiter.SHRINK:
         target = mu * norm + (1.0 - mu) * prev_norm
         return torch.where((prev_norm > 0) & (norm > 0), target / norm.clamp(min=eps), one)
-    if kind == "tensorwise":
-        return one * mu
-    raise ValueError(f"Invalid limiter: {kind!r}; expected one of {LIMITERS}")
+    return one * mu  # Limiter.TENSORWISE
+
+
+def limit(norms: torch.Tensor, prev_norms: list[torch.Tensor], hp: Hyper) -> list[torch.Tensor]:
+    r"""The limiter factor of each matrix from the stack of their :math:`\|S_t\|`; each
+    ``prev_norm`` (the history, :math:`f \|S_t\|`) is updated in place."""
+    factors = limiter_factor(hp.limiter, norms, torch.stack(prev_norms), gamma=hp.gamma,
+                             eps=hp.residual_eps, clip_norm=hp.clip_norm, mu=hp.mu)
+    torch._foreach_copy_(prev_norms, list((norms * factors).unbind()))
+    return list(factors.unbind())

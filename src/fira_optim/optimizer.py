@@ -22,43 +22,43 @@ the scaling factors are then per row.
 
 from __future__ import annotations
 
-import functools
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
-from . import compiled, distributed, unprojected
-from .limiter import LIMITERS
+from . import distributed, loading, precision, refresh, unprojected
+from .compiled import COMPILED
+from .finite import NonFiniteGradientError, finite_flags, recheck_overflow
+from .options import (
+    Hyper,
+    Implementation,
+    NonFinite,
+    Residual,
+    StateDtype,
+    check_rank,
+    param_name,
+    validate_group,
+)
+from .pipeline import FAST, REFERENCE, MatrixStats, MatrixStep, Strategy
 from .projection import (
     LEFT,
-    PROJ_TYPES,
     RIGHT,
-    PROJECTORS,
     basis_shape,
-    compute_basis,
+    is_projected,
     low_rank_shape,
-    norms,
     project,
     projection_side,
     reduce_dim,
     sq_norms,
 )
-from .scaling import SCALINGS
-from .subspace import BASES, STATE_KEYS
-from .update import Hyper, apply_fast, apply_reference, fast_path_supports
+from .subspace import STATE_KEYS
 
-ARITHMETICS = ("paper", "released")
-RESIDUALS = ("add", "drop", "sign")
-NONFINITE = ("error", "skip", "ignore")
-IMPLEMENTATIONS = ("fast", "compiled", "reference")
-
-
-class NonFiniteGradientError(RuntimeError):
-    """A gradient holds NaN or Inf; raised before anything is modified."""
+__all__ = ["Fira", "FiraAdamW", "GaLoreAdamW", "NonFiniteGradientError"]
 
 
 class Fira(Optimizer):
@@ -101,13 +101,19 @@ class Fira(Optimizer):
         stagger: spread projection refreshes over the ``T`` steps instead of refreshing every
             matrix on the same step (the first step still initialises every basis).
         correct_bias: Adam bias correction (default True; released API compatibility).
-        seed: seed of the random projectors (bases are reproducible across resumes).
+        seed: seed of the random projectors and of stochastic rounding (reproducible across resumes).
+        state_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"int8"`` (block-wise quantized,
+            needs torchao): how the moments of every parameter and the basis (bf16 at most) are
+            stored; the arithmetic stays fp32 (:mod:`fira_optim.precision`).
+        stochastic_rounding: write the updates of bf16 parameters by stochastic rounding
+            (default False: round to nearest).
         nonfinite: ``"error"`` (raise :class:`NonFiniteGradientError` naming the parameter, before
             anything changes), ``"skip"`` (skip the whole step, warn) or ``"ignore"``.
-        implementation: ``"fast"`` (multi-tensor, no ``m x n`` temporaries), ``"compiled"``
-            (the fast path with its low-rank arithmetic fused by ``torch.compile``: faster
-            steady steps after a one-time compilation; see :mod:`fira_optim.compiled`) or
-            ``"reference"`` (every term of Algorithm 1 explicit).
+        implementation: the strategy that runs the stages (:mod:`fira_optim.pipeline`):
+            ``"fast"`` (multi-tensor, no ``m x n`` temporaries), ``"compiled"`` (the fast
+            strategy with stages 3-6 fused by ``torch.compile``: faster steady steps after a
+            one-time compilation; see :mod:`fira_optim.compiled`) or ``"reference"`` (one matrix
+            at a time, every term of Algorithm 1 explicit).
         split_refresh: under DDP, deal the refresh SVDs round-robin to the ranks of
             ``process_group`` and broadcast the bases, so a refresh costs ``1/N`` of the SVD work
             per rank (default False: every rank computes every basis). FSDP2 (DTensor) parameters
@@ -153,6 +159,8 @@ class Fira(Optimizer):
         split_refresh: bool = False,
         process_group: Any = None,
         host_refresh: bool = False,
+        state_dtype: str = "float32",
+        stochastic_rounding: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
         no_deprecation_warning: bool = True,  # accepted for drop-in use of fira.FiraAdamW
@@ -162,10 +170,8 @@ class Fira(Optimizer):
                 "params argument given to the optimizer should be an iterable of Tensors or dicts, "
                 f"but got {torch.typename(params)}"
             )
-        _check_choice("nonfinite", nonfinite, NONFINITE)
-        _check_choice("implementation", implementation, IMPLEMENTATIONS)
-        self.nonfinite = nonfinite
-        self.implementation = implementation
+        self.nonfinite = NonFinite.parse("nonfinite", nonfinite).value
+        self.implementation = Implementation.parse("implementation", implementation).value
         self.split_refresh = bool(split_refresh)
         self.process_group = process_group
         if not isinstance(host_refresh, bool):
@@ -177,12 +183,18 @@ class Fira(Optimizer):
             projector=projector, arithmetic=arithmetic, base=base, scaling=scaling,
             limiter=limiter, residual=residual, only_scaling=only_scaling, clip_norm=clip_norm,
             mu=mu, align_signs=align_signs, stagger=stagger, correct_bias=correct_bias, seed=seed,
+            state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
             foreach=foreach, fused=fused,
         )
-        _validate_options(defaults)
+        validate_group(defaults)
+        if state_dtype == StateDtype.INT8:
+            precision.require_int8()
         if rank is not None:
-            _check_rank(rank)
+            check_rank(rank)
+        self._stats_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._in_backward = None  # the handle of fira_optim.step_in_backward, while registered
         super().__init__(_split_flat_params(params, rank), defaults)
+
 
     # ------------------------------------------------------------------ groups and state
 
@@ -193,16 +205,24 @@ class Fira(Optimizer):
         if "scale" in param_group and "alpha" not in param_group:  # galore-torch's name
             param_group["alpha"] = param_group["scale"]
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _validate_options(group)
-        if group["rank"] is not None:
-            _check_rank(group["rank"])
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        validate_group(group)
+        if group["state_dtype"] == StateDtype.INT8:
+            precision.require_int8()
             for index, p in enumerate(group["params"]):
-                _check_projectable(p, index, len(self.param_groups) - 1)
+                if distributed.is_dtensor(p):
+                    raise ValueError(f"param_groups[{gi}]['params'][{index}] is a DTensor: "
+                                     "state_dtype='int8' is not supported with FSDP2 yet "
+                                     "(its blocks do not follow the shards); use 'bfloat16'")
+        if group["rank"] is not None:
+            check_rank(group["rank"])
+            for index, p in enumerate(group["params"]):
+                _check_projectable(p, index, gi)
         for index, p in enumerate(group["params"]):
             if p.is_complex():
                 raise ValueError(
-                    f"param_groups[{len(self.param_groups) - 1}]['params'][{index}] is complex "
+                    f"param_groups[{gi}]['params'][{index}] is complex "
                     f"({p.dtype}); Fira supports real floating-point parameters only"
                 )
 
@@ -211,7 +231,7 @@ class Fira(Optimizer):
         # copy.deepcopy and pickle silently reset the constructor's other options to their
         # defaults (a copy of a nonfinite="skip" optimizer raised on NaN, a "reference" one
         # ran the fast path). A process group is not copyable: a copy of a split_refresh
-        # optimizer shares its refreshes over the default group.
+        # optimizer shares its refreshes over the default group. Stats hooks are not copied.
         state = super().__getstate__()
         state["nonfinite"] = self.nonfinite
         state["implementation"] = self.implementation
@@ -226,35 +246,27 @@ class Fira(Optimizer):
         self.__dict__.setdefault("split_refresh", False)
         self.__dict__.setdefault("process_group", None)
         self.__dict__.setdefault("host_refresh", False)
+        self.__dict__.setdefault("_stats_hooks", OrderedDict())
+        self.__dict__.setdefault("_in_backward", None)
         for group in self.param_groups:  # state dicts from older versions lack newer keys
             for key, value in self.defaults.items():
-                group.setdefault(key, value)
-
-    @staticmethod
-    def _process_value_according_to_param_policy(
-        param: torch.Tensor, value: torch.Tensor, param_id: int, param_groups: list, key: Any = None
-    ) -> torch.Tensor:
-        # torch casts loaded state to the parameter's dtype. Our low-rank states and basis of a
-        # bf16/fp16 parameter are kept in fp32 on purpose: move them, keep their dtype.
-        if key == "step":
-            return value
-        if key in _PROJECTED_KEYS or value.dtype != param.dtype and value.dtype == torch.float32:
-            return value.to(device=param.device)
-        return Optimizer._process_value_according_to_param_policy(
-            param, value, param_id, param_groups, key
-        )
+                if key != "differentiable":  # torch's __setstate__ adds it to the defaults
+                    group.setdefault(key, value)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # torch.optim.Optimizer.load_state_dict calls its cast policy as
-        # Optimizer._process_value_according_to_param_policy (on the base class), so the override
-        # above was never reached: the fp32 basis and moments of a bf16/fp16 matrix came back in
-        # bf16/fp16 and its next step failed (matmul of bf16 and fp32). Capture the state dict as
-        # the load pre-hooks leave it (this hook runs last) and re-take its tensors through our
-        # policy.
+        # torch.optim.Optimizer.load_state_dict casts every loaded state tensor to its
+        # parameter's dtype. The low-rank states and basis of a bf16/fp16 matrix are kept in
+        # fp32 on purpose, and that cast would lose them (the next step then multiplied bf16
+        # by fp32). So capture the state dict as the load pre-hooks leave it (this hook runs
+        # last), let torch load it, then re-take its tensors by our policy (_loaded_value).
+        # Older step counters and the released package's state are converted, and a state dict
+        # of another layout (rank, side rule, base; torch's AdamW) refused, before torch reads it.
         seen: dict[str, Any] = {}
 
         def capture(_optimizer, loaded):
-            seen["state_dict"] = loaded
+            loading.check_layout(self.param_groups, loaded)
+            seen["state_dict"] = loading.upgraded(loaded, self.param_groups)
+            return seen["state_dict"]
 
         handle = self.register_load_state_dict_pre_hook(capture)
         try:
@@ -267,60 +279,84 @@ class Fira(Optimizer):
         for saved_id, p in zip(saved_ids, params):
             for key, value in loaded["state"].get(saved_id, {}).items():
                 if isinstance(value, torch.Tensor):
-                    self.state[p][key] = self._process_value_according_to_param_policy(
-                        p, value, saved_id, loaded["param_groups"], key
-                    )
+                    self.state[p][key] = _loaded_value(p, value, key, self.state[p][key])
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 state = self.state.get(p)
                 if state and "basis" in state:
                     _check_loaded_state(p, state, group, gi, pi)
 
+    def register_step_stats_hook(self, hook: Callable[["Fira", list[MatrixStats]], None]) -> RemovableHandle:
+        r"""Call ``hook(optimizer, stats)`` after every step, with one
+        :class:`fira_optim.pipeline.MatrixStats` per projected matrix updated in it (its
+        strategy, :math:`\|S_t\|` and limiter factor, as tensors). The measurement hook for
+        benchmarks and analyses: nothing is collected while no hook is registered.
+        Returns a handle whose ``remove()`` unregisters it."""
+        handle = RemovableHandle(self._stats_hooks)
+        self._stats_hooks[handle.id] = hook
+        return handle
+
     # ------------------------------------------------------------------ the step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Algorithm 1 for every projected matrix, plain AdamW (or the base) for the rest.
+
+        Stages 1-2 (refresh, project) as the step is planned, after which every gradient has
+        been checked, so a non-finite one leaves everything as it was; then stages 3-7 by each
+        matrix's strategy (:mod:`fira_optim.pipeline`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        prepared = self._prepare()
-        if prepared is None:  # a non-finite gradient with nonfinite="skip"
-            return loss
-        plans, plain = prepared
-        self._apply(plans)
-        unprojected.step_groups(plain, self.state)
+        if self._in_backward is None:  # else the parameters were updated in the backward pass
+            self._step_params(None)
         return loss
 
-    def _prepare(self):
-        """Phase A: new bases and projections for every matrix; nothing is committed until
-        every gradient has been checked, so a non-finite gradient leaves everything as it was."""
-        plans: list[_Plan] = []
+    @torch.no_grad()
+    def _step_params(self, only: set | None) -> None:
+        """One step of the parameters in ``only`` (all when None): the body of :meth:`step`,
+        and what :func:`fira_optim.step_in_backward` runs as each gradient is complete."""
+        planned = self._plan_step(only)
+        if planned is None:  # a non-finite gradient with nonfinite="skip"
+            return
+        matrices, plain = planned
+        stats: list[MatrixStats] | None = [] if self._stats_hooks else None
+        self._update(matrices, stats)
+        unprojected.step_groups(plain, self.state)
+        if stats is not None:
+            for hook in list(self._stats_hooks.values()):
+                hook(self, stats)
+
+    def _plan_step(self, only: set | None = None) -> tuple[list[tuple[MatrixStep, Hyper]], list] | None:
+        """Stages 1-2 of every matrix (of ``only``, if given), and the finiteness checks:
+        ``(matrices, plain)``, or None if the step is skipped. Nothing is committed here."""
+        matrices: list[tuple[MatrixStep, Hyper]] = []
         plain: list[tuple[dict, list[torch.Tensor]]] = []
         checks: list[tuple[torch.Tensor, int, int]] = []
         order = 0  # global index of projected matrices: stagger offsets and projector seeds
         total = None
         if any(g["stagger"] for g in self.param_groups):
-            total = sum(1 for g in self.param_groups for p in g["params"] if _is_projected(p, g))
+            total = sum(1 for g in self.param_groups for p in g["params"] if is_projected(p, g))
         # FSDP2 shards, or DDP with split_refresh: the refresh bases are computed across ranks
         # first (one rank per matrix, broadcast to all); None in one process and plain DDP.
         shard_group = distributed.shard_group(self.param_groups)
         refresh_group = shard_group if shard_group is not None else self._split_refresh_group()
         refreshed = None
         if refresh_group is not None:
-            refreshed = self._refresh_together(refresh_group, total)
-        elif self.implementation != "reference":
-            refreshed = self._refresh_in_threads(total)
+            refreshed = refresh.refresh_together(self, refresh_group, total, only)
+        elif self.implementation != Implementation.REFERENCE:
+            refreshed = refresh.refresh_in_threads(self, total, only)
         for gi, group in enumerate(self.param_groups):
             plain_params = []
             hyper = None
             for pi, p in enumerate(group["params"]):
-                projected = _is_projected(p, group)
+                projected = is_projected(p, group)
                 order += projected
-                if p.grad is None or p.numel() == 0:
+                if p.grad is None or p.numel() == 0 or (only is not None and p not in only):
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError(f"Fira does not support sparse gradients ({_name(gi, pi, p)})")
+                    raise RuntimeError(f"Fira does not support sparse gradients ({param_name(gi, pi, p)})")
                 if not projected:
                     # Until its first real step, an all-zero gradient only builds state. Test
                     # the step count, not mere presence of state: a second zero-gradient step
@@ -331,43 +367,43 @@ class Fira(Optimizer):
                     if (state and float(state["step"]) > 0) or bool(p.grad.any()):
                         plain_params.append(p)
                     elif not state:  # build the state, change nothing
-                        unprojected.init_state(self.state[p], p, group["base"])
-                    if self.nonfinite != "ignore":
+                        unprojected.init_state(self.state[p], p, group)
+                    if self.nonfinite != NonFinite.IGNORE:
                         checks.append((distributed.to_local(p.grad), gi, pi))
                     continue
                 hyper = hyper or Hyper.from_group(group)
-                plan = self._plan(p, group, gi, pi, order - 1, total, hyper, refreshed)
-                if plan is _SKIP_STEP:
+                matrix = self._plan_matrix(p, group, gi, pi, order - 1, total, hyper, refreshed)
+                if matrix is _SKIP_STEP:
                     return None
-                if plan is not None:
-                    plans.append(plan)
-                    if self.nonfinite != "ignore":
+                if matrix is not None:
+                    matrices.append((matrix, hyper))
+                    if self.nonfinite != NonFinite.IGNORE:
                         # Column norms of R: needed by the update anyway, and non-finite iff G
                         # is (a NaN or Inf in g_i reaches r_i = P^T g_i). Checked all at once below.
-                        checks.append((plan.low_norm, gi, pi))
+                        checks.append((matrix.low_norm, gi, pi))
             if plain_params:
                 plain.append((group, plain_params))
         tensors = [c for c, _, _ in checks]
-        flags = _finite_flags(tensors) if checks else None
+        flags = finite_flags(tensors) if checks else None
         local = flags
         if shard_group is not None:
             # FSDP2: R = sum_k P_k^T G_k of the left projections and every shard's finiteness
             # checks, completed in one all-reduce; then the column norms of the whole R.
-            left = [pl for pl in plans if pl.sharding is not None and pl.side == LEFT]
-            flags = distributed.reduce_partials([pl.low for pl in left], flags, shard_group)
-            for pl in left:
-                pl.low_norm = norms(pl.low, 0)
+            left = [m for m, _ in matrices if m.sharding is not None and m.side == LEFT]
+            flags = distributed.reduce_partials([m.low for m in left], flags, shard_group)
+            for m in left:
+                m.low_norm = m.strategy.norms(m.low, 0)
         if flags is not None and not bool(flags.all()):  # the step's one host sync
             # Rare: a norm also overflows from finite entries. Decide those entry by entry
             # (and agree across the shards again).
-            flags = _recheck_overflow(tensors, local)
+            flags = recheck_overflow(tensors, local)
             if shard_group is not None:
                 flags = distributed.reduce_partials([], flags, shard_group)
         if flags is not None and not bool(flags.all()):
             _, gi, pi = checks[int((~flags).nonzero()[0, 0])]
-            self._nonfinite_found(_name(gi, pi, self.param_groups[gi]["params"][pi]))
+            self._nonfinite_found(param_name(gi, pi, self.param_groups[gi]["params"][pi]))
             return None
-        return plans, plain
+        return matrices, plain
 
     def _split_refresh_group(self) -> Any:
         """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""
@@ -375,94 +411,25 @@ class Fira(Optimizer):
             return None
         return distributed.process_group_or_world(self.process_group)
 
-    def _due_refreshes(self, total: int | None) -> list[tuple]:
-        """``(param, job)`` for every matrix whose basis is due this step, in the order of the
-        projected matrices; ``job`` is a :class:`fira_optim.distributed.RefreshJob` holding this
-        rank's gradient and the refresh rule (:meth:`_refresh_outcome`) to run on it."""
-        due = []
-        order = 0
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if not _is_projected(p, group):
-                    continue
-                order += 1
-                if p.grad is None or p.numel() == 0:
-                    continue
-                state = self.state[p]
-                step = int(state["step"]) if state else 0
-                if not _refresh_due(group, step, order - 1, total):
-                    continue
-                work_dtype = torch.promote_types(p.dtype, torch.float32)
-                grad = distributed.to_local(p.grad).to(work_dtype)
-                side = projection_side(p.shape, group["proj_type"])
-                compute = functools.partial(
-                    self._refresh_outcome, rank=group["rank"], side=side, group=group,
-                    order=order - 1, step=step, name=_name(gi, pi, p),
-                )
-                previous = distributed.to_local(state["basis"]) if step > 0 else None
-                due.append((p, distributed.RefreshJob(
-                    grad, p.shape[0], order - 1, previous, side, group["rank"],
-                    distributed.row_sharding(p), compute,
-                )))
-        return due
-
-    def _refresh_together(self, process_group: Any, total: int | None) -> dict:
-        """The refresh outcomes of every matrix due this step, computed across the ranks of
-        ``process_group`` by :func:`fira_optim.distributed.refresh_bases`, keyed by parameter
-        (:func:`_keyed`)."""
-        due = self._due_refreshes(total)
-        return _keyed(due, distributed.refresh_bases([job for _, job in due], process_group))
-
-    def _refresh_in_threads(self, total: int | None) -> dict | None:
-        """One process on the CPU (or on an accelerator with ``host_refresh``): the refresh
-        outcomes of every matrix due this step, computed by ``torch.get_num_threads()`` threads
-        at once on the host; keyed by parameter (:func:`_keyed`). None (each matrix refreshes in its turn in
-        phase A) if fewer than two are due or the gradients are elsewhere than on the CPU
-        without ``host_refresh``.
-
-        LAPACK's SVD of a small matrix keeps few cores busy, so decompositions of different
-        matrices side by side use the others, each on one intra-op thread. Workers left at
-        torch's default each open an OpenMP team of every core inside MKL's LAPACK, and the
-        teams oversubscribe the cores: on 2 cores a refresh then often stalled for hundreds of
-        milliseconds, even where each matrix takes one (``benchmarks/refresh_threads.py``, ``micro``).
-        So each worker sets its own count as it starts (``_one_thread``); the count is per
-        thread, and the caller's stays as it was.
-
-        The outcomes are the sequential refresh's calls on the same inputs: bitwise its results
-        where LAPACK's do not depend on the thread count (small matrices), else equal to
-        round-off, up to a rotation within a group of (nearly) equal singular values (any such
-        rotation is exact). A gradient found non-finite is reported in phase A in the usual
-        order.
-        """
-        workers = torch.get_num_threads()
-        on_host = all(p.device.type == "cpu" for group in self.param_groups for p in group["params"])
-        if workers < 2 or not (on_host or self.host_refresh):
-            return None  # before _due_refreshes, which converts every due gradient
-        due = self._due_refreshes(total)
-        if len(due) < 2:
-            return None
-        jobs = [job for _, job in due]
-        if not on_host:  # blocking copies: the SVDs must see the finished gradients
-            inputs = [(job.grad.cpu(), None if job.previous is None else job.previous.cpu()) for job in jobs]
-        else:
-            inputs = [(job.grad, job.previous) for job in jobs]
-        with ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
-            outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
-        if not on_host:
-            outcomes = [(status, None if basis is None else basis.to(job.grad.device))
-                        for (status, basis), job in zip(outcomes, jobs)]
-        return _keyed(due, outcomes)
-
     def _nonfinite_found(self, name: str) -> None:
         """Raise (``nonfinite="error"``) or warn that the step is skipped."""
-        if self.nonfinite == "error":
+        if self.nonfinite == NonFinite.ERROR:
             raise NonFiniteGradientError(
                 f"non-finite gradient in {name}; nothing was updated "
                 "(pass nonfinite='skip' to skip such steps)"
             )
         warnings.warn(f"non-finite gradient in {name}: step skipped", RuntimeWarning, stacklevel=4)
 
-    def _plan(self, p, group, gi, pi, order, total, hyper, refreshed=None):
+    def _strategy(self, hyper: Hyper, p: torch.Tensor, grad: torch.Tensor) -> Strategy:
+        """The strategy of one matrix: the configured one where it covers the matrix, else the
+        reference (FRUGAL's sign residual, low-precision parameters)."""
+        if self.implementation == Implementation.REFERENCE or not FAST.supports(hyper, p, grad):
+            return REFERENCE
+        return COMPILED if self.implementation == Implementation.COMPILED else FAST
+
+    def _plan_matrix(self, p, group, gi, pi, order, total, hyper, refreshed=None):
+        """Stages 1-2 of one matrix: a :class:`MatrixStep`, None (no update: no basis yet
+        and none derivable from this gradient) or ``_SKIP_STEP``."""
         work_dtype = torch.promote_types(p.dtype, torch.float32)
         sharding = distributed.row_sharding(p)  # FSDP2: this rank holds a row block of p, p.grad
         if refreshed is not None and p in refreshed:
@@ -475,110 +442,77 @@ class Fira(Optimizer):
         state = self.state[p]
         step = int(state["step"]) if state else 0
         new_basis = None
-        if _refresh_due(group, step, order, total):
-            if refreshed is not None:  # decided on one rank for all (distributed.refresh_bases)
+        if refresh.refresh_due(group, step, order, total):
+            if refreshed is not None:  # decided for all at once (pool or across ranks)
                 status, new_basis, _ = refreshed[p]
             else:
                 previous = state["basis"] if step > 0 else None
-                status, new_basis = self._refresh_outcome(
+                status, new_basis = refresh.refresh_outcome(
                     grad, previous, rank=rank, side=side, group=group, order=order, step=step,
-                    name=_name(gi, pi, p),
+                    name=param_name(gi, pi, p),
                 )
-            if status == "nonfinite" and self.nonfinite != "ignore":
-                self._nonfinite_found(_name(gi, pi, p))
+            if status == "nonfinite" and self.nonfinite != NonFinite.IGNORE:
+                self._nonfinite_found(param_name(gi, pi, p))
                 return _SKIP_STEP
             if status not in ("new", "keep") and step == 0:
                 # Never derive a basis from a zero or non-finite gradient. Before the first
                 # basis exists the step is a no-op for this matrix, so the zero-gradient step
                 # that torch.distributed.checkpoint uses to build state changes nothing.
                 if not state:
-                    shape = tuple(p.shape)
-                    _init_projected_state(state, p, low_rank_shape(shape, rank, side),
-                                          basis_shape(shape, rank, side), hyper, work_dtype, side)
+                    _init_projected_state(state, p, rank, side, hyper, work_dtype)
                 return None
         basis = new_basis if new_basis is not None else distributed.to_local(state["basis"])
+        if basis.dtype != work_dtype:  # stored in bf16 (state_dtype)
+            basis = basis.to(work_dtype)
+        strategy = self._strategy(hyper, p, grad)
+        rounding = None
+        if group["stochastic_rounding"] and p.dtype == torch.bfloat16:
+            rounding = precision.rounding_generator(group["seed"], order, step)
         low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
-        low_norm = norms(low, reduce_dim(side))
+        dim = reduce_dim(side)
+        low_norm = strategy.norms(low, dim)
         grad_sq = None
-        if (hyper.residual != "drop" and self.implementation != "reference"
-                and fast_path_supports(hyper, p, grad)):  # the reference path forms S itself
+        if hyper.residual is not Residual.DROP and not strategy.explicit:
             # ||g_i||^2 for ||S||, read now while G is still in cache from the projection: on the
             # CPU a second sweep over every gradient later in the step streams it from memory.
-            grad_sq = sq_norms(grad, reduce_dim(side))
-        return _Plan(p, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype, sharding,
-                     grad_sq)
+            grad_sq = sq_norms(grad, dim)
+        return MatrixStep(param=p, local=p if sharding is None else p.to_local(), grad=grad,
+                          side=side, basis=basis, new_basis=new_basis, low=low, low_norm=low_norm,
+                          strategy=strategy, work_dtype=work_dtype, sharding=sharding,
+                          grad_sq=grad_sq, order=order, rounding=rounding)
 
-    def _refresh_outcome(self, grad, previous, *, rank, side, group, order, step, name):
-        """The refresh rule on a whole gradient: ``(status, basis)``, status one of
-        :data:`fira_optim.distributed.REFRESH_STATUSES`. Never a basis from a zero or
-        non-finite gradient."""
-        if not bool(torch.isfinite(grad).all()):
-            return "nonfinite", None
-        if not bool(grad.any()):
-            return "zero", None
-        basis = self._new_basis(grad, rank, side, group, previous, order, step, name)
-        return ("new", basis) if basis is not None else ("keep", None)
-
-    def _new_basis(self, grad, rank, side, group, previous, order, step, name):
-        generator = torch.Generator().manual_seed(
-            (group["seed"] * 1_000_003 + order * 7919 + step) % (2**63)
-        )
-        try:
-            return compute_basis(grad, rank, side, group["projector"], previous, generator,
-                                 align_signs=group["align_signs"])
-        except RuntimeError as err:
-            fallback = "using a random basis" if previous is None else "keeping the previous basis"
-            warnings.warn(f"projection basis failed for {name} ({err}); {fallback}", RuntimeWarning)
-            if previous is None:
-                return compute_basis(grad, rank, side, "random", None, generator)
-            return None
-
-    def _apply(self, plans: list["_Plan"]) -> None:
-        """Phase B: commit the bases, then the base optimizer, scaling, limiter and update.
-
-        Matrices that share hyper-parameters and step count go through the multi-tensor fast
-        path together; the rest (low precision, FRUGAL, ``implementation="reference"``) one by
-        one through the reference path.
-        """
-        # FSDP2 plans work on this rank's blocks (updating the local views updates the
-        # DTensors) and complete sums over rows across the shards (row_sum, an all-reduce).
-        buckets: dict[tuple[int, int, Any], list[_Plan]] = {}
-        for plan in plans:
-            p, hp = plan.param, plan.hyper
-            state = self.state[p]
+    def _update(self, matrices: list[tuple[MatrixStep, Hyper]], stats) -> None:
+        """Commit the new bases and step counts, then stages 3-7: one matrix at a time for the
+        reference strategy, in buckets of matrices that share hyper-parameters, step count,
+        strategy and shard group otherwise."""
+        buckets: dict[tuple, list[MatrixStep]] = {}
+        stored_states = []  # (stored, working) of low-precision states, encoded after the stages
+        for m, hp in matrices:
+            state = self.state[m.param]
             if not state:
-                rank, shape = plan.basis.shape[1], tuple(p.shape)
-                _init_projected_state(state, p, low_rank_shape(shape, rank, plan.side),
-                                      basis_shape(shape, rank, plan.side), hp, plan.work_dtype,
-                                      plan.side)
-            tensors = state if plan.sharding is None else distributed.local_views(state)
-            if plan.new_basis is not None:
-                tensors["basis"].copy_(plan.new_basis)
+                _init_projected_state(state, m.param, m.basis.shape[1], m.side, hp, m.work_dtype)
+            m.state = state if m.sharding is None else distributed.local_views(state)
+            if m.new_basis is not None:
+                m.state["basis"].copy_(m.new_basis)
+            if hp.state_dtype is not StateDtype.FLOAT32:
+                stored = m.state
+                m.state = precision.decode(stored, STATE_KEYS[hp.base], m.work_dtype)
+                stored_states.append((stored, m.state, STATE_KEYS[hp.base]))
             state["step"] += 1
             step = int(state["step"])
-            row_sum = None if plan.sharding is None else plan.sharding.sum
-            if self.implementation != "reference" and fast_path_supports(hp, p, plan.grad):
-                shards = None if plan.sharding is None else plan.sharding.group
-                buckets.setdefault((id(hp), step, shards), []).append(plan)
+            row_sum = None if m.sharding is None else m.sharding.sum
+            if m.strategy.explicit:
+                m.strategy.run([m], step, hp, row_sum, stats)
             else:
-                apply_reference(_local(p, plan), plan.grad, plan.low, plan.basis, plan.side,
-                                tensors, step, hp, row_sum)
-        for (_, step, shards), bucket in buckets.items():
-            hp = bucket[0].hyper
-            if (self.implementation == "compiled" and shards is None and compiled.supports(hp)
-                    and compiled.apply_compiled(
-                        [b.param for b in bucket], [b.grad for b in bucket], [b.low for b in bucket],
-                        [b.low_norm for b in bucket], [b.basis for b in bucket],
-                        [b.side for b in bucket], [self.state[b.param] for b in bucket], step, hp,
-                        [b.grad_sq for b in bucket])):
-                continue
-            row_sum = None if shards is None else bucket[0].sharding.sum
-            apply_fast(
-                [_local(b.param, b) for b in bucket], [b.grad for b in bucket],
-                [b.low for b in bucket], [b.low_norm for b in bucket], [b.basis for b in bucket],
-                [b.side for b in bucket], [_local_state(self.state[b.param], b) for b in bucket],
-                step, bucket[0].hyper, row_sum, [b.grad_sq for b in bucket],
-            )
+                shards = None if m.sharding is None else m.sharding.group
+                buckets.setdefault((id(hp), step, m.strategy.name, shards), []).append((m, hp))
+        for (_, step, _, _), bucket in buckets.items():
+            batch = [m for m, _ in bucket]
+            first = batch[0]
+            row_sum = None if first.sharding is None else first.sharding.sum
+            first.strategy.run(batch, step, bucket[0][1], row_sum, stats)
+        for stored, working, keys in stored_states:
+            precision.encode(stored, working, keys)
 
 
 class FiraAdamW(Fira):
@@ -600,98 +534,42 @@ class GaLoreAdamW(Fira):
 # ---------------------------------------------------------------------- helpers
 
 
-class _Plan:
-    """What phase A computed for one matrix, for phase B to commit."""
-
-    __slots__ = ("param", "hyper", "grad", "low", "low_norm", "basis", "new_basis", "side",
-                 "work_dtype", "sharding", "grad_sq")
-
-    def __init__(self, param, hyper, grad, low, low_norm, basis, new_basis, side, work_dtype,
-                 sharding=None, grad_sq=None):
-        self.param, self.hyper, self.grad, self.low, self.low_norm = param, hyper, grad, low, low_norm
-        self.basis, self.new_basis, self.side, self.work_dtype = basis, new_basis, side, work_dtype
-        # FSDP2: grad, low, basis are this rank's blocks (distributed.RowSharding), else None.
-        self.sharding = sharding
-        self.grad_sq = grad_sq  # per-column (left) / per-row (right) ||g_i||^2, local rows
-
-
-def _local(p: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    return p if plan.sharding is None else p.to_local()
-
-
-def _local_state(state: dict, plan: _Plan) -> dict:
-    return state if plan.sharding is None else distributed.local_views(state)
-
-
 _SKIP_STEP = object()
 
 
-def _keyed(due: list[tuple], outcomes: list[tuple]) -> dict:
-    """``{param: (status, basis, grad)}`` from :meth:`Fira._due_refreshes`' ``(param, job)`` pairs
-    and their refresh outcomes; ``grad`` is the job's working-dtype gradient, which phase A
-    then uses instead of converting ``p.grad`` a second time."""
-    return {p: (*outcome, job.grad) for (p, job), outcome in zip(due, outcomes)}
+_PROJECTED_KEYS = {"basis", "prev_norm", *(k for keys in STATE_KEYS.values() for k in keys),
+                   *(f"{k}_scale" for keys in STATE_KEYS.values() for k in keys)}
 
 
-def _one_thread() -> None:
-    """A refresh worker's initializer: its own LAPACK calls on one thread (the calling
-    thread's count is untouched, ``tests/fira_optim/test_optimizer.py`` checks it)."""
-    torch.set_num_threads(1)
+def _loaded_value(param: torch.Tensor, value: torch.Tensor, key: Any,
+                  current: torch.Tensor) -> torch.Tensor:
+    """A loaded state tensor as this optimizer keeps it: the low-rank states and basis, and
+    any fp32 state of a lower-precision parameter, keep their dtype (moved to the parameter's
+    device); the rest is as torch's load left it (``current``)."""
+    if key == "step":
+        return value
+    if key in _PROJECTED_KEYS or value.dtype != param.dtype and value.dtype == torch.float32:
+        return value.to(device=param.device)
+    return current
 
 
-def _finite_flags(checks: list[torch.Tensor]) -> torch.Tensor:
-    """One bool per tensor, in order: whether its norm is finite, without a host sync.
-
-    A NaN or Inf entry makes a tensor's norm non-finite, so one ``foreach`` norm over all of
-    them (a single read of each) clears the common case. The checks are the gradients of the
-    unprojected params and the column norms of each R = P^T G (non-finite iff G is). A False
-    can also be a norm that overflowed from finite entries: :func:`_recheck_overflow`.
-    """
-    totals = torch._foreach_norm(checks)
-    if any(t.dtype != totals[0].dtype for t in totals):
-        totals = [t.float() for t in totals]
-    return torch.isfinite(torch.stack(totals))
-
-
-def _recheck_overflow(checks: list[torch.Tensor], flags: torch.Tensor) -> torch.Tensor:
-    """``flags`` with each False decided entry by entry (whether all entries are finite)."""
-    flags = flags.clone()
-    for i in (~flags).nonzero().flatten().tolist():
-        flags[i] = torch.isfinite(checks[i]).all()
-    return flags
-
-
-_PROJECTED_KEYS = {"basis", "prev_norm", *(k for keys in STATE_KEYS.values() for k in keys)}
-
-
-def _name(gi: int, pi: int, p: torch.Tensor) -> str:
-    return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
-
-
-def _is_projected(p: torch.Tensor, group: dict) -> bool:
-    rank = group["rank"]
-    return rank is not None and p.dim() == 2 and rank < min(p.shape)
-
-
-def _init_projected_state(state, p, low_shape, basis_shape_, hp: Hyper, dtype, side) -> None:
+def _init_projected_state(state, p, rank: int, side: str, hp: Hyper, dtype) -> None:
+    """Zero state of its final shapes and storage (``state_dtype``)."""
     # Tensors only, created with their final shapes: weights_only loads, and a state dict
     # taken after a zero-gradient step already has the layout of a trained one. For an FSDP2
     # parameter they are DTensors of these global shapes: rows follow p's shards for P (left)
     # and for the states of R = G Q (right), the rest is replicated.
+    shape = tuple(p.shape)
+    low_shape, basis_shape_ = low_rank_shape(shape, rank, side), basis_shape(shape, rank, side)
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
     for key in STATE_KEYS[hp.base]:
-        state[key] = distributed.state_zeros(p, low_shape, dtype, row_sharded=side == RIGHT)
-    state["basis"] = distributed.state_zeros(p, basis_shape_, dtype, row_sharded=side == LEFT)
-    if hp.residual != "drop":
+        state.update(precision.moment_zeros(
+            low_shape, hp.state_dtype, dtype, p.device, key,
+            make=lambda shape, dt: distributed.state_zeros(p, shape, dt, row_sharded=side == RIGHT)))
+    state["basis"] = distributed.state_zeros(p, basis_shape_, precision.basis_dtype(hp.state_dtype, dtype),
+                                             row_sharded=side == LEFT)
+    if hp.residual is not Residual.DROP:
         state["prev_norm"] = distributed.state_zeros(p, (), dtype, row_sharded=False)
-
-
-def _refresh_due(group: dict, step: int, order: int, total: int | None) -> bool:
-    """Whether matrix number ``order`` (of ``total``, counted under ``stagger``) takes a new
-    basis at ``step``."""
-    period = group["update_proj_gap"]
-    offset = (order * period) // total if group["stagger"] else 0
-    return step == 0 or (step - offset) % period == 0
 
 
 def _split_flat_params(params, rank):
@@ -702,72 +580,18 @@ def _split_flat_params(params, rank):
         return params
     if any(isinstance(p, dict) for p in params):
         raise TypeError("params must be all tensors or all dicts, not a mix")
-    matrices = [p for p in params if p.dim() == 2] if rank is not None else []
-    others = [p for p in params if rank is None or p.dim() != 2]
+
+    def dim(item) -> int:  # a tensor, or a (name, tensor) pair of model.named_parameters()
+        return (item[1] if isinstance(item, tuple) else item).dim()
+
+    matrices = [p for p in params if dim(p) == 2] if rank is not None else []
+    others = [p for p in params if rank is None or dim(p) != 2]
     groups = []
     if matrices:
         groups.append({"params": matrices, "rank": rank})
     if others:
         groups.append({"params": others, "rank": None})
     return groups
-
-
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"Invalid {name}: {value!r}; expected one of {choices}")
-
-
-def _check_rank(rank: Any) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"Invalid rank: {rank!r}; expected a positive int (or None for no projection)")
-
-
-def _validate_options(g: dict) -> None:
-    """Range checks shared by the constructor and add_param_group; each names the argument."""
-    lr = g["lr"]
-    if isinstance(lr, torch.Tensor):
-        lr = float(lr)
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate (lr): {g['lr']}")
-    if not 0.0 <= g["eps"]:
-        raise ValueError(f"Invalid epsilon value (eps): {g['eps']}")
-    betas = g["betas"]
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"Invalid betas: {betas}; each must be in [0, 1)")
-    if not 0.0 <= g["weight_decay"]:
-        raise ValueError(f"Invalid weight_decay value: {g['weight_decay']}")
-    gap = g["update_proj_gap"]
-    if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
-        raise ValueError(f"Invalid update_proj_gap: {gap!r}; expected an int >= 1")
-    if not g["alpha"] > 0:
-        raise ValueError(f"Invalid alpha: {g['alpha']}; expected > 0")
-    if not g["gamma"] >= 1.0:
-        raise ValueError(f"Invalid gamma: {g['gamma']}; expected >= 1 (use limiter='none' to disable)")
-    if not g["clip_norm"] > 0:
-        raise ValueError(f"Invalid clip_norm: {g['clip_norm']}; expected > 0")
-    if not 0.0 < g["mu"] <= 1.0:
-        raise ValueError(f"Invalid mu: {g['mu']}; expected in (0, 1]")
-    if not isinstance(g["align_signs"], bool):
-        raise ValueError(f"Invalid align_signs: {g['align_signs']!r}; expected True or False")
-    _check_choice("proj_type", g["proj_type"], PROJ_TYPES)
-    _check_choice("projector", g["projector"], PROJECTORS)
-    _check_choice("arithmetic", g["arithmetic"], ARITHMETICS)
-    _check_choice("base", g["base"], BASES)
-    _check_choice("scaling", g["scaling"], SCALINGS)
-    _check_choice("limiter", g["limiter"], LIMITERS)
-    _check_choice("residual", g["residual"], RESIDUALS)
-    if g["arithmetic"] == "released" and g["base"] != "adam":
-        raise ValueError(f"arithmetic='released' exists only for base='adam', got base={g['base']!r}")
-    if not g["correct_bias"] and g["arithmetic"] == "paper" and g["base"] == "adam":
-        raise ValueError("correct_bias=False is only available with arithmetic='released'")
-    for key in ("foreach", "fused"):
-        if g.get(key) is not None and not isinstance(g[key], bool):
-            raise ValueError(f"Invalid {key}: {g[key]!r}; expected None, True or False")
-    if g.get("fused") and g.get("foreach"):
-        raise ValueError("foreach=True and fused=True cannot be set together (as in torch.optim.AdamW)")
-    if g.get("fused") and (g["base"] != "adam" or g["arithmetic"] != "paper"):
-        raise ValueError(f"fused=True is torch's fused AdamW: it needs base='adam' and arithmetic='paper', "
-                         f"got base={g['base']!r}, arithmetic={g['arithmetic']!r}")
 
 
 def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:
@@ -778,7 +602,10 @@ def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:
         raise ValueError(
             f"{where} has shape {tuple(p.shape)}: a projected "
             "group (rank set) takes 2-D weight matrices only; put other tensors in a group with "
-            "rank=None (fira_optim.param_groups does this). 1-D views of 2-D weights (FSDP1 flat "
+            "rank=None, e.g. [{'params': [p for p in ps if p.dim() == 2], 'rank': r}, "
+            "{'params': [p for p in ps if p.dim() != 2]}], or build the groups with "
+            "fira_optim.param_groups(model, rank=r) (a flat list of tensors is split this way "
+            "by itself). 1-D views of 2-D weights (FSDP1 flat "
             "parameters, ZeRO partitions) cannot be projected: shard with FSDP2 "
             "(torch.distributed.fsdp.fully_shard), whose parameters stay 2-D."
         )

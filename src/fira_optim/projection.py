@@ -1,4 +1,4 @@
-r"""Gradient projection: which side to project, how to find the basis, and the two maps.
+r"""Stages 1-2 of Algorithm 1, gradient projection: which side to project, how to find the basis, and the two maps.
 
 For a weight gradient :math:`G \in \mathbb{R}^{m \times n}` and rank :math:`r`, a *left*
 projection keeps an orthonormal :math:`P \in \mathbb{R}^{m \times r}` and works with
@@ -18,11 +18,10 @@ import warnings
 
 import torch
 
+from .options import PROJ_TYPES, PROJECTORS, Projector, ProjType  # noqa: F401 (the choices, re-exported)
+
 LEFT = "left"
 RIGHT = "right"
-
-PROJ_TYPES = ("std", "reverse_std", "left", "right")
-PROJECTORS = ("svd", "randomized", "random")
 
 
 def projection_side(shape: torch.Size | tuple[int, int], proj_type: str) -> str:
@@ -34,13 +33,12 @@ def projection_side(shape: torch.Size | tuple[int, int], proj_type: str) -> str:
     (``min(m, n) x r``) as small as the paper's memory formula says.
     """
     m, n = shape
-    if proj_type == "std":
+    proj_type = ProjType.parse("proj_type", proj_type)
+    if proj_type is ProjType.STD:
         return RIGHT if m >= n else LEFT
-    if proj_type == "reverse_std":
+    if proj_type is ProjType.REVERSE_STD:
         return LEFT if m >= n else RIGHT
-    if proj_type in (LEFT, RIGHT):
-        return proj_type
-    raise ValueError(f"Invalid proj_type: {proj_type!r}; expected one of {PROJ_TYPES}")
+    return LEFT if proj_type is ProjType.LEFT else RIGHT
 
 
 def reduce_dim(side: str) -> int:
@@ -105,7 +103,8 @@ def _as_left_problem(grad: torch.Tensor, side: str) -> torch.Tensor:
 QR_FIRST_RATIO = 1.5
 
 
-def svd_basis(grad: torch.Tensor, rank: int, side: str, *, fast_route: bool = False) -> torch.Tensor:
+def svd_basis(grad: torch.Tensor, rank: int, side: str, *, fast_route: bool = False,
+              qr_first_ratio: float = QR_FIRST_RATIO) -> torch.Tensor:
     r"""Exact top-``rank`` singular vectors of ``grad`` (the paper's projector).
 
     Runs in at least fp32 (CPU has no bf16/fp16 SVD). If the decomposition fails to
@@ -125,13 +124,14 @@ def svd_basis(grad: torch.Tensor, rank: int, side: str, *, fast_route: bool = Fa
     """
     work = grad.to(torch.promote_types(grad.dtype, torch.float32))
     try:
-        return _svd_basis(work, rank, side, fast_route)
+        return _svd_basis(work, rank, side, fast_route, qr_first_ratio)
     except RuntimeError as err:  # torch raises torch.linalg.LinAlgError (a RuntimeError)
         warnings.warn(f"SVD failed ({err}); retrying in float64", RuntimeWarning, stacklevel=3)
-        return _svd_basis(work.double(), rank, side, fast_route).to(work.dtype)
+        return _svd_basis(work.double(), rank, side, fast_route, qr_first_ratio).to(work.dtype)
 
 
-def _svd_basis(work: torch.Tensor, rank: int, side: str, fast_route: bool) -> torch.Tensor:
+def _svd_basis(work: torch.Tensor, rank: int, side: str, fast_route: bool,
+               qr_first_ratio: float) -> torch.Tensor:
     if not fast_route:
         u, _, vh = torch.linalg.svd(work, full_matrices=False)
         return (u[:, :rank] if side == LEFT else vh[:rank].T).contiguous()
@@ -140,7 +140,7 @@ def _svd_basis(work: torch.Tensor, rank: int, side: str, fast_route: bool) -> to
     tall = work.T if transposed else work
     # LEFT wants grad's left vectors: tall's right ones if transposed; RIGHT the other way round.
     small_side = (side == LEFT) == transposed
-    if small_side and tall.shape[0] >= QR_FIRST_RATIO * tall.shape[1]:
+    if small_side and tall.shape[0] >= qr_first_ratio * tall.shape[1]:
         packed, _ = torch.geqrf(tall)
         _, _, vh = torch.linalg.svd(packed[: tall.shape[1]].triu(), full_matrices=False)
         return vh[:rank].T.contiguous()
@@ -162,13 +162,13 @@ def randomized_basis(
 
     Warm start (``previous`` given, every refresh after the first): the gradient subspace moves
     slowly between refreshes, so ``power_iters`` rounds of
-    :math:`Q \leftarrow \mathrm{qr}(G (G^	op Q))` from the previous basis suffice. Each round
+    :math:`Q \leftarrow \mathrm{qr}(G (G^\top Q))` from the previous basis suffice. Each round
     costs two ``m x n x r`` GEMMs and one ``m x r`` QR instead of a full SVD, and the columns stay
     aligned with the previous ones (signs fixed so that :math:`\mathrm{diag}(R) \ge 0`), which keeps
     the carried-over Adam moments meaningful.
 
     Cold start: a Gaussian sketch with ``oversample`` extra columns, ``power_iters + 1`` rounds,
-    then Rayleigh-Ritz (the top ``rank`` left singular vectors of the small :math:`Q^	op G`).
+    then Rayleigh-Ritz (the top ``rank`` left singular vectors of the small :math:`Q^\top G`).
     """
     a = _as_left_problem(grad, side)
     a = a.to(torch.promote_types(a.dtype, torch.float32))
@@ -235,16 +235,15 @@ def compute_basis(
     """Dispatch to the named projector. ``align_signs``: see :func:`_align` (exact SVD
     only: the warm-started randomized projector keeps its columns aligned by construction and
     a random basis has nothing to align with)."""
-    if projector == "svd":
+    projector = Projector.parse("projector", projector)
+    if projector is Projector.SVD:
         basis = svd_basis(grad, rank, side, fast_route=align_signs)
         if align_signs and previous is not None:
             basis = _align(basis, previous)
         return basis
-    if projector == "randomized":
+    if projector is Projector.RANDOMIZED:
         return randomized_basis(grad, rank, side, previous, generator=generator)
-    if projector == "random":
-        return random_basis(grad, rank, side, generator)
-    raise ValueError(f"Invalid projector: {projector!r}; expected one of {PROJECTORS}")
+    return random_basis(grad, rank, side, generator)
 
 
 def captured_energy(grad: torch.Tensor, basis: torch.Tensor, side: str) -> float:
@@ -258,3 +257,10 @@ def captured_energy(grad: torch.Tensor, basis: torch.Tensor, side: str) -> float
     best = float((sigma[:rank] ** 2).sum())
     got = float(project(g, basis.to(g.dtype), side).square().sum())
     return got / best if best > 0 else math.nan
+
+
+def is_projected(p: torch.Tensor, group: dict) -> bool:
+    """Whether ``p`` is trained in a subspace: a 2-D tensor of a group with a ``rank`` below
+    its smaller side (at ``rank >= min(m, n)`` there is no residual: plain base optimizer)."""
+    rank = group["rank"]
+    return rank is not None and p.dim() == 2 and rank < min(p.shape)

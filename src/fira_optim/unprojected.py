@@ -10,6 +10,11 @@ they follow ``fira`` 1.0.2 (the Hugging Face AdamW it copies):
 .. math::
     p \leftarrow p - \eta \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t} \frac{m_t}{\sqrt{v_t} + \epsilon},
     \qquad p \leftarrow p - \eta\lambda p
+
+An fp16 parameter keeps its moments in fp32, and its update is formed in fp32 on a copy and
+rounded once: in fp16, :math:`\epsilon = 10^{-8}` and :math:`(1-\beta_2) g^2` of a small
+gradient round to 0, so fp16 moments give 0 / 0 wherever a gradient entry is 0 (torch's own
+AdamW does that). bf16 has fp32's range: its moments stay bf16, as in ``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
@@ -19,27 +24,71 @@ from torch.optim import adagrad as torch_adagrad
 from torch.optim import adam as torch_adam
 from torch.optim import rmsprop as torch_rmsprop
 
+from . import precision
+from .options import Arithmetic, Base, StateDtype
 from .subspace import STATE_KEYS, adam_bias_correction
 
 
-def init_state(state: dict, p: torch.Tensor, base: str) -> None:
+def init_state(state: dict, p: torch.Tensor, group: dict) -> None:
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-    for key in STATE_KEYS[base]:
-        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
+    kind = StateDtype(group["state_dtype"])
+    for key in STATE_KEYS[group["base"]]:
+        if kind is StateDtype.FLOAT32:
+            state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        else:
+            state.update(precision.moment_zeros(tuple(p.shape), kind, dtype, p.device, key, make=(
+                lambda shape, dt: torch.zeros_like(p, dtype=dt) if tuple(shape) == tuple(p.shape)
+                else torch.zeros(shape, dtype=dt, device=p.device))))
+
+
+#: Offset of the unprojected parameters' indices in the stochastic-rounding seeds.
+_ROUNDING_OFFSET = 1 << 20
 
 
 def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> None:
     """Update each ``(group, params)`` pair; ``states`` is the optimizer's ``self.state``."""
-    for group, params in groups:
-        for p in params:
+    for group, given in groups:
+        for p in given:
             if not states[p]:
-                init_state(states[p], p, group["base"])
-        if group["arithmetic"] == "released":
-            _released_adamw(group, params, states)
-        elif group["base"] == "adam":
-            _torch_adamw(group, params, states)
-        else:
-            _torch_adagrad_or_rmsprop(group, params, states)
+                init_state(states[p], p, group)
+        kind = StateDtype(group["state_dtype"])
+        rounding = group["stochastic_rounding"]
+        # Through fp32 copies: fp16 parameters (module docstring), low-precision states, and bf16
+        # parameters written by stochastic rounding.
+        copied = [p for p in given if p.dtype == torch.float16 or kind is not StateDtype.FLOAT32
+                  or (rounding and p.dtype == torch.bfloat16)]
+        if not copied:
+            _step(group, given, states)
+            continue
+        keys = STATE_KEYS[group["base"]]
+        copies, working = {}, {}
+        for p in copied:
+            work = p.detach().float()
+            work.grad = p.grad.float()
+            copies[p] = work
+            working[p] = precision.decode(states[p], keys, torch.float32)
+        index = {p: i for i, p in enumerate(group["params"])} if rounding else {}
+        steps = {p: int(states[p]["step"]) for p in copied}
+        params = [copies.get(p, p) for p in given]
+        _step(group, params, {copies.get(p, p): working.get(p, states[p]) for p in given})
+        for p, work in copies.items():
+            precision.encode(states[p], working[p], keys)
+            states[p]["step"] = working[p]["step"]
+            generator = None
+            if rounding and p.dtype == torch.bfloat16:
+                generator = precision.rounding_generator(group["seed"], _ROUNDING_OFFSET + index[p],
+                                                         steps[p])
+            precision.round_into(p, work, generator)
+
+
+def _step(group: dict, params: list[torch.Tensor], states: dict) -> None:
+    if Arithmetic(group["arithmetic"]) is Arithmetic.RELEASED:
+        _released_adamw(group, params, states)
+    elif Base(group["base"]) is Base.ADAM:
+        _torch_adamw(group, params, states)
+    else:
+        _torch_adagrad_or_rmsprop(group, params, states)
 
 
 def _torch_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:
@@ -70,7 +119,7 @@ def _torch_adagrad_or_rmsprop(group: dict, params: list[torch.Tensor], states: d
         torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
     grads = [p.grad for p in params]
     steps = [states[p]["step"] for p in params]
-    if group["base"] == "adagrad":
+    if Base(group["base"]) is Base.ADAGRAD:
         torch_adagrad.adagrad(
             params, grads, [states[p]["sum"] for p in params], steps, foreach=group.get("foreach"),
             lr=group["lr"], weight_decay=0.0, lr_decay=0.0, eps=group["eps"], maximize=False,

@@ -14,13 +14,16 @@ Subcommands (stable names):
 Building the parser imports no torch, so ``--help`` answers at once: each command imports what
 it runs when it runs (the imports inside the command functions below).
 
-Flags map onto config keys and are applied after the recipe, then the trailing
-``section.field=value`` overrides (which win): ``--data`` -> ``data.source``, ``--steps`` ->
+Flags map onto config keys and are applied after the recipe, then the
+``section.field=value`` overrides (which win; anywhere among the flags): ``--data`` -> ``data.source``, ``--steps`` ->
 ``train.steps``, ``--out`` -> ``train.out_dir``, ``--rank`` -> ``optim.rank``,
 ``--update-proj-gap`` -> ``optim.update_proj_gap``, ``--lr`` -> ``optim.lr``, ``--seed`` ->
 ``train.seed``, ``--save-every`` -> ``train.save_every``, ``--eval-every`` -> ``train.eval_every``,
 ``--parallel`` -> ``train.parallel`` (``none``, ``ddp`` or ``fsdp2``; launch several processes
 with ``torchrun --nproc_per_node N -m fira_train pretrain ... --parallel ddp``).
+
+An error that users cause (a bad value, a full disk, a folder that cannot be written, a run that
+diverged, ...) is one line on stderr and exit status 1 (:mod:`fira_train.user_errors`).
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fira_train.cli_args import IntermixedArgumentParser
 from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import is_rank_zero
+from fira_train.user_errors import describe
 
 PROG = "fira-train"
 
@@ -197,7 +202,9 @@ def _register_methods(subparsers: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Pre-train LLaMA models with Fira, GaLore, AdamW, LoRA and more.")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # key=value overrides may stand anywhere among a command's flags (fira_train.cli_args)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       parser_class=IntermixedArgumentParser)
     _register_pretrain(subparsers)
     _register_compare(subparsers)
     _register_memory(subparsers)
@@ -222,10 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
     logging.basicConfig(level=logging.INFO if is_rank_zero() else logging.WARNING,
                         format="%(message)s", stream=sys.stderr)
-    from fira_train.run.checkpoint import CheckpointError  # imports torch: not at parser build
-
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError) as err:
-        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+    except Exception as err:  # what users do: one line (fira_train.user_errors); a bug: its traceback
+        message = describe(err, args)
+        if message is None:
+            raise
+        print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
         return 1

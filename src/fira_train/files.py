@@ -1,10 +1,28 @@
-"""File helpers shared by the checkpoints and the data cache: a file's SHA-256, a directory's fsync."""
+"""File helpers shared by the layers: a file's SHA-256 and a directory's fsync (the checkpoints
+and the data cache), and the run's JSON files.
+
+The run's JSON files are written without ``NaN`` / ``Infinity`` and read back naming the file.
+Python's ``json`` writes ``float("inf")`` as ``Infinity`` and ``nan`` as ``NaN``, which is not
+JSON (``jq``, JavaScript and most other readers refuse the file). :func:`dumps` writes ``null``
+for every non-finite float instead, so readers of ``metrics.jsonl``, ``summary.json`` and
+``results.json`` must accept ``None`` where they expect a number (an old file may still hold
+``Infinity``, which :func:`read_json` reads back as ``inf``).
+
+:func:`read_json` and :func:`read_json_lines` raise :class:`DamagedFileError` naming the file
+(and line) and what to do, where ``json`` would raise a bare ``JSONDecodeError`` naming neither.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 from pathlib import Path
+from typing import Any
+
+__all__ = ["DamagedFileError", "dumps", "file_digest", "finite_or_none", "fsync_dir", "read_json",
+           "read_json_lines"]
 
 
 def file_digest(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str:
@@ -26,3 +44,64 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class DamagedFileError(ValueError):
+    """A JSON file that cannot be read back; the message names it and says what to do."""
+
+    def __init__(self, path: str | Path, reason: str, hint: str = "") -> None:
+        self.path, self.reason, self.hint = str(path), reason, hint
+        super().__init__(f"{self.path} is damaged ({reason})" + (f"; {hint}" if hint else ""))
+
+    def __reduce__(self) -> tuple:  # crosses process boundaries (analysis workers)
+        return (type(self), (self.path, self.reason, self.hint))
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every non-finite float (in dicts, lists and tuples) replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_none(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """``json.dumps`` that writes ``null`` for NaN and infinities (never ``NaN`` / ``Infinity``)."""
+    return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
+
+
+def _reason(err: ValueError) -> str:
+    if isinstance(err, UnicodeDecodeError):
+        return f"not UTF-8 text: byte {err.object[err.start]:#04x} at offset {err.start}"
+    if isinstance(err, json.JSONDecodeError):
+        return f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+    return str(err)
+
+
+def read_json(path: str | Path, hint: str = "") -> Any:
+    """The JSON value in ``path``; :class:`DamagedFileError` (with ``hint``) if it cannot be parsed."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise DamagedFileError(path, _reason(err), hint) from None
+
+
+def read_json_lines(path: str | Path, hint: str = "") -> list[Any]:
+    """The values of a JSON-lines file (blank lines skipped); :class:`DamagedFileError` naming
+    the first line that cannot be parsed."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DamagedFileError(path, _reason(err), hint) from None
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise DamagedFileError(path, f"line {number} is not valid JSON: {err.msg}", hint) from None
+    return records

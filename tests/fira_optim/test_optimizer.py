@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import fira_optim.refresh as refresh
 from fira_optim import VARIANTS, FiraAdamW, GaLoreAdamW, optimizer_state_numel
 
 from .common import (assert_params_equal, assert_states_equal, clone_params, grad_sequence,
@@ -167,7 +168,8 @@ def test_dtypes_are_kept_and_the_svd_runs_in_at_least_fp32(dtype, monkeypatch):
     """State dtype policy: the basis, the low-rank moments and the limiter history of a projected
     matrix are kept in ``promote_types(param.dtype, float32)`` -- fp32 for bf16/fp16 params (so
     the small states do not lose the precision the SVD and Adam need), the param's own dtype
-    for fp32/fp64. Plain (unprojected) params keep torch's policy: state in the param dtype."""
+    for fp32/fp64. Plain (unprojected) params keep torch's policy, state in the param dtype,
+    except fp16, whose moments are fp32 (fp16 Adam moments give 0 / 0 at zero gradients)."""
     seen = []
     real_svd = torch.linalg.svd
 
@@ -198,7 +200,7 @@ def test_dtypes_are_kept_and_the_svd_runs_in_at_least_fp32(dtype, monkeypatch):
     for p in params[:2]:
         for key in ("basis", "exp_avg", "exp_avg_sq", "prev_norm"):
             assert state[p][key].dtype == work, key
-    assert state[params[2]]["exp_avg"].dtype == dtype
+    assert state[params[2]]["exp_avg"].dtype == (torch.float32 if dtype == torch.float16 else dtype)
     # The low-precision run tracks the fp32 run to the precision of its dtype.
     tol = {torch.bfloat16: 3e-2, torch.float16: 5e-3}.get(dtype, 1e-5)
     for p, q in zip(params, reference):
@@ -315,7 +317,7 @@ def test_refreshes_computed_in_threads_equal_the_sequential_ones(monkeypatch):
 
     def train(sequential):
         if sequential:
-            monkeypatch.setattr(FiraAdamW, "_refresh_in_threads", lambda self, total: None)
+            monkeypatch.setattr(refresh, "refresh_in_threads", lambda opt, total, only: None)
         params = make_params(shapes)
         opt = FiraAdamW([{"params": params[:4], "rank": 3, "update_proj_gap": 3}, {"params": params[4:]}],
                         lr=1e-2)
@@ -358,14 +360,14 @@ def test_a_refreshed_gradient_is_converted_once(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the pool path
     opt = FiraAdamW(params, rank=3, update_proj_gap=2)
     due_grads, projected = [], []
-    due = opt._due_refreshes
+    due = refresh.due_refreshes
 
-    def recorded(total):
-        pairs = due(total)
+    def recorded(optimizer, total, only=None):
+        pairs = due(optimizer, total, only)
         due_grads.extend(job.grad for _, job in pairs)
         return pairs
 
-    monkeypatch.setattr(opt, "_due_refreshes", recorded)
+    monkeypatch.setattr(refresh, "due_refreshes", recorded)
     project = optimizer_module.project
     monkeypatch.setattr(optimizer_module, "project", lambda g, *a: projected.append(g) or project(g, *a))
     opt.step()
@@ -376,5 +378,5 @@ def test_a_refreshed_gradient_is_converted_once(monkeypatch):
 def test_no_refresh_jobs_are_built_off_the_cpu_without_host_refresh(monkeypatch):
     opt = FiraAdamW([torch.nn.Parameter(torch.empty(8, 8, device="meta"))], rank=2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(opt, "_due_refreshes", lambda total: pytest.fail("jobs built"))
-    assert opt._refresh_in_threads(None) is None
+    monkeypatch.setattr(refresh, "due_refreshes", lambda optimizer, total, only=None: pytest.fail("jobs built"))
+    assert refresh.refresh_in_threads(opt, None) is None

@@ -146,3 +146,33 @@ def test_galore_matches_galore_torch_1_0(dtype, weight_decay, arithmetic):
         assert (p.detach() - p0).abs().max() > 1e-3
     # GaLore keeps no residual history.
     assert "prev_norm" not in ours.state[our_model.mlp_up.weight]
+
+
+def test_a_run_of_fira_1_0_2_continues_under_fira_optim():
+    """Migration: ``fira.FiraAdamW``'s state dict (pickled projector objects, int steps, its
+    limiter norm ``scaling_grad``) loads into ``FiraAdamW(arithmetic="released")``, which then
+    takes the very steps the released package would have taken."""
+    ref_model, our_model = _models(torch.float32)
+    groups = dict(target_modules_list=TARGETS, rank=RANK, update_proj_gap=GAP, alpha=ALPHA)
+    ref = fira.FiraAdamW(quiet_fira_divide_params(ref_model, **groups), lr=LR, eps=1e-8,
+                         weight_decay=0.1, no_deprecation_warning=True)
+    shapes = [tuple(p.shape) for p in ref_model.parameters()]
+    grads = grad_sequence(shapes, STEPS, seed=3)
+    for row in grads[:4]:
+        _inject(ref_model, row)
+        ref.step()
+    with torch.no_grad():
+        for p, q in zip(our_model.parameters(), ref_model.parameters()):
+            p.copy_(q)
+    ours = FiraAdamW(quiet_fira_divide_params(our_model, **groups), lr=LR, eps=1e-8,
+                     weight_decay=0.1, arithmetic="released", align_signs=False)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    projected = ours.param_groups[1]["params"]
+    assert all(ours.state[p]["basis"].shape == (min(p.shape), RANK) for p in projected)
+    for row in grads[4:]:  # across the refreshes at steps 6 and 9
+        _inject(ref_model, row)
+        _inject(our_model, row)
+        ref.step()
+        ours.step()
+    for p, q in zip(our_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL[torch.float32])

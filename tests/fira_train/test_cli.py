@@ -56,6 +56,24 @@ def test_flags_and_overrides_map_onto_the_config() -> None:
     assert not args.resume and args.resume_step is None
 
 
+def test_overrides_may_stand_anywhere_among_the_flags() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["pretrain", "train.steps=3", "--recipe", "micro", "train.batch_size=4", "--method",
+                              "galore", "--rank", "8", "train.steps=5", "--out", "runs/x"])
+    assert args.overrides == ["train.steps=3", "train.batch_size=4", "train.steps=5"]  # command-line order
+    config = config_from_args(args)
+    assert (config.train.steps, config.train.batch_size, config.optim.rank) == (5, 4, 8)  # the last one wins
+    assert config.optim.method == "galore" and config.train.out_dir == "runs/x"
+    args = parser.parse_args(["compare", "--recipe", "micro", "optim.alpha=0.5", "--methods", "fira,adamw"])
+    assert args.methods == "fira,adamw" and args.overrides == ["optim.alpha=0.5"]
+    args = parser.parse_args(["analyze", "noise", "train.batch_size=4", "--recipe", "micro", "--steps", "2"])
+    assert (args.recipe, args.steps, args.overrides) == ("micro", 2, ["train.batch_size=4"])
+    with pytest.raises(SystemExit):  # an unknown flag is still refused
+        parser.parse_args(["pretrain", "--recipe", "micro", "train.steps=3", "--bogus", "--method", "fira"])
+    with pytest.raises(SystemExit):  # and a required one still required
+        parser.parse_args(["pretrain", "train.steps=3", "--method", "fira"])
+
+
 def test_resume_flag_values() -> None:
     parser = build_parser()
     base = ["pretrain", "--recipe", "micro", "--method", "fira"]

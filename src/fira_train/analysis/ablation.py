@@ -73,11 +73,12 @@ def _plot(out: Path, names: Sequence[str], path: Path) -> None:
     plt = pyplot()
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in names:
-        records = read_metrics(out / name)
+        records = [r for r in read_metrics(out / name) if r.get("loss") is not None]  # null: not finite
         window = max(1, len(records) // 30)
         ax_loss.plot([r["step"] for r in records], smooth([r["loss"] for r in records], window),
                      label=name, linewidth=1.1)
-        evals = [(r["step"], r["val_ppl"]) for r in records if "val_ppl" in r and math.isfinite(r["val_ppl"])]
+        evals = [(r["step"], r["val_ppl"]) for r in records
+                 if r.get("val_ppl") is not None and math.isfinite(r["val_ppl"])]
         if evals:
             ax_ppl.plot(*zip(*evals), marker="o", markersize=3, label=name)
     ax_loss.set(xlabel="step", ylabel="training loss (moving average)", title="Training loss")

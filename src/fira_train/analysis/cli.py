@@ -2,8 +2,8 @@
 
 ::
 
-    fira-train analyze similarity [--ranks 16,128] [--every N] [--columns 100] [common flags]
-    fira-train analyze rank-sweep [--ranks 4,16,64,128] [--methods fira,galore,fira-only-scaling]
+    fira-train analyze similarity [--ranks R,R] [--every N] [--columns 100] [common flags]
+    fira-train analyze rank-sweep [--ranks R,R,...] [--methods fira,galore,fira-only-scaling]
     fira-train analyze gap-sweep  [--gaps 3,6,12,25,50] [--methods fira,galore] [--seeds 0,1]
     fira-train analyze ablation   [--variants fira,fira-no-scaling,...] [--gammas inf,1.1,1.01,1.001,1]
     fira-train analyze spikes     [--limiter-runs fira,fira-no-limiter,fira-clip] [--galore-runs galore,galore-add]
@@ -13,8 +13,10 @@
 Common flags of the training analyses: ``--recipe`` (default ``tiny``), ``--out DIR`` (default
 ``runs/analysis/<name>``), ``--steps N``, ``--seed S``, ``--data SOURCE``, ``--reuse`` (keep
 finished runs of the same config), ``--overwrite`` (redo existing runs), ``--jobs N`` (train N
-runs at once, in worker processes) and trailing
-``section.field=value`` overrides applied to the recipe (e.g. ``train.batch_size=4``).
+runs at once, in worker processes) and
+``section.field=value`` overrides applied to the recipe (e.g. ``train.batch_size=4``). The default
+ranks follow the recipe's d_model at the paper's ratios r/d_model (16/256, 128/256 for
+similarity; 4/256, 16/256, 64/256, 128/256 for rank-sweep: :mod:`fira_train.analysis.rank_defaults`).
 Each writes ``OUT/report.md`` and a PNG figure, and one run folder per training run.
 """
 
@@ -51,6 +53,11 @@ def _floats(text: str, flag: str) -> list[float]:
         return [math.inf if n.lower() in ("inf", "infinity") else float(n) for n in _names(text, flag)]
     except ValueError as err:
         raise ValueError(f"{flag} must be comma-separated numbers (or inf), got {text!r}") from err
+
+
+def _ranks(args: argparse.Namespace) -> list[int] | None:
+    """``--ranks``, or None: the analysis then picks ranks for the recipe's width."""
+    return None if args.ranks is None else _ints(args.ranks, "--ranks")
 
 
 def _command_line(args: argparse.Namespace) -> str:
@@ -134,18 +141,20 @@ def register(subparsers: Any) -> None:
     sub = parser.add_subparsers(dest="analysis_name", required=True, metavar="ANALYSIS")
 
     p = sub.add_parser("similarity", help="low-rank vs full-rank scaling factors (cosine, MSE, correlations)")
-    p.add_argument("--ranks", default="16,128", help="Fira ranks (default 16,128: r/d_model 16/256 and 128/256)")
+    p.add_argument("--ranks", help="Fira ranks (default r/d_model 16/256 and 128/256 of the recipe's d_model: "
+                                    "16,128 for tiny, 4,32 for micro)")
     p.add_argument("--every", type=int, help="record the factors every N steps (default steps // 100)")
     p.add_argument("--columns", type=int, default=100, help="columns sampled per matrix (default 100)")
     _common(p, "similarity")
-    p.set_defaults(func=_run("fira_train.analysis.similarity:run_similarity", ranks=lambda a: _ints(a.ranks, "--ranks"),
+    p.set_defaults(func=_run("fira_train.analysis.similarity:run_similarity", ranks=_ranks,
                              every=lambda a: a.every, columns=lambda a: a.columns))
 
     p = sub.add_parser("rank-sweep", help="validation perplexity of Fira / GaLore / Fira-only-scaling vs rank")
-    p.add_argument("--ranks", default="4,16,64,128", help="ranks (default 4,16,64,128)")
+    p.add_argument("--ranks", help="ranks (default r/d_model 4/256, 16/256, 64/256, 128/256 of the recipe's "
+                                    "d_model: 4,16,64,128 for tiny, 1,4,16,32 for micro)")
     p.add_argument("--methods", default="fira,galore,fira-only-scaling", help="methods swept over the ranks")
     _common(p, "rank-sweep")
-    p.set_defaults(func=_run("fira_train.analysis.rank_sweep:run_rank_sweep", ranks=lambda a: _ints(a.ranks, "--ranks"),
+    p.set_defaults(func=_run("fira_train.analysis.rank_sweep:run_rank_sweep", ranks=_ranks,
                              methods=lambda a: _names(a.methods, "--methods")))
 
     p = sub.add_parser("gap-sweep", help="validation perplexity of Fira / GaLore vs the update gap T")

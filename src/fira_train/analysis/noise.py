@@ -58,7 +58,7 @@ def _plot(out: Path, methods: Sequence[str], path: Path) -> None:
     for m in methods:
         for name, style in ((m, "-"), (noisy_name(m), "--")):
             evals = [(r["step"], r["val_ppl"]) for r in read_metrics(out / name)
-                     if "val_ppl" in r and math.isfinite(r["val_ppl"])]
+                     if r.get("val_ppl") is not None and math.isfinite(r["val_ppl"])]  # null: not finite
             if evals:
                 ax.plot(*zip(*evals), style, marker="o", markersize=3, label=name)
     ax.set(xlabel="step", ylabel="validation perplexity", yscale="log",

@@ -1,8 +1,9 @@
 """Validation perplexity against the rank (the paper's varying-ranks figure and rank table).
 
 Runs: full-rank ``adamw`` once, then each method of ``methods`` (default Fira, GaLore and
-Fira-only-scaling) at each rank of ``ranks`` (default 4, 16, 64, 128 at d_model 256), all from
-the same initialisation and batches. The table gives the final validation perplexity per
+Fira-only-scaling) at each rank of ``ranks`` (default 4, 16, 64, 128 at d_model 256, the same
+ratios r/d_model at another width: :mod:`fira_train.analysis.rank_defaults`), all from the same
+initialisation and batches. The table gives the final validation perplexity per
 method and rank, the figure perplexity against the rank with AdamW as a horizontal line.
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fira_train.analysis.rank_defaults import RANK_SWEEP_FRACTIONS, ranks_for_width
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
@@ -53,12 +55,18 @@ def _plot(table: dict[str, dict[int, float]], baseline: float, ranks: Sequence[i
     plt.close(fig)
 
 
-def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] = DEFAULT_RANKS,
+def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] | None = None,
                    methods: Sequence[str] = DEFAULT_METHODS, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
                    command: str | None = None) -> dict[str, Any]:
-    """Train the sweep and write ``OUT/report.md`` and ``OUT/ranks.png``; returns the table."""
-    ranks = sorted(set(ranks))
+    """Train the sweep and write ``OUT/report.md`` and ``OUT/ranks.png``; returns the table.
+
+    ``ranks`` defaults to :data:`DEFAULT_RANKS` scaled to the config's d_model (r/d_model 4/256,
+    16/256, 64/256, 128/256).
+    """
     d_model = config.model.hidden_size
+    if ranks is None:
+        ranks = ranks_for_width(d_model, RANK_SWEEP_FRACTIONS)
+    ranks = sorted(set(ranks))
     for r in ranks:
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < d_model:
             raise ValueError(f"ranks must be ints in [1, d_model={d_model}), got {r!r}")

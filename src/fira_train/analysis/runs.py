@@ -28,6 +28,7 @@ import torch
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
+from fira_train.files import read_json
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.run_dir import finished_with
 from fira_train.run.train import train
@@ -74,10 +75,13 @@ def run_config(config: RunConfig, run: AnalysisRun, out_dir: str | Path) -> RunC
     return replace(config, train=replace(config.train, out_dir=str(Path(out_dir) / run.name)))
 
 
+_REDO_HINT = "delete the run's folder (or pass --overwrite) to train it again"
+
+
 def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path) -> bool:
     spec = run_dir / RUN_SPEC_FILE
     return (finished_with(config, run_dir) and spec.exists()
-            and json.loads(spec.read_text()) == run.spec())
+            and read_json(spec, hint=_REDO_HINT) == run.spec())
 
 
 def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Path, *,
@@ -113,7 +117,7 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
         run_dir = Path(cfg.train.out_dir)
         if reuse and _reusable(cfg, run, run_dir):
             log.info("[%d/%d] %s: finished run reused from %s", index, len(runs), run.name, run_dir)
-            summaries[run.name] = json.loads((run_dir / "summary.json").read_text())
+            summaries[run.name] = read_json(run_dir / "summary.json", hint=_REDO_HINT)
         else:
             pending.append((index, run, cfg))
     if jobs == 1 or len(pending) <= 1:

@@ -39,6 +39,7 @@ from scipy import stats
 import fira_optim
 from fira_optim.projection import project, projection_side, reduce_dim
 from fira_optim.subspace import adam_bias_correction
+from fira_train.analysis.rank_defaults import SIMILARITY_FRACTIONS, ranks_for_width
 from fira_train.analysis.runs import (
     AnalysisRun,
     JsonlWriter,
@@ -250,14 +251,18 @@ def _fmt_p(value: float) -> str:
     return f"{value:.1e}" if math.isfinite(value) else "nan"
 
 
-def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] = (16, 128),
+def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] | None = None,
                    every: int | None = None, columns: int = 100, reuse: bool = False,
                    overwrite: bool = False, jobs: int = 1, command: str | None = None) -> dict[str, Any]:
     """Train ``adamw`` and ``fira`` at each rank, compare their scaling factors, write
-    ``OUT/report.md`` and ``OUT/similarity.png``. ``every`` defaults to ``steps // 100`` (>= 1).
+    ``OUT/report.md`` and ``OUT/similarity.png``. ``every`` defaults to ``steps // 100`` (>= 1),
+    ``ranks`` to r/d_model = 16/256 and 128/256 of the config's d_model
+    (:mod:`fira_train.analysis.rank_defaults`).
     """
-    ranks = sorted(set(ranks))
     d_model = config.model.hidden_size
+    if ranks is None:
+        ranks = ranks_for_width(d_model, SIMILARITY_FRACTIONS)
+    ranks = sorted(set(ranks))
     for r in ranks:
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < d_model:
             raise ValueError(f"ranks must be ints in [1, d_model={d_model}) to be projected, got {r!r}")

@@ -111,7 +111,8 @@ def apply_overrides(config: RunConfig, overrides: list[str] | dict[str, str]) ->
     ``overrides`` is a list of ``"key=value"`` strings (the CLI form) or a ``{key: value}``
     dict of strings. Values are parsed with the field's type: ints, floats, bools
     (true/false/1/0/yes/no), strings, ``none`` for optional fields, comma-separated tuples
-    (``optim.betas=0.9,0.95``). An unknown key raises ``ValueError`` listing the valid keys.
+    (``optim.betas=0.9,0.95``). An unknown key raises ``ValueError`` listing the valid keys;
+    so does ``recipe=NAME`` (a recipe is chosen with ``--recipe`` / :func:`~fira_train.config.recipes.get_recipe`).
     """
     if isinstance(overrides, dict):
         items = list(overrides.items())
@@ -124,9 +125,9 @@ def apply_overrides(config: RunConfig, overrides: list[str] | dict[str, str]) ->
             items.append((key.strip(), text))
     values = config_to_dict(config)
     for key, text in items:
-        if key == "recipe":
-            values["recipe"] = text
-            continue
+        if key == "recipe":  # it would relabel the config without changing a single field
+            raise ValueError(f"recipe={text} is not an override: choose the recipe with --recipe {text} "
+                             "(an override changes one section.field; the recipe sets them all)")
         section, _, name = key.partition(".")
         if section not in KINDS or not name:
             raise ValueError(f"unknown config key {key!r}; keys look like section.field with section "

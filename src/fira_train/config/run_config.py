@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fira_optim.optimizer import IMPLEMENTATIONS
+from fira_optim.options import IMPLEMENTATIONS
 from fira_optim.projection import PROJECTORS
 from fira_train.data.spec import DataSpec
 from fira_train.methods.registry import METHODS

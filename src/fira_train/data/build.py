@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from fira_train.data.corpus import Corpus, PackedCorpus
-from fira_train.data.disk_cache import atomic_directory, fingerprint
+from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint
 from fira_train.data.documents import (
     corpus_identity,
     list_corpus_files,
@@ -63,6 +63,8 @@ PRETOKENIZED_SUFFIX = ".npy"
 # Bump when the document split or the packing changes, so stale token caches are not reused.
 SPLIT_VERSION = 1
 PACKING_VERSION = 1
+#: The arrays of a token cache entry; meta.json records their SHA-256 under "sha256".
+TOKEN_FILES = ("train.npy", "val.npy")
 
 
 def split_documents(documents: Sequence[str], val_fraction: float) -> tuple[list[int], list[int]]:
@@ -96,12 +98,13 @@ def _load_token_cache(entry: Path) -> tuple[np.ndarray, np.ndarray, dict[str, An
         return None
     try:
         meta = json.loads((entry / "meta.json").read_text())
+        check_digests(entry, meta.get("sha256"), TOKEN_FILES)  # damaged ids would train silently
         train = np.load(entry / "train.npy", mmap_mode="r", allow_pickle=False)
         val = np.load(entry / "val.npy", mmap_mode="r", allow_pickle=False)
         if len(train) != meta["train_tokens"] or len(val) != meta["val_tokens"]:
             raise ValueError("array lengths differ from meta.json")
-    except (OSError, ValueError, KeyError) as exc:  # hand-damaged entry: rebuild it
-        logger.warning("token cache %s is unreadable (%s); rebuilding it", entry, exc)
+    except (OSError, ValueError, KeyError, AttributeError) as exc:  # damaged entry: rebuild it
+        logger.warning("token cache %s is damaged (%s); rebuilding it", entry, exc)
         shutil.rmtree(entry, ignore_errors=True)
         return None
     return train, val, meta
@@ -159,6 +162,7 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
         with atomic_directory(entry) as temp:
             np.save(temp / "train.npy", train)
             np.save(temp / "val.npy", val)
+            meta["sha256"] = file_digests(temp, TOKEN_FILES)
             (temp / "meta.json").write_text(json.dumps(meta, indent=1))
     else:
         train, val, meta = cached

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from fira_train.files import fsync_dir
+from fira_train.files import file_digest, fsync_dir
 
 CACHE_ENV_VAR = "FIRA_CACHE"
 
@@ -32,6 +32,22 @@ def fingerprint(*parts: object) -> str:
     """A short stable hash of JSON-serialisable ``parts`` (key order does not matter)."""
     payload = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
+
+
+def file_digests(directory: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """``{name: SHA-256}`` of the files ``names`` in ``directory`` (recorded in an entry's metadata)."""
+    return {name: file_digest(directory / name) for name in names}
+
+
+def check_digests(directory: Path, recorded: object, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of ``names`` whose SHA-256 differs from ``recorded`` (the
+    ``{name: digest}`` written with the entry), or if there is no such record (an entry written
+    before digests were recorded cannot be trusted either)."""
+    if not isinstance(recorded, dict):
+        raise ValueError("it records no digests of its files (written by an older fira-train)")
+    for name in names:
+        if recorded.get(name) != file_digest(directory / name):
+            raise ValueError(f"{name} does not match the SHA-256 recorded when it was written")
 
 
 def _fsync_tree(root: Path) -> None:

@@ -115,10 +115,10 @@ def load_pretrained_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
     Raises:
         OSError: the tokenizer cannot be loaded (offline and not a local folder, or a typo);
-            the message names it and suggests ``--tokenizer bpe``.
+            the message names it and suggests the override ``data.tokenizer=bpe``.
         ValueError: the tokenizer has no EOS (or SEP) token to separate packed documents.
     """
-    hint = "use --tokenizer bpe (tokenizer='bpe') to train a byte-level BPE on the corpus"
+    hint = "pass data.tokenizer=bpe to train a byte-level BPE on the corpus"
     looks_like_path = os.path.isabs(name) or name.startswith((".", "~"))
     if looks_like_path and not Path(name).expanduser().is_dir():
         raise OSError(f"tokenizer folder {name!r} does not exist; pass a folder holding tokenizer.json, or {hint}")

@@ -16,7 +16,9 @@ compared at equal steps, batch and learning-rate schedule (linear, warm-up):
 ============  ==========================================================================
 
 Outputs in ``--out``: ``results.json`` (config, per-task accuracy, average, memory, time, loss),
-``report.md`` and ``predictions/<task>.jsonl``.
+``report.md`` and ``predictions/<task>.jsonl``; the results of an earlier run there are only
+replaced with ``--overwrite``. Every task needs a non-empty test set (an empty one has no accuracy
+to average).
 
 The command line is :mod:`.cli` (also ``python -m fira_train.finetune``), its options
 :mod:`.config`; :func:`fira_train.finetune.run.run_finetune` runs one configuration: records and

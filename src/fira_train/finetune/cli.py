@@ -57,6 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (results.json, report.md, predictions/)")
     p.set_defaults(func=run_from_args)
 
 

@@ -201,7 +201,7 @@ def has_split(data_dir: str | Path, task: str | TaskSpec, split: str) -> bool:
 def load_split(data_dir: str | Path, task: str | TaskSpec, split: str) -> list[dict[str, str]]:
     """The records of ``<data_dir>/<task>/<split>.json``, validated.
 
-    Raises :class:`CommonsenseDataError` naming the file when it is missing, is not a JSON list,
+    Raises :class:`CommonsenseDataError` naming the file when it is missing, is not UTF-8, is not a JSON list,
     or holds a record without ``instruction``/``output``/``answer`` or with an answer that is not
     one of the task's labels.
     """
@@ -217,6 +217,11 @@ def load_split(data_dir: str | Path, task: str | TaskSpec, split: str) -> list[d
         records = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise CommonsenseDataError(f"{path} is not valid JSON: {err}") from None
+    except UnicodeDecodeError as err:
+        raise CommonsenseDataError(
+            f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+            f"save it as UTF-8, e.g. iconv -f latin1 -t utf-8 OLD > {path.name}"
+        ) from None
     if not isinstance(records, list):
         raise CommonsenseDataError(f"{path} must hold a JSON list of records, found {type(records).__name__}")
     for index, record in enumerate(records):

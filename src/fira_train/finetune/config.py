@@ -82,6 +82,8 @@ class FinetuneConfig:
     seed: int = 42
     threads: int | None = None
     """torch threads (``torch.set_num_threads``); ``None``: torch's default."""
+    overwrite: bool = False
+    """Replace the results of an earlier run in ``out`` (otherwise an existing ``results.json`` is an error)."""
     task_specs: list[TaskSpec] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +18,11 @@ def load_records(config: FinetuneConfig) -> tuple[list[dict], dict[str, list[dic
     """``(train_records, test_records_by_task, trained_on)`` -- every file checked before any model loads."""
     tests = {spec.name: subsample(load_split(config.data_dir, spec, "test"), config.max_eval, config.seed)
              for spec in config.task_specs}
+    for name, records in tests.items():  # 0 of 0 would enter the average as accuracy 0
+        if not records:
+            raise CommonsenseDataError(
+                f"{Path(config.data_dir) / name / 'test.json'} holds no test records: add records, or leave "
+                f"{name} out of --tasks (an empty test set has no accuracy to average)")
     train: list[dict] = []
     trained_on: list[str] = []
     if config.trains:

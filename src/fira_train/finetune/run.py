@@ -12,11 +12,12 @@ from typing import Any
 import torch
 import transformers
 
-from fira_train.finetune.config import FinetuneConfig
+from fira_train.finetune.config import FinetuneConfig, FinetuneError
 from fira_train.finetune.data import load_records
 from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.report import render_report
 from fira_train.finetune.train import prepare_model, train_model
+from fira_train.files import dumps
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.run.peak_memory import process_peak_rss_bytes
 
@@ -34,6 +35,9 @@ def run_finetune(
     """
     if config.threads:
         torch.set_num_threads(config.threads)
+    if (config.out_dir / "results.json").exists() and not config.overwrite:
+        raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
+                            "--overwrite to replace them, or choose another --out")
     train, tests, trained_on = load_records(config)  # data errors before the (slow) model load
     started = time.perf_counter()
     if model is None or tokenizer is None:
@@ -96,7 +100,7 @@ def run_finetune(
                         "transformers": transformers.__version__, "device": str(device),
                         "threads": torch.get_num_threads(), "machine": platform.platform()},
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.json").write_text(dumps(results, indent=2))  # NaN / inf as null
     (out / "report.md").write_text(render_report(results))
     log(f"average accuracy {results['average_accuracy']:.3f}; results in {out}")
     return results

@@ -6,12 +6,12 @@ of :mod:`fira_train.report.plots`, so a report can be regenerated without re-tra
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fira_train.files import read_json
 from fira_train.run.metrics import read_metrics
 
 MiB = 1024 ** 2
@@ -31,6 +31,11 @@ def format_bytes(n: float | None) -> str:
     return f"{n / MiB:.1f} MiB"
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    """A number as ``spec``; ``-`` for ``None`` (a non-finite value, :func:`fira_train.files.dumps`)."""
+    return "-" if value is None else format(value, spec)
+
+
 def format_count(n: int) -> str:
     """A count in millions from 100,000 on, else with thousands separators."""
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
@@ -42,7 +47,9 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise FileNotFoundError(f"{str(summary_path)!r} not found: the run in {str(run_dir)!r} has not finished")
-    return json.loads(summary_path.read_text()), read_metrics(run_dir)
+    summary = read_json(summary_path, hint="delete it and rerun the run with --resume (it is rewritten "
+                                           "from the last checkpoint)")
+    return summary, read_metrics(run_dir)
 
 
 def report_table(summaries: list[dict[str, Any]]) -> str:
@@ -60,7 +67,8 @@ def report_table(summaries: list[dict[str, Any]]) -> str:
         relative = f"{100 * s['tokens_per_s'] / baseline:.1f}%" if baseline else "-"
         state = f"{format_count(s['optimizer_state_numel'])} ({format_bytes(s['optimizer_state_bytes'])})"
         lines.append(
-            f"| {s['method']} | {rank} | {gap} | {s['lr']:g} | {s['val_loss']:.4f} | {s['val_ppl']:.2f} "
+            f"| {s['method']} | {rank} | {gap} | {s['lr']:g} | {_fmt(s['val_loss'], '.4f')} "
+            f"| {_fmt(s['val_ppl'], '.2f')} "
             f"| {s['tokens_per_s']:,.0f} | {relative} | {state} | {format_bytes(s['peak_memory_bytes'])} "
             f"| {s['train_time_s'] / 60:.1f} min |")
     return "\n".join(lines)

@@ -40,12 +40,13 @@ def plot_curves(out_dir: str | Path, methods: list[str]) -> Path:
     out_dir = Path(out_dir)
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4.2))
     for method in methods:
-        records = read_metrics(out_dir / method)
+        records = [r for r in read_metrics(out_dir / method) if r.get("loss") is not None]
         steps = [r["step"] for r in records]
         losses = [r["loss"] for r in records]
         window = max(1, len(records) // 50)
         ax_loss.plot(steps, smooth(losses, window), label=method, linewidth=1.2)
-        evals = [(r["step"], r["val_ppl"]) for r in records if "val_ppl" in r and math.isfinite(r["val_ppl"])]
+        evals = [(r["step"], r["val_ppl"]) for r in records
+                 if r.get("val_ppl") is not None and math.isfinite(r["val_ppl"])]
         if evals:
             ax_ppl.plot(*zip(*evals), marker="o", markersize=3, label=method)
     ax_loss.set(xlabel="step", ylabel="training loss (moving average)", title="Training loss")

@@ -150,6 +150,11 @@ def load_checkpoint(run_dir: str | Path, path: str | Path) -> dict[str, Any]:
     try:
         state = torch.load(state_path, map_location="cpu", weights_only=True)
     except Exception as err:  # the unpickler's errors vary by failure; all mean "unusable"
+        from fira_train.run.safe_load import unsafe_pickle_error
+
+        unsafe = unsafe_pickle_error(err, state_path)
+        if unsafe is not None:  # a pickle that would run code: refused, named as such
+            raise unsafe from None
         raise CheckpointError(f"checkpoint file {str(state_path)!r} cannot be loaded: {err}") from err
     if not isinstance(state, dict) or state.get("step") != marker.get("step"):
         raise CheckpointError(f"checkpoint file {str(state_path)!r} does not hold the state of "

@@ -13,7 +13,10 @@ place. A kill at any moment leaves either the complete new checkpoint or none, a
 previous ones untouched; :func:`latest_checkpoint` ignores temporary and unmarked folders.
 
 Non-tensor values are read back with ``torch.load(weights_only=True)`` (DCP's default
-planner would unpickle arbitrary objects).
+planner would unpickle arbitrary objects), and ``.metadata`` with a restricted unpickler
+(:class:`fira_train.run.safe_load.SafeFileSystemReader`; DCP's reader unpickles it with plain
+``pickle``). The marker records the size and SHA-256 of every file
+(:mod:`fira_train.run.checkpoint_integrity`), checked before loading.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from fira_train.files import fsync_dir
 from fira_train.run import checkpoint as ckpt
+from fira_train.run import checkpoint_integrity
 from fira_train.run.parallel import world_size
 from fira_train.run.rng import rank_rng_state, set_rank_rng_state
+from fira_train.run.safe_load import SafeFileSystemReader, UnsafeCheckpointError, unsafe_pickle_error
 
 MARKER = ckpt.MARKER
 #: ``"format"`` in the marker's JSON: tells these checkpoints from single-file ones that use the
@@ -83,6 +88,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     *,
     keep_last: int | None = None,
+    record: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically; every rank must call this.
 
@@ -90,7 +96,8 @@ def save_checkpoint(
     torch optimizer over its parameters, ``scheduler`` anything with ``state_dict`` /
     ``load_state_dict``, ``extra`` plain values (ints, floats, strings, lists, dicts: the
     data position, the step, config hashes). ``keep_last`` deletes older complete checkpoints
-    beyond the newest ``keep_last``. Returns the checkpoint directory.
+    beyond the newest ``keep_last``. ``record``: plain values added to the marker (the run's
+    config, checked on resume). Returns the checkpoint directory.
     """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(".tmp-" + final.name)
@@ -102,8 +109,10 @@ def save_checkpoint(
     state = _state(model, optimizer, scheduler, extra, save=True)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
     _barrier()  # every rank's shards are on disk
+    files = checkpoint_integrity.collect_records(tmp, rank, world_size())  # every rank hashes its own
     if rank == 0:
-        info = {"format": FORMAT, "step": step, "world_size": world_size(), "time": time.time()}
+        info = {**(record or {}), "format": FORMAT, "step": step, "world_size": world_size(),
+                "time": time.time(), checkpoint_integrity.FILES_KEY: files}
         _write_synced(tmp / MARKER, json.dumps(info))
         fsync_dir(tmp)
         if final.exists():  # re-saving a step (after a resume): swap, then delete the old one
@@ -126,27 +135,43 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Any = None,
+    *,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` (at any world size) in place.
 
     Restores the model, the optimizer, the scheduler and this rank's RNG states (rank 0's
     when the checkpoint had fewer ranks); returns the ``extra`` dictionary. Raises
-    ``FileNotFoundError`` for a missing directory and ``ValueError`` for an incomplete, corrupt
-    or unsafe one (a pickle that is not plain data). DCP reads tensors in place: after a
-    failed load the model may be partly overwritten, so load another checkpoint or restart.
+    ``FileNotFoundError`` for a missing directory, ``ValueError`` for an incomplete one or one
+    DCP cannot load (another model, a pickle that is not plain data),
+    :class:`~fira_train.run.checkpoint.CheckpointError` for a damaged one (a file whose size or
+    SHA-256 differs from the marker's record, an empty or truncated ``.metadata``) and
+    :class:`~fira_train.run.safe_load.UnsafeCheckpointError` for a ``.metadata`` that would run
+    code: nothing is read from such a checkpoint. ``verify=False`` skips the hashes (the caller
+    checked them: :func:`fira_train.run.checkpoint_integrity.verify_dcp_checkpoint`); ``.metadata`` is
+    always parsed safely. DCP reads tensors in place: after a failed load the model may be
+    partly overwritten, so load another checkpoint or restart.
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if not is_complete(path):
         raise ValueError(f"checkpoint {path} is incomplete (no {MARKER} marker): its write was interrupted")
+    metadata = checkpoint_integrity.verify_dcp_checkpoint(path) if verify else None
+    reader = SafeFileSystemReader(str(path), metadata=metadata)  # DCP never unpickles .metadata itself
+    saved_keys = set(reader.read_metadata().state_dict_metadata)
     try:
-        saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         state = _state(model, optimizer, scheduler, None, save=False, saved_keys=saved_keys)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), planner=_SafeLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner())
     except CheckpointException as err:  # a BaseException in DCP: make it an ordinary error
+        failures = [exc for exc, _ in err.failures.values()]
+        for exc in failures:  # a value that would run code: say so, in one line
+            unsafe = exc if isinstance(exc, UnsafeCheckpointError) else unsafe_pickle_error(exc, path)
+            if unsafe is not None:
+                raise unsafe from None
+        cause = f"{type(failures[0]).__name__}: {failures[0]}" if failures else str(err)
         raise ValueError(f"checkpoint {path} could not be loaded (corrupt, unsafe or from a "
-                         f"different model): {err}") from err
+                         f"different model): {' '.join(cause.split())}") from err
     return state["run"].loaded_extra
 
 

@@ -4,7 +4,8 @@
 completed), ``loss`` (mean token loss of that step's batch), ``lr`` (the learning rate the step
 used), ``tokens_per_s`` (that step's throughput) and ``tokens`` (training tokens so far); the
 lines of evaluation steps add ``val_loss`` (mean over every validation token) and ``val_ppl``
-(its exponential).
+(its exponential). A value that is not finite (a perplexity that overflows) is written as
+``null`` (:mod:`fira_train.files`), never as ``Infinity`` / ``NaN``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+from fira_train.files import dumps, read_json_lines
 
 
 class MetricsLog:
@@ -27,10 +30,10 @@ class MetricsLog:
     def __init__(self, out_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            kept = [record for record in read_json_lines(self.path, hint=_DAMAGED_HINT)
+                    if record.get("step", 0) <= resume_step]
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.write_text("".join(dumps(record) + "\n" for record in kept))
             os.replace(tmp, self.path)
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
@@ -42,7 +45,7 @@ class MetricsLog:
             self._tb = SummaryWriter(str(Path(out_dir) / "tb"), purge_step=purge)
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(dumps(record) + "\n")  # NaN / inf as null
         self._file.flush()
         if self._tb is not None:
             step = record["step"]
@@ -62,8 +65,12 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of ``OUT/metrics.jsonl``."""
-    return read_jsonl(Path(out_dir) / "metrics.jsonl")
+    """The records of ``OUT/metrics.jsonl`` (a non-finite value was written as ``None``)."""
+    return read_json_lines(Path(out_dir) / "metrics.jsonl", hint=_DAMAGED_HINT)
+
+
+_DAMAGED_HINT = ("repair or delete the damaged line (or the whole file: it only holds the logged metrics) "
+                 "and run the command again")
 
 
 def perplexity(mean_loss: float) -> float:

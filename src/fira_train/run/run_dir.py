@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
 from fira_train.config.overrides import config_from_dict, config_to_dict
 from fira_train.config.run_config import RunConfig
+from fira_train.files import read_json
 from fira_train.methods.registry import resolved_lr
+from fira_train.run import run_files
 from fira_train.run.checkpoint import CHECKPOINT_DIR
 
 #: Config keys that may differ between a run and its resumption (they do not change the
@@ -36,7 +37,9 @@ def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
 def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool,
                     delete: bool = True) -> None:
     """Check that OUT may hold this run; with ``overwrite`` (and ``delete``: rank 0 only)
-    remove a previous one."""
+    remove a previous one. Files fira-train did not write are never deleted, and refused
+    without ``overwrite`` (:func:`fira_train.run.run_files.check_foreign_files`)."""
+    run_files.check_foreign_files(out, resume, overwrite)
     previous = [p for p in ("metrics.jsonl", "summary.json", CHECKPOINT_DIR) if (out / p).exists()]
     if resume is None and previous:
         if not overwrite:
@@ -49,7 +52,8 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
             elif delete and path.exists():
                 path.unlink()
     if resume is not None and (out / "config.json").exists():
-        saved = config_from_dict(json.loads((out / "config.json").read_text()))
+        saved = config_from_dict(read_json(out / "config.json", hint="restore it, or delete it and resume "
+                                           "with the command line that started the run"))
         changes = config_changes(saved, config)
         if changes:
             raise ValueError(f"cannot resume {str(out)!r} with a different config: {', '.join(changes)} "
@@ -61,6 +65,7 @@ def finished_with(config: RunConfig, run_dir: Path) -> bool:
     to the keys that do not change the weights' trajectory (:data:`RESUMABLE_CHANGES`)."""
     if not (run_dir / "summary.json").exists() or not (run_dir / "config.json").exists():
         return False
-    saved = config_from_dict(json.loads((run_dir / "config.json").read_text()))
+    saved = config_from_dict(read_json(run_dir / "config.json", hint="restore it, or delete the run's folder "
+                                       "to train it again"))
     wanted = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
     return not config_changes(saved, wanted)

@@ -52,17 +52,20 @@ from fira_optim.state import optimizer_state_bytes
 from fira_train.config.overrides import config_to_dict
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
+from fira_train.files import dumps as json_dumps
 from fira_train.methods.model import count_parameters
 from fira_train.methods.registry import get_method, resolved_lr
 from fira_train.run import checkpoint as ckpt
-from fira_train.run import dist_checkpoint, train_parallel
+from fira_train.run import resume_check, run_files, train_parallel
 from fira_train.run.callbacks import TrainCallback
+from fira_train.run.divergence import DivergedError, check_loss, diverged
 from fira_train.run.launch import is_rank_zero
 from fira_train.run.metrics import MetricsLog, perplexity
 from fira_train.run.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, shard_batch
 from fira_train.run.peak_memory import PeakMemory
 from fira_train.run.rng import seed_everything
 from fira_train.run.run_dir import prepare_out_dir
+from fira_train.run.run_lock import locked_run_directory
 from fira_train.run.state import capture_state, restore_state
 from fira_train.run.training import Training, autocast_for, build_training, resolve_device
 
@@ -78,6 +81,9 @@ class NonFiniteLossError(FloatingPointError):
                          "resume from an earlier checkpoint)")
         self.step = step
         self.loss = loss
+
+    def __reduce__(self) -> tuple:  # crosses process boundaries (analysis workers)
+        return (type(self), (self.step, self.loss))
 
 
 @torch.no_grad()
@@ -127,11 +133,15 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     """
     config = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
     get_method(config.optim.method)
+    # before the lock file is created: nothing is added to a folder the run may not use
+    run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
     if config.train.parallel == "none":
         train_parallel.check_launch(config)
-        return _train(config, None, resume, overwrite, corpus, callbacks)
+        with locked_run_directory(config.train.out_dir):  # one run at a time per OUT
+            return _train(config, None, resume, overwrite, corpus, callbacks)
     with train_parallel.distributed_session(config) as env:
-        return _train(config, env, resume, overwrite, corpus, callbacks)
+        with locked_run_directory(config.train.out_dir, env):
+            return _train(config, env, resume, overwrite, corpus, callbacks)
 
 
 def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Tensor],
@@ -143,7 +153,8 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
 
     ``train.grad_accum`` micro-batches from ``stream`` forward and backward (each rank its rows
     under ``env``), the mean loss (raises :class:`NonFiniteLossError` before anything is
-    updated if it is not finite), callbacks, gradient clipping, the optimizer, the schedule,
+    updated if it is not finite, :class:`~fira_train.run.divergence.DivergedError` if it is above
+    the divergence bound), callbacks, gradient clipping, the optimizer, the schedule,
     the method's ``after_step`` (ReLoRA's merges). The second number times the part that
     differs between methods (from the callbacks on): ``benchmarks/throughput.py`` reports it.
     """
@@ -165,6 +176,7 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
     step_loss = all_reduce_mean(loss_sum / accum, env) if distributed else (loss_sum / accum).item()
     if not math.isfinite(step_loss):
         raise NonFiniteLossError(step, step_loss)
+    check_loss(step, step_loss)  # a loss above the divergence bound (fira_train.run.divergence)
     started = time.perf_counter()
     for callback in callbacks:
         callback.before_step(step, model, optimizer, step_loss)
@@ -193,21 +205,21 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     prepare_out_dir(config, out, resume, overwrite, delete=main or not distributed)
     if distributed:
         dist.barrier()  # every rank has checked OUT before rank 0 rewrites config.json
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
 
     state, resume_path = None, None
     if resume is not None:
-        path = ckpt.latest_checkpoint(out) if resume == "latest" else ckpt.find_checkpoint(out, int(resume))
+        # the newest intact checkpoint (or the one asked for), verified, of this config: chosen
+        # before config.json is rewritten, so that a refused resume leaves the run as it was
+        path, state = resume_check.choose_checkpoint(out, resume, config, env)
         if path is None:
             log.info("no complete checkpoint in %s: starting from step 0", out)
-        elif distributed or dist_checkpoint.is_dcp_checkpoint(path):
+        elif state is None:
             resume_path = path  # loaded into the built model (DCP loads in place)
-        else:
-            state = ckpt.load_checkpoint(out, path)  # verified and fully read before anything loads
         if main:
             ckpt.remove_partial(out)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
 
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
@@ -255,7 +267,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         try:
             step_loss, _ = train_step(training, config, stream, autocast, step + 1, env=env,
                                       callbacks=callbacks, trainable=trainable)
-        except NonFiniteLossError:
+        except (NonFiniteLossError, DivergedError):
             bar.close()
             raise
         step += 1
@@ -270,18 +282,24 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
         if metrics is not None:
             metrics.log(record)
+        if "val_loss" in record and diverged(val_loss):  # before a checkpoint keeps the weights
+            bar.close()
+            raise DivergedError(step, val_loss, "validation loss")
         bar.update(1)
         bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "tokens_per_s", "val_ppl") if k in record})
         if step == t.steps or (t.save_every and step % t.save_every == 0):
             if distributed:  # every rank writes its shards
-                train_parallel.save(out, step, training, stream, progress, t.keep_last)
+                train_parallel.save(out, step, training, stream, progress, t.keep_last,
+                                    record={resume_check.CONFIG_KEY: config_to_dict(config)})
             elif main:
-                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress))
+                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress)
+                                     | {resume_check.CONFIG_KEY: config_to_dict(config)})
                 ckpt.prune_checkpoints(out, t.keep_last)
     bar.close()
 
     if math.isnan(val_loss):  # resumed at the final step: evaluate the restored weights
         val_loss, _ = evaluate(net, val_batches, device, autocast, env)
+        check_loss(step, val_loss, "validation loss")
     summary = {
         "recipe": config.recipe,
         "method": config.optim.method,
@@ -311,5 +329,5 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if metrics is not None:
         metrics.close()
     if main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "summary.json").write_text(json_dumps(summary, indent=2) + "\n")
     return summary

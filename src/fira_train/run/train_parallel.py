@@ -116,13 +116,14 @@ def sum_over_ranks(total: torch.Tensor, count: int, env: DistributedEnv) -> tupl
 
 
 def save(out: Path, step: int, training: Training, stream: Any, progress: dict[str, float],
-         keep_last: int) -> Path:
+         keep_last: int, record: dict[str, Any] | None = None) -> Path:
     """Write the DCP checkpoint of ``step`` under ``OUT/checkpoints`` (every rank calls this);
-    older complete checkpoints beyond ``keep_last`` are deleted."""
+    older complete checkpoints beyond ``keep_last`` are deleted. ``record``: plain values for
+    the marker (the run's config)."""
     extra = {"step": step, "data": stream.state_dict(), "progress": dict(progress)}
     return dist_checkpoint.save_checkpoint(Path(out) / ckpt.CHECKPOINT_DIR, step, training.model,
                                            training.optimizer, training.scheduler, extra,
-                                           keep_last=keep_last)
+                                           keep_last=keep_last, record=record)
 
 
 def load(out: Path, path: Path, training: Training, stream: Any, mode: str) -> tuple[int, dict[str, float]]:
@@ -136,8 +137,9 @@ def load(out: Path, path: Path, training: Training, stream: Any, mode: str) -> t
         with warnings.catch_warnings():
             # One process: DCP warns that it assumes a non-distributed load, which it is.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            # verify=False: train() verified it when it chose it (fira_train.run.resume_check)
             extra = dist_checkpoint.load_checkpoint(path, training.model, training.optimizer,
-                                                    training.scheduler)
+                                                    training.scheduler, verify=False)
         missing = [key for key in EXTRA_KEYS if key not in extra]
         if missing:
             raise ckpt.CheckpointError(f"checkpoint {str(path)!r} lacks {missing}")

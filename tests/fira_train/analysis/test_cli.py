@@ -67,3 +67,36 @@ def test_analyze_variance_writes_its_report(tmp_path: Path) -> None:
     text = (out / "report.md").read_text()
     assert "fira-train analyze variance --samples 200" in text
     assert (out / "variance.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_default_ranks_follow_the_recipes_width() -> None:
+    from fira_train.analysis.rank_defaults import RANK_SWEEP_FRACTIONS, SIMILARITY_FRACTIONS, ranks_for_width
+
+    assert ranks_for_width(256, RANK_SWEEP_FRACTIONS) == (4, 16, 64, 128)  # the paper's rank study
+    assert ranks_for_width(256, SIMILARITY_FRACTIONS) == (16, 128)
+    assert ranks_for_width(64, RANK_SWEEP_FRACTIONS) == (1, 4, 16, 32)  # micro
+    assert ranks_for_width(64, SIMILARITY_FRACTIONS) == (4, 32)
+    assert ranks_for_width(2, (0.001, 0.999)) == (1,)  # rounded into [1, d_model)
+    parser = build_parser()
+    assert parser.parse_args(["analyze", "rank-sweep"]).ranks is None  # chosen once the recipe is known
+    assert parser.parse_args(["analyze", "similarity", "--ranks", "8,48"]).ranks == "8,48"
+
+
+@pytest.mark.parametrize(("analysis", "ranks"), [("rank-sweep", (1, 4, 16, 32)), ("similarity", (4, 32))])
+def test_rank_analyses_run_on_micro_without_a_ranks_flag(analysis: str, ranks: tuple[int, ...], tmp_path: Path,
+                                                         corpus_root: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / analysis
+    extra = ["--methods", "fira"] if analysis == "rank-sweep" else []  # 1 method x 4 ranks: seconds
+    assert main(["analyze", analysis, "--recipe", "micro", "--out", str(out), "--steps", "2", *extra,
+                 *_data_flags(corpus_root)]) == 0, capsys.readouterr().err
+    assert sorted(int(p.name.rsplit("-r", 1)[1]) for p in out.glob("fira-r*")) == list(ranks)
+    report = (out / "report.md").read_text()
+    if analysis == "rank-sweep":
+        assert "| r = 1 | r = 4 | r = 16 | r = 32 |" in report and "d_model 64" in report
+    else:
+        assert "r/d_model = 4/64" in report and "r/d_model = 32/64" in report
+
+
+def test_explicit_ranks_are_checked_as_before(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["analyze", "rank-sweep", "--recipe", "micro", "--ranks", "4,64", "--out", str(tmp_path / "x")]) == 1
+    assert "ranks must be ints in [1, d_model=64)" in capsys.readouterr().err

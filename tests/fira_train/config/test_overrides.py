@@ -20,7 +20,7 @@ def test_overrides_are_typed_by_field() -> None:
     config = apply_overrides(RunConfig(), [
         "train.steps=7", "optim.lr=3e-3", "optim.betas=0.9,0.95", "train.tensorboard=false",
         "train.micro_batch_size=none", "model.num_key_value_heads=2", "data.source=/tmp/x",
-        "optim.relora_every=4", "recipe=mine",
+        "optim.relora_every=4",
     ])
     assert config.train.steps == 7
     assert config.optim.lr == pytest.approx(3e-3)
@@ -29,9 +29,29 @@ def test_overrides_are_typed_by_field() -> None:
     assert config.train.micro_batch_size is None
     assert config.model.num_key_value_heads == 2
     assert config.data.source == "/tmp/x"
-    assert config.recipe == "mine"
+    assert config.recipe == RunConfig().recipe
     # the input is left unchanged
     assert RunConfig().train.steps == TrainConfig().steps
+
+
+def test_recipe_is_not_an_override() -> None:
+    """recipe=NAME would only relabel the config (every field stays the old recipe's): refused."""
+    from fira_train.config.recipes import micro
+
+    with pytest.raises(ValueError, match=r"recipe=tiny is not an override.*--recipe tiny"):
+        apply_overrides(micro(), ["recipe=tiny"])
+    with pytest.raises(ValueError, match="--recipe"):
+        apply_overrides(micro(), {"recipe": "tiny"})
+
+
+def test_recipe_override_on_the_command_line_is_a_one_line_error(tmp_path, capsys) -> None:
+    from fira_train.cli import main
+
+    argv = ["pretrain", "--recipe", "micro", "--method", "fira", "--out", str(tmp_path / "r"), "recipe=tiny",
+            f"data.cache_dir={tmp_path / 'cache'}", "data.source=" + str(tmp_path / "no-corpus")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "recipe=tiny is not an override" in err and "--recipe tiny" in err and "Traceback" not in err
 
 
 def test_overrides_revalidate() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +216,38 @@ def test_damaged_token_cache_is_rebuilt(jsonl_corpus, tmp_path: Path) -> None:
     (entry,) = (tmp_path / "cache" / "tokens").iterdir()
     (entry / "train.npy").write_bytes((entry / "train.npy").read_bytes()[:100])  # truncated
     assert np.array_equal(np.asarray(build_corpus(spec).train_tokens), cold)
+
+
+def _rewrite_tokens(path: Path, change) -> None:
+    """Rewrite the token ids of a cached .npy in place (same header, same size)."""
+    ids = np.load(path, allow_pickle=False)
+    np.save(path, change(ids).astype(ids.dtype))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda ids: ids[::-1],                   # in-range garbage: trained on silently before
+    lambda ids: np.full_like(ids, np.iinfo(ids.dtype).max),  # out-of-range ids: an IndexError before
+    None,                                    # an entry without digests (an older fira-train's)
+])
+def test_damaged_token_ids_are_detected_named_and_rebuilt(jsonl_corpus, tmp_path: Path, damage, caplog) -> None:
+    path, _ = jsonl_corpus
+    spec = spec_for(path, tmp_path / "cache")
+    cold = np.asarray(build_corpus(spec).train_tokens).copy()
+    (entry,) = (tmp_path / "cache" / "tokens").iterdir()
+    if damage is None:
+        meta = json.loads((entry / "meta.json").read_text())
+        del meta["sha256"]
+        (entry / "meta.json").write_text(json.dumps(meta))
+    else:
+        _rewrite_tokens(entry / "train.npy", damage)
+    with caplog.at_level("WARNING"):
+        rebuilt = np.asarray(build_corpus(spec).train_tokens)
+    assert np.array_equal(rebuilt, cold)
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert str(entry) in warning and "rebuilding it" in warning
+    assert ("train.npy does not match" in warning) if damage is not None else ("no digests" in warning)
+    meta = json.loads((entry / "meta.json").read_text())
+    assert set(meta["sha256"]) == {"train.npy", "val.npy"}  # the rebuilt entry records them again
 
 
 @pytest.fixture

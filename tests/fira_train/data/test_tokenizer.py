@@ -133,14 +133,15 @@ def test_unloadable_tokenizer_names_it_and_suggests_bpe(tmp_path: Path, name: st
     path = str(tmp_path / name)  # absolute and absent: fails without touching the network
     with pytest.raises(OSError) as info:
         tok.load_pretrained_tokenizer(path)
-    assert path in str(info.value) and "--tokenizer bpe" in str(info.value)
+    assert path in str(info.value) and "data.tokenizer=bpe" in str(info.value)
+    assert "--tokenizer" not in str(info.value)  # fira-train has no such flag: the override is the way
 
 
 def test_invalid_hub_id_error_suggests_bpe() -> None:
     # Not a path and not a valid repo id: huggingface_hub rejects it before any request.
     with pytest.raises(OSError) as info:
         tok.load_pretrained_tokenizer("bad//repo id")
-    assert "'bad//repo id'" in str(info.value) and "--tokenizer bpe" in str(info.value)
+    assert "'bad//repo id'" in str(info.value) and "data.tokenizer=bpe" in str(info.value)
 
 
 def test_encode_documents_appends_eos_after_every_document(bpe) -> None:

@@ -210,3 +210,51 @@ def test_example_script_trains_full_and_lora_with_fira_trainer(tiny_model_dir, t
         printed = capsys.readouterr().out
         assert "optimizer state:" in printed
         assert (tmp_path / f"ex{len(extra)}" / "checkpoint-2" / "optimizer.pt").is_file()
+
+
+def _zero_shot(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--steps", "0",
+            "--max-eval", "2", "--max-new-tokens", "2", "--out", str(out), *extra]
+
+
+def _one_line_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fira-train finetune: error:") and err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+def test_an_empty_test_set_is_refused_not_averaged_as_zero(tiny_model_dir, tmp_path, capsys):
+    model_dir, _ = tiny_model_dir
+    data = tmp_path / "data"
+    (data / "boolq").mkdir(parents=True)
+    (data / "boolq" / "test.json").write_text("[]")
+    err = _one_line_error(capsys, _zero_shot(model_dir, data, tmp_path / "o"))
+    assert str(data / "boolq" / "test.json") in err and "no test records" in err and "--tasks" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_earlier_results_are_kept_unless_overwrite(tiny_model_dir, tmp_path, capsys):
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "o"
+    run_cli(_zero_shot(model_dir, data, out))
+    stamp = (out / "results.json").stat().st_mtime_ns
+    capsys.readouterr()  # the first run's progress bars
+    err = _one_line_error(capsys, _zero_shot(model_dir, data, out))
+    assert str(out / "results.json") in err and "--overwrite" in err
+    assert (out / "results.json").stat().st_mtime_ns == stamp
+    results = run_cli(_zero_shot(model_dir, data, out, "--overwrite"))
+    assert results["tasks"]["boolq"]["n"] == 2 and (out / "results.json").stat().st_mtime_ns != stamp
+
+
+def test_a_task_file_that_is_not_utf8_is_named(tiny_model_dir, tmp_path, capsys):
+    model_dir, data = tiny_model_dir
+    latin = tmp_path / "data"
+    (latin / "boolq").mkdir(parents=True)
+    records = json.loads((data / "boolq" / "test.json").read_text())
+    records[0]["instruction"] = "Is a café a place? " + records[0]["instruction"]
+    (latin / "boolq" / "test.json").write_bytes(json.dumps(records, ensure_ascii=False).encode("latin-1"))
+    err = _one_line_error(capsys, _zero_shot(model_dir, latin, tmp_path / "o"))
+    assert str(latin / "boolq" / "test.json") in err and "not UTF-8" in err

@@ -61,3 +61,22 @@ def test_unfinished_run_is_reported_clearly(tmp_path: Path) -> None:
     (tmp_path / "fira").mkdir()
     with pytest.raises(FileNotFoundError, match="has not finished"):
         load_run(tmp_path / "fira")
+
+
+def test_reports_cope_with_null_for_values_that_were_not_finite(tmp_path: Path) -> None:
+    """metrics.jsonl / summary.json hold null where a value overflowed (fira_train.files)."""
+    summary = _summary("fira", 32, 100.0, 970.0)
+    _write_run(tmp_path, {**summary, "val_loss": None, "val_ppl": None})
+    with open(tmp_path / "fira" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "loss": None, "lr": 0.01, "val_loss": 800.0, "val_ppl": None}) + "\n")
+    fira = report_table([load_run(tmp_path / "fira")[0]]).splitlines()[2].split("|")
+    assert fira[5].strip() == "-" and fira[6].strip() == "-"
+    assert "| fira | 32 |" in write_report(tmp_path, ["fira"]).read_text()
+    assert plot_curves(tmp_path, ["fira"]).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_damaged_summary_is_named(tmp_path: Path) -> None:
+    _write_run(tmp_path, _summary("fira", 32, 100.0, 970.0))
+    (tmp_path / "fira" / "summary.json").write_text('{"method": "fira", ')
+    with pytest.raises(ValueError, match=r"fira/summary\.json is damaged \(not valid JSON"):
+        load_run(tmp_path / "fira")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -66,6 +67,9 @@ def test_save_at_one_world_size_load_at_another_continues_identically(
         assert {f"run.rng.rank{rank}.torch", f"run.rng.rank{rank}.python",
                 f"run.rng.rank{rank}.numpy.0"} <= keys
     assert "app.optimizer.state.blocks.0.down.weight.basis" in keys  # Fira's state, by FQN
+    recorded = json.loads((path / MARKER).read_text())["files"]  # every rank's shards, hashed
+    assert sorted(recorded) == sorted(p.name for p in path.iterdir() if p.name != MARKER)
+    assert {f"__{rank}_0.distcp" for rank in range(save_world)} <= set(recorded)
     resumed = run_ranks(train_worker, load_world, tmp_path / "b", load_mode, STEPS, "fira",
                         None, None, None, str(path), timeout=60)
     for rank, result in enumerate(resumed):
@@ -167,7 +171,7 @@ def test_crafted_pickle_in_checkpoint_is_refused(tmp_path):
     sentinel = tmp_path / "pwned"
     result = run_ranks(_crafted_checkpoint_worker, 1, tmp_path / "w", str(tmp_path / "ckpt"),
                        str(sentinel), timeout=40)[0]
-    assert result["ours"].startswith("ValueError: checkpoint") and "Weights only load failed" in result["ours"]
+    assert result["ours"].startswith("UnsafeCheckpointError: refusing to load") and "getattr" in result["ours"]
     assert not result["created_by_ours"]
     assert result["created_by_default"]  # the crafted file really runs code under a plain load
 
@@ -189,3 +193,93 @@ def test_listing_and_pruning_ignore_partial_and_keep_newest(tmp_path):
     with pytest.raises(ValueError, match="step must be an integer >= 0, got -1"):
         checkpoint_dir(tmp_path, -1)
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+# ---------------------------------------------------------------------- integrity (sizes and hashes)
+
+
+def _save_one_process(run_dir: Path, step: int = 1) -> Path:
+    """A DCP checkpoint written by one process (no process group), as a one-process resume reads."""
+    import warnings
+
+    import fira_train.run.dist_checkpoint as dcp_ckpt
+    from tests.fira_train.tiny_lm import build_model, make_optimizer
+
+    model = build_model()
+    optimizer = make_optimizer(model, "fira")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dcp_ckpt.save_checkpoint(run_dir, step, model, optimizer, extra={"step": step})
+
+
+def _load_one_process(path: Path) -> dict:
+    import warnings
+
+    import fira_train.run.dist_checkpoint as dcp_ckpt
+    from tests.fira_train.tiny_lm import build_model, make_optimizer
+
+    model = build_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return dcp_ckpt.load_checkpoint(path, model, make_optimizer(model, "fira"))
+
+
+def test_marker_records_size_and_hash_of_every_file(tmp_path):
+    import hashlib
+    import json
+
+    path = _save_one_process(tmp_path)
+    files = json.loads((path / MARKER).read_text())["files"]
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != MARKER)
+    assert sorted(files) == on_disk and ".metadata" in files and "__0_0.distcp" in files
+    for name, record in files.items():
+        data = (path / name).read_bytes()
+        assert record == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert _load_one_process(path) == {"step": 1}
+
+
+def test_altered_shard_bytes_are_refused_naming_the_file(tmp_path):
+    from fira_train.run.checkpoint import CheckpointError
+
+    path = _save_one_process(tmp_path)
+    shard = path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit inside a tensor: DCP would load it silently
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp' is corrupted"):
+        _load_one_process(path)
+    shard.write_bytes(bytes(data[:-10]))
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp' is truncated"):
+        _load_one_process(path)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp' is missing"):
+        _load_one_process(path)
+
+
+def test_zero_byte_metadata_is_a_clear_error_with_and_without_the_record(tmp_path):
+    import json
+
+    from fira_train.run.checkpoint import CheckpointError
+
+    path = _save_one_process(tmp_path)
+    (path / ".metadata").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"\.metadata' is truncated or altered: 0 bytes"):
+        _load_one_process(path)
+    marker = json.loads((path / MARKER).read_text())
+    del marker["files"]  # as written before the record existed
+    (path / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=r"\.metadata' is empty"):
+        _load_one_process(path)
+
+
+def test_checkpoints_without_the_record_still_load(tmp_path):
+    import json
+
+    path = _save_one_process(tmp_path)
+    marker = json.loads((path / MARKER).read_text())
+    del marker["files"]
+    (path / MARKER).write_text(json.dumps(marker))
+    assert _load_one_process(path) == {"step": 1}

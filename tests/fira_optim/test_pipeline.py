@@ -1,13 +1,11 @@
-"""The fused update path against the readable reference path, and what the fused path allocates."""
+"""The strategies of the stages (:mod:`fira_optim.pipeline`): the fast path against the readable
+reference path, and what the fast path allocates."""
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import fira_optim.optimizer as optimizer_module
-import fira_optim.update as update
 from fira_optim import VARIANTS, FiraAdamW
-from fira_optim.update import Hyper
 
 from .common import grad_sequence, make_params
 
@@ -47,14 +45,13 @@ def _grads(dtype):
 
 def _train(dtype, implementation, variant, stagger, monkeypatch, proj_type="std"):
     calls = {"fast": 0}
-    real_fast = optimizer_module.apply_fast
 
-    def counting_fast(params, *args, **kwargs):
-        calls["fast"] += len(params)  # matrices updated by the (multi-tensor) fast path
-        return real_fast(params, *args, **kwargs)
+    def counting_fast(_opt, stats):
+        # matrices updated by the (multi-tensor) fast path
+        calls["fast"] += sum(s.strategy == "fast" for s in stats)
 
-    monkeypatch.setattr(optimizer_module, "apply_fast", counting_fast)
     params, opt = _build(dtype, implementation, variant, stagger, proj_type)
+    opt.register_step_stats_hook(counting_fast)
     frozen_before = params[FROZEN].detach().clone()
     for row in _grads(dtype):
         for p, g in zip(params, row):
@@ -127,7 +124,7 @@ def test_fast_path_allocates_no_full_size_temporaries(variant, shape):
 
 
 @pytest.mark.parametrize("dtype,options,wanted", [
-    (torch.float32, {}, True),                      # fast path: ||g_i||^2 taken in phase A
+    (torch.float32, {}, True),                      # fast path: ||g_i||^2 taken as the step is planned
     (torch.bfloat16, {}, False),                    # reference path forms S itself
     (torch.float32, {"residual": "sign"}, False),   # FRUGAL: reference path
     (torch.float32, {"residual": "drop"}, False),   # GaLore: no residual
@@ -136,39 +133,8 @@ def test_gradient_column_norms_are_only_taken_for_the_fast_path(dtype, options, 
     w = torch.nn.Parameter(torch.randn(12, 20, dtype=dtype))
     opt = FiraAdamW([{"params": [w], "rank": 3}], **options)
     w.grad = torch.randn(12, 20, dtype=dtype)
-    plans, _ = opt._prepare()
-    assert (plans[0].grad_sq is not None) == wanted
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("arithmetic", ["paper", "released"])
-def test_fused_adam_direction_equals_the_foreach_passes(arithmetic, dtype):
-    """torch's fused Adam kernel, run on zero "parameters" with lr = -1 (or -1/b_t for the
-    released un-corrected direction) and eps / sqrt(1 - beta2^t), gives N_t and the same
-    moments as the foreach passes, over several steps and with an all-zero column."""
-    hp = Hyper.from_group({**FiraAdamW([torch.nn.Parameter(torch.zeros(4, 4))],
-                                       arithmetic=arithmetic).param_groups[0], "betas": (0.8, 0.95)})
-    gen = torch.Generator().manual_seed(9)
-    lows = [torch.randn(shape, generator=gen, dtype=dtype) for shape in [(3, 7), (5, 2), (1, 1)]]
-    lows[0][:, 2] = 0
-    fused_states = [{"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)} for t in lows]
-    foreach_states = [{k: v.clone() for k, v in s.items()} for s in fused_states]
-    assert update._fused_adam_supported(lows)
-    assert not update._fused_adam_supported([lows[0].T.contiguous().T])  # not dense row-major
-    assert not update._fused_adam_supported([lows[0]], [lows[1]])  # R and a state of another shape
-    assert not update._fused_adam_supported([lows[0]], [lows[0].float() if dtype == torch.float64 else lows[0].double()])
-    for step in range(1, 5):
-        fused = update._foreach_direction(lows, fused_states, step, hp)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(update, "_fused_adam_supported", lambda *lists: False)
-            passes = update._foreach_direction(lows, foreach_states, step, hp)
-        tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-13, atol=1e-15)
-        for a, b, s, t in zip(fused, passes, fused_states, foreach_states):
-            torch.testing.assert_close(a, b, **tol)
-            for key in s:
-                torch.testing.assert_close(s[key], t[key], **tol)
-        lows = [t * (torch.rand(t.shape, generator=gen, dtype=dtype) * 3 - 1) for t in lows]
-    assert bool((fused[0][:, 2] == 0).all())
+    matrices, _ = opt._plan_step()
+    assert (matrices[0][0].grad_sq is not None) == wanted
 
 
 def test_the_fast_path_runs_adam_through_the_fused_kernel(monkeypatch):
@@ -182,3 +148,29 @@ def test_the_fast_path_runs_adam_through_the_fused_kernel(monkeypatch):
             p.grad = g
         opt.step()
     assert calls == [2, 2]  # both matrices in one call per step; the bias takes torch's AdamW
+
+
+@pytest.mark.parametrize("implementation", ["fast", "reference"])
+def test_the_stats_hook_reports_each_matrix_and_can_be_removed(implementation):
+    shapes = [(12, 20), (20, 12), (10,)]
+    params = make_params(shapes, seed=5)
+    opt = FiraAdamW([{"params": params[:2], "rank": 3, "update_proj_gap": 3}, {"params": params[2:]}],
+                    implementation=implementation)
+    seen = []
+    handle = opt.register_step_stats_hook(lambda optimizer, stats: seen.append(stats))
+    rows = grad_sequence(shapes, 8, seed=6)  # the gradients grow 20x at step 5
+    for row in rows[:7]:
+        for p, g in zip(params, row):
+            p.grad = g
+        opt.step()
+    assert len(seen) == 7 and all([s.param for s in stats] == params[:2] for stats in seen)
+    assert all(s.strategy == implementation for stats in seen for s in stats)
+    assert all(float(s.limiter_factor) == 1.0 for s in seen[0])  # no history on the first step
+    assert all(float(s.limiter_factor) < 1.0 for s in seen[5])  # the limiter binds at the jump
+    for s in seen[-1]:  # the history is what was applied: f ||S_t||
+        assert torch.equal(opt.state[s.param]["prev_norm"], s.residual_norm * s.limiter_factor)
+    handle.remove()
+    for p, g in zip(params, rows[7]):
+        p.grad = g
+    opt.step()
+    assert len(seen) == 7

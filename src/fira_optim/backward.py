@@ -1,0 +1,142 @@
+r"""Each matrix's update inside the backward pass, so that full gradients never coexist.
+
+:func:`step_in_backward` registers a post-accumulate-grad hook on every parameter of a
+:class:`fira_optim.Fira`: as soon as backward has finished a parameter's gradient, the hook runs
+that parameter's whole step (refresh, projection, Adam on ``R``, scaling, limiter, commit) and
+frees the gradient. At most one layer's full gradients exist at a time instead of the whole
+model's: the memory of the gradients drops from the model's size to its largest few matrices.
+``optimizer.step()`` becomes a no-op (keep calling it: schedulers and step hooks expect it).
+
+What stays the same: learning-rate schedulers (the hooks read ``param_groups`` when they run),
+``state_dict`` / ``load_state_dict`` and exact resume, projection refreshes (each matrix counts
+its own steps, as it always has). With one micro-batch per step, in one process, the weights
+after N steps equal ``step()``'s bit for bit.
+
+What changes:
+
+- **Gradient accumulation**: wrap the backward passes of the non-final micro-batches in
+  ``with handle.accumulate():``; their gradients accumulate as usual and the final backward
+  updates. The accumulated gradients are then alive across micro-batches: accumulation keeps
+  the memory of a whole model's gradients, as without this feature.
+- **Non-finite gradients** are found per matrix, as each update runs: ``nonfinite="error"``
+  raises from inside backward (matrices updated earlier in the same backward keep their update);
+  ``"skip"`` skips that matrix's update only.
+- **Gradient clipping by the global norm** cannot work (the norm of all gradients exists only
+  after the last of them, when most updates are done): Fira's norm-growth limiter bounds each
+  matrix's residual update instead; clip per matrix in your own hook if you need more.
+- **DDP**: pass the DDP model. The update then runs in DDP's communication hook, on each
+  bucket's all-reduced (averaged) gradients, instead of the local ones; DDP's buckets still
+  hold the model's gradients, so the memory saving under DDP is the optimizer's temporaries, not
+  the gradients. Use ``model.no_sync()`` (``handle.accumulate()`` enters it) for accumulation.
+  The communication hook stays registered after ``remove()`` (DDP cannot unregister one); it
+  then only all-reduces, as DDP's default.
+- **FSDP2**: the hooks run on the sharded parameters after FSDP2's reduce-scatter, on this
+  rank's rows of the reduced gradient (pass the model so that ``accumulate()`` turns gradient
+  synchronisation off for the non-final micro-batches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from .optimizer import Fira
+
+
+class StepInBackward:
+    """The handle :func:`step_in_backward` returns."""
+
+    def __init__(self, optimizer: "Fira", model: Any = None):
+        if optimizer._in_backward is not None:
+            raise RuntimeError("step_in_backward is already active on this optimizer; "
+                               "remove() its handle first")
+        self.optimizer = optimizer
+        self.model = model
+        self._accumulating = False
+        self._active = True
+        self._hooks: list = []
+        self._ddp = _is_ddp(model)
+        if self._ddp:
+            model.register_comm_hook(state=None, hook=self._ddp_hook)
+        else:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad:
+                        self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+        optimizer._in_backward = self
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if self._accumulating or not self._active:
+            return
+        self.optimizer._step_params({p})
+        p.grad = None
+
+    def _ddp_hook(self, state, bucket):  # unannotated: DDP checks the annotations it finds
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        future = default_hooks.allreduce_hook(state, bucket)
+        if not self._active or self._accumulating:
+            return future
+
+        def update(done: torch.futures.Future) -> torch.Tensor:
+            params = list(bucket.parameters())
+            local = [p.grad for p in params]
+            for p, grad in zip(params, bucket.gradients()):
+                p.grad = grad  # the averaged gradient, a view of the reduced bucket
+            try:
+                self.optimizer._step_params(set(params))
+            finally:  # DDP then finishes its own bookkeeping of .grad as usual
+                for p, grad in zip(params, local):
+                    p.grad = grad
+            return done.value()[0]
+
+        return future.then(update)
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Around the backward passes of the non-final micro-batches of a step: gradients
+        accumulate and nothing is updated (under DDP also ``no_sync``, under FSDP2 without
+        gradient synchronisation)."""
+        previous = self._accumulating
+        self._accumulating = True
+        with contextlib.ExitStack() as stack:
+            if self._ddp:
+                stack.enter_context(self.model.no_sync())
+            elif hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+                self.model.set_requires_gradient_sync(False)
+                stack.callback(self.model.set_requires_gradient_sync, True)
+            try:
+                yield
+            finally:
+                self._accumulating = previous
+
+    def remove(self) -> None:
+        """Back to updates in ``optimizer.step()``."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._active = False
+        if self.optimizer._in_backward is self:
+            self.optimizer._in_backward = None
+
+
+def step_in_backward(optimizer: "Fira", model: Any = None) -> StepInBackward:
+    """Update every parameter of ``optimizer`` inside the backward pass, as soon as its gradient
+    is complete, and free the gradient (module docstring). ``model``: the DDP-wrapped model under
+    DDP (required there), or the FSDP2 model (for :meth:`StepInBackward.accumulate`).
+    Returns the handle; ``handle.remove()`` restores the normal behaviour."""
+    from .optimizer import Fira
+
+    if not isinstance(optimizer, Fira):
+        raise TypeError(f"step_in_backward takes a fira_optim.Fira optimizer, got "
+                        f"{type(optimizer).__name__}")
+    return StepInBackward(optimizer, model)
+
+
+def _is_ddp(model: Any) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)

@@ -1,0 +1,92 @@
+"""What :meth:`fira_optim.Fira.load_state_dict` accepts besides its own state dicts, and what it
+refuses before anything is loaded.
+
+Accepted and converted: step counters saved as plain numbers (older torch, many trainers), and
+the state of the released ``fira`` package (its ``GradientProjector`` objects become ``basis``
+tensors, its ``scaling_grad`` the limiter's ``prev_norm``), so a run of ``fira.FiraAdamW``
+continues under :class:`fira_optim.FiraAdamW`.
+
+Refused, with the reason: a state dict whose projected groups were saved at another rank or
+projection rule or with another base optimizer (its tensors would not fit), and one not saved by
+Fira at all (``torch.optim.AdamW``'s has the same layout, and loading it would silently train
+every matrix with plain AdamW).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .options import param_name
+from .projection import LEFT, projection_side
+
+#: Group options that fix the layout of a projected matrix's state.
+LAYOUT_KEYS = ("rank", "proj_type", "base", "state_dtype")
+
+
+def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
+    """Refuse ``saved`` if a group that this optimizer projects was saved without Fira's keys or
+    with another layout. Group counts and sizes are left to torch's own checks."""
+    for gi, (group, old) in enumerate(zip(current_groups, saved.get("param_groups", []))):
+        if group["rank"] is None or not group["params"]:
+            continue
+        first = param_name(gi, 0, group["params"][0])
+        if "rank" not in old:
+            raise ValueError(
+                f"{first}: the state dict's param group {gi} has no 'rank': it was not saved by "
+                "Fira (torch.optim.AdamW's state has this layout) and would silently train every "
+                "matrix of the group with plain AdamW. Start Fira from the model's weights "
+                "without this optimizer state instead"
+            )
+        for key in LAYOUT_KEYS:
+            if key in old and old[key] != group[key]:
+                raise ValueError(
+                    f"{first}: the state dict was saved with {key}={old[key]!r} but this "
+                    f"optimizer's group {gi} has {key}={group[key]!r}; build the optimizer with "
+                    f"{key}={old[key]!r} to resume it"
+                )
+
+
+def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:
+    """``saved`` with plain-number steps as tensors and the released package's per-matrix state
+    in this optimizer's form; ``saved`` itself is not modified."""
+    state = saved.get("state", {})
+    if not any(_needs_upgrade(s) for s in state.values()):
+        return saved
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    params = [p for g in current_groups for p in g["params"]]
+    param_of = dict(zip(ids, params))
+    new_state = {}
+    for key, entry in state.items():
+        entry = dict(entry)
+        if "step" in entry and not isinstance(entry["step"], torch.Tensor):
+            entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)
+        if "projector" in entry:
+            entry = _from_released(entry, param_of.get(key))
+        new_state[key] = entry
+    return {**saved, "state": new_state}
+
+
+def _needs_upgrade(entry: dict) -> bool:
+    return "projector" in entry or ("step" in entry and not isinstance(entry["step"], torch.Tensor))
+
+
+def _from_released(entry: dict, param: torch.Tensor | None) -> dict:
+    """One matrix of ``fira.FiraAdamW``: its projector's ``ortho_matrix`` is ``P`` (left,
+    ``m x r``) or ``Q^T`` (right, ``r x n``) by the same side rule as ours."""
+    projector = entry.pop("projector")
+    ortho = getattr(projector, "ortho_matrix", None)
+    proj_type = getattr(projector, "proj_type", None)
+    if param is None or not isinstance(ortho, torch.Tensor) or proj_type not in (
+            "std", "reverse_std", "left", "right"):
+        raise ValueError("the released fira state has a projector this optimizer cannot read "
+                         f"(proj_type={proj_type!r}); only 'std', 'reverse_std', 'left' and "
+                         "'right' projections carry over")
+    side = projection_side(tuple(param.shape), proj_type)
+    basis = ortho if side == LEFT else ortho.T
+    entry["basis"] = basis.to(torch.promote_types(param.dtype, torch.float32)).contiguous()
+    if "scaling_grad" in entry:
+        norm = entry.pop("scaling_grad")
+        entry["prev_norm"] = torch.as_tensor(norm, dtype=entry["basis"].dtype).reshape(())
+    return entry

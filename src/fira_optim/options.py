@@ -1,0 +1,257 @@
+r"""The options of :class:`fira_optim.Fira`: each choice an enum, every group validated once.
+
+Param groups keep plain strings (what ``state_dict`` saves and what users write); the update
+reads them through :class:`Hyper`, built from a validated group, whose fields are the enums
+below. The enums are ``str`` subclasses, so ``Limiter.GROWTH == "growth"`` holds.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class Choice(str, enum.Enum):
+    """An option with a fixed set of string values."""
+
+    @classmethod
+    def parse(cls, name: str, value: Any) -> "Choice":
+        """The member for ``value``; ``ValueError`` naming the argument ``name`` otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"Invalid {name}: {value!r}; expected one of {cls.values()}") from None
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(member.value for member in cls)
+
+
+class Base(Choice):
+    """The adaptive optimizer run on ``R`` (:math:`\\psi`)."""
+
+    ADAM = "adam"
+    ADAGRAD = "adagrad"
+    RMSPROP = "rmsprop"
+
+
+class Scaling(Choice):
+    """Level of the norm-based scaling factor: per column (Fira), per matrix, or none."""
+
+    COLUMN = "column"
+    MATRIX = "matrix"
+    NONE = "none"
+
+
+class Limiter(Choice):
+    """Stabiliser of the scaled residual: the norm-growth limiter and the paper's ablations."""
+
+    GROWTH = "growth"
+    NONE = "none"
+    CLIP = "clip"
+    SHRINK = "shrink"
+    TENSORWISE = "tensorwise"
+
+
+class Residual(Choice):
+    """What happens to :math:`G - P R`: added scaled (Fira), dropped (GaLore), signSGD (FRUGAL)."""
+
+    ADD = "add"
+    DROP = "drop"
+    SIGN = "sign"
+
+
+class Arithmetic(Choice):
+    """``paper`` (Algorithm 1) or ``released`` (the ``fira`` 1.0.2 package)."""
+
+    PAPER = "paper"
+    RELEASED = "released"
+
+
+class Projector(Choice):
+    """How a basis is found: exact SVD, warm-started subspace iteration, or random."""
+
+    SVD = "svd"
+    RANDOMIZED = "randomized"
+    RANDOM = "random"
+
+
+class ProjType(Choice):
+    """Which side a matrix is projected on (:func:`fira_optim.projection.projection_side`)."""
+
+    STD = "std"
+    REVERSE_STD = "reverse_std"
+    LEFT = "left"
+    RIGHT = "right"
+
+
+class Implementation(Choice):
+    """Which strategy runs the stages (:mod:`fira_optim.pipeline`)."""
+
+    FAST = "fast"
+    COMPILED = "compiled"
+    REFERENCE = "reference"
+
+
+class StateDtype(Choice):
+    """How optimizer states are stored (:mod:`fira_optim.precision`)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"
+
+
+class NonFinite(Choice):
+    """What a NaN or Inf gradient does: raise, skip the step, or nothing."""
+
+    ERROR = "error"
+    SKIP = "skip"
+    IGNORE = "ignore"
+
+
+BASES = Base.values()
+SCALINGS = Scaling.values()
+LIMITERS = Limiter.values()
+RESIDUALS = Residual.values()
+ARITHMETICS = Arithmetic.values()
+PROJECTORS = Projector.values()
+PROJ_TYPES = ProjType.values()
+IMPLEMENTATIONS = Implementation.values()
+NONFINITE = NonFinite.values()
+STATE_DTYPES = StateDtype.values()
+
+#: The epsilon that ``fira`` 1.0.2 hard-codes in the scaling factor and the limiter.
+RELEASED_EPS = 1e-8
+
+
+def adam_bias_correction(step: int, beta1: float, beta2: float) -> float:
+    r""":math:`b_t = \sqrt{1-\beta_2^t} / (1-\beta_1^t)`."""
+    return math.sqrt(1.0 - beta2**step) / (1.0 - beta1**step)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The hyper-parameters one update of a group's matrices needs, parsed from the group."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    alpha: float
+    gamma: float
+    base: Base
+    scaling: Scaling
+    limiter: Limiter
+    residual: Residual
+    only_scaling: bool
+    arithmetic: Arithmetic
+    correct_bias: bool
+    clip_norm: float
+    mu: float
+    state_dtype: StateDtype
+    stochastic_rounding: bool
+
+    _CHOICES = {"base": Base, "scaling": Scaling, "limiter": Limiter, "residual": Residual,
+                "arithmetic": Arithmetic, "state_dtype": StateDtype}
+
+    @classmethod
+    def from_group(cls, group: dict) -> "Hyper":
+        values = {name: group[name] for name in cls.__dataclass_fields__}
+        if isinstance(values["lr"], torch.Tensor):  # one element (validate_group)
+            values["lr"] = float(values["lr"])
+        for name, kind in cls._CHOICES.items():
+            values[name] = kind(values[name])
+        return cls(**values)
+
+    @property
+    def released(self) -> bool:
+        return self.arithmetic is Arithmetic.RELEASED
+
+    @property
+    def residual_eps(self) -> float:
+        # Algorithm 1 uses Adam's epsilon in the scaling factor and the limiter.
+        return RELEASED_EPS if self.released else self.eps
+
+    def step_size(self, step: int) -> float:
+        """Learning rate multiplying the whole update (bias correction folded in if released)."""
+        if self.released and self.correct_bias and self.base is Base.ADAM:
+            beta1, beta2 = self.betas
+            return self.lr * adam_bias_correction(step, beta1, beta2)
+        return self.lr
+
+    def direction_bias_corrected(self) -> bool:
+        return self.correct_bias and not self.released
+
+    @property
+    def residual_coef(self) -> float:
+        r""":math:`k` in :math:`\|g_i - k' P r_i\|^2 = \|g_i\|^2 - k \|r_i\|^2` (orthonormal
+        ``P``): 1, or :math:`2\alpha - \alpha^2` for the released residual :math:`G - \alpha P R`."""
+        return (2.0 * self.alpha - self.alpha**2) if self.released else 1.0
+
+
+def check_rank(rank: Any) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"Invalid rank: {rank!r}; expected a positive int (or None for no projection)")
+
+
+def validate_group(g: dict) -> None:
+    """Range and choice checks of a group's options; each error names the argument and value."""
+    lr = g["lr"]
+    if isinstance(lr, torch.Tensor):  # torch.optim.AdamW's rules for a tensor lr
+        if g.get("foreach"):
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        lr = float(lr)
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate (lr): {g['lr']}")
+    if not 0.0 <= g["eps"]:
+        raise ValueError(f"Invalid epsilon value (eps): {g['eps']}")
+    betas = g["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"Invalid betas: {betas}; each must be in [0, 1)")
+    if not 0.0 <= g["weight_decay"]:
+        raise ValueError(f"Invalid weight_decay value: {g['weight_decay']}")
+    gap = g["update_proj_gap"]
+    if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
+        raise ValueError(f"Invalid update_proj_gap: {gap!r}; expected an int >= 1")
+    if not g["alpha"] > 0:
+        raise ValueError(f"Invalid alpha: {g['alpha']}; expected > 0")
+    if not g["gamma"] >= 1.0:
+        raise ValueError(f"Invalid gamma: {g['gamma']}; expected >= 1 (use limiter='none' to disable)")
+    if not g["clip_norm"] > 0:
+        raise ValueError(f"Invalid clip_norm: {g['clip_norm']}; expected > 0")
+    if not 0.0 < g["mu"] <= 1.0:
+        raise ValueError(f"Invalid mu: {g['mu']}; expected in (0, 1]")
+    for key in ("align_signs", "stochastic_rounding"):
+        if not isinstance(g[key], bool):
+            raise ValueError(f"Invalid {key}: {g[key]!r}; expected True or False")
+    StateDtype.parse("state_dtype", g["state_dtype"])
+    ProjType.parse("proj_type", g["proj_type"])
+    Projector.parse("projector", g["projector"])
+    arithmetic = Arithmetic.parse("arithmetic", g["arithmetic"])
+    base = Base.parse("base", g["base"])
+    Scaling.parse("scaling", g["scaling"])
+    Limiter.parse("limiter", g["limiter"])
+    Residual.parse("residual", g["residual"])
+    if arithmetic is Arithmetic.RELEASED and base is not Base.ADAM:
+        raise ValueError(f"arithmetic='released' exists only for base='adam', got base={g['base']!r}")
+    if not g["correct_bias"] and arithmetic is Arithmetic.PAPER and base is Base.ADAM:
+        raise ValueError("correct_bias=False is only available with arithmetic='released'")
+    for key in ("foreach", "fused"):
+        if g.get(key) is not None and not isinstance(g[key], bool):
+            raise ValueError(f"Invalid {key}: {g[key]!r}; expected None, True or False")
+    if g.get("fused") and g.get("foreach"):
+        raise ValueError("foreach=True and fused=True cannot be set together (as in torch.optim.AdamW)")
+    if g.get("fused") and (base is not Base.ADAM or arithmetic is not Arithmetic.PAPER):
+        raise ValueError(f"fused=True is torch's fused AdamW: it needs base='adam' and arithmetic='paper', "
+                         f"got base={g['base']!r}, arithmetic={g['arithmetic']!r}")
+
+
+def param_name(gi: int, pi: int, p: torch.Tensor) -> str:
+    """How errors and warnings name a parameter."""
+    return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"

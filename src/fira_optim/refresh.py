@@ -1,0 +1,161 @@
+r"""Stage 1 of Algorithm 1: which bases are due, and where their decompositions run.
+
+Every ``T`` steps (or each matrix at its own offset under ``stagger``) a matrix takes a new basis
+from its gradient, by the group's projector (:func:`fira_optim.projection.compute_basis`); never
+from a zero or non-finite gradient, and a failed decomposition keeps the previous basis. This
+module decides that rule once (:func:`refresh_outcome`) and runs it in one of three places:
+
+* in turn, as each matrix is planned (one process, one due matrix or one thread);
+* side by side in a pool of single-thread workers on the host (:func:`refresh_in_threads`): a
+  CPU run, or accelerator gradients with ``host_refresh=True``;
+* across the ranks of a process group (:func:`refresh_together`): FSDP2, or DDP with
+  ``split_refresh=True`` (:func:`fira_optim.distributed.refresh_bases`).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from . import distributed
+from .options import Projector, param_name
+from .projection import compute_basis, is_projected, projection_side
+
+if TYPE_CHECKING:
+    from .optimizer import Fira
+
+#: ``{param: (status, basis, working-dtype grad)}`` of the matrices due this step.
+Outcomes = dict
+
+
+def refresh_due(group: dict, step: int, order: int, total: Optional[int]) -> bool:
+    """Whether matrix number ``order`` (of ``total``, counted under ``stagger``) takes a new
+    basis at ``step``."""
+    period = group["update_proj_gap"]
+    offset = (order * period) // total if group["stagger"] else 0
+    return step == 0 or (step - offset) % period == 0
+
+
+def refresh_outcome(grad, previous, *, rank, side, group, order, step, name):
+    """The refresh rule on a whole gradient: ``(status, basis)``, status one of
+    :data:`fira_optim.distributed.REFRESH_STATUSES`. Never a basis from a zero or non-finite
+    gradient."""
+    if not bool(torch.isfinite(grad).all()):
+        return "nonfinite", None
+    if not bool(grad.any()):
+        return "zero", None
+    basis = new_basis(grad, rank, side, group, previous, order, step, name)
+    return ("new", basis) if basis is not None else ("keep", None)
+
+
+def new_basis(grad, rank, side, group, previous, order, step, name):
+    """The group's projector on ``grad``; on failure a warning, then the previous basis
+    (None) or, before any basis exists, a random one."""
+    generator = torch.Generator().manual_seed(
+        (group["seed"] * 1_000_003 + order * 7919 + step) % (2**63)
+    )
+    try:
+        return compute_basis(grad, rank, side, group["projector"], previous, generator,
+                             align_signs=group["align_signs"])
+    except RuntimeError as err:
+        fallback = "using a random basis" if previous is None else "keeping the previous basis"
+        warnings.warn(f"projection basis failed for {name} ({err}); {fallback}", RuntimeWarning)
+        if previous is None:
+            return compute_basis(grad, rank, side, Projector.RANDOM, None, generator)
+        return None
+
+
+def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None) -> list[tuple]:
+    """``(param, job)`` for every matrix whose basis is due this step (of ``only``, if given),
+    in the order of the projected matrices; ``job`` is a :class:`fira_optim.distributed.RefreshJob`
+    holding this rank's gradient and the refresh rule (:func:`refresh_outcome`) to run on it."""
+    due = []
+    order = 0
+    for gi, group in enumerate(opt.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if not is_projected(p, group):
+                continue
+            order += 1
+            if p.grad is None or p.numel() == 0 or (only is not None and p not in only):
+                continue
+            state = opt.state[p]
+            step = int(state["step"]) if state else 0
+            if not refresh_due(group, step, order - 1, total):
+                continue
+            work_dtype = torch.promote_types(p.dtype, torch.float32)
+            grad = distributed.to_local(p.grad).to(work_dtype)
+            side = projection_side(p.shape, group["proj_type"])
+            compute = functools.partial(
+                refresh_outcome, rank=group["rank"], side=side, group=group,
+                order=order - 1, step=step, name=param_name(gi, pi, p),
+            )
+            previous = distributed.to_local(state["basis"]) if step > 0 else None
+            due.append((p, distributed.RefreshJob(
+                grad, p.shape[0], order - 1, previous, side, group["rank"],
+                distributed.row_sharding(p), compute,
+            )))
+    return due
+
+
+def refresh_together(opt: "Fira", process_group: Any, total: Optional[int],
+                     only: Optional[set] = None) -> Outcomes:
+    """The refresh outcomes of every matrix due this step, computed across the ranks of
+    ``process_group`` by :func:`fira_optim.distributed.refresh_bases`."""
+    due = due_refreshes(opt, total, only)
+    return _keyed(due, distributed.refresh_bases([job for _, job in due], process_group))
+
+
+def refresh_in_threads(opt: "Fira", total: Optional[int],
+                       only: Optional[set] = None) -> Optional[Outcomes]:
+    """One process on the CPU (or on an accelerator with ``host_refresh``): the refresh
+    outcomes of every matrix due this step, computed by ``torch.get_num_threads()`` threads
+    at once on the host. None (each matrix refreshes in its turn as it is planned) if fewer
+    than two are due or the gradients are elsewhere than on the CPU without ``host_refresh``.
+
+    LAPACK's SVD of a small matrix keeps few cores busy, so decompositions of different
+    matrices side by side use the others, each on one intra-op thread. Workers left at
+    torch's default each open an OpenMP team of every core inside MKL's LAPACK, and the
+    teams oversubscribe the cores: on 2 cores a refresh then often stalled for hundreds of
+    milliseconds, even where each matrix takes one (``benchmarks/refresh_threads.py``, ``micro``).
+    So each worker sets its own count as it starts (:func:`_one_thread`); the count is per
+    thread, and the caller's stays as it was.
+
+    The outcomes are the sequential refresh's calls on the same inputs: bitwise its results
+    where LAPACK's do not depend on the thread count (small matrices), else equal to
+    round-off, up to a rotation within a group of (nearly) equal singular values (any such
+    rotation is exact). A gradient found non-finite is reported in the usual order.
+    """
+    workers = torch.get_num_threads()
+    on_host = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
+    if workers < 2 or not (on_host or opt.host_refresh):
+        return None  # before due_refreshes, which converts every due gradient
+    due = due_refreshes(opt, total, only)
+    if len(due) < 2:
+        return None
+    jobs = [job for _, job in due]
+    if not on_host:  # blocking copies: the SVDs must see the finished gradients
+        inputs = [(job.grad.cpu(), None if job.previous is None else job.previous.cpu()) for job in jobs]
+    else:
+        inputs = [(job.grad, job.previous) for job in jobs]
+    with ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
+        outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
+    if not on_host:
+        outcomes = [(status, None if basis is None else basis.to(job.grad.device))
+                    for (status, basis), job in zip(outcomes, jobs)]
+    return _keyed(due, outcomes)
+
+
+def _keyed(due: list[tuple], outcomes: list[tuple]) -> Outcomes:
+    """``{param: (status, basis, grad)}``; ``grad`` is the job's working-dtype gradient, which
+    the projection then uses instead of converting ``p.grad`` a second time."""
+    return {p: (*outcome, job.grad) for (p, job), outcome in zip(due, outcomes)}
+
+
+def _one_thread() -> None:
+    """A refresh worker's initializer: its own LAPACK calls on one thread (the calling
+    thread's count is untouched)."""
+    torch.set_num_threads(1)

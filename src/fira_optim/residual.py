@@ -1,0 +1,85 @@
+r"""Stage 5 of Algorithm 1: the scaled residual :math:`S_t = \phi \odot (G_t - P_t R_t)` and its
+norm :math:`\|S_t\|`, which the limiter compares with the previous step's.
+
+Two strategies compute the same norm. *Explicit* (the reference path) forms :math:`S_t` as an
+``m x n`` tensor, line by line as in the paper. *From column norms* (the fast paths) never
+forms it: for an orthonormal basis,
+
+.. math::
+    \|\phi \odot (G - k' P R)\|^2 = \sum_i \phi_i^2 \left(\|g_i\|^2 - k \|r_i\|^2\right),
+    \qquad k = 2k' - k'^2
+
+(:math:`k' = 1`, or :math:`\alpha` for the released residual :math:`G - \alpha P R`), from the
+column norms of ``G`` and ``R`` that the step has anyway.
+
+Variants: FRUGAL takes :math:`\mathrm{sign}(G - P R)` (no scaling, explicit only);
+Fira-only-scaling takes :math:`\phi \odot G`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .options import Hyper, Residual
+from .projection import RIGHT, project_back
+from .scaling import RowSum
+
+
+def explicit_residuals(grads, lows, bases, sides, phis, hp: Hyper,
+                       row_sum: RowSum = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(norms, S)``: each matrix's scaled residual as a tensor and the stack of their norms.
+
+    Under FSDP2 each ``G`` is a row block and ``||S||^2`` sums over every shard's rows."""
+    scaled, norms = [], []
+    for i, (grad, low, basis, side) in enumerate(zip(grads, lows, bases, sides)):
+        back = project_back(low, basis, side)
+        # S_t = G - P R (the released code subtracts alpha * P R).
+        outside = grad - (hp.alpha * back if hp.released else back)
+        if hp.residual is Residual.SIGN:  # FRUGAL: signSGD outside the subspace, no scaling
+            s = torch.sign(outside)
+        else:
+            s = phis[i] * (grad if hp.only_scaling else outside)
+        norm = torch.linalg.vector_norm(s)
+        if row_sum is not None:
+            norm = row_sum(norm.square()).sqrt()
+        scaled.append(s)
+        norms.append(norm)
+    return torch.stack(norms), scaled
+
+
+def residual_norms_from_columns(grad_sqs, low_norms, phis, sides, hp: Hyper,
+                                row_sum: RowSum = None) -> torch.Tensor:
+    r""":math:`\|S\|` of each matrix from :math:`\|g_i\|^2` (``grad_sqs``, this rank's rows) and
+    :math:`\|r_i\|` (``low_norms``), without forming ``S``. ``grad_sqs`` are consumed.
+
+    Under FSDP2 (``row_sum``) a left projection's :math:`\|g_i\|^2` sums over every shard's rows
+    (one collective for all of them) and a right one's :math:`\|S\|^2` over the shards."""
+    outside_sq = list(grad_sqs)  # becomes ||s_i||^2 in place
+    if row_sum is not None:
+        _row_sum_many([q for q, side in zip(outside_sq, sides) if side != RIGHT], row_sum)
+    if not hp.only_scaling:
+        low_sq = torch._foreach_mul(low_norms, low_norms)
+        torch._foreach_sub_(outside_sq, low_sq, alpha=hp.residual_coef)
+        torch._foreach_clamp_min_(outside_sq, 0.0)
+    # ||phi (.) S|| = sqrt(sum_i phi_i^2 ||s_i||^2), one norm per matrix.
+    terms = torch._foreach_mul(torch._foreach_mul(phis, phis), outside_sq)
+    torch._foreach_sqrt_(terms)
+    norms = torch.stack(torch._foreach_norm(terms))
+    if row_sum is not None and RIGHT in sides:
+        # A right matrix's ||S||^2 has one term per row: sum the shards' parts.
+        right = torch.tensor([side == RIGHT for side in sides], device=norms.device)
+        squares = norms.square()
+        squares[right] = row_sum(squares[right])
+        norms = squares.sqrt()
+    return norms
+
+
+def _row_sum_many(tensors: list[torch.Tensor], row_sum) -> None:
+    """``row_sum`` applied to each of ``tensors`` in place, in one collective."""
+    if not tensors:
+        return
+    flat = row_sum(torch.cat([t.reshape(-1) for t in tensors]))
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -1,0 +1,131 @@
+"""Sizes and SHA-256 of a DCP checkpoint's files, recorded in its ``COMPLETE`` marker.
+
+Single-file checkpoints record the size and hash of ``state.pt`` (:mod:`fira_train.run.checkpoint`).
+A DCP checkpoint (:mod:`fira_train.run.dist_checkpoint`) holds several files: every rank's shards
+(``__RANK_I.distcp``) and rank 0's ``.metadata``. When it is written, each rank hashes the shard
+files it wrote, rank 0 the others, and rank 0 records them all in the marker::
+
+    {"format": "torch.distributed.checkpoint", "step": 100, ...,
+     "files": {".metadata": {"size": 22811, "sha256": "..."}, "__0_0.distcp": {...}, ...}}
+
+:func:`verify_dcp_checkpoint` checks every recorded file before anything is read from it, and
+then parses ``.metadata`` with the restricted unpickler (:mod:`fira_train.run.safe_load`), so a
+truncated, altered, missing or empty file is a :class:`~fira_train.run.checkpoint.CheckpointError`
+naming it. Checkpoints written before the record existed have no ``"files"``: they are still
+loaded (the metadata is still parsed safely), without the hash check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from fira_train.run.checkpoint import MARKER, CheckpointError
+
+#: The marker's key for the files' sizes and hashes.
+FILES_KEY = "files"
+METADATA_FILE = ".metadata"
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """``{"size", "sha256"}`` of the file at ``path``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def collect_records(directory: Path, rank: int = 0, world_size: int = 1) -> dict[str, dict[str, Any]]:
+    """The records of every file in ``directory`` (a DCP checkpoint being written), on every rank.
+
+    Each rank hashes the shard files it wrote (``__RANK_*``), rank 0 every other file; with
+    several processes (a process group), the records are gathered, so the hashing is spread
+    over the ranks. Every rank must call this.
+    """
+    directory = Path(directory)
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MARKER)
+    mine = {p.name: file_record(p) for p in files if p.name.startswith(f"__{rank}_")}
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+        records = {name: rec for part in gathered for name, rec in part.items()}
+    else:
+        records = dict(mine)
+    if rank == 0:
+        for path in files:
+            if path.name not in records:
+                records[path.name] = file_record(path)
+    return dict(sorted(records.items()))
+
+
+def read_marker(path: Path) -> dict[str, Any]:
+    """The marker of the checkpoint directory ``path`` as a dict; CheckpointError if it is not one."""
+    marker_path = Path(path) / MARKER
+    try:
+        marker = json.loads(marker_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint marker {str(marker_path)!r} is unreadable ({err}): the "
+                              "checkpoint is damaged") from None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"checkpoint marker {str(marker_path)!r} is not a JSON object: the "
+                              "checkpoint is damaged")
+    return marker
+
+
+def _plain_name(name: Any) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+def verify_files(directory: Path, records: Any) -> None:
+    """CheckpointError naming the first recorded file that is missing, has another size or
+    another SHA-256 than ``records`` says."""
+    directory = Path(directory)
+    where = str(directory / MARKER)
+    if not isinstance(records, dict) or not records:
+        raise CheckpointError(f"the file record in {where!r} is damaged (not a mapping of files)")
+    for name, record in sorted(records.items()):
+        if not _plain_name(name) or not isinstance(record, dict):
+            raise CheckpointError(f"the file record in {where!r} is damaged (entry {name!r})")
+        path = directory / name
+        try:
+            expected_size, expected_hash = int(record["size"]), str(record["sha256"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"the file record in {where!r} is damaged (entry {name!r})") from None
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {str(path)!r} is missing ({MARKER} records it)")
+        size = path.stat().st_size
+        if size != expected_size:
+            raise CheckpointError(f"checkpoint file {str(path)!r} is truncated or altered: {size} bytes, "
+                                  f"the marker records {expected_size}")
+        if file_record(path)["sha256"] != expected_hash:
+            raise CheckpointError(f"checkpoint file {str(path)!r} is corrupted: its SHA-256 does not "
+                                  "match the one recorded when it was written")
+
+
+def verify_dcp_checkpoint(path: Path, marker: dict[str, Any] | None = None) -> Any:
+    """Check a complete DCP checkpoint before loading it; returns its parsed ``Metadata``.
+
+    With a file record in the marker: every file's size and hash, ``.metadata`` included (a
+    record without it is damaged). Always: ``.metadata`` parsed by the restricted unpickler.
+    Raises CheckpointError (:class:`~fira_train.run.safe_load.UnsafeCheckpointError` for a pickle
+    that would run code).
+    """
+    from fira_train.run.safe_load import load_dcp_metadata
+
+    path = Path(path)
+    marker = read_marker(path) if marker is None else marker
+    records = marker.get(FILES_KEY)
+    if records is not None:
+        verify_files(path, records)
+        if METADATA_FILE not in records:
+            raise CheckpointError(f"the file record in {str(path / MARKER)!r} does not cover "
+                                  f"{METADATA_FILE}: the checkpoint is damaged")
+    metadata_path = path / METADATA_FILE
+    if not metadata_path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no {METADATA_FILE} file: it is damaged")
+    return load_dcp_metadata(metadata_path)

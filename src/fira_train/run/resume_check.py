@@ -1,0 +1,143 @@
+"""Which checkpoint ``--resume`` continues from, checked before anything is loaded.
+
+:func:`choose_checkpoint` is what :func:`fira_train.run.train.train` does with ``resume``:
+
+- ``"latest"``: the newest complete checkpoint that is intact. A damaged one (a file whose
+  size or SHA-256 differs from its marker's record, a truncated or empty file, a broken marker)
+  is skipped with a warning that names it and says which older one the run resumes from
+  instead; if none is intact, a :class:`~fira_train.run.checkpoint.CheckpointError` lists them all;
+- a step number: that checkpoint, or an error naming what is wrong with it.
+
+Either way the checkpoint's own record of the run's config (``config`` in a single-file
+checkpoint's ``state.pt``, in a DCP checkpoint's ``COMPLETE``) must match the config being
+resumed, up to the keys that do not change the run (``run_dir.RESUMABLE_CHANGES``): a mismatch
+is a ``ValueError`` naming the keys, whether or not ``OUT/config.json`` is there. Checkpoints
+written before the record existed are checked against ``config.json`` alone.
+
+A checkpoint holding a pickle that would run code
+(:class:`~fira_train.run.safe_load.UnsafeCheckpointError`) is refused outright: resuming does not
+quietly go past it to an older one.
+
+Under ``torchrun``, rank 0 chooses and verifies, and the other ranks take its choice (or raise
+its error): every rank resumes from the same checkpoint and the files are hashed once.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fira_train.config.overrides import config_from_dict, config_to_dict
+from fira_train.config.run_config import RunConfig
+from fira_train.run import checkpoint as ckpt
+from fira_train.run import checkpoint_integrity, dist_checkpoint
+from fira_train.run.run_dir import config_changes
+from fira_train.run.safe_load import UnsafeCheckpointError
+
+if TYPE_CHECKING:
+    from fira_train.run.parallel import DistributedEnv
+
+log = logging.getLogger(__name__)
+
+#: The single-file checkpoint's key (in ``state.pt``) and the DCP marker's key for the config.
+CONFIG_KEY = "config"
+
+
+def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
+    """ValueError naming every key where ``config`` differs from the config a checkpoint
+    recorded (``recorded``: its dict; None for checkpoints without the record: nothing to check)."""
+    if recorded is None:
+        return
+    try:
+        saved = config_from_dict(recorded)
+    except (ValueError, TypeError) as err:
+        raise ckpt.CheckpointError(f"checkpoint {str(path)!r} has an unreadable config record: {err}") from None
+    changes = config_changes(saved, config)
+    if changes:
+        old, new = config_to_dict(saved), config_to_dict(config)
+
+        def value(values: dict[str, Any], key: str) -> Any:
+            section, _, name = key.partition(".")
+            return values.get(section, {}).get(name)
+
+        details = ", ".join(f"{key}={value(old, key)!r} (now {value(new, key)!r})" for key in changes)
+        raise ValueError(f"cannot resume from {str(path)!r}: it was written with a different config: "
+                         f"{details}; resume with the checkpoint's settings, or start a new run "
+                         "(another --out, or --overwrite)")
+
+
+def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bool = True) -> dict | None:
+    """Verify the checkpoint at ``path`` and its config record; returns the single-file
+    checkpoint's loaded state (if ``keep_state``), None for a DCP checkpoint (loaded later, in
+    place). Raises CheckpointError if it is damaged, UnsafeCheckpointError if it would run
+    code, ValueError if it belongs to another config."""
+    if dist_checkpoint.is_dcp_checkpoint(path):
+        marker = checkpoint_integrity.read_marker(path)
+        check_recorded_config(marker.get(CONFIG_KEY), config, path)
+        checkpoint_integrity.verify_dcp_checkpoint(path, marker)
+        return None
+    state = ckpt.load_checkpoint(out, path)  # size, SHA-256, weights_only
+    check_recorded_config(state.get(CONFIG_KEY), config, path)
+    return state if keep_state else None
+
+
+def _choose(out: Path, resume: str | int, config: RunConfig, keep_state: bool) -> tuple[Path | None, dict | None]:
+    if resume != "latest":
+        path = ckpt.find_checkpoint(out, int(resume))
+        return path, check_checkpoint(out, path, config, keep_state=keep_state)
+    damaged: list[tuple[Path, ckpt.CheckpointError]] = []
+    for _, path in reversed(ckpt.complete_checkpoints(out)):
+        try:
+            state = check_checkpoint(out, path, config, keep_state=keep_state)
+        except UnsafeCheckpointError:
+            raise
+        except ckpt.CheckpointError as err:
+            damaged.append((path, err))
+            continue
+        if damaged:
+            names = ", ".join(p.name for p, _ in damaged)
+            log.warning("%s: %s; resuming from %s instead, the newest intact checkpoint (the steps after "
+                        "it are trained again; --resume-step STEP picks another one)",
+                        names, "; ".join(str(err) for _, err in damaged), path.name)
+        return path, state
+    if damaged:
+        reasons = "; ".join(f"{p.name}: {err}" for p, err in damaged)
+        raise ckpt.CheckpointError(f"no intact checkpoint in {str(Path(out) / ckpt.CHECKPOINT_DIR)!r} to "
+                                   f"resume from ({reasons}); restore one and pick it with --resume-step, "
+                                   "or start over with --overwrite")
+    return None, None
+
+
+_ERRORS = {cls.__name__: cls for cls in (ValueError, FileNotFoundError, ckpt.CheckpointError,
+                                          UnsafeCheckpointError)}
+
+
+def choose_checkpoint(out: str | Path, resume: str | int, config: RunConfig,
+                      env: DistributedEnv | None = None) -> tuple[Path | None, dict | None]:
+    """``(checkpoint directory or None, its loaded state or None)`` for ``resume`` in ``out``.
+
+    The state comes back for a single-file checkpoint in a one-process run (already verified
+    and read); None for a DCP checkpoint or under ``torchrun``, where the checkpoint is loaded
+    later by every rank. ``(None, None)``: ``"latest"`` and no checkpoint at all.
+    """
+    out = Path(out)
+    if env is None or not env.distributed:
+        return _choose(out, resume, config, keep_state=True)
+    import torch.distributed as dist
+
+    message: list[Any] = [None]
+    error: BaseException | None = None
+    if env.is_main:
+        try:
+            path, _ = _choose(out, resume, config, keep_state=False)
+            message[0] = ("ok", None if path is None else str(path))
+        except Exception as err:  # noqa: BLE001 -- handed to every rank, then re-raised here
+            error = err
+            message[0] = ("error", type(err).__name__, str(err))
+    dist.broadcast_object_list(message, src=0, device=env.device)  # plain strings, from rank 0
+    if error is not None:
+        raise error
+    if message[0][0] == "error":
+        raise _ERRORS.get(message[0][1], RuntimeError)(message[0][2])
+    return (None if message[0][1] is None else Path(message[0][1])), None

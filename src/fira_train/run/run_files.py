@@ -1,0 +1,116 @@
+"""Which files in a run directory fira-train wrote, and refusing to write over the others.
+
+A run directory (``--out``) holds what :func:`fira_train.run.train.train` writes (``config.json``,
+``metrics.jsonl``, ``summary.json``, ``tb/``, ``checkpoints/``, the lock file) and what the
+analyses' recorders add next to it. Anything else is *foreign*: a model's ``config.json``
+from Hugging Face, a user's notes, another tool's output. A ``config.json`` counts as
+fira-train's only if it reads as a run config (a JSON object of ``recipe`` and the ``model`` /
+``optim`` / ``data`` / ``train`` sections); ``checkpoints/`` only if it holds checkpoint
+folders alone.
+
+:func:`check_foreign_files` is called before a run touches its directory:
+
+- a new run (no ``--resume``) into a directory with foreign files is refused unless
+  ``--overwrite``; with it, fira-train's own files are replaced (a foreign ``config.json``
+  too: the run's config must go there) and the other foreign files are left alone;
+- ``--resume`` needs a fira-train run there (or an empty directory): it tolerates foreign files
+  next to a run of its own (they are never written), but refuses a foreign ``config.json``
+  and a directory holding foreign files and no run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+from fira_train.run.run_lock import LOCK_FILE
+
+log = logging.getLogger(__name__)
+
+#: Files :func:`fira_train.run.train.train` writes (``config.json`` is checked by content).
+RUN_FILES = frozenset({"config.json", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", LOCK_FILE})
+RUN_DIRS = frozenset({"tb", "checkpoints"})
+#: Files the analyses write into their runs' folders (``fira_train.analysis``: the run spec,
+#: :data:`~fira_train.analysis.callbacks.NORMS_FILE`, :data:`~fira_train.analysis.similarity.FACTORS_FILE`).
+ANALYSIS_FILES = frozenset({"analysis_run.json", "norms.jsonl", "scaling_factors.jsonl"})
+#: What a run writes under ``checkpoints/``: complete, temporary and replaced checkpoints.
+_CHECKPOINT_ENTRY = re.compile(r"^(\.tmp-|\.old-)?step_\d{8,}(-\d+)?$")
+_CONFIG_KEYS = frozenset({"recipe", "model", "optim", "data", "train"})
+_SHOWN = 5
+
+
+def is_run_config(path: Path) -> bool:
+    """Whether ``path`` (a ``config.json``) reads as a fira-train run config."""
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(values, dict) and set(values) <= _CONFIG_KEYS
+            and all(isinstance(values.get(s), dict) for s in ("optim", "train")))
+
+
+def _damaged_run_config(path: Path) -> bool:
+    """A ``config.json`` that is not JSON at all, beside a run's metrics or checkpoints: the
+    run's own config, damaged (reading it then says so and names it), not a foreign file."""
+    try:
+        json.loads(path.read_text())
+        return False
+    except (OSError, ValueError):
+        out = path.parent
+        return (out / "metrics.jsonl").is_file() or (out / "checkpoints").is_dir()
+
+
+def foreign_files(out: str | Path) -> list[str]:
+    """Entries of ``out`` that fira-train did not write (names relative to ``out``, folders
+    with a trailing ``/``), sorted; [] for a missing directory."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    foreign = []
+    for child in sorted(out.iterdir()):
+        name = child.name
+        if child.is_dir() and not child.is_symlink() and name in RUN_DIRS:
+            if name == "checkpoints":
+                foreign += [f"checkpoints/{c.name}" for c in sorted(child.iterdir())
+                            if not (_CHECKPOINT_ENTRY.match(c.name) and c.is_dir())]
+            continue
+        if child.is_file() and not child.is_symlink():
+            if name == "config.json" and (is_run_config(child) or _damaged_run_config(child)):
+                continue
+            if name in (RUN_FILES | ANALYSIS_FILES) - {"config.json"}:
+                continue
+        foreign.append(name + ("/" if child.is_dir() else ""))
+    return foreign
+
+
+def _has_run(out: Path) -> bool:
+    return any((out / name).exists() for name in ("metrics.jsonl", "summary.json", "checkpoints")) or (
+        (out / "config.json").is_file() and is_run_config(out / "config.json"))
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def check_foreign_files(out: str | Path, resume: str | int | None, overwrite: bool, *,
+                        warn: bool = True) -> None:
+    """FileExistsError if the run may not write into ``out`` (see the module docstring);
+    ``warn``: log the foreign files that ``overwrite`` lets the run write beside."""
+    out = Path(out)
+    foreign = foreign_files(out)
+    if not foreign:
+        return
+    if resume is None and overwrite:
+        if warn:
+            log.warning("--overwrite: %s holds files that fira-train did not write (%s): those of a "
+                        "run are replaced, the others left as they are", out, _listing(foreign))
+        return
+    if resume is not None and _has_run(out) and "config.json" not in foreign:
+        return  # a run of ours with other files beside it: resuming writes none of them
+    advice = ("choose an empty or new --out, or start a new run there with --overwrite (it replaces "
+              "fira-train's own files, config.json included, and leaves the others)")
+    raise FileExistsError(f"{str(out)!r} holds files that fira-train did not write ({_listing(foreign)}); "
+                          f"{advice}")

@@ -1,0 +1,116 @@
+"""One run at a time per run directory: an ``fcntl.flock`` on ``OUT/.fira-train.lock``.
+
+:func:`locked_run_directory` holds an exclusive lock on the lock file for as long as the run
+lives (``train()`` wraps the whole run in it). A second run into the same ``--out`` (started
+at the same time, or a ``--resume`` while the first one still trains) finds the lock taken and
+stops at once with :class:`RunDirectoryBusy`, before it reads or writes anything in the
+directory. The lock belongs to the open file, so the kernel releases it when the process exits,
+however it exits (``kill -9`` included): a stale lock file never blocks a later run. The file
+holds the holder's process id, for the message.
+
+Under ``torchrun`` rank 0 takes the lock and tells the other ranks whether it got it, so that
+every rank of a refused launch stops with the same error (and none waits forever for rank 0).
+Several processes of one launch share the directory by design.
+
+``flock`` works between processes on one machine; on network file systems it depends on the
+server (NFSv4 maps it onto byte-range locks). Without ``fcntl`` (Windows) runs are not locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from fira_train.run.parallel import DistributedEnv
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".fira-train.lock"
+
+
+class RunDirectoryBusy(FileExistsError):
+    """Another run holds the run directory. A ``FileExistsError`` (without an errno), like the
+    refusal of a new run into a folder that already holds one: the command line reports both
+    as one line."""
+
+
+class RunLock:
+    """An exclusive, non-blocking ``flock`` on ``OUT/.fira-train.lock`` (created, with ``OUT``,
+    if missing)."""
+
+    def __init__(self, out: str | Path) -> None:
+        self.out = Path(out)
+        self.path = self.out / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock; RunDirectoryBusy if another process (or another open of it) holds it."""
+        if fcntl is None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f" (pid {holder})" if holder.isdigit() else ""
+            raise RunDirectoryBusy(
+                f"run directory {str(self.out)!r} is in use by another fira-train run{who}; wait for "
+                "it to finish, or pass another --out") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+@contextlib.contextmanager
+def locked_run_directory(out: str | Path, env: DistributedEnv | None = None) -> Iterator[None]:
+    """Hold the run directory ``out`` for the duration of the ``with`` block (see the module
+    docstring); every rank of a ``torchrun`` launch must enter it."""
+    distributed = env is not None and env.distributed
+    lock = RunLock(out)
+    error: BaseException | None = None
+    if not distributed or env.is_main:
+        try:
+            lock.acquire()
+        except (RunDirectoryBusy, OSError) as err:
+            error = err
+    if distributed:
+        import torch.distributed as dist
+
+        message: list[Any] = [None if error is None else (type(error).__name__, str(error))]
+        dist.broadcast_object_list(message, src=0, device=env.device)  # plain strings, from rank 0
+        if error is None and message[0] is not None:
+            kind, text = message[0]
+            raise (RunDirectoryBusy if kind == RunDirectoryBusy.__name__ else OSError)(text)
+    if error is not None:
+        raise error
+    try:
+        yield
+    finally:
+        lock.release()

@@ -1,0 +1,123 @@
+"""One line on stderr, not a traceback, for what users do and what their machine does to a run.
+
+:func:`fira_train.cli.main` runs a command and, when it raises, asks :func:`describe` for a
+message; it prints ``fira-train COMMAND: error: MESSAGE`` and exits with status 1. An exception
+that :func:`describe` does not know (``None``) is a bug and keeps its traceback; so does every
+exception when the environment variable ``FIRA_TRACEBACK=1`` is set (for debugging).
+
+Known, with what the message says:
+
+- ``ValueError`` (bad options, overrides, data, damaged JSON files: :mod:`fira_train.files`),
+  ``FileNotFoundError`` / ``FileExistsError`` raised by the harness, ``CheckpointError``: their
+  own message, which names the value or file;
+- an ``OSError`` from the operating system (it has an ``errno``): a full disk (``ENOSPC``),
+  a folder that cannot be written (``EACCES``, ``EPERM``, ``EROFS``), a file where a folder is
+  needed (``ENOTDIR``, ``EEXIST``), ...: the file, and what to do -- for the cache
+  (``$FIRA_CACHE`` or ``data.cache_dir``) set another folder, for the run folder pass another
+  ``--out``, for a full disk free space and run the command again (with ``--resume``: the
+  checkpoints already written stay); other ``OSError`` (a tokenizer that cannot be loaded):
+  their message;
+- divergence (:class:`fira_train.run.divergence.DivergedError`, ``NonFiniteLossError``,
+  ``fira_optim.NonFiniteGradientError``): that the run diverged, and what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+from pathlib import Path
+
+__all__ = ["TRACEBACK_ENV", "describe"]
+
+#: Set to 1 to get the traceback of every error instead of one line.
+TRACEBACK_ENV = "FIRA_TRACEBACK"
+
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+_NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
+_NOT_A_FOLDER = {errno.ENOTDIR, errno.EEXIST}
+
+
+def describe(err: BaseException, args: argparse.Namespace | None = None) -> str | None:
+    """The one-line message for ``err`` raised by the command ``args``; None for a bug."""
+    if os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0"):
+        return None
+    message = _describe(err, args or argparse.Namespace())
+    return None if message is None else " ".join(message.split())  # one line
+
+
+def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
+    from fira_optim import NonFiniteGradientError
+    from fira_train.run.checkpoint import CheckpointError
+
+    if isinstance(err, OSError) and err.errno is not None:
+        return _os_error(err, args)
+    if isinstance(err, NonFiniteGradientError):
+        where = str(err).split(";")[0]  # "non-finite gradient in NAME"
+        return (f"the run diverged: {where}, nothing was updated; lower optim.lr or set train.grad_clip "
+                "(e.g. 1.0), then start over with --overwrite or continue from an earlier checkpoint with "
+                f"--resume-step{_checkpoints_stay(args)}")
+    if isinstance(err, FloatingPointError):  # DivergedError, NonFiniteLossError
+        text = str(err)
+        return (text if "diverged" in text else f"the run diverged: {text}") + _checkpoints_stay(args)
+    if isinstance(err, (ValueError, OSError, CheckpointError)):
+        return str(err)
+    return None
+
+
+def _checkpoints_stay(args: argparse.Namespace) -> str:
+    out = _run_dir(args)
+    return f" (the checkpoints already written in {out} stay)" if out else " (the checkpoints already written stay)"
+
+
+def _run_dir(args: argparse.Namespace) -> str | None:
+    """The command's output folder as given: ``--out`` or a ``train.out_dir=`` override."""
+    if getattr(args, "out", None):
+        return str(args.out)
+    values = [o.partition("=")[2] for o in getattr(args, "overrides", None) or [] if o.startswith("train.out_dir=")]
+    return values[-1] if values else None
+
+
+def _cache_dir(args: argparse.Namespace) -> tuple[Path, str]:
+    """The cache folder the command uses and where it was set."""
+    from fira_train.data.disk_cache import CACHE_ENV_VAR, default_cache_dir
+
+    values = [o.partition("=")[2] for o in getattr(args, "overrides", None) or [] if o.startswith("data.cache_dir=")]
+    if values and values[-1].strip().lower() not in ("none", "null"):
+        return Path(values[-1]).expanduser(), "data.cache_dir"
+    if os.environ.get(CACHE_ENV_VAR):
+        return default_cache_dir(), f"${CACHE_ENV_VAR}"
+    return default_cache_dir(), "the default cache folder"
+
+
+def _inside(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> bool:
+    path, folder = Path(os.path.abspath(path)), Path(os.path.abspath(folder))
+    return path == folder or folder in path.parents
+
+
+def _os_error(err: OSError, args: argparse.Namespace) -> str:
+    path = err.filename if err.filename is not None else None
+    reason = err.strerror or os.strerror(err.errno)
+    cache, cache_source = _cache_dir(args)
+    out = _run_dir(args)
+    in_cache = path is not None and _inside(path, cache)
+    if err.errno in _FULL:
+        where = path or out or "the output folder"
+        again = {"pretrain": " with --resume", "compare": " with --resume", "analyze": " with --reuse"}
+        return (f"no space left on the device holding {where} ({reason}): free some space (or point "
+                f"{'FIRA_CACHE' if in_cache else '--out'} at another disk) and run the same command again"
+                f"{again.get(getattr(args, 'command', ''), '')}{_checkpoints_stay(args)}")
+    if path is None:
+        return f"{reason} (in {out or 'the output folder'})"
+    if in_cache:
+        fix = ("set FIRA_CACHE to a folder you can write (or pass data.cache_dir=DIR)" if cache_source != "data.cache_dir"
+               else "pass data.cache_dir=DIR with a folder you can write (or leave it out to use $FIRA_CACHE)")
+        what = "is not a folder (a file is in the way)" if err.errno in _NOT_A_FOLDER else "cannot be written"
+        return f"the cache folder {cache} ({cache_source}) {what}: {reason}: {path}; {fix}"
+    if err.errno in _NOT_WRITABLE:
+        fix = "pass --out with a folder you can write" if out is None or _inside(path, out) else (
+            "check the permissions of that folder")
+        return f"cannot write {path}: {reason}; {fix}"
+    if err.errno in _NOT_A_FOLDER:
+        return f"{path}: {reason} (a file is where a folder is needed); move it or choose another folder"
+    return f"{path}: {reason}"

@@ -1,0 +1,203 @@
+"""fira_optim.step_in_backward: updates inside the backward pass equal optimizer.step()."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fira_optim import VARIANTS, FiraAdamW, step_in_backward
+from tests.multiprocess import run_ranks
+
+
+class Net(torch.nn.Module):
+    """Wide, tall and square projected matrices, a bias and a norm weight (plain AdamW)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(10, 14)  # weight 14 x 10: right
+        self.b = torch.nn.Linear(14, 9)  # 9 x 14: left
+        self.c = torch.nn.Linear(9, 9, bias=False)  # square: right
+        self.norm = torch.nn.LayerNorm(9)
+
+    def forward(self, x):
+        return self.norm(self.c(torch.tanh(self.b(torch.tanh(self.a(x))))))
+
+
+def _net(dtype=torch.float64):
+    torch.manual_seed(0)
+    return Net().to(dtype)
+
+
+def _optimizer(model, variant="fira"):
+    matrices = [m.weight for m in (model.a, model.b, model.c)]
+    ids = {id(p) for p in matrices}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return FiraAdamW([{"params": matrices, "rank": 3, "update_proj_gap": 3},
+                      {"params": rest}], lr=0.02, weight_decay=0.1, **VARIANTS[variant])
+
+
+def _batch(step, micro=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(100 * step + micro)
+    x = torch.randn(8, 10, generator=g, dtype=torch.float64).to(dtype)
+    return x, (1.0 + step) * torch.randn(8, 9, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _loss(model, x, y):
+    return (model(x) - y).square().mean()
+
+
+def _train(model, opt, steps, micro_batches=1, handle=None, scheduler=None):
+    for step in range(steps):
+        for micro in range(micro_batches):
+            x, y = _batch(step, micro, next(model.parameters()).dtype)
+            last = micro == micro_batches - 1
+            context = handle.accumulate() if handle is not None and not last else _nothing()
+            with context:
+                (_loss(model, x, y) / micro_batches).backward()
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("variant", ["fira", "galore", "fira-matrix"])
+def test_updates_in_backward_equal_step_bit_for_bit(variant):
+    runs = []
+    for in_backward in (False, True):
+        model = _net()
+        opt = _optimizer(model, variant)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        handle = step_in_backward(opt) if in_backward else None
+        _train(model, opt, 7, scheduler=scheduler)  # refreshes at steps 0, 3, 6
+        runs.append((model, opt))
+        if handle is not None:
+            assert all(p.grad is None for p in model.parameters())  # freed as they were used
+    (m1, o1), (m2, o2) = runs
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        for key, value in o1.state[p].items():
+            assert torch.equal(value, o2.state[q][key]), key
+
+
+def test_gradient_accumulation_updates_on_the_last_micro_batch():
+    runs = []
+    for in_backward in (False, True):
+        model = _net()
+        opt = _optimizer(model)
+        handle = step_in_backward(opt) if in_backward else None
+        _train(model, opt, 4, micro_batches=3, handle=handle)
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.equal(p, q)
+
+
+def test_step_is_a_no_op_and_remove_restores_it():
+    model = _net()
+    opt = _optimizer(model)
+    handle = step_in_backward(opt)
+    with pytest.raises(RuntimeError, match="already active"):
+        step_in_backward(opt)
+    x, y = _batch(0)
+    _loss(model, x, y).backward()  # the update happens here
+    after_backward = copy.deepcopy(list(model.parameters()))
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_backward))
+    handle.remove()
+    _loss(model, x, y).backward()
+    assert all(p.grad is not None for p in model.parameters())  # no hook frees them any more
+    opt.step()
+    assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), after_backward))
+
+
+def test_resume_in_backward_is_exact():
+    model = _net()
+    opt = _optimizer(model)
+    step_in_backward(opt)
+    _train(model, opt, 4)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    _train_from(model, opt, 4, 3)
+    resumed = _net()
+    resumed.load_state_dict(saved_model)
+    resumed_opt = _optimizer(resumed)
+    resumed_opt.load_state_dict(saved_opt)
+    step_in_backward(resumed_opt)
+    _train_from(resumed, resumed_opt, 4, 3)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def _train_from(model, opt, start, steps):
+    for step in range(start, start + steps):
+        x, y = _batch(step)
+        _loss(model, x, y).backward()
+        opt.step()
+
+
+def test_a_non_finite_gradient_skips_only_its_matrix():
+    model = _net()
+    opt = FiraAdamW([{"params": [model.a.weight, model.b.weight], "rank": 3}], nonfinite="skip")
+    step_in_backward(opt)
+    before = [model.a.weight.detach().clone(), model.b.weight.detach().clone()]
+    model.a.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    x, y = _batch(0)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        _loss(model, x, y).backward()
+    assert torch.equal(model.a.weight, before[0]) and not torch.equal(model.b.weight, before[1])
+
+
+# ---------------------------------------------------------------------- two processes
+
+
+def _distributed_worker(rank, world, mode):
+    import torch.distributed as dist
+
+    model = _net()
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, bucket_cap_mb=0.0001)  # several buckets
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model.a, model.b, model.c):
+            fully_shard(layer)
+        wrapped = fully_shard(model)
+    opt = _optimizer(model)
+    handle = step_in_backward(opt, wrapped)
+    for step in range(5):
+        for micro in range(2):
+            x, y = _batch(step, micro)
+            rows = slice(4 * rank, 4 * rank + 4)  # each rank its half of the batch
+            context = handle.accumulate() if micro == 0 else _nothing()
+            with context:
+                (_loss(wrapped, x[rows], y[rows]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_processes_equal_one(mode, tmp_path):
+    model = _net()
+    opt = _optimizer(model)
+    _train(model, opt, 5, micro_batches=2)
+    results = run_ranks(_distributed_worker, 2, tmp_path, mode, timeout=150)
+    for result in results:
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(result[name], p.detach(), rtol=1e-9, atol=1e-11)

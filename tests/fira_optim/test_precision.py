@@ -1,0 +1,120 @@
+"""state_dtype (fp32 / bf16 / int8 optimizer states) and stochastic rounding of bf16 weights."""
+
+import copy
+
+import pytest
+import torch
+
+from fira_optim import FiraAdamW
+from fira_optim.precision import BLOCK, round_into
+
+from .common import round_trip
+
+pytest.importorskip("torchao", reason="state_dtype='int8' uses torchao's quantization")
+
+# Big enough to be quantized (>= 4096 elements, whole blocks of 256): R of the 64 x 256 matrix
+# is 16 x 256; the 256-element bias stays fp32 below the threshold, the embedding-like plain
+# matrix is quantized.
+SHAPES = [(64, 256), (256, 64), (256,), (64, 128)]
+
+
+def _params(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in SHAPES]
+
+
+def _optimizer(params, **kw):
+    return FiraAdamW([{"params": params[:2], "rank": 16, "update_proj_gap": 3},
+                      {"params": params[2:]}], lr=1e-2, **kw)
+
+
+def _grads(step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + step)
+    return [(torch.randn(s, generator=g) * (1 + step)).to(dtype) for s in SHAPES]
+
+
+def _run(params, opt, steps, start=0):
+    for k in range(start, start + steps):
+        for p, grad in zip(params, _grads(k, params[0].dtype)):
+            p.grad = grad
+        opt.step()
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_states_are_stored_in_the_chosen_precision(state_dtype):
+    params = _params()
+    opt = _optimizer(params, state_dtype=state_dtype)
+    _run(params, opt, 2)
+    wide, tall, bias, plain = (opt.state[p] for p in params)
+    if state_dtype == "bfloat16":
+        for state in (wide, tall, bias, plain):
+            assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    else:
+        for state in (wide, tall, plain):
+            assert state["exp_avg"].dtype == torch.uint8 and state["exp_avg"].shape
+            assert state["exp_avg_scale"].numel() * BLOCK == state["exp_avg"].numel()
+        assert bias["exp_avg"].dtype == torch.float32  # 256 elements: not worth quantizing
+    assert wide["basis"].dtype == torch.bfloat16 and wide["prev_norm"].dtype == torch.float32
+    fp32 = _optimizer(_params())
+    _run(fp32.param_groups[0]["params"] + fp32.param_groups[1]["params"], fp32, 2)
+    bytes_of = lambda o: sum(v.numel() * v.element_size() for s in o.state.values() for v in s.values())  # noqa: E731
+    assert bytes_of(opt) < (0.55 if state_dtype == "bfloat16" else 0.35) * bytes_of(fp32)
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_low_precision_states_track_fp32_and_resume_exactly(state_dtype):
+    ref = _params()
+    ref_opt = _optimizer(ref)
+    _run(ref, ref_opt, 8)
+    params = _params()
+    opt = _optimizer(params, state_dtype=state_dtype)
+    _run(params, opt, 4)
+    saved = round_trip(copy.deepcopy(opt.state_dict()))  # torch.load(weights_only=True)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    _run(params, opt, 4, start=4)
+    twin_opt = _optimizer(twin, state_dtype=state_dtype)
+    twin_opt.load_state_dict(saved)
+    _run(twin, twin_opt, 4, start=4)
+    for p, q, r in zip(params, twin, ref):
+        assert torch.equal(p, q)  # resumed exactly
+        torch.testing.assert_close(p, r, rtol=0.05, atol=0.02)  # and near the fp32 run
+
+
+def test_a_state_dict_of_another_state_dtype_is_refused():
+    params = _params()
+    opt = _optimizer(params, state_dtype="int8")
+    _run(params, opt, 1)
+    with pytest.raises(ValueError, match="state_dtype='int8'"):
+        _optimizer(_params()).load_state_dict(opt.state_dict())
+
+
+def test_invalid_state_dtype_names_the_argument():
+    with pytest.raises(ValueError, match="Invalid state_dtype: 'int4'"):
+        _optimizer(_params(), state_dtype="int4")
+
+
+def test_stochastic_rounding_is_unbiased_and_seeded():
+    value = torch.full((200_000,), 1.0 + 2**-10)  # between two bf16 neighbours (1 and 1 + 2^-7)
+    param = torch.zeros(200_000, dtype=torch.bfloat16)
+    round_into(param, value, torch.Generator().manual_seed(0))
+    assert set(param.float().unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(param.float().mean().item() - value[0].item()) < 2e-5  # unbiased on average
+    nearest = value.to(torch.bfloat16)
+    assert torch.equal(nearest, torch.ones_like(nearest))  # round-to-nearest loses the update
+    again = torch.zeros_like(param)
+    round_into(again, value, torch.Generator().manual_seed(0))
+    assert torch.equal(param, again)
+
+
+def test_bf16_weights_with_stochastic_rounding_resume_exactly():
+    params = _params(torch.bfloat16)
+    opt = _optimizer(params, stochastic_rounding=True, state_dtype="bfloat16")
+    _run(params, opt, 3)
+    saved = round_trip(copy.deepcopy(opt.state_dict()))
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    _run(params, opt, 3, start=3)
+    twin_opt = _optimizer(twin, stochastic_rounding=True, state_dtype="bfloat16")
+    twin_opt.load_state_dict(saved)
+    _run(twin, twin_opt, 3, start=3)
+    for p, q in zip(params, twin):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q)

@@ -1,0 +1,129 @@
+"""--resume: a damaged latest checkpoint falls back to the newest intact one (saying so), and a
+checkpoint's own record of the config must match, with or without OUT/config.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fira_train.cli import main
+from fira_train.config.overrides import config_to_dict
+from fira_train.run import checkpoint as ckpt
+from fira_train.run.metrics import read_metrics
+from fira_train.run.train import train
+from tests.fira_train.harness_fixtures import micro_config
+
+COMMON = ("optim.method=adamw", "train.steps=4", "train.save_every=1", "train.eval_every=0",
+          "train.keep_last=5")
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path: Path, caplog) -> None:
+    straight = train(micro_config(tmp_path, *COMMON, out="straight"))
+    config = micro_config(tmp_path, *COMMON)
+    train(config)
+    root = tmp_path / "run" / "checkpoints"
+    _flip_a_byte(root / "step_00000004" / "state.pt")
+    (root / "step_00000003" / "state.pt").write_bytes(b"")  # and an empty one below it
+    with caplog.at_level(logging.WARNING):
+        resumed = train(config, resume="latest")
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "step_00000004" in warning and "corrupted" in warning
+    assert "step_00000003" in warning and "truncated" in warning
+    assert "resuming from step_00000002" in warning and "--resume-step" in warning
+    # steps 3 and 4 trained again: the same run as the one never interrupted
+    assert [r["loss"] for r in read_metrics(tmp_path / "run")] == [r["loss"] for r in read_metrics(tmp_path / "straight")]
+    assert resumed["val_loss"] == straight["val_loss"]
+
+
+def test_no_intact_checkpoint_names_them_all(tmp_path: Path, capsys) -> None:
+    config = micro_config(tmp_path, *COMMON[:2], "train.steps=2", "train.save_every=1", "train.keep_last=5")
+    train(config)
+    root = tmp_path / "run" / "checkpoints"
+    for step in (1, 2):
+        _flip_a_byte(root / f"step_{step:08d}" / "state.pt")
+    with pytest.raises(ckpt.CheckpointError, match=r"no intact checkpoint .*step_00000002: .*step_00000001: "
+                                                   r".*--resume-step"):
+        train(config, resume="latest")
+    assert main(["pretrain", "--recipe", "micro", "--method", "adamw", "--steps", "2", "--out",
+                 str(tmp_path / "run"), "--resume", "--data", config.data.source,
+                 f"data.cache_dir={config.data.cache_dir}", "data.vocab_size=300", "data.val_fraction=0.1",
+                 "train.progress=false", "train.tensorboard=false", "train.save_every=1",
+                 "train.keep_last=5"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no intact checkpoint" in err
+
+
+def test_resume_checks_the_checkpoints_own_config_without_config_json(tmp_path: Path, capsys) -> None:
+    """The reviewer's case: a fira rank-16 run, config.json gone, resumed as galore rank 8."""
+    config = micro_config(tmp_path, "optim.method=fira", "train.steps=2", "train.eval_every=0")
+    train(config)
+    out = tmp_path / "run"
+    (out / "config.json").unlink()
+    flags = ["--recipe", "micro", "--steps", "2", "--out", str(out), "--data", config.data.source,
+             f"data.cache_dir={config.data.cache_dir}", "data.vocab_size=300", "data.val_fraction=0.1",
+             "train.progress=false", "train.tensorboard=false", "train.num_threads=1", "train.eval_every=0"]
+    code = main(["pretrain", "--method", "galore", "--rank", "8", *flags, "--resume"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1, err
+    assert len(err.splitlines()) == 1
+    assert "optim.method='fira' (now 'galore')" in err and "optim.rank=16 (now 8)" in err
+    assert not (out / "config.json").exists()  # the refused resume left the run as it was
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    # the right settings still resume (nothing left to train)
+    assert main(["pretrain", "--method", "fira", *flags, "--resume"]) == 0
+
+
+def _dcp_checkpoints(out: Path, config, steps: tuple[int, ...]) -> Path:
+    """DCP checkpoints of the tiny model under OUT/checkpoints, recording ``config``."""
+    from fira_train.run import dist_checkpoint
+    from tests.fira_train.tiny_lm import build_model, make_optimizer
+
+    model = build_model()
+    optimizer = make_optimizer(model, "adamw")
+    for step in steps:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dist_checkpoint.save_checkpoint(out / "checkpoints", step, model, optimizer, extra={"step": step},
+                                            record={"config": config_to_dict(config)})
+    return out / "checkpoints"
+
+
+def test_dcp_checkpoints_fall_back_and_check_their_config_record(tmp_path: Path, caplog) -> None:
+    from fira_train.run.resume_check import choose_checkpoint
+
+    config = micro_config(tmp_path, "optim.method=adamw")
+    out = tmp_path / "dcp"
+    root = _dcp_checkpoints(out, config, (1, 2, 3))
+    assert choose_checkpoint(out, "latest", config) == (root / "step_00000003", None)
+    _flip_a_byte(root / "step_00000003" / "__0_0.distcp")
+    (root / "step_00000002" / ".metadata").write_bytes(b"")
+    with caplog.at_level(logging.WARNING):
+        assert choose_checkpoint(out, "latest", config) == (root / "step_00000001", None)
+    warning = caplog.records[-1].getMessage()
+    assert "__0_0.distcp' is corrupted" in warning and ".metadata' is truncated" in warning
+    with pytest.raises(ckpt.CheckpointError, match="corrupted"):
+        choose_checkpoint(out, 3, config)  # asked for by step: no fallback
+    other = micro_config(tmp_path, "optim.method=galore", "optim.rank=8")
+    with pytest.raises(ValueError, match=r"optim\.method='adamw' \(now 'galore'\)"):
+        choose_checkpoint(out, "latest", other)
+
+
+def test_single_file_checkpoints_record_the_config(tmp_path: Path) -> None:
+    from fira_train.config.overrides import config_from_dict
+
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0")
+    train(config)
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000001" / "state.pt", weights_only=True)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config_from_dict(state["config"]) == config_from_dict(saved)  # the run's config, lr resolved

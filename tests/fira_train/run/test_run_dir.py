@@ -1,0 +1,179 @@
+"""A run directory: one run at a time (a lock held for the run's life, under torchrun too), and
+files that fira-train did not write are not written over without --overwrite."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fira_train.cli import main
+from fira_train.run.metrics import read_metrics
+from fira_train.run.train import TrainCallback, train
+from tests.fira_train.harness_fixtures import micro_config
+from tests.multiprocess import run_ranks
+
+REPO = Path(__file__).resolve().parents[3]
+LOCK_FILE = ".fira-train.lock"
+
+
+def _flags(config, method: str = "adamw") -> list[str]:
+    return ["--recipe", "micro", "--method", method, "--out", config.train.out_dir,
+            "--steps", str(config.train.steps), "--data", config.data.source,
+            f"data.cache_dir={config.data.cache_dir}", "data.vocab_size=300", "data.val_fraction=0.1",
+            "train.progress=false", "train.tensorboard=false", "train.num_threads=1", "train.eval_every=0",
+            f"train.save_every={config.train.save_every}"]
+
+
+class _SecondRun(TrainCallback):
+    """At step 2 of the first run, start a second run into the same OUT: once as a new run with
+    --overwrite, once as --resume (the reviewer's two cases); record their exit codes."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.results: list[tuple[object, str]] = []
+
+    def before_step(self, step, model, optimizer, loss) -> None:
+        if step != 2:
+            return
+        for extra in (["--overwrite"], ["--resume"]):
+            try:
+                code = main(["pretrain", *_flags(self.config), *extra])
+            except Exception as err:  # noqa: BLE001 -- recorded, asserted by the test
+                code = err
+            self.results.append((code, extra[0]))
+
+
+def test_a_second_run_into_the_same_out_is_refused_while_the_first_runs(tmp_path: Path, capsys) -> None:
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.save_every=1",
+                          "train.eval_every=0", "train.keep_last=5")
+    second = _SecondRun(config)
+    train(config, callbacks=[second])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert [code for code, _ in second.results] == [1, 1], second.results
+    assert len(err) == 2
+    for line in err:
+        assert f"run directory {str(tmp_path / 'run')!r} is in use by another fira-train run (pid {os.getpid()})" in line
+    # the first run's files are its own alone: one record per step, its checkpoints, its config
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["steps"] == 4
+    # released at the end: the run resumes (nothing left to do) and starts over
+    assert main(["pretrain", *_flags(config), "--resume"]) == 0
+    assert main(["pretrain", *_flags(config), "--overwrite"]) == 0
+
+
+def test_a_run_in_another_process_is_refused(tmp_path: Path) -> None:
+    """Two processes: this one holds OUT's lock, `python -m fira_train pretrain` into it stops."""
+    from fira_train.run.run_lock import RunLock
+
+    config = micro_config(tmp_path, "train.steps=1")
+    lock = RunLock(tmp_path / "run")
+    lock.acquire()
+    try:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+        proc = subprocess.run([sys.executable, "-m", "fira_train", "pretrain", *_flags(config)], env=env,
+                              capture_output=True, text=True, timeout=240)
+    finally:
+        lock.release()
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == (
+        f"fira-train pretrain: error: run directory {str(tmp_path / 'run')!r} is in use by another "
+        f"fira-train run (pid {os.getpid()}); wait for it to finish, or pass another --out")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOCK_FILE]  # nothing written
+
+
+class _Boom(Exception):
+    pass
+
+
+class _FailAt(TrainCallback):
+    def before_step(self, step, model, optimizer, loss) -> None:
+        raise _Boom
+
+
+def test_the_lock_is_released_when_a_run_fails_and_a_stale_lock_file_blocks_nothing(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0")
+    with pytest.raises(_Boom):
+        train(config, callbacks=[_FailAt()])
+    (tmp_path / "run" / LOCK_FILE).write_text("12345\n")  # left by a killed run: not held by anyone
+    train(config, overwrite=True)
+
+
+def _locked_out_worker(rank: int, world: int, root: str) -> str:
+    try:
+        train(micro_config(Path(root), "optim.method=adamw", "train.steps=1", "train.parallel=ddp"))
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return "trained"
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_every_rank_stops_when_out_is_held(tmp_path: Path) -> None:
+    """Rank 0 takes the lock and tells the others: every rank of a refused launch stops with the
+    same error, none hangs (a plain DDP launch into a free OUT is test_train_parallel's)."""
+    from fira_train.run.run_lock import RunLock
+
+    micro_config(tmp_path)  # the corpus, before the workers read it
+    lock = RunLock(tmp_path / "run")
+    lock.acquire()
+    try:
+        results = run_ranks(_locked_out_worker, 2, tmp_path / "w", str(tmp_path), timeout=100)
+    finally:
+        lock.release()
+    for result in results:
+        assert result.startswith("RunDirectoryBusy: run directory") and "in use" in result, result
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------- files fira-train did not write
+
+
+def _hugging_face_folder(path: Path) -> dict[str, bytes]:
+    path.mkdir(parents=True)
+    files = {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}).encode(),
+             "model.safetensors": b"\x00" * 64}
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    return files
+
+
+def test_a_folder_with_foreign_files_is_not_written_without_overwrite(tmp_path: Path, capsys) -> None:
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0", out="hf")
+    files = _hugging_face_folder(tmp_path / "hf")
+    for resume in (None, "latest"):
+        with pytest.raises(FileExistsError, match=r"did not write \(config\.json, model\.safetensors\).*--overwrite"):
+            train(config, resume=resume)
+    assert main(["pretrain", *_flags(config)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "config.json" in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()} == files  # untouched, no lock file
+    # --overwrite: the run writes its files (its config.json replaces the foreign one), the rest stays
+    train(config, overwrite=True)
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == files["model.safetensors"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["optim"]["method"] == "adamw"
+
+
+def test_foreign_files_beside_a_run_do_not_block_its_resume(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=2", "train.save_every=1",
+                          "train.eval_every=0")
+    train(config)
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        train(config)  # a new run: refused (the run is there, and so is a foreign file)
+    train(config, resume=1)  # resuming writes only the run's own files
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_the_analyses_files_count_as_fira_trains() -> None:
+    from fira_train.run import run_files
+    from fira_train.analysis.callbacks import NORMS_FILE
+    from fira_train.analysis.runs import RUN_SPEC_FILE
+    from fira_train.analysis.similarity import FACTORS_FILE
+    from fira_train.run.run_lock import LOCK_FILE as lock_file
+
+    assert {NORMS_FILE, RUN_SPEC_FILE, FACTORS_FILE} <= run_files.ANALYSIS_FILES
+    assert lock_file == LOCK_FILE and lock_file in run_files.RUN_FILES

@@ -1,0 +1,199 @@
+"""What users do, and what their machine does to a run: one line on stderr, exit status 1, no
+traceback, and nothing lost (fira_train.user_errors; the divergence rule is run/test_divergence.py, the
+JSON files test_files.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from fira_train.cli import main
+from fira_train.run import train as train_module
+from fira_train.run.metrics import MetricsLog, read_metrics
+from tests.fira_train.harness_fixtures import write_corpus
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The micro corpus and its tokenizer cache, shared by this module's runs."""
+    root = tmp_path_factory.mktemp("user-errors")
+    write_corpus(root / "corpus")
+    return root
+
+
+def _overrides(root: Path, cache: bool = True) -> list[str]:
+    return [*([f"data.cache_dir={root / 'cache'}"] if cache else []), "data.vocab_size=300", "data.val_fraction=0.1",
+            "train.progress=false", "train.tensorboard=false", "train.num_threads=1"]
+
+
+def _pretrain(root: Path, out: Path, *extra: str, method: str = "adamw", steps: int = 4, cache: bool = True) -> int:
+    """``extra`` flags, then overrides (trailing: so that the command also parses before overrides could
+    stand anywhere, and a test fails on old code for its own reason)."""
+    return main(["pretrain", "--recipe", "micro", "--method", method, "--steps", str(steps), "--out", str(out),
+                 "--data", str(root / "corpus"), *extra, *_overrides(root, cache)])
+
+
+def _error_line(capsys: pytest.CaptureFixture) -> str:
+    """The one error line on stderr (log lines may surround it), after checking there is no traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("fira-train ")]
+    assert len(lines) == 1 and lines[0].startswith("fira-train pretrain: error: "), err
+    return lines[0]
+
+
+def _read_only(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """Creating anything under ``folder`` fails as on a read-only mount (chmod does not stop root)."""
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        target = Path(os.path.abspath(path))
+        if target == folder or folder in target.parents:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+
+
+def _checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+
+
+def test_a_full_disk_is_one_line_and_the_checkpoints_stay(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    out = tmp_path / "run"
+    log = MetricsLog.log
+
+    def full_at_step_5(self, record):
+        if record["step"] == 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        log(self, record)
+
+    monkeypatch.setattr(MetricsLog, "log", full_at_step_5)
+    assert _pretrain(root, out, "--save-every", "2", steps=6) == 1
+    line = _error_line(capsys)
+    assert "no space left" in line and str(out) in line and "--resume" in line
+    assert _checkpoints(out) == ["step_00000002", "step_00000004"]
+    monkeypatch.setattr(MetricsLog, "log", log)  # space freed: the same command with --resume finishes
+    assert _pretrain(root, out, "--save-every", "2", "--resume", steps=6) == 0
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_read_only_out_is_one_line_naming_it(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    read_only = tmp_path / "mounted"
+    read_only.mkdir()
+    _read_only(monkeypatch, read_only)
+    out = read_only / "run"
+    assert _pretrain(root, out) == 1
+    line = _error_line(capsys)
+    assert str(out) in line and "Read-only file system" in line and "--out" in line
+
+
+def test_a_cache_that_is_a_file_is_one_line_naming_fira_cache(root: Path, tmp_path: Path, monkeypatch,
+                                                              capsys) -> None:
+    cache = tmp_path / "cache-file"
+    cache.write_text("not a folder")
+    monkeypatch.setenv("FIRA_CACHE", str(cache))
+    assert _pretrain(root, tmp_path / "run", cache=False) == 1
+    line = _error_line(capsys)
+    assert str(cache) in line and "$FIRA_CACHE" in line and "set FIRA_CACHE to a folder you can write" in line
+
+
+def test_a_read_only_cache_is_one_line_naming_fira_cache(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    cache = tmp_path / "shared-cache"
+    cache.mkdir()
+    _read_only(monkeypatch, cache)
+    monkeypatch.setenv("FIRA_CACHE", str(cache))
+    assert _pretrain(root, tmp_path / "run", cache=False) == 1
+    line = _error_line(capsys)
+    assert str(cache) in line and "Read-only file system" in line and "FIRA_CACHE" in line
+
+
+def test_a_missing_tokenizer_folder_names_it_and_the_real_override(root: Path, tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "my-tokenizer"
+    assert _pretrain(root, tmp_path / "run", f"data.tokenizer={missing}") == 1
+    line = _error_line(capsys)
+    assert str(missing) in line and "data.tokenizer=bpe" in line and "--tokenizer" not in line
+
+
+def test_a_non_finite_gradient_says_the_run_diverged(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    build = train_module.build_training
+
+    def with_an_infinite_gradient(*args, **kwargs):
+        training = build(*args, **kwargs)
+        weight = next(p for p in training.model.parameters() if p.ndim == 2 and p.requires_grad)
+        weight.register_hook(lambda grad: grad * float("inf"))
+        return training
+
+    monkeypatch.setattr(train_module, "build_training", with_an_infinite_gradient)
+    out = tmp_path / "run"
+    assert _pretrain(root, out, method="fira") == 1
+    line = _error_line(capsys)
+    assert "diverged" in line and "non-finite gradient" in line and "optim.lr" in line
+    assert "nonfinite=" not in line  # the optimizer's API hint is no command-line option
+    assert str(out) in line
+
+
+def test_a_damaged_config_json_on_resume_names_the_file(root: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert _pretrain(root, out, steps=2) == 0
+    (out / "config.json").write_text('{"model": {"hidden_size": 6')
+    assert _pretrain(root, out, "--resume", steps=2) == 1
+    line = _error_line(capsys)
+    assert str(out / "config.json") in line and "not valid JSON" in line and "restore it" in line
+    assert _checkpoints(out)  # nothing deleted
+
+
+def test_a_damaged_metrics_jsonl_on_resume_names_the_file_and_line(root: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert _pretrain(root, out, "--save-every", "1", steps=2) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:20] + "\n")
+    assert _pretrain(root, out, "--save-every", "1", "--resume", steps=2) == 1
+    line = _error_line(capsys)
+    assert str(out / "metrics.jsonl") in line and "line 2" in line and "damaged" in line
+
+
+def test_a_diverging_run_exits_non_zero_and_writes_no_infinity(root: Path, tmp_path: Path, capsys) -> None:
+    """AdamW at lr 10: the loss reaches the thousands at step 2 (validation perplexity would be inf)."""
+    out = tmp_path / "run"
+    assert _pretrain(root, out, "--lr", "10", "--save-every", "1", "train.warmup_fraction=0", steps=4) == 1
+    line = _error_line(capsys)
+    assert "the run diverged at step 2: training loss" in line and "optim.lr" in line
+    assert not (out / "summary.json").exists()  # never mistaken for a finished run
+    assert _checkpoints(out) == ["step_00000001"]  # the step before the divergence stays
+    text = (out / "metrics.jsonl").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+
+
+def test_a_diverged_validation_loss_is_logged_as_null_and_stops_the_run(root: Path, tmp_path: Path, monkeypatch,
+                                                                        capsys) -> None:
+    monkeypatch.setattr(train_module, "evaluate", lambda *args, **kwargs: (800.0, 1))  # exp(800) overflows
+    out = tmp_path / "run"
+    assert _pretrain(root, out, "--eval-every", "2", "--save-every", "1", steps=4) == 1
+    line = _error_line(capsys)
+    assert "diverged at step 2: validation loss 800" in line
+    text = (out / "metrics.jsonl").read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    records = read_metrics(out)
+    assert records[-1]["step"] == 2 and records[-1]["val_loss"] == 800.0 and records[-1]["val_ppl"] is None
+    assert _checkpoints(out) == ["step_00000001"]  # the diverged weights of step 2 are not kept
+    assert not (out / "summary.json").exists()
+
+
+def test_errors_that_are_bugs_keep_their_traceback(monkeypatch) -> None:
+    """Only what users do becomes one line: an unexpected exception still raises."""
+    from fira_train.user_errors import describe
+
+    assert describe(KeyError("x")) is None and describe(TypeError("x")) is None
+    assert describe(ValueError("bad value")) == "bad value"
+    monkeypatch.setenv("FIRA_TRACEBACK", "1")
+    assert describe(ValueError("bad value")) is None
+
+
+def test_one_line_even_for_multi_line_messages() -> None:
+    from fira_train.user_errors import describe
+
+    assert describe(OSError("could not load\n  tokenizer 'x'")) == "could not load tokenizer 'x'"
