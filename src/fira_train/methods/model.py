@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
 if TYPE_CHECKING:  # annotations only: the config validates method names against the registry
+    from transformers import LlamaForCausalLM
+
     from fira_train.config.run_config import ModelConfig
 
 
@@ -39,6 +41,10 @@ def build_model(config: ModelConfig, vocab_size: int, max_seq_len: int, seed: in
     The global torch generator is reseeded here, so two calls with the same arguments give
     bit-identical weights whatever ran before.
     """
+    # imported here: the modeling code pulls in transformers' quantizers (and torchao, where
+    # installed), which a command that stops before building a model should not load
+    from transformers import LlamaForCausalLM
+
     hf_config = llama_config(config, vocab_size, max_seq_len)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(hf_config)
