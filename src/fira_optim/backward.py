@@ -31,8 +31,8 @@ What changes:
   The communication hook stays registered after ``remove()`` (DDP cannot unregister one); it
   then only all-reduces, as DDP's default.
 - **FSDP2**: the hooks run on the sharded parameters after FSDP2's reduce-scatter, on this
-  rank's rows of the reduced gradient (pass the model so that ``accumulate()`` turns gradient
-  synchronisation off for the non-final micro-batches).
+  rank's rows of the reduced gradient; under ``accumulate()`` the reduce-scattered gradients
+  accumulate in the shards, and the final micro-batch's hook updates.
 """
 
 from __future__ import annotations
@@ -98,16 +98,14 @@ class StepInBackward:
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
         """Around the backward passes of the non-final micro-batches of a step: gradients
-        accumulate and nothing is updated (under DDP also ``no_sync``, under FSDP2 without
-        gradient synchronisation)."""
+        accumulate and nothing is updated (under DDP also ``no_sync``; under FSDP2 each
+        micro-batch is still reduce-scattered, into the sharded gradients, which is what FSDP2
+        accumulates at the least memory)."""
         previous = self._accumulating
         self._accumulating = True
         with contextlib.ExitStack() as stack:
             if self._ddp:
                 stack.enter_context(self.model.no_sync())
-            elif hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-                self.model.set_requires_gradient_sync(False)
-                stack.callback(self.model.set_requires_gradient_sync, True)
             try:
                 yield
             finally:
@@ -126,7 +124,7 @@ class StepInBackward:
 def step_in_backward(optimizer: "Fira", model: Any = None) -> StepInBackward:
     """Update every parameter of ``optimizer`` inside the backward pass, as soon as its gradient
     is complete, and free the gradient (module docstring). ``model``: the DDP-wrapped model under
-    DDP (required there), or the FSDP2 model (for :meth:`StepInBackward.accumulate`).
+    DDP (required there); anything else is ignored.
     Returns the handle; ``handle.remove()`` restores the normal behaviour."""
     from .optimizer import Fira
 

@@ -392,7 +392,7 @@ class Fira(Optimizer):
             left = [m for m, _ in matrices if m.sharding is not None and m.side == LEFT]
             flags = distributed.reduce_partials([m.low for m in left], flags, shard_group)
             for m in left:
-                m.low_norm = m.strategy.norms(m.low, 0)
+                m.low_norm = m.strategy.column_norms(m.low, 0)
         if flags is not None and not bool(flags.all()):  # the step's one host sync
             # Rare: a norm also overflows from finite entries. Decide those entry by entry
             # (and agree across the shards again).
@@ -470,7 +470,7 @@ class Fira(Optimizer):
             rounding = precision.rounding_generator(group["seed"], order, step)
         low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
         dim = reduce_dim(side)
-        low_norm = strategy.norms(low, dim)
+        low_norm = strategy.column_norms(low, dim)
         grad_sq = None
         if hyper.residual is not Residual.DROP and not strategy.explicit:
             # ||g_i||^2 for ||S||, read now while G is still in cache from the projection: on the

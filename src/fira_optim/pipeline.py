@@ -22,7 +22,7 @@ stages 3-6 into one kernel per matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -36,7 +36,7 @@ from .scaling import ColumnNorms, RowSum, exact_norms, scaling_factors
 from .subspace import low_rank_directions
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class MatrixStep:
     """One projected matrix in one step: what stages 1-2 produced and 3-7 read.
 
@@ -56,7 +56,7 @@ class MatrixStep:
     work_dtype: torch.dtype
     sharding: Any = None  #: fira_optim.distributed.RowSharding under FSDP2
     grad_sq: Optional[torch.Tensor] = None  #: ||g_i||^2 along the same dim, for the fast residual norm
-    state: dict = field(default_factory=dict)  #: the matrix's state tensors (local views, fp32)
+    state: Optional[dict] = None  #: the matrix's state tensors (local views, fp32), set on commit
     order: int = 0  #: index among the optimizer's projected matrices
     rounding: Optional[torch.Generator] = None  #: stochastic rounding of a bf16 param
 
@@ -88,9 +88,6 @@ class Strategy:
 
     def supports(self, hp: Hyper, param: torch.Tensor, grad: torch.Tensor) -> bool:
         return True
-
-    def norms(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return self.column_norms(t, dim)
 
     def run(self, batch: list[MatrixStep], step: int, hp: Hyper, row_sum: RowSum = None,
             stats: Optional[list] = None) -> None:

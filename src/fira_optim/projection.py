@@ -33,12 +33,12 @@ def projection_side(shape: torch.Size | tuple[int, int], proj_type: str) -> str:
     (``min(m, n) x r``) as small as the paper's memory formula says.
     """
     m, n = shape
-    proj_type = ProjType.parse("proj_type", proj_type)
-    if proj_type is ProjType.STD:
+    # == (not parse): a plain string equals its member, and this runs per matrix and step
+    if proj_type == ProjType.STD:
         return RIGHT if m >= n else LEFT
-    if proj_type is ProjType.REVERSE_STD:
+    if proj_type == ProjType.REVERSE_STD:
         return LEFT if m >= n else RIGHT
-    return LEFT if proj_type is ProjType.LEFT else RIGHT
+    return LEFT if ProjType.parse("proj_type", proj_type) is ProjType.LEFT else RIGHT
 
 
 def reduce_dim(side: str) -> int:
