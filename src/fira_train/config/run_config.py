@@ -19,13 +19,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fira_optim.options import IMPLEMENTATIONS
-from fira_optim.projection import PROJECTORS
+from fira_optim.options import IMPLEMENTATIONS, PROJECTORS, STATE_DTYPES
 from fira_train.data.spec import DataSpec
 from fira_train.methods.registry import METHODS
 
 PRECISIONS = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+PARAM_DTYPES = ("float32", "bfloat16")
 #: ``train.parallel``: one process, or a data parallelism of
 #: :func:`fira_train.run.parallel.parallelize`.
 PARALLEL_MODES = ("none", "ddp", "fsdp2")
@@ -122,6 +122,17 @@ class OptimConfig:
     host_refresh: bool = False
     """On a GPU, compute the Fira/GaLore refresh SVDs on the host CPU (FiraAdamW's
     ``host_refresh``; no effect on the CPU)."""
+    step_in_backward: bool = False
+    """Fira/GaLore family: update each matrix inside the backward pass as soon as its gradient is
+    complete, and free the gradient (``fira_optim.step_in_backward``): the model's full
+    gradients never coexist. Not with ``train.grad_clip`` (global-norm clipping needs every
+    gradient at once; Fira's norm-growth limiter bounds each matrix's update instead)."""
+    state_dtype: str = "float32"
+    """Fira/GaLore family: how optimizer states are stored, "float32", "bfloat16" or "int8"
+    (block-wise 8-bit; needs torchao). The arithmetic stays fp32."""
+    stochastic_rounding: bool = False
+    """Fira/GaLore family: write the updates of bf16 weights (``train.param_dtype=bfloat16``) by
+    stochastic rounding."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator: adapters are scaled by lora_alpha / rank (lora, relora)."""
     lora_dropout: float = 0.0
@@ -145,7 +156,11 @@ class OptimConfig:
         _check(self.projector in PROJECTORS, "optim.projector", self.projector, f"one of {PROJECTORS}")
         _check(self.implementation in IMPLEMENTATIONS, "optim.implementation", self.implementation,
                f"one of {IMPLEMENTATIONS}")
-        _check(isinstance(self.host_refresh, bool), "optim.host_refresh", self.host_refresh, "true or false")
+        for name in ("host_refresh", "step_in_backward", "stochastic_rounding"):
+            _check(isinstance(getattr(self, name), bool), f"optim.{name}", getattr(self, name),
+                   "true or false")
+        _check(self.state_dtype in STATE_DTYPES, "optim.state_dtype", self.state_dtype,
+               f"one of {STATE_DTYPES}")
         _check(_is_int(self.rank) and self.rank >= 1, "optim.rank", self.rank, "an integer >= 1")
         _check(_is_int(self.update_proj_gap) and self.update_proj_gap >= 1,
                "optim.update_proj_gap", self.update_proj_gap, "an integer >= 1")
@@ -210,6 +225,12 @@ class TrainConfig:
     num_threads: int = 0
     """CPU threads for torch (``torch.set_num_threads``, process-wide); 0 keeps torch's default.
     On a CPU shared with other jobs, 1 can be many times faster than oversubscribed threads."""
+    param_dtype: str = "float32"
+    """Dtype of the model's weights: "float32", or "bfloat16" (pure bf16 weights, as in the
+    low-memory 7B recipes of GaLore and APOLLO; pair with optim.stochastic_rounding=true)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (the Hugging Face
+    model's gradient checkpointing): less memory, about a third more compute."""
     parallel: str = "none"
     """Data parallelism over the processes of a ``torchrun`` launch: "none" (one process),
     "ddp" (replicated weights, averaged gradients) or "fsdp2" (weights, gradients and
@@ -241,8 +262,10 @@ class TrainConfig:
         _check(self.precision in PRECISIONS, "train.precision", self.precision, f"one of {PRECISIONS}")
         _check(self.device in DEVICES, "train.device", self.device, f"one of {DEVICES}")
         _check(self.parallel in PARALLEL_MODES, "train.parallel", self.parallel, f"one of {PARALLEL_MODES}")
-        for name in ("tensorboard", "progress"):
+        for name in ("tensorboard", "progress", "activation_checkpointing"):
             _check(isinstance(getattr(self, name), bool), f"train.{name}", getattr(self, name), "a bool")
+        _check(self.param_dtype in PARAM_DTYPES, "train.param_dtype", self.param_dtype,
+               f"one of {PARAM_DTYPES}")
 
     @property
     def grad_accum(self) -> int:
@@ -272,6 +295,10 @@ class RunConfig:
                    f"a {kind.__name__}")
         _check(self.optim.method in METHODS, "optim.method", self.optim.method,
                f"one of {', '.join(sorted(METHODS))}")
+        _check(not (self.optim.step_in_backward and self.train.grad_clip > 0), "train.grad_clip",
+               self.train.grad_clip, "0 with optim.step_in_backward=true (the global gradient norm "
+               "exists only after the last gradient, when most updates are done; Fira's "
+               "norm-growth limiter bounds each matrix's update instead)")
         # peft wraps the model after it is built; DDP / FSDP2 must wrap it before the optimizer
         # sees the parameters, and the two orders do not compose yet.
         _check(self.train.parallel == "none" or not METHODS[self.optim.method].wraps_model,

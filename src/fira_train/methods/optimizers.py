@@ -63,7 +63,8 @@ def fira_family(variant: str) -> Callable[[nn.Module, "RunConfig", float], Metho
                                          alpha=o.alpha)
         # The variant's own settings (e.g. fira-only-scaling-random's projector) win.
         options = {"gamma": o.gamma, "projector": o.projector, "implementation": o.implementation,
-                   "host_refresh": o.host_refresh, **fira_optim.VARIANTS[variant]}
+                   "host_refresh": o.host_refresh, "state_dtype": o.state_dtype,
+                   "stochastic_rounding": o.stochastic_rounding, **fira_optim.VARIANTS[variant]}
         optimizer = fira_optim.FiraAdamW(
             groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
             seed=config.train.seed, split_refresh=split_refresh, **options,

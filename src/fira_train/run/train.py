@@ -167,7 +167,10 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
         ids = next(stream).to(device)  # (micro_batch, seq_len), the same on every rank
         if distributed:
             ids = shard_batch(ids, env)  # this rank's micro_batch / world_size rows
-        with train_parallel.accumulation_context(net, last=micro == accum - 1):
+        last = micro == accum - 1
+        # Updates in the backward pass (optim.step_in_backward) wait for the last micro-batch.
+        waiting = training.in_backward.accumulate() if training.in_backward and not last else None
+        with train_parallel.accumulation_context(net, last=last), waiting or contextlib.nullcontext():
             with autocast:
                 loss = net(input_ids=ids, labels=ids).loss  # mean over micro_batch * (seq_len - 1)
             (loss / accum).backward()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+import fira_optim
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.method import MethodSetup
 from fira_train.methods.model import build_model
@@ -26,6 +27,8 @@ class Training:
     parallel_model: torch.nn.Module | None = None
     """The DDP wrapper that runs the forward passes (None otherwise: FSDP2 shards the model in
     place, and ``model`` is then the FSDP2 module)."""
+    in_backward: fira_optim.StepInBackward | None = None
+    """The handle of ``optim.step_in_backward``: updates run inside the backward pass."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -73,13 +76,37 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
     (``split_refresh``).
     """
     model = build_model(config.model, vocab_size, config.data.seq_len, config.train.seed).to(device)
+    if config.train.param_dtype == "bfloat16":
+        model = model.to(torch.bfloat16)  # pure bf16 weights (and so gradients)
+    if config.train.activation_checkpointing:
+        model.gradient_checkpointing_enable()
     mode = config.train.parallel
     wrapped = None
     if mode != "none":
         wrapped = parallelize(model, mode, env)
         model = unwrap(wrapped)  # FSDP2: the sharded model itself
-    setup = build_method(model, config, split_refresh=mode == "ddp")
+    # Under DDP the refresh SVDs are dealt to the ranks, but not from inside DDP's communication
+    # hook (where updates in the backward pass run): there each rank computes its own.
+    setup = build_method(model, config, split_refresh=mode == "ddp" and not config.optim.step_in_backward)
+    _check_fira_options(config, setup.optimizer)
+    in_backward = None
+    if config.optim.step_in_backward:
+        in_backward = fira_optim.step_in_backward(setup.optimizer, wrapped if mode == "ddp" else None)
     schedule = WarmupCosine(config.train.steps, config.train.warmup_fraction, config.train.min_lr_ratio,
                             restart_every=setup.restart_every, rewarmup=setup.rewarmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, schedule)
-    return Training(setup, scheduler, device, wrapped if wrapped is not model else None)
+    return Training(setup, scheduler, device, wrapped if wrapped is not model else None, in_backward)
+
+
+def _check_fira_options(config: RunConfig, optimizer: torch.optim.Optimizer) -> None:
+    """The options that only a Fira-family optimizer has are refused for the other methods."""
+    if isinstance(optimizer, fira_optim.Fira):
+        return
+    o = config.optim
+    for name, value, default in (("step_in_backward", o.step_in_backward, False),
+                                 ("state_dtype", o.state_dtype, "float32"),
+                                 ("stochastic_rounding", o.stochastic_rounding, False)):
+        if value != default:
+            raise ValueError(f"optim.{name}={value!r} needs a Fira-family method (fira, galore, "
+                             f"fira-released, ...); optim.method={o.method!r} builds "
+                             f"{type(optimizer).__name__}")
