@@ -155,7 +155,7 @@ def _compare(args: argparse.Namespace) -> int:
                            overwrite=args.overwrite, command=command)
     if not is_rank_zero():
         return 0
-    print(report_table([load_run(Path(out_dir) / m)[0] for m in methods]))
+    print(report_table([load_run(Path(out_dir) / m)[0] for m in methods], methods))
     print(f"report: {report}")
     print(f"plot:   {plot}")
     return 0
@@ -173,15 +173,44 @@ def _register_compare(subparsers: Any) -> None:
 
 
 def _memory(args: argparse.Namespace) -> int:
-    print(format_memory_table(memory_table()))
+    if not args.measure:
+        if args.recipe or args.methods or args.overrides:
+            raise ValueError("--recipe, --methods and key=value overrides go with --measure "
+                             "(without it, memory prints the paper's estimates)")
+        print(format_memory_table(memory_table()))
+        return 0
+    from fira_train.measure import measure, parse_specs  # imports torch: not at parser build
+
+    if not args.recipe or not args.methods:
+        raise ValueError("memory --measure needs --recipe NAME and --methods SPEC,...")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    specs = parse_specs(args.methods)
+    config = config_from_args(args)
+    out_dir = args.out or f"runs/{config.recipe}-memory"
+    markdown, _ = measure(config, specs, args.steps, out_dir, command_line(getattr(args, "argv", [])))
+    print(markdown.read_text())
+    print(f"report: {markdown}")
     return 0
 
 
 def _register_memory(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "memory", help="the paper's memory estimates (params + grads + optimizer states, BF16)",
-        description="Memory estimate of parameters, gradients and optimizer states in BF16 for the "
-                    "paper's LLaMA sizes and every method (the paper's appendix C.1).")
+        "memory", help="memory: the paper's estimates, or measured peaks of real training steps",
+        description="Without --measure: the paper's memory estimate of parameters, gradients and "
+                    "optimizer states in BF16 for its LLaMA sizes and every method (appendix C.1). "
+                    "With --measure: train --steps steps of each method spec (NAME[@key=value...]) "
+                    "in a fresh process and write OUT/memory.md and OUT/memory.json with the "
+                    "measured peak beside the estimate.")
+    parser.add_argument("--measure", action="store_true", help="measure real training steps")
+    parser.add_argument("--recipe", help="with --measure: the recipe (60m, 130m, 350m, 1b, tiny, ...)")
+    parser.add_argument("--methods", help="with --measure: comma-separated method specs, e.g. "
+                                          "adamw,fira,fira@optim.step_in_backward=true@optim.state_dtype=int8")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per method (default 3)")
+    parser.add_argument("--out", help="output directory (default runs/<recipe>-memory)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="config overrides for every method, e.g. train.batch_size=1 "
+                             "train.micro_batch_size=1")
     parser.set_defaults(func=_memory)
 
 

@@ -7,22 +7,27 @@ once and shared. Then ``OUT/report.md`` (:func:`fira_train.report.markdown.write
 ``OUT/loss.png`` (:func:`fira_train.report.plots.plot_curves`) are written and their paths
 printed.
 
-Runs execute one after another in this process; peak memory is reset between them
-(:class:`fira_train.run.peak_memory.PeakMemory`). With ``--resume``, finished runs with the same
-config are reused and unfinished ones continue from their latest checkpoint.
+``--methods`` takes method specs, ``NAME[@key=value...]``
+(:mod:`fira_train.config.method_spec`): ``fira@optim.state_dtype=int8`` is Fira with that
+override, in ``OUT/fira@optim.state_dtype=int8/``. In one process, each run executes in a fresh
+spawned process (:func:`fira_train.run.isolated.run_isolated`), one after another, so its peak
+memory is its own; under ``torchrun`` they run in the launched processes. With ``--resume``,
+finished runs with the same config are reused and unfinished ones continue from their latest
+checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
+from fira_train.config.method_spec import parse_method_spec, parse_method_specs
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.methods.registry import get_method
 from fira_train.report.markdown import write_report
 from fira_train.report.plots import plot_curves
+from fira_train.run.isolated import run_isolated
 from fira_train.run.run_dir import finished_with
 from fira_train.run.train import train
 from fira_train.run.train_parallel import distributed_session
@@ -31,22 +36,17 @@ log = logging.getLogger(__name__)
 
 
 def parse_methods(text: str) -> list[str]:
-    """``"fira,galore,adamw"`` -> names, checked against the registry (ValueError listing them)."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names:
-        raise ValueError(f"--methods must name at least one method, got {text!r}")
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ValueError(f"--methods names {duplicates[0]!r} twice")
-    for name in names:
-        get_method(name)
-    return names
+    """``"fira,galore@optim.rank=16,adamw"`` -> the method specs as written, each checked
+    (names against the registry: ValueError listing them; overrides as ``key=value``)."""
+    specs = parse_method_specs(text)
+    for spec in specs:
+        get_method(spec.name)
+    return [spec.text for spec in specs]
 
 
 def method_config(config: RunConfig, method: str, out_dir: str | Path) -> RunConfig:
-    """``config`` for one method of the comparison, writing to ``out_dir/method``."""
-    return replace(config, optim=replace(config.optim, method=method),
-                   train=replace(config.train, out_dir=str(Path(out_dir) / method)))
+    """``config`` for one method spec of the comparison, writing to ``out_dir/<spec>``."""
+    return parse_method_spec(method).config(config, out_dir)
 
 
 def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resume: bool = False,
@@ -82,6 +82,10 @@ def _train_all(config: RunConfig, methods: list[str], configs: list[RunConfig], 
             log.info("[%d/%d] %s: finished run found in %s, reused", index, len(methods), method, run_dir)
             continue
         log.info("[%d/%d] %s -> %s", index, len(methods), method, run_dir)
-        summary = train(run_config, resume="latest" if resume else None, overwrite=overwrite, corpus=corpus)
+        request = "latest" if resume else None
+        if config.train.parallel == "none":  # a fresh process: the run's peak memory is its own
+            summary = run_isolated(train, run_config, resume=request, overwrite=overwrite)
+        else:
+            summary = train(run_config, resume=request, overwrite=overwrite, corpus=corpus)
         log.info("[%d/%d] %s: validation perplexity %.2f, %.0f tokens/s", index, len(methods), method,
                  summary["val_ppl"], summary["tokens_per_s"])

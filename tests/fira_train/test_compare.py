@@ -57,3 +57,12 @@ def test_method_lists_are_checked_before_running(text: str, message: str) -> Non
     with pytest.raises(ValueError, match=message):
         parse_methods(text)
     assert parse_methods(" fira, galore ,adamw") == ["fira", "galore", "adamw"]
+
+
+def test_compare_takes_method_specs(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=2")
+    spec = "fira@optim.rank=2@optim.state_dtype=bfloat16"
+    report, _ = compare(config, ["fira", spec], tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / spec / "config.json").read_text())
+    assert saved["optim"]["rank"] == 2 and saved["optim"]["state_dtype"] == "bfloat16"
+    assert spec in report.read_text()

@@ -52,22 +52,24 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     return summary, read_metrics(run_dir)
 
 
-def report_table(summaries: list[dict[str, Any]]) -> str:
-    """The Markdown table, one row per run, in the given order.
+def report_table(summaries: list[dict[str, Any]], labels: list[str] | None = None) -> str:
+    """The Markdown table, one row per run, in the given order, labelled by ``labels`` (the
+    method specs of ``compare``; default: each run's method).
 
     Throughput is also given relative to ``adamw`` when it is among the runs.
     """
+    labels = labels or [s["method"] for s in summaries]
     baseline = next((s["tokens_per_s"] for s in summaries if s["method"] == "adamw"), None)
     header = ("| Method | Rank | T | LR | Val. loss | Val. PPL | Tokens/s | vs AdamW "
               "| Optimizer state | Peak memory | Train time |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for s in summaries:
+    for label, s in zip(labels, summaries):
         rank = "-" if s.get("rank") is None else str(s["rank"])
         gap = str(s["update_proj_gap"]) if s.get("rank") is not None and s["method"] not in ("lora", "relora") else "-"
         relative = f"{100 * s['tokens_per_s'] / baseline:.1f}%" if baseline else "-"
         state = f"{format_count(s['optimizer_state_numel'])} ({format_bytes(s['optimizer_state_bytes'])})"
         lines.append(
-            f"| {s['method']} | {rank} | {gap} | {s['lr']:g} | {_fmt(s['val_loss'], '.4f')} "
+            f"| {label} | {rank} | {gap} | {s['lr']:g} | {_fmt(s['val_loss'], '.4f')} "
             f"| {_fmt(s['val_ppl'], '.2f')} "
             f"| {s['tokens_per_s']:,.0f} | {relative} | {state} | {format_bytes(s['peak_memory_bytes'])} "
             f"| {s['train_time_s'] / 60:.1f} min |")
@@ -81,7 +83,7 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
     first = summaries[0]
     data = first.get("data", {})
     memory_kind = {"cuda_max_allocated": "CUDA max_memory_allocated",
-                   "process_peak_rss": "peak resident memory of the process during the run"}
+                   "process_peak_rss": "peak resident memory of the run's process"}
     parts = [
         f"# Pre-training comparison: recipe `{first['recipe']}`",
         "",
@@ -91,7 +93,7 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
         f"`{data.get('tokenizer', '?')}`), model {format_count(first['parameters'])} parameters, "
         f"device `{first['device']}`.",
         "",
-        report_table(summaries),
+        report_table(summaries, list(methods)),
         "",
         "- Val. loss / PPL: mean next-token loss over all "
         f"{first.get('val_tokens', '?'):,} validation tokens after the last step, and its exponential.",
@@ -99,7 +101,8 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
         "checkpoints excluded); `vs AdamW` is the ratio to the `adamw` run.",
         "- Optimizer state: elements held in the optimizer's state (step counters excluded) and "
         "the bytes of its tensors (step counters included).",
-        f"- Peak memory: {memory_kind.get(first['peak_memory_kind'], first['peak_memory_kind'])}.",
+        f"- Peak memory: {memory_kind.get(first['peak_memory_kind'], first['peak_memory_kind'])}"
+        " (each run in a fresh process).",
         "- T: subspace update gap (Fira/GaLore family).",
         "",
         "![training loss and validation perplexity](loss.png)",

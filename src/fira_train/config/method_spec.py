@@ -1,0 +1,64 @@
+"""Method specs: ``NAME[@key=value...]``, a method of the registry with overrides of its own.
+
+``fira@optim.step_in_backward=true@optim.state_dtype=int8`` is Fira with two config overrides
+(the ``key=value`` overrides of :mod:`fira_train.config.overrides`). Commands that take
+``--methods`` (``compare``, ``memory --measure``, ...) take a comma-separated list of specs; the
+spec as written labels its row and names its run folder. A value cannot hold a comma or ``@``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fira_train.config.overrides import apply_overrides
+from fira_train.config.run_config import RunConfig
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One entry of ``--methods``."""
+
+    text: str
+    """The spec as written: the row label and the run folder's name."""
+    name: str
+    """The registry method (``optim.method``)."""
+    overrides: tuple[str, ...] = ()
+    """``key=value`` overrides applied on top of the command's config, in order."""
+
+    def config(self, base: RunConfig, out_dir: str | Path) -> RunConfig:
+        """``base`` for this method, writing to ``out_dir/<text>``."""
+        config = replace(base, optim=replace(base.optim, method=self.name))
+        if self.overrides:
+            config = apply_overrides(config, list(self.overrides))
+        return replace(config, train=replace(config.train, out_dir=str(Path(out_dir) / self.text)))
+
+
+def parse_method_spec(text: str) -> MethodSpec:
+    """``"NAME@key=value@..."`` -> :class:`MethodSpec` (ValueError naming the spec)."""
+    text = text.strip()
+    name, *overrides = text.split("@")
+    if not name:
+        raise ValueError(f"method spec {text!r} names no method (expected NAME[@key=value...])")
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        if not sep or not key:
+            raise ValueError(f"method spec {text!r}: {override!r} is not a key=value override")
+        if key == "optim.method":
+            raise ValueError(f"method spec {text!r}: the method is {name!r}; do not override optim.method")
+    if "/" in text or text in (".", ".."):
+        raise ValueError(f"method spec {text!r} cannot name a run folder (no '/')")
+    return MethodSpec(text, name, tuple(overrides))
+
+
+def parse_method_specs(text: str) -> list[MethodSpec]:
+    """A comma-separated list of specs; at least one, none twice."""
+    specs = [parse_method_spec(part) for part in text.split(",") if part.strip()]
+    if not specs:
+        raise ValueError(f"--methods must name at least one method, got {text!r}")
+    seen = set()
+    for spec in specs:
+        if spec.text in seen:
+            raise ValueError(f"--methods names {spec.text!r} twice")
+        seen.add(spec.text)
+    return specs

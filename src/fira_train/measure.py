@@ -1,0 +1,162 @@
+"""``fira-train memory --measure``: the peak memory that a few real training steps of each
+method take, beside its estimate (:mod:`fira_train.memory.run_estimate`).
+
+Each method spec (``NAME[@key=value...]``) trains ``steps`` steps in a fresh process
+(:func:`fira_train.run.isolated.run_isolated`). On the CPU the measured peak is the process's
+peak resident set during the steps minus its resident set just before the model is built (the
+interpreter, torch, the tokenised corpus); on CUDA, ``torch.cuda.max_memory_allocated``. Writes
+``OUT/memory.json`` (a list of rows: ``method``, ``measured_peak_bytes``, ``estimated_bytes``,
+and their breakdowns) and ``OUT/memory.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import platform
+from dataclasses import replace
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fira_optim.state import optimizer_state_bytes
+from fira_train.config.method_spec import MethodSpec, parse_method_specs
+from fira_train.config.run_config import RunConfig
+from fira_train.data.build import build_corpus
+from fira_train.memory.run_estimate import estimate_run_bytes
+from fira_train.methods.registry import get_method
+from fira_train.report.markdown import format_bytes
+from fira_train.run.isolated import run_isolated
+from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes
+from fira_train.run.train import train_step
+from fira_train.run.training import autocast_for, build_training, resolve_device
+
+log = logging.getLogger(__name__)
+
+#: Column "fits in 24 GB" (the peers' consumer-GPU headline) and the unit of the tables.
+GB = 10**9
+
+
+def current_rss_bytes() -> int | None:
+    """This process's resident set now (Linux ``VmRSS``), or None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps of ``config`` in this process and report its memory (run it in a
+    fresh process: :func:`measure`)."""
+    if config.train.num_threads:
+        torch.set_num_threads(config.train.num_threads)
+    corpus = build_corpus(config.data)
+    device = resolve_device(config)
+    # The model's code (transformers) is imported before the baseline: it is not the model.
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
+    else:
+        baseline = current_rss_bytes() or 0
+        reset_rss_peak()
+    training = build_training(config, corpus.vocab_size, device)
+    micro = config.train.micro_batch_size or config.train.batch_size
+    stream = corpus.train_batches(micro, config.train.seed)
+    autocast = autocast_for(config, device)
+    losses = [train_step(training, config, stream, autocast, step)[0] for step in range(1, steps + 1)]
+    if device.type == "cuda":
+        peak, kind = torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
+    else:
+        peak, kind = rss_peak_bytes() or 0, "peak_rss_minus_rss_before_model"
+    model = training.model
+    return {
+        "measured_peak_bytes": int(peak - baseline),
+        "baseline_bytes": int(baseline),
+        "measure": kind,
+        "device": device.type,
+        "vocab_size": corpus.vocab_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "optimizer_state_bytes": optimizer_state_bytes(training.optimizer),
+        "losses": losses,
+    }
+
+
+def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str | Path,
+            command: str | None = None) -> tuple[Path, Path]:
+    """Measure every spec in its own process; write ``memory.json`` and ``memory.md``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = replace(config, train=replace(config.train, steps=max(steps, 1), progress=False,
+                                         tensorboard=False))
+    build_corpus(base.data)  # tokenised once, into the cache the runs read
+    rows = []
+    for index, spec in enumerate(specs, start=1):
+        get_method(spec.name)
+        run_config = spec.config(base, out_dir / "runs")
+        log.info("[%d/%d] %s: %d steps", index, len(specs), spec.text, steps)
+        measured = run_isolated(measure_run, run_config, steps)
+        estimate = estimate_run_bytes(run_config, measured["vocab_size"])
+        rows.append({"method": spec.text, "measured_peak_bytes": measured["measured_peak_bytes"],
+                     "estimated_bytes": estimate["total"], "estimate": estimate,
+                     "measured": {k: v for k, v in measured.items() if k != "measured_peak_bytes"}})
+        log.info("[%d/%d] %s: measured %s, estimated %s", index, len(specs), spec.text,
+                 format_bytes(measured["measured_peak_bytes"]), format_bytes(estimate["total"]))
+    record = {"recipe": config.recipe, "steps": steps, "command": command,
+              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+              "date": date.today().isoformat(), "rows": rows}
+    json_path = out_dir / "memory.json"
+    json_path.write_text(json.dumps(record, indent=1) + "\n")
+    md_path = out_dir / "memory.md"
+    md_path.write_text(format_measurement(record))
+    return md_path, json_path
+
+
+def format_measurement(record: dict[str, Any]) -> str:
+    """``memory.md`` from ``memory.json``'s record."""
+    rows = record["rows"]
+    first = rows[0]["measured"] if rows else {}
+    lines = [
+        f"# Measured memory: recipe `{record['recipe']}`, {record['steps']} training steps",
+        "",
+        f"{first.get('parameters', 0) / 1e6:.1f}M parameters, device `{first.get('device', '?')}`; "
+        f"{record['machine']}, {record['date']}.",
+        "",
+        "| Method | Measured peak | Estimated | Measured / estimated | Weights | Optimizer states "
+        "| Fits in 24 GB (measured) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        measured, estimated = row["measured_peak_bytes"], row["estimated_bytes"]
+        lines.append(
+            f"| {row['method']} | {format_bytes(measured)} | {format_bytes(estimated)} "
+            f"| {measured / estimated:.2f} | {format_bytes(row['measured']['weights_bytes'])} "
+            f"| {format_bytes(row['measured']['optimizer_state_bytes'])} "
+            f"| {'yes' if measured < 24 * GB else 'no'} |")
+    lines += [
+        "",
+        "- Measured peak: on the CPU, the peak resident set of the run's own process during the "
+        "steps minus its resident set before the model was built; on CUDA, "
+        "`torch.cuda.max_memory_allocated`.",
+        "- Estimated: weights + gradients + optimizer states + activations "
+        "(`fira_train.memory.run_estimate`); the allocator's caches and BLAS/LAPACK workspaces "
+        "are not in it.",
+    ]
+    if record.get("command"):
+        lines += ["", "Command:", "", "```bash", record["command"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def parse_specs(text: str) -> list[MethodSpec]:
+    specs = parse_method_specs(text)
+    for spec in specs:
+        get_method(spec.name)
+    return specs

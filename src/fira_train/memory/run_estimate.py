@@ -1,0 +1,80 @@
+r"""The memory of one training run, estimated from its config: what ``fira-train memory
+--measure`` puts beside each measured peak.
+
+.. math::
+    \text{total} = \text{weights} + \text{gradients} + \text{optimizer states} + \text{activations}
+
+- weights: every parameter at ``train.param_dtype`` (4 or 2 bytes);
+- gradients: all of them at the weights' dtype; with ``optim.step_in_backward`` only the
+  largest parameter's (each gradient is freed as soon as its update has run; the largest, the
+  embedding or the head, bounds what is alive at once);
+- optimizer states: projected matrices per :func:`fira_train.memory.matrix.footprint_numel`
+  (basis ``min(m, n) x r``, Adam moments ``r x max(m, n)``, Fira's one scalar), everything else
+  AdamW's two moments; moments at 4 bytes (``float32``), 2 (``bfloat16``) or 1 + 4/256
+  (``int8``, below 4096 elements fp32), the basis at 4 bytes, or 2 from ``bfloat16`` on;
+- activations: per layer :math:`s b h (34 + 5 a s / h)` bytes in 16-bit (Korthikanti et al.,
+  "Reducing Activation Recomputation in Large Transformer Models", 2022), twice that in fp32,
+  plus the logits (:math:`4 \cdot 3 s b V`: logits, softmax, gradient); with activation
+  checkpointing :math:`2 s b h` bytes per layer plus one layer's full activations.
+
+What the estimate leaves out is what the measurement shows on top: the framework's own memory
+(the baseline before the model exists is subtracted from the measured peak, but not the
+allocator's caches and the workspaces of BLAS / LAPACK) and temporaries of the step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fira_train.memory.matrix import footprint_numel
+
+if TYPE_CHECKING:  # annotations only
+    from fira_train.config.run_config import RunConfig
+
+#: Bytes a moment element takes in each ``optim.state_dtype``.
+MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / 256}
+#: Methods that project their matrices (the Fira / GaLore family) and those that do not.
+PLAIN_METHODS = ("adamw", "sgd", "adagrad", "adam-mini", "lora", "relora")
+
+
+def matrices(config: "RunConfig") -> list[tuple[int, int]]:
+    """The attention and MLP weight shapes of the config's LLaMA (``nn.Linear``: out x in)."""
+    m = config.model
+    h, f = m.hidden_size, m.intermediate_size
+    kv = h // m.num_attention_heads * (m.num_key_value_heads or m.num_attention_heads)
+    layer = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
+    return layer * m.num_hidden_layers
+
+
+def estimate_run_bytes(config: "RunConfig", vocab_size: int) -> dict[str, Any]:
+    """``{"weights", "gradients", "optimizer_states", "activations", "total"}`` in bytes."""
+    m, o, t = config.model, config.optim, config.train
+    h, layers = m.hidden_size, m.num_hidden_layers
+    weight_bytes = 2 if t.param_dtype == "bfloat16" else 4
+    shapes = matrices(config)
+    embed = vocab_size * h
+    others = embed * (1 if m.tie_word_embeddings else 2) + h * (2 * layers + 1)  # + RMSNorms
+    params = sum(a * b for a, b in shapes) + others
+    largest = max([a * b for a, b in shapes] + [embed])
+    gradients = (largest if o.step_in_backward else params) * weight_bytes
+    moment = MOMENT_BYTES[o.state_dtype] if o.method not in PLAIN_METHODS else 4.0
+    states = 2 * others * moment
+    projected = o.method not in PLAIN_METHODS
+    for a, b in shapes:
+        if projected and o.rank < min(a, b):
+            basis = min(a, b) * o.rank
+            total = footprint_numel((a, b), o.rank, "fira").optimizer_states
+            states += basis * (2 if o.state_dtype != "float32" else 4) + (total - basis) * moment
+        else:
+            states += 2 * a * b * moment
+    s, b = config.data.seq_len, t.micro_batch_size or t.batch_size
+    act_bytes = 2 if t.precision == "bf16" or t.param_dtype == "bfloat16" else 4
+    per_layer = s * b * h * (34 + 5 * m.num_attention_heads * s / h) * act_bytes / 2
+    if t.activation_checkpointing:
+        activations = layers * 2 * s * b * h * act_bytes / 2 + per_layer
+    else:
+        activations = layers * per_layer
+    activations += 3 * s * b * vocab_size * 4  # logits, their softmax and gradient, fp32
+    parts = {"weights": params * weight_bytes, "gradients": gradients,
+             "optimizer_states": states, "activations": activations}
+    return {**{k: int(v) for k, v in parts.items()}, "total": int(sum(parts.values()))}

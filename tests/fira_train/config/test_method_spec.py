@@ -1,0 +1,44 @@
+"""Method specs ``NAME[@key=value...]``: parsing, refusals, and the config they build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fira_train.config.method_spec import parse_method_spec, parse_method_specs
+from tests.fira_train.harness_fixtures import micro_config
+
+
+def test_a_spec_is_a_method_with_its_own_overrides(tmp_path: Path) -> None:
+    spec = parse_method_spec("fira@optim.step_in_backward=true@optim.state_dtype=bfloat16")
+    assert spec.name == "fira" and spec.overrides == ("optim.step_in_backward=true",
+                                                      "optim.state_dtype=bfloat16")
+    config = spec.config(micro_config(tmp_path, "optim.lr=0.003"), tmp_path / "out")
+    assert config.optim.method == "fira" and config.optim.step_in_backward is True
+    assert config.optim.state_dtype == "bfloat16" and config.optim.lr == 0.003
+    assert config.train.out_dir == str(tmp_path / "out" / spec.text)
+    plain = parse_method_spec("adamw")
+    assert plain.overrides == () and plain.config(micro_config(tmp_path), "o").train.out_dir == "o/adamw"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("@optim.rank=2", "names no method"), ("fira@rank", "not a key=value"),
+    ("fira@optim.method=adamw", "do not override optim.method"), ("fira@data.source=a/b", "no '/'"),
+])
+def test_bad_specs_name_the_spec(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_method_spec(text)
+
+
+def test_a_bad_override_value_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="optim.state_dtype"):
+        parse_method_spec("fira@optim.state_dtype=int4").config(micro_config(tmp_path), tmp_path)
+
+
+def test_lists_refuse_duplicates_and_emptiness() -> None:
+    assert [s.text for s in parse_method_specs("fira, fira@optim.rank=2")] == ["fira", "fira@optim.rank=2"]
+    with pytest.raises(ValueError, match="twice"):
+        parse_method_specs("fira@optim.rank=2,fira@optim.rank=2")
+    with pytest.raises(ValueError, match="at least one"):
+        parse_method_specs(" , ")

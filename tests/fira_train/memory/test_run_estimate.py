@@ -1,0 +1,40 @@
+"""The estimate of one run's memory: each option moves the part it should, by the formula."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fira_train.config.recipes import get_recipe
+from fira_train.memory.run_estimate import estimate_run_bytes, matrices
+
+
+def _estimate(method="fira", *, optim=(), train=()):
+    config = get_recipe("60m")
+    config = replace(config, optim=replace(config.optim, method=method, **dict(optim)),
+                     train=replace(config.train, batch_size=1, micro_batch_size=1, **dict(train)))
+    return config, estimate_run_bytes(config, 32000)
+
+
+def test_the_parts_follow_the_formulas() -> None:
+    config, adamw = _estimate("adamw")
+    params = sum(a * b for a, b in matrices(config)) + 2 * 32000 * 512 + 512 * (2 * 8 + 1)
+    assert adamw["weights"] == 4 * params and adamw["gradients"] == 4 * params
+    assert adamw["optimizer_states"] == 8 * params
+    _, fira = _estimate("fira")
+    # the embedding and head (33M of 58M parameters) keep AdamW states under Fira too
+    assert fira["weights"] == adamw["weights"] and fira["optimizer_states"] < 0.75 * adamw["optimizer_states"]
+    assert fira["total"] == sum(fira[k] for k in ("weights", "gradients", "optimizer_states", "activations"))
+
+
+def test_each_memory_option_shrinks_its_part() -> None:
+    _, fira = _estimate("fira")
+    _, hooks = _estimate("fira", optim={"step_in_backward": True})
+    assert hooks["gradients"] == 4 * 32000 * 512  # the largest parameter's gradient alone
+    _, int8 = _estimate("fira", optim={"state_dtype": "int8"})
+    _, bf16 = _estimate("fira", optim={"state_dtype": "bfloat16"})
+    assert int8["optimizer_states"] < bf16["optimizer_states"] < fira["optimizer_states"]
+    assert 0.25 < int8["optimizer_states"] / fira["optimizer_states"] < 0.3
+    _, weights = _estimate("fira", train={"param_dtype": "bfloat16"})
+    assert weights["weights"] * 2 == fira["weights"]
+    _, ckpt = _estimate("fira", train={"activation_checkpointing": True})
+    assert ckpt["activations"] < fira["activations"]  # the logits stay

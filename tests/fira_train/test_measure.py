@@ -1,0 +1,41 @@
+"""``fira-train memory --measure``: each spec measured in its own process, beside its estimate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fira_train.cli import main
+
+
+def test_measure_writes_a_row_per_spec(tmp_path: Path, capsys) -> None:
+    corpus = tmp_path / "corpus"
+    from tests.fira_train.harness_fixtures import write_corpus
+
+    write_corpus(corpus)
+    out = tmp_path / "mem"
+    specs = "adamw,fira@optim.state_dtype=bfloat16"
+    code = main(["memory", "--measure", "--recipe", "micro", "--methods", specs, "--steps", "2",
+                 "--out", str(out), f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.vocab_size=300", "train.num_threads=1"])
+    assert code == 0
+    record = json.loads((out / "memory.json").read_text())
+    assert [row["method"] for row in record["rows"]] == specs.split(",")
+    for row in record["rows"]:
+        assert row["measured_peak_bytes"] > 0 and row["estimated_bytes"] > 0
+        assert len(row["measured"]["losses"]) == 2
+    adamw, fira = record["rows"]
+    assert fira["measured"]["optimizer_state_bytes"] < adamw["measured"]["optimizer_state_bytes"]
+    assert "| fira@optim.state_dtype=bfloat16 |" in (out / "memory.md").read_text()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["memory", "--measure", "--recipe", "micro"], "needs --recipe NAME and --methods"),
+    (["memory", "--recipe", "micro"], "go with --measure"),
+    (["memory", "--measure", "--recipe", "micro", "--methods", "fira@rank"], "not a key=value"),
+])
+def test_measure_refuses_bad_requests_in_one_line(argv, message, capsys) -> None:
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
