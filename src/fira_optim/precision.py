@@ -29,6 +29,7 @@ uninterrupted one did.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
@@ -98,10 +99,20 @@ def encode(state: dict, working: dict, keys) -> None:
 
 
 def _quantization():
+    # torchao logs a warning for each optional C++/CUDA kernel library it cannot load; the
+    # quantization used here is plain torch, so those lines would only alarm users.
+    # torch's pytree also warns about an enum that torchao registers.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         from torchao.optim import quant_utils
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError("state_dtype='int8' needs torchao (pip install torchao)") from err
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
     return quant_utils
 
 

@@ -59,7 +59,7 @@ def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
     corpus = build_corpus(config.data)
     device = resolve_device(config)
     # The model's code (transformers) is imported before the baseline: it is not the model.
-    import transformers.models.llama.modeling_llama  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401, I001
     gc.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
