@@ -127,16 +127,34 @@ def _qmap(signed: bool, device: torch.device) -> torch.Tensor:
     return torch.tensor(q.create_dynamic_map(signed=signed), dtype=torch.float32, device=device)
 
 
+#: Elements quantized or dequantized at a time (whole blocks): bounds the temporaries of a large
+#: moment (an embedding's) to a few MB instead of several times the moment in int64 codes.
+CHUNK = 1 << 20
+
+
 def _quantize(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     q = _quantization()
-    scaled, scale = q.scale_tensor(value.float().reshape(-1), BLOCK)
-    codes = q.quantize_8bit_with_qmap(scaled, _qmap(signed, value.device))
+    flat = value.reshape(-1)
+    codes = torch.empty(flat.shape, dtype=torch.uint8, device=value.device)
+    scale = torch.empty(flat.numel() // BLOCK, dtype=torch.float32, device=value.device)
+    qmap = _qmap(signed, value.device)
+    for start in range(0, flat.numel(), CHUNK):
+        part = flat[start : start + CHUNK].float()
+        scaled, part_scale = q.scale_tensor(part, BLOCK)
+        codes[start : start + part.numel()] = q.quantize_8bit_with_qmap(scaled, qmap)
+        scale[start // BLOCK : (start + part.numel()) // BLOCK] = part_scale
     return codes.view(value.shape), scale
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
     q = _quantization()
-    return q.dequant_with_qmap(codes.reshape(-1), _qmap(signed, codes.device), scale).view(codes.shape)
+    flat = codes.reshape(-1)
+    out = torch.empty(flat.shape, dtype=torch.float32, device=codes.device)
+    qmap = _qmap(signed, codes.device)
+    for start in range(0, flat.numel(), CHUNK):
+        stop = min(start + CHUNK, flat.numel())
+        out[start:stop] = q.dequant_with_qmap(flat[start:stop], qmap, scale[start // BLOCK : stop // BLOCK])
+    return out.view(codes.shape)
 
 
 def round_into(param: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None) -> None:

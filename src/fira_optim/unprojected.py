@@ -62,24 +62,26 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> 
             _step(group, given, states)
             continue
         keys = STATE_KEYS[group["base"]]
-        copies, working = {}, {}
-        for p in copied:
-            work = p.detach().float()
-            work.grad = p.grad.float()
-            copies[p] = work
-            working[p] = precision.decode(states[p], keys, torch.float32)
         index = {p: i for i, p in enumerate(group["params"])} if rounding else {}
-        steps = {p: int(states[p]["step"]) for p in copied}
-        params = [copies.get(p, p) for p in given]
-        _step(group, params, {copies.get(p, p): working.get(p, states[p]) for p in given})
-        for p, work in copies.items():
-            precision.encode(states[p], working[p], keys)
-            states[p]["step"] = working[p]["step"]
+        chosen = set(copied)
+        plain = [p for p in given if p not in chosen]
+        if plain:
+            _step(group, plain, states)
+        # One parameter at a time: only its fp32 copies exist at once (an embedding's moments
+        # decoded together with every other parameter's would be the largest allocation).
+        for p in copied:
+            step = int(states[p]["step"])
+            work = p.detach().float()  # an fp32 parameter: a view of it, updated in place
+            work.grad = p.grad.float()
+            working = precision.decode(states[p], keys, torch.float32)
+            _step(group, [work], {work: working})
+            precision.encode(states[p], working, keys)
+            states[p]["step"] = working["step"]
             generator = None
             if rounding and p.dtype == torch.bfloat16:
-                generator = precision.rounding_generator(group["seed"], _ROUNDING_OFFSET + index[p],
-                                                         steps[p])
-            precision.round_into(p, work, generator)
+                generator = precision.rounding_generator(group["seed"], _ROUNDING_OFFSET + index[p], step)
+            if work.data_ptr() != p.data_ptr():
+                precision.round_into(p, work, generator)
 
 
 def _step(group: dict, params: list[torch.Tensor], states: dict) -> None:
