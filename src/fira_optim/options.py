@@ -255,3 +255,12 @@ def validate_group(g: dict) -> None:
 def param_name(gi: int, pi: int, p: torch.Tensor) -> str:
     """How errors and warnings name a parameter."""
     return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+
+
+def check_options(**options: Any) -> None:
+    """Validate :class:`fira_optim.FiraAdamW` keyword options by the constructor's own rules
+    (``ValueError`` naming the argument and the value), before any parameter exists: for
+    configs that hold the options of an optimizer built later."""
+    from .optimizer import Fira  # the constructor is the one place the rules live
+
+    Fira([torch.zeros(2, 2, requires_grad=True)], **options)

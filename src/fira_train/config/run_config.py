@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fira_optim.options import IMPLEMENTATIONS, PROJECTORS, STATE_DTYPES
+from fira_optim.options import STATE_DTYPES, check_options
 from fira_train.data.spec import DataSpec
 from fira_train.methods.registry import METHODS
 
@@ -152,27 +152,20 @@ class OptimConfig:
                "a method name")
         if self.lr is not None:
             _check(_is_number(self.lr) and self.lr > 0, "optim.lr", self.lr, "None or a positive number")
-        _check(_is_number(self.gamma) and self.gamma >= 1, "optim.gamma", self.gamma, "a number >= 1")
-        _check(self.projector in PROJECTORS, "optim.projector", self.projector, f"one of {PROJECTORS}")
-        _check(self.implementation in IMPLEMENTATIONS, "optim.implementation", self.implementation,
-               f"one of {IMPLEMENTATIONS}")
-        for name in ("host_refresh", "step_in_backward", "stochastic_rounding"):
+        # The optimizer's own options: checked by fira_optim's constructor rules, not copies of them.
+        for name in ("rank", "update_proj_gap", "alpha", "betas", "eps", "weight_decay", "gamma",
+                     "projector", "implementation", "host_refresh", "stochastic_rounding"):
+            value = getattr(self, name)
+            try:
+                check_options(**{name: value})
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"optim.{name}={value!r} is invalid: {err}") from None
+        for name in ("step_in_backward",):
             _check(isinstance(getattr(self, name), bool), f"optim.{name}", getattr(self, name),
                    "true or false")
+        # state_dtype by name only: the library's check of "int8" imports torchao
         _check(self.state_dtype in STATE_DTYPES, "optim.state_dtype", self.state_dtype,
                f"one of {STATE_DTYPES}")
-        _check(_is_int(self.rank) and self.rank >= 1, "optim.rank", self.rank, "an integer >= 1")
-        _check(_is_int(self.update_proj_gap) and self.update_proj_gap >= 1,
-               "optim.update_proj_gap", self.update_proj_gap, "an integer >= 1")
-        _check(_is_number(self.alpha) and self.alpha > 0, "optim.alpha", self.alpha, "a positive number")
-        _check(
-            isinstance(self.betas, tuple) and len(self.betas) == 2
-            and all(_is_number(b) and 0.0 <= b < 1.0 for b in self.betas),
-            "optim.betas", self.betas, "two numbers in [0, 1)",
-        )
-        _check(_is_number(self.eps) and self.eps >= 0, "optim.eps", self.eps, "a number >= 0")
-        _check(_is_number(self.weight_decay) and self.weight_decay >= 0,
-               "optim.weight_decay", self.weight_decay, "a number >= 0")
         _check(_is_number(self.lora_alpha) and self.lora_alpha > 0,
                "optim.lora_alpha", self.lora_alpha, "a positive number")
         _check(_is_number(self.lora_dropout) and 0 <= self.lora_dropout < 1,
