@@ -65,3 +65,20 @@ def test_refresh_host_takes_its_shapes_from_the_recipes() -> None:
     assert rank == 128 and len(shapes) == 8 * 7
     assert shapes.count((512, 512)) == 32 and shapes.count((1376, 512)) == 16 and shapes.count((512, 1376)) == 8
     assert refresh_host.recipe_shapes("tiny")[1] == 64
+
+
+def test_memory_summary_reads_every_size_and_relates_to_adamw(tmp_path: Path) -> None:
+    def row(method, peak, estimate, parameters):
+        return {"method": method, "measured_peak_bytes": peak, "estimated_bytes": estimate,
+                "measured": {"parameters": parameters}}
+
+    for size, parameters, scale in (("small", 10**6, 1), ("big", 10**8, 4)):
+        (tmp_path / size).mkdir()
+        rows = [row("adamw", 2**31 * scale, 2**31 * scale, parameters),
+                row("fira", 2**30 * scale, 2**29 * scale, parameters)]
+        (tmp_path / size / "memory.json").write_text(json.dumps({"rows": rows}))
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory_summary.py"), str(tmp_path)],
+                   check=True, cwd=ROOT, timeout=60, capture_output=True)
+    text = (tmp_path / "summary.md").read_text()
+    assert "| Method | small (1M) | big (100M) |" in text
+    assert "| fira | 1.00 GiB (50%); 2.00 | 4.00 GiB (50%); 2.00 |" in text
