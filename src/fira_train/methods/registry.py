@@ -2,8 +2,8 @@
 
 Every training method of the paper's comparison and ablations is a :class:`Method` in
 :data:`METHODS`, used identically by ``fira-train pretrain --method NAME`` and by ``compare``
-(``fira-train finetune`` offers four of them, and two of its own: the view
-:data:`fira_train.finetune.config.METHODS`):
+(``fira-train finetune`` offers seven of them -- ``adamw``, ``lora``, ``galore``, ``fira``, ``apollo``,
+``flora``, ``slimadam`` -- and two of its own: the view :data:`fira_train.finetune.config.METHODS`):
 
 - ``adamw``: full-rank ``torch.optim.AdamW``;
 - ``fira`` and every variant of :data:`fira_optim.VARIANTS` (``fira-matrix``, ``fira-no-scaling``,
