@@ -33,7 +33,9 @@ the gradient's device) and under DDP (every rank draws the same matrices from th
 The package keeps one Python ``GradientProjector`` object per matrix in the optimizer state,
 which ``torch.load(weights_only=True)`` refuses; :func:`apollo_optimizer` returns a subclass
 whose ``state_dict`` stores the projector's attributes (numbers, a string and the current
-random matrix) instead, and rebuilds the object on ``load_state_dict``.
+random matrix) instead, and rebuilds the object on ``load_state_dict``. It also holds back the
+seeds the package puts in a fresh optimizer's state (:func:`fira_train.methods.packages.
+with_deferred_seeds`), without which a DDP run's (DCP) checkpoint would resume without moments.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import torch
 from torch import nn
 
 import fira_optim
-from fira_train.methods.packages import quiet_import_logs
+from fira_train.methods.packages import quiet_import_logs, with_deferred_seeds
 
 #: The package version the settings were read from (``pyproject.toml`` pins it in ``[train]``).
 PACKAGE = "apollo-torch==1.0.3"
@@ -87,7 +89,7 @@ def weights_only_class() -> type[torch.optim.Optimizer]:
     """``apollo_torch.APOLLOAdamW`` with a state dict of tensors and plain values only."""
     base, projector_class = _import_package()
 
-    class WeightsOnlyAPOLLO(base):  # type: ignore[misc, valid-type]
+    class WeightsOnlyAPOLLO(with_deferred_seeds(base)):  # type: ignore[misc]
         """``apollo_torch.APOLLOAdamW``; its projectors are saved as dictionaries of their attributes."""
 
         def state_dict(self) -> dict[str, Any]:
@@ -161,5 +163,14 @@ def build_apollo_optimizer(model: nn.Module, variant: str, *, lr: float, rank: i
                             scale_front=settings["scale_front"])
 
 
-__all__ = ["DEFAULT_LR", "FSDP2_REASON", "PACKAGE", "SETTINGS", "apollo_groups", "apollo_optimizer", "build_apollo_optimizer",
-           "split_matrices", "weights_only_class"]
+__all__ = [
+    "DEFAULT_LR",
+    "FSDP2_REASON",
+    "PACKAGE",
+    "SETTINGS",
+    "apollo_groups",
+    "apollo_optimizer",
+    "build_apollo_optimizer",
+    "split_matrices",
+    "weights_only_class",
+]

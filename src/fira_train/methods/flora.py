@@ -29,12 +29,13 @@ multiplied with sharded DTensor gradients); refused with a clear error. DDP and 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from fira_train.methods.packages import quiet_import_logs
+from fira_train.methods.packages import quiet_import_logs, with_deferred_seeds
 
 #: The package version read (``pyproject.toml`` pins it in ``[train]``).
 PACKAGE = "flora-opt[torch]==0.0.3"
@@ -42,7 +43,10 @@ PACKAGE = "flora-opt[torch]==0.0.3"
 FSDP2_REASON = "flora-opt 0.0.3 multiplies plain random matrices with the sharded (DTensor) gradients"
 
 
+@functools.cache
 def _import_flora() -> type[torch.optim.Optimizer]:
+    """``flora_opt.Flora``, its seeds held back until the first step (so that a DDP run's DCP
+    checkpoint resumes with the moments: :func:`fira_train.methods.packages.with_deferred_seeds`)."""
     try:
         with quiet_import_logs():
             from flora_opt.optimizers.torch.flora import Flora
@@ -51,7 +55,7 @@ def _import_flora() -> type[torch.optim.Optimizer]:
             f"the flora method needs the package {PACKAGE!r} (with its dependencies accelerate and "
             f"bitsandbytes: pip install '{PACKAGE}', or fira-optim's [train] extra): {err}"
         ) from err
-    return Flora
+    return with_deferred_seeds(Flora)
 
 
 def trainable_parameters(model: nn.Module) -> list[torch.Tensor]:
@@ -89,4 +93,11 @@ def compresses_momentum(shape: tuple[int, ...], rank: int) -> bool:
     return small >= rank and large / small <= 4
 
 
-__all__ = ["FSDP2_REASON", "PACKAGE", "build_flora_optimizer", "compresses_momentum", "flora_optimizer", "trainable_parameters"]
+__all__ = [
+    "FSDP2_REASON",
+    "PACKAGE",
+    "build_flora_optimizer",
+    "compresses_momentum",
+    "flora_optimizer",
+    "trainable_parameters",
+]

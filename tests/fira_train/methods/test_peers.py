@@ -18,6 +18,7 @@ from fira_train.cli import main
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.recipes import micro
 from fira_train.methods import apollo as apollo_module
+from fira_train.methods import flora as flora_module
 from fira_train.methods.flora import compresses_momentum
 from fira_train.methods.model import build_model
 from fira_train.methods.registry import METHODS, build_method, get_method, resolved_lr
@@ -190,11 +191,29 @@ def test_flora_rule_leaves_out_embeddings_and_too_small_matrices() -> None:
 
 
 def test_missing_flora_package_is_a_clear_import_error(monkeypatch) -> None:
+    flora_module._import_flora.cache_clear()
     monkeypatch.setitem(sys.modules, "flora_opt", None)
     monkeypatch.setitem(sys.modules, "flora_opt.optimizers.torch.flora", None)
-    config = _config("flora")
-    with pytest.raises(ImportError, match="flora-opt"):
-        build_method(_model(config), config)
+    try:
+        config = _config("flora")
+        with pytest.raises(ImportError, match="flora-opt"):
+            build_method(_model(config), config)
+    finally:
+        flora_module._import_flora.cache_clear()
+
+
+@pytest.mark.parametrize("method", ["apollo", "flora"])
+def test_a_fresh_package_optimizer_has_an_empty_state_until_its_first_step(method: str) -> None:
+    """The packages seed every parameter's state when built; held back, a fresh optimizer looks
+    fresh to torch.distributed.checkpoint (which then gives it the keys to load: see
+    test_peers_ddp.py), and the first step puts the package's own seeds in place."""
+    config = _config(method)
+    setup = build_method(_model(config), config)
+    assert len(setup.optimizer.state) == 0
+    _step(setup, _batch())
+    seeds = [setup.optimizer.state[p]["seed"] for g in setup.optimizer.param_groups for p in g["params"]]
+    first = 1 + (config.train.seed if method == "flora" else 0)  # the packages number the parameters
+    assert seeds == list(range(first, first + len(seeds)))
 
 
 # --- SlimAdam (written here) -------------------------------------------------------------------
