@@ -298,3 +298,7 @@ class RunConfig:
                "train.parallel", self.train.parallel,
                f"'none' with optim.method={self.optim.method!r} (its adapters are not supported "
                "under DDP / FSDP2 yet)")
+        _check(self.train.parallel != "fsdp2" or METHODS[self.optim.method].fsdp2,
+               "train.parallel", self.train.parallel,
+               f"'none' or 'ddp' with optim.method={self.optim.method!r} (its optimizer does not step "
+               "FSDP2's sharded DTensor parameters)")

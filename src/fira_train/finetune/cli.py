@@ -41,11 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default per method: {DEFAULT_LR})")
     p.add_argument("--warmup-steps", type=int, default=None, help="default min(100, steps // 10)")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--rank", type=int, default=None, help=f"Fira/GaLore rank (default {DEFAULT_RANK})")
+    p.add_argument("--rank", type=int, default=None, help=f"Fira/GaLore/APOLLO/Flora rank (default {DEFAULT_RANK})")
     p.add_argument("--update-proj-gap", type=int, default=200)
     p.add_argument("--alpha", type=float, default=1.0, help="Fira/GaLore scale alpha (default 1.0)")
     p.add_argument("--target-modules", default="all-linear",
-                   help="weights Fira/GaLore project in full fine-tuning: all-linear, a comma list or a regex")
+                   help="weights Fira/GaLore/APOLLO project in full fine-tuning: all-linear, a comma list or a regex")
     p.add_argument("--lora-r", type=int, default=32)
     p.add_argument("--lora-alpha", type=int, default=64)
     p.add_argument("--lora-dropout", type=float, default=0.05)

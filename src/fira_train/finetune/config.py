@@ -14,22 +14,32 @@ from fira_train.finetune.commonsense import TaskSpec, parse_tasks
 
 #: The entries of the method registry (:data:`fira_train.methods.registry.METHODS`) that
 #: fine-tuning offers, under the same names; it runs them through the Hugging Face ``Trainer``
-#: (``galore`` and ``fira`` through :class:`fira_optim.integrations.FiraTrainer`). The registry
-#: itself is not imported here: it loads torch.
-REGISTRY_METHODS = ("adamw", "lora", "galore", "fira")
+#: (``galore`` and ``fira`` through :class:`fira_optim.integrations.FiraTrainer`; the paper's
+#: fine-tuning baselines ``apollo`` (its MMLU table), ``flora`` and ``slimadam`` (its commonsense
+#: tables) with their optimizer built by :mod:`fira_train.finetune.train`). The registry itself is
+#: not imported here: it loads torch.
+REGISTRY_METHODS = ("adamw", "lora", "galore", "fira", "apollo", "flora", "slimadam")
 #: ``--method``: a view of the registry, :data:`REGISTRY_METHODS` and two methods only fine-tuning
 #: has: ``none`` (zero-shot, no training) and ``fira-lora`` (the released recipe: ``lora``'s
 #: adapters trained by Fira).
 METHODS = ("none", *REGISTRY_METHODS, "fira-lora")
 LORA_METHODS = ("lora", "fira-lora")
 FIRA_METHODS = ("galore", "fira", "fira-lora")
+#: The paper's other baselines (their optimizers come from :mod:`fira_train.methods`).
+PEER_METHODS = ("apollo", "flora", "slimadam")
 
 #: Learning rate per method when ``--lr`` is not given, set for short CPU runs (tens to hundreds of
 #: steps): LoRA's B starts at zero and needs a larger step than full fine-tuning of pretrained
 #: weights (LLM-Adapters uses 3e-4 for LoRA; the paper 1e-4 for every method over 3 epochs).
-DEFAULT_LR = {"adamw": 5e-5, "galore": 5e-5, "fira": 5e-5, "lora": 5e-4, "fira-lora": 5e-4, "none": 0.0}
-#: Projection rank when ``--rank`` is not given: the paper's r = 32; the released Fira-on-LoRA uses 16.
-DEFAULT_RANK = {"galore": 32, "fira": 32, "fira-lora": 16}
+#: The peers take AdamW's step: SlimAdam is AdamW with a coarser second moment; APOLLO's update
+#: is Adam-sized with the fine-tuning scale d/r its README uses (see :mod:`fira_train.finetune.train`);
+#: Flora's Adafactor step is relative to the weights' RMS (~0.02-0.05 in a pretrained LLaMA), so
+#: 1e-3 gives an absolute step of that order (an estimate, not measured on the packaged model).
+DEFAULT_LR = {"adamw": 5e-5, "galore": 5e-5, "fira": 5e-5, "lora": 5e-4, "fira-lora": 5e-4, "none": 0.0,
+              "apollo": 5e-5, "flora": 1e-3, "slimadam": 5e-5}
+#: Projection rank when ``--rank`` is not given: the paper's r = 32 (for every method of its
+#: fine-tuning table, Flora included); the released Fira-on-LoRA uses 16.
+DEFAULT_RANK = {"galore": 32, "fira": 32, "fira-lora": 16, "apollo": 32, "flora": 32}
 
 
 class FinetuneError(ValueError):
@@ -63,12 +73,13 @@ class FinetuneConfig:
     """Linear warm-up steps; ``None``: ``min(100, steps // 10)`` (the paper warms up 100 steps)."""
     weight_decay: float = 0.0
     rank: int | None = None
-    """Fira/GaLore projection rank; ``None``: :data:`DEFAULT_RANK` of the method."""
+    """Fira/GaLore/APOLLO projection rank, Flora's compression rank; ``None``: :data:`DEFAULT_RANK`."""
     update_proj_gap: int = 200
+    """Steps between subspace refreshes (Fira/GaLore; APOLLO's and Flora's random projections)."""
     alpha: float = 1.0
     """Fira/GaLore scale: 1 keeps the update on the same scale as Adam's, so one lr serves all."""
     target_modules: str = "all-linear"
-    """Weights Fira/GaLore project in full fine-tuning (``optim_target_modules``: comma list,
+    """Weights Fira/GaLore/APOLLO project in full fine-tuning (``optim_target_modules``: comma list,
     ``all-linear``, or a regex when it contains regex characters)."""
     lora_r: int = 32
     lora_alpha: int = 64

@@ -1,5 +1,6 @@
 """Fine-tuning one model with one method through the Hugging Face ``Trainer`` (Fira and GaLore through
-:class:`fira_optim.integrations.FiraTrainer`), measuring time, loss, optimizer state and peak memory."""
+:class:`fira_optim.integrations.FiraTrainer`, the paper's other baselines with the optimizer of
+:func:`peer_optimizer`), measuring time, loss, optimizer state and peak memory."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 import transformers
 
 from fira_optim import optimizer_state_numel
-from fira_optim.integrations import FiraTrainer
-from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, FinetuneConfig, FinetuneError
+from fira_optim.integrations import FiraTrainer, target_parameter_names
+from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training
 from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes
 
@@ -30,6 +31,46 @@ def prepare_model(model: torch.nn.Module, config: FinetuneConfig) -> torch.nn.Mo
         return peft.get_peft_model(model, lora)
     except ValueError as err:
         raise FinetuneError(f"lora_targets={config.lora_targets!r} do not fit the model: {err}") from None
+
+
+#: The Trainer's AdamW defaults (``adam_beta1``, ``adam_beta2``, ``adam_epsilon``), used by the peers too.
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+def peer_optimizer(model: torch.nn.Module, config: FinetuneConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``apollo``, ``flora`` or ``slimadam`` over ``model``'s trainable weights.
+
+    - ``apollo`` (apollo-torch): channel-wise APOLLO at ``--rank`` on the ``--target-modules``
+      linear weights, AdamW on the rest, scale ``d / r`` (the model's width over the rank): the
+      package README's fine-tuning setting ("a scaling factor derived from the ratio of LLaMA-8B
+      dimension (4096) to rank (128)", i.e. 32), which makes the scaled update Adam-sized;
+    - ``flora`` (flora-opt): every trainable weight, momentum compressed at ``--rank`` and
+      resampled every ``--update-proj-gap`` steps (:mod:`fira_train.methods.flora`);
+    - ``slimadam``: the SlimAdam paper's rules (:mod:`fira_train.methods.slimadam`).
+    """
+    from fira_train.methods.apollo import apollo_groups, apollo_optimizer
+    from fira_train.methods.flora import build_flora_optimizer
+    from fira_train.methods.slimadam import SlimAdamW, slimadam_param_groups
+
+    method, lr, wd = config.effective_method, config.effective_lr, config.weight_decay
+    if method == "apollo":
+        try:
+            projected_names = set(target_parameter_names(model, config.optim_target_modules()))
+        except ValueError as err:
+            raise FinetuneError(f"target_modules={config.target_modules!r}: {err}") from None
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        rank = config.effective_rank
+        groups = apollo_groups([p for n, p in trainable if n in projected_names],
+                               [p for n, p in trainable if n not in projected_names],
+                               rank=rank, scale_type="channel", scale=model.config.hidden_size / rank,
+                               update_proj_gap=config.update_proj_gap)
+        return apollo_optimizer(groups, lr=lr, betas=BETAS, eps=EPS, weight_decay=wd, scale_front=False)
+    if method == "flora":
+        return build_flora_optimizer(model, lr=lr, rank=config.effective_rank, kappa=config.update_proj_gap,
+                                     beta1=BETAS[0], weight_decay=wd, seed=config.seed)
+    if method == "slimadam":
+        return SlimAdamW(slimadam_param_groups(model), lr=lr, betas=BETAS, eps=EPS, weight_decay=wd)
+    raise ValueError(f"method={method!r} is not one of {PEER_METHODS}")
 
 
 def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], config: FinetuneConfig) -> dict[str, Any]:
@@ -64,6 +105,8 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
                         "update_proj_gap": config.update_proj_gap, "alpha": config.alpha,
                         "optim_target_modules": targets}
         trainer = FiraTrainer(fira_options=fira_options, **common)
+    elif method in PEER_METHODS:  # the Trainer schedules the optimizer given (linear warm-up and decay)
+        trainer = transformers.Trainer(**common, optimizers=(peer_optimizer(model, config), None))
     else:
         trainer = transformers.Trainer(**common)
 

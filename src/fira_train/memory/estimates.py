@@ -27,6 +27,17 @@ printed 0.01 G); GaLore's own per-size inputs use nominal sizes (e.g. 2.60 G of 
 2 bytes x 1.3B for the 1B model, which has 1.339B parameters) and cannot all be recovered from
 the architecture, so the architecture-based totals here differ from the printed ones by
 -11% to +14% in GB (:data:`PAPER_TOTAL_G` against ``memory_table()``).
+
+The paper's other baselines (:data:`PEER_METHODS`: APOLLO, APOLLO-Mini, Flora, SlimAdam; the
+paper prints no memory estimate for them) follow the per-matrix counts of
+:mod:`fira_train.memory.matrix`, and what each holds for the embedding, head and norms is what
+its optimizer in the harness holds: APOLLO's package gives them AdamW (``2p``); Flora's
+optimizer takes every parameter (the tables keep a full momentum -- their aspect ratio is above
+4 -- with Adafactor's factored second moment; norms ``2d + 1``); SlimAdam averages the second
+moment of the embedding and head over the width (a vector per token) and keeps norms in full.
+Ranks (:func:`default_rank`): APOLLO and Flora at the table's rank (APOLLO's README: rank "1/4
+of the original dim ... (same as Galore)", which is what ``fira-train pretrain --recipe 60m``
+... ``1b`` run; at 7B the README's 256), APOLLO-Mini at 1, SlimAdam has none.
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fira_train.memory.matrix import footprint_numel, llama_matrix_shapes
+from fira_train.memory.matrix import PEER_METHODS, footprint_numel, llama_matrix_shapes, vector_state_numel
 
 #: Bytes in one "G" of the tables. GaLore's worked example (60M, LoRA r=128: 42.7M + 60M
 #: parameters -> 0.20G of weights, 42.7M x 2 states -> 0.17G) uses 10**9.
@@ -51,10 +62,16 @@ METHOD_LABELS = {
     "galore": "GaLore",
     "lora": "LoRA",
     "relora": "ReLoRA",
+    "apollo": "APOLLO",
+    "apollo-mini": "APOLLO-Mini",
+    "flora": "Flora",
+    "slimadam": "SlimAdam",
 }
 # Per-matrix accounting used by each table method (fira_train.memory.matrix.METHODS).
 _MATRIX_METHOD = {"full": "adam", "adam": "adam", "fira": "fira", "galore": "galore",
-                  "lora": "lora", "relora": "lora"}
+                  "lora": "lora", "relora": "lora", **{m: m for m in PEER_METHODS}}
+#: Methods without a rank (their ``rank`` column is empty).
+_RANKLESS = ("full", "adam", "slimadam")
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,8 @@ PAPER_RANKS: dict[str, int] = {"60M": 128, "130M": 256, "350M": 256, "1B": 512, 
 #: GaLore's rank at 7B implied by "Fira uses an 8x smaller rank" (64 x 8). GaLore's own 7B
 #: run used r = 1024.
 GALORE_7B_RANK = 512
+#: APOLLO's rank at 7B: apollo-torch's README, "256 for APOLLO works well for 1B and 7B model".
+APOLLO_7B_RANK = 256
 
 #: Totals printed in the paper's Table 2 (params + grads + optimizer states, "G").
 PAPER_TOTAL_G: dict[tuple[str, str], float] = {
@@ -160,14 +179,20 @@ def default_rank(size: str | LlamaSize, method: str) -> int | None:
     """The rank the paper uses for ``method`` at ``size`` (``None`` for full-rank Adam).
 
     Table 2's rank for every low-rank method at 60M-1B; at 7B, Fira's 64 and GaLore's
-    :data:`GALORE_7B_RANK` (LoRA/ReLoRA were not run at 7B: shown at Fira's rank).
+    :data:`GALORE_7B_RANK` (LoRA/ReLoRA were not run at 7B: shown at Fira's rank). APOLLO takes
+    the same ranks except :data:`APOLLO_7B_RANK` at 7B, APOLLO-Mini 1, Flora the table's (at 7B
+    Fira's, like LoRA); full-rank Adam and SlimAdam have none.
     """
     spec = _size(size)
     method = _method(method)
-    if method in ("full", "adam"):
+    if method in _RANKLESS:
         return None
+    if method == "apollo-mini":
+        return 1
     if spec.name == "7B" and method == "galore":
         return GALORE_7B_RANK
+    if spec.name == "7B" and method == "apollo":
+        return APOLLO_7B_RANK
     if spec.name not in PAPER_RANKS:
         raise ValueError(f"no paper rank for size={spec.name!r}; pass ranks explicitly")
     return PAPER_RANKS[spec.name]
@@ -199,8 +224,8 @@ def model_footprint(size: str | LlamaSize, method: str, rank: int | None = None)
 
     Attention/MLP matrices follow the paper's per-matrix table
     (:func:`fira_train.memory.matrix.footprint_numel`); embeddings, head and norms cost
-    ``p`` weights, ``p`` gradients and ``2p`` Adam moments under every method.
-    ``rank`` defaults to :func:`default_rank`.
+    ``p`` weights, ``p`` gradients and ``2p`` Adam moments under every method but Flora and
+    SlimAdam (:func:`_unprojected_states`). ``rank`` defaults to :func:`default_rank`.
     """
     spec = _size(size)
     method = _method(method)
@@ -217,14 +242,25 @@ def model_footprint(size: str | LlamaSize, method: str, rank: int | None = None)
     return ModelFootprint(
         weights=weights + rest,
         gradients=gradients + rest,
-        optimizer_states=states + 2 * rest,
+        optimizer_states=states + _unprojected_states(spec, matrix_method, rank),
         projected_states=states,
     )
 
 
+def _unprojected_states(spec: LlamaSize, matrix_method: str, rank: int | None) -> int:
+    """Optimizer states of the embedding, head and norms: Adam's ``2p``, except under the two
+    methods whose optimizer also takes them differently (Flora's, SlimAdam's)."""
+    if matrix_method not in ("flora", "slimadam"):
+        return 2 * spec.unprojected_numel
+    table = (spec.vocab, spec.hidden)  # SlimAdam averages both over the width: dimension 1
+    tables = (1 if spec.tie_embeddings else 2) * footprint_numel(table, rank, matrix_method,
+                                                                 compressed_dim=1).optimizer_states
+    return tables + (2 * spec.layers + 1) * vector_state_numel(spec.hidden, matrix_method)
+
+
 def memory_table(
     sizes: Iterable[str | LlamaSize] = tuple(LLAMA_SIZES),
-    methods: Iterable[str] = TABLE_METHODS,
+    methods: Iterable[str] = (*TABLE_METHODS, *PEER_METHODS),
     *,
     ranks: Mapping[str, int] | None = None,
     dtype: str = "bf16",
@@ -233,7 +269,8 @@ def memory_table(
 
     Args:
         sizes: names in :data:`LLAMA_SIZES` or :class:`LlamaSize` objects.
-        methods: names in :data:`TABLE_METHODS` (``"adam"`` is accepted for ``"full"``).
+        methods: names in :data:`TABLE_METHODS` and :data:`PEER_METHODS` (the default: all of
+            them; ``"adam"`` is accepted for ``"full"``).
         ranks: optional ``{method: rank}`` overriding :func:`default_rank` for every size.
         dtype: bytes per element for all three terms (``"bf16"``, the paper's, or ``"fp32"``).
 
@@ -256,7 +293,7 @@ def memory_table(
             rows.append({
                 "size": spec.name,
                 "method": method,
-                "rank": None if method in ("full", "adam") else rank,
+                "rank": None if method in _RANKLESS else rank,
                 "params": spec.numel,
                 "weights": fp.weights,
                 "gradients": fp.gradients,
@@ -343,7 +380,7 @@ def optimizer_state_bytes_table(
             rows.append({
                 "size": spec.name,
                 "method": method,
-                "rank": None if method in ("full", "adam") else rank,
+                "rank": None if method in _RANKLESS else rank,
                 "projected_states": fp.projected_states,
                 "other_states": fp.optimizer_states - fp.projected_states,
                 "states": fp.optimizer_states,
@@ -373,6 +410,7 @@ def format_optimizer_state_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 __all__ = [
+    "APOLLO_7B_RANK",
     "BYTES_PER_ELEMENT",
     "GALORE_7B_RANK",
     "GALORE_TABLE2_G",
@@ -382,6 +420,7 @@ __all__ = [
     "ModelFootprint",
     "PAPER_RANKS",
     "PAPER_TOTAL_G",
+    "PEER_METHODS",
     "TABLE_METHODS",
     "UNITS",
     "default_rank",

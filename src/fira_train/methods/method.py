@@ -45,3 +45,6 @@ class Method:
     split_refresh: bool = False
     """Whether ``build`` accepts ``split_refresh=`` (``fira_optim.FiraAdamW``'s option that deals
     the refresh SVDs to the ranks of a DDP run)."""
+    fsdp2: bool = True
+    """Whether the method runs under ``train.parallel="fsdp2"`` (its optimizer steps sharded
+    DTensor parameters); the config refuses the combination otherwise."""

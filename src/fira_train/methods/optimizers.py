@@ -1,5 +1,7 @@
-"""Factories of the methods that only choose an optimizer: ``torch.optim``'s, Adam-mini's and the
-Fira / GaLore family's (``fira_optim.FiraAdamW`` with a variant of :data:`fira_optim.VARIANTS`)."""
+"""Factories of the methods that only choose an optimizer: ``torch.optim``'s, Adam-mini's, the
+Fira / GaLore family's (``fira_optim.FiraAdamW`` with a variant of :data:`fira_optim.VARIANTS`) and
+the paper's other baselines: APOLLO / APOLLO-Mini (:mod:`fira_train.methods.apollo`), Flora
+(:mod:`fira_train.methods.flora`) and SlimAdam (:mod:`fira_train.methods.slimadam`)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,55 @@ def build_adam_mini(model: nn.Module, config: "RunConfig", lr: float) -> MethodS
         dim=m.hidden_size, n_heads=m.num_attention_heads,
         n_kv_heads=m.num_key_value_heads or m.num_attention_heads, verbose=False,
     )
+    return MethodSetup(model, optimizer)
+
+
+def _refuse_fsdp2(config: "RunConfig", method: str, why: str) -> None:
+    if config.train.parallel == "fsdp2":
+        raise ValueError(f"optim.method={method!r} does not run under train.parallel='fsdp2': {why}; "
+                         "use train.parallel='ddp' or 'none'")
+
+
+def build_apollo(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """APOLLO (``apollo-torch``): channel-wise scaling at rank ``optim.rank``, scale 1."""
+    return _apollo(model, config, lr, "apollo")
+
+
+def build_apollo_mini(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """APOLLO-Mini (``apollo-torch``): tensor-wise scaling at rank 1, scale 128."""
+    return _apollo(model, config, lr, "apollo-mini")
+
+
+def _apollo(model: nn.Module, config: "RunConfig", lr: float, variant: str) -> MethodSetup:
+    from fira_train.methods.apollo import FSDP2_REASON, build_apollo_optimizer
+
+    _refuse_fsdp2(config, variant, FSDP2_REASON)
+    o = config.optim
+    optimizer = build_apollo_optimizer(model, variant, lr=lr, rank=o.rank, update_proj_gap=o.update_proj_gap,
+                                       betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    return MethodSetup(model, optimizer)
+
+
+def build_flora(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """Flora (``flora-opt``): momentum compressed at rank ``optim.rank``, resampled every
+    ``optim.update_proj_gap`` steps, over every trainable parameter."""
+    from fira_train.methods.flora import FSDP2_REASON, build_flora_optimizer
+
+    _refuse_fsdp2(config, "flora", FSDP2_REASON)
+    o = config.optim
+    optimizer = build_flora_optimizer(model, lr=lr, rank=o.rank, kappa=o.update_proj_gap, beta1=o.betas[0],
+                                      weight_decay=o.weight_decay, seed=config.train.seed)
+    return MethodSetup(model, optimizer)
+
+
+def build_slimadam(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """SlimAdam (written here): AdamW with the second moment averaged per the paper's Table 1."""
+    from fira_train.methods.slimadam import FSDP2_REASON, SlimAdamW, slimadam_param_groups
+
+    _refuse_fsdp2(config, "slimadam", FSDP2_REASON)
+    o = config.optim
+    optimizer = SlimAdamW(slimadam_param_groups(model), lr=lr, betas=o.betas, eps=o.eps,
+                          weight_decay=o.weight_decay)
     return MethodSetup(model, optimizer)
 
 

@@ -2,8 +2,8 @@
 
 Every training method of the paper's comparison and ablations is a :class:`Method` in
 :data:`METHODS`, used identically by ``fira-train pretrain --method NAME`` and by ``compare``
-(``fira-train finetune`` offers four of them, and two of its own: the view
-:data:`fira_train.finetune.config.METHODS`):
+(``fira-train finetune`` offers seven of them -- ``adamw``, ``lora``, ``galore``, ``fira``, ``apollo``,
+``flora``, ``slimadam`` -- and two of its own: the view :data:`fira_train.finetune.config.METHODS`):
 
 - ``adamw``: full-rank ``torch.optim.AdamW``;
 - ``fira`` and every variant of :data:`fira_optim.VARIANTS` (``fira-matrix``, ``fira-no-scaling``,
@@ -19,7 +19,20 @@ Every training method of the paper's comparison and ablations is a :class:`Metho
   (``optim.relora_prune``, 0.99 as in the ReLoRA paper) and the learning rate re-warmed
   (a jagged cosine schedule). ReLoRA's initial full-rank warm start is not reproduced;
 - ``sgd`` (momentum ``betas[0]``), ``adagrad``: ``torch.optim``;
-- ``adam-mini``: the ``adam-mini`` package (``Adam_mini``), told the model's width and heads.
+- ``adam-mini``: the ``adam-mini`` package (``Adam_mini``), told the model's width and heads;
+- ``apollo``, ``apollo-mini``: the authors' ``apollo-torch`` package (APOLLO: random projection
+  at rank ``optim.rank``, channel-wise gradient scaling, scale 1; APOLLO-Mini: rank 1, tensor-wise
+  scaling, scale 128; the projection redrawn every ``optim.update_proj_gap`` steps; Fira's
+  norm-growth limiter; embeddings, norms and head get AdamW) -- :mod:`fira_train.methods.apollo`;
+- ``flora``: the authors' ``flora-opt`` package (Adafactor whose momentum is compressed to
+  rank ``optim.rank`` by a random projection resampled every ``optim.update_proj_gap`` steps,
+  over every parameter; its gradient-accumulation compression is not used) --
+  :mod:`fira_train.methods.flora`;
+- ``slimadam``: SlimAdam, written here (AdamW whose second moment is averaged over the fan-in or
+  fan-out per the SlimAdam paper's Table 1 rules) -- :mod:`fira_train.methods.slimadam`.
+
+``apollo``, ``apollo-mini``, ``flora`` and ``slimadam`` refuse ``train.parallel=fsdp2``
+(:attr:`Method.fsdp2`).
 
 Default learning rates (``optim.lr=None``): 0.01 for every Fira/GaLore-family name (the paper
 uses 0.01 for Fira and GaLore without tuning); 0.001 for ``adamw``, ``lora``, ``relora`` and
@@ -28,6 +41,18 @@ full-rank and LoRA baselines in GaLore's tuning, and Adam-mini's recommendation 
 0.01 for ``adagrad`` (``torch.optim.Adagrad``'s default, also the best of {0.03, 0.01, 0.003} on
 ``micro``); 0.03 for ``sgd`` (no paper value: the best of {1, 0.3, 0.1, 0.03, 0.01, 0.003} in a
 60-step ``micro`` run on a synthetic corpus, 1 diverged; a smoke-level choice, tune it on real data).
+The paper's other baselines carry their authors' values: 0.01 for ``apollo`` and ``apollo-mini``
+(apollo-torch 1.0.3's README: the usage example ``APOLLO(param_groups, lr=0.01)``, and "keeping
+the learning rate fixed at 1e-2" for both in its long-context benchmark; its scale 1 / 128 and
+rank 1 for Mini are the README's "Hyperparameter choices"); 0.001 for ``slimadam`` (its README:
+"Works with the same hyperparameters as Adam, no learning rate retuning needed", so AdamW's
+0.001); 0.01 for ``flora``, whose Adafactor base scales the step by the parameter's RMS (so
+the absolute step at LLaMA's 0.02 initialisation is ~0.02 x lr): Adafactor's relative step size
+for pre-training (Shazeer & Stern 2018, min(1e-2, 1/sqrt(t)); T5 pre-trains with 0.01). The Flora
+authors' only from-scratch run (T5-small, ``replicate.sh`` of github.com/BorealisAI/flora-opt)
+reuses Adafactor's 1e-3 there; on ``micro`` (60 steps) 1e-3 / 1e-2 / 3e-2 / 1e-1 reached
+validation perplexity 510 / 449 / 248 / 215 (AdamW at 1e-3: 235), so tune it before reading a
+comparison.
 """
 
 from __future__ import annotations
@@ -39,7 +64,17 @@ from torch import nn
 import fira_optim
 from fira_train.methods.lora import build_lora, build_relora
 from fira_train.methods.method import Method, MethodSetup
-from fira_train.methods.optimizers import build_adagrad, build_adam_mini, build_adamw, build_sgd, fira_family
+from fira_train.methods.optimizers import (
+    build_adagrad,
+    build_adam_mini,
+    build_adamw,
+    build_apollo,
+    build_apollo_mini,
+    build_flora,
+    build_sgd,
+    build_slimadam,
+    fira_family,
+)
 
 if TYPE_CHECKING:  # annotations only: the config validates method names against the registry
     from fira_train.config.run_config import RunConfig
@@ -70,6 +105,7 @@ def get_method(name: str) -> Method:
 
 
 FIRA_LR = 0.01
+FLORA_LR = 0.01
 
 METHODS: dict[str, Method] = {
     "adamw": Method("adamw", 1e-3, build_adamw, "full-rank AdamW (torch.optim.AdamW)"),
@@ -87,4 +123,16 @@ METHODS.update({
     "sgd": Method("sgd", 0.03, build_sgd, "torch.optim.SGD with momentum betas[0]"),
     "adagrad": Method("adagrad", 1e-2, build_adagrad, "torch.optim.Adagrad"),
     "adam-mini": Method("adam-mini", 1e-3, build_adam_mini, "Adam-mini (the adam-mini package)"),
+    "apollo": Method("apollo", 1e-2, build_apollo,
+                     "APOLLO (apollo-torch): channel-wise scaling from a random rank-r projection, scale 1",
+                     uses_rank=True, fsdp2=False),
+    "apollo-mini": Method("apollo-mini", 1e-2, build_apollo_mini,
+                          "APOLLO-Mini (apollo-torch): tensor-wise scaling from a rank-1 projection, scale 128",
+                          fsdp2=False),
+    "flora": Method("flora", FLORA_LR, build_flora,
+                    "Flora (flora-opt): Adafactor with momentum compressed by resampled random projections",
+                    uses_rank=True, fsdp2=False),
+    "slimadam": Method("slimadam", 1e-3, build_slimadam,
+                       "SlimAdam: AdamW with the second moment averaged over fan-in/out (paper's Table 1)",
+                       fsdp2=False),
 })
