@@ -177,7 +177,11 @@ def _memory(args: argparse.Namespace) -> int:
         if args.recipe or args.methods or args.overrides:
             raise ValueError("--recipe, --methods and key=value overrides go with --measure "
                              "(without it, memory prints the paper's estimates)")
+        from fira_train.measure import estimate_rows, format_estimate_rows  # imports torch
+
         print(format_memory_table(memory_table()))
+        print()
+        print(format_estimate_rows(estimate_rows()))
         return 0
     from fira_train.measure import measure, parse_specs  # imports torch: not at parser build
 

@@ -155,6 +155,46 @@ def format_measurement(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The configurations of the estimate table (``fira-train memory`` without ``--measure``).
+ESTIMATE_SPECS = (
+    "adamw", "galore", "fira", "fira@optim.step_in_backward=true",
+    "fira@optim.step_in_backward=true@optim.state_dtype=int8",
+    "fira@optim.step_in_backward=true@optim.state_dtype=int8@train.param_dtype=bfloat16",
+)
+ESTIMATE_SIZES = ("60m", "130m", "350m", "1b", "7b")
+
+
+def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, Any]]:
+    """The run estimate (:func:`fira_train.memory.run_estimate.estimate_run_bytes`) of each
+    configuration at each of the paper's sizes, one sequence of 256 tokens per step."""
+    from fira_train.config.recipes import get_recipe  # the paper's sizes
+
+    rows = []
+    for size in sizes:
+        base = get_recipe(size)
+        base = replace(base, train=replace(base.train, batch_size=1, micro_batch_size=1))
+        for text in specs:
+            config = parse_method_specs(text)[0].config(base, ".")
+            estimate = estimate_run_bytes(config, config.data.vocab_size)
+            rows.append({"size": size, "method": text, **estimate,
+                         "fits_24gb": estimate["total"] < 24 * GB})
+    return rows
+
+
+def format_estimate_rows(rows: list[dict[str, Any]]) -> str:
+    """The estimate table: GB per part and whether the total fits in 24 GB."""
+    lines = ["Estimated memory of a training run (one 256-token sequence per step, fp32 unless "
+             "stated): weights + gradients + optimizer states + activations, in GB (10^9 bytes)",
+             "",
+             "| Size | Method | Weights | Gradients | Optimizer states | Activations | Total | Fits in 24 GB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        parts = " | ".join(f"{r[k] / GB:.2f}" for k in ("weights", "gradients", "optimizer_states",
+                                                        "activations", "total"))
+        lines.append(f"| {r['size']} | {r['method']} | {parts} | {'yes' if r['fits_24gb'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def parse_specs(text: str) -> list[MethodSpec]:
     specs = parse_method_specs(text)
     for spec in specs:

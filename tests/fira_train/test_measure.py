@@ -39,3 +39,20 @@ def test_measure_writes_a_row_per_spec(tmp_path: Path, capsys) -> None:
 def test_measure_refuses_bad_requests_in_one_line(argv, message, capsys) -> None:
     assert main(argv) == 1
     assert message in capsys.readouterr().err
+
+
+def test_the_estimate_table_covers_the_paper_sizes_and_says_what_fits() -> None:
+    from fira_train.measure import ESTIMATE_SPECS, estimate_rows, format_estimate_rows
+
+    rows = estimate_rows()
+    assert {(r["size"], r["method"]) for r in rows} == {
+        (size, spec) for size in ("60m", "130m", "350m", "1b", "7b") for spec in ESTIMATE_SPECS}
+    for r in rows:
+        assert r["total"] == r["weights"] + r["gradients"] + r["optimizer_states"] + r["activations"]
+        assert r["fits_24gb"] == (r["total"] < 24 * 10**9)
+    by = {(r["size"], r["method"]): r for r in rows}
+    assert not by["7b", "adamw"]["fits_24gb"]
+    for size in ("60m", "1b", "7b"):  # every option lowers the estimate, in the order of the table
+        totals = [by[size, spec]["total"] for spec in ESTIMATE_SPECS[2:]]
+        assert totals == sorted(totals, reverse=True)
+    assert "| 7b | adamw |" in format_estimate_rows(rows)
