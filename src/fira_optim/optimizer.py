@@ -195,7 +195,6 @@ class Fira(Optimizer):
         self._in_backward = None  # the handle of fira_optim.step_in_backward, while registered
         super().__init__(_split_flat_params(params, rank), defaults)
 
-
     # ------------------------------------------------------------------ groups and state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
