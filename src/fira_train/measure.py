@@ -30,7 +30,7 @@ from fira_train.memory.run_estimate import estimate_run_bytes
 from fira_train.methods.registry import get_method
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
-from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes
+from fira_train.run.peak_memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
 from fira_train.run.train import train_step
 from fira_train.run.training import autocast_for, build_training, resolve_device
 
@@ -38,17 +38,6 @@ log = logging.getLogger(__name__)
 
 #: Column "fits in 24 GB" (the peers' consumer-GPU headline) and the unit of the tables.
 GB = 10**9
-
-
-def current_rss_bytes() -> int | None:
-    """This process's resident set now (Linux ``VmRSS``), or None."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:

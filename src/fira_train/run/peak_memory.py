@@ -25,15 +25,25 @@ def reset_rss_peak() -> bool:
         return False  # not Linux / not permitted
 
 
-def rss_peak_bytes() -> int | None:
-    """Peak resident set since the last :func:`reset_rss_peak` (Linux ``VmHWM``), or None."""
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` line of ``/proc/self/status`` in bytes (Linux), or None."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def rss_peak_bytes() -> int | None:
+    """Peak resident set since the last :func:`reset_rss_peak` (Linux ``VmHWM``), or None."""
+    return _status_bytes("VmHWM")
+
+
+def current_rss_bytes() -> int | None:
+    """This process's resident set now (Linux ``VmRSS``), or None."""
+    return _status_bytes("VmRSS")
 
 
 def process_peak_rss_bytes() -> int:
