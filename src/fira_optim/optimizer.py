@@ -482,10 +482,10 @@ class Fira(Optimizer):
 
     def _update(self, matrices: list[tuple[MatrixStep, Hyper]], stats) -> None:
         """Commit the new bases and step counts, then stages 3-7: one matrix at a time for the
-        reference strategy, in buckets of matrices that share hyper-parameters, step count,
-        strategy and shard group otherwise."""
+        reference strategy and for low-precision states (decoded to fp32, updated, encoded back:
+        only one matrix's fp32 moments exist at once), in buckets of matrices that share
+        hyper-parameters, step count, strategy and shard group otherwise."""
         buckets: dict[tuple, list[MatrixStep]] = {}
-        stored_states = []  # (stored, working) of low-precision states, encoded after the stages
         for m, hp in matrices:
             state = self.state[m.param]
             if not state:
@@ -493,14 +493,15 @@ class Fira(Optimizer):
             m.state = state if m.sharding is None else distributed.local_views(state)
             if m.new_basis is not None:
                 m.state["basis"].copy_(m.new_basis)
-            if hp.state_dtype is not StateDtype.FLOAT32:
-                stored = m.state
-                m.state = precision.decode(stored, STATE_KEYS[hp.base], m.work_dtype)
-                stored_states.append((stored, m.state, STATE_KEYS[hp.base]))
             state["step"] += 1
             step = int(state["step"])
             row_sum = None if m.sharding is None else m.sharding.sum
-            if m.strategy.explicit:
+            if hp.state_dtype is not StateDtype.FLOAT32:
+                stored, keys = m.state, STATE_KEYS[hp.base]
+                m.state = precision.decode(stored, keys, m.work_dtype)
+                m.strategy.run([m], step, hp, row_sum, stats)
+                precision.encode(stored, m.state, keys)
+            elif m.strategy.explicit:
                 m.strategy.run([m], step, hp, row_sum, stats)
             else:
                 shards = None if m.sharding is None else m.sharding.group
@@ -510,8 +511,6 @@ class Fira(Optimizer):
             first = batch[0]
             row_sum = None if first.sharding is None else first.sharding.sum
             first.strategy.run(batch, step, bucket[0][1], row_sum, stats)
-        for stored, working, keys in stored_states:
-            precision.encode(stored, working, keys)
 
 
 class FiraAdamW(Fira):
