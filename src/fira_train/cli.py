@@ -202,7 +202,9 @@ def _register_memory(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "memory", help="memory: the paper's estimates, or measured peaks of real training steps",
         description="Without --measure: the paper's memory estimate of parameters, gradients and "
-                    "optimizer states in BF16 for its LLaMA sizes and every method (appendix C.1). "
+                    "optimizer states in BF16 for its LLaMA sizes and every method (appendix C.1), "
+                    "then the estimate of a real run (with activations) of AdamW, GaLore, Fira and "
+                    "Fira's memory options at 60M-7B and whether it fits in 24 GB. "
                     "With --measure: train --steps steps of each method spec (NAME[@key=value...]) "
                     "in a fresh process and write OUT/memory.md and OUT/memory.json with the "
                     "measured peak beside the estimate.")
