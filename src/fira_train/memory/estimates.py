@@ -15,7 +15,7 @@ states, the three rows of the paper's Table "Comparison of different methods"
 
 The architecture is the released ``llama_*.json`` one (vocabulary 32000: the T5 tokenizer's
 100 extra ids never occur in C4 and the released configs build a 32000-row embedding; this
-gives the 367.97M parameters reported for the 350M model in GaLore issue #67). The 1B model
+gives the 367.97M parameters that GaLore's users count for its released 350M config). The 1B model
 has 32 heads and 24 layers as in the released config: the appendix table prints heads 24 and
 layers 32, which cannot be right (2048 is not divisible by 24), and only 24 layers reproduce
 the paper's "61.1% optimizer-state saving at 1B" (:func:`optimizer_state_saving`).

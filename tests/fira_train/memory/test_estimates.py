@@ -37,7 +37,7 @@ def test_sizes_match_transformers_llama(name):
 
 
 def test_known_parameter_counts():
-    # 367.97M for 350M is the count GaLore issue #67 reports for the released config.
+    # 367.97M for 350M: the parameter count of GaLore's released 350M config.
     assert LLAMA_SIZES["60M"].numel == 58_073_600
     assert LLAMA_SIZES["350M"].numel == 367_969_280
     assert LLAMA_SIZES["1B"].numel == 1_339_082_752
