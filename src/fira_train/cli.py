@@ -183,13 +183,14 @@ def _memory(args: argparse.Namespace) -> int:
         print()
         print(format_estimate_rows(estimate_rows()))
         return 0
-    from fira_train.measure import measure, parse_specs  # imports torch: not at parser build
+    from fira_train.config.method_spec import parse_method_specs  # imports torch: not at parser build
+    from fira_train.measure import measure
 
     if not args.recipe or not args.methods:
         raise ValueError("memory --measure needs --recipe NAME and --methods SPEC,...")
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
-    specs = parse_specs(args.methods)
+    specs = parse_method_specs(args.methods)
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-memory"
     markdown, _ = measure(config, specs, args.steps, out_dir, command_line(getattr(args, "argv", [])))

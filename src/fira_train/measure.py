@@ -27,7 +27,6 @@ from fira_train.config.method_spec import MethodSpec, parse_method_specs
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.memory.run_estimate import estimate_run_bytes
-from fira_train.methods.registry import get_method
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
 from fira_train.run.peak_memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
@@ -89,7 +88,6 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     build_corpus(base.data)  # tokenised once, into the cache the runs read
     rows = []
     for index, spec in enumerate(specs, start=1):
-        get_method(spec.name)
         run_config = spec.config(base, out_dir / "runs")
         log.info("[%d/%d] %s: %d steps", index, len(specs), spec.text, steps)
         measured = run_isolated(measure_run, run_config, steps)
@@ -183,9 +181,3 @@ def format_estimate_rows(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['size']} | {r['method']} | {parts} | {'yes' if r['fits_24gb'] else 'no'} |")
     return "\n".join(lines)
 
-
-def parse_specs(text: str) -> list[MethodSpec]:
-    specs = parse_method_specs(text)
-    for spec in specs:
-        get_method(spec.name)
-    return specs

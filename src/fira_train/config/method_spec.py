@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.run_config import RunConfig
+from fira_train.methods.registry import get_method
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,11 @@ def parse_method_spec(text: str) -> MethodSpec:
 
 
 def parse_method_specs(text: str) -> list[MethodSpec]:
-    """A comma-separated list of specs; at least one, none twice."""
+    """A comma-separated list of specs: at least one, none twice, each naming a method of the
+    registry (ValueError listing the valid names)."""
     specs = [parse_method_spec(part) for part in text.split(",") if part.strip()]
+    for spec in specs:
+        get_method(spec.name)
     if not specs:
         raise ValueError(f"--methods must name at least one method, got {text!r}")
     seen = set()

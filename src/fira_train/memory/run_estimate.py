@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fira_train.memory.matrix import footprint_numel
+from fira_train.memory.matrix import footprint_numel, llama_matrix_shapes
 
 if TYPE_CHECKING:  # annotations only
     from fira_train.config.run_config import RunConfig
@@ -37,21 +37,13 @@ MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / 256}
 PLAIN_METHODS = ("adamw", "sgd", "adagrad", "adam-mini", "lora", "relora")
 
 
-def matrices(config: "RunConfig") -> list[tuple[int, int]]:
-    """The attention and MLP weight shapes of the config's LLaMA (``nn.Linear``: out x in)."""
-    m = config.model
-    h, f = m.hidden_size, m.intermediate_size
-    kv = h // m.num_attention_heads * (m.num_key_value_heads or m.num_attention_heads)
-    layer = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
-    return layer * m.num_hidden_layers
-
-
 def estimate_run_bytes(config: "RunConfig", vocab_size: int) -> dict[str, Any]:
     """``{"weights", "gradients", "optimizer_states", "activations", "total"}`` in bytes."""
     m, o, t = config.model, config.optim, config.train
     h, layers = m.hidden_size, m.num_hidden_layers
     weight_bytes = 2 if t.param_dtype == "bfloat16" else 4
-    shapes = matrices(config)
+    # grouped KV heads (model.num_key_value_heads) are counted as full heads: an upper bound
+    shapes = llama_matrix_shapes(h, m.intermediate_size, layers)
     embed = vocab_size * h
     others = embed * (1 if m.tie_word_embeddings else 2) + h * (2 * layers + 1)  # + RMSNorms
     params = sum(a * b for a, b in shapes) + others

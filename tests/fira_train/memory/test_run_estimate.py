@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fira_train.config.recipes import get_recipe
-from fira_train.memory.run_estimate import estimate_run_bytes, matrices
+from fira_train.memory.matrix import llama_matrix_shapes
+from fira_train.memory.run_estimate import estimate_run_bytes
 
 
 def _estimate(method="fira", *, optim=(), train=()):
@@ -17,7 +18,7 @@ def _estimate(method="fira", *, optim=(), train=()):
 
 def test_the_parts_follow_the_formulas() -> None:
     config, adamw = _estimate("adamw")
-    params = sum(a * b for a, b in matrices(config)) + 2 * 32000 * 512 + 512 * (2 * 8 + 1)
+    params = sum(a * b for a, b in llama_matrix_shapes(512, 1376, 8)) + 2 * 32000 * 512 + 512 * (2 * 8 + 1)
     assert adamw["weights"] == 4 * params and adamw["gradients"] == 4 * params
     assert adamw["optimizer_states"] == 8 * params
     _, fira = _estimate("fira")
