@@ -331,57 +331,52 @@ class Fira(Optimizer):
         """Stages 1-2 of every matrix (of ``only``, if given), and the finiteness checks:
         ``(matrices, plain)``, or None if the step is skipped. Nothing is committed here."""
         matrices: list[tuple[MatrixStep, Hyper]] = []
-        plain: list[tuple[dict, list[torch.Tensor]]] = []
         checks: list[tuple[torch.Tensor, int, int]] = []
-        order = 0  # global index of projected matrices: stagger offsets and projector seeds
-        total = None
-        if any(g["stagger"] for g in self.param_groups):
-            total = sum(1 for g in self.param_groups for p in g["params"] if is_projected(p, g))
+        entries, total = self._entries(only)
         # FSDP2 shards, or DDP with split_refresh: the refresh bases are computed across ranks
         # first (one rank per matrix, broadcast to all); None in one process and plain DDP.
-        shard_group = distributed.shard_group(self.param_groups)
+        shard_group = distributed.shard_group(
+            self.param_groups if only is None else [{"params": [p for _, _, p, _ in entries]}])
         refresh_group = shard_group if shard_group is not None else self._split_refresh_group()
         refreshed = None
         if refresh_group is not None:
             refreshed = refresh.refresh_together(self, refresh_group, total, only)
         elif self.implementation != Implementation.REFERENCE:
             refreshed = refresh.refresh_in_threads(self, total, only)
-        for gi, group in enumerate(self.param_groups):
-            plain_params = []
-            hyper = None
-            for pi, p in enumerate(group["params"]):
-                projected = is_projected(p, group)
-                order += projected
-                if p.grad is None or p.numel() == 0 or (only is not None and p not in only):
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"Fira does not support sparse gradients ({param_name(gi, pi, p)})")
-                if not projected:
-                    # Until its first real step, an all-zero gradient only builds state. Test
-                    # the step count, not mere presence of state: a second zero-gradient step
-                    # must not count either, or the bias correction of this param runs one
-                    # step ahead of the projected matrices (which stay at step 0) and of a
-                    # fresh optimizer.
-                    state = self.state.get(p)
-                    if (state and float(state["step"]) > 0) or bool(p.grad.any()):
-                        plain_params.append(p)
-                    elif not state:  # build the state, change nothing
-                        unprojected.init_state(self.state[p], p, group)
-                    if self.nonfinite != NonFinite.IGNORE:
-                        checks.append((distributed.to_local(p.grad), gi, pi))
-                    continue
-                hyper = hyper or Hyper.from_group(group)
-                matrix = self._plan_matrix(p, group, gi, pi, order - 1, total, hyper, refreshed)
-                if matrix is _SKIP_STEP:
-                    return None
-                if matrix is not None:
-                    matrices.append((matrix, hyper))
-                    if self.nonfinite != NonFinite.IGNORE:
-                        # Column norms of R: needed by the update anyway, and non-finite iff G
-                        # is (a NaN or Inf in g_i reaches r_i = P^T g_i). Checked all at once below.
-                        checks.append((matrix.low_norm, gi, pi))
-            if plain_params:
-                plain.append((group, plain_params))
+        hypers: dict[int, Hyper] = {}
+        plain_of: dict[int, list[torch.Tensor]] = {}
+        for gi, pi, p, order in entries:
+            group = self.param_groups[gi]
+            projected = order is not None
+            if p.grad is None or p.numel() == 0:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"Fira does not support sparse gradients ({param_name(gi, pi, p)})")
+            if not projected:
+                # Until its first real step, an all-zero gradient only builds state. Test
+                # the step count, not mere presence of state: a second zero-gradient step
+                # must not count either, or the bias correction of this param runs one
+                # step ahead of the projected matrices (which stay at step 0) and of a
+                # fresh optimizer.
+                state = self.state.get(p)
+                if (state and float(state["step"]) > 0) or bool(p.grad.any()):
+                    plain_of.setdefault(gi, []).append(p)
+                elif not state:  # build the state, change nothing
+                    unprojected.init_state(self.state[p], p, group)
+                if self.nonfinite != NonFinite.IGNORE:
+                    checks.append((distributed.to_local(p.grad), gi, pi))
+                continue
+            hyper = hypers.get(gi) or hypers.setdefault(gi, Hyper.from_group(group))
+            matrix = self._plan_matrix(p, group, gi, pi, order, total, hyper, refreshed)
+            if matrix is _SKIP_STEP:
+                return None
+            if matrix is not None:
+                matrices.append((matrix, hyper))
+                if self.nonfinite != NonFinite.IGNORE:
+                    # Column norms of R: needed by the update anyway, and non-finite iff G
+                    # is (a NaN or Inf in g_i reaches r_i = P^T g_i). Checked all at once below.
+                    checks.append((matrix.low_norm, gi, pi))
+        plain = [(self.param_groups[gi], params) for gi, params in sorted(plain_of.items())]
         tensors = [c for c, _, _ in checks]
         flags = finite_flags(tensors) if checks else None
         local = flags
@@ -403,6 +398,29 @@ class Fira(Optimizer):
             self._nonfinite_found(param_name(gi, pi, self.param_groups[gi]["params"][pi]))
             return None
         return matrices, plain
+
+    def _entries(self, only: set | None) -> tuple[list[tuple], int | None]:
+        """``[(gi, pi, p, order)]`` of every parameter (of ``only``), in param-group order, with
+        ``order`` the index among the projected matrices (None: not projected), and the number
+        of projected matrices when a group staggers its refreshes (else None). The layout is
+        cached, so that an update in the backward pass (one parameter) costs no scan of all."""
+        key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"]) for g in self.param_groups)
+        cached = self.__dict__.get("_layout")
+        if cached is None or cached[0] != key:
+            entries, order = [], 0
+            for gi, group in enumerate(self.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    projected = is_projected(p, group)
+                    entries.append((gi, pi, p, order if projected else None))
+                    order += projected
+            stagger = any(g["stagger"] for g in self.param_groups)
+            position = {p: i for i, (_, _, p, _) in enumerate(entries)}
+            cached = (key, entries, position, order if stagger else None)
+            self.__dict__["_layout"] = cached
+        _, entries, position, total = cached
+        if only is not None:
+            entries = [entries[i] for i in sorted(position[p] for p in only)]
+        return entries, total
 
     def _split_refresh_group(self) -> Any:
         """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""

@@ -23,7 +23,7 @@ import torch
 
 from . import distributed
 from .options import Projector, param_name
-from .projection import compute_basis, is_projected, projection_side
+from .projection import compute_basis, projection_side
 
 if TYPE_CHECKING:
     from .optimizer import Fira
@@ -74,30 +74,26 @@ def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None)
     in the order of the projected matrices; ``job`` is a :class:`fira_optim.distributed.RefreshJob`
     holding this rank's gradient and the refresh rule (:func:`refresh_outcome`) to run on it."""
     due = []
-    order = 0
-    for gi, group in enumerate(opt.param_groups):
-        for pi, p in enumerate(group["params"]):
-            if not is_projected(p, group):
-                continue
-            order += 1
-            if p.grad is None or p.numel() == 0 or (only is not None and p not in only):
-                continue
-            state = opt.state[p]
-            step = int(state["step"]) if state else 0
-            if not refresh_due(group, step, order - 1, total):
-                continue
-            work_dtype = torch.promote_types(p.dtype, torch.float32)
-            grad = distributed.to_local(p.grad).to(work_dtype)
-            side = projection_side(p.shape, group["proj_type"])
-            compute = functools.partial(
-                refresh_outcome, rank=group["rank"], side=side, group=group,
-                order=order - 1, step=step, name=param_name(gi, pi, p),
-            )
-            previous = distributed.to_local(state["basis"]) if step > 0 else None
-            due.append((p, distributed.RefreshJob(
-                grad, p.shape[0], order - 1, previous, side, group["rank"],
-                distributed.row_sharding(p), compute,
-            )))
+    for gi, pi, p, order in opt._entries(only)[0]:
+        if order is None or p.grad is None or p.numel() == 0:
+            continue
+        group = opt.param_groups[gi]
+        state = opt.state[p]
+        step = int(state["step"]) if state else 0
+        if not refresh_due(group, step, order, total):
+            continue
+        work_dtype = torch.promote_types(p.dtype, torch.float32)
+        grad = distributed.to_local(p.grad).to(work_dtype)
+        side = projection_side(p.shape, group["proj_type"])
+        compute = functools.partial(
+            refresh_outcome, rank=group["rank"], side=side, group=group,
+            order=order, step=step, name=param_name(gi, pi, p),
+        )
+        previous = distributed.to_local(state["basis"]) if step > 0 else None
+        due.append((p, distributed.RefreshJob(
+            grad, p.shape[0], order, previous, side, group["rank"],
+            distributed.row_sharding(p), compute,
+        )))
     return due
 
 
@@ -130,6 +126,8 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     rotation is exact). A gradient found non-finite is reported in the usual order.
     """
     workers = torch.get_num_threads()
+    if only is not None and len(only) < 2:  # one matrix (an update in the backward pass)
+        return None
     on_host = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
     if workers < 2 or not (on_host or opt.host_refresh):
         return None  # before due_refreshes, which converts every due gradient
