@@ -40,6 +40,7 @@ from .options import (
     NonFinite,
     Residual,
     StateDtype,
+    check_process_options,
     check_rank,
     param_name,
     validate_group,
@@ -170,12 +171,11 @@ class Fira(Optimizer):
                 "params argument given to the optimizer should be an iterable of Tensors or dicts, "
                 f"but got {torch.typename(params)}"
             )
-        self.nonfinite = NonFinite.parse("nonfinite", nonfinite).value
-        self.implementation = Implementation.parse("implementation", implementation).value
+        check_process_options(nonfinite, implementation, host_refresh)
+        self.nonfinite = NonFinite(nonfinite).value
+        self.implementation = Implementation(implementation).value
         self.split_refresh = bool(split_refresh)
         self.process_group = process_group
-        if not isinstance(host_refresh, bool):
-            raise ValueError(f"Invalid host_refresh: {host_refresh!r}; expected True or False")
         self.host_refresh = host_refresh
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, rank=None,

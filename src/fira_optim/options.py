@@ -8,6 +8,8 @@ below. The enums are ``str`` subclasses, so ``Limiter.GROWTH == "growth"`` holds
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -257,10 +259,28 @@ def param_name(gi: int, pi: int, p: torch.Tensor) -> str:
     return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
 
 
+def check_process_options(nonfinite: Any, implementation: Any, host_refresh: Any) -> None:
+    """The constructor-only options (they are not per group)."""
+    NonFinite.parse("nonfinite", nonfinite)
+    Implementation.parse("implementation", implementation)
+    if not isinstance(host_refresh, bool):
+        raise ValueError(f"Invalid host_refresh: {host_refresh!r}; expected True or False")
+
+
 def check_options(**options: Any) -> None:
     """Validate :class:`fira_optim.FiraAdamW` keyword options by the constructor's own rules
     (``ValueError`` naming the argument and the value), before any parameter exists: for
     configs that hold the options of an optimizer built later."""
-    from .optimizer import Fira  # the constructor is the one place the rules live
+    values = {**_constructor_defaults(), **options}
+    check_process_options(values["nonfinite"], values["implementation"], values["host_refresh"])
+    if values["rank"] is not None:
+        check_rank(values["rank"])
+    validate_group(values)
 
-    Fira([torch.zeros(2, 2, requires_grad=True)], **options)
+
+@functools.lru_cache(maxsize=1)
+def _constructor_defaults() -> dict[str, Any]:
+    from .optimizer import Fira  # the constructor's signature holds the defaults
+
+    return {name: p.default for name, p in inspect.signature(Fira.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}

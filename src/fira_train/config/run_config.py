@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fira_optim.options import STATE_DTYPES, check_options
+from fira_optim.options import check_options
 from fira_train.data.spec import DataSpec
 from fira_train.methods.registry import METHODS
 
@@ -154,7 +154,7 @@ class OptimConfig:
             _check(_is_number(self.lr) and self.lr > 0, "optim.lr", self.lr, "None or a positive number")
         # The optimizer's own options: checked by fira_optim's constructor rules, not copies of them.
         for name in ("rank", "update_proj_gap", "alpha", "betas", "eps", "weight_decay", "gamma",
-                     "projector", "implementation", "host_refresh", "stochastic_rounding"):
+                     "projector", "implementation", "host_refresh", "stochastic_rounding", "state_dtype"):
             value = getattr(self, name)
             try:
                 check_options(**{name: value})
@@ -163,9 +163,6 @@ class OptimConfig:
         for name in ("step_in_backward",):
             _check(isinstance(getattr(self, name), bool), f"optim.{name}", getattr(self, name),
                    "true or false")
-        # state_dtype by name only: the library's check of "int8" imports torchao
-        _check(self.state_dtype in STATE_DTYPES, "optim.state_dtype", self.state_dtype,
-               f"one of {STATE_DTYPES}")
         _check(_is_number(self.lora_alpha) and self.lora_alpha > 0,
                "optim.lora_alpha", self.lora_alpha, "a positive number")
         _check(_is_number(self.lora_dropout) and 0 <= self.lora_dropout < 1,
