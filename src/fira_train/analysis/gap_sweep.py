@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import fira_optim
-from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
+from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, seeds_text, train_runs
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import pyplot
@@ -120,10 +120,11 @@ def run_gap_sweep(config: RunConfig, out_dir: str | Path, *, gaps: Sequence[int]
     _plot(values, gaps, figure)
     steps = config.train.steps
     recipe_gap = config.optim.update_proj_gap
-    lines = report_header("Validation perplexity under varying update gaps", config, command=command)
-    seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"mean over seeds {', '.join(map(str, seeds))}"
-    lines += [f"Final validation perplexity ({seed_text}); the recipe's own T is {recipe_gap}. "
-              "Refreshes: projection refreshes per run (steps / T, rounded up).", ""]
+    lines = report_header("Validation perplexity under varying update gaps", config, command=command,
+                          seeds=seeds)
+    seed_text = seeds_text(seeds) if len(seeds) == 1 else f"mean over {seeds_text(seeds)}"
+    lines += [f"Final validation perplexity ({seed_text}) at rank {config.optim.rank}; the recipe's own T is "
+              f"{recipe_gap}. Refreshes: projection refreshes per run (steps / T, rounded up).", ""]
     header = ["method"] + [f"T = {g} ({_count(math.ceil(steps / g), 'refresh')})" for g in gaps]
     rows = []
     for m in methods:

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import fira_optim
 from fira_train.analysis.callbacks import NORMS_FILE, GradientNoise, record_norms, record_norms_with_noise
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
 from fira_train.config.run_config import RunConfig
@@ -86,7 +87,9 @@ def run_noise(config: RunConfig, out_dir: str | Path, *, methods: Sequence[str] 
     lines = report_header("Robustness to gradient noise", config, command=command)
     lines += [f"Final validation perplexity without and with Gaussian noise {scale:g} * N(0, 1) added to every "
               f"gradient entry before each step (noise seed {config.train.seed}); learning rates: "
-              + ", ".join(f"{m} {summaries[m]['lr']:g}" for m in methods) + ".", ""]
+              + ", ".join(f"{m} {summaries[m]['lr']:g}" for m in methods)
+              + (f"; rank {config.optim.rank} for the low-rank methods" if any(m in fira_optim.VARIANTS for m in methods)
+                 else "") + ".", ""]
     rows = []
     for m in methods:
         clean, noisy = table[m]

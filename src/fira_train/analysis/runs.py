@@ -192,13 +192,20 @@ def machine_description() -> str:
     return f"{device}, torch {torch.__version__}, Python {platform.python_version()}"
 
 
-def budget_description(config: RunConfig) -> str:
-    """The scale the analysis ran at, in one sentence."""
+def seeds_text(seeds: Sequence[int]) -> str:
+    """``seed 0`` or ``seeds 0, 1, 2``."""
+    return f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ", ".join(map(str, seeds))
+
+
+def budget_description(config: RunConfig, seeds: Sequence[int] | None = None) -> str:
+    """The scale the analysis ran at, in one sentence. ``seeds``: the seeds its runs used, where
+    they are not the config's one seed (a sweep over seeds)."""
     t, m, d = config.train, config.model, config.data
     tokens = t.steps * t.batch_size * d.seq_len
+    seeds = list(seeds) if seeds else [t.seed]
     return (f"recipe `{config.recipe}`: LLaMA d_model {m.hidden_size}, {m.num_hidden_layers} layers, "
             f"{m.num_attention_heads} heads; {t.steps} steps of {t.batch_size} x {d.seq_len} tokens "
-            f"({tokens:,} tokens), data `{d.source}`, seed {t.seed}, T = {config.optim.update_proj_gap}, "
+            f"({tokens:,} tokens), data `{d.source}`, {seeds_text(seeds)}, T = {config.optim.update_proj_gap}, "
             f"alpha = {config.optim.alpha}")
 
 
@@ -212,13 +219,15 @@ def scale_note(config: RunConfig) -> str:
             "not reached, and the numbers below are as measured, not tuned.")
 
 
-def report_header(title: str, config: RunConfig, *, command: str | None, note: str = "") -> list[str]:
-    """Title, date, command, machine and budget lines of a report."""
+def report_header(title: str, config: RunConfig, *, command: str | None, note: str = "",
+                  seeds: Sequence[int] | None = None) -> list[str]:
+    """Title, date, command, machine and budget lines of a report (``seeds``: see
+    :func:`budget_description`)."""
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"# {title}", "", f"- Date: {date}",
              f"- Command: `{command}`" if command else "- Command: (called from Python)",
              f"- Machine: {machine_description()}",
-             f"- Budget: {budget_description(config)}",
+             f"- Budget: {budget_description(config, seeds)}",
              f"- Paper's scale: {PAPER_SCALE}. {scale_note(config)}"]
     if note:
         lines.append(f"- {note}")

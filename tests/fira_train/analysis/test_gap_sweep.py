@@ -27,10 +27,23 @@ def test_gap_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     text = result["report"].read_text()
     assert "T = 1 (5 refreshes)" in text and "T = 5 (1 refresh)" in text and "spread" in text
     assert "| fira, seed 1 |" in text and "fira below galore at" in text
+    # the header names every seed the sweep ran (not the config's one seed), and the rank
+    budget = next(line for line in text.splitlines() if line.startswith("- Budget:"))
+    assert "seeds 0, 1, T = " in budget and "seed 0," not in budget
+    assert "(mean over seeds 0, 1) at rank 16;" in text
     ref = result["values"]["fira"][5]
     changes = [100 * (a / b - 1) for a, b in zip(values, ref)]
     assert f"T = 1 {sum(changes) / 2:+.1f}% ({changes[0]:+.1f}% / {changes[1]:+.1f}%)" in text
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_header_names_one_seed_or_several(tmp_path: Path, corpus_root: Path) -> None:
+    from fira_train.analysis.runs import budget_description
+
+    config = analysis_config(corpus_root, tmp_path / "run", "train.seed=3")
+    assert ", seed 3, T = " in budget_description(config)
+    assert ", seed 3, T = " in budget_description(config, [3])
+    assert ", seeds 0, 1, 2, T = " in budget_description(config, [0, 1, 2])
 
 
 def test_gap_sweep_one_seed_names_runs_without_it() -> None:

@@ -27,6 +27,7 @@ def test_noise_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert "noise / gradient = " in result["report"].read_text()
     text = result["report"].read_text()
     assert "445.5" in text and "| adamw |" in text
+    assert "rank 16 for the low-rank methods" in text  # micro's rank: the report says what ran
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
 
 
