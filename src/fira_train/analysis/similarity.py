@@ -10,17 +10,28 @@ For a weight matrix with gradient :math:`G_t` and an adaptive optimizer's correc
 at the matrix level (one factor per matrix), and per column of :math:`R_t` / :math:`G_t` (the
 dimension that is not projected; rows for a right projection) at the column level.
 
-Two runs start from the same initialisation and see the same batches: Fira at rank ``r``
-(``fira-r<r>``) and full-rank AdamW (``adamw``). :class:`ScalingFactorRecorder` records, every
-``every`` steps after the optimizer step, the factors of every projected matrix -- for Fira from
-its own state (:math:`R_t` from the stored basis and the step's gradient, :math:`N_t` from the
-bias-corrected moments that step produced), for AdamW from its moments -- and ``columns``
-columns per matrix sampled once with a fixed seed (the same columns in both runs).
+One Fira run per rank ``r`` (``fira-r<r>``). :class:`ScalingFactorRecorder` keeps, beside
+Fira's own state, a *shadow* full-rank Adam: the first and second moments of every projected
+matrix's full gradient, updated after every optimizer step with the gradient Fira just used
+(same betas and eps; it never touches the weights). Every ``every`` steps it records both
+factors of every projected matrix -- the low-rank one from Fira's state (:math:`R_t` from the
+stored basis and the step's gradient, :math:`N_t` from the bias-corrected moments that step
+produced) and the full-rank one from the shadow moments -- and ``columns`` columns per matrix
+sampled once with a fixed seed. Both factors are thus computed on one trajectory (the same
+weights, gradients and step): they differ in rank only, as the paper's low-rank and full-rank
+runs do. (Training full-rank AdamW separately would also change the trajectory, and the
+learning rate: 0.001 against Fira's 0.01.)
 
-At each recorded step the vectors of factors (over matrices, or over all sampled columns) of
-the two runs are compared by cosine similarity, MSE, Euclidean distance and the Spearman,
-Kendall and Pearson coefficients with their p-values (``scipy.stats``); the table averages
-them over the recorded steps, the figure shows them over training.
+At each recorded step the vectors of factors (over matrices, or over all sampled columns) are
+compared by cosine similarity, MSE, relative MSE, Euclidean distance and the Spearman, Kendall
+and Pearson coefficients with their p-values (``scipy.stats``); the table averages them over
+the recorded steps, the figure shows them over training. Null baselines (:func:`null_pairs`):
+the same statistics between factors that should not agree -- each low-rank factor against the
+full-rank factor of another matrix (matrices shuffled), of another sampled column anywhere
+(columns shuffled), or of another column of the same matrix (columns shuffled within each
+matrix: what the matrices' scales alone give). Factors are positive, so a cosine near 1 or a
+relative MSE of 0.5 can arise without any pairing; only a value clearly beyond its null says
+that the factors agree.
 """
 
 from __future__ import annotations
@@ -53,7 +64,6 @@ from fira_train.run.callbacks import TrainCallback
 from fira_train.run.metrics import read_jsonl
 
 FACTORS_FILE = "scaling_factors.jsonl"
-FULL_RANK_RUN = "adamw"
 METRICS = ("cosine", "mse", "rel_mse", "distance", "spearman", "kendall", "pearson")
 
 #: The paper's LLaMA 60M row (rank 128, d_model 512: its main pre-training setup), averaged over 10K steps.
@@ -87,6 +97,16 @@ def _factors(corrected: torch.Tensor, raw: torch.Tensor, dim: int) -> tuple[floa
     return matrix, column
 
 
+def adam_factors(grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float,
+                 betas: tuple[float, float], eps: float, side: str) -> tuple[float, torch.Tensor]:
+    r"""Full-rank Adam's factors: :math:`\psi(G) = \hat m / (\sqrt{\hat v} + \epsilon)`
+    (``torch.optim.Adam``'s form) against ``grad``, columns along ``side``'s kept dimension."""
+    beta1, beta2 = betas
+    m, v = exp_avg.float(), exp_avg_sq.float()
+    corrected = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps)
+    return _factors(corrected, grad.float(), reduce_dim(side))
+
+
 @torch.no_grad()
 def scaling_factors(name: str, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]
                     ) -> tuple[float, torch.Tensor, str] | None:
@@ -94,8 +114,8 @@ def scaling_factors(name: str, p: torch.Tensor, state: dict[str, Any], group: di
 
     Fira state (a ``basis``): :math:`R = P^\\top G` (or :math:`G Q`) and
     :math:`N = \\frac{\\sqrt{1-\\beta_2^t}}{1-\\beta_1^t} \\frac{M}{\\sqrt{V} + \\epsilon}`
-    (Algorithm 1). Full-rank Adam state: :math:`\\psi(G) = \\hat m / (\\sqrt{\\hat v} + \\epsilon)`
-    (``torch.optim.Adam``'s form). None where the matrix has no such state or no gradient.
+    (Algorithm 1). Full-rank Adam state: :func:`adam_factors`. None where the matrix has no such
+    state or no gradient.
     """
     if p.grad is None or "exp_avg" not in state or "exp_avg_sq" not in state:
         return None
@@ -104,50 +124,98 @@ def scaling_factors(name: str, p: torch.Tensor, state: dict[str, Any], group: di
     step = float(state["step"])
     grad = p.grad.float()
     m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
-    if "basis" in state:
-        side = projection_side(tuple(p.shape), group["proj_type"])
-        raw = project(grad, state["basis"].float(), side)
-        corrected = adam_bias_correction(int(step), beta1, beta2) * m / (v.sqrt() + eps)
-    else:
+    if "basis" not in state:
         side = projection_side(tuple(p.shape), "std")
-        raw = grad
-        corrected = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps)
+        matrix, column = adam_factors(grad, m, v, step, (beta1, beta2), eps, side)
+        return matrix, column, side
+    side = projection_side(tuple(p.shape), group["proj_type"])
+    raw = project(grad, state["basis"].float(), side)
+    corrected = adam_bias_correction(int(step), beta1, beta2) * m / (v.sqrt() + eps)
     matrix, column = _factors(corrected, raw, reduce_dim(side))
     return matrix, column, side
+
+
+class ShadowAdam:
+    """Full-rank Adam moments of some matrices, fed the gradients another optimizer used.
+
+    :meth:`update` after each optimizer step (a matrix without a gradient is skipped, as
+    ``torch.optim.Adam`` skips it); :meth:`factors` gives what full-rank Adam's factors would be
+    at that step. Nothing is written to the weights.
+    """
+
+    def __init__(self) -> None:
+        self.state: dict[str, dict[str, Any]] = {}
+
+    @torch.no_grad()
+    def update(self, name: str, grad: torch.Tensor, betas: tuple[float, float]) -> None:
+        beta1, beta2 = betas
+        g = grad.float()
+        state = self.state.get(name)
+        if state is None:
+            state = self.state[name] = {"step": 0, "exp_avg": torch.zeros_like(g), "exp_avg_sq": torch.zeros_like(g)}
+        state["step"] += 1
+        state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+
+    @torch.no_grad()
+    def factors(self, name: str, grad: torch.Tensor, betas: tuple[float, float], eps: float,
+                side: str) -> tuple[float, torch.Tensor] | None:
+        state = self.state.get(name)
+        if state is None:
+            return None
+        return adam_factors(grad, state["exp_avg"], state["exp_avg_sq"], float(state["step"]), betas, eps, side)
 
 
 class ScalingFactorRecorder(TrainCallback):
     """Record the scaling factors of every projected matrix every ``every`` steps to ``path``.
 
     One JSON line per recorded step: ``{"step", "matrix": {name: phi}, "column": {name: [phi_i
-    for the sampled columns]}}``.
+    for the sampled columns]}}`` from the optimizer's own state. With ``shadow=True`` (a Fira
+    run), a :class:`ShadowAdam` is fed every step's gradients, and each line also holds
+    ``"full_matrix"`` and ``"full_column"``: full-rank Adam's factors on the same gradients, over
+    the same columns (those of the side Fira projects).
     """
 
-    def __init__(self, path: str | Path, *, every: int = 1, columns: int = 100, seed: int = 0) -> None:
+    def __init__(self, path: str | Path, *, every: int = 1, columns: int = 100, seed: int = 0,
+                 shadow: bool = False) -> None:
         for arg, value in (("every", every), ("columns", columns)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg} must be a positive int, got {arg}={value!r}")
         self.writer = JsonlWriter(path)
         self.every, self.columns, self.seed = every, columns, seed
+        self.shadow = ShadowAdam() if shadow else None
         self._indices: dict[str, list[int]] = {}
 
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    loss: float) -> None:
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        matrices = {name: p for name, p in projected_matrices(model).items() if id(p) in group_of}
+        if self.shadow is not None:  # every step, recorded or not: the moments see every gradient
+            for name, p in matrices.items():
+                if p.grad is not None:
+                    self.shadow.update(name, p.grad, group_of[id(p)]["betas"])
         if step % self.every and step != 1:
             return
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         record: dict[str, Any] = {"step": step, "matrix": {}, "column": {}}
-        for name, p in projected_matrices(model).items():
-            if id(p) not in group_of:
-                continue
-            found = scaling_factors(name, p, optimizer.state.get(p, {}), group_of[id(p)])
+        if self.shadow is not None:
+            record.update(full_matrix={}, full_column={})
+        for name, p in matrices.items():
+            group = group_of[id(p)]
+            found = scaling_factors(name, p, optimizer.state.get(p, {}), group)
             if found is None:
                 continue
-            matrix, column, _ = found
+            matrix, column, side = found
             if name not in self._indices:
                 self._indices[name] = sampled_columns(name, column.numel(), self.columns, self.seed)
+            index = self._indices[name]
+            if self.shadow is not None:
+                full = self.shadow.factors(name, p.grad, group["betas"], group["eps"], side)
+                if full is None:
+                    continue
+                record["full_matrix"][name] = full[0]
+                record["full_column"][name] = full[1][index].tolist()
             record["matrix"][name] = matrix
-            record["column"][name] = column[self._indices[name]].tolist()
+            record["column"][name] = column[index].tolist()
         if record["matrix"]:
             self.writer.write(record)
 
@@ -173,23 +241,65 @@ def similarity(low: np.ndarray, full: np.ndarray) -> dict[str, float]:
     return out
 
 
-def compare_factors(low_records: list[dict[str, Any]], full_records: list[dict[str, Any]]
-                    ) -> dict[str, list[dict[str, float]]]:
-    """Per common step: ``{"matrix": [metrics with "step"], "column": [...]}``."""
-    full_by_step = {r["step"]: r for r in full_records}
-    out: dict[str, list[dict[str, float]]] = {"matrix": [], "column": []}
-    for low in low_records:
-        full = full_by_step.get(low["step"])
-        if full is None:
-            continue
-        names = sorted(set(low["matrix"]) & set(full["matrix"]))
+NULLS = {
+    "matrix": ("null_matrix",),
+    "column": ("null_column", "null_column_within"),
+}
+"""The null baselines of each level (:func:`null_pairs`)."""
+
+NULL_LABELS = {
+    "null_matrix": "matrices shuffled",
+    "null_column": "columns shuffled",
+    "null_column_within": "columns shuffled within each matrix",
+}
+
+
+def null_pairs(low: dict[str, Any], full: dict[str, Any], names: Sequence[str],
+               rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Pairs of factor vectors that should not agree, from one step's low- and full-rank factors
+    (``low`` / ``full``: ``{"matrix": {name: phi}, "column": {name: [phi_i]}}``):
+
+    - ``null_matrix``: each matrix's low-rank factor against the full-rank factor of a matrix
+      drawn by a random permutation (the pairing broken, the distribution kept);
+    - ``null_column``: the sampled columns' low-rank factors against a random permutation of
+      all sampled full-rank column factors;
+    - ``null_column_within``: the same, with each matrix's columns permuted among themselves
+      (each column still meets its own matrix's scale).
+    """
+    low_matrix = np.array([low["matrix"][n] for n in names], dtype=np.float64)
+    full_matrix = np.array([full["matrix"][n] for n in names], dtype=np.float64)
+    low_column = np.concatenate([np.asarray(low["column"][n], dtype=np.float64) for n in names])
+    full_column = np.concatenate([np.asarray(full["column"][n], dtype=np.float64) for n in names])
+    within = np.concatenate([rng.permutation(np.asarray(full["column"][n], dtype=np.float64)) for n in names])
+    return {"null_matrix": (low_matrix, rng.permutation(full_matrix)),
+            "null_column": (low_column, rng.permutation(full_column)),
+            "null_column_within": (low_column, within)}
+
+
+def compare_factors(records: list[dict[str, Any]], *, seed: int = 0) -> dict[str, list[dict[str, float]]]:
+    """Per recorded step (records of a :class:`ScalingFactorRecorder` with ``shadow=True``):
+    ``{"matrix": [metrics with "step"], "column": [...], "null_matrix": [...], "null_column":
+    [...], "null_column_within": [...]}``. The null permutations are drawn from ``seed`` and the
+    step, so a report is reproducible."""
+    out: dict[str, list[dict[str, float]]] = {key: [] for key in ("matrix", "column", *NULL_LABELS)}
+    for record in records:
+        if "full_matrix" not in record:
+            raise ValueError("the records hold no full-rank factors: they were written without the shadow "
+                             "Adam moments (ScalingFactorRecorder(shadow=True)); rerun the analysis")
+        names = sorted(set(record["matrix"]) & set(record["full_matrix"]))
         if len(names) < 2:
             continue
-        out["matrix"].append({"step": low["step"], **similarity(
+        step = record["step"]
+        low = {"matrix": record["matrix"], "column": record["column"]}
+        full = {"matrix": record["full_matrix"], "column": record["full_column"]}
+        out["matrix"].append({"step": step, **similarity(
             np.array([low["matrix"][n] for n in names]), np.array([full["matrix"][n] for n in names]))})
         a = np.concatenate([low["column"][n] for n in names])
         b = np.concatenate([full["column"][n] for n in names])
-        out["column"].append({"step": low["step"], **similarity(a, b)})
+        out["column"].append({"step": step, **similarity(a, b)})
+        rng = np.random.default_rng([seed, step])
+        for key, (x, y) in null_pairs(low, full, names, rng).items():
+            out[key].append({"step": step, **similarity(x, y)})
     return out
 
 
@@ -213,35 +323,37 @@ def average(per_step: list[dict[str, float]]) -> dict[str, float]:
 
 
 def record_factors(run_dir: Path, *, every: int, columns: int, seed: int) -> list[TrainCallback]:
-    """A :class:`ScalingFactorRecorder` writing ``run_dir / FACTORS_FILE``."""
-    return [ScalingFactorRecorder(run_dir / FACTORS_FILE, every=every, columns=columns, seed=seed)]
+    """A :class:`ScalingFactorRecorder` with the shadow Adam moments, writing ``run_dir / FACTORS_FILE``."""
+    return [ScalingFactorRecorder(run_dir / FACTORS_FILE, every=every, columns=columns, seed=seed, shadow=True)]
 
 
 def similarity_runs(ranks: Sequence[int], *, every: int, columns: int, seed: int) -> list[AnalysisRun]:
+    """One Fira run per rank; each records its own low-rank factors and the shadow full-rank ones."""
     recorder = partial(record_factors, every=every, columns=columns, seed=seed)
-    spec = f"ScalingFactorRecorder(every={every}, columns={columns}, seed={seed})"
-    runs = [AnalysisRun(FULL_RANK_RUN, "adamw", callbacks=recorder, describe=spec)]
-    runs += [AnalysisRun(f"fira-r{r}", "fira", (f"optim.rank={r}",), callbacks=recorder, describe=spec)
-             for r in ranks]
-    return runs
+    spec = f"ScalingFactorRecorder(every={every}, columns={columns}, seed={seed}, shadow=True)"
+    return [AnalysisRun(f"fira-r{r}", "fira", (f"optim.rank={r}",), callbacks=recorder, describe=spec)
+            for r in ranks]
 
 
 def _plot(results: dict[int, dict[str, list[dict[str, float]]]], d_model: int, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
-    for (row, metric, label) in ((0, "cosine", "cosine similarity"), (1, "distance", "Euclidean distance")):
+    for (row, metric, label) in ((0, "cosine", "cosine similarity"), (1, "rel_mse", "relative MSE")):
         for col, level in enumerate(("matrix", "column")):
             ax = axes[row][col]
             for rank, res in sorted(results.items()):
                 steps = [s["step"] for s in res[level]]
-                ax.plot(steps, [s[metric] for s in res[level]], label=f"r/d_model = {rank}/{d_model}",
-                        linewidth=1.2)
+                line, = ax.plot(steps, [s[metric] for s in res[level]], label=f"r/d_model = {rank}/{d_model}",
+                                linewidth=1.2)
+                null = NULLS[level][0]
+                ax.plot([s["step"] for s in res[null]], [s[metric] for s in res[null]], linestyle="--",
+                        linewidth=0.9, color=line.get_color(), label=f"{rank}/{d_model}, null ({NULL_LABELS[null]})")
             ax.set(title=f"{level} level: {label}", ylabel=label)
             if row == 1:
-                ax.set(xlabel="step", yscale="log")
+                ax.set(xlabel="step")
             ax.grid(alpha=0.3)
-            ax.legend()
-    fig.suptitle("Low-rank (Fira) vs full-rank (AdamW) scaling factors over training")
+            ax.legend(fontsize=8)
+    fig.suptitle("Low-rank (Fira) vs full-rank (shadow Adam, same run) scaling factors over training")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -251,10 +363,16 @@ def _fmt_p(value: float) -> str:
     return f"{value:.1e}" if math.isfinite(value) else "nan"
 
 
+def _mean_factor(records: list[dict[str, Any]], key: str) -> float:
+    values = [v for rec in records for vals in rec[key].values() for v in (vals if isinstance(vals, list) else [vals])]
+    return float(np.mean(values)) if values else math.nan
+
+
 def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] | None = None,
                    every: int | None = None, columns: int = 100, reuse: bool = False,
                    overwrite: bool = False, jobs: int = 1, command: str | None = None) -> dict[str, Any]:
-    """Train ``adamw`` and ``fira`` at each rank, compare their scaling factors, write
+    """Train ``fira`` at each rank, recording its low-rank factors and the shadow full-rank Adam
+    factors on the same gradients; compare them, with the null baselines beside; write
     ``OUT/report.md`` and ``OUT/similarity.png``. ``every`` defaults to ``steps // 100`` (>= 1),
     ``ranks`` to r/d_model = 16/256 and 128/256 of the config's d_model
     (:mod:`fira_train.analysis.rank_defaults`).
@@ -266,73 +384,99 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     for r in ranks:
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < d_model:
             raise ValueError(f"ranks must be ints in [1, d_model={d_model}) to be projected, got {r!r}")
+    if config.optim.step_in_backward:
+        raise ValueError("the similarity analysis reads each step's gradients after the step, which "
+                         "optim.step_in_backward=true frees: leave it off")
     every = every if every is not None else max(1, config.train.steps // 100)
     out = Path(out_dir)
-    runs = similarity_runs(ranks, every=every, columns=columns, seed=config.train.seed)
+    seed = config.train.seed
+    runs = similarity_runs(ranks, every=every, columns=columns, seed=seed)
     summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs)
-    full = read_jsonl(out / FULL_RANK_RUN / FACTORS_FILE)
-    results = {r: compare_factors(read_jsonl(out / f"fira-r{r}" / FACTORS_FILE), full) for r in ranks}
-    averages = {r: {level: average(res[level]) for level in ("matrix", "column")} for r, res in results.items()}
+    records = {r: read_jsonl(out / f"fira-r{r}" / FACTORS_FILE) for r in ranks}
+    results = {r: compare_factors(records[r], seed=seed) for r in ranks}
+    keys = ("matrix", "column", *NULL_LABELS)
+    averages = {r: {key: average(res[key]) for key in keys} for r, res in results.items()}
 
     figure = out / "similarity.png"
     _plot(results, d_model, figure)
-    matrices = len(full[0]["matrix"]) if full else 0
-    sampled = sum(len(v) for v in full[0]["column"].values()) if full else 0
+    first = records[ranks[0]]
+    matrices = len(first[0]["matrix"]) if first else 0
+    sampled = sum(len(v) for v in first[0]["column"].values()) if first else 0
+    lr = summaries[f"fira-r{ranks[0]}"]["lr"]
     lines = report_header("Similarity of low-rank and full-rank scaling factors", config, command=command)
     lines += [
-        f"Runs (same initialisation and batches): `adamw` (full rank, lr {summaries[FULL_RANK_RUN]['lr']:g}) "
-        f"and `fira` (lr {summaries[f'fira-r{ranks[0]}']['lr']:g}) at ranks {', '.join(map(str, ranks))} "
-        f"(d_model {d_model}). Factors recorded after the optimizer step every {every} steps "
-        f"(and at step 1) for the {matrices} projected matrices; column level: {columns} columns "
-        f"sampled per matrix with seed {config.train.seed} ({sampled} columns in all). Values are "
-        "averages over the recorded steps; p-values are averaged too, with the fraction of steps "
-        "at which p < 0.05 in brackets.",
+        f"Runs: `fira` (lr {lr:g}) at ranks {', '.join(map(str, ranks))} (d_model {d_model}). In each run the "
+        "full-rank factors come from Adam moments kept beside Fira's state and fed the gradients Fira used "
+        "(a shadow Adam with the same betas and eps, which never updates the weights): the low-rank and "
+        "full-rank factors are computed at the same weights, gradients and step, and differ only in rank. "
+        f"Factors recorded after the optimizer step every {every} steps (and at step 1) for the {matrices} "
+        f"projected matrices; column level: {columns} columns sampled per matrix with seed {seed} "
+        f"({sampled} columns in all). Values are averages over the recorded steps; p-values are averaged too, "
+        "with the fraction of steps at which p < 0.05 in brackets.",
+        "",
+        "Null baselines (rows marked *null*): the same statistics between factors that should not agree: "
+        "each low-rank factor against the full-rank factor of another matrix (matrices shuffled), of another "
+        "sampled column (columns shuffled), or of another column of the same matrix (columns shuffled within "
+        "each matrix: what the matrices' scales alone give); one random permutation per recorded step, "
+        f"seed {seed}. The factors are all positive, so a high cosine or a moderate relative MSE appears "
+        "without any pairing: a measured value says the factors agree only as far as it is beyond its null.",
         "",
         "## Cosine similarity and MSE (the paper's first table)",
         "",
     ]
     rows = [["paper, LLaMA 60M (r = 128, d_model 512)", PAPER_60M["matrix"]["cosine"], PAPER_60M["matrix"]["mse"],
              "-", "-", PAPER_60M["column"]["cosine"], PAPER_60M["column"]["mse"], "-", "-"]]
+    metric_keys = ("cosine", "mse", "rel_mse", "distance")
     for r in ranks:
         a = averages[r]
-        rows.append([f"measured, r/d_model = {r}/{d_model}"] + [
-            a[level].get(k, math.nan) for level in ("matrix", "column")
-            for k in ("cosine", "mse", "rel_mse", "distance")])
+        rows.append([f"measured, r/d_model = {r}/{d_model}"]
+                    + [a[level].get(k, math.nan) for level in ("matrix", "column") for k in metric_keys])
+        rows.append([f"null, {r}/{d_model}: matrices / columns shuffled"]
+                    + [a[key].get(k, math.nan) for key in ("null_matrix", "null_column") for k in metric_keys])
+        rows.append([f"null, {r}/{d_model}: columns shuffled within each matrix"]
+                    + ["-"] * 4 + [a["null_column_within"].get(k, math.nan) for k in metric_keys])
     lines.append(markdown_table(["", "matrix cosine", "matrix MSE", "matrix rel. MSE", "matrix distance",
                                  "column cosine", "column MSE", "column rel. MSE", "column distance"], rows))
-    mean_phi = {level: float(np.mean([v for rec in full for vals in rec[level].values()
-                                      for v in (vals if isinstance(vals, list) else [vals])]))
-                for level in ("matrix", "column")} if full else {"matrix": math.nan, "column": math.nan}
-    lines += ["", f"The paper does not say how its factors were normalised. Here they are raw: the full-rank "
-              f"factors average {mean_phi['matrix']:.3g} (matrix) and {mean_phi['column']:.3g} (column), "
-              "since phi ~ 1 / |gradient entry| and the gradients are small, so the raw MSE is not "
+    scale = "; ".join(
+        f"r = {r}: full-rank {_mean_factor(records[r], 'full_matrix'):.3g} (matrix) and "
+        f"{_mean_factor(records[r], 'full_column'):.3g} (column), low-rank / full-rank "
+        f"{_mean_factor(records[r], 'matrix') / _mean_factor(records[r], 'full_matrix'):.3g} (matrix) and "
+        f"{_mean_factor(records[r], 'column') / _mean_factor(records[r], 'full_column'):.3g} (column)"
+        for r in ranks)
+    lines += ["", "The paper does not say how its factors were normalised. Here they are raw (mean factors: "
+              f"{scale}), since phi ~ 1 / |gradient entry| and the gradients are small, so the raw MSE is not "
               "comparable with the paper's; the relative MSE (MSE / mean of the squared full-rank factors) "
               "and the scale-free cosine and rank correlations are. The relative MSE is large even where "
               "the cosine is high because the low-rank factors are systematically smaller: Adam's corrected "
               "entries are of order 1 early on, so ||psi(R)|| ~ sqrt(r n) while ||R|| ~ ||G|| (the top-r "
               "directions hold most of the gradient), i.e. about sqrt(r / d) times the full-rank factor (d the "
-              "projected dimension); "
-              "the two runs also follow different trajectories (different learning rates)."]
+              "projected dimension)."]
     lines += ["", "## Spearman, Kendall and Pearson coefficients (p-values) (Appendix D)", ""]
     header = [""] + [f"{level} {k}" for level in ("matrix", "column") for k in ("Spearman", "Kendall", "Pearson")]
     rows = [["paper, LLaMA 60M"] + [f"{PAPER_60M[level][k][0]:.4f} ({PAPER_60M[level][k][1]:.0e})"
                                      for level in ("matrix", "column") for k in ("spearman", "kendall", "pearson")]]
+
+    def coefficients(a: dict[str, float]) -> list[str]:
+        return [f"{a.get(k, math.nan):.4f} ({_fmt_p(a.get(f'{k}_p', math.nan))}; "
+                f"{100 * a.get(f'{k}_significant', math.nan):.0f}%)" for k in ("spearman", "kendall", "pearson")]
+
     for r in ranks:
-        row = [f"measured, {r}/{d_model}"]
-        for level in ("matrix", "column"):
-            a = averages[r][level]
-            for k in ("spearman", "kendall", "pearson"):
-                row.append(f"{a.get(k, math.nan):.4f} ({_fmt_p(a.get(f'{k}_p', math.nan))}; "
-                           f"{100 * a.get(f'{k}_significant', math.nan):.0f}%)")
-        rows.append(row)
+        a = averages[r]
+        rows.append([f"measured, {r}/{d_model}"] + coefficients(a["matrix"]) + coefficients(a["column"]))
+        rows.append([f"null, {r}/{d_model}: matrices / columns shuffled"]
+                    + coefficients(a["null_matrix"]) + coefficients(a["null_column"]))
+        rows.append([f"null, {r}/{d_model}: columns shuffled within each matrix"]
+                    + ["-"] * 3 + coefficients(a["null_column_within"]))
     lines.append(markdown_table(header, rows))
     trend = []
     for r in ranks:
-        for level in ("matrix", "column"):
-            series = [s["cosine"] for s in results[r][level]]
+        for key, label in (("matrix", "matrix"), ("null_matrix", "matrix, null"),
+                           ("column", "column"), ("null_column", "column, null"),
+                           ("null_column_within", "column, null within matrices")):
+            series = [s["cosine"] for s in results[r][key]]
             if len(series) >= 4:
                 q = max(1, len(series) // 4)
-                trend.append([f"{r}/{d_model}", level, float(np.mean(series[:q])), float(np.mean(series[-q:]))])
+                trend.append([f"{r}/{d_model}", label, float(np.mean(series[:q])), float(np.mean(series[-q:]))])
     lines += ["", "## Trend over training", "",
               "Mean cosine similarity over the first and the last quarter of the recorded steps "
               "(the paper: fluctuations early, then a steady, high similarity; little loss at 16/256).", "",
@@ -342,12 +486,21 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     findings = []
     for r in ranks:
         a = averages[r]
+
+        def value(key: str, metric: str, digits: str = ".4f", a: dict = a) -> str:
+            return f"{a[key].get(metric, math.nan):{digits}}"
+
         findings.append(
-            f"- r/d_model = {r}/{d_model}: cosine {a['matrix'].get('cosine', math.nan):.4f} (matrix) and "
-            f"{a['column'].get('cosine', math.nan):.4f} (column) against the paper's 0.9922 and 0.9273; "
-            f"Spearman {a['matrix'].get('spearman', math.nan):.4f} / {a['column'].get('spearman', math.nan):.4f} "
-            f"against 0.9972 / 0.9372; p < 0.05 at {100 * a['matrix'].get('spearman_significant', math.nan):.0f}% "
-            f"(matrix) and {100 * a['column'].get('spearman_significant', math.nan):.0f}% (column) of the steps.")
+            f"- r/d_model = {r}/{d_model}: cosine {value('matrix', 'cosine')} (matrix; null "
+            f"{value('null_matrix', 'cosine')}) and {value('column', 'cosine')} (column; null "
+            f"{value('null_column', 'cosine')}, within matrices {value('null_column_within', 'cosine')}) "
+            "against the paper's 0.9922 and 0.9273; relative MSE "
+            f"{value('matrix', 'rel_mse', '.3g')} (null {value('null_matrix', 'rel_mse', '.3g')}) and "
+            f"{value('column', 'rel_mse', '.3g')} (null {value('null_column', 'rel_mse', '.3g')}); Spearman "
+            f"{value('matrix', 'spearman')} / {value('column', 'spearman')} (null "
+            f"{value('null_matrix', 'spearman')} / {value('null_column', 'spearman')}) against 0.9972 / 0.9372; "
+            f"p < 0.05 at {100 * a['matrix'].get('spearman_significant', math.nan):.0f}% (matrix) and "
+            f"{100 * a['column'].get('spearman_significant', math.nan):.0f}% (column) of the steps.")
     if len(ranks) >= 2:
         lo, hi = ranks[0], ranks[-1]
         findings.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,10 @@ import fira_optim
 from fira_train.analysis.similarity import (
     FACTORS_FILE,
     ScalingFactorRecorder,
+    ShadowAdam,
+    average,
+    compare_factors,
+    null_pairs,
     projected_matrices,
     run_similarity,
     sampled_columns,
@@ -98,23 +103,134 @@ def test_sampled_columns_are_fixed_by_name_and_seed() -> None:
         ScalingFactorRecorder("unused.jsonl", every=0)
 
 
+def test_shadow_adam_equals_torch_adamw_on_the_same_gradients() -> None:
+    torch.manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(6, 9))
+    adam = torch.optim.AdamW([p], lr=LR, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    shadow = ShadowAdam()
+    for _ in range(4):
+        p.grad = torch.randn(6, 9)
+        adam.step()
+        shadow.update("w", p.grad, (0.8, 0.95))
+    expected_matrix, expected_column, side = scaling_factors("w", p, adam.state[p], adam.param_groups[0])
+    matrix, column = shadow.factors("w", p.grad, (0.8, 0.95), 1e-6, side)
+    assert matrix == pytest.approx(expected_matrix, rel=1e-5)
+    torch.testing.assert_close(column, expected_column, rtol=1e-5, atol=0)
+    assert shadow.factors("unseen", p.grad, (0.8, 0.95), 1e-6, side) is None
+
+
+def test_recorder_shadow_factors_are_full_rank_adams_on_the_fira_runs_gradients(tmp_path: Path) -> None:
+    # The Fira run's gradients also drive a full-rank AdamW on a copy of the model: the
+    # recorder's full-rank factors must be that AdamW's, step by step, while its low-rank
+    # factors stay Fira's own; the shadow is fed at every step, recorded or not.
+    model = _model()
+    betas, eps = (0.9, 0.999), 1e-8
+    fira = fira_optim.FiraAdamW(fira_optim.param_groups(model, rank=5, alpha=ALPHA), lr=LR, betas=betas, eps=eps)
+    twin = copy.deepcopy(model)
+    adam = torch.optim.AdamW(twin.parameters(), lr=LR, betas=betas, eps=eps, weight_decay=0.0)
+    path = tmp_path / FACTORS_FILE
+    recorder = ScalingFactorRecorder(path, every=2, columns=3, seed=0, shadow=True)
+    x, y = torch.randn(64, 24), torch.randn(64, 12)
+    expected: dict[int, dict[str, tuple]] = {}
+    for step in range(1, 6):
+        fira.zero_grad()
+        torch.nn.functional.mse_loss(model(x + 0.1 * torch.randn_like(x)), y).backward()
+        fira.step()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            q.grad = p.grad.clone()
+        adam.step()
+        recorder.after_step(step, model, fira, 0.0)
+        if step in (1, 2, 4):
+            expected[step] = {name: scaling_factors(name, q, adam.state[q], adam.param_groups[0])
+                              for name, q in projected_matrices(twin).items()}
+    records = read_jsonl(path)
+    assert [r["step"] for r in records] == [1, 2, 4]
+    group = next(g for g in fira.param_groups if g["rank"] is not None)
+    for record in records:
+        assert set(record["full_matrix"]) == set(record["matrix"]) == set(projected_matrices(model))
+        for name, (matrix, column, _) in expected[record["step"]].items():
+            index = sampled_columns(name, column.numel(), 3, 0)
+            assert record["full_matrix"][name] == pytest.approx(matrix, rel=1e-5)
+            np.testing.assert_allclose(record["full_column"][name], column[index].numpy(), rtol=1e-5)
+    p = dict(model.named_parameters())["0.weight"]  # the last record's low-rank factor is Fira's own
+    low = scaling_factors("0.weight", p, fira.state[p], group)
+    assert records[-1]["step"] == 4 and low[0] != records[-1]["full_matrix"]["0.weight"]
+
+
+def _synthetic_records(steps: int, scale: float = 3.0) -> list[dict]:
+    """Records whose full-rank factors are ``scale`` times the low-rank ones, matrices of
+    different sizes and scales: every paired statistic is perfect, the nulls are not."""
+    rng = np.random.default_rng(0)
+    records = []
+    for step in range(1, steps + 1):
+        matrix = {f"m{i}": float(rng.uniform(0.5, 2.0)) for i in range(12)}
+        column = {name: (phi * rng.uniform(0.2, 5.0, size=8)).tolist() for name, phi in matrix.items()}
+        records.append({"step": step, "matrix": matrix, "column": column,
+                        "full_matrix": {n: scale * v for n, v in matrix.items()},
+                        "full_column": {n: [scale * c for c in v] for n, v in column.items()}})
+    return records
+
+
+def test_null_pairs_break_the_pairing_and_keep_the_values() -> None:
+    record = _synthetic_records(1)[0]
+    names = sorted(record["matrix"])
+    low = {"matrix": record["matrix"], "column": record["column"]}
+    full = {"matrix": record["full_matrix"], "column": record["full_column"]}
+    pairs = null_pairs(low, full, names, np.random.default_rng(0))
+    assert set(pairs) == {"null_matrix", "null_column", "null_column_within"}
+    x, y = pairs["null_matrix"]
+    np.testing.assert_allclose(x, [record["matrix"][n] for n in names])
+    np.testing.assert_allclose(np.sort(y), np.sort([record["full_matrix"][n] for n in names]))
+    assert not np.allclose(y, [record["full_matrix"][n] for n in names])
+    x, y = pairs["null_column_within"]  # each matrix's block holds that matrix's own columns
+    for i, n in enumerate(names):
+        np.testing.assert_allclose(np.sort(y[8 * i:8 * i + 8]), np.sort(record["full_column"][n]))
+    x, y = pairs["null_column"]
+    np.testing.assert_allclose(np.sort(y), np.sort(np.concatenate([record["full_column"][n] for n in names])))
+
+
+def test_compare_factors_measured_against_its_nulls() -> None:
+    results = compare_factors(_synthetic_records(40), seed=0)
+    assert set(results) == {"matrix", "column", "null_matrix", "null_column", "null_column_within"}
+    averages = {key: average(steps) for key, steps in results.items()}
+    for level in ("matrix", "column"):
+        assert averages[level]["cosine"] == pytest.approx(1.0) and averages[level]["spearman"] == pytest.approx(1.0)
+        assert averages[level]["rel_mse"] == pytest.approx((2 / 3) ** 2)  # (3x - x)^2 / (3x)^2
+    # the nulls: positive factors keep a high cosine without any pairing, the rank
+    # correlations fall to about 0, and the relative MSE hardly moves
+    assert 0.8 < averages["null_matrix"]["cosine"] < 0.99
+    assert abs(averages["null_matrix"]["spearman"]) < 0.15 and abs(averages["null_column"]["spearman"]) < 0.1
+    assert averages["null_matrix"]["rel_mse"] > averages["matrix"]["rel_mse"]
+    # within matrices the matrix scales still pair up: more rank correlation than a full shuffle
+    assert averages["null_column_within"]["spearman"] > averages["null_column"]["spearman"] + 0.05
+    assert results["null_matrix"] == compare_factors(_synthetic_records(40), seed=0)["null_matrix"]  # reproducible
+    with pytest.raises(ValueError, match="shadow"):
+        compare_factors([{"step": 1, "matrix": {"a": 1.0, "b": 2.0}, "column": {"a": [1.0], "b": [2.0]}}])
+
+
 def test_similarity_analysis_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=4")
     out = tmp_path / "similarity"
     result = run_similarity(config, out, ranks=(8, 32), every=2, columns=10)
-    full = read_jsonl(out / "adamw" / FACTORS_FILE)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["fira-r32", "fira-r8"]  # no separate AdamW run
     low = read_jsonl(out / "fira-r8" / FACTORS_FILE)
-    assert [r["step"] for r in full] == [r["step"] for r in low] == [1, 2, 4]
-    assert len(full[0]["matrix"]) == 14  # 2 layers x (q, k, v, o, gate, up, down)
-    assert all(len(v) == 10 for v in full[0]["column"].values())
-    # same initialisation and first batch: at step 1 Adam's psi is ~sign(G), so the full-rank
-    # matrix factor is sqrt(numel) / ||G|| -- and differs from the rank-8 one
-    assert full[0]["matrix"] != low[0]["matrix"]
+    assert [r["step"] for r in low] == [1, 2, 4]
+    assert len(low[0]["matrix"]) == len(low[0]["full_matrix"]) == 14  # 2 layers x (q, k, v, o, gate, up, down)
+    assert all(len(v) == 10 for v in low[0]["full_column"].values())
+    # at step 1 Adam's psi is ~sign(G), so the full-rank matrix factor is sqrt(numel) / ||G||
+    # -- and differs from the rank-8 one computed on the same gradient
+    assert low[0]["full_matrix"] != low[0]["matrix"]
+    for name, factor in low[0]["full_matrix"].items():
+        assert factor > low[0]["matrix"][name]
     for rank in (8, 32):
-        for level in ("matrix", "column"):
-            avg = result["averages"][rank][level]
+        for key in ("matrix", "column", "null_matrix", "null_column", "null_column_within"):
+            avg = result["averages"][rank][key]
             assert avg["steps"] == 3 and 0 < avg["cosine"] <= 1 and -1 <= avg["spearman"] <= 1
             assert 0 <= avg["spearman_p"] <= 1
     text = result["report"].read_text()
     assert "r/d_model = 8/64" in text and "0.9922" in text and "Kendall" in text
+    assert "null, 8/64: matrices / columns shuffled" in text and "shadow Adam" in text
+    assert "columns shuffled within each matrix" in text and "different learning rates" not in text
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="step_in_backward"):
+        run_similarity(analysis_config(corpus_root, tmp_path / "run", "optim.step_in_backward=true"), out)
