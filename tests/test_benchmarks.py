@@ -82,3 +82,18 @@ def test_memory_summary_reads_every_size_and_relates_to_adamw(tmp_path: Path) ->
     text = (tmp_path / "summary.md").read_text()
     assert "| Method | small (1M) | big (100M) |" in text
     assert "| fira | 1.00 GiB (50%); 2.00 | 4.00 GiB (50%); 2.00 |" in text
+
+
+def test_benchmarks_page_is_what_render_writes_from_the_committed_json() -> None:
+    # docs/benchmarks.md quotes only numbers from docs/benchmarks/*.json: a hand edit (or a JSON
+    # changed without rerendering) shows up here. Both throughput estimates are named.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import render
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert render.render() == page
+    assert "median of the per-round tokens/s ratios" in page and "by the pooled estimate" in page
+    assert "## Training throughput of Fira's memory options" in page
+    assert "Kept run `throughput_tiny_memory_options.json`" not in page
