@@ -147,7 +147,12 @@ def run_gap_sweep(config: RunConfig, out_dir: str | Path, *, gaps: Sequence[int]
         findings.append(text + ".")
     if "fira" in table and "galore" in table:
         better = sum(table["fira"][g] < table["galore"][g] for g in gaps)
-        findings.append(f"- fira below galore at {better} of {len(gaps)} gaps.")
+        text = f"- fira's mean below galore's at {better} of {len(gaps)} gaps"
+        if len(seeds) > 1:  # the same seed shares initialisation and batches: compare seed by seed
+            text += "; seed by seed, fira below galore at " + ", ".join(
+                f"T = {g} in {sum(a < b for a, b in zip(values['fira'][g], values['galore'][g]))} of {len(seeds)}"
+                for g in gaps) + " seeds"
+        findings.append(text + ".")
     lines += ["Measured:", "", *findings, "", "![perplexity vs update gap](gaps.png)", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")

@@ -26,7 +26,9 @@ def test_gap_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert result["values"]["fira"][1] != result["values"]["fira"][5]  # so does the gap
     text = result["report"].read_text()
     assert "T = 1 (5 refreshes)" in text and "T = 5 (1 refresh)" in text and "spread" in text
-    assert "| fira, seed 1 |" in text and "fira below galore at" in text
+    assert "| fira, seed 1 |" in text and "fira's mean below galore's at" in text
+    pairs = {g: sum(a < b for a, b in zip(result["values"]["fira"][g], result["values"]["galore"][g])) for g in (1, 5)}
+    assert f"seed by seed, fira below galore at T = 1 in {pairs[1]} of 2, T = 5 in {pairs[5]} of 2 seeds." in text
     # the header names every seed the sweep ran (not the config's one seed), and the rank
     budget = next(line for line in text.splitlines() if line.startswith("- Budget:"))
     assert "seeds 0, 1, T = " in budget and "seed 0," not in budget
