@@ -103,7 +103,8 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
                         f"{100 * (lo / baseline - 1):+.1f}%.")
     if "fira" in table and "galore" in table:
         better = sum(table["fira"][r] < table["galore"][r] for r in ranks)
-        findings.append(f"- fira below galore at {better} of {len(ranks)} ranks (the paper: at every rank).")
+        findings.append(f"- fira below galore at {better} of {len(ranks)} ranks in one seed, not separated from "
+                        "seed-to-seed variation (the paper: at every rank).")
     if all(v < baseline for row in table.values() for v in row.values()):
         findings.append(f"- adamw (lr {summaries[BASELINE]['lr']:g}) is behind every low-rank run: each method runs at "
                         "its default learning rate, untuned, and over a budget this short the step size "

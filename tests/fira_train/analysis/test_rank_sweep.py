@@ -23,7 +23,7 @@ def test_rank_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert result["baseline"] == json.loads((out / "adamw" / "summary.json").read_text())["val_ppl"]
     text = result["report"].read_text()
     assert "| fira |" in text and "| galore |" in text and "r = 4" in text
-    assert "fira below galore at" in text
+    assert "fira below galore at" in text and "ranks in one seed" in text
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
 
 
