@@ -19,8 +19,8 @@ Sources (``DataSpec.source``):
   (pre-tokenized: a 1-D integer array, packed as it is; needs the tokenizer that made it).
   A local folder literally named ``wiki`` or ``c4`` is reached as ``./wiki``.
 
-In-memory sources are split by document into a fixed validation set and a training set; the
-tokenizer (a BPE trained on the training split, unless a Hugging Face one is named) and the
+In-memory sources are split by document into a fixed validation set, a held-out test set and a
+training set (:func:`split_documents`); the tokenizer (a BPE trained on the training split, unless a Hugging Face one is named) and the
 tokenized splits are cached on disk under content hashes, so a second build only loads arrays.
 """
 
@@ -61,39 +61,53 @@ logger = logging.getLogger(__name__)
 
 PRETOKENIZED_SUFFIX = ".npy"
 # Bump when the document split or the packing changes, so stale token caches are not reused.
-SPLIT_VERSION = 1
+# 2: a test split held out after validation.
+SPLIT_VERSION = 2
 PACKING_VERSION = 1
 #: The arrays of a token cache entry; meta.json records their SHA-256 under "sha256".
-TOKEN_FILES = ("train.npy", "val.npy")
+TOKEN_FILES = ("train.npy", "val.npy", "test.npy")
 
 
-def split_documents(documents: Sequence[str], val_fraction: float) -> tuple[list[int], list[int]]:
-    """Fixed document split: ``(train_indices, val_indices)``, each in corpus order.
+def split_documents(
+    documents: Sequence[str], val_fraction: float, test_fraction: float = 0.0
+) -> tuple[list[int], list[int], list[int]]:
+    """Fixed document split: ``(train_indices, val_indices, test_indices)``, each in corpus order.
 
     Documents are ranked by a hash of their text (BLAKE2b, so the split depends on content only,
     not on seeds, order or platform); validation takes the lowest-ranked ones until it holds
-    ``ceil(val_fraction * n)`` documents. Identical texts share a hash, so they all land on the
-    same side: no validation document appears verbatim in training.
+    ``ceil(val_fraction * n)`` documents, the test set the next ones until it holds
+    ``ceil(test_fraction * n)`` (none for 0), training the rest. Identical texts share a hash, so
+    they all land on the same side: no held-out document appears verbatim in training or in the
+    other held-out set.
     """
     n = len(documents)
-    if n < 2:
-        raise ValueError(f"a validation split by document needs at least 2 documents, got {n}")
-    target = min(max(1, math.ceil(val_fraction * n)), n - 1)
+    if n < 2 + (test_fraction > 0):
+        raise ValueError(f"a split by document into training, validation{' and test' * (test_fraction > 0)} "
+                         f"needs at least {2 + (test_fraction > 0)} documents, got {n}")
     by_text: dict[bytes, list[int]] = {}
     for index, text in enumerate(documents):
         by_text.setdefault(hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest(), []).append(index)
-    val: list[int] = []
-    for digest in sorted(by_text):
-        if len(val) >= target:
-            break
-        val.extend(by_text[digest])
-    if len(val) == n:
+    ranked = iter(sorted(by_text))
+    held_out: list[list[int]] = []
+    for fraction in (val_fraction, test_fraction):
+        target = 0 if fraction == 0 else min(max(1, math.ceil(fraction * n)), n - 1)
+        chosen: list[int] = []
+        while len(chosen) < target:
+            digest = next(ranked, None)
+            if digest is None:
+                break
+            chosen.extend(by_text[digest])
+        held_out.append(chosen)
+    val, test = held_out
+    if test_fraction > 0 and not test:
+        raise ValueError("every document has the same text: no test documents remain after validation")
+    taken = set(val) | set(test)
+    if len(taken) == n:
         raise ValueError("every document has the same text: no training documents remain after the split")
-    val_set = set(val)
-    return [i for i in range(n) if i not in val_set], sorted(val)
+    return [i for i in range(n) if i not in taken], sorted(val), sorted(test)
 
 
-def _load_token_cache(entry: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]] | None:
+def _load_token_cache(entry: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]] | None:
     if not entry.is_dir():
         return None
     try:
@@ -101,35 +115,36 @@ def _load_token_cache(entry: Path) -> tuple[np.ndarray, np.ndarray, dict[str, An
         check_digests(entry, meta.get("sha256"), TOKEN_FILES)  # damaged ids would train silently
         train = np.load(entry / "train.npy", mmap_mode="r", allow_pickle=False)
         val = np.load(entry / "val.npy", mmap_mode="r", allow_pickle=False)
-        if len(train) != meta["train_tokens"] or len(val) != meta["val_tokens"]:
+        test = np.load(entry / "test.npy", mmap_mode="r", allow_pickle=False)
+        if (len(train), len(val), len(test)) != (meta["train_tokens"], meta["val_tokens"], meta["test_tokens"]):
             raise ValueError("array lengths differ from meta.json")
     except (OSError, ValueError, KeyError, AttributeError) as exc:  # damaged entry: rebuild it
         logger.warning("token cache %s is damaged (%s); rebuilding it", entry, exc)
         shutil.rmtree(entry, ignore_errors=True)
         return None
-    return train, val, meta
+    return train, val, test, meta
 
 
 def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]], cache_dir: Path) -> PackedCorpus:
     documents: list[str] | None = None
-    split: tuple[list[int], list[int]] | None = None
+    split: tuple[list[int], list[int], list[int]] | None = None
 
-    def split_corpus() -> tuple[list[str], list[int], list[int]]:
+    def split_corpus() -> tuple[list[str], list[int], list[int], list[int]]:
         # Reading and splitting happen only on a cache miss: a warm build never parses the corpus.
         nonlocal documents, split
         if documents is None:
             documents = read()
             if not documents:
                 raise ValueError(f"data source {spec.source!r} holds no documents (every text is empty)")
-            split = split_documents(documents, spec.val_fraction)
+            split = split_documents(documents, spec.val_fraction, spec.test_fraction)
         assert split is not None
-        return documents, split[0], split[1]
+        return documents, *split
 
     def training_texts() -> list[str]:
-        docs, train_idx, _ = split_corpus()
+        docs, train_idx, _, _ = split_corpus()
         return [docs[i] for i in train_idx]
 
-    split_id = fingerprint(corpus_id, "split", spec.val_fraction, SPLIT_VERSION)
+    split_id = fingerprint(corpus_id, "split", spec.val_fraction, spec.test_fraction, SPLIT_VERSION)
     tokenizer, tokenizer_name = build_tokenizer(
         spec.tokenizer,
         vocab_size=spec.vocab_size,
@@ -146,26 +161,31 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
     if cached is None and cap is not None:
         cached = _load_token_cache(entry)
     if cached is None:
-        docs, train_idx, val_idx = split_corpus()
-        logger.info("tokenizing %d training and %d validation documents", len(train_idx), len(val_idx))
+        docs, train_idx, val_idx, test_idx = split_corpus()
+        logger.info("tokenizing %d training, %d validation and %d test documents",
+                    len(train_idx), len(val_idx), len(test_idx))
         train = encode_documents(tokenizer, [docs[i] for i in train_idx], max_tokens=cap)
         val = encode_documents(tokenizer, [docs[i] for i in val_idx])
+        test = encode_documents(tokenizer, [docs[i] for i in test_idx])
         meta = {
             "source": spec.source,
             "train_documents": len(train_idx),
             "val_documents": len(val_idx),
+            "test_documents": len(test_idx),
             "train_tokens": len(train),
             "val_tokens": len(val),
+            "test_tokens": len(test),
             "max_train_tokens": cap,
             "vocab_size": len(tokenizer),
         }
         with atomic_directory(entry) as temp:
             np.save(temp / "train.npy", train)
             np.save(temp / "val.npy", val)
+            np.save(temp / "test.npy", test)
             meta["sha256"] = file_digests(temp, TOKEN_FILES)
             (temp / "meta.json").write_text(json.dumps(meta, indent=1))
     else:
-        train, val, meta = cached
+        train, val, test, meta = cached
     needed = spec.val_sequences * spec.seq_len
     if len(val) < needed:
         raise ValueError(
@@ -174,7 +194,7 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
             f"= {spec.val_sequences} * {spec.seq_len} = {needed} tokens; raise val_fraction or lower "
             f"val_sequences / seq_len"
         )
-    return PackedCorpus(spec, tokenizer, tokenizer_name, train, val)
+    return PackedCorpus(spec, tokenizer, tokenizer_name, train, val, test)
 
 
 def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
@@ -206,7 +226,12 @@ def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
             f"than val_sequences * seq_len = {needed} tokens; raise val_fraction or lower val_sequences / seq_len"
         )
     split = len(ids) - n_val
-    return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:split], ids[split:])
+    n_test = min(math.ceil(spec.test_fraction * len(ids)), split - spec.seq_len) if spec.test_fraction else 0
+    if n_test < 0 or (spec.test_fraction and n_test == 0):
+        raise ValueError(f"{path}: {len(ids)} tokens leave no room for a test split (test_fraction="
+                         f"{spec.test_fraction}) and a training sequence of seq_len={spec.seq_len}")
+    test_start = split - n_test
+    return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:test_start], ids[split:], ids[test_start:split])
 
 
 def build_corpus(spec: DataSpec) -> Corpus:

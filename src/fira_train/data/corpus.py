@@ -1,5 +1,6 @@
-"""Corpora: a tokenizer, training batch streams and a fixed validation set (:class:`Corpus`), and
-:class:`PackedCorpus`, whose training tokens fit in memory (or a memory-mapped cache file)."""
+"""Corpora: a tokenizer, training batch streams, a fixed validation set and a held-out test set
+(:class:`Corpus`), and :class:`PackedCorpus`, whose training tokens fit in memory (or a
+memory-mapped cache file)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,31 @@ from fira_train.data.spec import DataSpec, require_int
 from fira_train.data.streams import BatchStream, PackedBatchStream
 
 
+def test_blocks(spec: DataSpec, test_tokens: np.ndarray | None) -> np.ndarray:
+    """The test set as ``(sequences, seq_len)`` blocks: ``spec.test_sequences`` of them, or every
+    whole sequence of ``test_tokens`` when that is None (zero rows when there is no test split)."""
+    seq_len = spec.seq_len
+    available = 0 if test_tokens is None else len(test_tokens) // seq_len
+    wanted = available if spec.test_sequences is None else spec.test_sequences
+    if wanted > available:
+        raise ValueError(
+            f"the test split of {spec.source!r} (test_fraction={spec.test_fraction}) holds "
+            f"{0 if test_tokens is None else len(test_tokens)} tokens, fewer than test_sequences * seq_len "
+            f"= {spec.test_sequences} * {seq_len}; raise test_fraction or lower test_sequences / seq_len"
+        )
+    if wanted == 0:
+        return np.zeros((0, seq_len), dtype=np.int64)
+    assert test_tokens is not None
+    return np.asarray(test_tokens[: wanted * seq_len], dtype=np.int64).reshape(wanted, seq_len)
+
+
 class Corpus(ABC):
-    """A tokenized corpus: a tokenizer, training batch streams and a fixed validation set."""
+    """A tokenized corpus: a tokenizer, training batch streams, a fixed validation set and a
+    held-out test set (possibly empty: ``test_batches`` is then ``[]``)."""
 
     def __init__(
-        self, spec: DataSpec, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, val_tokens: np.ndarray
+        self, spec: DataSpec, tokenizer: PreTrainedTokenizerBase, tokenizer_name: str, val_tokens: np.ndarray,
+        test_tokens: np.ndarray | None = None,
     ) -> None:
         needed = spec.val_sequences * spec.seq_len
         if len(val_tokens) < needed:
@@ -27,6 +48,7 @@ class Corpus(ABC):
         self.tokenizer = tokenizer
         self.tokenizer_name = tokenizer_name
         self._val_blocks = np.asarray(val_tokens[:needed], dtype=np.int64).reshape(spec.val_sequences, spec.seq_len)
+        self._test_blocks = test_blocks(spec, test_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -51,15 +73,25 @@ class Corpus(ABC):
         blocks = torch.from_numpy(self._val_blocks.copy())
         return list(blocks.split(batch_size))
 
+    def test_batches(self, batch_size: int) -> list[torch.Tensor]:
+        """The held-out test set in ``LongTensor[B, seq_len]`` batches, as ``val_batches``; ``[]``
+        without a test split. Evaluate it once, after training: it is never used for a choice."""
+        require_int("batch_size", batch_size, 1)
+        if not len(self._test_blocks):
+            return []
+        return list(torch.from_numpy(self._test_blocks.copy()).split(batch_size))
+
     @abstractmethod
     def describe(self) -> dict[str, Any]:
-        """``{"source", "train_tokens", "val_tokens", "tokenizer", "vocab_size", "seq_len"}``."""
+        """``{"source", "train_tokens", "val_tokens", "test_tokens", "tokenizer", "vocab_size",
+        "seq_len"}``."""
 
     def _describe(self, train_tokens: int | None) -> dict[str, Any]:
         return {
             "source": self.spec.source,
             "train_tokens": train_tokens,
             "val_tokens": int(self._val_blocks.size),
+            "test_tokens": int(self._test_blocks.size),
             "tokenizer": self.tokenizer_name,
             "vocab_size": self.vocab_size,
             "seq_len": self.seq_len,
@@ -76,8 +108,9 @@ class PackedCorpus(Corpus):
         tokenizer_name: str,
         train_tokens: np.ndarray,
         val_tokens: np.ndarray,
+        test_tokens: np.ndarray | None = None,
     ) -> None:
-        super().__init__(spec, tokenizer, tokenizer_name, val_tokens)
+        super().__init__(spec, tokenizer, tokenizer_name, val_tokens, test_tokens)
         if spec.max_train_tokens is not None:
             train_tokens = train_tokens[: spec.max_train_tokens]
         if len(train_tokens) < spec.seq_len:

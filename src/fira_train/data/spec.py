@@ -40,6 +40,16 @@ class DataSpec:
     val_sequences: int = 64
     """Number of ``seq_len`` sequences in the validation set: the first ones of the validation
     split, the same in every run."""
+    test_fraction: float = 0.02
+    """Fraction of documents held out for the test set, disjoint from training and validation
+    (the next documents of the same content ranking; 0: no test set). For ``c4``, whose
+    validation split is separate, the test set is the validation documents after the ones the
+    validation set reads, and this fraction is not used; for a .npy, the fraction of tokens just
+    before the validation tail. The test set is evaluated once, after the last step, and is
+    never used for a choice (``fira-train sweep`` chooses on validation)."""
+    test_sequences: int | None = None
+    """Number of ``seq_len`` sequences in the test set; ``None``: every whole sequence of the test
+    split (for ``c4``: ``val_sequences``). A number the split cannot fill is an error."""
     max_train_tokens: int | None = None
     """Cap on the training tokens, for tests and tiny runs: the first ones of the training split
     (only those documents are tokenized on a cold build); for ``c4``, the first ones of each epoch."""
@@ -67,6 +77,19 @@ class DataSpec:
         ):
             raise ValueError(f"val_fraction must be a float in (0, 1), got {self.val_fraction!r}")
         require_int("val_sequences", self.val_sequences, 1)
+        if (
+            isinstance(self.test_fraction, bool)
+            or not isinstance(self.test_fraction, (int, float))
+            or not 0.0 <= self.test_fraction < 1.0
+            or self.val_fraction + self.test_fraction >= 1.0
+        ):
+            raise ValueError(f"test_fraction must be a float in [0, 1 - val_fraction), got {self.test_fraction!r} "
+                             f"(val_fraction={self.val_fraction!r})")
+        if self.test_sequences is not None:
+            require_int("test_sequences", self.test_sequences, 1)
+            if self.test_fraction == 0:
+                raise ValueError(f"test_sequences={self.test_sequences} asks for a test set, but test_fraction=0 "
+                                 f"holds none out")
         if self.max_train_tokens is not None:
             require_int("max_train_tokens", self.max_train_tokens, 1)
         if isinstance(self.cache_dir, os.PathLike):

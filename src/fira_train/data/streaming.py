@@ -231,7 +231,8 @@ class StreamingBatchStream(BatchStream):
 
 
 class StreamingCorpus(Corpus):
-    """C4 (or local C4-format files): streamed training split, fixed validation prefix."""
+    """C4 (or local C4-format files): streamed training split; the validation set is a fixed prefix
+    of the validation split, the test set the whole documents after it."""
 
     def __init__(
         self,
@@ -241,8 +242,9 @@ class StreamingCorpus(Corpus):
         val_tokens: np.ndarray,
         open_split: OpenSplit,
         shuffle_buffer: int = SHUFFLE_BUFFER_DOCS,
+        test_tokens: np.ndarray | None = None,
     ) -> None:
-        super().__init__(spec, tokenizer, tokenizer_name, val_tokens)
+        super().__init__(spec, tokenizer, tokenizer_name, val_tokens, test_tokens)
         self._open_split = open_split
         self.shuffle_buffer = shuffle_buffer
 
@@ -262,24 +264,38 @@ class StreamingCorpus(Corpus):
         return self._describe(None)
 
 
-def _validation_tokens(open_split: OpenSplit, tokenizer: PreTrainedTokenizerBase, spec: DataSpec) -> np.ndarray:
-    """Packed ids of the validation split's first documents, ``val_sequences * seq_len`` of them."""
-    needed = spec.val_sequences * spec.seq_len
+def _held_out_tokens(open_split: OpenSplit, tokenizer: PreTrainedTokenizerBase,
+                     spec: DataSpec) -> tuple[np.ndarray, np.ndarray | None]:
+    """Packed ids of the validation split's first documents, ``val_sequences * seq_len`` of them,
+    and the test set's: whole documents that follow those (the document cut by the end of the
+    validation set is skipped, so no document is in both), ``test_sequences * seq_len`` ids
+    (``val_sequences`` when None); None with ``test_fraction=0``."""
+    val_needed = spec.val_sequences * spec.seq_len
+    test_needed = 0 if not spec.test_fraction else (spec.test_sequences or spec.val_sequences) * spec.seq_len
     texts = iter_texts(open_split("validation"), "validation")
-    pieces: list[np.ndarray] = []
-    total = 0
+    val: list[np.ndarray] = []
+    test: list[np.ndarray] = []
+    val_total = test_total = 0
     dtype = token_dtype(len(tokenizer))
-    while total < needed:
+    while val_total < val_needed or test_total < test_needed:
         chunk = list(itertools.islice(texts, STREAM_CHUNK_DOCS))
         if not chunk:
+            which = ("validation", val_total, "val", val_needed) if val_total < val_needed else (
+                "test", test_total, "test", test_needed)
             raise ValueError(
-                f"the validation split of {spec.source!r} holds {total} tokens, fewer than "
-                f"val_sequences * seq_len = {spec.val_sequences} * {spec.seq_len} = {needed}"
+                f"the validation split of {spec.source!r} holds too few tokens for the {which[0]} set: "
+                f"{which[1]}, fewer than {which[2]}_sequences * seq_len = {which[3]}"
             )
         for ids in encode_texts(tokenizer, chunk):
-            pieces.append(np.asarray([*ids, tokenizer.eos_token_id], dtype=dtype))
-            total += len(pieces[-1])
-    return np.concatenate(pieces)[:needed]
+            document = np.asarray([*ids, tokenizer.eos_token_id], dtype=dtype)
+            if val_total < val_needed:
+                val.append(document)
+                val_total += len(document)
+            elif test_total < test_needed:
+                test.append(document)
+                test_total += len(document)
+    test_tokens = np.concatenate(test)[:test_needed] if test_needed else None
+    return np.concatenate(val)[:val_needed], test_tokens
 
 
 def build_c4_corpus(spec: DataSpec, cache_dir: Path, shuffle_buffer: int = SHUFFLE_BUFFER_DOCS) -> StreamingCorpus:
@@ -299,5 +315,5 @@ def build_c4_corpus(spec: DataSpec, cache_dir: Path, shuffle_buffer: int = SHUFF
         training_texts=lambda: _first_chars(iter_texts(open_split("train"), "train"), BPE_SAMPLE_CHARS),
         cache_dir=cache_dir,
     )
-    val_tokens = _validation_tokens(open_split, tokenizer, spec)
-    return StreamingCorpus(spec, tokenizer, tokenizer_name, val_tokens, open_split, shuffle_buffer)
+    val_tokens, test_tokens = _held_out_tokens(open_split, tokenizer, spec)
+    return StreamingCorpus(spec, tokenizer, tokenizer_name, val_tokens, open_split, shuffle_buffer, test_tokens)

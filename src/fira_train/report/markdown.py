@@ -56,11 +56,13 @@ def report_table(summaries: list[dict[str, Any]], labels: list[str] | None = Non
     """The Markdown table, one row per run, in the given order, labelled by ``labels`` (the
     method specs of ``compare``; default: each run's method).
 
-    Throughput is also given relative to ``adamw`` when it is among the runs.
+    Throughput is also given relative to ``adamw`` when it is among the runs. A "Test PPL"
+    column follows "Val. PPL" when a run was evaluated on a held-out test set.
     """
     labels = labels or [s["method"] for s in summaries]
     baseline = next((s["tokens_per_s"] for s in summaries if s["method"] == "adamw"), None)
-    header = ("| Method | Rank | T | LR | Val. loss | Val. PPL | Tokens/s | vs AdamW "
+    with_test = any(s.get("test_ppl") is not None for s in summaries)
+    header = (f"| Method | Rank | T | LR | Val. loss | Val. PPL |{' Test PPL |' * with_test} Tokens/s | vs AdamW "
               "| Optimizer state | Peak memory | Train time |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for label, s in zip(labels, summaries):
@@ -71,7 +73,8 @@ def report_table(summaries: list[dict[str, Any]], labels: list[str] | None = Non
         lines.append(
             f"| {label} | {rank} | {gap} | {s['lr']:g} | {_fmt(s['val_loss'], '.4f')} "
             f"| {_fmt(s['val_ppl'], '.2f')} "
-            f"| {s['tokens_per_s']:,.0f} | {relative} | {state} | {format_bytes(s['peak_memory_bytes'])} "
+            + (f"| {_fmt(s.get('test_ppl'), '.2f')} " if with_test else "")
+            + f"| {s['tokens_per_s']:,.0f} | {relative} | {state} | {format_bytes(s['peak_memory_bytes'])} "
             f"| {s['train_time_s'] / 60:.1f} min |")
     return "\n".join(lines)
 
@@ -96,7 +99,10 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
         report_table(summaries, list(methods)),
         "",
         "- Val. loss / PPL: mean next-token loss over all "
-        f"{first.get('val_tokens', '?'):,} validation tokens after the last step, and its exponential.",
+        f"{first.get('val_tokens', '?'):,} validation tokens after the last step, and its exponential."
+        + (f" Test PPL: the same on the {first['test_tokens']:,} tokens of the held-out test set "
+           "(documents in neither training nor validation), evaluated once after the last step."
+           if first.get("test_ppl") is not None else ""),
         "- Tokens/s: training tokens divided by the time spent in training steps (evaluation and "
         "checkpoints excluded); `vs AdamW` is the ratio to the `adamw` run.",
         "- Optimizer state: elements held in the optimizer's state (step counters excluded) and "

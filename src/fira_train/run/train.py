@@ -303,6 +303,9 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if math.isnan(val_loss):  # resumed at the final step: evaluate the restored weights
         val_loss, _ = evaluate(net, val_batches, device, autocast, env)
         check_loss(step, val_loss, "validation loss")
+    # The held-out test set: once, on the final weights; reported, never used for a choice.
+    test_batches = corpus.test_batches(micro_batch)
+    test_loss = evaluate(net, test_batches, device, autocast, env)[0] if test_batches else None
     summary = {
         "recipe": config.recipe,
         "method": config.optim.method,
@@ -317,6 +320,9 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         "val_loss": val_loss,
         "val_ppl": perplexity(val_loss),
         "val_tokens": sum(b[:, 1:].numel() for b in val_batches),
+        "test_loss": test_loss,
+        "test_ppl": None if test_loss is None else perplexity(test_loss),
+        "test_tokens": sum(b[:, 1:].numel() for b in test_batches),
         "tokens_per_s": progress["tokens"] / max(progress["train_time_s"], 1e-9),
         "train_time_s": progress["train_time_s"],
         "wall_time_s": time.perf_counter() - run_start,

@@ -18,30 +18,46 @@ from tests.fira_train.data.data_fixtures import make_docs, spec_for, split_on_eo
 
 def test_split_is_fixed_disjoint_and_content_based() -> None:
     docs = make_docs(100)
-    train, val = build.split_documents(docs, 0.1)
-    assert len(val) == 10 and sorted(train + val) == list(range(100))
-    assert build.split_documents(docs, 0.1) == (train, val)
+    train, val, test = build.split_documents(docs, 0.1)
+    assert len(val) == 10 and test == [] and sorted(train + val) == list(range(100))
+    assert build.split_documents(docs, 0.1) == (train, val, [])
     # Content decides, not position: reversing the corpus selects the same texts.
-    rev_train, rev_val = build.split_documents(docs[::-1], 0.1)
+    _, rev_val, _ = build.split_documents(docs[::-1], 0.1)
     assert {docs[::-1][i] for i in rev_val} == {docs[i] for i in val}
+
+
+def test_test_split_is_disjoint_and_leaves_validation_as_it_was() -> None:
+    docs = make_docs(100)
+    train, val, test = build.split_documents(docs, 0.1, 0.05)
+    assert len(val) == 10 and len(test) == 5
+    assert not set(train) & set(val) and not set(train) & set(test) and not set(val) & set(test)
+    assert sorted(train + val + test) == list(range(100))
+    assert val == build.split_documents(docs, 0.1)[1]  # the test set takes the next-ranked documents
+    _, _, rev_test = build.split_documents(docs[::-1], 0.1, 0.05)
+    assert {docs[::-1][i] for i in rev_test} == {docs[i] for i in test}
 
 
 def test_split_keeps_identical_texts_on_one_side() -> None:
     docs = make_docs(30) + ["repeated text"] * 5
-    train, val = build.split_documents(docs, 0.3)
-    sides = {("val" if i in val else "train") for i, d in enumerate(docs) if d == "repeated text"}
+    train, val, test = build.split_documents(docs, 0.3, 0.1)
+    sides = {("val" if i in val else "test" if i in test else "train")
+             for i, d in enumerate(docs) if d == "repeated text"}
     assert len(sides) == 1
     with pytest.raises(ValueError, match="at least 2 documents"):
         build.split_documents(["only one"], 0.5)
+    with pytest.raises(ValueError, match="at least 3 documents"):
+        build.split_documents(["one", "two"], 0.3, 0.3)
     with pytest.raises(ValueError, match="same text"):
         build.split_documents(["same", "same"], 0.5)
+    with pytest.raises(ValueError, match="no test documents"):
+        build.split_documents(["same", "same", "same"], 0.3, 0.3)
 
 
 def test_packing_joins_documents_with_eos_and_splits_by_document(jsonl_corpus, tmp_path: Path) -> None:
     path, docs = jsonl_corpus
     corpus = build_corpus(spec_for(path, tmp_path / "cache"))
     tokenizer = corpus.tokenizer
-    train_idx, val_idx = build.split_documents(docs, 0.2)
+    train_idx, val_idx, test_idx = build.split_documents(docs, 0.2, 0.02)
     expected_train = tok.encode_documents(tokenizer, [docs[i] for i in train_idx])
     assert np.array_equal(np.asarray(corpus.train_tokens), expected_train)
     # Document boundaries are EOS; decoding the packed splits gives back the documents.
@@ -51,6 +67,11 @@ def test_packing_joins_documents_with_eos_and_splits_by_document(jsonl_corpus, t
     val_markers = {d.split()[0] for d in val_text.split(tok.EOS_TOKEN) if d.strip()}
     assert val_markers and val_markers <= {docs[i].split()[0] for i in val_idx}
     assert not val_markers & {d.split()[0] for d in train_docs}
+    # The test set: whole sequences of the held-out test documents, in neither other split.
+    test_text = tokenizer.decode(torch.cat(corpus.test_batches(3)).flatten().tolist())
+    test_markers = {d.split()[0] for d in test_text.split(tok.EOS_TOKEN) if d.strip()}
+    assert test_markers and test_markers <= {docs[i].split()[0] for i in test_idx}
+    assert not test_markers & ({d.split()[0] for d in train_docs} | val_markers)
     info = corpus.describe()
     assert info["source"] == str(path) and info["val_tokens"] == 4 * 16
     assert info["train_tokens"] == len(expected_train) // 16 * 16
@@ -176,7 +197,23 @@ def test_short_validation_split_is_a_clear_error(jsonl_corpus, tmp_path: Path) -
     with pytest.raises(ValueError, match="val_sequences"):
         build_corpus(spec_for(path, tmp_path / "cache", val_sequences=10_000))
     with pytest.raises(ValueError, match=r"1 \* 4096"):
-        build_corpus(spec_for(path, tmp_path / "cache", seq_len=4096, val_sequences=1, val_fraction=0.9))
+        build_corpus(spec_for(path, tmp_path / "cache", seq_len=4096, val_sequences=1, val_fraction=0.9,
+                              test_fraction=0.0))
+
+
+def test_test_set_size_and_its_errors(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    cache = tmp_path / "cache"
+    every = build_corpus(spec_for(path, cache, test_fraction=0.1))  # every whole sequence
+    available = len(torch.cat(every.test_batches(64)))
+    assert available >= 2 and every.describe()["test_tokens"] == available * 16
+    two = build_corpus(spec_for(path, cache, test_fraction=0.1, test_sequences=2))
+    assert [b.shape for b in two.test_batches(1)] == [(1, 16), (1, 16)]
+    assert torch.equal(torch.cat(two.test_batches(2)), torch.cat(every.test_batches(5))[:2])
+    with pytest.raises(ValueError, match="test_sequences"):
+        build_corpus(spec_for(path, cache, test_fraction=0.1, test_sequences=available + 1))
+    none = build_corpus(spec_for(path, cache, test_fraction=0.0))
+    assert none.test_batches(4) == [] and none.describe()["test_tokens"] == 0
 
 
 def test_cache_hit_is_identical_and_skips_all_work(jsonl_corpus, tmp_path: Path, monkeypatch) -> None:
@@ -247,7 +284,7 @@ def test_damaged_token_ids_are_detected_named_and_rebuilt(jsonl_corpus, tmp_path
     assert str(entry) in warning and "rebuilding it" in warning
     assert ("train.npy does not match" in warning) if damage is not None else ("no digests" in warning)
     meta = json.loads((entry / "meta.json").read_text())
-    assert set(meta["sha256"]) == {"train.npy", "val.npy"}  # the rebuilt entry records them again
+    assert set(meta["sha256"]) == {"train.npy", "val.npy", "test.npy"}  # the rebuilt entry records them again
 
 
 @pytest.fixture
@@ -261,8 +298,10 @@ def test_pretokenized_npy_is_packed_as_is(tmp_path: Path, saved_tokenizer: Path)
     ids = np.random.default_rng(0).integers(0, 300, size=2000).astype(np.int32)
     np.save(tmp_path / "ids.npy", ids)
     corpus = build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))
-    assert np.array_equal(np.asarray(corpus.train_tokens), ids[:1600])  # val: the last 20% of tokens
+    # val: the last 20% of tokens; test: the 2% (40 tokens, 2 whole sequences) before them
+    assert np.array_equal(np.asarray(corpus.train_tokens), ids[:1560])
     assert torch.equal(torch.cat(corpus.val_batches(4)).flatten(), torch.from_numpy(ids[1600:1664]).long())
+    assert torch.equal(torch.cat(corpus.test_batches(4)).flatten(), torch.from_numpy(ids[1560:1592]).long())
     assert next(corpus.train_batches(2, seed=0)).shape == (2, 16)
 
 

@@ -109,10 +109,11 @@ def test_real_wiki_corpus_builds_and_caches(tmp_path: Path) -> None:
     assert torch.equal(torch.cat(warm.val_batches(64)), torch.cat(cold.val_batches(64)))
     (entry,) = (tmp_path / "tokens").iterdir()
     meta = json.loads((entry / "meta.json").read_text())
-    assert (meta["train_documents"], meta["val_documents"]) == (10_033 - 201, 201)  # ceil(2% of 10,033)
+    # ceil(2% of 10,033) for validation, as many for the test set
+    assert (meta["train_documents"], meta["val_documents"], meta["test_documents"]) == (10_033 - 402, 201, 201)
     # The training stream starts with the lead of the first training article in title order.
     docs = documents.read_wiki_documents(documents.wiki_summaries_path())
-    train_idx, _ = build.split_documents(docs, 0.02)
+    train_idx, _, _ = build.split_documents(docs, 0.02, 0.02)
     first = cold.tokenizer(docs[train_idx[0]], add_special_tokens=False)["input_ids"]
     assert np.asarray(cold.train_tokens[: len(first)]).tolist() == first
     batch = next(warm.train_batches(8, seed=0))

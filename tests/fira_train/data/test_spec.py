@@ -32,6 +32,11 @@ def test_dataspec_defaults_match_the_contract() -> None:
         ("val_fraction", float("nan")),
         ("val_fraction", True),
         ("val_sequences", 0),
+        ("test_fraction", -0.1),
+        ("test_fraction", 0.98),  # with val_fraction 0.02 nothing is left to train on
+        ("test_fraction", float("nan")),
+        ("test_fraction", True),
+        ("test_sequences", 0),
         ("max_train_tokens", 0),
         ("max_train_tokens", 10.5),
         ("cache_dir", ""),
@@ -42,6 +47,12 @@ def test_dataspec_rejects_bad_values_naming_field_and_value(field: str, value: o
         DataSpec(**{field: value})  # type: ignore[arg-type]
     message = str(info.value)
     assert field in message and repr(value) in message
+
+
+def test_test_sequences_need_a_test_split() -> None:
+    with pytest.raises(ValueError, match="test_sequences=4 .*test_fraction=0"):
+        DataSpec(test_fraction=0.0, test_sequences=4)
+    assert (DataSpec().test_fraction, DataSpec().test_sequences) == (0.02, None)
 
 
 def test_dataspec_accepts_paths_and_hf_vocab(tmp_path: Path) -> None:

@@ -50,6 +50,13 @@ def test_c4_files_go_through_the_streaming_corpus(c4_corpus, c4_folder: Path) ->
     val_docs = make_docs(50, seed=7)[40:]
     expected = tok.encode_documents(c4_corpus.tokenizer, val_docs)[: 3 * 16]
     assert torch.equal(torch.cat(c4_corpus.val_batches(2)).flatten(), torch.from_numpy(expected.astype(np.int64)))
+    # Test: the whole validation-split documents after the one the validation set ends in.
+    encoded = [len(tok.encode_documents(c4_corpus.tokenizer, [d])) for d in val_docs]
+    first_test = next(i for i in range(len(encoded)) if sum(encoded[:i]) >= 3 * 16)
+    expected_test = tok.encode_documents(c4_corpus.tokenizer, val_docs[first_test:])[: 3 * 16]
+    assert info["test_tokens"] == 3 * 16  # test_sequences None: as many as validation
+    assert torch.equal(torch.cat(c4_corpus.test_batches(2)).flatten(),
+                       torch.from_numpy(expected_test.astype(np.int64)))
 
 
 def test_c4_second_build_reuses_the_tokenizer(c4_folder: Path, tmp_path: Path, monkeypatch) -> None:
@@ -172,3 +179,5 @@ def test_c4_folder_errors_name_the_folder(tmp_path: Path) -> None:
 def test_c4_short_validation_split_is_a_clear_error(c4_folder: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="val_sequences"):
         build_corpus(spec_for(f"c4:{c4_folder}", tmp_path, val_sequences=1000))
+    with pytest.raises(ValueError, match="test set.*test_sequences"):
+        build_corpus(spec_for(f"c4:{c4_folder}", tmp_path, val_sequences=3, test_sequences=1000))

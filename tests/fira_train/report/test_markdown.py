@@ -42,6 +42,14 @@ def test_table_has_a_row_per_method_and_relative_throughput() -> None:
     assert fira[8].strip() == "97.0%"
     assert adamw[2].strip() == "-" and adamw[3].strip() == "-" and adamw[8].strip() == "100.0%"
     assert "0.25M (1.0 MiB)" in lines[2] and "500.0 MiB" in lines[2]
+    assert "Test PPL" not in lines[0]  # runs without a test set
+
+
+def test_a_test_perplexity_column_follows_validation_when_runs_have_one() -> None:
+    with_test = {**_summary("fira", 32, 100.0, 970.0), "test_ppl": 104.5}
+    lines = report_table([with_test, _summary("adamw", None, 110.0, 1000.0)]).splitlines()
+    assert "| Val. PPL | Test PPL |" in lines[0]
+    assert lines[2].split("|")[7].strip() == "104.50" and lines[3].split("|")[7].strip() == "-"
 
 
 def test_write_report_and_plot(tmp_path: Path) -> None:

@@ -57,6 +57,9 @@ def test_run_writes_config_metrics_summary_and_checkpoints(tmp_path: Path) -> No
     assert summary["tokens"] == 20 * 8 * 32
     assert summary["optimizer_state_numel"] > 0 and summary["peak_memory_bytes"] > 0
     assert summary["rank"] == 16 and summary["method"] == "fira"
+    # The held-out test set: evaluated once, at the end, on its own tokens.
+    assert summary["test_tokens"] > 0 and summary["test_ppl"] == pytest.approx(math.exp(summary["test_loss"]))
+    assert summary["test_loss"] != summary["val_loss"] and all("test_loss" not in r for r in records)
 
 
 def test_validation_loss_is_averaged_over_tokens_not_batches() -> None:
