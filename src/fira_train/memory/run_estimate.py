@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # annotations only
 #: Bytes a moment element takes in each ``optim.state_dtype``.
 MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / 256}
 #: Methods that project their matrices (the Fira / GaLore family) and those that do not.
-PLAIN_METHODS = ("adamw", "sgd", "adagrad", "adam-mini", "lora", "relora")
+PLAIN_METHODS = ("adamw", "adamw-grouped", "sgd", "adagrad", "adam-mini", "lora", "relora")
 
 
 def estimate_run_bytes(config: "RunConfig", vocab_size: int) -> dict[str, Any]:

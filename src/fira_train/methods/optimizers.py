@@ -26,6 +26,22 @@ def build_adamw(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup
                                                 weight_decay=o.weight_decay))
 
 
+def build_adamw_grouped(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
+    """Full-rank ``torch.optim.AdamW`` with Fira's per-group step sizes: the control that separates
+    Fira's low-rank machinery from its learning rates.
+
+    The matrices Fira would project (:func:`fira_optim.param_groups`: the attention and MLP
+    weights) train at ``optim.alpha * lr``, the rest (embeddings, norms, head) at ``lr`` -- the
+    step sizes a Fira run gives them (its projected update is scaled by alpha). With the
+    schedulers' per-group ``initial_lr`` the ratio holds at every step.
+    """
+    o = config.optim
+    groups = fira_optim.param_groups(model, rank=1, update_proj_gap=1, alpha=o.alpha)
+    adamw_groups = [{"params": g["params"], "lr": lr * o.alpha if g.get("rank") else lr} for g in groups]
+    return MethodSetup(model, torch.optim.AdamW(adamw_groups, lr=lr, betas=o.betas, eps=o.eps,
+                                                weight_decay=o.weight_decay))
+
+
 def build_sgd(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
     """``torch.optim.SGD`` with momentum ``betas[0]``."""
     o = config.optim

@@ -6,6 +6,9 @@ Every training method of the paper's comparison and ablations is a :class:`Metho
 ``flora``, ``slimadam`` -- and two of its own: the view :data:`fira_train.finetune.config.METHODS`):
 
 - ``adamw``: full-rank ``torch.optim.AdamW``;
+- ``adamw-grouped``: full-rank AdamW with Fira's per-group step sizes (the matrices Fira projects
+  at ``optim.alpha * lr``, embeddings, norms and head at ``lr``): the control that tells Fira's
+  low-rank machinery from its learning rates;
 - ``fira`` and every variant of :data:`fira_optim.VARIANTS` (``fira-matrix``, ``fira-no-scaling``,
   ``fira-no-limiter``, ``fira-clip``, ``fira-shrink``, ``fira-tensorwise``, ``fira-only-scaling``,
   ``fira-only-scaling-random``, ``fira-released``, ``galore``, ``galore-add``, ``fira-adagrad``,
@@ -35,7 +38,8 @@ Every training method of the paper's comparison and ablations is a :class:`Metho
 (:attr:`Method.fsdp2`).
 
 Default learning rates (``optim.lr=None``): 0.01 for every Fira/GaLore-family name (the paper
-uses 0.01 for Fira and GaLore without tuning); 0.001 for ``adamw``, ``lora``, ``relora`` and
+uses 0.01 for Fira and GaLore without tuning) and for ``adamw-grouped`` (Fira's, so that by
+default it takes Fira's step sizes); 0.001 for ``adamw``, ``lora``, ``relora`` and
 ``adam-mini`` (the best value of the paper's grid {0.01, 0.005, 0.001, 0.0005, 0.0001} for the
 full-rank and LoRA baselines in GaLore's tuning, and Adam-mini's recommendation to reuse AdamW's);
 0.01 for ``adagrad`` (``torch.optim.Adagrad``'s default, also the best of {0.03, 0.01, 0.003} on
@@ -68,6 +72,7 @@ from fira_train.methods.optimizers import (
     build_adagrad,
     build_adam_mini,
     build_adamw,
+    build_adamw_grouped,
     build_apollo,
     build_apollo_mini,
     build_flora,
@@ -109,6 +114,8 @@ FLORA_LR = 0.01
 
 METHODS: dict[str, Method] = {
     "adamw": Method("adamw", 1e-3, build_adamw, "full-rank AdamW (torch.optim.AdamW)"),
+    "adamw-grouped": Method("adamw-grouped", FIRA_LR, build_adamw_grouped,
+                            "full-rank AdamW with Fira's step sizes: matrices at alpha * lr, the rest at lr"),
 }
 for _name, _overrides in fira_optim.VARIANTS.items():
     _what = ", ".join(f"{k}={v!r}" for k, v in _overrides.items()) or "the paper's Fira"
