@@ -6,6 +6,10 @@ Subcommands (stable names):
   [--resume | --resume-step STEP] [key=value ...]``: one run;
 - ``fira-train compare --recipe NAME --methods a,b,c [--out DIR] ...``: several runs on the same
   data, tokens and seed, then ``DIR/report.md`` and ``DIR/loss.png`` (:mod:`fira_train.compare`);
+- ``fira-train sweep --recipe NAME --methods SPEC,... --lrs LR,... [--lrs SPEC:LR,...] --seeds 0,1,2
+  [--jobs N] [--reuse] --out DIR``: learning rates chosen on validation, test perplexity over
+  seeds with paired 95% intervals; ``DIR/report.md``, ``DIR/sweep.json``, ``DIR/lr.png``
+  (:mod:`fira_train.sweep.driver`);
 - ``fira-train memory``: the paper's memory-estimate table (:mod:`fira_train.memory.estimates`);
 - ``fira-train methods``: the method registry with default learning rates;
 - ``fira-train finetune`` and ``fira-train analyze ...``: plug-ins (:data:`PLUGINS`), modules
@@ -172,6 +176,55 @@ def _register_compare(subparsers: Any) -> None:
     parser.set_defaults(func=_compare)
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from fira_train.compare import parse_methods  # imports torch: not at parser build
+    from fira_train.sweep.driver import parse_lr_grids, parse_numbers, sweep
+
+    if args.lr is not None or args.seed is not None:
+        raise ValueError("sweep sets the learning rate and the seed itself: use --lrs and --seeds, "
+                         "not --lr / --seed")
+    specs = parse_methods(args.methods)
+    grids = parse_lr_grids(args.lrs, specs)
+    seeds = parse_numbers("--seeds", args.seeds, int)
+    config = config_from_args(args)
+    report, _ = sweep(config, specs, grids, seeds, args.out, jobs=args.jobs, reuse=args.reuse,
+                      all_seeds=args.all_seeds, reference=args.reference,
+                      command=command_line(getattr(args, "argv", [])))
+    print(report.read_text())
+    print(f"report: {report}")
+    return 0
+
+
+def _register_sweep(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "sweep", help="tune each method's learning rate on validation; test perplexity over seeds",
+        description="Train every method at every learning rate of its grid (first seed), choose each "
+                    "method's lr on the validation set, train the other seeds at it, and report test "
+                    "perplexity (mean ± sd over seeds) with each method's paired difference to the "
+                    "reference and its 95%% interval: OUT/report.md, OUT/sweep.json, OUT/lr.png. Runs "
+                    "live in OUT/runs/<spec>/lr=<lr>/seed=<seed>/; with --reuse a sweep continues "
+                    "where it stopped.")
+    parser.add_argument("--methods", required=True,
+                        help="comma-separated method specs NAME[@key=value...], e.g. "
+                             "adamw,fira,adamw-grouped@optim.alpha=1")
+    parser.add_argument("--lrs", action="append", required=True, metavar="[SPEC:]LR,...",
+                        help="learning-rate grid, e.g. 0.001,0.003,0.01; repeat with SPEC:LR,... to give a "
+                             "method its own grid, e.g. --lrs adamw:0.001,0.003,0.01,0.03")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds (default 0,1,2); the grid runs at the first")
+    parser.add_argument("--all-seeds", action="store_true",
+                        help="run every seed at every lr (choose on the mean over seeds)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at a time, each in its own process (default 1; on a CPU each gets "
+                             "cores/jobs threads)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse finished runs in OUT and continue unfinished ones from their checkpoints")
+    parser.add_argument("--reference", help="the method the others are compared with (default fira, "
+                                            "else the first)")
+    parser.add_argument("--out", required=True, help="output directory")
+    add_run_arguments(parser)
+    parser.set_defaults(func=_sweep)
+
+
 def _memory(args: argparse.Namespace) -> int:
     if not args.measure:
         if args.recipe or args.methods or args.overrides:
@@ -243,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        parser_class=IntermixedArgumentParser)
     _register_pretrain(subparsers)
     _register_compare(subparsers)
+    _register_sweep(subparsers)
     _register_memory(subparsers)
     _register_methods(subparsers)
     for module_name in PLUGINS:

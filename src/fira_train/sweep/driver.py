@@ -1,0 +1,124 @@
+"""``fira-train sweep``: tune each method's learning rate on validation, then report test
+perplexity over seeds with paired intervals (:func:`sweep`).
+
+``fira-train sweep --recipe tiny --methods adamw,fira,galore --lrs 0.001,0.003,0.01,0.02
+--lrs adamw:0.001,0.003,0.01,0.02,0.03 --seeds 0,1,2 --jobs 2 --reuse --out DIR`` trains the grid
+(:mod:`fira_train.sweep.grid`), chooses and summarizes (:mod:`fira_train.sweep.summary`) and
+writes ``DIR/sweep.json``, ``DIR/report.md`` and ``DIR/lr.png`` (:mod:`fira_train.sweep.report`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from fira_train.config.method_spec import parse_method_specs
+from fira_train.config.run_config import RunConfig
+from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
+from fira_train.sweep.report import plot_lr, write_json, write_markdown
+from fira_train.sweep.summary import MethodSummary, summarize
+
+log = logging.getLogger(__name__)
+
+
+def parse_numbers(flag: str, text: str, kind: type) -> list:
+    """``"0.001,0.003"`` -> numbers of ``kind`` (positive floats, or ints >= 0), none twice."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = kind(part)
+        except ValueError:
+            raise ValueError(f"{flag}: {part!r} is not a{'n integer' if kind is int else ' number'} "
+                             f"(in {text!r})") from None
+        if (kind is float and not (math.isfinite(value) and value > 0)) or (kind is int and value < 0):
+            raise ValueError(f"{flag}: {part!r} must be {'a positive number' if kind is float else '>= 0'}")
+        if value in values:
+            raise ValueError(f"{flag}: {part!r} appears twice in {text!r}")
+        values.append(value)
+    if not values:
+        raise ValueError(f"{flag} needs at least one value, got {text!r}")
+    return values
+
+
+def parse_lr_grids(entries: Sequence[str], specs: Sequence[str]) -> dict[str, list[float]]:
+    """``--lrs`` entries -> each spec's grid. ``"LR,LR"`` is every spec's grid; ``"SPEC:LR,LR"``
+    replaces that spec's (the spec as written in ``--methods``)."""
+    default: list[float] | None = None
+    own: dict[str, list[float]] = {}
+    for entry in entries:
+        spec, sep, values = entry.rpartition(":")
+        if not sep:
+            if default is not None:
+                raise ValueError(f"--lrs: two grids for every method ({','.join(map(str, default))} and {entry!r}); "
+                                 f"give one, and SPEC:LR,... for a method's own")
+            default = parse_numbers("--lrs", entry, float)
+            continue
+        if spec not in specs:
+            raise ValueError(f"--lrs {entry!r}: {spec!r} is not among --methods ({', '.join(specs)})")
+        if spec in own:
+            raise ValueError(f"--lrs: two grids for {spec!r}")
+        own[spec] = parse_numbers(f"--lrs {spec}", values, float)
+    missing = [s for s in specs if s not in own and default is None]
+    if missing:
+        raise ValueError(f"--lrs gives no grid for {', '.join(missing)}: add LR,LR,... for every method")
+    return {spec: sorted(own.get(spec, default or [])) for spec in specs}
+
+
+def check_specs(specs: Sequence[str]) -> None:
+    """The sweep sets the lr and the seed: a spec that overrides them is an error."""
+    for spec in parse_method_specs(",".join(specs)):
+        for override in spec.overrides:
+            key = override.partition("=")[0]
+            if key in ("optim.lr", "train.seed", "train.out_dir"):
+                raise ValueError(f"method spec {spec.text!r} sets {key}: the sweep sets it "
+                                 f"(--lrs, --seeds, --out)")
+
+
+def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[float]], seeds: Sequence[int],
+          out_dir: str | Path, *, jobs: int = 1, reuse: bool = False, all_seeds: bool = False,
+          reference: str | None = None, command: str | None = None) -> tuple[Path, list[MethodSummary]]:
+    """Train the sweep (grid, then seeds at each chosen lr) and write its files; the report's path
+    and the summary rows."""
+    if config.train.parallel != "none":
+        raise ValueError(f"sweep runs each training in its own process (--jobs); train.parallel="
+                         f"{config.train.parallel!r} is not supported: launch pretrain under torchrun instead")
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    check_specs(specs)
+    reference = reference or ("fira" if "fira" in specs else specs[0])
+    if reference not in specs:
+        raise ValueError(f"--reference {reference!r} is not among --methods ({', '.join(specs)})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"recipe": config.recipe, "methods": list(specs), "lrs": lr_grids, "seeds": list(seeds),
+                "all_seeds": all_seeds, "reference": reference, "command": command,
+                "selection": "lowest mean final validation perplexity over the seeds run at an lr"}
+    results: dict[RunKey, RunResult] = {}
+
+    def write() -> list[MethodSummary]:
+        rows = summarize(specs, lr_grids, results, reference)
+        write_json(out / "sweep.json", settings, results, rows)
+        write_markdown(out / "report.md", settings, rows)
+        plot_lr(out / "lr.png", rows)
+        return rows
+
+    def record(result: RunResult) -> None:
+        results[result.key] = result
+        k = result.key
+        log.info("sweep: %s lr %g seed %d: val ppl %.2f%s (%d runs done)", k.spec, k.lr, k.seed, result.val_ppl,
+                 "" if result.test_ppl is None else f", test ppl {result.test_ppl:.2f}", len(results))
+        write()
+
+    execute(grid_runs(specs, lr_grids, seeds, all_seeds), config, out, jobs=jobs, reuse=reuse, on_result=record)
+    rows = write()
+    # A method whose every lr diverged has nothing to repeat.
+    chosen = {row.spec: row.chosen_lr for row in rows
+              if row.chosen_lr is not None and row.val is not None and math.isfinite(row.val.mean)}
+    execute(seed_runs(chosen, seeds), config, out, jobs=jobs, reuse=reuse, on_result=record,
+            done=set(results))
+    return out / "report.md", write()

@@ -1,0 +1,136 @@
+"""A sweep's files: ``sweep.json`` (every run and the summary), ``report.md`` and ``lr.png``
+(validation perplexity against learning rate, one line per method, error bars over seeds).
+
+Written after every finished run, so a sweep spread over several sittings always has a report
+of what is done (provisional rows say so).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fira_train.files import dumps
+from fira_train.report.plots import pyplot
+from fira_train.sweep.grid import RunKey, RunResult
+from fira_train.sweep.summary import MethodSummary, summary_json
+
+
+def _num(value: float | None, spec: str = ".2f") -> str:
+    if value is None:
+        return "-"
+    return "diverged" if math.isinf(value) else format(value, spec)
+
+
+def _spread(mean: float, sd: float | None, n: int) -> str:
+    if math.isinf(mean):
+        return "diverged"
+    return f"{mean:.2f} ± {sd:.2f} (n={n})" if sd is not None else f"{mean:.2f} (n=1)"
+
+
+def write_json(path: Path, settings: dict[str, Any], results: dict[RunKey, RunResult],
+               rows: Sequence[MethodSummary]) -> Path:
+    runs = [{"spec": k.spec, "lr": k.lr, "seed": k.seed, "val_ppl": r.val_ppl, "test_ppl": r.test_ppl,
+             "diverged": r.diverged, **({"error": r.detail} if r.detail else {})}
+            for k, r in sorted(results.items(), key=lambda kr: (kr[0].spec, kr[0].lr, kr[0].seed))]
+    payload = {**settings, "runs": runs, "methods": summary_json(rows)}
+    temp = path.with_suffix(".json.tmp")
+    temp.write_text(dumps(payload, indent=1) + "\n")
+    temp.replace(path)
+    return path
+
+
+def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
+    """``lr.png``: mean validation perplexity (error bars: sd over seeds) against lr, log-log."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        points = sorted((lr, s) for lr, s in row.grid.items() if s is not None and math.isfinite(s.mean))
+        if not points:
+            continue
+        lrs = [lr for lr, _ in points]
+        means = [s.mean for _, s in points]
+        errors = [s.sd or 0.0 for _, s in points]
+        line = ax.errorbar(lrs, means, yerr=errors, marker="o", markersize=4, capsize=3, label=row.spec)
+        if row.chosen_lr is not None and row.val is not None and math.isfinite(row.val.mean):
+            ax.plot([row.chosen_lr], [row.val.mean], marker="*", markersize=13,
+                    color=line[0].get_color(), linestyle="none")
+    ax.set(xscale="log", yscale="log", xlabel="peak learning rate",
+           ylabel="validation perplexity (final)", title="Learning-rate sweep (star: chosen lr)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSummary]) -> Path:
+    reference = settings["reference"]
+    seeds = settings["seeds"]
+    lrs_union = sorted({lr for row in rows for lr in row.grid})
+    lines = [
+        f"# Learning-rate sweep: recipe `{settings['recipe']}`",
+        "",
+        f"Each method's learning rate is chosen on the **validation** set (lowest mean final "
+        f"perplexity over the seeds run at that lr; grid at seed{'s' if settings['all_seeds'] else ''} "
+        f"{', '.join(map(str, seeds if settings['all_seeds'] else seeds[:1]))}), then trained with seeds "
+        f"{', '.join(map(str, seeds))} at that lr. The **test** set (documents in neither training nor "
+        f"validation) is evaluated once per run and used for no choice.",
+        "",
+        f"| Method | chosen lr | val. PPL at it | test PPL, mean ± sd | test PPL − {reference} "
+        f"(paired by seed, 95% interval) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        flags = []
+        if not row.complete:
+            flags.append("grid incomplete")
+        if row.at_edge:
+            flags.append("at the grid's edge")
+        chosen = "-" if row.chosen_lr is None else f"{row.chosen_lr:g}" + (f" ({', '.join(flags)})" if flags else "")
+        val = "-" if row.val is None else _spread(row.val.mean, row.val.sd, row.val.n)
+        test = "-" if row.test is None else _spread(row.test.mean, row.test.sd, row.test.n)
+        if row.spec == reference:
+            diff = "(reference)"
+        elif row.vs_reference is None:
+            diff = "-"
+        elif row.vs_reference.low is None:
+            diff = f"{_num(row.vs_reference.mean, '+.2f')} (n={row.vs_reference.n}, no interval)"
+        else:
+            d = row.vs_reference
+            diff = f"{d.mean:+.2f} [{d.low:+.2f}, {d.high:+.2f}] (n={d.n})" + (
+                " *" if d.excludes_zero else "")
+        lines.append(f"| {row.spec} | {chosen} | {val} | {test} | {diff} |")
+    lines += [
+        "",
+        f"`*`: the 95% interval excludes 0. Intervals: Student's t on the per-seed differences "
+        f"(the same seed gives both methods the same initialisation and data order). A row with one "
+        f"seed has no interval and shows no ordering.",
+        "",
+        "## Validation perplexity at each learning rate",
+        "",
+        "Mean over the seeds run at that lr (n); `diverged`: a run's loss became non-finite or exploded.",
+        "",
+        "| Method | " + " | ".join(f"lr {lr:g}" for lr in lrs_union) + " |",
+        "|---|" + "---|" * len(lrs_union),
+    ]
+    for row in rows:
+        cells = []
+        for lr in lrs_union:
+            s = row.grid.get(lr, None) if lr in row.grid else None
+            if lr not in row.grid:
+                cells.append("")
+            elif s is None:
+                cells.append("pending")
+            else:
+                cell = _spread(s.mean, s.sd, s.n)
+                cells.append(f"**{cell}**" if lr == row.chosen_lr else cell)
+        lines.append(f"| {row.spec} | " + " | ".join(cells) + " |")
+    lines += ["", "![validation perplexity against learning rate](lr.png)"]
+    if settings.get("command"):
+        lines += ["", "Command:", "", "```bash", settings["command"], "```"]
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,147 @@
+"""fira-train sweep: argument parsing, the choice on validation, and a micro sweep end to end
+(its runs in this process: the spawn of each run is run_isolated's, tested with compare)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fira_train.run import checkpoint as ckpt
+from fira_train.run.metrics import read_metrics
+from fira_train.sweep import grid
+from fira_train.sweep.driver import check_specs, parse_lr_grids, parse_numbers, sweep
+from fira_train.sweep.grid import RunKey, RunResult
+from fira_train.sweep.stats import Spread
+from fira_train.sweep.summary import choose_lr, summarize
+from tests.fira_train.harness_fixtures import micro_config
+
+
+def test_numbers_and_grids_are_checked_with_the_flag_and_value() -> None:
+    assert parse_numbers("--seeds", "0, 1,2", int) == [0, 1, 2]
+    for text, match in [("0.1,x", "'x' is not a number"), ("0.1,-1", "'-1' must be a positive"),
+                        ("0.1,0.1", "appears twice"), (",", "at least one")]:
+        with pytest.raises(ValueError, match=match):
+            parse_numbers("--lrs", text, float)
+    with pytest.raises(ValueError, match="--seeds: '-1' must be >= 0"):
+        parse_numbers("--seeds", "-1", int)
+    specs = ["adamw", "fira@optim.alpha=0.5"]
+    grids = parse_lr_grids(["0.01,0.001", "adamw:0.03,0.001"], specs)
+    assert grids == {"adamw": [0.001, 0.03], "fira@optim.alpha=0.5": [0.001, 0.01]}
+    assert parse_lr_grids(["fira@optim.alpha=0.5:0.1", "adamw:0.2"], specs)["fira@optim.alpha=0.5"] == [0.1]
+    with pytest.raises(ValueError, match="no grid for fira@optim.alpha=0.5"):
+        parse_lr_grids(["adamw:0.1"], specs)
+    with pytest.raises(ValueError, match="'galore' is not among --methods"):
+        parse_lr_grids(["galore:0.1"], specs)
+    with pytest.raises(ValueError, match="two grids for every method"):
+        parse_lr_grids(["0.1", "0.2"], specs)
+    with pytest.raises(ValueError, match="sets optim.lr: the sweep sets it"):
+        check_specs(["fira@optim.lr=0.1"])
+
+
+def _result(spec: str, lr: float, seed: int, val: float, test: float | None = None) -> tuple[RunKey, RunResult]:
+    key = RunKey(spec, lr, seed)
+    return key, RunResult(key, val, test, diverged=math.isinf(val))
+
+
+def test_the_choice_uses_validation_only_and_flags_edges_and_gaps() -> None:
+    assert choose_lr({0.1: Spread(5.0, None, 1), 0.2: Spread(5.0, None, 1), 0.3: None}) == 0.1
+    results = dict([
+        _result("a", 0.001, 0, 30.0, test=1.0), _result("a", 0.01, 0, 20.0, test=99.0),
+        _result("a", 0.01, 1, 22.0, test=97.0), _result("a", 0.1, 0, math.inf),
+        _result("b", 0.001, 0, 25.0, test=90.0), _result("b", 0.001, 1, 27.0, test=94.0),
+    ])
+    a, b = summarize(["a", "b"], {"a": [0.001, 0.01, 0.1], "b": [0.001, 0.01]}, results, reference="a")
+    # a's test perplexity at 0.001 is the lowest, but the choice is on validation
+    assert a.chosen_lr == 0.01 and not a.at_edge and a.complete and a.diverged[0.1] == 1
+    assert (a.val.mean, a.test.mean, a.test.n) == (21.0, 98.0, 2)
+    assert b.chosen_lr == 0.001 and b.at_edge and not b.complete  # lr 0.01 has not run yet
+    assert b.vs_reference is not None and b.vs_reference.mean == pytest.approx(-6.0)  # (90 - 99 + 94 - 97) / 2
+    assert a.vs_reference is None
+
+
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Runs train in this process (fast); records the configs trained."""
+    trained: list = []
+
+    def direct(fn, config, resume):
+        trained.append((config.optim.method, config.optim.lr, config.train.seed, resume))
+        return fn(config, resume)
+
+    monkeypatch.setattr(grid, "run_isolated", direct)
+    return trained
+
+
+def test_micro_sweep_end_to_end_and_reuse(tmp_path: Path, in_process: list) -> None:
+    config = micro_config(tmp_path, "train.steps=4", "train.save_every=2", "train.eval_every=0",
+                          "data.test_fraction=0.1")
+    out = tmp_path / "sweep"
+    report, rows = sweep(config, ["adamw", "fira"], {"adamw": [0.001, 0.01], "fira": [0.003, 0.01]}, [0, 1],
+                         out, command="fira-train sweep ...")
+    # Phase 1: every lr at seed 0; phase 2: seed 1 at each chosen lr only.
+    assert len(in_process) == 6 and all(resume is None for *_, resume in in_process)
+    saved = json.loads((out / "sweep.json").read_text())
+    runs = {(r["spec"], r["lr"], r["seed"]): r for r in saved["runs"]}
+    for row in rows:
+        grid_val = {lr: runs[(row.spec, lr, 0)]["val_ppl"] for lr in (0.001, 0.01, 0.003) if (row.spec, lr, 0) in runs}
+        assert row.chosen_lr == min(grid_val, key=grid_val.get)
+        assert {s for (spec, lr, s) in runs if spec == row.spec and lr == row.chosen_lr} == {0, 1}
+        summary = json.loads((RunKey(row.spec, row.chosen_lr, 1).folder(out) / "summary.json").read_text())
+        assert row.test_by_seed[1] == summary["test_ppl"] and summary["test_tokens"] > 0
+    adamw = next(r for r in rows if r.spec == "adamw")
+    assert adamw.vs_reference is not None and adamw.vs_reference.n == 2 and adamw.vs_reference.low is not None
+    text = report.read_text()
+    assert "| adamw |" in text and "(reference)" in text and "fira-train sweep ..." in text
+    assert (out / "lr.png").stat().st_size > 0
+
+    # Again with --reuse: nothing trains, the same conclusions.
+    in_process.clear()
+    _, again = sweep(config, ["adamw", "fira"], {"adamw": [0.001, 0.01], "fira": [0.003, 0.01]}, [0, 1],
+                     out, reuse=True)
+    assert in_process == [] and [r.chosen_lr for r in again] == [r.chosen_lr for r in rows]
+    # Without it, the existing runs are an error that says what to do.
+    with pytest.raises(FileExistsError, match="--reuse"):
+        sweep(config, ["adamw", "fira"], {"adamw": [0.001, 0.01], "fira": [0.003, 0.01]}, [0, 1], out)
+
+
+def test_reuse_continues_an_unfinished_run_from_its_checkpoint(tmp_path: Path, in_process: list) -> None:
+    config = micro_config(tmp_path, "train.steps=4", "train.save_every=2", "train.eval_every=0")
+    out = tmp_path / "sweep"
+    sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out)
+    folder = RunKey("adamw", 0.01, 0).folder(out)
+    finished = json.loads((folder / "summary.json").read_text())
+    # As if killed after the step-2 checkpoint: no summary, no step-4 checkpoint.
+    (folder / "summary.json").unlink()
+    assert [step for step, _ in ckpt.complete_checkpoints(folder)] == [2, 4]
+    shutil.rmtree(ckpt.find_checkpoint(folder, 4))
+    in_process.clear()
+    _, (row,) = sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out, reuse=True)
+    assert in_process == [("adamw", 0.01, 0, "latest")]
+    assert json.loads((folder / "summary.json").read_text())["val_loss"] == finished["val_loss"]
+    assert [r["step"] for r in read_metrics(folder)] == [1, 2, 3, 4]
+    assert row.val is not None and row.val.mean == pytest.approx(finished["val_ppl"])
+
+
+def test_a_diverged_run_is_an_outcome_kept_on_reuse(tmp_path: Path, in_process: list) -> None:
+    config = micro_config(tmp_path, "train.steps=3", "train.eval_every=0")
+    out = tmp_path / "sweep"
+    # lr 1e4 sends AdamW's loss through the roof: recorded as diverged, not raised.
+    _, (row,) = sweep(config, ["adamw"], {"adamw": [0.001, 1e4]}, [0], out)
+    assert row.diverged[1e4] == 1 and row.chosen_lr == 0.001
+    assert (RunKey("adamw", 1e4, 0).folder(out) / grid.DIVERGED_FILE).exists()
+    in_process.clear()
+    _, (again,) = sweep(config, ["adamw"], {"adamw": [0.001, 1e4]}, [0], out, reuse=True)
+    assert in_process == [] and again.diverged[1e4] == 1
+    assert "diverged" in (out / "report.md").read_text()
+
+
+def test_sweep_refuses_torchrun_parallelism_and_bad_jobs(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, "train.parallel=ddp")
+    with pytest.raises(ValueError, match="train.parallel='ddp' is not supported"):
+        sweep(config, ["adamw"], {"adamw": [0.01]}, [0], tmp_path / "out")
+    with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):
+        sweep(micro_config(tmp_path), ["adamw"], {"adamw": [0.01]}, [0], tmp_path / "out", jobs=0)
