@@ -103,6 +103,22 @@ def test_fira_projects_the_linear_layers_only() -> None:
     assert projected[0]["rank"] == 8 and projected[0]["update_proj_gap"] == 2
 
 
+def test_adamw_grouped_gives_fira_s_step_sizes_to_full_rank_adamw() -> None:
+    config = _config("adamw-grouped", "optim.alpha=0.5", "optim.lr=0.02")
+    model = _model(config)
+    setup = build_method(model, config)
+    fira_groups = build_method(_model(_config("fira")), _config("fira")).optimizer.param_groups
+    assert isinstance(setup.optimizer, torch.optim.AdamW) and get_method("adamw-grouped").default_lr == 0.01
+    regular, matrices = setup.optimizer.param_groups
+    assert (regular["lr"], matrices["lr"]) == (0.02, 0.01)  # lr, alpha * lr
+    # the same split as Fira's: the projected matrices at alpha * lr
+    assert [p.shape for p in matrices["params"]] == [p.shape for p in fira_groups[1]["params"]]
+    assert any(p is model.get_input_embeddings().weight for p in regular["params"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, lambda step: 0.5)
+    scheduler.step()
+    assert [g["lr"] for g in setup.optimizer.param_groups] == [0.01, 0.005]  # the ratio holds
+
+
 def test_lora_freezes_only_the_adapted_matrices() -> None:
     config = _config("lora")
     setup = build_method(_model(config), config)
