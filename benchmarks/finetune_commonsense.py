@@ -16,8 +16,10 @@ McNemar tests against ``--baseline`` (:func:`fira_train.finetune.report.render_c
 that they were run with this command's settings), so an interrupted benchmark resumes;
 ``--report-only`` rebuilds the report from what has finished.
 
-    python benchmarks/finetune_commonsense.py --data-dir DATA --out docs/results/finetune/methods \\
-        --methods none,adamw,lora,galore,fira,fira-lora,released --steps 300 --batch-size 8 --reuse
+    python benchmarks/finetune_commonsense.py --out docs/results/finetune/methods \\
+        --methods none,adamw,lora,galore,fira,fira-lora,released --steps 500 --batch-size 8 \\
+        --lr adamw=5e-5,1e-4 --lr galore=5e-5,1e-4 --lr fira=5e-5,1e-4 \\
+        --lr lora=1e-4,3e-4 --lr fira-lora=1e-4,3e-4 --baseline released --reuse
 """
 
 from __future__ import annotations
