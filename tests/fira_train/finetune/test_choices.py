@@ -97,7 +97,8 @@ def test_contexts_and_continuations_are_lm_evals():
     assert arc.contexts == ("Question: Which factor will most likely cause a person to develop a fever?\nAnswer:",)
     assert arc.continuations[1] == " a bacterial population in the bloodstream" and arc.gold == 1
     assert arc.requests[3] == (arc.contexts[0], " carbohydrates being digested in the stomach")
-    assert multiple_choice("piqa", record(PIQA, "solution1")).contexts == ("Question: How do I dry a wet phone?\nAnswer:",)
+    piqa = multiple_choice("piqa", record(PIQA, "solution1"))
+    assert piqa.contexts == ("Question: How do I dry a wet phone?\nAnswer:",)
     siqa = multiple_choice("social_i_qa", record(SIQA, "answer3"))
     assert siqa.contexts[0].startswith("Q: Tracy") and siqa.contexts[0].endswith("\nA:") and siqa.gold == 2
     obqa = multiple_choice("openbookqa", record(OBQA, "answer4"))
