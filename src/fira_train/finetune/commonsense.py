@@ -9,11 +9,14 @@ Protocol (LLM-Adapters ``finetune.py`` / ``commonsense_evaluate.py``):
 * training text = :func:`format_prompt` (instruction, input, output) + EOS, the loss on every
   token (``train_on_inputs=True``), cut at 256 tokens; the training set is the union of the tasks'
   training sets;
-* evaluation: generate from the prompt without the output, then take the *first* occurrence of
-  one of the task's label strings in the generated text (case-sensitive regular expression,
-  ``""`` when none occurs); an example is correct iff that string equals ``answer``;
-  accuracy = correct / examples, per task, and the benchmark number is the plain mean of the
-  per-task accuracies.
+* evaluation (``--scoring generate``): generate from the prompt without the output, then take the
+  *first* occurrence of one of the task's label strings in the generated text (``""`` when none
+  occurs); an example is correct iff that string equals ``answer``; accuracy = correct /
+  examples, per task, and the benchmark number is the plain mean of the per-task accuracies.
+  The released regular expression is case-sensitive; here it is not (``"True"`` counts as
+  ``"true"``), so a model that learned the answer but not its capitalisation is not scored wrong.
+
+The default scoring is by log-likelihood of each option instead (:mod:`.choices`, :mod:`.loglik`).
 
 The released template is an indented triple-quoted string (its indentation ends up in the
 prompt, and the training and evaluation templates differ by a trailing space); this module uses
@@ -59,8 +62,8 @@ class TaskSpec:
 
     @property
     def pattern(self) -> re.Pattern[str]:
-        # Alternation in the released order; labels are plain words, no escaping needed but harmless.
-        return re.compile("|".join(re.escape(label) for label in self.labels))
+        # Alternation in the released order, case-insensitive; labels are plain words, escaping is harmless.
+        return re.compile("|".join(re.escape(label) for label in self.labels), re.IGNORECASE)
 
 
 def _numbered(prefix: str, count: int) -> tuple[str, ...]:
@@ -144,13 +147,17 @@ def format_prompt(instruction: str, input: str = "", output: str = "") -> str:
 def extract_answer(task: str | TaskSpec, generated: str) -> str:
     """The first label string of ``task`` that occurs in ``generated``, or ``""`` if none does.
 
-    Case-sensitive, as released: ``"Answer3"`` is not ``"answer3"``. For boolq
-    ``"the correct answer is false"`` gives ``"false"``; for piqa the first of
+    Case-insensitive, returned in the label's own spelling: ``"True"`` gives ``"true"`` and
+    ``"Answer3"`` gives ``"answer3"`` (the released extraction is case-sensitive and scores both
+    wrong). For boolq ``"the correct answer is false"`` gives ``"false"``; for piqa the first of
     ``solution1|solution2`` wins, so ``"solution2, not solution1"`` gives ``"solution2"``.
     """
     spec = task if isinstance(task, TaskSpec) else resolve_task(task)
     match = spec.pattern.search(generated.strip())
-    return match.group(0) if match else ""
+    if not match:
+        return ""
+    found = match.group(0).lower()
+    return next(label for label in spec.labels if label.lower() == found)
 
 
 def score(task: str | TaskSpec, generations: Sequence[str], answers: Sequence[str]) -> dict[str, float | int]:
@@ -178,8 +185,12 @@ _RECORD_KEYS = ("instruction", "output", "answer")
 
 def default_data_dir() -> Path:
     """``<project root>/../shared/data/commonsense``: where the machines this project is developed
-    on keep the LLM-Adapters data (the tests that need it are skipped where it is absent)."""
-    return Path(__file__).resolve().parents[3].parent / "shared" / "data" / "commonsense"
+    on keep the LLM-Adapters data (the tests that need it are skipped where it is absent). From a
+    checkout nested deeper (a git worktree inside the project folder) the first such folder
+    found in an ancestor is used."""
+    root = Path(__file__).resolve().parents[3]
+    candidates = [folder / "shared" / "data" / "commonsense" for folder in root.parents]
+    return next((c for c in candidates if c.is_dir()), candidates[0])
 
 
 def _task_dir(data_dir: str | Path, spec: TaskSpec) -> Path:

@@ -41,6 +41,21 @@ DEFAULT_LR = {"adamw": 5e-5, "galore": 5e-5, "fira": 5e-5, "lora": 5e-4, "fira-l
 #: fine-tuning table, Flora included); the released Fira-on-LoRA uses 16.
 DEFAULT_RANK = {"galore": 32, "fira": 32, "fira-lora": 16, "apollo": 32, "flora": 32}
 
+#: ``--scoring``: ``loglik`` (default) picks the option of largest log-likelihood, as lm-eval does
+#: (:mod:`fira_train.finetune.loglik`); ``generate`` is the paper's protocol: generate, then extract
+#: the answer label (:mod:`fira_train.finetune.evaluate`).
+SCORINGS = ("loglik", "generate")
+
+#: ``--recipe``: named settings, the option values each one fixes. ``released`` is the Fira
+#: authors' fine-tuning script (``fine_tuning/ft_fira.sh``): LoRA adapters r = 32, lora_alpha = 64,
+#: dropout 0.05 on q,k,v,up,down, trained by Fira at rank 16 (scale 1, subspace refreshed every
+#: 200 steps) at lr 1e-4. The budget (steps, batch, warm-up) is not part of a recipe.
+RECIPES: dict[str, dict[str, object]] = {
+    "released": {"method": "fira-lora", "lr": 1e-4, "rank": 16, "alpha": 1.0, "update_proj_gap": 200,
+                 "lora_r": 32, "lora_alpha": 64, "lora_dropout": 0.05,
+                 "lora_targets": "q_proj,k_proj,v_proj,up_proj,down_proj"},
+}
+
 
 class FinetuneError(ValueError):
     """A bad option value; the message names the option and the value."""
@@ -54,14 +69,19 @@ class FinetuneConfig:
     """Task names (folder names under ``data_dir``); those with ``train.json`` are trained on."""
     data_dir: str
     """Folder holding ``<task>/train.json`` and ``<task>/test.json`` in the LLM-Adapters format."""
-    method: str = "fira"
-    """One of :data:`METHODS`."""
+    method: str | None = None
+    """One of :data:`METHODS`; ``None``: the recipe's, else ``fira``."""
+    recipe: str | None = None
+    """A named setting of :data:`RECIPES`: fills ``method``, ``lr`` and ``rank`` when they are not
+    given and refuses option values that contradict it."""
+    scoring: str = "loglik"
+    """One of :data:`SCORINGS`."""
     model: str | None = None
     """Hub name, local folder or .gguf file; ``None``: the packaged SmolLM2-135M-Instruct."""
     steps: int = 100
     """Optimizer steps (0: zero-shot evaluation)."""
-    max_eval: int | None = None
-    """Test examples per task (a seeded random subset); ``None``: all."""
+    max_eval: int | None = 500
+    """Test examples per task (a seeded random subset; all of a smaller test set); ``None``: all."""
     max_train: int | None = None
     """Training records drawn from the union (seeded); ``None``: ``steps * batch_size`` (one pass)."""
     out: str | None = None
@@ -89,6 +109,7 @@ class FinetuneConfig:
     train_on_inputs: bool = True
     """Loss on the prompt tokens too (LLM-Adapters' default)."""
     max_new_tokens: int = 32
+    """Generated tokens per answer (``scoring="generate"`` only)."""
     eval_batch_size: int = 16
     seed: int = 42
     threads: int | None = None
@@ -98,8 +119,14 @@ class FinetuneConfig:
     task_specs: list[TaskSpec] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.recipe is not None:
+            self._apply_recipe()
+        if self.method is None:
+            self.method = "fira"
         if self.method not in METHODS:
             raise FinetuneError(f"method={self.method!r} must be one of {', '.join(METHODS)}")
+        if self.scoring not in SCORINGS:
+            raise FinetuneError(f"scoring={self.scoring!r} must be one of {', '.join(SCORINGS)}")
         self.task_specs = parse_tasks(self.tasks)
         self.tasks = [spec.name for spec in self.task_specs]
         positive = {"batch_size": self.batch_size, "cutoff_len": self.cutoff_len, "lora_r": self.lora_r,
@@ -122,6 +149,17 @@ class FinetuneConfig:
             raise FinetuneError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
         if self.threads is not None and self.threads <= 0:
             raise FinetuneError(f"threads={self.threads!r} must be a positive integer")
+
+    def _apply_recipe(self) -> None:
+        if self.recipe not in RECIPES:
+            raise FinetuneError(f"recipe={self.recipe!r} must be one of {', '.join(RECIPES)}")
+        for name, value in RECIPES[self.recipe].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+            elif getattr(self, name) != value:
+                raise FinetuneError(f"recipe={self.recipe!r} fixes {name}={value!r}, but "
+                                    f"{name}={getattr(self, name)!r} was given: leave the option out, or drop the "
+                                    f"recipe")
 
     @property
     def trains(self) -> bool:

@@ -15,8 +15,12 @@ from fira_train.finetune.config import FinetuneConfig
 
 
 def load_records(config: FinetuneConfig) -> tuple[list[dict], dict[str, list[dict]], list[str]]:
-    """``(train_records, test_records_by_task, trained_on)`` -- every file checked before any model loads."""
-    tests = {spec.name: subsample(load_split(config.data_dir, spec, "test"), config.max_eval, config.seed)
+    """``(train_records, test_records_by_task, trained_on)`` -- every file checked before any model loads.
+
+    Each test record carries its ``index`` in the test file: two runs' predictions are paired on it.
+    """
+    tests = {spec.name: subsample([{**r, "index": i} for i, r in enumerate(load_split(config.data_dir, spec, "test"))],
+                                  config.max_eval, config.seed)
              for spec in config.task_specs}
     for name, records in tests.items():  # 0 of 0 would enter the average as accuracy 0
         if not records:

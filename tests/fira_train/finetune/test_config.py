@@ -10,3 +10,41 @@ def test_finetune_methods_are_registry_entries_plus_none_and_fira_lora() -> None
     assert set(REGISTRY_METHODS) <= set(REGISTRY)
     assert set(METHODS) - set(REGISTRY_METHODS) == {"none", "fira-lora"}
     assert set(DEFAULT_LR) == set(METHODS)
+
+
+def test_defaults_score_by_loglik_on_500_examples_per_task() -> None:
+    import argparse
+
+    from fira_train.finetune.cli import config_from_args, register
+    from fira_train.finetune.config import FinetuneConfig
+
+    config = FinetuneConfig(tasks=["boolq"], data_dir=".")
+    assert config.scoring == "loglik" and config.max_eval == 500 and config.method == "fira"
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["finetune", "--tasks", "boolq", "--data-dir", "."])
+    cli = config_from_args(args)
+    assert cli.scoring == "loglik" and cli.max_eval == 500 and cli.method == "fira" and cli.recipe is None
+    args = parser.parse_args(["finetune", "--tasks", "boolq", "--data-dir", ".", "--max-eval", "all",
+                              "--scoring", "generate"])
+    assert config_from_args(args).max_eval is None and config_from_args(args).scoring == "generate"
+
+
+def test_released_recipe_is_fira_rank_16_on_lora_r_32_at_lr_1e_4() -> None:
+    import pytest
+
+    from fira_train.finetune.config import FinetuneConfig, FinetuneError
+
+    config = FinetuneConfig(tasks=["boolq"], data_dir=".", recipe="released")
+    assert (config.method, config.effective_lr, config.effective_rank) == ("fira-lora", 1e-4, 16)
+    assert (config.lora_r, config.lora_alpha, config.alpha, config.update_proj_gap) == (32, 64, 1.0, 200)
+    assert FinetuneConfig(tasks=["boolq"], data_dir=".", recipe="released", method="fira-lora", lr=1e-4).lr == 1e-4
+    for extra, message in (({"lr": 3e-4}, "recipe='released' fixes lr=0.0001, but lr=0.0003 was given"),
+                           ({"method": "fira"}, "fixes method='fira-lora', but method='fira'"),
+                           ({"lora_r": 8}, "fixes lora_r=32, but lora_r=8")):
+        with pytest.raises(FinetuneError, match=message):
+            FinetuneConfig(tasks=["boolq"], data_dir=".", recipe="released", **extra)
+    with pytest.raises(FinetuneError, match="recipe='paper' must be one of released"):
+        FinetuneConfig(tasks=["boolq"], data_dir=".", recipe="paper")
+    with pytest.raises(FinetuneError, match="scoring='bleu' must be one of loglik, generate"):
+        FinetuneConfig(tasks=["boolq"], data_dir=".", scoring="bleu")

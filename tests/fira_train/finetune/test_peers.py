@@ -21,7 +21,7 @@ def test_peer_defaults() -> None:
 def test_each_peer_fine_tunes_with_less_optimizer_state_than_adamw(tiny_model_dir, tmp_path) -> None:
     model_dir, data = tiny_model_dir
     common = ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--max-eval", "2",
-              "--max-new-tokens", "4", "--steps", "3", "--rank", "4", "--update-proj-gap", "2"]
+              "--max-new-tokens", "4", "--steps", "3", "--rank", "4", "--update-proj-gap", "2", "--scoring", "generate"]
     states, names = {}, {}
     for method in ("adamw", *PEER_METHODS):
         results = run_cli([*common, "--method", method, "--out", str(tmp_path / method)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -13,10 +14,12 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from fira_train.finetune.cli import main  # noqa: E402
-from fira_train.finetune.commonsense import format_prompt  # noqa: E402
+from fira_train.finetune.commonsense import default_data_dir, format_prompt  # noqa: E402
 from fira_train.finetune.config import FinetuneConfig, FinetuneError  # noqa: E402
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training  # noqa: E402
 from fira_train.finetune.run import run_finetune  # noqa: E402
+
+needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval is not installed")
 
 WORDS = "sky grass snow fire water stone tree river cloud sand".split()
 
@@ -104,14 +107,16 @@ def test_tokenize_for_training_appends_eos_and_masks_prompt_when_asked(tiny_mode
     assert batch["attention_mask"][0].sum() == 10 and (batch["labels"][0, 10:] == -100).all()
 
 
-@pytest.mark.parametrize("method", ["fira", "fira-lora"])
-def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, method):
+@pytest.mark.parametrize("method, scoring", [pytest.param("fira", "loglik", marks=needs_lm_eval),
+                                             ("fira-lora", "generate")])
+def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, method, scoring):
     model_dir, data = tiny_model_dir
     out = tmp_path / method
     results = run_cli(["--model", str(model_dir), "--tasks", "boolq,piqa", "--method", method,
                        "--data-dir", str(data), "--steps", "8", "--batch-size", "8", "--lr", "1e-2",
                        "--rank", "4", "--lora-r", "8", "--update-proj-gap", "5", "--max-new-tokens", "8",
-                       "--out", str(out)])
+                       "--scoring", scoring, "--out", str(out)])
+    assert results["config"]["scoring"] == scoring and results["config"]["max_eval"] == 500
     assert results["trained_on"] == ["boolq"]  # piqa has no train.json: evaluated only
     assert set(results["tasks"]) == {"boolq", "piqa"}
     assert results["tasks"]["boolq"]["n"] == 8 and results["tasks"]["piqa"]["n"] == 6
@@ -121,16 +126,26 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
     assert training["steps"] == 8 and training["optimizer"] == "FiraAdamW"
     assert training["loss_tail_mean"] < training["loss_first"]  # it learns the answer format
     assert results["memory"]["optimizer_state_numel"] > 0
-    lines = (out / "predictions" / "boolq.jsonl").read_text().splitlines()
-    assert len(lines) == 8 and {"generation", "prediction", "answer"} <= set(json.loads(lines[0]))
+    lines = [json.loads(line) for line in (out / "predictions" / "boolq.jsonl").read_text().splitlines()]
+    assert len(lines) == 8 and [p["index"] for p in lines] == list(range(8))
+    assert sum(p["correct"] for p in lines) == results["tasks"]["boolq"]["correct"]
+    if scoring == "loglik":
+        assert {"logliks", "prediction", "answer", "correct", "correct_norm"} <= set(lines[0])
+        assert all(len(p["logliks"]) == 2 for p in lines)
+        norms = [m["accuracy_norm"] for m in results["tasks"].values()]
+        assert results["average_accuracy_norm"] == pytest.approx(sum(norms) / 2)
+    else:
+        assert {"generation", "prediction", "answer", "correct"} <= set(lines[0])
+        assert "unparsed" in results["tasks"]["boolq"] and "average_accuracy_norm" not in results
     report = (out / "report.md").read_text()
-    assert "| boolq |" in report and "average" in report
+    assert "| boolq |" in report and "average" in report and "95% Wilson interval" in report
+    assert ("acc_norm [95% CI]" in report) == (scoring == "loglik")
 
 
 def test_zero_shot_and_method_memory_ordering(tiny_model_dir, tmp_path):
     model_dir, data = tiny_model_dir
     common = ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--max-eval", "3",
-              "--max-new-tokens", "4", "--lr", "1e-3"]
+              "--max-new-tokens", "4", "--lr", "1e-3", "--scoring", "generate"]
     zero = run_cli([*common, "--steps", "0", "--method", "fira", "--out", str(tmp_path / "zero")])
     assert zero["training"] is None and zero["config"]["method"] == "none"
     assert zero["tasks"]["boolq"]["n"] == 3 and zero["memory"]["optimizer_state_numel"] == 0
@@ -151,7 +166,7 @@ def test_run_finetune_accepts_a_loaded_model(tiny_model_dir, tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     config = FinetuneConfig(tasks=["piqa"], data_dir=str(data), method="none", out=str(tmp_path / "o"),
-                            max_new_tokens=2)
+                            max_new_tokens=2, scoring="generate")
     results = run_finetune(config, model=model, tokenizer=tokenizer, log=lambda *_: None)
     assert results["tasks"]["piqa"]["n"] == 6 and results["trained_on"] == []
 
@@ -172,7 +187,7 @@ def test_run_finetune_accepts_a_loaded_model(tiny_model_dir, tmp_path):
 def test_cli_errors_are_one_line_messages(tiny_model_dir, tmp_path, capsys, argv, message):
     model_dir, data = tiny_model_dir
     base = {"--model": str(model_dir), "--tasks": "boolq", "--data-dir": str(data), "--steps": "0",
-            "--out": str(tmp_path / "o")}
+            "--out": str(tmp_path / "o"), "--scoring": "generate"}
     for key, value in zip(argv[::2], argv[1::2]):
         base[key] = value.format(missing=str(tmp_path / "missing"), tmp=str(tmp_path))
     message = message.format(missing=str(tmp_path / "missing"))
@@ -214,7 +229,7 @@ def test_example_script_trains_full_and_lora_with_fira_trainer(tiny_model_dir, t
 
 def _zero_shot(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
     return ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--steps", "0",
-            "--max-eval", "2", "--max-new-tokens", "2", "--out", str(out), *extra]
+            "--max-eval", "2", "--max-new-tokens", "2", "--scoring", "generate", "--out", str(out), *extra]
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:
@@ -258,3 +273,57 @@ def test_a_task_file_that_is_not_utf8_is_named(tiny_model_dir, tmp_path, capsys)
     (latin / "boolq" / "test.json").write_bytes(json.dumps(records, ensure_ascii=False).encode("latin-1"))
     err = _one_line_error(capsys, _zero_shot(model_dir, latin, tmp_path / "o"))
     assert str(latin / "boolq" / "test.json") in err and "not UTF-8" in err
+
+
+def test_loglik_without_lm_eval_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from fira_train.finetune import loglik
+
+    model_dir, data = tiny_model_dir
+    monkeypatch.setattr(loglik.importlib.util, "find_spec", lambda name: None)
+    argv = [a for a in _zero_shot(model_dir, data, tmp_path / "o") if a not in ("--scoring", "generate")]
+    err = _one_line_error(capsys, argv)
+    assert "lm-eval, which is not installed" in err and "--scoring generate" in err
+
+
+def test_unreadable_options_are_refused_before_training(tiny_model_dir, tmp_path, capsys):
+    model_dir, data = tiny_model_dir
+    bad = tmp_path / "data"
+    (bad / "piqa").mkdir(parents=True)
+    records = json.loads((data / "piqa" / "test.json").read_text())
+    records[1]["instruction"] = records[1]["instruction"].replace("Solution2:", "Second:")
+    (bad / "piqa" / "test.json").write_text(json.dumps(records))
+    argv = ["--model", str(model_dir), "--tasks", "piqa", "--data-dir", str(bad), "--steps", "0",
+            "--out", str(tmp_path / "o")]
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("lm-eval is not installed (the missing package is reported first)")
+    err = _one_line_error(capsys, argv)
+    assert "task 'piqa': no option marker 'Solution2':" in err and "(record 1)" in err
+
+
+def test_test_sets_are_capped_at_500_seeded_examples_with_their_indices(tmp_path):
+    from fira_train.finetune.data import load_records
+
+    rng = random.Random(0)
+    (tmp_path / "boolq").mkdir()
+    records = [boolq_record(rng) for _ in range(620)]
+    (tmp_path / "boolq" / "test.json").write_text(json.dumps(records))
+    _, tests, _ = load_records(FinetuneConfig(tasks=["boolq"], data_dir=str(tmp_path), method="none"))
+    kept = tests["boolq"]
+    assert len(kept) == 500 and [r["index"] for r in kept] == sorted({r["index"] for r in kept})
+    assert all(records[r["index"]]["instruction"] == r["instruction"] for r in kept)
+    _, tests, _ = load_records(FinetuneConfig(tasks=["boolq"], data_dir=str(tmp_path), method="none", max_eval=None))
+    assert len(tests["boolq"]) == 620
+
+
+REAL = default_data_dir()
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason=f"commonsense data not at {REAL}")
+def test_training_uses_the_four_tasks_that_have_a_training_set():
+    from fira_train.finetune.data import load_records
+
+    tasks = ["boolq", "piqa", "social_i_qa", "winogrande", "ARC-Easy", "ARC-Challenge", "openbookqa"]
+    config = FinetuneConfig(tasks=tasks, data_dir=str(REAL), method="fira", steps=5, batch_size=4)
+    train, tests, trained_on = load_records(config)
+    assert trained_on == ["boolq", "ARC-Easy", "ARC-Challenge", "openbookqa"] and len(train) == 20
+    assert {name: len(records) for name, records in tests.items()} == {name: 500 for name in tasks}

@@ -1,0 +1,57 @@
+"""fira_train.finetune.report: one run's report and the comparison of runs (intervals, paired tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fira_train.finetune.paired import Paired
+from fira_train.finetune.report import accuracy_cell, paired_cell, render_comparison, render_report
+from fira_train.finetune.stats import mcnemar_exact, wilson_interval
+
+
+def results(correct: dict[str, int], n: int = 10, scoring: str | None = "loglik") -> dict:
+    tasks = {t: {"accuracy": c / n, "correct": c, "n": n, "accuracy_norm": c / n, "correct_norm": c,
+                 "unparsed": 0, "seconds": 1.0} for t, c in correct.items()}
+    config = {"method": "fira", "steps": 3, "batch_size": 2, "lr": 1e-4}
+    if scoring:
+        config["scoring"] = scoring
+    average = sum(m["accuracy"] for m in tasks.values()) / len(tasks)
+    return {"config": config, "tasks": tasks, "average_accuracy": average, "average_accuracy_norm": average,
+            "trained_on": ["boolq"], "train_records": 6, "training": None, "model": {"name": "tiny", "parameters": 10,
+            "trainable_parameters": 0}, "time": {"load_s": 0.0, "train_s": 0.0, "eval_s": 1.0},
+            "memory": {"optimizer_state_numel": 0, "optimizer_state_mib": 0.0, "train_peak_rss_mib": None,
+                       "process_peak_rss_mib": 100.0}}
+
+
+def test_cells():
+    low, high = wilson_interval(3, 10)
+    assert accuracy_cell(3, 10) == f"30.0 [{100 * low:.1f}, {100 * high:.1f}]"
+    assert paired_cell(Paired(n=20, both=5, only_a=1, only_b=7, neither=7)) == \
+        f"+30.0 (p {mcnemar_exact(1, 7):.3f})"
+    assert paired_cell(Paired(n=200, both=0, only_a=0, only_b=30, neither=170)).endswith("(p <0.001)")
+
+
+def test_single_run_report_names_protocol_and_intervals():
+    text = render_report(results({"boolq": 7, "piqa": 4}))
+    assert "log-likelihood of each option" in text and "95% Wilson interval" in text
+    assert f"| boolq | {accuracy_cell(7, 10)} | 7 / 10 | {accuracy_cell(7, 10)} |" in text
+    old = render_report(results({"boolq": 7}, scoring=None))  # a run made before --scoring: generated, case-sensitive
+    assert "case-sensitive" in old and "| unparsed |" in old
+
+
+def test_comparison_pairs_every_run_with_the_baseline():
+    runs = {"a": results({"boolq": 2, "piqa": 1}), "b": results({"boolq": 3, "piqa": 1})}
+    a = {"boolq": {0: True, 1: True, 2: False}, "piqa": {5: True, 6: False}}
+    b = {"boolq": {0: True, 1: False, 2: True}, "piqa": {5: True, 6: False}}
+    lines = "\n".join(render_comparison(runs, {"a": a, "b": b}, tasks=["boolq", "piqa"], labels={"b": "B"},
+                                        short={"boolq": "BoolQ"}, baseline="a"))
+    assert "| run | BoolQ | piqa | avg |" in lines and "| run vs a | BoolQ | piqa | all examples |" in lines
+    # boolq: one example only a gets, one only b gets: +0.0, p 1; pooled over 5 examples the same
+    assert "| B | +0.0 (p 1.000) | +0.0 (p 1.000) | +0.0 (p 1.000) |" in lines
+    assert "McNemar" in lines and "Wilson" in lines
+    assert "run vs" not in "\n".join(render_comparison(runs, None, tasks=["boolq", "piqa"]))
+    with pytest.raises(ValueError, match="baseline='c' is not one of the runs"):
+        render_comparison(runs, {"a": a, "b": b}, tasks=["boolq"], baseline="c")
+    b["piqa"] = {5: True, 7: False}
+    with pytest.raises(ValueError, match="a and b on piqa scored different examples"):
+        render_comparison(runs, {"a": a, "b": b}, tasks=["boolq", "piqa"])
