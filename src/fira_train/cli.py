@@ -202,7 +202,7 @@ def _register_sweep(subparsers: Any) -> None:
                     "method's lr on the validation set, train the other seeds at it, and report test "
                     "perplexity (mean ± sd over seeds) with each method's paired difference to the "
                     "reference and its 95%% interval: OUT/report.md, OUT/sweep.json, OUT/lr.png. Runs "
-                    "live in OUT/runs/<spec>/lr=<lr>/seed=<seed>/; with --reuse a sweep continues "
+                    "live in OUT/<spec>/lr=<lr>/seed=<seed>/; with --reuse a sweep continues "
                     "where it stopped.")
     parser.add_argument("--methods", required=True,
                         help="comma-separated method specs NAME[@key=value...], e.g. "

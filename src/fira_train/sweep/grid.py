@@ -6,7 +6,7 @@ A sweep trains in two phases (:func:`grid_runs`, :func:`seed_runs`):
    ``all_seeds``);
 2. at the lr each method's validation perplexity chose, the remaining seeds.
 
-Each run is one ``train()`` in ``OUT/runs/<spec>/lr=<lr>/seed=<seed>/``, in a fresh process
+Each run is one ``train()`` in ``OUT/<spec>/lr=<lr>/seed=<seed>/``, in a fresh process
 (:func:`fira_train.run.isolated.run_isolated`), up to ``jobs`` at a time. With ``reuse`` a
 finished run with the same config is reused, a diverged one (``diverged.json``) is kept as
 diverged, and an unfinished one continues from its latest checkpoint; a crash or kill loses
@@ -47,8 +47,8 @@ class RunKey:
     seed: int
 
     def folder(self, out_dir: Path) -> Path:
-        """``OUT/runs/<spec>/lr=<lr>/seed=<seed>`` (a spec holds no ``/``)."""
-        return out_dir / "runs" / self.spec / f"lr={self.lr:g}" / f"seed={self.seed}"
+        """``OUT/<spec>/lr=<lr>/seed=<seed>`` (a spec holds no ``/``)."""
+        return out_dir / self.spec / f"lr={self.lr:g}" / f"seed={self.seed}"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ def test_paired_interval_matches_scipys_paired_t_test() -> None:
     d = paired_difference(x, y)
     reference = stats.ttest_rel([x[s] for s in range(4)], [y[s] for s in range(4)]).confidence_interval(0.95)
     assert d is not None and d.seeds == (0, 1, 2, 3) and d.n == 4
-    assert d.mean == pytest.approx(1.5)
+    assert d.mean == pytest.approx(1.75)  # (2.5 + 0.75 + 0.25 + 3.5) / 4
     assert (d.low, d.high) == (pytest.approx(reference.low), pytest.approx(reference.high))
     assert d.excludes_zero == (reference.low > 0 or reference.high < 0)
 
