@@ -133,6 +133,11 @@ class OptimConfig:
     stochastic_rounding: bool = False
     """Fira/GaLore family: write the updates of bf16 weights (``train.param_dtype=bfloat16``) by
     stochastic rounding."""
+    align_signs: bool | None = None
+    """Fira/GaLore family: orient each new exact-SVD basis vector along the previous basis
+    (FiraAdamW's ``align_signs``, not in the paper's Algorithm 1); None keeps the variant's setting
+    (on for ``fira``, off for ``fira-released``). ``false`` is the paper's arithmetic with raw
+    SVD signs."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator: adapters are scaled by lora_alpha / rank (lora, relora)."""
     lora_dropout: float = 0.0
@@ -163,6 +168,8 @@ class OptimConfig:
         for name in ("step_in_backward",):
             _check(isinstance(getattr(self, name), bool), f"optim.{name}", getattr(self, name),
                    "true or false")
+        _check(self.align_signs is None or isinstance(self.align_signs, bool), "optim.align_signs",
+               self.align_signs, "None, true or false")
         _check(_is_number(self.lora_alpha) and self.lora_alpha > 0,
                "optim.lora_alpha", self.lora_alpha, "a positive number")
         _check(_is_number(self.lora_dropout) and 0 <= self.lora_dropout < 1,

@@ -132,6 +132,12 @@ def fira_family(variant: str) -> Callable[[nn.Module, "RunConfig", float], Metho
         options = {"gamma": o.gamma, "projector": o.projector, "implementation": o.implementation,
                    "host_refresh": o.host_refresh, "state_dtype": o.state_dtype,
                    "stochastic_rounding": o.stochastic_rounding, **fira_optim.VARIANTS[variant]}
+        if o.align_signs is not None:
+            fixed = fira_optim.VARIANTS[variant].get("align_signs")
+            if fixed is not None and fixed != o.align_signs:
+                raise ValueError(f"optim.align_signs={o.align_signs} contradicts method {variant!r}, "
+                                 f"which fixes align_signs={fixed}")
+            options["align_signs"] = o.align_signs
         optimizer = fira_optim.FiraAdamW(
             groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
             seed=config.train.seed, split_refresh=split_refresh, **options,

@@ -119,6 +119,20 @@ def test_adamw_grouped_gives_fira_s_step_sizes_to_full_rank_adamw() -> None:
     assert [g["lr"] for g in setup.optimizer.param_groups] == [0.01, 0.005]  # the ratio holds
 
 
+def test_align_signs_is_the_variant_s_unless_set() -> None:
+    def built(method: str, *overrides: str) -> bool:
+        config = _config(method, *overrides)
+        return build_method(_model(config), config).optimizer.defaults["align_signs"]
+
+    assert built("fira") is True and built("fira-released") is False
+    assert built("fira", "optim.align_signs=false") is False
+    assert built("fira-released", "optim.align_signs=false") is False
+    with pytest.raises(ValueError, match="optim.align_signs=True contradicts method 'fira-released'"):
+        built("fira-released", "optim.align_signs=true")
+    with pytest.raises(ValueError, match="optim.align_signs"):
+        _config("fira", "optim.align_signs=3")
+
+
 def test_lora_freezes_only_the_adapted_matrices() -> None:
     config = _config("lora")
     setup = build_method(_model(config), config)
