@@ -183,6 +183,13 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.lr is not None or args.seed is not None:
         raise ValueError("sweep sets the learning rate and the seed itself: use --lrs and --seeds, "
                          "not --lr / --seed")
+    if args.resume or args.overwrite:
+        raise ValueError(f"sweep takes --reuse to continue where it stopped, not "
+                         f"{'--resume' if args.resume else '--overwrite'} (choose another --out to start over)")
+    for override in args.overrides:
+        key = override.partition("=")[0]
+        if key in ("optim.lr", "train.seed", "train.out_dir"):
+            raise ValueError(f"sweep sets {key} itself (--lrs, --seeds, --out); drop the override {override!r}")
     specs = parse_methods(args.methods)
     grids = parse_lr_grids(args.lrs, specs)
     seeds = parse_numbers("--seeds", args.seeds, int)
@@ -217,7 +224,8 @@ def _register_sweep(subparsers: Any) -> None:
                         help="runs at a time, each in its own process (default 1; on a CPU each gets "
                              "cores/jobs threads)")
     parser.add_argument("--reuse", action="store_true",
-                        help="reuse finished runs in OUT and continue unfinished ones from their checkpoints")
+                        help="reuse finished runs in OUT and continue unfinished ones from their checkpoints "
+                             "(a run folder made with another config is an error, not redone)")
     parser.add_argument("--reference", help="the method the others are compared with (default fira, "
                                             "else the first)")
     parser.add_argument("--out", required=True, help="output directory")

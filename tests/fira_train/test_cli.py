@@ -27,7 +27,7 @@ def test_python_dash_m_help_works() -> None:
     proc = subprocess.run([sys.executable, "-m", "fira_train", "--help"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for command in ("pretrain", "compare", "memory", "finetune", "analyze"):
+    for command in ("pretrain", "compare", "sweep", "memory", "finetune", "analyze"):
         assert command in proc.stdout
 
 
@@ -121,6 +121,20 @@ def test_errors_are_one_line_messages(tmp_path: Path, capsys) -> None:
     assert "unknown recipe 'nano'" in capsys.readouterr().err
     assert main(["pretrain", "--recipe", "micro", "--method", "fira", "train.stepz=3"]) == 1
     assert "train.stepz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--resume"], "sweep takes --reuse to continue where it stopped, not --resume"),
+    (["--lr", "0.1"], "use --lrs and --seeds, not --lr / --seed"),
+    (["train.seed=3"], "sweep sets train.seed itself"),
+    (["--lrs", "adamw:0.1,x"], "--lrs adamw: 'x' is not a number"),
+    (["--seeds", "0,0"], "--seeds: '0' appears twice"),
+])
+def test_sweep_refuses_what_it_sets_itself(tmp_path: Path, capsys, extra: list[str], message: str) -> None:
+    argv = ["sweep", "--recipe", "micro", "--methods", "adamw", "--lrs", "0.01", "--out", str(tmp_path / "s"), *extra]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
 
 
 def test_memory_prints_the_memory_table(monkeypatch, capsys) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
-import multiprocessing
 import os
 import platform
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import read_json
 from fira_train.run.callbacks import TrainCallback
+from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.run.run_dir import finished_with
 from fira_train.run.train import train
 
@@ -125,37 +125,13 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
             summaries[run.name] = _train_one(index, len(runs), run, cfg, overwrite or reuse, corpus)
     else:
         workers = min(jobs, len(pending))
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        tasks = [(index, len(runs), run, _with_threads(cfg, threads), overwrite or reuse)
+        tasks = [(index, len(runs), run, with_threads(cfg, workers), overwrite or reuse)
                  for index, run, cfg in pending]
         log.info("training %d runs in %d worker processes", len(tasks), workers)
-        context = multiprocessing.get_context("spawn")
-        errors = []
-        with context.Pool(workers, initializer=_init_worker, initargs=(logging.getLogger().level,)) as pool:
-            results = [pool.apply_async(_train_task, (task,)) for task in tasks]
-            for task, result in zip(tasks, results):
-                try:  # wait for every run: a failure does not cut the others short
-                    name, summary = result.get()
-                    summaries[name] = summary
-                except Exception as err:  # noqa: BLE001 -- re-raised below, after the others finish
-                    log.error("%s failed: %s", task[2].name, err)
-                    errors.append(err)
-        if errors:
-            raise errors[0]
+        # Every run finishes even if one fails (reuse keeps them); then the first error is raised.
+        for name, summary in run_isolated_many([(_train_task, (task,)) for task in tasks], workers):
+            summaries[name] = summary
     return {name: summaries[name] for name in names}
-
-
-def _with_threads(cfg: RunConfig, threads: int) -> RunConfig:
-    """``cfg`` with ``threads`` torch threads unless it names its own, and no progress bar (the
-    bars of parallel workers would overwrite each other; each run logs its start and end)."""
-    train_config = cfg.train
-    if not train_config.num_threads:
-        train_config = replace(train_config, num_threads=threads)
-    return replace(cfg, train=replace(train_config, progress=False))
-
-
-def _init_worker(level: int) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [%(processName)s] %(message)s")
 
 
 def _train_task(task: tuple) -> tuple[str, dict[str, Any]]:

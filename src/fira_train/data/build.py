@@ -100,10 +100,12 @@ def split_documents(
         held_out.append(chosen)
     val, test = held_out
     if test_fraction > 0 and not test:
-        raise ValueError("every document has the same text: no test documents remain after validation")
+        raise ValueError(f"the {n} documents hold {len(by_text)} distinct texts, all taken by validation "
+                         f"(val_fraction={val_fraction}): none remain for the test set")
     taken = set(val) | set(test)
     if len(taken) == n:
-        raise ValueError("every document has the same text: no training documents remain after the split")
+        raise ValueError(f"the {n} documents hold {len(by_text)} distinct texts, all taken by validation and "
+                         f"test: none remain for training (every document has the same text?)")
     return [i for i in range(n) if i not in taken], sorted(val), sorted(test)
 
 
@@ -226,10 +228,10 @@ def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
             f"than val_sequences * seq_len = {needed} tokens; raise val_fraction or lower val_sequences / seq_len"
         )
     split = len(ids) - n_val
-    n_test = min(math.ceil(spec.test_fraction * len(ids)), split - spec.seq_len) if spec.test_fraction else 0
-    if n_test < 0 or (spec.test_fraction and n_test == 0):
-        raise ValueError(f"{path}: {len(ids)} tokens leave no room for a test split (test_fraction="
-                         f"{spec.test_fraction}) and a training sequence of seq_len={spec.seq_len}")
+    n_test = math.ceil(spec.test_fraction * len(ids)) if spec.test_fraction else 0
+    if split - n_test < spec.seq_len:
+        raise ValueError(f"{path}: {len(ids)} tokens leave no room for a test split of {n_test} tokens "
+                         f"(test_fraction={spec.test_fraction}) and a training sequence of seq_len={spec.seq_len}")
     test_start = split - n_test
     return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:test_start], ids[split:], ids[test_start:split])
 

@@ -37,7 +37,10 @@ def build_adamw_grouped(model: nn.Module, config: "RunConfig", lr: float) -> Met
     """
     o = config.optim
     groups = fira_optim.param_groups(model, rank=1, update_proj_gap=1, alpha=o.alpha)
-    adamw_groups = [{"params": g["params"], "lr": lr * o.alpha if g.get("rank") else lr} for g in groups]
+    # Fira decays every weight by lr * weight_decay (alpha scales the update only): the matrices'
+    # decay rate is divided by alpha so that their decay step stays lr * weight_decay.
+    adamw_groups = [{"params": g["params"], "lr": lr * o.alpha, "weight_decay": o.weight_decay / o.alpha}
+                    if g.get("rank") else {"params": g["params"], "lr": lr} for g in groups]
     return MethodSetup(model, torch.optim.AdamW(adamw_groups, lr=lr, betas=o.betas, eps=o.eps,
                                                 weight_decay=o.weight_decay))
 

@@ -101,7 +101,7 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
         "- Val. loss / PPL: mean next-token loss over all "
         f"{first.get('val_tokens', '?'):,} validation tokens after the last step, and its exponential."
         + (f" Test PPL: the same on the {first['test_tokens']:,} tokens of the held-out test set "
-           "(documents in neither training nor validation), evaluated once after the last step."
+           "(held out from training and validation), evaluated once after the last step."
            if first.get("test_ppl") is not None else ""),
         "- Tokens/s: training tokens divided by the time spent in training steps (evaluation and "
         "checkpoints excluded); `vs AdamW` is the ratio to the `adamw` run.",

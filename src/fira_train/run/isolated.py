@@ -5,14 +5,25 @@ earlier run stays mapped (glibc keeps it) and counts again. ``compare`` and
 ``memory --measure`` therefore train each method in a fresh, spawned interpreter
 (:func:`run_isolated`): its peak is that method's alone. The function's result, or its
 exception, comes back through a pipe, so errors read as if the function had run here.
+
+:func:`run_isolated_many` runs several such calls, ``jobs`` at a time (the analyses' and the
+sweep's ``--jobs``), and :func:`with_threads` gives each of them its share of the CPU cores.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import replace
 from typing import Any, Callable
+
+from fira_train.config.run_config import RunConfig
+
+log = logging.getLogger(__name__)
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -51,3 +62,42 @@ def _child(send, level: int, fn: Callable[..., Any], args: tuple, kwargs: dict) 
         send.send(("error", RuntimeError(f"{type(payload).__name__}: {payload}")))
     finally:
         send.close()
+
+
+def run_isolated_many(calls: Sequence[tuple[Callable[..., Any], tuple]], jobs: int,
+                      on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """``[fn(*args) for fn, args in calls]``, each in a spawned process (:func:`run_isolated`), up to
+    ``jobs`` at a time, started in order. ``on_result(index, result)`` runs here as each call
+    finishes. If a call fails, the others still run to their end (no work is lost) and then the
+    first error is raised."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got jobs={jobs!r}")
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_isolated, fn, *args): index for index, (fn, args) in enumerate(calls)}
+        for future in as_completed(futures):
+            index = futures[future]
+            try:
+                results[index] = future.result()
+            except Exception as err:  # noqa: BLE001 - raised after the others finish
+                log.error("run %d of %d failed: %s", index + 1, len(calls), err)
+                errors.append(err)
+                continue
+            if on_result is not None:
+                on_result(index, results[index])
+    if errors:
+        raise errors[0]
+    return results
+
+
+def with_threads(config: RunConfig, jobs: int) -> RunConfig:
+    """``config`` for one of ``jobs`` runs sharing this machine: ``cpu_count // jobs`` torch threads
+    unless it names its own, and no progress bar (parallel bars would overwrite each other). One
+    job: ``config`` unchanged."""
+    if jobs <= 1:
+        return config
+    train_config = config.train
+    if not train_config.num_threads:
+        train_config = replace(train_config, num_threads=max(1, (os.cpu_count() or 1) // jobs))
+    return replace(config, train=replace(train_config, progress=False))

@@ -100,8 +100,10 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
                 "selection": "lowest mean final validation perplexity over the seeds run at an lr"}
     results: dict[RunKey, RunResult] = {}
 
+    grid_seeds = list(seeds) if all_seeds else [seeds[0]]
+
     def write() -> list[MethodSummary]:
-        rows = summarize(specs, lr_grids, results, reference)
+        rows = summarize(specs, lr_grids, results, reference, grid_seeds)
         write_json(out / "sweep.json", settings, results, rows)
         write_markdown(out / "report.md", settings, rows)
         plot_lr(out / "lr.png", rows)

@@ -7,7 +7,7 @@ A sweep trains in two phases (:func:`grid_runs`, :func:`seed_runs`):
 2. at the lr each method's validation perplexity chose, the remaining seeds.
 
 Each run is one ``train()`` in ``OUT/<spec>/lr=<lr>/seed=<seed>/``, in a fresh process
-(:func:`fira_train.run.isolated.run_isolated`), up to ``jobs`` at a time. With ``reuse`` a
+(:func:`fira_train.run.isolated.run_isolated_many`), up to ``jobs`` at a time. With ``reuse`` a
 finished run with the same config is reused, a diverged one (``diverged.json``) is kept as
 diverged, and an unfinished one continues from its latest checkpoint; a crash or kill loses
 only the steps since each run's last checkpoint.
@@ -18,19 +18,18 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from fira_train.config.method_spec import parse_method_spec
-from fira_train.config.overrides import config_to_dict
+from fira_train.config.overrides import config_from_dict, config_to_dict
 from fira_train.config.run_config import RunConfig
+from fira_train.data.build import build_corpus
 from fira_train.files import dumps, read_json
-from fira_train.run.isolated import run_isolated
-from fira_train.run.run_dir import finished_with
+from fira_train.run.isolated import run_isolated_many, with_threads
+from fira_train.run.run_dir import config_changes, finished_with
 from fira_train.run.train import train
 
 log = logging.getLogger(__name__)
@@ -63,14 +62,13 @@ class RunResult:
     detail: str = ""
 
 
-def run_config(base: RunConfig, key: RunKey, out_dir: Path, threads: int) -> RunConfig:
-    """``base`` with the spec's overrides, the lr, the seed, the run's folder (and ``threads``
-    CPU threads when several runs share the machine)."""
+def run_config(base: RunConfig, key: RunKey, out_dir: Path, jobs: int = 1) -> RunConfig:
+    """``base`` with the spec's overrides, the lr, the seed and the run's folder (and its share of
+    the CPU threads when ``jobs`` runs share the machine)."""
     config = parse_method_spec(key.spec).config(base, out_dir)
-    train_config = replace(config.train, seed=key.seed, out_dir=str(key.folder(out_dir)))
-    if threads:
-        train_config = replace(train_config, num_threads=threads, progress=False)
-    return replace(config, optim=replace(config.optim, lr=key.lr), train=train_config)
+    config = replace(config, optim=replace(config.optim, lr=key.lr),
+                     train=replace(config.train, seed=key.seed, out_dir=str(key.folder(out_dir))))
+    return with_threads(config, jobs)
 
 
 def grid_runs(specs: Sequence[str], lrs: dict[str, list[float]], seeds: Sequence[int],
@@ -86,29 +84,33 @@ def seed_runs(chosen: dict[str, float], seeds: Sequence[int]) -> list[RunKey]:
 
 
 def _saved_result(key: RunKey, config: RunConfig, folder: Path) -> RunResult | None:
-    """The outcome of ``key`` if its folder holds a finished or diverged run of ``config``."""
+    """The outcome of ``key`` if its folder holds a finished or diverged run of ``config`` (equal
+    up to the keys that do not change a trajectory, as for resuming)."""
     if finished_with(config, folder):
-        summary = read_json(folder / "summary.json")
-        return RunResult(key, _ppl(summary.get("val_ppl")), summary.get("test_ppl"))
+        return _result(key, read_json(folder / "summary.json"))
     marker = folder / DIVERGED_FILE
     if marker.exists():
         saved = read_json(marker, hint="delete it to train the run again")
-        if saved.get("config") == json.loads(dumps(config_to_dict(config))):  # as JSON keeps it
+        if not config_changes(config_from_dict(saved["config"]), config):
             return RunResult(key, math.inf, None, diverged=True, detail=saved.get("error", ""))
     return None
 
 
-def _ppl(value: Any) -> float:
-    return math.inf if value is None else float(value)  # None: a non-finite value in summary.json
+def _result(key: RunKey, summary: dict[str, Any]) -> RunResult:
+    """A finished run's result; a perplexity JSON could not hold (non-finite: ``null``) is ``inf``."""
+    test = summary.get("test_ppl")
+    if test is None and summary.get("test_tokens"):
+        test = math.inf
+    return RunResult(key, math.inf if summary.get("val_ppl") is None else float(summary["val_ppl"]), test)
 
 
-def _train_one(config: RunConfig, resume: str | None) -> RunResult | dict[str, Any]:
+def _train_one(config: RunConfig, resume: str | None) -> dict[str, Any]:
     """Train one run (in the child process); a divergence is an outcome, not an error."""
     try:
         summary = train(config, resume=resume)
     except FloatingPointError as err:  # DivergedError, NonFiniteLossError
         return {"diverged": f"{type(err).__name__}: {err}"}
-    return {"val_ppl": summary["val_ppl"], "test_ppl": summary.get("test_ppl")}
+    return json.loads(dumps(summary))  # as summary.json holds it
 
 
 def check_fresh(keys: Sequence[RunKey], out_dir: Path) -> None:
@@ -124,56 +126,41 @@ def execute(keys: Sequence[RunKey], base: RunConfig, out_dir: Path, *, jobs: int
             on_result: Callable[[RunResult], None] | None = None,
             done: Collection[RunKey] = ()) -> dict[RunKey, RunResult]:
     """Train (or reuse) every run of ``keys`` but those in ``done``, up to ``jobs`` at a time,
-    each in a fresh process.
+    each in a fresh process (:func:`fira_train.run.isolated.run_isolated_many`).
 
-    ``on_result`` is called in this process after each run, in completion order. An error other
-    than a divergence stops new runs from starting; the ones running finish (their work is kept)
-    and the first error is raised.
+    ``on_result`` is called in this process after each run, in completion order. If a run fails
+    (other than by diverging), the others still finish, then its error is raised.
     """
-    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 and not base.train.num_threads else 0
     results: dict[RunKey, RunResult] = {}
     todo: list[tuple[RunKey, RunConfig]] = []
     for key in dict.fromkeys(keys):  # in order, without repeats
         if key in done:
             continue
-        config = run_config(base, key, out_dir, threads)
+        config = run_config(base, key, out_dir, jobs)
         saved = _saved_result(key, config, key.folder(out_dir)) if reuse else None
         if saved is not None:
             results[key] = saved
-            continue
-        todo.append((key, config))
+            if on_result is not None:
+                on_result(saved)
+        else:
+            todo.append((key, config))
+    if not todo:
+        return results
     if not reuse:
         check_fresh([key for key, _ in todo], out_dir)
-    for key in results:
+    build_corpus(base.data)  # tokenizer and token cache once, before any worker needs them
+    for key, config in todo:
+        log.info("sweep: %s at lr %g, seed %d -> %s", key.spec, key.lr, key.seed, config.train.out_dir)
+
+    def finished(index: int, outcome: dict[str, Any]) -> None:
+        key, config = todo[index]
+        result = _record(key, outcome, config, out_dir)
+        results[key] = result
         if on_result is not None:
-            on_result(results[key])
-    error: BaseException | None = None
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        running: dict[Future, RunKey] = {}
-        pending = list(todo)
-        while pending or running:
-            while pending and len(running) < jobs and error is None:
-                key, config = pending.pop(0)
-                log.info("sweep: training %s at lr %g, seed %d -> %s", key.spec, key.lr, key.seed,
-                         config.train.out_dir)
-                running[pool.submit(run_isolated, _train_one, config, "latest" if reuse else None)] = key
-            if not running:
-                break
-            done, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in done:
-                key = running.pop(future)
-                try:
-                    outcome = future.result()
-                except Exception as err:  # noqa: BLE001 - raised after the running runs finish
-                    log.error("sweep: %s at lr %g, seed %d failed: %s", key.spec, key.lr, key.seed, err)
-                    error = error or err
-                    continue
-                result = _record(key, outcome, run_config(base, key, out_dir, threads), out_dir)
-                results[key] = result
-                if on_result is not None:
-                    on_result(result)
-    if error is not None:
-        raise error
+            on_result(result)
+
+    calls = [(_train_one, (config, "latest" if reuse else None)) for _, config in todo]
+    run_isolated_many(calls, jobs, on_result=finished)
     return results
 
 
@@ -185,4 +172,4 @@ def _record(key: RunKey, outcome: dict[str, Any], config: RunConfig, out_dir: Pa
                                                    "config": config_to_dict(config)}, indent=1) + "\n")
         log.warning("sweep: %s at lr %g, seed %d diverged (%s)", key.spec, key.lr, key.seed, outcome["diverged"])
         return RunResult(key, math.inf, None, diverged=True, detail=outcome["diverged"])
-    return RunResult(key, _ppl(outcome["val_ppl"]), outcome["test_ppl"])
+    return _result(key, outcome)

@@ -21,6 +21,8 @@ from fira_train.sweep.summary import MethodSummary, summary_json
 def _num(value: float | None, spec: str = ".2f") -> str:
     if value is None:
         return "-"
+    if math.isnan(value):
+        return "no order (both diverged)"
     return "diverged" if math.isinf(value) else format(value, spec)
 
 
@@ -75,9 +77,9 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
         f"# Learning-rate sweep: recipe `{settings['recipe']}`",
         "",
         f"Each method's learning rate is chosen on the **validation** set (lowest mean final "
-        f"perplexity over the seeds run at that lr; grid at seed{'s' if settings['all_seeds'] else ''} "
+        f"perplexity over the grid's seeds at that lr; grid at seed{'s' if settings['all_seeds'] else ''} "
         f"{', '.join(map(str, seeds if settings['all_seeds'] else seeds[:1]))}), then trained with seeds "
-        f"{', '.join(map(str, seeds))} at that lr. The **test** set (documents in neither training nor "
+        f"{', '.join(map(str, seeds))} at that lr. The **test** set (held out from training and "
         f"validation) is evaluated once per run and used for no choice.",
         "",
         f"| Method | chosen lr | val. PPL at it | test PPL, mean ± sd | test PPL − {reference} "
@@ -112,7 +114,8 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
         "",
         "## Validation perplexity at each learning rate",
         "",
-        "Mean over the seeds run at that lr (n); `diverged`: a run's loss became non-finite or exploded.",
+        "Mean over the grid's seeds run at that lr (n; the choice is made on these); `diverged`: a run's "
+        "loss became non-finite or exploded.",
         "",
         "| Method | " + " | ".join(f"lr {lr:g}" for lr in lrs_union) + " |",
         "|---|" + "---|" * len(lrs_union),
@@ -120,7 +123,7 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
     for row in rows:
         cells = []
         for lr in lrs_union:
-            s = row.grid.get(lr, None) if lr in row.grid else None
+            s = row.grid.get(lr)
             if lr not in row.grid:
                 cells.append("")
             elif s is None:

@@ -59,14 +59,17 @@ def spread(values: Sequence[float]) -> Spread:
 
 def paired_difference(x: Mapping[int, float], y: Mapping[int, float]) -> PairedDifference | None:
     """The paired difference ``x - y`` over the seeds in both (``{seed: value}``); ``None`` when
-    they share no seed. Non-finite values (a diverged run) make the difference infinite."""
+    they share no seed. A diverged run (``inf``) on a seed makes the difference ``+inf`` or
+    ``-inf`` when every such seed points the same way, else ``nan`` (both diverged: no order)."""
     seeds = tuple(sorted(x.keys() & y.keys()))
     if not seeds:
         return None
+    infinite = [s for s in seeds if not (math.isfinite(x[s]) and math.isfinite(y[s]))]
+    if infinite:  # a diverged run: the difference has a direction at best, no size
+        signs = {1 if x[s] > y[s] else -1 if x[s] < y[s] else 0 for s in infinite}
+        direction = math.inf * signs.pop() if len(signs) == 1 and 0 not in signs else math.nan
+        return PairedDifference(direction, None, None, len(seeds), seeds)
     diffs = [x[s] - y[s] for s in seeds]
-    if not all(math.isfinite(d) for d in diffs):
-        return PairedDifference(math.inf if any(x[s] > y[s] for s in seeds) else -math.inf,
-                                None, None, len(seeds), seeds)
     summary = spread(diffs)
     if summary.sd is None:
         return PairedDifference(summary.mean, None, None, summary.n, seeds)

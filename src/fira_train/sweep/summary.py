@@ -1,15 +1,16 @@
 """What a sweep concludes from its runs: each method's learning rate, chosen on validation, and at
 that lr the test perplexity over seeds and the paired difference to the reference method.
 
-Choice: for each spec, the lr with the lowest mean validation perplexity over the seeds run at
-it (a diverged run counts as infinite). The test set never enters a choice. A choice at either
+Choice: for each spec, the lr with the lowest mean validation perplexity over the grid's seeds
+(the first seed, or every seed with ``all_seeds``; a diverged run counts as infinite). The seeds
+added at the chosen lr afterwards do not move the choice. The test set never enters a choice. A choice at either
 end of the grid is flagged: the best lr may lie outside it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ class MethodSummary:
 
     spec: str
     grid: dict[float, Spread | None]
-    """lr -> validation perplexity over the seeds run at it (None: no run finished yet)."""
+    """lr -> validation perplexity over the grid's seeds run at it (None: none finished yet)."""
     diverged: dict[float, int]
     """lr -> how many of its runs diverged."""
     chosen_lr: float | None = None
@@ -43,14 +44,15 @@ def choose_lr(grid: dict[float, Spread | None]) -> float | None:
 
 
 def summarize(specs: Sequence[str], lrs: dict[str, list[float]], results: dict[RunKey, RunResult],
-              reference: str) -> list[MethodSummary]:
-    """A :class:`MethodSummary` per spec, in order, from the runs finished so far."""
+              reference: str, grid_seeds: Collection[int]) -> list[MethodSummary]:
+    """A :class:`MethodSummary` per spec, in order, from the runs finished so far; the lr is
+    chosen on the runs of ``grid_seeds``."""
     rows: list[MethodSummary] = []
     for spec in specs:
         grid: dict[float, Spread | None] = {}
         diverged: dict[float, int] = {}
         for lr in lrs[spec]:
-            runs = [r for k, r in results.items() if k.spec == spec and k.lr == lr]
+            runs = [r for k, r in results.items() if k.spec == spec and k.lr == lr and k.seed in grid_seeds]
             grid[lr] = spread([r.val_ppl for r in runs]) if runs else None
             diverged[lr] = sum(r.diverged for r in runs)
         row = MethodSummary(spec, grid, diverged)

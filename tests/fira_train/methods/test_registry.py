@@ -111,6 +111,10 @@ def test_adamw_grouped_gives_fira_s_step_sizes_to_full_rank_adamw() -> None:
     assert isinstance(setup.optimizer, torch.optim.AdamW) and get_method("adamw-grouped").default_lr == 0.01
     regular, matrices = setup.optimizer.param_groups
     assert (regular["lr"], matrices["lr"]) == (0.02, 0.01)  # lr, alpha * lr
+    # weight decay per step lr * wd for every weight, as Fira's
+    decayed = build_method(_model(config), _config("adamw-grouped", "optim.alpha=0.5", "optim.lr=0.02",
+                                                   "optim.weight_decay=0.1")).optimizer.param_groups
+    assert [g["lr"] * g["weight_decay"] for g in decayed] == [pytest.approx(0.002)] * 2
     # the same split as Fira's: the projected matrices at alpha * lr
     assert [p.shape for p in matrices["params"]] == [p.shape for p in fira_groups[1]["params"]]
     assert any(p is model.get_input_embeddings().weight for p in regular["params"])

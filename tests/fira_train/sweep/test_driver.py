@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fira_train.run import checkpoint as ckpt
+from fira_train.run import isolated
 from fira_train.run.metrics import read_metrics
 from fira_train.sweep import grid
 from fira_train.sweep.driver import check_specs, parse_lr_grids, parse_numbers, sweep
@@ -54,13 +55,19 @@ def test_the_choice_uses_validation_only_and_flags_edges_and_gaps() -> None:
         _result("a", 0.01, 1, 22.0, test=97.0), _result("a", 0.1, 0, math.inf),
         _result("b", 0.001, 0, 25.0, test=90.0), _result("b", 0.001, 1, 27.0, test=94.0),
     ])
-    a, b = summarize(["a", "b"], {"a": [0.001, 0.01, 0.1], "b": [0.001, 0.01]}, results, reference="a")
+    a, b = summarize(["a", "b"], {"a": [0.001, 0.01, 0.1], "b": [0.001, 0.01]}, results, reference="a",
+                     grid_seeds=[0])
     # a's test perplexity at 0.001 is the lowest, but the choice is on validation
     assert a.chosen_lr == 0.01 and not a.at_edge and a.complete and a.diverged[0.1] == 1
     assert (a.val.mean, a.test.mean, a.test.n) == (21.0, 98.0, 2)
     assert b.chosen_lr == 0.001 and b.at_edge and not b.complete  # lr 0.01 has not run yet
     assert b.vs_reference is not None and b.vs_reference.mean == pytest.approx(-6.0)  # (90 - 99 + 94 - 97) / 2
     assert a.vs_reference is None
+    # The seeds added at the chosen lr do not move the choice (only the grid's seeds count).
+    flip = dict([_result("c", 0.001, 0, 30.0, test=1.0), _result("c", 0.003, 0, 30.1, test=1.0),
+                 _result("c", 0.001, 1, 30.5, test=1.0), _result("c", 0.001, 2, 30.6, test=1.0)])
+    (c,) = summarize(["c"], {"c": [0.001, 0.003]}, flip, reference="c", grid_seeds=[0])
+    assert c.chosen_lr == 0.001 and c.test.n == 3 and c.grid[0.001].n == 1
 
 
 @pytest.fixture
@@ -72,7 +79,7 @@ def in_process(monkeypatch: pytest.MonkeyPatch) -> list:
         trained.append((config.optim.method, config.optim.lr, config.train.seed, resume))
         return fn(config, resume)
 
-    monkeypatch.setattr(grid, "run_isolated", direct)
+    monkeypatch.setattr(isolated, "run_isolated", direct)
     return trained
 
 

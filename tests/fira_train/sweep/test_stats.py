@@ -35,3 +35,6 @@ def test_paired_difference_without_enough_seeds() -> None:
     assert paired_difference({0: 3.0}, {1: 1.0}) is None
     diverged = paired_difference({0: math.inf, 1: 2.0}, {0: 1.0, 1: 1.0})
     assert diverged is not None and diverged.mean == math.inf and diverged.low is None
+    assert paired_difference({0: 1.0}, {0: math.inf}).mean == -math.inf  # only y diverged: x is better
+    assert math.isnan(paired_difference({0: math.inf}, {0: math.inf}).mean)  # both: no order
+    assert math.isnan(paired_difference({0: math.inf, 1: 1.0}, {0: 1.0, 1: math.inf}).mean)  # both ways
