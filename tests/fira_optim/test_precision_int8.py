@@ -85,6 +85,30 @@ def test_codes_are_the_nearest_map_value(signed):
     assert torch.equal(codes.view(-1), _brute_force(blocks.view(-1), signed))
 
 
+def _as_floats(bits: torch.Tensor) -> torch.Tensor:
+    """float32 numbers of the unsigned 32-bit patterns ``bits`` (int64)."""
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("signed", SIGNS)
+def test_the_lookup_rounds_every_float32_as_a_binary_search_does(signed):
+    """Every float32 but NaN: in a bucket without a threshold the code is constant, and the
+    binary search (count of thresholds <= x) agrees at both ends of each such bucket, so on all
+    of it; the buckets that hold a threshold are checked whole (16M floats)."""
+    t = precision._thresholds(_qmap(signed))
+    lo, mid = precision._tables(signed, CPU)
+    top = torch.arange(1 << 16, dtype=torch.int64) << 16
+    ends = torch.stack([_as_floats(top), _as_floats(top | 0xFFFF)], 1)
+    search = torch.searchsorted(t, ends.contiguous().view(-1), right=True).view(-1, 2)
+    plain = mid.isnan() & ~ends.isnan().any(1)  # (+-inf: tested with the ties)
+    assert torch.equal(search[plain, 0], search[plain, 1])
+    assert torch.equal(lo[plain].long(), search[plain, 0])
+    low = torch.arange(1 << 16, dtype=torch.int64)
+    for buckets in mid.isnan().logical_not().nonzero().view(-1).split(32):
+        x = _as_floats((buckets[:, None] << 16 | low).view(-1))
+        assert torch.equal(_nearest(x, signed).long(), torch.searchsorted(t, x, right=True))
+
+
 @pytest.mark.parametrize("signed", SIGNS)
 def test_ties_go_to_the_larger_value_and_zero_and_infinities_are_exact(signed):
     m = _qmap(signed).double()
