@@ -10,7 +10,7 @@ from fira_optim.precision import BLOCK, round_into
 
 from .common import round_trip
 
-pytest.importorskip("torchao", reason="state_dtype='int8' uses torchao's quantization")
+pytest.importorskip("torchao", reason="state_dtype='int8' uses torchao's quantization map")
 
 # Big enough to be quantized (>= 4096 elements, whole blocks of 256): R of the 64 x 256 matrix
 # is 16 x 256; the 256-element bias stays fp32 below the threshold, the embedding-like plain
