@@ -106,8 +106,11 @@ def expected_config(run: Run, args: argparse.Namespace) -> dict:
                 "requested_method": run.method, "recipe": run.recipe}
     if run.method != "none":
         expected |= {"steps": args.steps, "batch_size": args.batch_size}
-    if run.lr is not None:
-        expected["lr"] = run.lr
+    if run.method != "none":  # the lr the run trains at: explicit, the recipe's or the method's default
+        from fira_train.finetune.config import DEFAULT_LR, RECIPES
+
+        recipe_lr = RECIPES[run.recipe]["lr"] if run.recipe is not None else None
+        expected["lr"] = run.lr if run.lr is not None else recipe_lr if recipe_lr is not None else DEFAULT_LR[run.method]
     if args.scoring == "generate":
         expected["max_new_tokens"] = args.max_new_tokens
     return expected

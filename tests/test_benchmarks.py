@@ -133,6 +133,9 @@ def test_finetune_benchmark_reuses_only_runs_with_the_same_settings(tmp_path: Pa
     bench.check_reusable(run, {"config": config}, args, tmp_path / "results.json")  # same settings: fine
     with pytest.raises(SystemExit, match=r"max_eval=12 \(this command: 500\)"):
         bench.check_reusable(run, {"config": config | {"max_eval": 12}}, args, tmp_path / "results.json")
+    # A run made at another lr is refused even when this command asks for the method's default.
+    with pytest.raises(SystemExit, match=r"lr=0.0001 \(this command: 5e-05\)"):
+        bench.check_reusable(run, {"config": config | {"lr": 1e-4}}, args, tmp_path / "results.json")
     old = {k: v for k, v in config.items() if k not in ("scoring", "recipe")}  # a run made before --scoring
     with pytest.raises(SystemExit, match=r"scoring='generate-released' \(this command: 'loglik'\)"):
         bench.check_reusable(run, {"config": old}, args, tmp_path / "results.json")
