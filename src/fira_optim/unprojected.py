@@ -47,7 +47,15 @@ _ROUNDING_OFFSET = 1 << 20
 
 
 def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> None:
-    """Update each ``(group, params)`` pair; ``states`` is the optimizer's ``self.state``."""
+    """Update each ``(group, params)`` pair; ``states`` is the optimizer's ``self.state``.
+
+    A parameter stepped through fp32 copies (low-precision states, fp16, bf16 with stochastic
+    rounding) goes :data:`precision.CHUNK` elements at a time if it is larger
+    (:func:`_step_in_chunks`), so the copies are a chunk's, not the parameter's. Measured on the
+    CPU (peak RSS of one AdamW step minus the RSS before it, fresh process, one thread), a
+    32000 x 1024 parameter with int8 states: fp32 63 MiB, was 719; bf16 32 MiB, was 906; fp16
+    63 MiB, was 906 (8000 x 1024 fp32: 40 MiB; 64000 x 1024: 71 MiB; the rest is the allocator's
+    heap)."""
     for group, given in groups:
         for p in given:
             if not states[p]:
