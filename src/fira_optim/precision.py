@@ -124,6 +124,38 @@ def encode(state: dict, working: dict, keys) -> None:
             stored.copy_(value)
 
 
+def decode_slice(state: dict, keys, work_dtype: torch.dtype, start: int, stop: int) -> dict:
+    """The elements ``start:stop`` (in memory order) of the moments ``keys`` of ``state``, as
+    flat ``work_dtype`` tensors: views of the stored tensors where these are ``work_dtype``
+    (updated in place), else decoded copies. For a quantized moment, ``start`` and ``stop``
+    (unless it is the end) are multiples of :data:`BLOCK`. The stored tensors are contiguous."""
+    working = {}
+    for key in keys:
+        stored = state[key].view(-1)
+        if stored.dtype == torch.uint8:
+            codes = stored[start:stop]
+            scale = state[_scale_key(key)][start // BLOCK : stop // BLOCK]
+            working[key] = _dequantize(codes, scale, SIGNED[key]).to(work_dtype)
+        else:
+            working[key] = stored[start:stop].to(work_dtype)
+    return working
+
+
+def encode_slice(state: dict, working: dict, keys, start: int, stop: int) -> None:
+    """Write the updated moments of ``working`` (from :func:`decode_slice`) back into the elements
+    ``start:stop`` of their stored form in ``state``; a quantized moment's codes and the scales
+    of its blocks ``start // BLOCK`` to ``stop // BLOCK``, in place."""
+    for key in keys:
+        stored, value = state[key].view(-1)[start:stop], working[key]
+        if value.dtype == stored.dtype and value.data_ptr() == stored.data_ptr():
+            continue  # a view of the stored moment, updated in place
+        if stored.dtype == torch.uint8:
+            scale = state[_scale_key(key)][start // BLOCK : stop // BLOCK]
+            _quantize_into(value, stored, scale, SIGNED[key])
+        else:
+            stored.copy_(value)
+
+
 def _quantization():
     # torchao logs a warning for each optional C++/CUDA kernel library it cannot load; the
     # quantization used here is plain torch, so those lines would only alarm users.

@@ -47,7 +47,15 @@ _ROUNDING_OFFSET = 1 << 20
 
 
 def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> None:
-    """Update each ``(group, params)`` pair; ``states`` is the optimizer's ``self.state``."""
+    """Update each ``(group, params)`` pair; ``states`` is the optimizer's ``self.state``.
+
+    A parameter stepped through fp32 copies (low-precision states, fp16, bf16 with stochastic
+    rounding) goes :data:`precision.CHUNK` elements at a time if it is larger
+    (:func:`_step_in_chunks`), so the copies are a chunk's, not the parameter's. Measured on the
+    CPU (peak RSS of one AdamW step minus the RSS before it, fresh process, one thread), a
+    32000 x 1024 parameter with int8 states: fp32 63 MiB, was 719; bf16 32 MiB, was 906; fp16
+    63 MiB, was 906 (8000 x 1024 fp32: 40 MiB; 64000 x 1024: 71 MiB; the rest is the allocator's
+    heap)."""
     for group, given in groups:
         for p in given:
             if not states[p]:
@@ -67,21 +75,58 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> 
         plain = [p for p in given if p not in chosen]
         if plain:
             _step(group, plain, states)
-        # One parameter at a time: only its fp32 copies exist at once (an embedding's moments
-        # decoded together with every other parameter's would be the largest allocation).
+        # One parameter at a time, and a large one a chunk at a time: only the fp32 copies of
+        # one chunk exist at once.
         for p in copied:
-            step = int(states[p]["step"])
-            work = p.detach().float()  # an fp32 parameter: a view of it, updated in place
-            work.grad = p.grad.float()
-            working = precision.decode(states[p], keys, torch.float32)
-            _step(group, [work], {work: working})
-            precision.encode(states[p], working, keys)
-            states[p]["step"] = working["step"]
+            state = states[p]
             generator = None
             if rounding and p.dtype == torch.bfloat16:
-                generator = precision.rounding_generator(group["seed"], _ROUNDING_OFFSET + index[p], step)
+                generator = precision.rounding_generator(
+                    group["seed"], _ROUNDING_OFFSET + index[p], int(state["step"]))
+            if p.numel() > precision.CHUNK and _chunkable(p, state, keys):
+                _step_in_chunks(group, p, state, keys, generator)
+                continue
+            work = p.detach().float()  # an fp32 parameter: a view of it, updated in place
+            work.grad = p.grad.float()
+            working = precision.decode(state, keys, torch.float32)
+            _step(group, [work], {work: working})
+            precision.encode(state, working, keys)
+            state["step"] = working["step"]
             if work.data_ptr() != p.data_ptr():
                 precision.round_into(p, work, generator)
+
+
+def _chunkable(p: torch.Tensor, state: dict, keys) -> bool:
+    """Whether ``p``, its gradient and its moments are plain contiguous tensors (not DTensors),
+    so that a chunk of each is a slice of its memory."""
+    tensors = [p.detach(), p.grad] + [state[key] for key in keys]
+    return all(type(t) is torch.Tensor and t.is_contiguous() for t in tensors)
+
+
+def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator) -> None:
+    """The step of ``p`` through fp32 copies, :data:`precision.CHUNK` elements at a time (whole
+    quantization blocks): the parameter, gradient and moments of a chunk are decoded to fp32,
+    stepped, and encoded back before the next one. The step functions are elementwise, the
+    quantization is per block, and stochastic rounding draws its random numbers one per element
+    in order from one generator, so the result is bit for bit the unchunked one. Each chunk steps
+    with a copy of the step counter, which is set once, at the end."""
+    size = precision.CHUNK
+    if size % precision.BLOCK:
+        raise ValueError(f"precision.CHUNK ({size}) must be a multiple of precision.BLOCK")
+    flat, grad, counter = p.detach().view(-1), p.grad.view(-1), state["step"]
+    stepped = counter
+    for start in range(0, flat.numel(), size):
+        stop = min(start + size, flat.numel())
+        part = flat[start:stop]
+        work = part.float()  # an fp32 parameter: a view of it, updated in place
+        work.grad = grad[start:stop].float()
+        working = precision.decode_slice(state, keys, torch.float32, start, stop)
+        working["step"] = stepped = counter.clone()
+        _step(group, [work], {work: working})
+        precision.encode_slice(state, working, keys, start, stop)
+        if work.data_ptr() != part.data_ptr():
+            precision.round_into(part, work, generator)
+    counter.copy_(stepped)
 
 
 def _step(group: dict, params: list[torch.Tensor], states: dict) -> None:
