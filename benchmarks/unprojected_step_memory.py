@@ -1,6 +1,6 @@
 """Transient host memory of one unprojected step of a 32000 x 1024 parameter (an embedding of a
 350M LLaMA), int8 states: peak RSS during the step minus RSS before it, in a fresh process.
-Measured with \`python benchmarks/unprojected_step_memory.py {float32,bfloat16,float16} [whole]\` (``whole``:
+Measured with ``python benchmarks/unprojected_step_memory.py {float32,bfloat16,float16} [whole]`` (``whole``:
 one chunk, the update before chunking); the numbers are in :func:`fira_optim.unprojected.step_groups`.
 """
 import sys
