@@ -40,8 +40,9 @@ Every training method of the paper's comparison and ablations is a :class:`Metho
 Default learning rates (``optim.lr=None``): 0.01 for every Fira/GaLore-family name (the paper
 uses 0.01 for Fira and GaLore without tuning) and for ``adamw-grouped`` (Fira's, so that by
 default it takes Fira's step sizes); 0.001 for ``adamw``, ``lora``, ``relora`` and
-``adam-mini`` (the best value of the paper's grid {0.01, 0.005, 0.001, 0.0005, 0.0001} for the
-full-rank and LoRA baselines in GaLore's tuning, and Adam-mini's recommendation to reuse AdamW's);
+``adam-mini`` (a common AdamW default, not a tuned value: the paper tunes its baselines over
+{0.01, 0.005, 0.001, 0.0005, 0.0001}; Adam-mini recommends reusing AdamW's; ``fira-train sweep``
+tunes any of them);
 0.01 for ``adagrad`` (``torch.optim.Adagrad``'s default, also the best of {0.03, 0.01, 0.003} on
 ``micro``); 0.03 for ``sgd`` (no paper value: the best of {1, 0.3, 0.1, 0.03, 0.01, 0.003} in a
 60-step ``micro`` run on a synthetic corpus, 1 diverged; a smoke-level choice, tune it on real data).

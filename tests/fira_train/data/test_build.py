@@ -49,7 +49,7 @@ def test_split_keeps_identical_texts_on_one_side() -> None:
         build.split_documents(["one", "two"], 0.3, 0.3)
     with pytest.raises(ValueError, match="same text"):
         build.split_documents(["same", "same"], 0.5)
-    with pytest.raises(ValueError, match="no test documents"):
+    with pytest.raises(ValueError, match="none remain for the test set"):
         build.split_documents(["same", "same", "same"], 0.3, 0.3)
 
 
