@@ -56,8 +56,11 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
                                            "with the command line that started the run"))
         changes = config_changes(saved, config)
         if changes:
+            hint = ""
+            if "data.test_fraction" in changes and saved.data.test_fraction == 0:
+                hint = "; a run made before the held-out test split resumes with data.test_fraction=0"
             raise ValueError(f"cannot resume {str(out)!r} with a different config: {', '.join(changes)} "
-                             "differ from its config.json (resuming must reproduce the same run)")
+                             f"differ from its config.json (resuming must reproduce the same run){hint}")
 
 
 def finished_with(config: RunConfig, run_dir: Path) -> bool:
