@@ -9,6 +9,7 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   largest parameter's (each gradient is freed as soon as its update has run; the largest, the
   embedding or the head, bounds what is alive at once);
 - optimizer states: projected matrices per :func:`fira_train.memory.matrix.footprint_numel`
+  (APOLLO, APOLLO-Mini, Flora and SlimAdam: their own states, :func:`_peer_state_numel`)
   (basis ``min(m, n) x r``, Adam moments ``r x max(m, n)``, Fira's one scalar), everything else
   AdamW's two moments; moments at 4 bytes (``float32``), 2 (``bfloat16``) or 1 + 4/256
   (``int8``, below 4096 elements fp32), the basis at 4 bytes, or 2 from ``bfloat16`` on;
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fira_train.memory.matrix import footprint_numel, llama_matrix_shapes
+from fira_train.memory.matrix import PEER_METHODS, footprint_numel, llama_matrix_shapes, vector_state_numel
 
 if TYPE_CHECKING:  # annotations only
     from fira_train.config.run_config import RunConfig
@@ -52,6 +53,12 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int) -> dict[str, Any]:
     moment = MOMENT_BYTES[o.state_dtype] if o.method not in PLAIN_METHODS else 4.0
     states = 2 * others * moment
     projected = o.method not in PLAIN_METHODS
+    if o.method == "adam-mini":  # a full first moment, one second moment per block (heads, neurons)
+        states, shapes = 4.0 * params, []
+    if o.method in PEER_METHODS:  # their own per-matrix states, fp32
+        states = 4.0 * _peer_state_numel(o.method, o.rank, shapes, vocab_size, h, layers,
+                                         tables=1 if m.tie_word_embeddings else 2)
+        shapes = []
     for a, b in shapes:
         if projected and o.rank < min(a, b):
             basis = min(a, b) * o.rank
@@ -70,3 +77,17 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int) -> dict[str, Any]:
     parts = {"weights": params * weight_bytes, "gradients": gradients,
              "optimizer_states": states, "activations": activations}
     return {**{k: int(v) for k, v in parts.items()}, "total": int(sum(parts.values()))}
+
+
+def _peer_state_numel(method: str, rank: int, shapes: list[tuple[int, int]], vocab: int, h: int,
+                      layers: int, tables: int) -> int:
+    """Optimizer-state elements of APOLLO / APOLLO-Mini / Flora / SlimAdam over the whole model:
+    the matrices per :func:`fira_train.memory.matrix.footprint_numel`; the embedding and head
+    (``vocab x h`` tables) AdamW's two moments for APOLLO, Flora's full momentum and factors
+    (a table is too elongated to compress), SlimAdam's first moment and one second moment per
+    token; the ``2 layers + 1`` norms Adam's two moments (Flora: and its RMS)."""
+    r = 1 if method == "apollo-mini" else None if method == "slimadam" else rank
+    matrices = sum(footprint_numel(shape, r, method).optimizer_states for shape in shapes)
+    table = {"flora": vocab * h + vocab + h + 1, "slimadam": vocab * h + vocab}.get(method, 2 * vocab * h)
+    norms = (2 * layers + 1) * vector_state_numel(h, method)
+    return matrices + tables * table + norms

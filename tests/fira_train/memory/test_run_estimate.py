@@ -39,3 +39,27 @@ def test_each_memory_option_shrinks_its_part() -> None:
     assert weights["weights"] * 2 == fira["weights"]
     _, ckpt = _estimate("fira", train={"activation_checkpointing": True})
     assert ckpt["activations"] < fira["activations"]  # the logits stay
+
+
+def test_the_peers_states_are_what_their_optimizers_hold() -> None:
+    """APOLLO, APOLLO-Mini, Flora and SlimAdam: the estimate counts the bytes the harness's
+    optimizers hold after a step (checked on micro, where building them is cheap)."""
+    import pytest
+    import torch
+
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import micro
+    from fira_train.methods.model import build_model
+    from fira_train.methods.registry import build_method
+    from fira_optim.state import optimizer_state_bytes
+
+    for method in ("apollo", "apollo-mini", "flora", "slimadam", "adam-mini"):
+        config = apply_overrides(micro(), [f"optim.method={method}", "optim.rank=8"])
+        model = build_model(config.model, 512, 32, seed=0)
+        setup = build_method(model, config)
+        ids = torch.randint(0, 512, (2, 32))
+        setup.model(input_ids=ids, labels=ids).loss.backward()
+        setup.optimizer.step()
+        held = optimizer_state_bytes(setup.optimizer)
+        estimated = estimate_run_bytes(config, 512)["optimizer_states"]
+        assert estimated == pytest.approx(held, rel=0.02), method
