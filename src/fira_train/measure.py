@@ -86,7 +86,11 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     base = replace(config, train=replace(config.train, steps=max(steps, 1), progress=False,
                                          tensorboard=False))
     build_corpus(base.data)  # tokenised once, into the cache the runs read
-    rows = []
+    rows: list[dict[str, Any]] = []
+    record = {"recipe": config.recipe, "steps": steps, "command": command,
+              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+              "date": date.today().isoformat(), "rows": rows}
+    json_path, md_path = out_dir / "memory.json", out_dir / "memory.md"
     for index, spec in enumerate(specs, start=1):
         run_config = spec.config(base, out_dir / "runs")
         log.info("[%d/%d] %s: %d steps", index, len(specs), spec.text, steps)
@@ -97,13 +101,10 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
                      "measured": {k: v for k, v in measured.items() if k != "measured_peak_bytes"}})
         log.info("[%d/%d] %s: measured %s, estimated %s", index, len(specs), spec.text,
                  format_bytes(measured["measured_peak_bytes"]), format_bytes(estimate["total"]))
-    record = {"recipe": config.recipe, "steps": steps, "command": command,
-              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-              "date": date.today().isoformat(), "rows": rows}
-    json_path = out_dir / "memory.json"
-    json_path.write_text(json.dumps(record, indent=1) + "\n")
-    md_path = out_dir / "memory.md"
-    md_path.write_text(format_measurement(record))
+        # Written after every method: a long measurement stopped midway keeps what it measured.
+        record["complete"] = index == len(specs)
+        json_path.write_text(json.dumps(record, indent=1) + "\n")
+        md_path.write_text(format_measurement(record))
     return md_path, json_path
 
 
@@ -112,7 +113,8 @@ def format_measurement(record: dict[str, Any]) -> str:
     rows = record["rows"]
     first = rows[0]["measured"] if rows else {}
     lines = [
-        f"# Measured memory: recipe `{record['recipe']}`, {record['steps']} training steps",
+        f"# Measured memory: recipe `{record['recipe']}`, {record['steps']} training steps"
+        + ("" if record.get("complete", True) else " (incomplete: stopped before its last method)"),
         "",
         f"{first.get('parameters', 0) / 1e6:.1f}M parameters, device `{first.get('device', '?')}`; "
         f"{record['machine']}, {record['date']}.",

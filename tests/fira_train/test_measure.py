@@ -56,3 +56,26 @@ def test_the_estimate_table_covers_the_paper_sizes_and_says_what_fits() -> None:
         totals = [by[size, spec]["total"] for spec in ESTIMATE_SPECS[2:]]
         assert totals == sorted(totals, reverse=True)
     assert "| 7b | adamw |" in format_estimate_rows(rows)
+
+
+def test_a_stopped_measurement_keeps_the_methods_it_measured(tmp_path: Path, monkeypatch) -> None:
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    calls = []
+
+    def fake(fn, config, steps):
+        calls.append(config.optim.method)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the user stops the second method
+        return {"measured_peak_bytes": 1000, "baseline_bytes": 0, "measure": "fake", "device": "cpu",
+                "vocab_size": 300, "parameters": 10, "weights_bytes": 40, "optimizer_state_bytes": 80,
+                "losses": [1.0]}
+
+    monkeypatch.setattr(measure, "run_isolated", fake)
+    with pytest.raises(KeyboardInterrupt):
+        measure.measure(micro_config(tmp_path), parse_method_specs("adamw,fira"), 1, tmp_path / "m")
+    record = json.loads((tmp_path / "m" / "memory.json").read_text())
+    assert [r["method"] for r in record["rows"]] == ["adamw"] and record["complete"] is False
+    assert "incomplete" in (tmp_path / "m" / "memory.md").read_text()
