@@ -60,13 +60,18 @@ def test_fira_state_is_smaller_than_adamw() -> None:
 
 
 def test_peak_memory_grows_with_an_allocation_and_resets() -> None:
+    import mmap
+
     memory = PeakMemory(torch.device("cpu"))
     memory.reset()
     base = memory.peak_bytes()
-    big = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+    # 64 MiB of fresh anonymous pages, touched: resident whatever state malloc's heap is in (a
+    # tensor could reuse freed heap that is still resident, depending on the tests run before).
+    big = mmap.mmap(-1, 64 * 1024 * 1024)
+    big.write(b"\1" * len(big))
     with_big = memory.peak_bytes()
     assert with_big >= base + 48 * 1024 * 1024
-    del big  # a 64 MiB block is mmap-ed, so freeing it returns it to the system
+    big.close()  # unmapped: returned to the system
     memory.reset()
     assert 1024 * 1024 <= memory.peak_bytes() < with_big - 32 * 1024 * 1024
 
