@@ -230,7 +230,7 @@ def compute_basis(
     previous: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     *,
-    align_signs: bool = True,
+    align_signs: bool = False,
 ) -> torch.Tensor:
     """Dispatch to the named projector. ``align_signs``: see :func:`_align` (exact SVD
     only: the warm-started randomized projector keeps its columns aligned by construction and

@@ -283,16 +283,19 @@ def _register_memory(subparsers: Any) -> None:
 
 
 def _methods(args: argparse.Namespace) -> int:
+    from fira_train.config.recipes import TUNED_LR
     from fira_train.methods.registry import METHODS  # imports torch: not at parser build
 
     width = max(len(name) for name in METHODS)
     for method in METHODS.values():
-        print(f"{method.name:<{width}}  lr {method.default_lr:<6g} {method.description}")
+        tuned = "".join(f" ({recipe}: {lrs[method.name]:g})" for recipe, lrs in TUNED_LR.items()
+                        if method.name in lrs)
+        print(f"{method.name:<{width}}  lr {method.default_lr:<6g} {method.description}{tuned}")
     return 0
 
 
 def _register_methods(subparsers: Any) -> None:
-    parser = subparsers.add_parser("methods", help="list the training methods and their default learning rates")
+    parser = subparsers.add_parser("methods", help="list the training methods, their default learning rates and the recipes' tuned ones")
     parser.set_defaults(func=_methods)
 
 

@@ -243,7 +243,7 @@ def test_fsdp2_ordinary_step_communicates_only_small_reductions(tmp_path):
         assert later == [rows["left"] * (12 + RANK) + rows["square"] * 7, rows["right"] * 6]
 
 
-def _split_refresh_worker(rank: int, world: int, stagger: bool) -> dict:
+def _split_refresh_worker(rank: int, world: int, stagger: bool, align_signs: bool) -> dict:
     # DDP's situation: plain tensors, the same gradient on every rank.
     import fira_optim.projection as projection
 
@@ -257,7 +257,7 @@ def _split_refresh_worker(rank: int, world: int, stagger: bool) -> dict:
 
     projection.torch.linalg.svd = counting_svd
     try:
-        optimizer = _optimizer(params, {"split_refresh": True, "stagger": stagger})
+        optimizer = _optimizer(params, {"split_refresh": True, "stagger": stagger, "align_signs": align_signs})
         for step in range(STEPS):
             for name, p in params.items():
                 p.grad = _gradient(name, tuple(p.shape), step, torch.float64)
@@ -268,12 +268,12 @@ def _split_refresh_worker(rank: int, world: int, stagger: bool) -> dict:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("stagger", [False, True])
-def test_split_refresh_shares_svds_and_matches_one_process(tmp_path, stagger):
+@pytest.mark.parametrize("stagger, align_signs", [(False, False), (True, False), (False, True)])
+def test_split_refresh_shares_svds_and_matches_one_process(tmp_path, stagger, align_signs):
     """DDP split refresh: each rank runs only its share of the SVDs, and both ranks end
     bitwise equal to the one-process run (the owner's basis is broadcast exactly)."""
-    results = run_ranks(_split_refresh_worker, 2, tmp_path, stagger, timeout=50)
-    ref_params, _ = _reference({"stagger": stagger})
+    results = run_ranks(_split_refresh_worker, 2, tmp_path, stagger, align_signs, timeout=50)
+    ref_params, _ = _reference({"stagger": stagger, "align_signs": align_signs})
     for result in results:
         for name, value in ref_params.items():
             assert torch.equal(result["params"][name], value), name
@@ -281,9 +281,11 @@ def test_split_refresh_shares_svds_and_matches_one_process(tmp_path, stagger):
     # three refresh at steps 0, 3, 6; with it each refreshes at steps i, i + 3 (and all at 0):
     # either way rank 0 runs 6 SVDs and rank 1 runs 3, instead of 9 each.
     assert [len(r["svds"]) for r in results] == [6, 3]
-    # (svd_basis(fast_route): the wide 5 x 12 and the tall 13 x 6 gradient, projected on their
-    # small side, are decomposed through the R factor of their tall orientation's QR)
-    assert set(results[0]["svds"]) == {(5, 5), (7, 7)} and set(results[1]["svds"]) == {(6, 6)}
+    if align_signs:  # svd_basis(fast_route): the wide 5 x 12 and the tall 13 x 6 gradient, projected
+        # on their small side, are decomposed through the R factor of their tall orientation's QR
+        assert set(results[0]["svds"]) == {(5, 5), (7, 7)} and set(results[1]["svds"]) == {(6, 6)}
+    else:  # raw signs: the plain SVD of each gradient, as Algorithm 1 and the released code
+        assert set(results[0]["svds"]) == {(5, 12), (7, 7)} and set(results[1]["svds"]) == {(13, 6)}
 
 
 def _fsdp1_worker(rank: int, world: int, use_orig_params: bool) -> str:

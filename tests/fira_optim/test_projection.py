@@ -72,10 +72,11 @@ def test_aligned_basis_points_along_the_previous_one(side):
     previous = compute_basis(grad, 5, side, "svd")
     flipped = -previous
     nudged = grad + 1e-3 * torch.randn(30, 20, generator=g)
-    aligned = compute_basis(nudged, 5, side, "svd", previous=flipped)
+    aligned = compute_basis(nudged, 5, side, "svd", previous=flipped, align_signs=True)
     assert bool(((aligned * flipped).sum(0) > 0).all())
-    raw = compute_basis(nudged, 5, side, "svd", previous=flipped, align_signs=False)
+    raw = compute_basis(nudged, 5, side, "svd", previous=flipped)  # the default: raw signs
     torch.testing.assert_close(aligned.abs(), raw.abs())
+    assert FiraAdamW([torch.nn.Parameter(torch.zeros(4, 4))]).defaults["align_signs"] is False
 
 
 def test_align_signs_must_be_a_bool():

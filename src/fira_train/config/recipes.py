@@ -19,6 +19,9 @@ The CPU recipes keep the paper's ratios -- rank / d_model = 1/4 (128 / 512 at 60
   method on 2 CPU cores (see :func:`tiny`).
 - ``micro``: d_model 64, 2 layers, 512 vocabulary, 20 steps; seconds, for tests.
 
+A recipe may carry tuned learning rates (:data:`TUNED_LR`): a run of that recipe that sets no
+``optim.lr`` trains at its method's tuned rate (:func:`fira_train.config.resolve.resolved_lr`).
+
 Any field can be overridden afterwards with ``key=value``
 (:func:`fira_train.config.overrides.apply_overrides`).
 """
@@ -85,6 +88,15 @@ def llama_7b() -> RunConfig:
 
 
 TINY_STEPS = 300
+
+#: Each method's learning rate chosen on the validation split by the three-seed sweep of
+#: docs/results/tiny-sweep (the recipe as defined: rank 64; other overrides keep these rates,
+#: and ``optim.lr`` replaces them). Fira's is that of its default, raw SVD signs (the sweep's
+#: ``fira@optim.align_signs=false``; aligned signs also chose 0.02); GaLore's was chosen with
+#: aligned signs, its default then. ``adamw-grouped``'s is at the recipe's alpha (0.25).
+TUNED_LR: dict[str, dict[str, float]] = {
+    "tiny": {"fira": 0.02, "galore": 0.02, "fira-released": 0.01, "adamw": 0.001, "adamw-grouped": 0.003},
+}
 
 
 def tiny() -> RunConfig:

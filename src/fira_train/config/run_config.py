@@ -135,9 +135,10 @@ class OptimConfig:
     stochastic rounding."""
     align_signs: bool | None = None
     """Fira/GaLore family: orient each new exact-SVD basis vector along the previous basis
-    (FiraAdamW's ``align_signs``, not in the paper's Algorithm 1); None keeps the variant's setting
-    (on for ``fira``, off for ``fira-released``). ``false`` is the paper's arithmetic with raw
-    SVD signs."""
+    (FiraAdamW's ``align_signs``, not in the paper's Algorithm 1); None is the variant's setting
+    (off: the raw SVD signs, for every variant). A run records the resolved value in its
+    ``config.json``; a saved config without it (written while aligning was the default) reads as
+    ``true`` for the variants that did not fix it (:func:`fira_train.config.resolve.saved_config`)."""
     lora_alpha: float = 32.0
     """LoRA scaling numerator: adapters are scaled by lora_alpha / rank (lora, relora)."""
     lora_dropout: float = 0.0

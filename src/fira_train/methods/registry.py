@@ -86,21 +86,19 @@ if TYPE_CHECKING:  # annotations only: the config validates method names against
     from fira_train.config.run_config import RunConfig
 
 
-def resolved_lr(config: "RunConfig") -> float:
-    """``config.optim.lr``, or the method's default when it is None."""
-    return config.optim.lr if config.optim.lr is not None else get_method(config.optim.method).default_lr
-
-
 def build_method(model: nn.Module, config: "RunConfig", *, split_refresh: bool = False) -> MethodSetup:
     """Build ``config.optim.method`` for ``model``.
 
     ``split_refresh=True`` (a DDP run) is passed on to the methods that accept it
-    (:attr:`Method.split_refresh`) and ignored by the others.
+    (:attr:`Method.split_refresh`) and ignored by the others. ``optim.lr`` None is the method's
+    default; a run resolves it first, also to a recipe's tuned rate
+    (:func:`fira_train.config.resolve.resolved`).
     """
     method = get_method(config.optim.method)
+    lr = config.optim.lr if config.optim.lr is not None else method.default_lr
     if split_refresh and method.split_refresh:
-        return method.build(model, config, resolved_lr(config), split_refresh=True)
-    return method.build(model, config, resolved_lr(config))
+        return method.build(model, config, lr, split_refresh=True)
+    return method.build(model, config, lr)
 
 
 def get_method(name: str) -> Method:

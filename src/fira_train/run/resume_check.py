@@ -28,7 +28,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fira_train.config.overrides import config_from_dict, config_to_dict
+from fira_train.config.overrides import config_to_dict
+from fira_train.config.resolve import saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
@@ -50,7 +51,7 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
     if recorded is None:
         return
     try:
-        saved = config_from_dict(recorded)
+        saved = saved_config(recorded)
     except (ValueError, TypeError) as err:
         raise ckpt.CheckpointError(f"checkpoint {str(path)!r} has an unreadable config record: {err}") from None
     changes = config_changes(saved, config)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
-from fira_train.config.overrides import config_from_dict, config_to_dict
+from fira_train.config.overrides import config_to_dict
+from fira_train.config.resolve import LEGACY_ALIGN_SIGNS, resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.files import read_json
-from fira_train.methods.registry import resolved_lr
 from fira_train.run import run_files
 from fira_train.run.checkpoint import CHECKPOINT_DIR
 
@@ -52,13 +51,16 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
             elif delete and path.exists():
                 path.unlink()
     if resume is not None and (out / "config.json").exists():
-        saved = config_from_dict(read_json(out / "config.json", hint="restore it, or delete it and resume "
+        saved = saved_config(read_json(out / "config.json", hint="restore it, or delete it and resume "
                                            "with the command line that started the run"))
         changes = config_changes(saved, config)
         if changes:
             hint = ""
             if "data.test_fraction" in changes and saved.data.test_fraction == 0:
                 hint = "; a run made before the held-out test split resumes with data.test_fraction=0"
+            if "optim.align_signs" in changes and saved.optim.align_signs is LEGACY_ALIGN_SIGNS:
+                hint += ("; a run made while aligned SVD signs were the default resumes with "
+                         "optim.align_signs=true")
             raise ValueError(f"cannot resume {str(out)!r} with a different config: {', '.join(changes)} "
                              f"differ from its config.json (resuming must reproduce the same run){hint}")
 
@@ -68,7 +70,6 @@ def finished_with(config: RunConfig, run_dir: Path) -> bool:
     to the keys that do not change the weights' trajectory (:data:`RESUMABLE_CHANGES`)."""
     if not (run_dir / "summary.json").exists() or not (run_dir / "config.json").exists():
         return False
-    saved = config_from_dict(read_json(run_dir / "config.json", hint="restore it, or delete the run's folder "
+    saved = saved_config(read_json(run_dir / "config.json", hint="restore it, or delete the run's folder "
                                        "to train it again"))
-    wanted = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
-    return not config_changes(saved, wanted)
+    return not config_changes(saved, resolved(config))

@@ -38,7 +38,6 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +49,12 @@ from tqdm.auto import tqdm
 from fira_optim import optimizer_state_numel
 from fira_optim.state import optimizer_state_bytes
 from fira_train.config.overrides import config_to_dict
+from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import dumps as json_dumps
 from fira_train.methods.model import count_parameters
-from fira_train.methods.registry import get_method, resolved_lr
+from fira_train.methods.registry import get_method
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import resume_check, run_files, train_parallel
 from fira_train.run.callbacks import TrainCallback
@@ -131,8 +131,8 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     With ``train.parallel`` ddp / fsdp2, every process of a ``torchrun`` launch calls this
     (:mod:`fira_train.run.train_parallel`); every rank returns the summary, rank 0 writes it.
     """
-    config = replace(config, optim=replace(config.optim, lr=resolved_lr(config)))
     get_method(config.optim.method)
+    config = resolved(config)
     # before the lock file is created: nothing is added to a folder the run may not use
     run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
     if config.train.parallel == "none":

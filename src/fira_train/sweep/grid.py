@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from fira_train.config.method_spec import parse_method_spec
-from fira_train.config.overrides import config_from_dict, config_to_dict
+from fira_train.config.overrides import config_to_dict
+from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import dumps, read_json
@@ -91,7 +92,7 @@ def _saved_result(key: RunKey, config: RunConfig, folder: Path) -> RunResult | N
     marker = folder / DIVERGED_FILE
     if marker.exists():
         saved = read_json(marker, hint="delete it to train the run again")
-        if not config_changes(config_from_dict(saved["config"]), config):
+        if not config_changes(saved_config(saved["config"]), resolved(config)):
             return RunResult(key, math.inf, None, diverged=True, detail=saved.get("error", ""))
     return None
 
@@ -169,7 +170,7 @@ def _record(key: RunKey, outcome: dict[str, Any], config: RunConfig, out_dir: Pa
         folder = key.folder(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / DIVERGED_FILE).write_text(dumps({"error": outcome["diverged"],
-                                                   "config": config_to_dict(config)}, indent=1) + "\n")
+                                                   "config": config_to_dict(resolved(config))}, indent=1) + "\n")
         log.warning("sweep: %s at lr %g, seed %d diverged (%s)", key.spec, key.lr, key.seed, outcome["diverged"])
         return RunResult(key, math.inf, None, diverged=True, detail=outcome["diverged"])
     return _result(key, outcome)

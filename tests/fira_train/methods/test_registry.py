@@ -12,7 +12,8 @@ from fira_train.config.overrides import apply_overrides
 from fira_train.config.recipes import micro
 from fira_train.methods.lora import LORA_TARGETS, lora_layers, merge_and_reinit_lora, prune_moments
 from fira_train.methods.model import build_model
-from fira_train.methods.registry import METHODS, build_method, get_method, resolved_lr
+from fira_train.config.resolve import resolved_lr
+from fira_train.methods.registry import METHODS, build_method, get_method
 
 VOCAB, SEQ = 96, 16
 
@@ -128,8 +129,9 @@ def test_align_signs_is_the_variant_s_unless_set() -> None:
         config = _config(method, *overrides)
         return build_method(_model(config), config).optimizer.defaults["align_signs"]
 
-    assert built("fira") is True and built("fira-released") is False
-    assert built("fira", "optim.align_signs=false") is False
+    assert built("fira") is False and built("fira-released") is False  # raw SVD signs, as Algorithm 1
+    assert built("galore") is False
+    assert built("fira", "optim.align_signs=true") is True
     assert built("fira-released", "optim.align_signs=false") is False
     with pytest.raises(ValueError, match="optim.align_signs=True contradicts method 'fira-released'"):
         built("fira-released", "optim.align_signs=true")

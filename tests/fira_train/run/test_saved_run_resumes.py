@@ -17,6 +17,8 @@ COMMAND = ["pretrain", "--recipe", "micro", "--method", "fira", "--steps", "6", 
            "--eval-every", "3", "data.source=corpus", "data.cache_dir=cache", "data.vocab_size=300",
            "data.val_fraction=0.1", "train.progress=false", "train.tensorboard=false",
            "train.num_threads=1", "train.keep_last=2"]
+#: The defaults of the version that wrote it, where they have changed since.
+THEN = ["data.test_fraction=0", "optim.align_signs=true"]
 
 
 def test_a_checkpoint_of_an_earlier_version_resumes_the_same_run(tmp_path: Path, monkeypatch, caplog,
@@ -26,19 +28,21 @@ def test_a_checkpoint_of_an_earlier_version_resumes_the_same_run(tmp_path: Path,
     recorded = read_metrics("run")  # the earlier version's uninterrupted run: steps 1 to 6
     assert [r["step"] for r in recorded] == [1, 2, 3, 4, 5, 6]
 
-    # It predates the held-out test split: today's default (2% of the documents held out) would
-    # train on other data, so resuming needs the split it was made with, and says so.
+    # It predates the held-out test split and the raw-sign default: today's defaults (2% of the
+    # documents held out, raw SVD signs) would train another run, so resuming needs the settings
+    # it was made with, and the refusal names both.
     assert main([*COMMAND, "--out", "run", "--resume"]) == 1
-    assert "resumes with data.test_fraction=0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resumes with data.test_fraction=0" in err and "resumes with optim.align_signs=true" in err
     with caplog.at_level(logging.INFO):
-        assert main([*COMMAND, "data.test_fraction=0", "--out", "run", "--resume"]) == 0
+        assert main([*COMMAND, *THEN, "--out", "run", "--resume"]) == 0
     assert any("from step 3" in message for message in caplog.messages)
     resumed = read_metrics("run")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert resumed[:3] == recorded[:3]  # the steps before the checkpoint are kept as written
     assert sorted(p.name for p in Path("run/checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
 
-    assert main([*COMMAND, "data.test_fraction=0", "--out", "fresh"]) == 0  # uninterrupted, by this version
+    assert main([*COMMAND, *THEN, "--out", "fresh"]) == 0  # uninterrupted, by this version
     fresh = read_metrics("fresh")
     for key in ("loss", "lr", "tokens"):
         assert [r[key] for r in resumed[3:]] == [r[key] for r in fresh[3:]]

@@ -1,0 +1,74 @@
+"""What a config means once its method is known, and how saved configs are read back.
+
+A :class:`~fira_train.config.run_config.RunConfig` may leave two method-dependent settings
+open (``None``): ``optim.lr`` and ``optim.align_signs``. :func:`resolved` fills them in at the
+start of a run, and the run's ``config.json`` records the filled-in values, so a finished run
+says exactly what it trained with:
+
+- the learning rate: ``optim.lr`` if set, else the recipe's tuned rate for the method
+  (:data:`fira_train.config.recipes.TUNED_LR`), else the method's default
+  (``fira-train methods``);
+- ``align_signs`` of the Fira / GaLore variants: ``optim.align_signs`` if set, else the
+  variant's own setting, else :class:`fira_optim.FiraAdamW`'s default (raw SVD signs).
+
+:func:`saved_config` reads a recorded config as the version that wrote it ran: configs saved
+while aligned signs were the library's default (before the value was recorded) read as
+``align_signs=true``, so such a run is neither reused nor resumed under today's default.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+from typing import Any
+
+import fira_optim
+from fira_train.config.overrides import config_from_dict
+from fira_train.config.recipes import TUNED_LR
+from fira_train.config.run_config import RunConfig
+from fira_train.methods.registry import get_method
+
+#: What configs saved before ``align_signs`` was recorded ran with (FiraAdamW's default then).
+LEGACY_ALIGN_SIGNS = True
+
+
+def _library_align_signs() -> bool:
+    return inspect.signature(fira_optim.FiraAdamW).parameters["align_signs"].default
+
+
+def tuned_lr(recipe: str, method: str) -> float | None:
+    """The learning rate the recipe's committed sweep chose for ``method``, if it has one."""
+    return TUNED_LR.get(recipe, {}).get(method)
+
+
+def resolved_lr(config: RunConfig) -> float:
+    """``optim.lr``; else the recipe's tuned rate for the method; else the method's default."""
+    if config.optim.lr is not None:
+        return config.optim.lr
+    tuned = tuned_lr(config.recipe, config.optim.method)
+    return tuned if tuned is not None else get_method(config.optim.method).default_lr
+
+
+def resolved_align_signs(config: RunConfig) -> bool | None:
+    """``optim.align_signs`` as the Fira / GaLore variant will run it (None for other methods)."""
+    variant = fira_optim.VARIANTS.get(config.optim.method)
+    if variant is None or config.optim.align_signs is not None:
+        return config.optim.align_signs
+    return variant.get("align_signs", _library_align_signs())
+
+
+def resolved(config: RunConfig) -> RunConfig:
+    """``config`` with its learning rate and sign alignment filled in (what a run records)."""
+    return replace(config, optim=replace(config.optim, lr=resolved_lr(config),
+                                         align_signs=resolved_align_signs(config)))
+
+
+def saved_config(values: Any) -> RunConfig:
+    """A recorded config (``config.json``, a checkpoint's or ``diverged.json``'s record) as the
+    version that wrote it ran; see the module docstring."""
+    optim = values.get("optim") if isinstance(values, dict) else None
+    if isinstance(optim, dict) and optim.get("align_signs") is None:
+        variant = fira_optim.VARIANTS.get(optim.get("method", "fira"))
+        if variant is not None:
+            values = {**values, "optim": {**optim, "align_signs": variant.get("align_signs", LEGACY_ALIGN_SIGNS)}}
+    return config_from_dict(values)
