@@ -12,7 +12,8 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   (APOLLO, APOLLO-Mini, Flora and SlimAdam: their own states, :func:`_peer_state_numel`)
   (basis ``min(m, n) x r``, Adam moments ``r x max(m, n)``, Fira's one scalar), everything else
   AdamW's two moments; moments at 4 bytes (``float32``), 2 (``bfloat16``) or 1 + 4/256
-  (``int8``, below 4096 elements fp32), the basis at 4 bytes, or 2 from ``bfloat16`` on;
+  (``int8``, below 4096 elements fp32), the basis at 4 bytes, or 2 from ``bfloat16`` on; the
+  plain torch optimizers (AdamW, ...) keep their moments at the weights' dtype;
 - activations: per layer :math:`s b h (34 + 5 a s / h)` bytes in 16-bit (Korthikanti et al.,
   "Reducing Activation Recomputation in Large Transformer Models", 2022), twice that in fp32,
   plus the logits (:math:`4 \cdot 3 s b V`: logits, softmax, gradient); with activation
@@ -50,7 +51,8 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int) -> dict[str, Any]:
     params = sum(a * b for a, b in shapes) + others
     largest = max([a * b for a, b in shapes] + [embed])
     gradients = (largest if o.step_in_backward else params) * weight_bytes
-    moment = MOMENT_BYTES[o.state_dtype] if o.method not in PLAIN_METHODS else 4.0
+    # torch's optimizers keep their moments in the parameter's dtype (bf16 for bf16 weights)
+    moment = MOMENT_BYTES[o.state_dtype] if o.method not in PLAIN_METHODS else float(weight_bytes)
     states = 2 * others * moment
     projected = o.method not in PLAIN_METHODS
     if o.method == "adam-mini":  # a full first moment, one second moment per block (heads, neurons)

@@ -27,6 +27,23 @@ def test_the_parts_follow_the_formulas() -> None:
     assert fira["total"] == sum(fira[k] for k in ("weights", "gradients", "optimizer_states", "activations"))
 
 
+def test_torch_adamw_keeps_bf16_moments_for_bf16_weights() -> None:
+    """torch.optim.AdamW's moments take the parameter's dtype; Fira's stay at optim.state_dtype."""
+    import torch
+
+    weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+    weight.grad = torch.ones_like(weight)
+    opt = torch.optim.AdamW([weight])
+    opt.step()
+    assert opt.state[weight]["exp_avg"].dtype == torch.bfloat16
+    _, fp32 = _estimate("adamw")
+    _, bf16 = _estimate("adamw", train={"param_dtype": "bfloat16"})
+    assert bf16["optimizer_states"] * 2 == fp32["optimizer_states"]
+    _, fira = _estimate("fira", train={"param_dtype": "bfloat16"})
+    _, fira32 = _estimate("fira")
+    assert fira["optimizer_states"] == fira32["optimizer_states"]
+
+
 def test_each_memory_option_shrinks_its_part() -> None:
     _, fira = _estimate("fira")
     _, hooks = _estimate("fira", optim={"step_in_backward": True})
