@@ -1,5 +1,6 @@
 """File helpers shared by the layers: a file's SHA-256 and a directory's fsync (the checkpoints
-and the data cache), and the run's JSON files.
+and the data cache), whole-file writes that a crash cannot leave half-written, and the run's JSON
+files.
 
 The run's JSON files are written without ``NaN`` / ``Infinity`` and read back naming the file.
 Python's ``json`` writes ``float("inf")`` as ``Infinity`` and ``nan`` as ``NaN``, which is not
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["DamagedFileError", "dumps", "file_digest", "finite_or_none", "fsync_dir", "read_json",
-           "read_json_lines"]
+           "read_json_lines", "write_text_atomic"]
 
 
 def file_digest(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str:
@@ -44,6 +45,20 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Replace ``path``'s content with ``text``: written to ``<name>.tmp`` beside it, flushed to
+    disk, then renamed over it, so a reader (or a run resumed after a crash) sees the old file or
+    the new one, never a part. One writer per path at a time (a run's lock, a sweep's driver)."""
+    path = Path(path)
+    temp = path.with_name(path.name + ".tmp")
+    with open(temp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, path)
+    return path
 
 
 class DamagedFileError(ValueError):

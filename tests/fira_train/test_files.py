@@ -4,12 +4,14 @@ named (fira_train.files)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from fira_train.files import DamagedFileError, dumps, read_json
+from fira_train.files import DamagedFileError, dumps, read_json, write_text_atomic
 from fira_train.run.metrics import MetricsLog, read_metrics
+from fira_train.run.run_files import foreign_files
 
 
 def test_json_files_write_null_for_non_finite_values(tmp_path: Path) -> None:
@@ -23,3 +25,22 @@ def test_json_files_write_null_for_non_finite_values(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(DamagedFileError, match=r"bad\.json is damaged \(not UTF-8"):
         read_json(tmp_path / "bad.json")
+
+
+def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "summary.json"
+    assert write_text_atomic(path, '{"a": 1}\n') == path
+    assert path.read_text() == '{"a": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+    def crash(*args):  # killed between writing the new content and renaming it over the old
+        raise OSError("killed")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="killed"):
+        write_text_atomic(path, '{"a": 2}\n')
+    assert path.read_text() == '{"a": 1}\n'  # the old file, whole
+    # the leftover is a file the run wrote, so resuming into this folder is not refused
+    assert (tmp_path / "summary.json.tmp").exists() and foreign_files(tmp_path) == []
+    monkeypatch.undo()
+    write_text_atomic(path, '{"a": 3}\n')
+    assert path.read_text() == '{"a": 3}\n' and not (tmp_path / "summary.json.tmp").exists()

@@ -19,7 +19,7 @@ from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
 from fira_train.finetune.report import render_report
 from fira_train.finetune.train import prepare_model, train_model
-from fira_train.files import dumps
+from fira_train.files import dumps, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.run.peak_memory import process_peak_rss_bytes
 
@@ -118,7 +118,7 @@ def run_finetune(
                         "transformers": transformers.__version__, "device": str(device),
                         "threads": torch.get_num_threads(), "machine": platform.platform()},
     }
-    (out / "results.json").write_text(dumps(results, indent=2))  # NaN / inf as null
+    write_text_atomic(out / "results.json", dumps(results, indent=2))  # NaN / inf as null
     (out / "report.md").write_text(render_report(results))
     log(f"average accuracy {results['average_accuracy']:.3f}; results in {out}")
     return results

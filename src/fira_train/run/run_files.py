@@ -30,7 +30,9 @@ from fira_train.run.run_lock import LOCK_FILE
 log = logging.getLogger(__name__)
 
 #: Files :func:`fira_train.run.train.train` writes (``config.json`` is checked by content).
-RUN_FILES = frozenset({"config.json", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", LOCK_FILE})
+RUN_FILES = frozenset({"config.json", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", LOCK_FILE,
+                       # a write interrupted by a crash (fira_train.files.write_text_atomic)
+                       "config.json.tmp", "summary.json.tmp"})
 RUN_DIRS = frozenset({"tb", "checkpoints"})
 #: Files the analyses write into their runs' folders (``fira_train.analysis``: the run spec,
 #: :data:`~fira_train.analysis.callbacks.NORMS_FILE`, :data:`~fira_train.analysis.similarity.FACTORS_FILE`).

@@ -52,7 +52,7 @@ from fira_train.config.overrides import config_to_dict
 from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import dumps as json_dumps
+from fira_train.files import dumps as json_dumps, write_text_atomic
 from fira_train.methods.model import count_parameters
 from fira_train.methods.registry import get_method
 from fira_train.run import checkpoint as ckpt
@@ -222,7 +222,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
             ckpt.remove_partial(out)
     if main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(config_to_dict(config), indent=2) + "\n")
+        write_text_atomic(out / "config.json", json.dumps(config_to_dict(config), indent=2) + "\n")
 
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
@@ -338,5 +338,5 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if metrics is not None:
         metrics.close()
     if main:
-        (out / "summary.json").write_text(json_dumps(summary, indent=2) + "\n")
+        write_text_atomic(out / "summary.json", json_dumps(summary, indent=2) + "\n")
     return summary

@@ -28,7 +28,7 @@ from fira_train.config.overrides import config_to_dict
 from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import dumps, read_json
+from fira_train.files import dumps, read_json, write_text_atomic
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.run.run_dir import config_changes, finished_with
 from fira_train.run.train import train
@@ -169,8 +169,8 @@ def _record(key: RunKey, outcome: dict[str, Any], config: RunConfig, out_dir: Pa
     if "diverged" in outcome:
         folder = key.folder(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / DIVERGED_FILE).write_text(dumps({"error": outcome["diverged"],
-                                                   "config": config_to_dict(resolved(config))}, indent=1) + "\n")
+        write_text_atomic(folder / DIVERGED_FILE, dumps({"error": outcome["diverged"],
+                                                         "config": config_to_dict(resolved(config))}, indent=1) + "\n")
         log.warning("sweep: %s at lr %g, seed %d diverged (%s)", key.spec, key.lr, key.seed, outcome["diverged"])
         return RunResult(key, math.inf, None, diverged=True, detail=outcome["diverged"])
     return _result(key, outcome)

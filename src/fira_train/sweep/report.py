@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import dumps
+from fira_train.files import dumps, write_text_atomic
 from fira_train.report.plots import pyplot
 from fira_train.sweep.grid import RunKey, RunResult
 from fira_train.sweep.summary import MethodSummary, summary_json
@@ -38,10 +38,7 @@ def write_json(path: Path, settings: dict[str, Any], results: dict[RunKey, RunRe
              "diverged": r.diverged, **({"error": r.detail} if r.detail else {})}
             for k, r in sorted(results.items(), key=lambda kr: (kr[0].spec, kr[0].lr, kr[0].seed))]
     payload = {**settings, "runs": runs, "methods": summary_json(rows)}
-    temp = path.with_suffix(".json.tmp")
-    temp.write_text(dumps(payload, indent=1) + "\n")
-    temp.replace(path)
-    return path
+    return write_text_atomic(path, dumps(payload, indent=1) + "\n")
 
 
 def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
