@@ -65,9 +65,10 @@ FLAG_KEYS = {
 PLUGINS = ("fira_train.finetune.cli", "fira_train.analysis.cli")
 
 
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags shared by ``pretrain`` and ``compare``."""
-    parser.add_argument("--recipe", required=True,
+def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = True) -> None:
+    """The flags shared by ``pretrain``, ``compare`` and ``sweep`` (whose ``--report-only`` needs no
+    recipe: it checks ``--recipe`` itself)."""
+    parser.add_argument("--recipe", required=recipe_required,
                         help="60m, 130m, 350m, 1b, 7b (the paper's LLaMA models), tiny (CPU, ~10 min "
                              "per method) or micro (seconds, for tests)")
     parser.add_argument("--data", help="wiki (the embedded Wikipedia corpus, default), c4 (streams "
@@ -75,7 +76,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
     parser.add_argument("--rank", type=int, help="projection / LoRA rank (optim.rank)")
     parser.add_argument("--update-proj-gap", type=int, help="subspace update gap T (optim.update_proj_gap)")
-    parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr; default: the method's)")
+    parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr; default: the recipe's tuned "
+                                                 "rate for the method, else the method's; fira-train methods)")
     parser.add_argument("--seed", type=int, help="seed of init, data order and RNGs (train.seed)")
     parser.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (train.save_every)")
     parser.add_argument("--eval-every", type=int, metavar="N", help="validate every N steps (train.eval_every)")
@@ -178,8 +180,21 @@ def _register_compare(subparsers: Any) -> None:
 
 def _sweep(args: argparse.Namespace) -> int:
     from fira_train.compare import parse_methods  # imports torch: not at parser build
-    from fira_train.sweep.driver import parse_lr_grids, parse_numbers, sweep
+    from fira_train.sweep.driver import parse_lr_grids, parse_numbers, rewrite_report, sweep
 
+    if args.report_only:
+        given = [flag for flag, value in (("--methods", args.methods), ("--lrs", args.lrs), ("--recipe", args.recipe),
+                                          ("--reuse", args.reuse), ("key=value", args.overrides)) if value]
+        if given:
+            raise ValueError(f"--report-only rebuilds the report from OUT/sweep.json and takes only --out, "
+                             f"not {', '.join(given)}")
+        report, _ = rewrite_report(args.out)
+        print(report.read_text())
+        print(f"report: {report}")
+        return 0
+    if not args.recipe or not args.methods or not args.lrs:
+        raise ValueError("sweep needs --recipe, --methods and --lrs (or --report-only to rebuild a finished "
+                         "sweep's report)")
     if args.lr is not None or args.seed is not None:
         raise ValueError("sweep sets the learning rate and the seed itself: use --lrs and --seeds, "
                          "not --lr / --seed")
@@ -211,12 +226,12 @@ def _register_sweep(subparsers: Any) -> None:
                     "reference and its 95%% interval: OUT/report.md, OUT/sweep.json, OUT/lr.png. Runs "
                     "live in OUT/<spec>/lr=<lr>/seed=<seed>/; with --reuse a sweep continues "
                     "where it stopped.")
-    parser.add_argument("--methods", required=True,
+    parser.add_argument("--methods",
                         help="comma-separated method specs NAME[@key=value...], e.g. "
-                             "adamw,fira,adamw-grouped@optim.alpha=1")
-    parser.add_argument("--lrs", action="append", required=True, metavar="[SPEC:]LR,...",
+                             "adamw,fira,adamw-grouped@optim.alpha=1 (required)")
+    parser.add_argument("--lrs", action="append", metavar="[SPEC:]LR,...",
                         help="learning-rate grid, e.g. 0.001,0.003,0.01; repeat with SPEC:LR,... to give a "
-                             "method its own grid, e.g. --lrs adamw:0.001,0.003,0.01,0.03")
+                             "method its own grid, e.g. --lrs adamw:0.001,0.003,0.01,0.03 (required)")
     parser.add_argument("--seeds", default="0,1,2", help="seeds (default 0,1,2); the grid runs at the first")
     parser.add_argument("--all-seeds", action="store_true",
                         help="run every seed at every lr (choose on the mean over seeds)")
@@ -228,8 +243,11 @@ def _register_sweep(subparsers: Any) -> None:
                              "(a run folder made with another config is an error, not redone)")
     parser.add_argument("--reference", help="the method the others are compared with (default fira, "
                                             "else the first)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: write OUT/report.md, OUT/sweep.json and OUT/lr.png again from "
+                             "OUT/sweep.json (a finished sweep in the current report format)")
     parser.add_argument("--out", required=True, help="output directory")
-    add_run_arguments(parser)
+    add_run_arguments(parser, recipe_required=False)
     parser.set_defaults(func=_sweep)
 
 

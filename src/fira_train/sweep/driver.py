@@ -5,6 +5,8 @@ perplexity over seeds with paired intervals (:func:`sweep`).
 --lrs adamw:0.001,0.003,0.01,0.02,0.03 --seeds 0,1,2 --jobs 2 --reuse --out DIR`` trains the grid
 (:mod:`fira_train.sweep.grid`), chooses and summarizes (:mod:`fira_train.sweep.summary`) and
 writes ``DIR/sweep.json``, ``DIR/report.md`` and ``DIR/lr.png`` (:mod:`fira_train.sweep.report`).
+:func:`rewrite_report` (``--report-only``) writes the three again from ``DIR/sweep.json`` alone,
+training nothing: a finished sweep's report in the current report format.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fira_train.config.method_spec import parse_method_specs
+from fira_train.files import read_json
 from fira_train.config.run_config import RunConfig
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
 from fira_train.sweep.report import plot_lr, write_json, write_markdown
@@ -103,11 +106,7 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
     grid_seeds = list(seeds) if all_seeds else [seeds[0]]
 
     def write() -> list[MethodSummary]:
-        rows = summarize(specs, lr_grids, results, reference, grid_seeds)
-        write_json(out / "sweep.json", settings, results, rows)
-        write_markdown(out / "report.md", settings, rows)
-        plot_lr(out / "lr.png", rows)
-        return rows
+        return _write_files(out, settings, results)
 
     def record(result: RunResult) -> None:
         results[result.key] = result
@@ -124,3 +123,32 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
     execute(seed_runs(chosen, seeds), config, out, jobs=jobs, reuse=reuse, on_result=record,
             done=set(results))
     return out / "report.md", write()
+
+
+def _write_files(out: Path, settings: dict, results: dict[RunKey, RunResult]) -> list[MethodSummary]:
+    grid_seeds = list(settings["seeds"]) if settings["all_seeds"] else list(settings["seeds"][:1])
+    rows = summarize(settings["methods"], settings["lrs"], results, settings["reference"], grid_seeds)
+    write_json(out / "sweep.json", settings, results, rows)
+    write_markdown(out / "report.md", settings, rows)
+    plot_lr(out / "lr.png", rows)
+    return rows
+
+
+def rewrite_report(out_dir: str | Path) -> tuple[Path, list[MethodSummary]]:
+    """Write ``OUT``'s ``sweep.json``, ``report.md`` and ``lr.png`` again from the runs that
+    ``OUT/sweep.json`` records (training nothing, reading no run folder); the report's path and rows."""
+    out = Path(out_dir)
+    saved = read_json(out / "sweep.json", hint="a sweep's report is rebuilt from it: run the sweep with --reuse")
+    settings = dict(saved)  # the keys in the order sweep() writes them
+    del settings["runs"]
+    settings["methods"] = [m["spec"] for m in saved["methods"]]  # the summary rows, in --methods order
+    settings["lrs"] = {spec: [float(lr) for lr in lrs] for spec, lrs in saved["lrs"].items()}
+    results: dict[RunKey, RunResult] = {}
+    for run in saved["runs"]:  # JSON holds null where a perplexity was not finite
+        key = RunKey(run["spec"], float(run["lr"]), int(run["seed"]))
+        val = math.inf if run["val_ppl"] is None else float(run["val_ppl"])
+        test = run["test_ppl"]
+        if test is None and run["diverged"]:
+            test = math.inf
+        results[key] = RunResult(key, val, test, diverged=bool(run["diverged"]), detail=run.get("error", ""))
+    return out / "report.md", _write_files(out, settings, results)

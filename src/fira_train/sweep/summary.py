@@ -1,5 +1,6 @@
 """What a sweep concludes from its runs: each method's learning rate, chosen on validation, and at
-that lr the test perplexity over seeds and the paired difference to the reference method.
+that lr the validation and test perplexity over seeds and their paired differences to the
+reference method.
 
 Choice: for each spec, the lr with the lowest mean validation perplexity over the grid's seeds
 (the first seed, or every seed with ``all_seeds``; a diverged run counts as infinite). The seeds
@@ -33,8 +34,12 @@ class MethodSummary:
     """Whether every lr of its grid has a result (else the choice is provisional)."""
     val: Spread | None = None
     test: Spread | None = None
+    val_by_seed: dict[int, float] = field(default_factory=dict)
     test_by_seed: dict[int, float] = field(default_factory=dict)
     vs_reference: PairedDifference | None = None
+    """Test perplexity minus the reference's, paired by seed."""
+    val_vs_reference: PairedDifference | None = None
+    """Validation perplexity minus the reference's, paired by seed (at each one's chosen lr)."""
 
 
 def choose_lr(grid: dict[float, Spread | None]) -> float | None:
@@ -62,15 +67,20 @@ def summarize(specs: Sequence[str], lrs: dict[str, list[float]], results: dict[R
             ordered = sorted(lrs[spec])
             row.at_edge = len(ordered) > 1 and row.chosen_lr in (ordered[0], ordered[-1])
             at_lr = {k.seed: r for k, r in results.items() if k.spec == spec and k.lr == row.chosen_lr}
-            row.val = spread([r.val_ppl for r in at_lr.values()])
+            row.val_by_seed = {s: r.val_ppl for s, r in sorted(at_lr.items())}  # inf where diverged
+            row.val = spread(list(row.val_by_seed.values()))
             row.test_by_seed = {s: (math.inf if r.diverged else r.test_ppl) for s, r in sorted(at_lr.items())
                                 if r.diverged or r.test_ppl is not None}
             row.test = spread(list(row.test_by_seed.values())) if row.test_by_seed else None
         rows.append(row)
     ref = next((r for r in rows if r.spec == reference), None)
     for row in rows:
-        if ref is not None and row is not ref and ref.test_by_seed and row.test_by_seed:
+        if ref is None or row is ref:
+            continue
+        if ref.test_by_seed and row.test_by_seed:
             row.vs_reference = paired_difference(row.test_by_seed, ref.test_by_seed)
+        if ref.val_by_seed and row.val_by_seed:
+            row.val_vs_reference = paired_difference(row.val_by_seed, ref.val_by_seed)
     return rows
 
 
@@ -78,11 +88,15 @@ def _spread_json(value: Spread | None) -> dict[str, Any] | None:
     return None if value is None else {"mean": value.mean, "sd": value.sd, "n": value.n}
 
 
+def _difference_json(diff: PairedDifference | None) -> dict[str, Any] | None:
+    return None if diff is None else {"mean": diff.mean, "ci95": None if diff.low is None else [diff.low, diff.high],
+                                      "n": diff.n, "seeds": list(diff.seeds)}
+
+
 def summary_json(rows: Sequence[MethodSummary]) -> list[dict[str, Any]]:
     """The rows as JSON-ready dicts (``sweep.json``'s ``"methods"``)."""
     out = []
     for row in rows:
-        diff = row.vs_reference
         out.append({
             "spec": row.spec,
             "val_ppl_by_lr": [{"lr": lr, "val_ppl": _spread_json(s), "diverged": row.diverged[lr]}
@@ -92,9 +106,9 @@ def summary_json(rows: Sequence[MethodSummary]) -> list[dict[str, Any]]:
             "chosen_at_grid_edge": row.at_edge,
             "val_ppl": _spread_json(row.val),
             "test_ppl": _spread_json(row.test),
+            "val_ppl_by_seed": {str(s): v for s, v in row.val_by_seed.items()},
             "test_ppl_by_seed": {str(s): v for s, v in row.test_by_seed.items()},
-            "test_ppl_minus_reference": None if diff is None else {
-                "mean": diff.mean, "ci95": None if diff.low is None else [diff.low, diff.high],
-                "n": diff.n, "seeds": list(diff.seeds)},
+            "val_ppl_minus_reference": _difference_json(row.val_vs_reference),
+            "test_ppl_minus_reference": _difference_json(row.vs_reference),
         })
     return out

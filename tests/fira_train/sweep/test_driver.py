@@ -14,7 +14,7 @@ from fira_train.run import checkpoint as ckpt
 from fira_train.run import isolated
 from fira_train.run.metrics import read_metrics
 from fira_train.sweep import grid
-from fira_train.sweep.driver import check_specs, parse_lr_grids, parse_numbers, sweep
+from fira_train.sweep.driver import check_specs, parse_lr_grids, parse_numbers, rewrite_report, sweep
 from fira_train.sweep.grid import RunKey, RunResult
 from fira_train.sweep.stats import Spread
 from fira_train.sweep.summary import choose_lr, summarize
@@ -62,7 +62,8 @@ def test_the_choice_uses_validation_only_and_flags_edges_and_gaps() -> None:
     assert (a.val.mean, a.test.mean, a.test.n) == (21.0, 98.0, 2)
     assert b.chosen_lr == 0.001 and b.at_edge and not b.complete  # lr 0.01 has not run yet
     assert b.vs_reference is not None and b.vs_reference.mean == pytest.approx(-6.0)  # (90 - 99 + 94 - 97) / 2
-    assert a.vs_reference is None
+    assert b.val_vs_reference.mean == pytest.approx(5.0)  # (25 - 20 + 27 - 22) / 2
+    assert b.val_by_seed == {0: 25.0, 1: 27.0} and a.vs_reference is None and a.val_vs_reference is None
     # The seeds added at the chosen lr do not move the choice (only the grid's seeds count).
     flip = dict([_result("c", 0.001, 0, 30.0, test=1.0), _result("c", 0.003, 0, 30.1, test=1.0),
                  _result("c", 0.001, 1, 30.5, test=1.0), _result("c", 0.001, 2, 30.6, test=1.0)])
@@ -103,7 +104,18 @@ def test_micro_sweep_end_to_end_and_reuse(tmp_path: Path, in_process: list) -> N
     assert adamw.vs_reference is not None and adamw.vs_reference.n == 2 and adamw.vs_reference.low is not None
     text = report.read_text()
     assert "| adamw |" in text and "(reference)" in text and "fira-train sweep ..." in text
+    assert "## Each seed at the chosen lr" in text and "| seed 0 | seed 1 |" in text
     assert (out / "lr.png").stat().st_size > 0
+
+    # --report-only: the same files from sweep.json alone (no run folder is read, nothing trains)
+    before = {name: (out / name).read_text() for name in ("report.md", "sweep.json")}
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(out / "sweep.json", alone / "sweep.json")
+    in_process.clear()
+    rebuilt, _ = rewrite_report(alone)
+    assert in_process == [] and rebuilt.read_text() == before["report.md"]
+    assert (alone / "sweep.json").read_text() == before["sweep.json"] and (alone / "lr.png").stat().st_size > 0
 
     # Again with --reuse: nothing trains, the same conclusions.
     in_process.clear()
