@@ -15,42 +15,21 @@ import torch
 from torch import nn
 
 from fira_train.cli import main
-from fira_train.config.overrides import apply_overrides
-from fira_train.config.recipes import micro
 from fira_train.methods import apollo as apollo_module
 from fira_train.methods import flora as flora_module
 from fira_train.methods.flora import compresses_momentum
-from fira_train.methods.model import build_model
 from fira_train.config.resolve import resolved_lr
 from fira_train.methods.registry import METHODS, build_method, get_method
 from fira_train.methods.slimadam import SlimAdamW, compressed_dims, second_moment_numel, slimadam_param_groups
 from tests.fira_train.harness_fixtures import micro_config
+from tests.fira_train.methods.method_fixtures import (
+    learnable_batch,
+    method_config,
+    method_model,
+    train_step,
+)
 
 PEERS = ("apollo", "apollo-mini", "flora", "slimadam")
-VOCAB, SEQ = 96, 16
-
-
-def _config(method: str, *overrides: str):
-    return apply_overrides(micro(), [f"optim.method={method}", "optim.rank=8", "optim.update_proj_gap=2",
-                                     *overrides])
-
-
-def _model(config) -> nn.Module:
-    return build_model(config.model, VOCAB, SEQ, seed=0)
-
-
-def _batch(seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, VOCAB, (4, 1), generator=g)
-    return (start + torch.arange(SEQ)) % VOCAB
-
-
-def _step(setup, batch: torch.Tensor) -> float:
-    loss = setup.model(input_ids=batch, labels=batch).loss
-    loss.backward()
-    setup.optimizer.step()
-    setup.optimizer.zero_grad(set_to_none=True)
-    return loss.item()
 
 
 def _weights_only_roundtrip(optimizer: torch.optim.Optimizer) -> dict:
@@ -78,10 +57,10 @@ def test_peers_are_registered_with_their_published_learning_rates() -> None:
 
 @pytest.mark.parametrize("method", PEERS)
 def test_each_peer_trains_a_tiny_model(method: str) -> None:
-    config = _config(method)
-    setup = build_method(_model(config), config)
-    batch = _batch()
-    losses = [_step(setup, batch) for _ in range(6)]
+    config = method_config(method)
+    setup = build_method(method_model(config), config)
+    batch = learnable_batch()
+    losses = [train_step(setup, batch) for _ in range(6)]
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert losses[-1] < losses[0], losses
     assert setup.optimizer.param_groups[0]["lr"] == pytest.approx(resolved_lr(config))
@@ -90,12 +69,12 @@ def test_each_peer_trains_a_tiny_model(method: str) -> None:
 @pytest.mark.parametrize("method", PEERS)
 def test_fsdp2_is_refused_with_a_clear_error(method: str) -> None:
     with pytest.raises(ValueError, match=rf"train.parallel must be 'none' or 'ddp' with optim.method='{method}'"):
-        _config(method, "train.parallel=fsdp2")
-    _config(method, "train.parallel=ddp")  # DDP is accepted
-    config = _config(method)
+        method_config(method, "train.parallel=fsdp2")
+    method_config(method, "train.parallel=ddp")  # DDP is accepted
+    config = method_config(method)
     config.train.parallel = "fsdp2"  # past the config check: the builder refuses too
     with pytest.raises(ValueError, match="does not run under train.parallel='fsdp2'"):
-        build_method(_model(config), config)
+        build_method(method_model(config), config)
 
 
 # --- APOLLO / APOLLO-Mini (apollo-torch) -----------------------------------------------------
@@ -108,8 +87,8 @@ def _apollo_groups(setup) -> tuple[dict, dict]:
 @pytest.mark.parametrize(("method", "rank", "scale_type", "scale", "scale_front"),
                          [("apollo", 8, "channel", 1.0, False), ("apollo-mini", 1, "tensor", 128.0, True)])
 def test_apollo_settings_and_state_size(method, rank, scale_type, scale, scale_front) -> None:
-    config = _config(method)
-    setup = build_method(_model(config), config)
+    config = method_config(method)
+    setup = build_method(method_model(config), config)
     regular, projected = _apollo_groups(setup)
     assert type(setup.optimizer).__name__ == "APOLLOAdamW"
     assert "rank" not in regular  # the package gives a group without a rank key plain AdamW
@@ -119,7 +98,7 @@ def test_apollo_settings_and_state_size(method, rank, scale_type, scale, scale_f
     assert setup.optimizer.scale_front is scale_front and not setup.optimizer.disable_nl
     matrices = _matrices(setup.model)
     assert {id(p) for p in projected["params"]} == {id(p) for p in matrices.values()}
-    _step(setup, _batch())
+    train_step(setup, learnable_batch())
     for p in matrices.values():
         state = setup.optimizer.state[p]
         # Adam's moments of the r x max(m, n) projected gradient, the limiter's previous norm
@@ -128,16 +107,16 @@ def test_apollo_settings_and_state_size(method, rank, scale_type, scale, scale_f
 
 
 def test_apollo_state_dict_is_weights_only_and_resumes_exactly() -> None:
-    config = _config("apollo")  # T = 2: the resumed steps cross projection refreshes
-    setup = build_method(_model(config), config)
+    config = method_config("apollo")  # T = 2: the resumed steps cross projection refreshes
+    setup = build_method(method_model(config), config)
     for i in range(3):
-        _step(setup, _batch(i))
+        train_step(setup, learnable_batch(i))
     state = _weights_only_roundtrip(setup.optimizer)
     resumed = build_method(copy.deepcopy(setup.model), config)
     resumed.optimizer.load_state_dict(state)
     for i in range(3, 7):
-        _step(setup, _batch(i))
-        _step(resumed, _batch(i))
+        train_step(setup, learnable_batch(i))
+        train_step(resumed, learnable_batch(i))
     for (name, a), b in zip(setup.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
     # the live optimizer still holds projector objects, not the saved dictionaries
@@ -149,9 +128,9 @@ def test_missing_apollo_package_is_a_clear_import_error(monkeypatch) -> None:
     apollo_module.weights_only_class.cache_clear()
     monkeypatch.setitem(sys.modules, "apollo_torch", None)
     try:
-        config = _config("apollo")
+        config = method_config("apollo")
         with pytest.raises(ImportError, match="apollo-torch==1.0.3"):
-            build_method(_model(config), config)
+            build_method(method_model(config), config)
     finally:
         apollo_module.weights_only_class.cache_clear()
 
@@ -159,12 +138,12 @@ def test_missing_apollo_package_is_a_clear_import_error(monkeypatch) -> None:
 # --- Flora (flora-opt) -------------------------------------------------------------------------
 
 def test_flora_compresses_the_momentum_of_the_matrices_and_resamples_every_t_steps() -> None:
-    config = _config("flora", "optim.update_proj_gap=3")
-    setup = build_method(_model(config), config)
+    config = method_config("flora", "optim.update_proj_gap=3")
+    setup = build_method(method_model(config), config)
     (group,) = setup.optimizer.param_groups
     assert (group["rank"], group["kappa"], group["beta1"]) == (8, 3, 0.9)
     assert not group["relative_step"] and group["scale_parameter"] and not group["quantization"]
-    _step(setup, _batch())
+    train_step(setup, learnable_batch())
     matrices = _matrices(setup.model)
     seeds = {n: setup.optimizer.state[p]["seed"] for n, p in matrices.items()}
     assert all(compresses_momentum(tuple(p.shape), 8) for p in matrices.values())
@@ -177,9 +156,9 @@ def test_flora_compresses_the_momentum_of_the_matrices_and_resamples_every_t_ste
         if p.dim() == 2:
             m, n = p.shape
             assert state["exp_avg_sq_row"].numel() + state["exp_avg_sq_col"].numel() == m + n  # Adafactor
-    _step(setup, _batch(1))
+    train_step(setup, learnable_batch(1))
     assert {n: setup.optimizer.state[p]["seed"] for n, p in matrices.items()} == seeds
-    _step(setup, _batch(2))  # step 3 = kappa: a new projection
+    train_step(setup, learnable_batch(2))  # step 3 = kappa: a new projection
     assert all(setup.optimizer.state[p]["seed"] != seeds[n] for n, p in matrices.items())
     assert _weights_only_roundtrip(setup.optimizer)["state"]
 
@@ -196,9 +175,9 @@ def test_missing_flora_package_is_a_clear_import_error(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "flora_opt", None)
     monkeypatch.setitem(sys.modules, "flora_opt.optimizers.torch.flora", None)
     try:
-        config = _config("flora")
+        config = method_config("flora")
         with pytest.raises(ImportError, match="flora-opt"):
-            build_method(_model(config), config)
+            build_method(method_model(config), config)
     finally:
         flora_module._import_flora.cache_clear()
 
@@ -208,10 +187,10 @@ def test_a_fresh_package_optimizer_has_an_empty_state_until_its_first_step(metho
     """The packages seed every parameter's state when built; held back, a fresh optimizer looks
     fresh to torch.distributed.checkpoint (which then gives it the keys to load: see
     test_peers_ddp.py), and the first step puts the package's own seeds in place."""
-    config = _config(method)
-    setup = build_method(_model(config), config)
+    config = method_config(method)
+    setup = build_method(method_model(config), config)
     assert len(setup.optimizer.state) == 0
-    _step(setup, _batch())
+    train_step(setup, learnable_batch())
     seeds = [setup.optimizer.state[p]["seed"] for g in setup.optimizer.param_groups for p in g["params"]]
     first = 1 + (config.train.seed if method == "flora" else 0)  # the packages number the parameters
     assert seeds == list(range(first, first + len(seeds)))
@@ -263,11 +242,11 @@ def test_slimadam_compressed_second_moment_is_the_mean_along_the_dimension() -> 
 
 
 def test_slimadam_rules_per_layer_type_and_state_size() -> None:
-    config = _config("slimadam")
-    setup = build_method(_model(config), config)
+    config = method_config("slimadam")
+    setup = build_method(method_model(config), config)
     expected = {"q_proj": (1,), "k_proj": (1,), "v_proj": (0,), "o_proj": (0,), "gate_proj": (0,),
                 "up_proj": (0,), "down_proj": (0,), "embed_tokens": (1,), "lm_head": (1,), "norm": None}
-    _step(setup, _batch())
+    train_step(setup, learnable_batch())
     total_first = total_second = 0
     for name, p in setup.model.named_parameters():
         dims = compressed_dims(name, p)
@@ -290,8 +269,8 @@ def test_slimadam_rules_per_layer_type_and_state_size() -> None:
 
 
 def test_slimadam_tied_head_follows_the_embedding_rule() -> None:
-    config = _config("slimadam", "model.tie_word_embeddings=true")
-    model = _model(config)
+    config = method_config("slimadam", "model.tie_word_embeddings=true")
+    model = method_model(config)
     groups = slimadam_param_groups(model)
     embedding = model.get_input_embeddings().weight
     (group,) = [g for g in groups if any(p is embedding for p in g["params"])]

@@ -8,38 +8,15 @@ import pytest
 import torch
 
 import fira_optim
-from fira_train.config.overrides import apply_overrides
-from fira_train.config.recipes import micro
-from fira_train.methods.lora import LORA_TARGETS, lora_layers, merge_and_reinit_lora, prune_moments
-from fira_train.methods.model import build_model
 from fira_train.config.resolve import resolved_lr
+from fira_train.methods.lora import LORA_TARGETS, lora_layers, merge_and_reinit_lora, prune_moments
 from fira_train.methods.registry import METHODS, build_method, get_method
-
-VOCAB, SEQ = 96, 16
-
-
-def _config(method: str, *overrides: str):
-    return apply_overrides(micro(), [f"optim.method={method}", "optim.rank=8", "optim.update_proj_gap=2",
-                                     *overrides])
-
-
-def _model(config):
-    return build_model(config.model, VOCAB, SEQ, seed=0)
-
-
-def _batch(seed: int = 0) -> torch.Tensor:
-    # a learnable pattern: each sequence counts upwards from a random start
-    g = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, VOCAB, (4, 1), generator=g)
-    return (start + torch.arange(SEQ)) % VOCAB
-
-
-def _step(setup, batch: torch.Tensor) -> float:
-    loss = setup.model(input_ids=batch, labels=batch).loss
-    loss.backward()
-    setup.optimizer.step()
-    setup.optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+from tests.fira_train.methods.method_fixtures import (
+    learnable_batch,
+    method_config,
+    method_model,
+    train_step,
+)
 
 
 def test_registry_holds_every_method_of_the_issue() -> None:
@@ -62,16 +39,16 @@ def test_default_learning_rates() -> None:
     assert get_method("fira").default_lr == 0.01
     assert get_method("galore").default_lr == 0.01
     assert get_method("adamw").default_lr == 1e-3
-    assert resolved_lr(_config("fira")) == 0.01
-    assert resolved_lr(_config("fira", "optim.lr=0.002")) == 0.002
+    assert resolved_lr(method_config("fira")) == 0.01
+    assert resolved_lr(method_config("fira", "optim.lr=0.002")) == 0.002
 
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_trains_and_its_state_loads_weights_only(method: str) -> None:
-    config = _config(method)
-    setup = build_method(_model(config), config)
+    config = method_config(method)
+    setup = build_method(method_model(config), config)
     before = {n: p.detach().clone() for n, p in setup.model.named_parameters() if p.requires_grad}
-    losses = [_step(setup, _batch()) for _ in range(3)]
+    losses = [train_step(setup, learnable_batch()) for _ in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))
     changed = [n for n, p in setup.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert changed, f"{method} changed no parameter"
@@ -80,23 +57,23 @@ def test_every_method_trains_and_its_state_loads_weights_only(method: str) -> No
     torch.save(setup.optimizer.state_dict(), buffer)
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    fresh = build_method(_model(config), config)
+    fresh = build_method(method_model(config), config)
     fresh.optimizer.load_state_dict(state)
 
 
 @pytest.mark.parametrize("method", ["adamw", "fira"])
 def test_loss_decreases_over_20_steps(method: str) -> None:
-    config = _config(method, "optim.rank=16", "optim.update_proj_gap=5")
-    setup = build_method(_model(config), config)
-    batch = _batch()
-    losses = [_step(setup, batch) for _ in range(20)]
+    config = method_config(method, "optim.rank=16", "optim.update_proj_gap=5")
+    setup = build_method(method_model(config), config)
+    batch = learnable_batch()
+    losses = [train_step(setup, batch) for _ in range(20)]
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < 0.7 * losses[0], losses
 
 
 def test_fira_projects_the_linear_layers_only() -> None:
-    config = _config("fira")
-    setup = build_method(_model(config), config)
+    config = method_config("fira")
+    setup = build_method(method_model(config), config)
     projected = [g for g in setup.optimizer.param_groups if g.get("rank") is not None]
     assert projected and all(p.dim() == 2 for g in projected for p in g["params"])
     embedding = setup.model.get_input_embeddings().weight
@@ -105,15 +82,15 @@ def test_fira_projects_the_linear_layers_only() -> None:
 
 
 def test_adamw_grouped_gives_fira_s_step_sizes_to_full_rank_adamw() -> None:
-    config = _config("adamw-grouped", "optim.alpha=0.5", "optim.lr=0.02")
-    model = _model(config)
+    config = method_config("adamw-grouped", "optim.alpha=0.5", "optim.lr=0.02")
+    model = method_model(config)
     setup = build_method(model, config)
-    fira_groups = build_method(_model(_config("fira")), _config("fira")).optimizer.param_groups
+    fira_groups = build_method(method_model(method_config("fira")), method_config("fira")).optimizer.param_groups
     assert isinstance(setup.optimizer, torch.optim.AdamW) and get_method("adamw-grouped").default_lr == 0.01
     regular, matrices = setup.optimizer.param_groups
     assert (regular["lr"], matrices["lr"]) == (0.02, 0.01)  # lr, alpha * lr
     # weight decay per step lr * wd for every weight, as Fira's
-    decayed = build_method(_model(config), _config("adamw-grouped", "optim.alpha=0.5", "optim.lr=0.02",
+    decayed = build_method(method_model(config), method_config("adamw-grouped", "optim.alpha=0.5", "optim.lr=0.02",
                                                    "optim.weight_decay=0.1")).optimizer.param_groups
     assert [g["lr"] * g["weight_decay"] for g in decayed] == [pytest.approx(0.002)] * 2
     # the same split as Fira's: the projected matrices at alpha * lr
@@ -126,8 +103,8 @@ def test_adamw_grouped_gives_fira_s_step_sizes_to_full_rank_adamw() -> None:
 
 def test_align_signs_is_the_variant_s_unless_set() -> None:
     def built(method: str, *overrides: str) -> bool:
-        config = _config(method, *overrides)
-        return build_method(_model(config), config).optimizer.defaults["align_signs"]
+        config = method_config(method, *overrides)
+        return build_method(method_model(config), config).optimizer.defaults["align_signs"]
 
     assert built("fira") is False and built("fira-released") is False  # raw SVD signs, as Algorithm 1
     assert built("galore") is False
@@ -136,12 +113,12 @@ def test_align_signs_is_the_variant_s_unless_set() -> None:
     with pytest.raises(ValueError, match="optim.align_signs=True contradicts method 'fira-released'"):
         built("fira-released", "optim.align_signs=true")
     with pytest.raises(ValueError, match="optim.align_signs"):
-        _config("fira", "optim.align_signs=3")
+        method_config("fira", "optim.align_signs=3")
 
 
 def test_lora_freezes_only_the_adapted_matrices() -> None:
-    config = _config("lora")
-    setup = build_method(_model(config), config)
+    config = method_config("lora")
+    setup = build_method(method_model(config), config)
     trainable = {n for n, p in setup.model.named_parameters() if p.requires_grad}
     frozen = {n for n, p in setup.model.named_parameters() if not p.requires_grad}
     assert frozen and all(n.endswith("base_layer.weight") for n in frozen)
@@ -152,18 +129,18 @@ def test_lora_freezes_only_the_adapted_matrices() -> None:
 
 
 def test_adam_mini_is_told_the_architecture() -> None:
-    config = _config("adam-mini")
-    setup = build_method(_model(config), config)
+    config = method_config("adam-mini")
+    setup = build_method(method_model(config), config)
     assert setup.optimizer.dim == config.model.hidden_size
     assert setup.optimizer.n_heads == config.model.num_attention_heads
 
 
 def test_relora_merge_keeps_the_function_and_restarts_the_adapters() -> None:
-    config = _config("relora")
-    setup = build_method(_model(config), config)
+    config = method_config("relora")
+    setup = build_method(method_model(config), config)
     for _ in range(3):
-        _step(setup, _batch())
-    probe = _batch(seed=1)
+        train_step(setup, learnable_batch())
+    probe = learnable_batch(seed=1)
     with torch.no_grad():
         before = setup.model(input_ids=probe).logits
     layer = lora_layers(setup.model)[0]
@@ -178,15 +155,15 @@ def test_relora_merge_keeps_the_function_and_restarts_the_adapters() -> None:
 
 
 def test_relora_restarts_on_schedule() -> None:
-    config = _config("relora", "optim.relora_every=2", "optim.relora_prune=1.0", "train.steps=6")
-    setup = build_method(_model(config), config)
+    config = method_config("relora", "optim.relora_every=2", "optim.relora_prune=1.0", "train.steps=6")
+    setup = build_method(method_model(config), config)
     assert setup.restart_every == 2
     layer = lora_layers(setup.model)[0]
     b = layer.lora_B["default"].weight
-    _step(setup, _batch())
+    train_step(setup, learnable_batch())
     setup.after_step(1)
     assert torch.count_nonzero(b) > 0  # no restart after step 1
-    _step(setup, _batch())
+    train_step(setup, learnable_batch())
     setup.after_step(2)
     assert torch.count_nonzero(b) == 0  # restarted after step 2
     assert torch.count_nonzero(setup.optimizer.state[b]["exp_avg"]) == 0  # relora_prune=1: reset
