@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from fira_train.cli import main
+from fira_train.config.resolve import resolved_lr
 from fira_train.methods import apollo as apollo_module
 from fira_train.methods import flora as flora_module
 from fira_train.methods.flora import compresses_momentum
-from fira_train.config.resolve import resolved_lr
 from fira_train.methods.registry import METHODS, build_method, get_method
 from fira_train.methods.slimadam import SlimAdamW, compressed_dims, second_moment_numel, slimadam_param_groups
 from tests.fira_train.harness_fixtures import micro_config
