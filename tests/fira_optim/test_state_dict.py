@@ -286,5 +286,12 @@ def test_a_state_dict_saved_by_0_1_0_resumes_bit_for_bit():
         for p, g in zip(params, row):
             p.grad = g.clone()
         opt.step()
+    # Bit for bit where the file was made (torch 2.13.0 on an AVX512 CPU); another torch build or
+    # CPU kernel set may round an SVD or a sum differently in the last bit (seen on torch 2.11).
+    same_platform = (torch.__version__.startswith("2.13.0")
+                     and torch.backends.cpu.get_cpu_capability() == "AVX512")
     for p, want in zip(params, saved["final"]):
-        assert torch.equal(p.detach(), want)
+        if same_platform:
+            assert torch.equal(p.detach(), want)
+        else:
+            torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
