@@ -83,7 +83,7 @@ def main() -> None:
                 g = p.grad.float()
                 side = projection_side(p.shape, "std")
                 t0 = time.perf_counter()
-                # the exact SVD as the optimizer computes it by default (align_signs=True)
+                # the exact SVD as the optimizer computes it with align_signs=True (the QR-first route)
                 exact = svd_basis(g, args.rank, side, fast_route=True)
                 t1 = time.perf_counter()
                 approx = randomized_basis(g, args.rank, side, previous[i], power_iters=args.power_iters)

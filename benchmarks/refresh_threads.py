@@ -13,10 +13,11 @@ over rounds:
   team of every core in each worker, and the teams oversubscribe the cores) or set to one
   intra-op thread as it starts;
 - each with the SVD route of :func:`fira_optim.projection.svd_basis`: ``tall`` (the tall
-  orientation, plain SVD) or ``QR first`` (the small side's vectors from the R factor, the
-  default since ``QR_FIRST_RATIO`` exists).
+  orientation, plain SVD) or ``QR first`` (the small side's vectors from the R factor, taken
+  where the signs are aligned, ``align_signs=True``).
 
-``FiraAdamW`` uses ``pool, 1 thread per worker, QR first`` when several matrices are due.
+``FiraAdamW`` uses ``pool, 1 thread per worker, tall`` when several matrices are due (``QR first``
+with ``align_signs=True``).
 """
 
 from __future__ import annotations

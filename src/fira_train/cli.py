@@ -183,8 +183,10 @@ def _sweep(args: argparse.Namespace) -> int:
     from fira_train.sweep.driver import parse_lr_grids, parse_numbers, rewrite_report, sweep
 
     if args.report_only:
-        given = [flag for flag, value in (("--methods", args.methods), ("--lrs", args.lrs), ("--recipe", args.recipe),
-                                          ("--reuse", args.reuse), ("key=value", args.overrides)) if value]
+        given = [flag for flag, value in (
+            ("--methods", args.methods), ("--lrs", args.lrs), ("--recipe", args.recipe), ("--reuse", args.reuse),
+            ("--reference", args.reference), ("--all-seeds", args.all_seeds), ("--jobs", args.jobs != 1),
+            ("--seeds", args.seeds != "0,1,2"), ("key=value", args.overrides)) if value]
         if given:
             raise ValueError(f"--report-only rebuilds the report from OUT/sweep.json and takes only --out, "
                              f"not {', '.join(given)}")

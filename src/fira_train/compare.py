@@ -1,8 +1,9 @@
 """``fira-train compare``: several methods on the same data, tokens and seed, then a report.
 
 Each method runs :func:`fira_train.run.train.train` with the recipe's config, changing only
-``optim.method`` (and the learning rate, which is each method's default unless ``--lr`` or
-``optim.lr=`` sets one for all) and writing to ``OUT/<method>/``. The tokenised corpus is built
+``optim.method`` (and the learning rate, which is the recipe's tuned rate for the method, else
+the method's default, unless ``--lr`` or ``optim.lr=`` sets one for all, or a spec's
+``@optim.lr=`` for one) and writing to ``OUT/<method>/``. The tokenised corpus is built
 once and shared. Then ``OUT/report.md`` (:func:`fira_train.report.markdown.write_report`) and
 ``OUT/loss.png`` (:func:`fira_train.report.plots.plot_curves`) are written and their paths
 printed.

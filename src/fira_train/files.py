@@ -58,6 +58,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temp, path)
+    fsync_dir(path.parent)  # the rename itself
     return path
 
 

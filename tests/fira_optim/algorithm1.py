@@ -12,7 +12,7 @@ import torch
 
 class Algorithm1:
     def __init__(self, w0, *, lr, rank, T, alpha, gamma=1.01, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, transpose=False, align_signs=True):
+                 weight_decay=0.0, transpose=False, align_signs=False):
         self.W = w0.detach().clone().double()
         self.lr, self.r, self.T, self.alpha, self.gamma = lr, rank, T, alpha, gamma
         self.b1, self.b2 = betas

@@ -13,7 +13,9 @@ says exactly what it trained with:
 
 :func:`saved_config` reads a recorded config as the version that wrote it ran: configs saved
 while aligned signs were the library's default (before the value was recorded) read as
-``align_signs=true``, so such a run is neither reused nor resumed under today's default.
+``align_signs=true``, so such a run is neither reused nor resumed under today's default. Configs
+from the versions before sign alignment existed at all (raw signs) cannot be told apart from
+those and read as aligned too: resume such a run with ``optim.align_signs=false``.
 """
 
 from __future__ import annotations

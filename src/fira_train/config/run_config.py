@@ -99,7 +99,9 @@ class OptimConfig:
     method: str = "fira"
     """A name from the method registry (``fira-train pretrain --help`` lists them)."""
     lr: float | None = None
-    """Peak learning rate; None takes the method's default (0.01 for Fira/GaLore, 0.001 for AdamW, ...)."""
+    """Peak learning rate; None takes the recipe's tuned rate for the method where it has one
+    (``tiny``: :data:`fira_train.config.recipes.TUNED_LR`), else the method's default (0.01 for
+    Fira/GaLore, 0.001 for AdamW, ...; ``fira-train methods`` lists both)."""
     rank: int = 128
     """Rank r of the projected subspace (Fira/GaLore family) or of the LoRA adapters (lora/relora)."""
     update_proj_gap: int = 200

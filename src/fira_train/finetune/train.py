@@ -132,6 +132,8 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         "loss_tail_mean": sum(tail) / len(tail),
         "loss_history": losses,
         "optimizer": type(optimizer).__name__,
+        # FiraAdamW's sign alignment (raw SVD signs by default; None for other optimizers)
+        "align_signs": optimizer.defaults.get("align_signs"),
         "optimizer_state_numel": state_numel,
         "optimizer_state_mib": state_numel * 4 / 2**20,
         "train_peak_rss_mib": (rss_peak_bytes() or 0) / 2**20 if reset else None,

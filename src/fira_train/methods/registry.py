@@ -37,7 +37,9 @@ Every training method of the paper's comparison and ablations is a :class:`Metho
 ``apollo``, ``apollo-mini``, ``flora`` and ``slimadam`` refuse ``train.parallel=fsdp2``
 (:attr:`Method.fsdp2`).
 
-Default learning rates (``optim.lr=None``): 0.01 for every Fira/GaLore-family name (the paper
+Default learning rates (``optim.lr=None`` where the recipe has no tuned rate for the method,
+:data:`fira_train.config.recipes.TUNED_LR`; ``tiny`` has one for Fira, GaLore, fira-released,
+AdamW and adamw-grouped): 0.01 for every Fira/GaLore-family name (the paper
 uses 0.01 for Fira and GaLore without tuning) and for ``adamw-grouped`` (Fira's, so that by
 default it takes Fira's step sizes); 0.001 for ``adamw``, ``lora``, ``relora`` and
 ``adam-mini`` (a common AdamW default, not a tuned value: the paper tunes its baselines over

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fira_train.config.method_spec import parse_method_specs
-from fira_train.files import read_json
 from fira_train.config.run_config import RunConfig
+from fira_train.files import read_json
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
 from fira_train.sweep.report import plot_lr, write_json, write_markdown
 from fira_train.sweep.summary import MethodSummary, summarize
@@ -102,8 +102,6 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
                 "all_seeds": all_seeds, "reference": reference, "command": command,
                 "selection": "lowest mean final validation perplexity over the seeds run at an lr"}
     results: dict[RunKey, RunResult] = {}
-
-    grid_seeds = list(seeds) if all_seeds else [seeds[0]]
 
     def write() -> list[MethodSummary]:
         return _write_files(out, settings, results)

@@ -124,10 +124,10 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
         lines.append(f"| {row.spec} | {chosen} | {val} | {test} | {diffs[0]} | {diffs[1]} |")
     lines += [
         "",
-        f"`*`: the 95% interval excludes 0. Intervals: Student's t on the per-seed differences "
-        f"(the same seed gives both methods the same initialisation and data order). A row with one "
-        f"seed has no interval and shows no ordering. The validation split also chose the learning "
-        f"rates, so its differences are not held-out estimates: the test column is.",
+        "`*`: the 95% interval excludes 0. Intervals: Student's t on the per-seed differences "
+        "(the same seed gives both methods the same initialisation and data order). A row with one "
+        "seed has no interval and shows no ordering. The validation split also chose the learning "
+        "rates, so its differences are not held-out estimates: the test column is.",
         "",
         "## Validation perplexity at each learning rate",
         "",

@@ -124,6 +124,7 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
     assert results["average_accuracy"] == pytest.approx(sum(accs) / 2)
     training = results["training"]
     assert training["steps"] == 8 and training["optimizer"] == "FiraAdamW"
+    assert training["align_signs"] is False  # recorded: raw SVD signs, the library's default
     assert training["loss_tail_mean"] < training["loss_first"]  # it learns the answer format
     assert results["memory"]["optimizer_state_numel"] > 0
     lines = [json.loads(line) for line in (out / "predictions" / "boolq.jsonl").read_text().splitlines()]

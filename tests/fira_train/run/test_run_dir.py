@@ -177,3 +177,26 @@ def test_the_analyses_files_count_as_fira_trains() -> None:
 
     assert {NORMS_FILE, RUN_SPEC_FILE, FACTORS_FILE} <= run_files.ANALYSIS_FILES
     assert lock_file == LOCK_FILE and lock_file in run_files.RUN_FILES
+
+
+def test_resuming_a_run_of_the_former_tiny_defaults_names_each_setting_to_give(tmp_path: Path) -> None:
+    """A tiny Fira run saved at the former default lr (0.01) and without a recorded sign choice
+    (aligned then): today's defaults (the tuned 0.02, raw signs) differ, and the refusal says
+    which overrides resume it; with them, the configs agree."""
+    from fira_train.config.overrides import apply_overrides, config_to_dict
+    from fira_train.config.recipes import tiny
+    from fira_train.config.resolve import resolved, saved_config
+    from fira_train.run.run_dir import config_changes, prepare_out_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    old = config_to_dict(apply_overrides(tiny(), ["optim.lr=0.01"]))
+    del old["optim"]["align_signs"]
+    (out / "config.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError) as err:
+        prepare_out_dir(resolved(tiny()), out, "latest", overwrite=False)
+    assert "optim.align_signs, optim.lr differ" in str(err.value)
+    assert "resumes with optim.lr=0.01" in str(err.value) and "resumes with optim.align_signs=true" in str(err.value)
+    given = resolved(apply_overrides(tiny(), ["optim.lr=0.01", "optim.align_signs=true"]))
+    assert config_changes(saved_config(old), given) == []
+    prepare_out_dir(given, out, "latest", overwrite=False)  # no error
