@@ -26,6 +26,7 @@ from fira_optim.state import optimizer_state_bytes
 from fira_train.config.method_spec import MethodSpec, parse_method_specs
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
+from fira_train.files import write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
@@ -103,8 +104,8 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
                  format_bytes(measured["measured_peak_bytes"]), format_bytes(estimate["total"]))
         # Written after every method: a long measurement stopped midway keeps what it measured.
         record["complete"] = index == len(specs)
-        json_path.write_text(json.dumps(record, indent=1) + "\n")
-        md_path.write_text(format_measurement(record))
+        write_text_atomic(json_path, json.dumps(record, indent=1) + "\n")
+        write_text_atomic(md_path, format_measurement(record))
     return md_path, json_path
 
 

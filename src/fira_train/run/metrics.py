@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import dumps, read_json_lines
+from fira_train.files import dumps, read_json_lines, write_text_atomic
 
 
 class MetricsLog:
@@ -32,9 +31,7 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             kept = [record for record in read_json_lines(self.path, hint=_DAMAGED_HINT)
                     if record.get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(dumps(record) + "\n" for record in kept))
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, "".join(dumps(record) + "\n" for record in kept))
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:

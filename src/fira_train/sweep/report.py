@@ -66,6 +66,18 @@ def write_json(path: Path, settings: dict[str, Any], results: dict[RunKey, RunRe
     return write_text_atomic(path, dumps(payload, indent=1) + "\n")
 
 
+def read_runs(saved: dict[str, Any]) -> dict[RunKey, RunResult]:
+    """The runs of a ``sweep.json`` (as :func:`write_json` wrote them) back as results; JSON holds
+    ``null`` where a perplexity was not finite."""
+    results: dict[RunKey, RunResult] = {}
+    for run in saved["runs"]:
+        key = RunKey(run["spec"], float(run["lr"]), int(run["seed"]))
+        val = math.inf if run["val_ppl"] is None else float(run["val_ppl"])
+        test = math.inf if run["test_ppl"] is None and run["diverged"] else run["test_ppl"]
+        results[key] = RunResult(key, val, test, diverged=bool(run["diverged"]), detail=run.get("error", ""))
+    return results
+
+
 def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
     """``lr.png``: mean validation perplexity (error bars: sd over seeds) against lr, log-log."""
     plt = pyplot()
@@ -152,5 +164,4 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
     lines += ["", "![validation perplexity against learning rate](lr.png)", "", *_seed_table(rows, seeds)]
     if settings.get("command"):
         lines += ["", "Command:", "", "```bash", settings["command"], "```"]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_text_atomic(path, "\n".join(lines) + "\n")
