@@ -61,6 +61,9 @@ FLAG_KEYS = {
     "parallel": "train.parallel",
 }
 
+#: ``fira-train sweep``'s default ``--seeds``.
+SWEEP_SEEDS = "0,1,2"
+
 #: Subcommand modules registered after the built-in ones (skipped if not installed).
 PLUGINS = ("fira_train.finetune.cli", "fira_train.analysis.cli")
 
@@ -186,7 +189,7 @@ def _sweep(args: argparse.Namespace) -> int:
         given = [flag for flag, value in (
             ("--methods", args.methods), ("--lrs", args.lrs), ("--recipe", args.recipe), ("--reuse", args.reuse),
             ("--reference", args.reference), ("--all-seeds", args.all_seeds), ("--jobs", args.jobs != 1),
-            ("--seeds", args.seeds != "0,1,2"), ("key=value", args.overrides)) if value]
+            ("--seeds", args.seeds != SWEEP_SEEDS), ("key=value", args.overrides)) if value]
         if given:
             raise ValueError(f"--report-only rebuilds the report from OUT/sweep.json and takes only --out, "
                              f"not {', '.join(given)}")
@@ -234,7 +237,7 @@ def _register_sweep(subparsers: Any) -> None:
     parser.add_argument("--lrs", action="append", metavar="[SPEC:]LR,...",
                         help="learning-rate grid, e.g. 0.001,0.003,0.01; repeat with SPEC:LR,... to give a "
                              "method its own grid, e.g. --lrs adamw:0.001,0.003,0.01,0.03 (required)")
-    parser.add_argument("--seeds", default="0,1,2", help="seeds (default 0,1,2); the grid runs at the first")
+    parser.add_argument("--seeds", default=SWEEP_SEEDS, help=f"seeds (default {SWEEP_SEEDS}); the grid runs at the first")
     parser.add_argument("--all-seeds", action="store_true",
                         help="run every seed at every lr (choose on the mean over seeds)")
     parser.add_argument("--jobs", type=int, default=1,

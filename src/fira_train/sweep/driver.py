@@ -20,7 +20,7 @@ from fira_train.config.method_spec import parse_method_specs
 from fira_train.config.run_config import RunConfig
 from fira_train.files import read_json
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
-from fira_train.sweep.report import plot_lr, write_json, write_markdown
+from fira_train.sweep.report import plot_lr, read_runs, write_json, write_markdown
 from fira_train.sweep.summary import MethodSummary, summarize
 
 log = logging.getLogger(__name__)
@@ -141,12 +141,4 @@ def rewrite_report(out_dir: str | Path) -> tuple[Path, list[MethodSummary]]:
     del settings["runs"]
     settings["methods"] = [m["spec"] for m in saved["methods"]]  # the summary rows, in --methods order
     settings["lrs"] = {spec: [float(lr) for lr in lrs] for spec, lrs in saved["lrs"].items()}
-    results: dict[RunKey, RunResult] = {}
-    for run in saved["runs"]:  # JSON holds null where a perplexity was not finite
-        key = RunKey(run["spec"], float(run["lr"]), int(run["seed"]))
-        val = math.inf if run["val_ppl"] is None else float(run["val_ppl"])
-        test = run["test_ppl"]
-        if test is None and run["diverged"]:
-            test = math.inf
-        results[key] = RunResult(key, val, test, diverged=bool(run["diverged"]), detail=run.get("error", ""))
-    return out / "report.md", _write_files(out, settings, results)
+    return out / "report.md", _write_files(out, settings, read_runs(saved))
