@@ -48,10 +48,6 @@ def config_from_dict(values: dict[str, Any]) -> RunConfig:
     unknown = sorted(set(values) - {"recipe", *SECTIONS})
     if unknown:
         raise ValueError(f"unknown config key {unknown[0]}; valid keys: recipe, " + ", ".join(SECTIONS))
-    data = values.get("data", {})
-    if isinstance(data, dict) and "test_fraction" not in data:
-        # Saved before the test split existed: those runs trained on every non-validation document.
-        values = {**values, "data": {**data, "test_fraction": 0.0}}
     sections = {name: _section_from_dict(KINDS[name], values.get(name, {}), name) for name in SECTIONS}
     return RunConfig(recipe=values.get("recipe", "custom"), **sections)
 

@@ -11,7 +11,8 @@ says exactly what it trained with:
 - ``align_signs`` of the Fira / GaLore variants: ``optim.align_signs`` if set, else the
   variant's own setting, else :class:`fira_optim.FiraAdamW`'s default (raw SVD signs).
 
-:func:`saved_config` reads a recorded config as the version that wrote it ran: configs saved
+:func:`saved_config` reads a recorded config as the version that wrote it ran: a config saved
+before the held-out test split existed reads as ``data.test_fraction=0``; configs saved
 while aligned signs were the library's default (before the value was recorded) read as
 ``align_signs=true``, so such a run is neither reused nor resumed under today's default. Configs
 from the versions before sign alignment existed at all (raw signs) cannot be told apart from
@@ -68,6 +69,10 @@ def resolved(config: RunConfig) -> RunConfig:
 def saved_config(values: Any) -> RunConfig:
     """A recorded config (``config.json``, a checkpoint's or ``diverged.json``'s record) as the
     version that wrote it ran; see the module docstring."""
+    data = values.get("data") if isinstance(values, dict) else None
+    if isinstance(data, dict) and "test_fraction" not in data:
+        # saved before the test split existed: those runs trained on every non-validation document
+        values = {**values, "data": {**data, "test_fraction": 0.0}}
     optim = values.get("optim") if isinstance(values, dict) else None
     if isinstance(optim, dict) and optim.get("align_signs") is None:
         variant = fira_optim.VARIANTS.get(optim.get("method", "fira"))

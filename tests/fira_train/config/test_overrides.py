@@ -112,13 +112,3 @@ def test_override_keys_cover_every_section() -> None:
     for key in ("model.hidden_size", "optim.rank", "optim.update_proj_gap", "data.seq_len",
                 "train.steps", "train.batch_size", "train.micro_batch_size", "train.seed"):
         assert key in keys
-
-
-def test_a_config_saved_before_the_test_split_keeps_its_training_data() -> None:
-    from fira_train.config.overrides import config_from_dict, config_to_dict
-    from fira_train.config.recipes import micro
-
-    saved = config_to_dict(micro())
-    del saved["data"]["test_fraction"]
-    assert config_from_dict(saved).data.test_fraction == 0.0  # every non-validation document trained
-    assert micro().data.test_fraction == 0.02

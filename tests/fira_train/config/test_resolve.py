@@ -63,3 +63,10 @@ def test_a_recorded_choice_is_read_as_recorded() -> None:
     values = config_to_dict(resolved(tiny()))
     assert values["optim"]["align_signs"] is False
     assert saved_config(values) == resolved(tiny())
+
+
+def test_a_config_saved_before_the_test_split_keeps_its_training_data() -> None:
+    saved = config_to_dict(micro())
+    del saved["data"]["test_fraction"]
+    assert saved_config(saved).data.test_fraction == 0.0  # every non-validation document trained
+    assert micro().data.test_fraction == 0.02
