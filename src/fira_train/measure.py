@@ -136,14 +136,17 @@ def format_measurement(record: dict[str, Any]) -> str:
         "- Measured peak: on the CPU, the peak resident set of the run's own process during the "
         "steps minus its resident set before the model was built; on CUDA, "
         "`torch.cuda.max_memory_allocated`.",
-        "- Estimated: weights + gradients + optimizer states + activations "
-        "(`fira_train.memory.run_estimate`); the allocator's caches and BLAS/LAPACK workspaces "
-        "are not in it.",
+        "- Estimated: weights + gradients + optimizer states + activations + the step's "
+        "temporaries (`fira_train.memory.run_estimate`); the allocator's caches and BLAS/LAPACK "
+        "workspaces are not in it.",
     ]
     if record.get("command"):
         lines += ["", "Command:", "", "```bash", record["command"], "```"]
     return "\n".join(lines) + "\n"
 
+
+#: The parts of :func:`fira_train.memory.run_estimate.estimate_run_bytes`, in the table's order.
+ESTIMATE_PARTS = ("weights", "gradients", "optimizer_states", "activations", "step_temporaries")
 
 #: The configurations of the estimate table (``fira-train memory`` without ``--measure``).
 ESTIMATE_SPECS = (
@@ -174,13 +177,14 @@ def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, 
 def format_estimate_rows(rows: list[dict[str, Any]]) -> str:
     """The estimate table: GB per part and whether the total fits in 24 GB."""
     lines = ["Estimated memory of a training run (one 256-token sequence per step, fp32 unless "
-             "stated): weights + gradients + optimizer states + activations, in GB (10^9 bytes)",
+             "stated): weights + gradients + optimizer states + activations + the step's "
+             "temporaries, in GB (10^9 bytes)",
              "",
-             "| Size | Method | Weights | Gradients | Optimizer states | Activations | Total | Fits in 24 GB |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| Size | Method | Weights | Gradients | Optimizer states | Activations "
+             "| Step temporaries | Total | Fits in 24 GB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        parts = " | ".join(f"{r[k] / GB:.2f}" for k in ("weights", "gradients", "optimizer_states",
-                                                        "activations", "total"))
+        parts = " | ".join(f"{r[k] / GB:.2f}" for k in ESTIMATE_PARTS + ("total",))
         lines.append(f"| {r['size']} | {r['method']} | {parts} | {'yes' if r['fits_24gb'] else 'no'} |")
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
 
 .. math::
     \text{total} = \text{weights} + \text{gradients} + \text{optimizer states} + \text{activations}
+        + \text{step temporaries}
 
 - weights: every parameter at ``train.param_dtype`` (4 or 2 bytes);
 - gradients: all of them at the weights' dtype; with ``optim.step_in_backward`` only the
@@ -17,17 +18,31 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
 - activations: per layer :math:`s b h (34 + 5 a s / h)` bytes in 16-bit (Korthikanti et al.,
   "Reducing Activation Recomputation in Large Transformer Models", 2022), twice that in fp32,
   plus the logits (:math:`4 \cdot 3 s b V`: logits, softmax, gradient); with activation
-  checkpointing :math:`2 s b h` bytes per layer plus one layer's full activations.
+  checkpointing :math:`2 s b h` bytes per layer plus one layer's full activations;
+- step temporaries: what the update of the largest parameter stepped in one piece allocates on
+  top. The parameters that are not projected (all of them for torch's optimizers; the
+  embedding, head and norms for the Fira family) are stepped by torch's per-parameter Adam
+  (its default on the CPU), whose ``sqrt`` and division hold two parameter-sized temporaries at
+  once: :math:`2 \cdot V h` elements at the weights' dtype. Low-precision states (and stochastic
+  rounding) step through fp32 copies a chunk at a time (:data:`fira_optim.precision.CHUNK`
+  elements, about 13 bytes each). They add to everything else because the memory the backward
+  pass freed (the activations) stays in the process, in glibc's heap, while these temporaries,
+  larger than its ``mmap`` threshold, are mapped afresh (``benchmarks/memory_phases.py``
+  measures each phase: the step's own rise is :math:`2 \cdot V h \cdot 4` bytes at 60M). On
+  CUDA, torch's optimizers default to their ``foreach`` implementation, whose temporaries span
+  every parameter at once: not modelled.
 
 What the estimate leaves out is what the measurement shows on top: the framework's own memory
 (the baseline before the model exists is subtracted from the measured peak, but not the
-allocator's caches and the workspaces of BLAS / LAPACK) and temporaries of the step.
+allocator's caches and the workspaces of BLAS / LAPACK) and the heap the allocator keeps beyond
+the activations.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fira_optim.precision import CHUNK
 from fira_train.memory.matrix import PEER_METHODS, footprint_numel, llama_matrix_shapes, vector_state_numel
 
 if TYPE_CHECKING:  # annotations only
@@ -35,12 +50,16 @@ if TYPE_CHECKING:  # annotations only
 
 #: Bytes a moment element takes in each ``optim.state_dtype``.
 MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / 256}
+#: Bytes of fp32 copies per element of a chunk stepped through low precision (the parameter, its
+#: gradient and two moments decoded, and the update).
+CHUNK_TEMPORARY_BYTES = 13
 #: Methods that project their matrices (the Fira / GaLore family) and those that do not.
 PLAIN_METHODS = ("adamw", "adamw-grouped", "sgd", "adagrad", "adam-mini", "lora", "relora")
 
 
 def estimate_run_bytes(config: "RunConfig", vocab_size: int) -> dict[str, Any]:
-    """``{"weights", "gradients", "optimizer_states", "activations", "total"}`` in bytes."""
+    """``{"weights", "gradients", "optimizer_states", "activations", "step_temporaries",
+    "total"}`` in bytes."""
     m, o, t = config.model, config.optim, config.train
     h, layers = m.hidden_size, m.num_hidden_layers
     weight_bytes = 2 if t.param_dtype == "bfloat16" else 4
@@ -76,8 +95,13 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int) -> dict[str, Any]:
     else:
         activations = layers * per_layer
     activations += 3 * s * b * vocab_size * 4  # logits, their softmax and gradient, fp32
+    chunked = o.state_dtype != "float32" or (o.stochastic_rounding and weight_bytes == 2)
+    stepped_whole = largest if o.method in PLAIN_METHODS else embed
+    temporaries = (min(stepped_whole, CHUNK) * CHUNK_TEMPORARY_BYTES if chunked
+                   else 2 * stepped_whole * weight_bytes)
     parts = {"weights": params * weight_bytes, "gradients": gradients,
-             "optimizer_states": states, "activations": activations}
+             "optimizer_states": states, "activations": activations,
+             "step_temporaries": temporaries}
     return {**{k: int(v) for k, v in parts.items()}, "total": int(sum(parts.values()))}
 
 

@@ -24,7 +24,8 @@ def test_the_parts_follow_the_formulas() -> None:
     _, fira = _estimate("fira")
     # the embedding and head (33M of 58M parameters) keep AdamW states under Fira too
     assert fira["weights"] == adamw["weights"] and fira["optimizer_states"] < 0.75 * adamw["optimizer_states"]
-    assert fira["total"] == sum(fira[k] for k in ("weights", "gradients", "optimizer_states", "activations"))
+    assert fira["total"] == sum(fira[k] for k in ("weights", "gradients", "optimizer_states", "activations",
+                                                  "step_temporaries"))
 
 
 def test_torch_adamw_keeps_bf16_moments_for_bf16_weights() -> None:
@@ -80,3 +81,21 @@ def test_the_peers_states_are_what_their_optimizers_hold() -> None:
         held = optimizer_state_bytes(setup.optimizer)
         estimated = estimate_run_bytes(config, 512)["optimizer_states"]
         assert estimated == pytest.approx(held, rel=0.02), method
+
+
+def test_the_step_temporaries_are_the_largest_whole_update_or_a_chunk() -> None:
+    """fp32 states: torch's per-parameter Adam holds two copies of the largest parameter it steps
+    (the embedding, 32000 x 512); low-precision states step a chunk of fp32 copies at a time."""
+    from fira_optim.precision import CHUNK
+    from fira_train.memory.run_estimate import CHUNK_TEMPORARY_BYTES
+
+    for method in ("adamw", "fira", "galore"):
+        _, fp32 = _estimate(method)
+        assert fp32["step_temporaries"] == 2 * 32000 * 512 * 4, method
+    _, bf16 = _estimate("adamw", train={"param_dtype": "bfloat16"})
+    assert bf16["step_temporaries"] == 2 * 32000 * 512 * 2
+    for optim in ({"state_dtype": "int8"}, {"state_dtype": "bfloat16"}):
+        _, low = _estimate("fira", optim=optim)
+        assert low["step_temporaries"] == CHUNK * CHUNK_TEMPORARY_BYTES
+    _, rounded = _estimate("fira", optim={"stochastic_rounding": True}, train={"param_dtype": "bfloat16"})
+    assert rounded["step_temporaries"] == CHUNK * CHUNK_TEMPORARY_BYTES
