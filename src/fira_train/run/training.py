@@ -79,7 +79,9 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
     if config.train.param_dtype == "bfloat16":
         model = model.to(torch.bfloat16)  # pure bf16 weights (and so gradients)
     if config.train.activation_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers 5 renamed it (the old name warns that it goes in v6); 4.x has the old one
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
     mode = config.train.parallel
     wrapped = None
     if mode != "none":

@@ -76,6 +76,16 @@ def test_bf16_weights_are_bf16(tmp_path: Path) -> None:
     assert {p.dtype for p in training.model.parameters()} == {torch.bfloat16}
 
 
+def test_activation_checkpointing_is_switched_on_without_a_deprecation_warning(tmp_path: Path) -> None:
+    import warnings
+
+    config = micro_config(tmp_path, "optim.method=fira", "train.activation_checkpointing=true")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        training = build_training(config, 300, resolve_device(config))
+    assert training.model.is_gradient_checkpointing
+
+
 def test_with_step_in_backward_the_updates_happen_in_backward(tmp_path: Path) -> None:
     from fira_train.data.build import build_corpus
     from fira_train.run.train import train_step
