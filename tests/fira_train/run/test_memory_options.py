@@ -70,6 +70,17 @@ def test_memory_options_train_close_to_the_plain_run(tmp_path: Path, options) ->
     assert _losses(tmp_path / "other") == uninterrupted
 
 
+def test_activation_checkpointing_recomputes_exactly_under_step_in_backward(tmp_path: Path) -> None:
+    """The hooks update a layer's weights after its backward; the recomputation of an earlier
+    layer reads that layer's own weights, not yet updated: the same losses as without it."""
+    common = ["optim.method=fira", "train.steps=4", "train.precision=fp32", "train.eval_every=4",
+              "train.save_every=0", "optim.step_in_backward=true", "optim.state_dtype=int8",
+              "model.hidden_size=64", "model.intermediate_size=256"]
+    train(micro_config(tmp_path, *common, out="plain"))
+    train(micro_config(tmp_path, *common, "train.activation_checkpointing=true", out="ckpt"))
+    assert _losses(tmp_path / "ckpt") == _losses(tmp_path / "plain")
+
+
 def test_bf16_weights_are_bf16(tmp_path: Path) -> None:
     config = micro_config(tmp_path, "optim.method=fira", "train.param_dtype=bfloat16")
     training = build_training(config, 300, resolve_device(config))
