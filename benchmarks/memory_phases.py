@@ -16,7 +16,10 @@ Usage (one sequence of 256 tokens, as in docs/results/memory-measured)::
         --methods adamw,fira,fira@optim.step_in_backward=true \
         --out docs/results/memory-measured/phases-60m train.batch_size=1 train.micro_batch_size=1
 
-Writes ``OUT/phases.json`` and ``OUT/phases.md``.
+Writes ``OUT/phases.json`` and ``OUT/phases.md``. glibc's ``MALLOC_*`` environment variables
+(e.g. ``MALLOC_MMAP_THRESHOLD_=131072``: every allocation from 128 KiB up is mapped on its own and
+returned when freed) are recorded with the command: they decide how much freed memory stays
+resident.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import platform
 import sys
 from dataclasses import replace
@@ -159,7 +163,8 @@ def format_phases(record: dict[str, Any]) -> str:
                              f"| {p['end'] / MIB:.0f} | {(p['peak'] - p['start']) / MIB:.0f} | {alive} |")
         lines += ["", f"Peak of the steps: {run_peak / MIB:.0f} MiB; estimated total "
                   f"{est['total'] / MIB:.0f} MiB.", ""]
-    lines += ["Command:", "", "```bash", record["command"], "```"]
+    env = " ".join(f"{k}={v}" for k, v in sorted(record.get("malloc_env", {}).items()))
+    lines += ["Command:", "", "```bash", (env + " " if env else "") + record["command"], "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -183,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     record = {"recipe": args.recipe, "steps": args.steps,
               "command": "python benchmarks/memory_phases.py " + " ".join(argv or sys.argv[1:]),
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "rows": []}
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              # glibc's allocator settings change how much freed memory stays resident
+              "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+              "rows": []}
     for spec in specs:
         run_config = spec.config(config, out / "runs")
         measured = run_isolated(measure_phases, run_config, args.steps)
