@@ -4,6 +4,7 @@ script that no longer runs would leave those numbers unreproducible."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,35 @@ def test_throughput_script_times_every_method_on_the_same_batches(tmp_path: Path
         rounds = result["update_seconds_per_step"][method]
         assert len(rounds) == 2 and all(len(r) == result["steps_per_round"] for r in rounds)
         assert 0 < result["other_steps_seconds_median"][method] <= result["slowest_step_seconds_median"][method]
+
+
+@pytest.mark.timeout(300)
+def test_memory_phases_script_splits_each_step_and_counts_what_is_alive(tmp_path: Path) -> None:
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "phases"
+    command = [sys.executable, str(ROOT / "benchmarks" / "memory_phases.py"), "--recipe", "micro",
+               "--methods", "adamw,fira@optim.step_in_backward=true", "--steps", "2", "--out", str(out),
+               f"data.source={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300",
+               "data.val_fraction=0.1", "train.batch_size=2", "train.micro_batch_size=2"]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    subprocess.run(command, check=True, cwd=ROOT, timeout=280, capture_output=True, env=env)
+    record = json.loads((out / "phases.json").read_text())
+    assert record["malloc_env"] == {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    adamw, hooks = (row["measured"] for row in record["rows"])
+    for measured in (adamw, hooks):
+        assert [s["step"] for s in measured["steps"]] == [1, 2]
+        for s in measured["steps"]:
+            for phase in ("forward", "backward", "optimizer_step"):
+                # VmHWM follows VmRSS through counters the kernel syncs every few dozen page
+                # faults, so it may trail the end of a phase by a few pages
+                assert s[phase]["peak"] >= max(s[phase]["start"], s[phase]["end"]) - 2**20
+            assert s["forward"]["saved_for_backward"] > 0
+    # AdamW's gradients are all alive after the backward pass; in-backward updates free each one
+    assert adamw["steps"][0]["backward"]["gradients_after"] == adamw["weights_bytes"]
+    assert hooks["steps"][0]["backward"]["gradients_after"] == 0
+    # two moments per weight, and a step counter per parameter
+    assert 0 < adamw["optimizer_state_bytes"] - 2 * adamw["weights_bytes"] < 4096
+    assert "MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/memory_phases.py" in (out / "phases.md").read_text()
 
 
 @pytest.mark.timeout(300)
