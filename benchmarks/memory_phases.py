@@ -46,9 +46,10 @@ from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes
+from fira_train.measure import build_measured
 from fira_train.run.isolated import run_isolated
 from fira_train.run.peak_memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
-from fira_train.run.training import autocast_for, build_training
+from fira_train.run.training import autocast_for
 
 MIB = 2**20
 
@@ -63,13 +64,6 @@ def _tensor_bytes(tensors, exclude: set[int] = frozenset()) -> int:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
     return total
-
-
-def _state_tensors(optimizer: torch.optim.Optimizer):
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                yield value
 
 
 class _Phase:
@@ -91,20 +85,12 @@ class _Phase:
 def measure_phases(config: RunConfig, steps: int) -> dict[str, Any]:
     """``steps`` training steps of ``config`` (one micro-batch each), phase by phase; run it in
     a fresh process (:func:`fira_train.run.isolated.run_isolated`)."""
-    if config.train.num_threads:
-        torch.set_num_threads(config.train.num_threads)
-    corpus = build_corpus(config.data)
-    import transformers.models.llama.modeling_llama  # noqa: F401  (not the model: before the baseline)
-    gc.collect()
-    baseline = current_rss_bytes() or 0
-    reset_rss_peak()
-    device = torch.device("cpu")
-    training = build_training(config, corpus.vocab_size, device)
+    corpus, _, baseline, training = build_measured(config)  # on the CPU: main() sets train.device
     built = (rss_peak_bytes() or 0) - baseline
     model, optimizer = training.model, training.optimizer
     stream = corpus.train_batches(config.train.micro_batch_size or config.train.batch_size,
                                   config.train.seed)
-    autocast = autocast_for(config, device)
+    autocast = autocast_for(config, training.device)
     phase = _Phase(baseline)
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     records = []
@@ -126,7 +112,7 @@ def measure_phases(config: RunConfig, steps: int) -> dict[str, Any]:
             optimizer.step()
             training.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        opt["states_after"] = _tensor_bytes(_state_tensors(optimizer))
+        opt["states_after"] = optimizer_state_bytes(optimizer)
         records.append({"step": step, "loss": loss.item(), "forward": fwd, "backward": bwd,
                         "optimizer_step": opt})
         del loss

@@ -40,9 +40,11 @@ log = logging.getLogger(__name__)
 GB = 10**9
 
 
-def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
-    """Train ``steps`` steps of ``config`` in this process and report its memory (run it in a
-    fresh process: :func:`measure`)."""
+def build_measured(config: RunConfig) -> tuple[Any, torch.device, int, Any]:
+    """``(corpus, device, baseline, training)``: the corpus loaded, the memory in use taken as the
+    baseline (and the peak reset), then the model and optimizer built, so that everything
+    measured from here on is the run's own. :func:`measure_run` and
+    ``benchmarks/memory_phases.py`` start this way."""
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     corpus = build_corpus(config.data)
@@ -56,7 +58,13 @@ def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
     else:
         baseline = current_rss_bytes() or 0
         reset_rss_peak()
-    training = build_training(config, corpus.vocab_size, device)
+    return corpus, device, baseline, build_training(config, corpus.vocab_size, device)
+
+
+def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps of ``config`` in this process and report its memory (run it in a
+    fresh process: :func:`measure`)."""
+    corpus, device, baseline, training = build_measured(config)
     micro = config.train.micro_batch_size or config.train.batch_size
     stream = corpus.train_batches(micro, config.train.seed)
     autocast = autocast_for(config, device)
