@@ -35,11 +35,17 @@ def llama_config(config: ModelConfig, vocab_size: int, max_seq_len: int) -> Llam
     )
 
 
-def build_model(config: ModelConfig, vocab_size: int, max_seq_len: int, seed: int) -> LlamaForCausalLM:
+def build_model(config: ModelConfig, vocab_size: int, max_seq_len: int, seed: int,
+                dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """A ``LlamaForCausalLM`` whose random initialisation depends only on ``seed``.
 
     The global torch generator is reseeded here, so two calls with the same arguments give
     bit-identical weights whatever ran before.
+
+    ``dtype=torch.bfloat16`` builds the weights (and buffers) in bf16 from the start: the
+    same values, bit for bit, as ``build_model(...).to(torch.bfloat16)`` (a test checks
+    it), without that path's transient fp32 copy of the whole model, twice the size of the
+    bf16 weights, which would otherwise be the peak of a bf16 run's memory.
     """
     # imported here: the modeling code pulls in transformers' quantizers (and torchao, where
     # installed), which a command that stops before building a model should not load
@@ -47,7 +53,13 @@ def build_model(config: ModelConfig, vocab_size: int, max_seq_len: int, seed: in
 
     hf_config = llama_config(config, vocab_size, max_seq_len)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(hf_config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # torch's own way to allocate a module's tensors in a dtype
+    try:
+        model = LlamaForCausalLM(hf_config)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to(dtype)  # buffers computed in fp32 whatever the default (RoPE's inv_freq)
     model.config.use_cache = False
     return model
 

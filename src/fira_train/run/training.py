@@ -75,9 +75,9 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
     module's parameters and Fira-family methods deal their refresh SVDs to the ranks
     (``split_refresh``).
     """
-    model = build_model(config.model, vocab_size, config.data.seq_len, config.train.seed).to(device)
-    if config.train.param_dtype == "bfloat16":
-        model = model.to(torch.bfloat16)  # pure bf16 weights (and so gradients)
+    # pure bf16 weights (and so gradients) are built in bf16 on the host, then moved
+    dtype = torch.bfloat16 if config.train.param_dtype == "bfloat16" else torch.float32
+    model = build_model(config.model, vocab_size, config.data.seq_len, config.train.seed, dtype).to(device)
     if config.train.activation_checkpointing:
         # transformers 5 renamed it (the old name warns that it goes in v6); 4.x has the old one
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -45,3 +48,40 @@ def test_parameter_count_counts_tied_weights_once() -> None:
 def test_tiny_vocab_is_rejected() -> None:
     with pytest.raises(ValueError, match="vocab_size"):
         build_model(SMALL, vocab_size=1, max_seq_len=16, seed=0)
+
+
+def test_bf16_build_equals_fp32_build_cast_bit_for_bit() -> None:
+    config = ModelConfig(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_hidden_layers=2)
+    cast = build_model(config, 300, 32, seed=5).to(torch.bfloat16)
+    direct = build_model(config, 300, 32, seed=5, dtype=torch.bfloat16)
+    a = dict(cast.named_parameters()) | dict(cast.named_buffers())
+    b = dict(direct.named_parameters()) | dict(direct.named_buffers())
+    assert sorted(a) == sorted(b)
+    for name, tensor in a.items():
+        assert b[name].dtype == tensor.dtype, name
+        assert torch.equal(b[name], tensor), name
+    assert all(p.dtype == torch.bfloat16 for p in direct.parameters())
+    assert torch.get_default_dtype() == torch.float32  # restored
+
+
+_BUILD_PEAK = """
+import sys, torch
+from fira_train.config.run_config import ModelConfig
+from fira_train.methods.model import build_model
+from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes, current_rss_bytes
+import transformers.models.llama.modeling_llama
+config = ModelConfig(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_hidden_layers=8)
+reset_rss_peak(); before = current_rss_bytes()
+model = build_model(config, 8000, 64, 0, torch.bfloat16)
+weights = sum(p.numel() * p.element_size() for p in model.parameters())
+print(weights, rss_peak_bytes() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_bf16_build_never_holds_the_fp32_model() -> None:
+    # in a fresh process: this one's freed heap would hide a transient allocation
+    out = subprocess.run([sys.executable, "-c", _BUILD_PEAK], capture_output=True, text=True, check=True)
+    weights, peak = map(int, out.stdout.split()[-2:])
+    assert weights > 60e6  # ~34M bf16 parameters: large enough to dwarf the allocator's noise
+    assert peak < 1.5 * weights  # the fp32-then-cast path peaks at 2x (fp32 model + casts)
