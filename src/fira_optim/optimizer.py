@@ -452,11 +452,9 @@ class Fira(Optimizer):
         and none derivable from this gradient) or ``_SKIP_STEP``."""
         work_dtype = torch.promote_types(p.dtype, torch.float32)
         sharding = distributed.row_sharding(p)  # FSDP2: this rank holds a row block of p, p.grad
-        if refreshed is not None and p in refreshed:
-            grad = refreshed[p][2]  # converted once, for the refresh
-        else:
-            grad = p.grad if sharding is None else p.grad.to_local()
-            grad = grad if grad.dtype == work_dtype else grad.to(work_dtype)
+        own = p.grad if sharding is None else p.grad.to_local()
+        grad = refreshed[p][2] if refreshed is not None and p in refreshed else own
+        grad = grad if grad.dtype == work_dtype else grad.to(work_dtype)
         side = projection_side(p.shape, group["proj_type"])
         rank = group["rank"]
         state = self.state[p]
@@ -496,15 +494,20 @@ class Fira(Optimizer):
             # ||g_i||^2 for ||S||, read now while G is still in cache from the projection: on the
             # CPU a second sweep over every gradient later in the step streams it from memory.
             grad_sq = sq_norms(grad, dim)
-        return MatrixStep(param=p, local=p if sharding is None else p.to_local(), grad=grad,
+        # A low-precision gradient's fp32 copy is dropped here and made again for its update:
+        # held until then, the copies of every matrix would coexist (twice the bf16 weights).
+        lazy = own.dtype != work_dtype
+        return MatrixStep(param=p, local=p if sharding is None else p.to_local(),
+                          grad=None if lazy else grad, source=own if lazy else None,
                           side=side, basis=basis, new_basis=new_basis, low=low, low_norm=low_norm,
                           strategy=strategy, work_dtype=work_dtype, sharding=sharding,
                           grad_sq=grad_sq, order=order, rounding=rounding)
 
     def _update(self, matrices: list[tuple[MatrixStep, Hyper]], stats) -> None:
         """Commit the new bases and step counts, then stages 3-7: one matrix at a time for the
-        reference strategy and for low-precision states (decoded to fp32, updated, encoded back:
-        only one matrix's fp32 moments exist at once), in buckets of matrices that share
+        reference strategy, for low-precision states (decoded to fp32, updated, encoded back:
+        only one matrix's fp32 moments exist at once) and for low-precision gradients (only one
+        matrix's fp32 gradient exists at once), in buckets of matrices that share
         hyper-parameters, step count, strategy and shard group otherwise."""
         buckets: dict[tuple, list[MatrixStep]] = {}
         for m, hp in matrices:
@@ -517,16 +520,21 @@ class Fira(Optimizer):
             state["step"] += 1
             step = int(state["step"])
             row_sum = None if m.sharding is None else m.sharding.sum
+            lazy = m.source is not None
+            if lazy:
+                m.grad = m.source.to(m.work_dtype)
             if hp.state_dtype is not StateDtype.FLOAT32:
                 stored, keys = m.state, STATE_KEYS[hp.base]
                 m.state = precision.decode(stored, keys, m.work_dtype)
                 m.strategy.run([m], step, hp, row_sum, stats)
                 precision.encode(stored, m.state, keys)
-            elif m.strategy.explicit:
+            elif m.strategy.explicit or lazy:
                 m.strategy.run([m], step, hp, row_sum, stats)
             else:
                 shards = None if m.sharding is None else m.sharding.group
                 buckets.setdefault((id(hp), step, m.strategy.name, shards), []).append((m, hp))
+            if lazy:
+                m.grad = None
         for (_, step, _, _), bucket in buckets.items():
             batch = [m for m, _ in bucket]
             first = batch[0]

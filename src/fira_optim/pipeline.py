@@ -46,7 +46,8 @@ class MatrixStep:
 
     param: torch.Tensor  #: the parameter as the optimizer holds it
     local: torch.Tensor  #: what the commit updates in place
-    grad: torch.Tensor  #: G in the working dtype (at least fp32)
+    #: G in the working dtype (at least fp32); None between stages 2 and 3 when ``source`` is set
+    grad: Optional[torch.Tensor]
     side: str  #: "left" (R = P^T G) or "right" (R = G Q)
     basis: torch.Tensor  #: this step's P (or Q)
     new_basis: Optional[torch.Tensor]  #: the refreshed basis to store, if refreshed this step
@@ -59,6 +60,9 @@ class MatrixStep:
     state: Optional[dict] = None  #: the matrix's state tensors (local views, fp32), set on commit
     order: int = 0  #: index among the optimizer's projected matrices
     rounding: Optional[torch.Generator] = None  #: stochastic rounding of a bf16 param
+    #: a low-precision (bf16) G itself: its fp32 copy ``grad`` exists only while this matrix is
+    #: projected and while it is updated, so that no two matrices' copies coexist
+    source: Optional[torch.Tensor] = None
 
     @property
     def dim(self) -> int:

@@ -28,7 +28,7 @@ from .projection import compute_basis, projection_side
 if TYPE_CHECKING:
     from .optimizer import Fira
 
-#: ``{param: (status, basis, working-dtype grad)}`` of the matrices due this step.
+#: ``{param: (status, basis, grad)}`` of the matrices due this step (``grad``: see :func:`_keyed`).
 Outcomes = dict
 
 
@@ -69,10 +69,13 @@ def new_basis(grad, rank, side, group, previous, order, step, name):
         return None
 
 
-def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None) -> list[tuple]:
+def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None,
+                  convert: bool = True) -> list[tuple]:
     """``(param, job)`` for every matrix whose basis is due this step (of ``only``, if given),
     in the order of the projected matrices; ``job`` is a :class:`fira_optim.distributed.RefreshJob`
-    holding this rank's gradient and the refresh rule (:func:`refresh_outcome`) to run on it."""
+    holding this rank's gradient (in the working dtype; with ``convert=False`` in its own, for
+    a caller that converts one matrix at a time) and the refresh rule
+    (:func:`refresh_outcome`) to run on it."""
     due = []
     for gi, pi, p, order in opt._entries(only)[0]:
         if order is None or p.grad is None or p.numel() == 0:
@@ -83,7 +86,8 @@ def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None)
         if not refresh_due(group, step, order, total):
             continue
         work_dtype = torch.promote_types(p.dtype, torch.float32)
-        grad = distributed.to_local(p.grad).to(work_dtype)
+        grad = distributed.to_local(p.grad)
+        grad = grad.to(work_dtype) if convert else grad
         side = projection_side(p.shape, group["proj_type"])
         compute = functools.partial(
             refresh_outcome, rank=group["rank"], side=side, group=group,
@@ -131,7 +135,9 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     on_host = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
     if workers < 2 or not (on_host or opt.host_refresh):
         return None  # before due_refreshes, which converts every due gradient
-    due = due_refreshes(opt, total, only)
+    # Each worker converts its own bf16 gradient to fp32: converted up front, the fp32 copies
+    # of every due matrix would coexist (twice the bf16 weights).
+    due = due_refreshes(opt, total, only, convert=False)
     if len(due) < 2:
         return None
     jobs = [job for _, job in due]
@@ -140,16 +146,22 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     else:
         inputs = [(job.grad, job.previous) for job in jobs]
     with ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
-        outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
+        outcomes = list(pool.map(lambda job, args: job.compute(_working(args[0]), args[1]), jobs, inputs))
     if not on_host:
         outcomes = [(status, None if basis is None else basis.to(job.grad.device))
                     for (status, basis), job in zip(outcomes, jobs)]
     return _keyed(due, outcomes)
 
 
+def _working(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` in the working dtype (at least fp32)."""
+    work_dtype = torch.promote_types(grad.dtype, torch.float32)
+    return grad if grad.dtype == work_dtype else grad.to(work_dtype)
+
+
 def _keyed(due: list[tuple], outcomes: list[tuple]) -> Outcomes:
-    """``{param: (status, basis, grad)}``; ``grad`` is the job's working-dtype gradient, which
-    the projection then uses instead of converting ``p.grad`` a second time."""
+    """``{param: (status, basis, grad)}``; ``grad`` is the job's gradient, which the projection
+    then uses instead of converting ``p.grad`` a second time where it is in the working dtype."""
     return {p: (*outcome, job.grad) for (p, job), outcome in zip(due, outcomes)}
 
 

@@ -348,31 +348,49 @@ def test_host_refresh_is_a_bool_kept_by_copies_and_a_no_op_on_the_cpu():
     assert_params_equal(*runs)  # on the CPU the refresh already runs on the host
 
 
-def test_a_refreshed_gradient_is_converted_once(monkeypatch):
-    """A bf16 gradient due for a refresh is converted to fp32 once: the pool's SVD and the
-    step's projection read the same tensor."""
-    import fira_optim.optimizer as optimizer_module
-
-    shapes = [(12, 20), (20, 12)]
-    params = [torch.nn.Parameter(torch.randn(s, dtype=torch.bfloat16)) for s in shapes]
+def _bf16_step(monkeypatch, threads, inspect=None):
+    shapes = [(12, 20), (20, 12), (16, 16)]
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).bfloat16()) for s in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, dtype=torch.bfloat16)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the pool path
+        p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     opt = FiraAdamW(params, rank=3, update_proj_gap=2)
-    due_grads, projected = [], []
+    if inspect is not None:
+        inspect(opt)
+    for _ in range(3):
+        opt.step()
+    return params
+
+
+def test_bf16_gradients_are_converted_to_fp32_one_matrix_at_a_time(monkeypatch):
+    """Neither the refresh pool's jobs nor the planned matrices hold fp32 copies of bf16
+    gradients (they would coexist: twice the bf16 weights); the results are those of the
+    sequential refresh."""
+    due_grads, held = [], []
     due = refresh.due_refreshes
 
-    def recorded(optimizer, total, only=None):
-        pairs = due(optimizer, total, only)
+    def recorded(optimizer, total, only=None, convert=True):
+        pairs = due(optimizer, total, only, convert)
         due_grads.extend(job.grad for _, job in pairs)
         return pairs
 
+    def inspect(opt):
+        update = opt._update
+
+        def checked(matrices, stats):
+            held.extend((m.grad, m.source, m.param.grad) for m, _ in matrices)
+            return update(matrices, stats)
+
+        monkeypatch.setattr(opt, "_update", checked)
+
     monkeypatch.setattr(refresh, "due_refreshes", recorded)
-    project = optimizer_module.project
-    monkeypatch.setattr(optimizer_module, "project", lambda g, *a: projected.append(g) or project(g, *a))
-    opt.step()
-    assert len(due_grads) == 2 and all(g.dtype == torch.float32 for g in due_grads)
-    assert all(a is b for a, b in zip(due_grads, projected))
+    pooled = _bf16_step(monkeypatch, 2, inspect)
+    assert len(due_grads) == 6 and all(g.dtype == torch.bfloat16 for g in due_grads)  # 2 refreshes
+    assert len(held) == 9 and all(grad is None and source is own for grad, source, own in held)
+    sequential = _bf16_step(monkeypatch, 1)
+    for a, b in zip(pooled, sequential):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
 def test_no_refresh_jobs_are_built_off_the_cpu_without_host_refresh(monkeypatch):
