@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import platform
 import sys
 from dataclasses import replace
@@ -48,7 +47,7 @@ from fira_train.files import write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes
 from fira_train.measure import build_measured
 from fira_train.run.isolated import run_isolated
-from fira_train.run.peak_memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+from fira_train.run.peak_memory import current_rss_bytes, malloc_env, reset_rss_peak, rss_peak_bytes
 from fira_train.run.training import autocast_for
 
 MIB = 2**20
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               # glibc's allocator settings change how much freed memory stays resident
-              "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+              "malloc_env": malloc_env(),
               "rows": []}
     for spec in specs:
         run_config = spec.config(config, out / "runs")

@@ -30,7 +30,7 @@ from fira_train.files import write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
-from fira_train.run.peak_memory import current_rss_bytes, reset_rss_peak, rss_peak_bytes
+from fira_train.run.peak_memory import current_rss_bytes, malloc_env, reset_rss_peak, rss_peak_bytes
 from fira_train.run.train import train_step
 from fira_train.run.training import autocast_for, build_training, resolve_device
 
@@ -98,7 +98,7 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     rows: list[dict[str, Any]] = []
     record = {"recipe": config.recipe, "steps": steps, "command": command,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-              "date": date.today().isoformat(), "rows": rows}
+              "date": date.today().isoformat(), "malloc_env": malloc_env(), "rows": rows}
     json_path, md_path = out_dir / "memory.json", out_dir / "memory.md"
     for index, spec in enumerate(specs, start=1):
         run_config = spec.config(base, out_dir / "runs")
@@ -149,7 +149,8 @@ def format_measurement(record: dict[str, Any]) -> str:
         "workspaces are not in it.",
     ]
     if record.get("command"):
-        lines += ["", "Command:", "", "```bash", record["command"], "```"]
+        env = " ".join(f"{k}={v}" for k, v in record.get("malloc_env", {}).items())
+        lines += ["", "Command:", "", "```bash", (env + " " if env else "") + record["command"], "```"]
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,9 @@ import pytest
 from fira_train.cli import main
 
 
-def test_measure_writes_a_row_per_spec(tmp_path: Path, capsys) -> None:
+def test_measure_writes_a_row_per_spec(tmp_path: Path, capsys, monkeypatch) -> None:
+    # glibc's allocator settings change a resident-set peak: the record keeps them
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     corpus = tmp_path / "corpus"
     from tests.fira_train.harness_fixtures import write_corpus
 
@@ -29,6 +31,8 @@ def test_measure_writes_a_row_per_spec(tmp_path: Path, capsys) -> None:
     adamw, fira = record["rows"]
     assert fira["measured"]["optimizer_state_bytes"] < adamw["measured"]["optimizer_state_bytes"]
     assert "| fira@optim.state_dtype=bfloat16 |" in (out / "memory.md").read_text()
+    assert record["malloc_env"] == {"MALLOC_ARENA_MAX": "2"}
+    assert "MALLOC_ARENA_MAX=2 fira-train memory --measure" in (out / "memory.md").read_text()
 
 
 @pytest.mark.parametrize(("argv", "message"), [

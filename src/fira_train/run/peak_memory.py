@@ -9,6 +9,7 @@ On Linux the resident-set peak (``VmHWM``) can be reset by writing ``5`` to
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from pathlib import Path
@@ -44,6 +45,12 @@ def rss_peak_bytes() -> int | None:
 def current_rss_bytes() -> int | None:
     """This process's resident set now (Linux ``VmRSS``), or None."""
     return _status_bytes("VmRSS")
+
+
+def malloc_env() -> dict[str, str]:
+    """glibc's ``MALLOC_*`` settings in this process's environment: they change how much freed
+    memory stays resident, so a measured resident-set peak is only comparable with the same."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
 
 
 def process_peak_rss_bytes() -> int:
