@@ -134,7 +134,7 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
         return None
     on_host = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
     if workers < 2 or not (on_host or opt.host_refresh):
-        return None  # before due_refreshes, which converts every due gradient
+        return None  # before due_refreshes, which builds a job for every due matrix
     # Each worker converts its own bf16 gradient to fp32: converted up front, the fp32 copies
     # of every due matrix would coexist (twice the bf16 weights).
     due = due_refreshes(opt, total, only, convert=False)
