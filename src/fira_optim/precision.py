@@ -232,9 +232,12 @@ def _build_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 #: Elements quantized or dequantized at a time (whole blocks): bounds the temporaries of a large
-#: moment (an embedding's) to about 13 bytes per element of a chunk (13 MB) instead of several
-#: times the moment.
+#: moment (an embedding's) to about :data:`CHUNK_TEMPORARY_BYTES` per element of a chunk (13 MB)
+#: instead of several times the moment.
 CHUNK = 1 << 20
+#: Bytes of fp32 copies per element of a chunk stepped through low precision (the parameter, its
+#: gradient and two moments decoded, and the update).
+CHUNK_TEMPORARY_BYTES = 13
 
 
 def _quantize_into(value: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> None:

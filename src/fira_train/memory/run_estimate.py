@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fira_optim.precision import CHUNK
+from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES
 from fira_train.memory.matrix import PEER_METHODS, footprint_numel, llama_matrix_shapes, vector_state_numel
 
 if TYPE_CHECKING:  # annotations only
@@ -50,9 +50,6 @@ if TYPE_CHECKING:  # annotations only
 
 #: Bytes a moment element takes in each ``optim.state_dtype``.
 MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / 256}
-#: Bytes of fp32 copies per element of a chunk stepped through low precision (the parameter, its
-#: gradient and two moments decoded, and the update).
-CHUNK_TEMPORARY_BYTES = 13
 #: Methods that project their matrices (the Fira / GaLore family) and those that do not.
 PLAIN_METHODS = ("adamw", "adamw-grouped", "sgd", "adagrad", "adam-mini", "lora", "relora")
 

@@ -86,8 +86,7 @@ def test_the_peers_states_are_what_their_optimizers_hold() -> None:
 def test_the_step_temporaries_are_the_largest_whole_update_or_a_chunk() -> None:
     """fp32 states: torch's per-parameter Adam holds two copies of the largest parameter it steps
     (the embedding, 32000 x 512); low-precision states step a chunk of fp32 copies at a time."""
-    from fira_optim.precision import CHUNK
-    from fira_train.memory.run_estimate import CHUNK_TEMPORARY_BYTES
+    from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES
 
     for method in ("adamw", "fira", "galore"):
         _, fp32 = _estimate(method)
