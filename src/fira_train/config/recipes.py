@@ -93,7 +93,8 @@ TINY_STEPS = 300
 #: docs/results/tiny-sweep (the recipe as defined: rank 64; other overrides keep these rates,
 #: and ``optim.lr`` replaces them). Fira's is that of its default, raw SVD signs (the sweep's
 #: ``fira@optim.align_signs=false``; aligned signs also chose 0.02); GaLore's was chosen with
-#: aligned signs, its default then. ``adamw-grouped``'s is at the recipe's alpha (0.25).
+#: aligned signs, its default then, and again with raw signs (docs/results/tiny-sweep-galore-raw).
+#: ``adamw-grouped``'s is at the recipe's alpha (0.25).
 TUNED_LR: dict[str, dict[str, float]] = {
     "tiny": {"fira": 0.02, "galore": 0.02, "fira-released": 0.01, "adamw": 0.001, "adamw-grouped": 0.003},
 }
