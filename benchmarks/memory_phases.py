@@ -47,7 +47,7 @@ from fira_train.files import write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes
 from fira_train.measure import build_measured
 from fira_train.run.isolated import run_isolated
-from fira_train.run.peak_memory import current_rss_bytes, malloc_env, reset_rss_peak, rss_peak_bytes
+from fira_train.run.peak_memory import current_rss_bytes, env_prefix, malloc_env, reset_rss_peak, rss_peak_bytes
 from fira_train.run.training import autocast_for
 
 MIB = 2**20
@@ -148,8 +148,7 @@ def format_phases(record: dict[str, Any]) -> str:
                              f"| {p['end'] / MIB:.0f} | {(p['peak'] - p['start']) / MIB:.0f} | {alive} |")
         lines += ["", f"Peak of the steps: {run_peak / MIB:.0f} MiB; estimated total "
                   f"{est['total'] / MIB:.0f} MiB.", ""]
-    env = " ".join(f"{k}={v}" for k, v in sorted(record.get("malloc_env", {}).items()))
-    lines += ["Command:", "", "```bash", (env + " " if env else "") + record["command"], "```"]
+    lines += ["Command:", "", "```bash", env_prefix(record.get("malloc_env", {})) + record["command"], "```"]
     return "\n".join(lines) + "\n"
 
 

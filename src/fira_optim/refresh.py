@@ -135,8 +135,8 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     on_host = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
     if workers < 2 or not (on_host or opt.host_refresh):
         return None  # before due_refreshes, which builds a job for every due matrix
-    # Each worker converts its own bf16 gradient to fp32: converted up front, the fp32 copies
-    # of every due matrix would coexist (twice the bf16 weights).
+    # Gradients stay in their own dtype: each worker's projector converts its own to fp32
+    # (converted up front, the fp32 copies of every due matrix would coexist).
     due = due_refreshes(opt, total, only, convert=False)
     if len(due) < 2:
         return None
@@ -146,17 +146,11 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     else:
         inputs = [(job.grad, job.previous) for job in jobs]
     with ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
-        outcomes = list(pool.map(lambda job, args: job.compute(_working(args[0]), args[1]), jobs, inputs))
+        outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
     if not on_host:
         outcomes = [(status, None if basis is None else basis.to(job.grad.device))
                     for (status, basis), job in zip(outcomes, jobs)]
     return _keyed(due, outcomes)
-
-
-def _working(grad: torch.Tensor) -> torch.Tensor:
-    """``grad`` in the working dtype (at least fp32)."""
-    work_dtype = torch.promote_types(grad.dtype, torch.float32)
-    return grad if grad.dtype == work_dtype else grad.to(work_dtype)
 
 
 def _keyed(due: list[tuple], outcomes: list[tuple]) -> Outcomes:

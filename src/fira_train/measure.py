@@ -30,7 +30,7 @@ from fira_train.files import write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
-from fira_train.run.peak_memory import current_rss_bytes, malloc_env, reset_rss_peak, rss_peak_bytes
+from fira_train.run.peak_memory import current_rss_bytes, env_prefix, malloc_env, reset_rss_peak, rss_peak_bytes
 from fira_train.run.train import train_step
 from fira_train.run.training import autocast_for, build_training, resolve_device
 
@@ -149,8 +149,7 @@ def format_measurement(record: dict[str, Any]) -> str:
         "workspaces are not in it.",
     ]
     if record.get("command"):
-        env = " ".join(f"{k}={v}" for k, v in record.get("malloc_env", {}).items())
-        lines += ["", "Command:", "", "```bash", (env + " " if env else "") + record["command"], "```"]
+        lines += ["", "Command:", "", "```bash", env_prefix(record.get("malloc_env", {})) + record["command"], "```"]
     return "\n".join(lines) + "\n"
 
 

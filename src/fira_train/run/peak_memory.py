@@ -53,6 +53,11 @@ def malloc_env() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")}
 
 
+def env_prefix(env: dict[str, str]) -> str:
+    """``env`` as a shell command's prefix (``"K=V K2=V2 "``; empty for none)."""
+    return "".join(f"{k}={v} " for k, v in sorted(env.items()))
+
+
 def process_peak_rss_bytes() -> int:
     """Peak resident set of the whole process so far (``ru_maxrss``)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
