@@ -231,11 +231,34 @@ def throughput_memory_options(data: dict) -> list[str]:
     return lines
 
 
+def allocator(data: dict) -> list[str]:
+    """What an allocator setting costs in tokens/s: alternating processes, paired by pair."""
+    command = data["command"].split(" --out ")[0]
+    pairs = len(next(iter(data["summary"].values()))["ratios"])
+    lines = [
+        f"## Training speed with `{data['setting']}` on `{data['recipe']}`",
+        "",
+        f"`{command}`",
+        f"on {data['date']}, {data['machine']} ({data['load']}). glibc reads the setting when a process",
+        f"starts, so the script alternates {2 * pairs} processes without and with it (AB, BA, ...), each",
+        f"timing every method side by side over {data['rounds']} rounds. Tokens/s with the setting / without",
+        "it, per pair of processes:",
+        "",
+        "| method | mean ratio (95% interval) | median | pairs |",
+        "|---|---|---|---|",
+    ]
+    for m, s in data["summary"].items():
+        lines.append(f"| {m} | {s['ratio_mean']:.3f} [{s['ratio_low']:.3f}, {s['ratio_high']:.3f}] "
+                     f"| {s['ratio_median']:.3f} | {', '.join(f'{r:.3f}' for r in s['ratios'])} |")
+    return lines
+
+
 SECTIONS = {"optimizer_step.json": optimizer_step, "optimizer_step_cuda.json": optimizer_step,
             "projector_quality.json": projector_quality, "refresh_micro.json": refresh_threads,
             "refresh_tiny.json": refresh_threads,
             "throughput_tiny.json": throughput,
-            "throughput_tiny_memory_options.json": throughput_memory_options}
+            "throughput_tiny_memory_options.json": throughput_memory_options,
+            "allocator_tiny.json": allocator}
 
 
 def render() -> str:

@@ -129,13 +129,16 @@ def test_benchmarks_page_is_what_render_writes_from_the_committed_json() -> None
     assert "Kept run `throughput_tiny_memory_options.json`" not in page
 
 
-def _finetune_benchmark():
+def _benchmark(name: str):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import finetune_commonsense
+        return __import__(name)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return finetune_commonsense
+
+
+def _finetune_benchmark():
+    return _benchmark("finetune_commonsense")
 
 
 def test_finetune_benchmark_plans_sweeps_and_the_released_recipe() -> None:
@@ -169,3 +172,25 @@ def test_finetune_benchmark_reuses_only_runs_with_the_same_settings(tmp_path: Pa
     old = {k: v for k, v in config.items() if k not in ("scoring", "recipe")}  # a run made before --scoring
     with pytest.raises(SystemExit, match=r"scoring='generate-released' \(this command: 'loglik'\)"):
         bench.check_reusable(run, {"config": old}, args, tmp_path / "results.json")
+
+
+def test_allocator_benchmark_alternates_the_setting_and_pairs_the_processes(monkeypatch) -> None:
+    bench = _benchmark("allocator_speed")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "999")  # the caller's own value must not leak into "without"
+    seen = []
+    speeds = iter([100.0, 90.0, 80.0, 100.0, 50.0, 45.0])  # pair 0: A B; pair 1: B A; pair 2: A B
+
+    def time_one(env, label):
+        seen.append((label, env.get("MALLOC_MMAP_THRESHOLD_")))
+        return {"fira": next(speeds)}
+
+    runs = bench.alternate(3, "MALLOC_MMAP_THRESHOLD_", "131072", time_one)
+    assert seen == [("pair 0, without", None), ("pair 0, with", "131072"), ("pair 1, with", "131072"),
+                    ("pair 1, without", None), ("pair 2, without", None), ("pair 2, with", "131072")]
+    summary = bench.summarize(runs, 3)["fira"]
+    assert summary["ratios"] == pytest.approx([0.9, 0.8, 0.9])
+    assert summary["ratio_mean"] == pytest.approx(2.6 / 3) and summary["ratio_median"] == pytest.approx(0.9)
+    half = 4.302652729911275 * 0.1 / 3 ** 0.5 / 3 ** 0.5  # t_{0.975, 2} * sd / sqrt(n), sd = 0.1 / sqrt(3)
+    assert (summary["ratio_low"], summary["ratio_high"]) == pytest.approx((2.6 / 3 - half, 2.6 / 3 + half))
+    with pytest.raises(SystemExit):
+        bench.parse_env("MALLOC_MMAP_THRESHOLD_", bench.argparse.ArgumentParser())
