@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -233,7 +234,7 @@ def throughput_memory_options(data: dict) -> list[str]:
 
 def allocator(data: dict) -> list[str]:
     """What an allocator setting costs in tokens/s: alternating processes, paired by pair."""
-    command = data["command"].split(" --out ")[0]
+    command = re.sub(r" --out \S+", "", data["command"])
     pairs = len(next(iter(data["summary"].values()))["ratios"])
     lines = [
         f"## Training speed with `{data['setting']}` on `{data['recipe']}`",
