@@ -269,12 +269,15 @@ def reduce_partials(
 class RefreshJob:
     """One matrix due for a new basis, as this rank sees it.
 
-    ``grad``: the working-dtype gradient this rank holds (the full matrix under DDP, its row
-    block under FSDP2); ``rows``: the global number of rows; ``order``: the matrix's index
-    among the optimizer's projected matrices (it picks the rank that computes the basis). ``previous``: this rank's copy of
-    the current basis if the projector warm-starts from it (rows of ``P`` under FSDP2 left, all
-    of ``Q`` otherwise), else ``None``. ``compute(full_grad, full_previous) -> (status, basis)``
-    is the optimizer's refresh rule; it runs on one rank only and returns a status of
+    ``grad``: the gradient this rank holds, in the parameter's dtype (the full matrix under DDP,
+    its row block under FSDP2); ``dtype``: the working dtype (fp32 for bf16 parameters), in which
+    row blocks are gathered, bases are broadcast and ``compute`` receives a gathered matrix (a
+    whole local gradient it receives as it is: the projectors convert their input); ``rows``:
+    the global number of rows; ``order``: the matrix's index among the optimizer's projected
+    matrices (it picks the rank that computes the basis). ``previous``: this rank's copy of the
+    current basis if the projector warm-starts from it (rows of ``P`` under FSDP2 left, all of
+    ``Q`` otherwise), else ``None``. ``compute(full_grad, full_previous) -> (status, basis)`` is
+    the optimizer's refresh rule; it runs on one rank only and returns a status of
     :data:`REFRESH_STATUSES` and, for ``"new"``, the full basis (``m x r`` or ``n x r``).
     """
 
@@ -285,6 +288,7 @@ class RefreshJob:
     side: str
     rank: int
     sharding: RowSharding | None
+    dtype: torch.dtype
     compute: Callable[[torch.Tensor, torch.Tensor | None], tuple[str, torch.Tensor | None]]
 
     def __post_init__(self) -> None:
@@ -327,9 +331,9 @@ def refresh_bases(jobs: list[RefreshJob], group: Any) -> list[tuple[str, torch.T
                 f"{world}: every projected DTensor of one optimizer must share one shard group"
             )
     owner_of = [job.order % world for job in jobs]
-    dtype = jobs[0].grad.dtype
+    dtype = jobs[0].dtype
     for job in jobs[1:]:
-        dtype = torch.promote_types(dtype, job.grad.dtype)
+        dtype = torch.promote_types(dtype, job.dtype)
     device = jobs[0].grad.device
 
     # (1) Full gradients (and previous bases) of the jobs this rank owns.
@@ -386,7 +390,7 @@ def refresh_bases(jobs: list[RefreshJob], group: Any) -> list[tuple[str, torch.T
                 if job.sharding is not None and job.side == LEFT:
                     start, stop = job.sharding.rows(job.rows)
                     full = full[start:stop]
-                basis = full.to(job.grad.dtype).clone()
+                basis = full.to(job.dtype).clone()
             elif status == "failed" and failed_on is None:
                 failed_on = owner
             outcomes[i] = (status, basis)
@@ -413,7 +417,9 @@ def _gather_rows(jobs, indices, owner, me, world, group, dtype, device, inputs) 
         width = job.grad.shape[1] + (job.rank if job.gathers_previous() else 0)
         rows = math.ceil(job.rows / world)
         shapes.append((rows, width))
-        local = job.grad if not job.gathers_previous() else torch.cat([job.grad, job.previous], dim=1)
+        local = job.grad
+        if job.gathers_previous():
+            local = torch.cat([job.grad.to(dtype), job.previous.to(dtype)], dim=1)
         padded = torch.zeros((rows, width), dtype=dtype, device=device)
         padded[: block[1] - block[0]] = local
         pieces.append(padded.reshape(-1))
@@ -427,7 +433,7 @@ def _gather_rows(jobs, indices, owner, me, world, group, dtype, device, inputs) 
         job = jobs[i]
         size = rows * width
         whole = torch.cat([r[offset : offset + size].view(rows, width) for r in receive])[: job.rows]
-        whole = whole.to(job.grad.dtype)
+        whole = whole.to(job.dtype)
         n = job.grad.shape[1]
         previous = whole[:, n:] if job.gathers_previous() else job.previous
         inputs[i] = (whole[:, :n], previous)

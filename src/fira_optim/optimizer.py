@@ -453,8 +453,7 @@ class Fira(Optimizer):
         work_dtype = torch.promote_types(p.dtype, torch.float32)
         sharding = distributed.row_sharding(p)  # FSDP2: this rank holds a row block of p, p.grad
         own = p.grad if sharding is None else p.grad.to_local()
-        grad = refreshed[p][2] if refreshed is not None and p in refreshed else own
-        grad = grad if grad.dtype == work_dtype else grad.to(work_dtype)
+        grad = own if own.dtype == work_dtype else own.to(work_dtype)
         side = projection_side(p.shape, group["proj_type"])
         rank = group["rank"]
         state = self.state[p]
@@ -462,7 +461,7 @@ class Fira(Optimizer):
         new_basis = None
         if refresh.refresh_due(group, step, order, total):
             if refreshed is not None:  # decided for all at once (pool or across ranks)
-                status, new_basis, _ = refreshed[p]
+                status, new_basis = refreshed[p]
             else:
                 previous = state["basis"] if step > 0 else None
                 status, new_basis = refresh.refresh_outcome(

@@ -28,7 +28,7 @@ from .projection import compute_basis, projection_side
 if TYPE_CHECKING:
     from .optimizer import Fira
 
-#: ``{param: (status, basis, grad)}`` of the matrices due this step (``grad``: see :func:`_keyed`).
+#: ``{param: (status, basis)}`` of the matrices due this step.
 Outcomes = dict
 
 
@@ -69,13 +69,12 @@ def new_basis(grad, rank, side, group, previous, order, step, name):
         return None
 
 
-def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None,
-                  convert: bool = True) -> list[tuple]:
+def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None) -> list[tuple]:
     """``(param, job)`` for every matrix whose basis is due this step (of ``only``, if given),
     in the order of the projected matrices; ``job`` is a :class:`fira_optim.distributed.RefreshJob`
-    holding this rank's gradient (in the working dtype; with ``convert=False`` in its own, for
-    a caller that converts one matrix at a time) and the refresh rule
-    (:func:`refresh_outcome`) to run on it."""
+    holding this rank's gradient in its own dtype and the refresh rule (:func:`refresh_outcome`)
+    to run on it. Nothing is converted here: converted up front, the fp32 copies of every due
+    matrix's bf16 gradient would coexist; each projector converts its own input."""
     due = []
     for gi, pi, p, order in opt._entries(only)[0]:
         if order is None or p.grad is None or p.numel() == 0:
@@ -87,7 +86,6 @@ def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None,
             continue
         work_dtype = torch.promote_types(p.dtype, torch.float32)
         grad = distributed.to_local(p.grad)
-        grad = grad.to(work_dtype) if convert else grad
         side = projection_side(p.shape, group["proj_type"])
         compute = functools.partial(
             refresh_outcome, rank=group["rank"], side=side, group=group,
@@ -96,7 +94,7 @@ def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None,
         previous = distributed.to_local(state["basis"]) if step > 0 else None
         due.append((p, distributed.RefreshJob(
             grad, p.shape[0], order, previous, side, group["rank"],
-            distributed.row_sharding(p), compute,
+            distributed.row_sharding(p), work_dtype, compute,
         )))
     return due
 
@@ -135,9 +133,7 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     on_host = all(p.device.type == "cpu" for group in opt.param_groups for p in group["params"])
     if workers < 2 or not (on_host or opt.host_refresh):
         return None  # before due_refreshes, which builds a job for every due matrix
-    # Gradients stay in their own dtype: each worker's projector converts its own to fp32
-    # (converted up front, the fp32 copies of every due matrix would coexist).
-    due = due_refreshes(opt, total, only, convert=False)
+    due = due_refreshes(opt, total, only)
     if len(due) < 2:
         return None
     jobs = [job for _, job in due]
@@ -154,9 +150,7 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
 
 
 def _keyed(due: list[tuple], outcomes: list[tuple]) -> Outcomes:
-    """``{param: (status, basis, grad)}``; ``grad`` is the job's gradient, which the projection
-    then uses instead of converting ``p.grad`` a second time where it is in the working dtype."""
-    return {p: (*outcome, job.grad) for (p, job), outcome in zip(due, outcomes)}
+    return {p: outcome for (p, _), outcome in zip(due, outcomes)}
 
 
 def _one_thread() -> None:

@@ -370,8 +370,8 @@ def test_bf16_gradients_are_converted_to_fp32_one_matrix_at_a_time(monkeypatch):
     due_grads, held = [], []
     due = refresh.due_refreshes
 
-    def recorded(optimizer, total, only=None, convert=True):
-        pairs = due(optimizer, total, only, convert)
+    def recorded(optimizer, total, only=None):
+        pairs = due(optimizer, total, only)
         due_grads.extend(job.grad for _, job in pairs)
         return pairs
 
