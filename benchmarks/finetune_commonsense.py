@@ -13,7 +13,8 @@ in ``OUT/<run>/results.json`` and the comparison, with 95% Wilson intervals and 
 McNemar tests against ``--baseline`` (:func:`fira_train.finetune.report.render_comparison`), in
 ``OUT/../report.md`` (or ``--report``). ``--lr fira=5e-5,1e-4`` sweeps a method's learning rate
 (runs ``fira-lr5e-05``, ``fira-lr0.0001``); ``--reuse`` skips runs that finished (after checking
-that they were run with this command's settings), so an interrupted benchmark resumes;
+that they were run with this command's settings) and a run interrupted in its training continues
+from its newest checkpoint, so an interrupted benchmark resumes;
 ``--report-only`` rebuilds the report from what has finished.
 
     python benchmarks/finetune_commonsense.py --out docs/results/finetune/methods \\

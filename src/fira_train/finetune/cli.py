@@ -76,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (results.json, report.md, predictions/)")
+    p.add_argument("--save-steps", type=int, default=50,
+                   help="checkpoint the training every N steps in OUT/trainer; the same command, started again, "
+                        "continues from the newest checkpoint (0: none; default 50)")
     p.set_defaults(func=run_from_args)
 
 

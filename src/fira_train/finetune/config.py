@@ -116,6 +116,9 @@ class FinetuneConfig:
     """torch threads (``torch.set_num_threads``); ``None``: torch's default."""
     overwrite: bool = False
     """Replace the results of an earlier run in ``out`` (otherwise an existing ``results.json`` is an error)."""
+    save_steps: int = 50
+    """Save a training checkpoint every ``save_steps`` steps in ``out/trainer`` (the newest kept);
+    the same run started again continues from it. 0: no checkpoints."""
     task_specs: list[TaskSpec] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,7 +138,7 @@ class FinetuneConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise FinetuneError(f"{name}={value!r} must be a positive integer")
-        for name in ("steps", "max_eval", "max_train", "warmup_steps"):
+        for name in ("steps", "max_eval", "max_train", "warmup_steps", "save_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise FinetuneError(f"{name}={value!r} must be a non-negative integer")

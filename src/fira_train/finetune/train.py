@@ -4,8 +4,12 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import time
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,14 +77,58 @@ def peer_optimizer(model: torch.nn.Module, config: FinetuneConfig) -> torch.opti
     raise ValueError(f"method={method!r} is not one of {PEER_METHODS}")
 
 
+#: The settings a checkpoint must have been saved with to be continued (what the training computes).
+RESUME_KEYS = ("model", "tasks", "method", "recipe", "steps", "max_train", "batch_size", "lr", "warmup_steps",
+               "weight_decay", "rank", "update_proj_gap", "alpha", "target_modules", "lora_r", "lora_alpha",
+               "lora_dropout", "lora_targets", "cutoff_len", "train_on_inputs", "seed")
+
+
+def checkpoint_dir(config: FinetuneConfig) -> Path:
+    """Where the Trainer's checkpoints of this run go (``checkpoint-<step>`` folders)."""
+    return config.out_dir / "trainer"
+
+
+def resume_point(config: FinetuneConfig) -> str | None:
+    """The newest checkpoint of an earlier, interrupted start of the same run, or None. A
+    checkpoint saved with other settings is refused (continuing it would mix two runs)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    folder = checkpoint_dir(config)
+    last = get_last_checkpoint(str(folder)) if config.save_steps and folder.is_dir() else None
+    if last is not None:
+        record = folder / "run_settings.json"
+        saved = json.loads(record.read_text()) if record.is_file() else {}
+        settings = _settings(config)
+        differ = sorted(k for k in settings if saved.get(k) != settings[k])
+        if differ:
+            raise FinetuneError(f"{folder} holds checkpoints of a run with other settings ({', '.join(differ)}): "
+                                f"remove it to start again, or choose another --out")
+    return last
+
+
+def _settings(config: FinetuneConfig) -> dict[str, Any]:
+    return json.loads(json.dumps({k: v for k, v in asdict(config).items() if k in RESUME_KEYS}))
+
+
+def remove_checkpoints(config: FinetuneConfig) -> None:
+    """Delete this run's checkpoints once its results are written (they hold the whole model
+    and optimizer state)."""
+    shutil.rmtree(checkpoint_dir(config), ignore_errors=True)
+
+
 def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], config: FinetuneConfig) -> dict[str, Any]:
     """Train ``model`` (prepared by :func:`prepare_model`) on the ``train`` records with
-    ``config``'s method; returns time, steps, losses, optimizer-state size and peak memory."""
+    ``config``'s method; returns time, steps, losses, optimizer-state size and peak memory.
+
+    With ``config.save_steps`` the Trainer checkpoints every that many steps (model, optimizer,
+    schedule, RNG state and data position), and a run started again with the same settings
+    continues from the newest checkpoint: ``seconds`` and the peak memory are then this start's,
+    and ``resumed_from_step`` says where it began."""
     method = config.effective_method
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     features = [tokenize_for_training(tokenizer, r, config.cutoff_len, config.train_on_inputs) for r in train]
     args = transformers.TrainingArguments(
-        output_dir=str(config.out_dir / "trainer"),
+        output_dir=str(checkpoint_dir(config)),
         per_device_train_batch_size=config.batch_size,
         max_steps=config.steps,
         learning_rate=config.effective_lr,
@@ -88,7 +136,9 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         warmup_steps=config.effective_warmup,
         weight_decay=config.weight_decay,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if config.save_steps else "no",
+        save_steps=config.save_steps or 500,
+        save_total_limit=1,
         report_to="none",
         seed=config.seed,
         data_seed=config.seed,
@@ -110,11 +160,15 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     else:
         trainer = transformers.Trainer(**common)
 
+    resume = resume_point(config)
+    if config.save_steps:  # what the checkpoints about to be written were made with
+        checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
+        (checkpoint_dir(config) / "run_settings.json").write_text(json.dumps(_settings(config), indent=2))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     reset = reset_rss_peak()
     started = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - started
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -138,4 +192,5 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         "optimizer_state_mib": state_numel * 4 / 2**20,
         "train_peak_rss_mib": (rss_peak_bytes() or 0) / 2**20 if reset else None,
         "train_peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
+        "resumed_from_step": int(Path(resume).name.rsplit("-", 1)[1]) if resume else None,
     }

@@ -328,3 +328,56 @@ def test_training_uses_the_four_tasks_that_have_a_training_set():
     train, tests, trained_on = load_records(config)
     assert trained_on == ["boolq", "ARC-Easy", "ARC-Challenge", "openbookqa"] and len(train) == 20
     assert {name: len(records) for name, records in tests.items()} == {name: 500 for name in tasks}
+
+
+class _Killed(Exception):
+    """Stands for the process being killed in the middle of training."""
+
+
+@pytest.mark.parametrize("method", ["fira", "fira-lora"])
+def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                               method):
+    """Killed after step 5 of 6 with a checkpoint every 2 steps, the same command continues from
+    step 4 and ends where an uninterrupted run ends (losses, answers); a checkpoint of other
+    settings is refused; the checkpoints are removed once the results are written."""
+    from fira_optim.integrations import FiraTrainer
+
+    model_dir, data = tiny_model_dir
+
+    def argv(out: Path, lr: str = "1e-2") -> list[str]:
+        return ["--model", str(model_dir), "--tasks", "boolq", "--method", method, "--data-dir", str(data),
+                "--steps", "6", "--batch-size", "2", "--lr", lr, "--rank", "4", "--lora-r", "4",
+                "--update-proj-gap", "3", "--scoring", "generate", "--max-new-tokens", "4", "--save-steps", "2",
+                "--out", str(out)]
+
+    whole = run_cli(argv(tmp_path / "whole"))
+    assert whole["training"]["resumed_from_step"] is None
+    assert not (tmp_path / "whole" / "trainer").exists()  # removed with the results written
+
+    real_step, calls = FiraTrainer.training_step, []
+
+    def killed_at_step_5(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise _Killed
+        return real_step(self, *args, **kwargs)
+
+    out = tmp_path / "resumed"
+    with monkeypatch.context() as patch:
+        patch.setattr(FiraTrainer, "training_step", killed_at_step_5)
+        with pytest.raises(_Killed):
+            main(argv(out))
+    assert sorted(p.name for p in (out / "trainer").glob("checkpoint-*")) == ["checkpoint-4"]
+    assert not (out / "results.json").exists()
+
+    with pytest.raises(SystemExit):  # another run's checkpoint: refused, named, before the model loads
+        main(argv(out, lr="2e-2"))
+    assert "holds checkpoints of a run with other settings (lr)" in capsys.readouterr().err
+
+    resumed = run_cli(argv(out))
+    assert resumed["training"]["resumed_from_step"] == 4 and resumed["training"]["steps"] == 6
+    assert resumed["training"]["loss_history"] == pytest.approx(whole["training"]["loss_history"], rel=1e-5)
+    assert resumed["tasks"]["boolq"]["correct"] == whole["tasks"]["boolq"]["correct"]
+    answers = (out / "predictions" / "boolq.jsonl").read_text()
+    assert answers == (tmp_path / "whole" / "predictions" / "boolq.jsonl").read_text()
+    assert not (out / "trainer").exists()
