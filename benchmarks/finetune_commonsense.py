@@ -189,7 +189,8 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
     lines = ["# Fine-tuning SmolLM2-135M on commonsense reasoning: "
              + ", ".join(dict.fromkeys(LABEL[r.base] for r in runs)), ""]
     if missing:
-        lines += [f"**PARTIAL: {', '.join(missing)} did not finish in the time available.**", ""]
+        lines += [f"**PARTIAL: {', '.join(missing)} have not finished (the same command with `--reuse` "
+                  f"continues the benchmark).**", ""]
     trained = next((results[r.name] for r in done if results[r.name]["training"]), None)
     trained_on = trained["trained_on"] if trained else []
     # the settings the runs were made with (a report-only call may not repeat them)
