@@ -417,11 +417,11 @@ def _gather_rows(jobs, indices, owner, me, world, group, dtype, device, inputs) 
         width = job.grad.shape[1] + (job.rank if job.gathers_previous() else 0)
         rows = math.ceil(job.rows / world)
         shapes.append((rows, width))
-        local = job.grad
-        if job.gathers_previous():
-            local = torch.cat([job.grad.to(dtype), job.previous.to(dtype)], dim=1)
         padded = torch.zeros((rows, width), dtype=dtype, device=device)
-        padded[: block[1] - block[0]] = local
+        n = job.grad.shape[1]
+        padded[: block[1] - block[0], :n] = job.grad  # copied once, converted to ``dtype`` on the way
+        if job.gathers_previous():
+            padded[: block[1] - block[0], n:] = job.previous
         pieces.append(padded.reshape(-1))
     send = torch.cat(pieces)
     receive = [torch.empty_like(send) for _ in range(world)] if me == owner else None
