@@ -168,7 +168,8 @@ def measure_states(args: argparse.Namespace, model_dir: Path) -> dict[str, dict]
         method, recipe = NAMED.get(name, (name, None))
         model, tokenizer = load_causal_lm(str(model_dir))
         config = FinetuneConfig(tasks=["boolq"], data_dir=args.data_dir, method=method, recipe=recipe, steps=1,
-                                batch_size=1, out=str(Path(args.out) / "_state_probe"), seed=args.seed)
+                                batch_size=1, out=str(Path(args.out) / "_state_probe"), seed=args.seed,
+                                save_steps=0)  # one step: nothing to continue
         model = prepare_model(model, config)
         trained = train_model(model, tokenizer, [record], config)
         states[name] = {"optimizer_state_numel": trained["optimizer_state_numel"],

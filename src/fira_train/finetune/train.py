@@ -116,14 +116,15 @@ def remove_checkpoints(config: FinetuneConfig) -> None:
     shutil.rmtree(checkpoint_dir(config), ignore_errors=True)
 
 
-def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], config: FinetuneConfig) -> dict[str, Any]:
+def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], config: FinetuneConfig,
+                resume: str | None = None) -> dict[str, Any]:
     """Train ``model`` (prepared by :func:`prepare_model`) on the ``train`` records with
     ``config``'s method; returns time, steps, losses, optimizer-state size and peak memory.
 
     With ``config.save_steps`` the Trainer checkpoints every that many steps (model, optimizer,
-    schedule, RNG state and data position), and a run started again with the same settings
-    continues from the newest checkpoint: ``seconds`` and the peak memory are then this start's,
-    and ``resumed_from_step`` says where it began."""
+    schedule, RNG state and data position). ``resume``: the checkpoint to continue from
+    (:func:`resume_point`); ``seconds`` and the peak memory are then this start's, and
+    ``resumed_from_step`` says where it began."""
     method = config.effective_method
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     features = [tokenize_for_training(tokenizer, r, config.cutoff_len, config.train_on_inputs) for r in train]
@@ -137,7 +138,7 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         weight_decay=config.weight_decay,
         logging_steps=1,
         save_strategy="steps" if config.save_steps else "no",
-        save_steps=config.save_steps or 500,
+        save_steps=config.save_steps,
         save_total_limit=1,
         report_to="none",
         seed=config.seed,
@@ -160,7 +161,6 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     else:
         trainer = transformers.Trainer(**common)
 
-    resume = resume_point(config)
     if config.save_steps:  # what the checkpoints about to be written were made with
         checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
         (checkpoint_dir(config) / "run_settings.json").write_text(json.dumps(_settings(config), indent=2))
