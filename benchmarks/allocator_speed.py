@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from fira_train.sweep.stats import paired_difference
+from fira_train.analysis.runs import machine_description
+from fira_train.sweep.stats import mean_interval
 from record import provenance, save
 
 HERE = Path(__file__).resolve().parent
@@ -72,10 +72,10 @@ def summarize(runs: list[dict], pairs: int) -> dict[str, dict]:
     for m in runs[0]["tokens_per_s"]:
         speed = {label: {r["pair"]: r["tokens_per_s"][m] for r in runs if r["setting"] == label}
                  for label in ("without", "with")}
-        ratios = {i: speed["with"][i] / speed["without"][i] for i in range(pairs)}
-        diff = paired_difference(ratios, {i: 1.0 for i in ratios})
-        summary[m] = {"ratio_mean": 1.0 + diff.mean, "ratio_low": 1.0 + diff.low, "ratio_high": 1.0 + diff.high,
-                      "ratio_median": statistics.median(ratios.values()), "ratios": list(ratios.values())}
+        ratios = [speed["with"][i] / speed["without"][i] for i in range(pairs)]
+        mean, low, high = mean_interval(ratios)
+        summary[m] = {"ratio_mean": mean, "ratio_low": low, "ratio_high": high,
+                      "ratio_median": statistics.median(ratios), "ratios": ratios}
     return summary
 
 
@@ -99,8 +99,8 @@ def main() -> None:
         print(f"{m}: with {args.env} / without = {s['ratio_mean']:.3f} [{s['ratio_low']:.3f}, "
               f"{s['ratio_high']:.3f}] (mean, 95% interval over {args.pairs} pairs; median "
               f"{s['ratio_median']:.3f})", flush=True)
-    save({**provenance(), "machine": f"{platform.platform()}, {os.cpu_count()} CPUs", "setting": args.env, "recipe": args.recipe, "rounds": args.rounds,
-          "runs": runs, "summary": summary}, args.out)
+    save({**provenance(), "machine": machine_description(), "setting": args.env, "recipe": args.recipe,
+          "rounds": args.rounds, "runs": runs, "summary": summary}, args.out)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,16 @@ def spread(values: Sequence[float]) -> Spread:
     return Spread(mean, sd, n)
 
 
+def mean_interval(values: Sequence[float]) -> tuple[float, float | None, float | None]:
+    """Mean of ``values`` and its 95% Student's t interval ``(mean, low, high)``; ``None`` bounds
+    below 2 values."""
+    summary = spread(values)
+    if summary.sd is None:
+        return summary.mean, None, None
+    half = float(stats.t.ppf(0.975, summary.n - 1)) * summary.sd / math.sqrt(summary.n)
+    return summary.mean, summary.mean - half, summary.mean + half
+
+
 def paired_difference(x: Mapping[int, float], y: Mapping[int, float]) -> PairedDifference | None:
     """The paired difference ``x - y`` over the seeds in both (``{seed: value}``); ``None`` when
     they share no seed. A diverged run (``inf``) on a seed makes the difference ``+inf`` or
@@ -69,9 +79,5 @@ def paired_difference(x: Mapping[int, float], y: Mapping[int, float]) -> PairedD
         signs = {1 if x[s] > y[s] else -1 if x[s] < y[s] else 0 for s in infinite}
         direction = math.inf * signs.pop() if len(signs) == 1 and 0 not in signs else math.nan
         return PairedDifference(direction, None, None, len(seeds), seeds)
-    diffs = [x[s] - y[s] for s in seeds]
-    summary = spread(diffs)
-    if summary.sd is None:
-        return PairedDifference(summary.mean, None, None, summary.n, seeds)
-    half = float(stats.t.ppf(0.975, summary.n - 1)) * summary.sd / math.sqrt(summary.n)
-    return PairedDifference(summary.mean, summary.mean - half, summary.mean + half, summary.n, seeds)
+    mean, low, high = mean_interval([x[s] - y[s] for s in seeds])
+    return PairedDifference(mean, low, high, len(seeds), seeds)
