@@ -114,6 +114,35 @@ def test_memory_summary_reads_every_size_and_relates_to_adamw(tmp_path: Path) ->
     assert "| fira | 1.00 GiB (50%); 2.00 | 4.00 GiB (50%); 2.00 |" in text
 
 
+def test_memory_reestimate_rebuilds_each_rows_config_on_its_device(tmp_path: Path) -> None:
+    """Each row's estimate is recomputed from its recipe, spec and the given overrides, on the
+    device it was measured on: equal to what ``measure`` wrote on the CPU, AdamW's larger on CUDA."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from memory_reestimate import reestimate
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from fira_train.config.method_spec import parse_method_specs
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import get_recipe
+    from fira_train.memory.run_estimate import estimate_run_bytes
+
+    overrides = ["train.batch_size=1", "train.micro_batch_size=1", "train.param_dtype=bfloat16"]
+    base = apply_overrides(get_recipe("60m"), overrides)
+    rows = []
+    for method, device in (("adamw", "cpu"), ("adamw", "cuda"), ("fira", "cuda")):
+        config = parse_method_specs(method)[0].config(base, ".")
+        rows.append({"method": method, "measured_peak_bytes": 1,
+                     "estimated_bytes": estimate_run_bytes(config, 32000)["total"],
+                     "measured": {"parameters": 58 * 10**6, "vocab_size": 32000, "device": device}})
+    (tmp_path / "60m").mkdir()
+    (tmp_path / "60m" / "memory.json").write_text(json.dumps({"recipe": "60m", "rows": rows}))
+    cpu, cuda, fira = reestimate(tmp_path, overrides)
+    assert cpu["now"] == cpu["then"] and fira["now"] == fira["then"]
+    assert cuda["now"] > cuda["then"]
+    assert reestimate(tmp_path, [])[0]["now"] != cpu["now"]  # the overrides are applied
+
+
 def test_benchmarks_page_is_what_render_writes_from_the_committed_json() -> None:
     # docs/benchmarks.md quotes only numbers from docs/benchmarks/*.json: a hand edit (or a JSON
     # changed without rerendering) shows up here. Both throughput estimates are named.

@@ -104,7 +104,7 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
         run_config = spec.config(base, out_dir / "runs")
         log.info("[%d/%d] %s: %d steps", index, len(specs), spec.text, steps)
         measured = run_isolated(measure_run, run_config, steps)
-        estimate = estimate_run_bytes(run_config, measured["vocab_size"])
+        estimate = estimate_run_bytes(run_config, measured["vocab_size"], measured["device"])
         rows.append({"method": spec.text, "measured_peak_bytes": measured["measured_peak_bytes"],
                      "estimated_bytes": estimate["total"], "estimate": estimate,
                      "measured": {k: v for k, v in measured.items() if k != "measured_peak_bytes"}})
@@ -167,7 +167,8 @@ ESTIMATE_SIZES = ("60m", "130m", "350m", "1b", "7b")
 
 def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, Any]]:
     """The run estimate (:func:`fira_train.memory.run_estimate.estimate_run_bytes`) of each
-    configuration at each of the paper's sizes, one sequence of 256 tokens per step."""
+    configuration at each of the paper's sizes, one sequence of 256 tokens per step, on a GPU
+    (the column is "fits in 24 GB": torch's AdamW then takes its ``foreach`` step)."""
     from fira_train.config.recipes import get_recipe  # the paper's sizes
 
     rows = []
@@ -176,7 +177,7 @@ def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, 
         base = replace(base, train=replace(base.train, batch_size=1, micro_batch_size=1))
         for text in specs:
             config = parse_method_specs(text)[0].config(base, ".")
-            estimate = estimate_run_bytes(config, config.data.vocab_size)
+            estimate = estimate_run_bytes(config, config.data.vocab_size, "cuda")
             rows.append({"size": size, "method": text, **estimate,
                          "fits_24gb": estimate["total"] < 24 * GB})
     return rows

@@ -98,3 +98,36 @@ def test_the_step_temporaries_are_the_largest_whole_update_or_a_chunk() -> None:
         assert low["step_temporaries"] == CHUNK * CHUNK_TEMPORARY_BYTES
     _, rounded = _estimate("fira", optim={"stochastic_rounding": True}, train={"param_dtype": "bfloat16"})
     assert rounded["step_temporaries"] == CHUNK * CHUNK_TEMPORARY_BYTES
+
+
+def test_torch_adamw_on_cuda_holds_a_weights_sized_temporary() -> None:
+    """On CUDA torch's AdamW steps every parameter at once (``foreach``), holding sqrt(v) of all
+    of them; the CPU's per-parameter step holds two temporaries of the largest parameter."""
+    import torch
+
+    config, cpu = _estimate("adamw")
+    cuda = estimate_run_bytes(config, 32000, "cuda")
+    assert cuda["step_temporaries"] == cuda["weights"] > cpu["step_temporaries"]
+    assert cuda["total"] - cpu["total"] == cuda["step_temporaries"] - cpu["step_temporaries"]
+    # the Fira family steps its unprojected parameters itself: no such term
+    fira_config, fira_cpu = _estimate("fira")
+    assert estimate_run_bytes(fira_config, 32000, "cuda") == fira_cpu
+    # the size of that temporary, as torch's multi-tensor AdamW allocates it
+    params = [torch.nn.Parameter(torch.zeros(64, 32)), torch.nn.Parameter(torch.zeros(16))]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, foreach=True)
+    sizes = []
+    real_sqrt = torch._foreach_sqrt
+
+    def recording_sqrt(tensors):
+        out = real_sqrt(tensors)
+        sizes.append(sum(t.numel() for t in out))
+        return out
+
+    torch._foreach_sqrt = recording_sqrt
+    try:
+        opt.step()
+    finally:
+        torch._foreach_sqrt = real_sqrt
+    assert sizes == [sum(p.numel() for p in params)]
