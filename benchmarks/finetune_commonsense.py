@@ -15,12 +15,15 @@ McNemar tests against ``--baseline`` (:func:`fira_train.finetune.report.render_c
 (runs ``fira-lr5e-05``, ``fira-lr0.0001``); ``--reuse`` skips runs that finished (after checking
 that they were run with this command's settings) and a run interrupted in its training continues
 from its newest checkpoint, so an interrupted benchmark resumes;
-``--report-only`` rebuilds the report from what has finished.
+``--report-only`` rebuilds the report from what has finished. A swept method's runs also score
+``--max-val`` held-out training records per trained-on task (``fira-train finetune --max-val``), and
+the report chooses each swept method's learning rate on that validation accuracy, never on the
+test examples.
 
     python benchmarks/finetune_commonsense.py --out docs/results/finetune/methods \\
         --methods none,adamw,lora,galore,fira,fira-lora,released --steps 500 --batch-size 8 \\
         --lr adamw=5e-5,1e-4 --lr galore=5e-5,1e-4 --lr fira=5e-5,1e-4 \\
-        --lr lora=1e-4,3e-4 --lr fira-lora=1e-4,3e-4 --baseline released --reuse
+        --lr lora=1e-4,3e-4 --lr fira-lora=1e-4,3e-4 --baseline released --max-val 150 --reuse
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ class Run:
     recipe: str | None
     lr: float | None
     label: str
+
+    @property
+    def swept(self) -> bool:
+        """One of several learning rates of its method: it is scored on validation records too."""
+        return self.name != self.base
 
 
 def plan_runs(methods: list[str], lr_for: dict[str, list[float]]) -> list[Run]:
@@ -114,6 +122,8 @@ def expected_config(run: Run, args: argparse.Namespace) -> dict:
         expected["lr"] = run.lr if run.lr is not None else recipe_lr if recipe_lr is not None else DEFAULT_LR[run.method]
     if args.scoring == "generate":
         expected["max_new_tokens"] = args.max_new_tokens
+    if run.swept:
+        expected["max_val"] = args.max_val
     return expected
 
 
@@ -140,6 +150,8 @@ def run_one(run: Run, args: argparse.Namespace, model_dir: Path) -> dict:
         argv += ["--recipe", run.recipe]
     if run.lr is not None:
         argv += ["--lr", repr(run.lr)]
+    if run.swept:
+        argv += ["--max-val", str(args.max_val)]
     if args.threads:
         argv += ["--threads", str(args.threads)]
     print(f"[{run.name}] {' '.join(argv)}", flush=True)
@@ -178,6 +190,24 @@ def measure_states(args: argparse.Namespace, model_dir: Path) -> dict[str, dict]
         print(f"[state] {name}: {states[name]}", flush=True)
         del model
     return states
+
+
+def choose_lrs(results: dict[str, dict], runs: list[Run]) -> list[str]:
+    """One line per swept method: the run whose validation accuracy is highest (the first on a tie),
+    once every run of the sweep has finished; the test examples play no part in it."""
+    lines = []
+    for base in dict.fromkeys(r.base for r in runs if r.swept):
+        sweep = [r for r in runs if r.base == base]
+        scored = {r.name: results[r.name].get("validation_accuracy") for r in sweep if r.name in results}
+        if len(scored) < len(sweep) or None in scored.values():
+            lines.append(f"- {LABEL[base]}: not chosen yet (" + ", ".join(
+                f"lr {r.lr:g} " + ("validation -" if scored.get(r.name) is None else
+                                   f"validation {100 * scored[r.name]:.1f}%") for r in sweep) + ")")
+            continue
+        best = max(sweep, key=lambda r: scored[r.name])  # max keeps the first of equal ones
+        lines.append(f"- {LABEL[base]}: **lr {best.lr:g}** (validation " + ", ".join(
+            f"{100 * scored[r.name]:.1f}% at lr {r.lr:g}" for r in sweep) + ")")
+    return lines
 
 
 def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, command: str, header: dict) -> str:
@@ -222,10 +252,15 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
         lines += [f"No paired tests: {err}", ""]
     names = [r.name for r in done]
     baseline = args.baseline if args.baseline in names else names[0]
+    chosen = choose_lrs(results, runs)
+    if chosen:
+        lines += ["Learning rates chosen on validation (held-out training records of the trained-on tasks, "
+                  "average accuracy; the test rows below show every lr of a sweep, the chosen one is the result):",
+                  "", *chosen, ""]
     lines += render_comparison({n: results[n] for n in names}, correctness, tasks=TASKS,
                                labels={r.name: r.label for r in done}, short=SHORT, baseline=baseline)
     loglik = all(scoring_of(results[n]) == "loglik" for n in names)
-    head = ("| run | lr | avg | " + ("avg acc_norm" if loglik else "unparsed")
+    head = ("| run | lr | avg | " + ("avg acc_norm" if loglik else "unparsed") + " | validation avg"
             + " | opt. state (M el.) | trainable (M) | peak RSS train (MiB) | train s | eval s |")
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in done:
@@ -233,12 +268,16 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
         mem = res["memory"]
         rss = f"{mem['train_peak_rss_mib']:.0f}" if mem["train_peak_rss_mib"] else "-"
         lr = res["config"]["lr"] if res["config"]["lr"] is not None else "-"
+        val = f"{100 * res['validation_accuracy']:.1f}" if "validation_accuracy" in res else "-"
+        resumed = (res.get("training") or {}).get("resumed_from_step")
+        # a run continued from a checkpoint times only its last sitting
+        train_s = f"{res['time']['train_s']:.0f}" + (f" (steps {resumed + 1}-{steps} only)" if resumed else "")
         extra = (f"{100 * res['average_accuracy_norm']:.1f}" if loglik
                  else f"{sum(res['tasks'][t]['unparsed'] for t in TASKS)}/{sum(res['tasks'][t]['n'] for t in TASKS)}")
         lines.append(
-            f"| {r.label} | {lr} | **{100 * res['average_accuracy']:.1f}** | {extra} | "
+            f"| {r.label} | {lr} | **{100 * res['average_accuracy']:.1f}** | {extra} | {val} | "
             f"{mem['optimizer_state_numel'] / 1e6:.1f} | {res['model']['trainable_parameters'] / 1e6:.1f} | {rss} | "
-            f"{res['time']['train_s']:.0f} | {res['time']['eval_s']:.0f} |"
+            f"{train_s} | {res['time']['eval_s']:.0f} |"
         )
     states = header.get("states") or {}
     if states:
@@ -293,6 +332,9 @@ def main() -> None:
     parser.add_argument("--eval-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--max-val", type=int, default=150,
+                        help="validation examples per trained-on task, held out of the training records, for the "
+                             "runs of a learning-rate sweep: the report chooses each sweep's lr on them (default 150)")
     parser.add_argument("--lr", "--lrs", action="append", default=[], metavar="METHOD=LR[,LR...]",
                         help="learning rate(s) of one method, e.g. --lr fira=5e-5,1e-4 (a sweep: one run per "
                              "rate); repeatable")

@@ -117,11 +117,7 @@ def test_memory_summary_reads_every_size_and_relates_to_adamw(tmp_path: Path) ->
 def test_memory_reestimate_rebuilds_each_rows_config_on_its_device(tmp_path: Path) -> None:
     """Each row's estimate is recomputed from its recipe, spec and the given overrides, on the
     device it was measured on: equal to what ``measure`` wrote on the CPU, AdamW's larger on CUDA."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from memory_reestimate import reestimate
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    reestimate = _benchmark("memory_reestimate").reestimate
     from fira_train.config.method_spec import parse_method_specs
     from fira_train.config.overrides import apply_overrides
     from fira_train.config.recipes import get_recipe
@@ -201,6 +197,26 @@ def test_finetune_benchmark_reuses_only_runs_with_the_same_settings(tmp_path: Pa
     old = {k: v for k, v in config.items() if k not in ("scoring", "recipe")}  # a run made before --scoring
     with pytest.raises(SystemExit, match=r"scoring='generate-released' \(this command: 'loglik'\)"):
         bench.check_reusable(run, {"config": old}, args, tmp_path / "results.json")
+
+
+def test_finetune_benchmark_chooses_a_sweeps_lr_on_validation_only() -> None:
+    """Swept runs score validation records (and are reused only with the same number); the
+    report's choice is the highest validation accuracy, whatever the test accuracy."""
+    bench = _finetune_benchmark()
+    runs = bench.plan_runs(["released", "fira"], {"fira": [5e-5, 1e-4]})
+    released, low, high = runs
+    assert not released.swept and low.swept and high.swept
+    args = bench.argparse.Namespace(scoring="loglik", max_eval=500, seed=42, steps=30, batch_size=4,
+                                    max_new_tokens=16, max_val=150)
+    assert bench.expected_config(low, args)["max_val"] == 150 and "max_val" not in bench.expected_config(released, args)
+
+    def result(val, test):
+        return {"average_accuracy": test, **({"validation_accuracy": val} if val is not None else {})}
+
+    results = {"released": result(None, 0.5), low.name: result(0.40, 0.60), high.name: result(0.45, 0.50)}
+    assert bench.choose_lrs(results, runs) == ["- Fira: **lr 0.0001** (validation 40.0% at lr 5e-05, 45.0% at lr 0.0001)"]
+    pending = bench.choose_lrs({low.name: results[low.name]}, runs)
+    assert pending == ["- Fira: not chosen yet (lr 5e-05 validation 40.0%, lr 0.0001 validation -)"]
 
 
 def test_allocator_benchmark_alternates_the_setting_and_pairs_the_processes(monkeypatch) -> None:

@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-eval", type=_optional_int, default=500,
                    help="test examples per task, a seeded random subset (default 500, all of a smaller test "
                         "set; 'all' for every example)")
+    p.add_argument("--max-val", type=int, default=0,
+                   help="validation examples per trained-on task, held out of the training records, on which "
+                        "a learning rate sweep chooses (default 0: none)")
     p.add_argument("--out", default=None, help="output folder (default runs/finetune/<method>)")
     p.add_argument("--max-train", type=_optional_int, default=None,
                    help="training records (default steps x batch size: one pass)")

@@ -82,6 +82,10 @@ class FinetuneConfig:
     """Optimizer steps (0: zero-shot evaluation)."""
     max_eval: int | None = 500
     """Test examples per task (a seeded random subset; all of a smaller test set); ``None``: all."""
+    max_val: int = 0
+    """Validation examples per trained-on task, held out of the training pool (never trained on,
+    never tested: :func:`fira_train.finetune.data.load_validation`); a swept learning rate is chosen
+    on their accuracy. 0: none."""
     max_train: int | None = None
     """Training records drawn from the union (seeded); ``None``: ``steps * batch_size`` (one pass)."""
     out: str | None = None
@@ -138,7 +142,7 @@ class FinetuneConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise FinetuneError(f"{name}={value!r} must be a positive integer")
-        for name in ("steps", "max_eval", "max_train", "warmup_steps", "save_steps"):
+        for name in ("steps", "max_eval", "max_val", "max_train", "warmup_steps", "save_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise FinetuneError(f"{name}={value!r} must be a non-negative integer")

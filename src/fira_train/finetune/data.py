@@ -30,19 +30,52 @@ def load_records(config: FinetuneConfig) -> tuple[list[dict], dict[str, list[dic
     train: list[dict] = []
     trained_on: list[str] = []
     if config.trains:
-        for spec in config.task_specs:
-            if has_split(config.data_dir, spec, "train"):
-                train.extend(load_split(config.data_dir, spec, "train"))
-                trained_on.append(spec.name)
-        if not train:
-            raise CommonsenseDataError(
-                f"none of the tasks {config.tasks} has a train.json under {config.data_dir}; "
-                f"add a task with a training set or run zero-shot (--method none or --steps 0)"
-            )
-        random.Random(config.seed).shuffle(train)
-        limit = config.max_train if config.max_train is not None else config.steps * config.batch_size
-        train = train[:limit]
+        pool, trained_on = _training_pool(config)
+        train = [record for _, _, record in pool[:_train_limit(config)]]
     return train, tests, trained_on
+
+
+def load_validation(config: FinetuneConfig) -> dict[str, list[dict]]:
+    """``config.max_val`` records of each trained-on task that the run does not train on: the
+    training pool after the records it trains on (same seeded shuffle), so they are disjoint from
+    the training records by construction and from the test sets by file. Each carries its
+    ``index`` in its task's ``train.json``. A learning rate is chosen on these, never on the test
+    examples. Empty when the run does not train or ``max_val`` is 0."""
+    if not config.trains or not config.max_val:
+        return {}
+    pool, trained_on = _training_pool(config)
+    validation: dict[str, list[dict]] = {name: [] for name in trained_on}
+    for task, index, record in pool[_train_limit(config):]:
+        if len(validation[task]) < config.max_val:
+            validation[task].append({**record, "index": index})
+    empty = [task for task, records in validation.items() if not records]
+    if empty:
+        raise CommonsenseDataError(
+            f"max_val={config.max_val}: the run trains on every training record of {', '.join(empty)}, so none is "
+            f"left to validate on; train on fewer records (--max-train, --steps) or set --max-val 0")
+    return validation
+
+
+def _training_pool(config: FinetuneConfig) -> tuple[list[tuple[str, int, dict]], list[str]]:
+    """The union of the tasks' training sets as ``(task, index in its file, record)``, in the
+    run's seeded order, and the tasks it comes from."""
+    pool: list[tuple[str, int, dict]] = []
+    trained_on: list[str] = []
+    for spec in config.task_specs:
+        if has_split(config.data_dir, spec, "train"):
+            pool.extend((spec.name, i, r) for i, r in enumerate(load_split(config.data_dir, spec, "train")))
+            trained_on.append(spec.name)
+    if not pool:
+        raise CommonsenseDataError(
+            f"none of the tasks {config.tasks} has a train.json under {config.data_dir}; "
+            f"add a task with a training set or run zero-shot (--method none or --steps 0)"
+        )
+    random.Random(config.seed).shuffle(pool)  # the permutation depends on the length alone
+    return pool, trained_on
+
+
+def _train_limit(config: FinetuneConfig) -> int:
+    return config.max_train if config.max_train is not None else config.steps * config.batch_size
 
 
 def tokenize_for_training(tokenizer: Any, record: dict, cutoff_len: int, train_on_inputs: bool) -> dict:

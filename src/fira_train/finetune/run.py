@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from fira_train.finetune.config import FinetuneConfig, FinetuneError
-from fira_train.finetune.data import load_records
+from fira_train.finetune.data import load_records, load_validation
 from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
 from fira_train.finetune.report import render_report
@@ -41,10 +41,14 @@ def run_finetune(
         raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
                             "--overwrite to replace them, or choose another --out")
     train, tests, trained_on = load_records(config)  # data errors before the (slow) model load
+    validation = load_validation(config)
+    specs = {spec.name: spec for spec in config.task_specs}
     if config.scoring == "loglik":
         require_lm_eval()
         for spec in config.task_specs:  # every test record's options readable, before training
             questions_of(spec, tests[spec.name])
+        for name, records in validation.items():
+            questions_of(specs[name], records)
     # checkpoints of another run in the way: said before the model loads
     resume = resume_point(config) if config.trains else None
     started = time.perf_counter()
@@ -72,16 +76,23 @@ def run_finetune(
     per_task: dict[str, Any] = {}
     eval_started = time.perf_counter()
     scorer = LoglikScorer(model, tokenizer, batch_size=config.eval_batch_size) if config.scoring == "loglik" else None
+
+    def score(spec, records):
+        if scorer is not None:
+            metrics, predictions = scorer.evaluate_task(spec, records)
+            return metrics, predictions, f"acc_norm {metrics['accuracy_norm']:.3f}"
+        metrics, predictions = evaluate_task(model, tokenizer, spec, records, max_new_tokens=config.max_new_tokens,
+                                             batch_size=config.eval_batch_size)
+        return metrics, predictions, f"unparsed {metrics['unparsed']}"
+
+    per_val: dict[str, Any] = {}
     try:
+        for name, records in validation.items():  # held-out training records: what a sweep chooses on
+            per_val[name], _, detail = score(specs[name], records)
+            log(f"validation {name}: {per_val[name]['accuracy']:.3f} ({per_val[name]['correct']}/"
+                f"{per_val[name]['n']}, {detail})")
         for spec in config.task_specs:
-            if scorer is not None:
-                metrics, predictions = scorer.evaluate_task(spec, tests[spec.name])
-                detail = f"acc_norm {metrics['accuracy_norm']:.3f}"
-            else:
-                metrics, predictions = evaluate_task(model, tokenizer, spec, tests[spec.name],
-                                                     max_new_tokens=config.max_new_tokens,
-                                                     batch_size=config.eval_batch_size)
-                detail = f"unparsed {metrics['unparsed']}"
+            metrics, predictions, detail = score(spec, tests[spec.name])
             per_task[spec.name] = metrics
             with open(out / "predictions" / f"{spec.name}.jsonl", "w", encoding="utf-8") as f:
                 for p in predictions:
@@ -104,6 +115,8 @@ def run_finetune(
         "average_accuracy": sum(m["accuracy"] for m in per_task.values()) / len(per_task),
         **({"average_accuracy_norm": sum(m["accuracy_norm"] for m in per_task.values()) / len(per_task)}
            if config.scoring == "loglik" else {}),
+        **({"validation": per_val,
+            "validation_accuracy": sum(m["accuracy"] for m in per_val.values()) / len(per_val)} if per_val else {}),
         "model": {"name": config.model or "smollm2-135m-instruct", "parameters": total_params,
                   "trainable_parameters": trainable if config.trains else 0},
         "memory": {

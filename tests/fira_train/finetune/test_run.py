@@ -115,8 +115,11 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
     results = run_cli(["--model", str(model_dir), "--tasks", "boolq,piqa", "--method", method,
                        "--data-dir", str(data), "--steps", "8", "--batch-size", "8", "--lr", "1e-2",
                        "--rank", "4", "--lora-r", "8", "--update-proj-gap", "5", "--max-new-tokens", "8",
-                       "--scoring", scoring, "--out", str(out)])
+                       "--scoring", scoring, "--max-val", "5", "--out", str(out)])
     assert results["config"]["scoring"] == scoring and results["config"]["max_eval"] == 500
+    # validation: 5 held-out training records of the one task with a training set
+    assert set(results["validation"]) == {"boolq"} and results["validation"]["boolq"]["n"] == 5
+    assert results["validation_accuracy"] == results["validation"]["boolq"]["accuracy"]
     assert results["trained_on"] == ["boolq"]  # piqa has no train.json: evaluated only
     assert set(results["tasks"]) == {"boolq", "piqa"}
     assert results["tasks"]["boolq"]["n"] == 8 and results["tasks"]["piqa"]["n"] == 6
@@ -314,6 +317,38 @@ def test_test_sets_are_capped_at_500_seeded_examples_with_their_indices(tmp_path
     assert all(records[r["index"]]["instruction"] == r["instruction"] for r in kept)
     _, tests, _ = load_records(FinetuneConfig(tasks=["boolq"], data_dir=str(tmp_path), method="none", max_eval=None))
     assert len(tests["boolq"]) == 620
+
+
+def test_validation_records_are_held_out_of_training_and_leave_it_unchanged(tmp_path):
+    from fira_train.finetune.commonsense import CommonsenseDataError
+    from fira_train.finetune.data import load_records, load_validation
+
+    data = write_data(tmp_path)
+    records = json.loads((data / "boolq" / "train.json").read_text())
+    for i, record in enumerate(records):  # distinct records: each one's position names it
+        record["instruction"] = record["instruction"].replace("?", f" ({i})?")
+    (data / "boolq" / "train.json").write_text(json.dumps(records))
+    config = FinetuneConfig(tasks=["boolq", "piqa"], data_dir=str(data), method="fira", steps=8, batch_size=8,
+                            max_val=20)
+    train, _, _ = load_records(config)
+    validation = load_validation(config)
+    assert set(validation) == {"boolq"} and len(validation["boolq"]) == 20  # piqa has no training set
+    trained = {records.index(r) for r in train}
+    held = [r["index"] for r in validation["boolq"]]
+    assert len(trained) == 64 and len(set(held)) == 20 and not trained & set(held)
+    assert all(records[r["index"]]["instruction"] == r["instruction"] for r in validation["boolq"])
+    # asking for validation does not change what is trained on
+    no_val = FinetuneConfig(tasks=["boolq", "piqa"], data_dir=str(data), method="fira", steps=8, batch_size=8)
+    assert load_records(no_val)[0] == train and load_validation(no_val) == {}
+    assert load_validation(FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="none", max_val=5)) == {}
+    # 16 records left of 96: a partial set; none left: refused, naming the option
+    assert len(load_validation(FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="fira", steps=10,
+                                              batch_size=8, max_val=20, max_train=80))["boolq"]) == 16
+    with pytest.raises(CommonsenseDataError, match="max_val=5: the run trains on every training record of boolq"):
+        load_validation(FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="fira", steps=12, batch_size=8,
+                                       max_val=5))
+    with pytest.raises(FinetuneError, match="max_val=-1"):
+        FinetuneConfig(tasks=["boolq"], data_dir=str(data), max_val=-1)
 
 
 REAL = default_data_dir()
