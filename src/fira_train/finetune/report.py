@@ -70,6 +70,12 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         "The average is the plain mean of the task accuracies (no interval).",
         "",
+    ]
+    if results.get("validation"):
+        lines += ["Validation (held-out training records; what a learning-rate sweep chooses on): " + ", ".join(
+            f"{name} {accuracy_cell(m['correct'], m['n'])}" for name, m in results["validation"].items())
+            + f"; average {100 * results['validation_accuracy']:.1f}.", ""]
+    lines += [
         f"- optimizer state: {memory['optimizer_state_numel']:,} elements ({memory['optimizer_state_mib']:.1f} MiB fp32)",
         f"- trainable parameters: {results['model']['trainable_parameters']:,} of {results['model']['parameters']:,}",
         f"- peak RSS during training: {memory['train_peak_rss_mib']} MiB; process peak {memory['process_peak_rss_mib']:.0f} MiB",

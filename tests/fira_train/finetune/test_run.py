@@ -143,6 +143,7 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
         assert "unparsed" in results["tasks"]["boolq"] and "average_accuracy_norm" not in results
     report = (out / "report.md").read_text()
     assert "| boolq |" in report and "average" in report and "95% Wilson interval" in report
+    assert "Validation (held-out training records" in report and "boolq " in report
     assert ("acc_norm [95% CI]" in report) == (scoring == "loglik")
 
 
