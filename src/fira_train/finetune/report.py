@@ -134,7 +134,8 @@ def render_comparison(
         f"Paired on the same examples: accuracy of the run minus that of {label(baseline)}, in points, and the "
         f"two-sided exact McNemar p-value (binomial test of the examples only one of the two answers "
         f"correctly); 'all examples' pools the tasks, each example once. No correction for the number of "
-        f"comparisons; a learning rate chosen on these test examples makes its own row's p-value optimistic.",
+        f"comparisons; a setting chosen on these test examples would make its row's p-value optimistic "
+        f"(choose on validation records: `--max-val`).",
         "",
     ]
     return lines
