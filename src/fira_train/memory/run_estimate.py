@@ -31,9 +31,14 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   measures each phase: the step's own rise is :math:`2 \cdot V h \cdot 4` bytes at 60M). On
   CUDA (``device="cuda"``), torch's AdamW takes its multi-tensor (``foreach``) path by default,
   whose step holds :math:`\sqrt{v}` of every parameter at once: one temporary of all the
-  weights' size, at their dtype, for ``adamw`` and ``adamw-grouped`` (measured on an H200 with
-  bf16 weights: AdamW's peak was 1.17 and 1.20 times the estimate without this term at 1B and
-  7B). The other plain optimizers' ``foreach`` temporaries are not modelled.
+  weights' size, at their dtype, for ``adamw`` (for ``adamw-grouped`` the larger of its two
+  groups: one ``foreach`` step per group); measured on an H200 with bf16 weights, AdamW's peak
+  was 1.17 and 1.20 times the estimate without this term at 1B and 7B. LoRA's are the adapters'
+  size, and the other plain optimizers' are not modelled. On CUDA, too, the allocator's peak
+  (``max_memory_allocated``) counts live tensors only: the activations are freed before the
+  step, so the total takes the larger of activations and step temporaries, not their sum (with
+  ``optim.step_in_backward`` the steps run inside the backward pass, among the activations: the
+  sum).
 
 What the estimate leaves out is what the measurement shows on top: the framework's own memory
 (the baseline before the model exists is subtracted from the measured peak, but not the
@@ -55,7 +60,7 @@ if TYPE_CHECKING:  # annotations only
 MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / 256}
 #: Methods that project their matrices (the Fira / GaLore family) and those that do not.
 PLAIN_METHODS = ("adamw", "adamw-grouped", "sgd", "adagrad", "adam-mini", "lora", "relora")
-#: Plain methods stepped by torch.optim.AdamW, whose default step on CUDA is the ``foreach`` one.
+#: Plain methods whose weights torch.optim.AdamW steps, by default on CUDA in its ``foreach`` step.
 FOREACH_METHODS = ("adamw", "adamw-grouped")
 
 
@@ -102,11 +107,17 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     temporaries = (min(stepped_whole, CHUNK) * CHUNK_TEMPORARY_BYTES if chunked
                    else 2 * stepped_whole * weight_bytes)
     if device == "cuda" and o.method in FOREACH_METHODS:
-        temporaries = params * weight_bytes
+        # one foreach step per param group: adamw-grouped's two groups (matrices; the rest) in turn
+        matrices = sum(a * b for a, b in shapes)
+        temporaries = (max(matrices, others) if o.method == "adamw-grouped" else params) * weight_bytes
     parts = {"weights": params * weight_bytes, "gradients": gradients,
              "optimizer_states": states, "activations": activations,
              "step_temporaries": temporaries}
-    return {**{k: int(v) for k, v in parts.items()}, "total": int(sum(parts.values()))}
+    total = sum(parts.values())
+    if device == "cuda" and not o.step_in_backward:
+        # the CUDA allocator counts only live tensors: the activations are freed before the step
+        total -= min(activations, temporaries)
+    return {**{k: int(v) for k, v in parts.items()}, "total": int(total)}
 
 
 def _peer_state_numel(method: str, rank: int, shapes: list[tuple[int, int]], vocab: int, h: int,

@@ -105,13 +105,26 @@ def test_torch_adamw_on_cuda_holds_a_weights_sized_temporary() -> None:
     of them; the CPU's per-parameter step holds two temporaries of the largest parameter."""
     import torch
 
+    parts = ("weights", "gradients", "optimizer_states", "activations", "step_temporaries")
     config, cpu = _estimate("adamw")
     cuda = estimate_run_bytes(config, 32000, "cuda")
     assert cuda["step_temporaries"] == cuda["weights"] > cpu["step_temporaries"]
-    assert cuda["total"] - cpu["total"] == cuda["step_temporaries"] - cpu["step_temporaries"]
-    # the Fira family steps its unprojected parameters itself: no such term
+    # on CUDA only live tensors count: the activations are gone when the step's temporaries exist
+    assert cuda["total"] == sum(cuda[k] for k in parts) - min(cuda["activations"], cuda["step_temporaries"])
+    assert cpu["total"] == sum(cpu[k] for k in parts)
+    # adamw-grouped: one foreach step per group (matrices, then embedding + head + norms)
+    grouped_config, _ = _estimate("adamw-grouped")
+    grouped = estimate_run_bytes(grouped_config, 32000, "cuda")
+    matrices = sum(a * b for a, b in llama_matrix_shapes(512, 1376, 8))
+    assert grouped["step_temporaries"] == 4 * max(matrices, 2 * 32000 * 512 + 512 * 17) < grouped["weights"]
+    # the Fira family steps its unprojected parameters itself: the same parts on either device
     fira_config, fira_cpu = _estimate("fira")
-    assert estimate_run_bytes(fira_config, 32000, "cuda") == fira_cpu
+    fira_cuda = estimate_run_bytes(fira_config, 32000, "cuda")
+    assert {k: fira_cuda[k] for k in parts} == {k: fira_cpu[k] for k in parts}
+    assert fira_cuda["total"] == fira_cpu["total"] - min(fira_cpu["activations"], fira_cpu["step_temporaries"])
+    # updates inside the backward pass run among the activations: the sum, on CUDA too
+    sib_config, sib_cpu = _estimate("fira", optim={"step_in_backward": True})
+    assert estimate_run_bytes(sib_config, 32000, "cuda")["total"] == sib_cpu["total"]
     # the size of that temporary, as torch's multi-tensor AdamW allocates it
     params = [torch.nn.Parameter(torch.zeros(64, 32)), torch.nn.Parameter(torch.zeros(16))]
     for p in params:
