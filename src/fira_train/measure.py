@@ -187,7 +187,8 @@ def format_estimate_rows(rows: list[dict[str, Any]]) -> str:
     """The estimate table: GB per part and whether the total fits in 24 GB."""
     lines = ["Estimated memory of a training run on a GPU (one 256-token sequence per step, fp32 "
              "unless stated; torch's AdamW in its default multi-tensor step): weights + gradients + "
-             "optimizer states + activations + the step's temporaries, in GB (10^9 bytes)",
+             "optimizer states + the larger of activations and the step's temporaries (their sum with "
+             "step_in_backward, whose steps run among the activations), in GB (10^9 bytes)",
              "",
              "| Size | Method | Weights | Gradients | Optimizer states | Activations "
              "| Step temporaries | Total | Fits in 24 GB |",

@@ -51,8 +51,9 @@ def test_the_estimate_table_covers_the_paper_sizes_and_says_what_fits() -> None:
     rows = estimate_rows()
     assert {(r["size"], r["method"]) for r in rows} == {
         (size, spec) for size in ("60m", "130m", "350m", "1b", "7b") for spec in ESTIMATE_SPECS}
-    for r in rows:
-        assert r["total"] == sum(r[k] for k in ESTIMATE_PARTS)
+    for r in rows:  # on a GPU the activations are freed before a step outside the backward pass
+        overlap = 0 if "step_in_backward" in r["method"] else min(r["activations"], r["step_temporaries"])
+        assert r["total"] == sum(r[k] for k in ESTIMATE_PARTS) - overlap
         assert r["fits_24gb"] == (r["total"] < 24 * 10**9)
     by = {(r["size"], r["method"]): r for r in rows}
     assert not by["7b", "adamw"]["fits_24gb"]
