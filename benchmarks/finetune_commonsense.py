@@ -349,6 +349,8 @@ def main() -> None:
     unknown = [m for m in args.methods if m not in METHOD_ORDER]
     if unknown:
         parser.error(f"--methods: unknown {unknown}; choose from {METHOD_ORDER}")
+    if args.max_val <= 0:
+        parser.error(f"--max-val {args.max_val}: a sweep's learning rate is chosen on validation examples; give a positive number")
     lr_for = parse_lrs(args.lr, parser)
     stray = sorted(set(lr_for) - set(args.methods))
     if stray:

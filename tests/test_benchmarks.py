@@ -217,6 +217,8 @@ def test_finetune_benchmark_chooses_a_sweeps_lr_on_validation_only() -> None:
 
     results = {"released": result(None, 0.5), low.name: result(0.40, 0.60), high.name: result(0.45, 0.50)}
     assert bench.choose_lrs(results, runs) == ["- Fira: **lr 0.0001** (validation 40.0% at lr 5e-05, 45.0% at lr 0.0001)"]
+    tie = results | {high.name: result(0.40, 0.70)}  # equal validation: the first lr of the sweep
+    assert bench.choose_lrs(tie, runs)[0].startswith("- Fira: **lr 5e-05**")
     pending = bench.choose_lrs({low.name: results[low.name]}, runs)
     assert pending == ["- Fira: not chosen yet (lr 5e-05 validation 40.0%, lr 0.0001 validation -)"]
 

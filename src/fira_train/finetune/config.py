@@ -148,6 +148,10 @@ class FinetuneConfig:
                 raise FinetuneError(f"{name}={value!r} must be a non-negative integer")
         if self.max_eval == 0:
             raise FinetuneError("max_eval=0 would evaluate nothing; leave it out to evaluate every example")
+        if self.max_val and not self.trains:
+            raise FinetuneError(f"max_val={self.max_val}: validation records are the training records a run does not "
+                                f"train on, and a zero-shot run (method 'none' or steps 0) chooses nothing on them; "
+                                f"leave --max-val out")
         if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
             raise FinetuneError(f"lr={self.lr!r} must be a positive number")
         if self.rank is not None and self.rank <= 0:

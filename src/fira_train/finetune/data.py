@@ -51,8 +51,9 @@ def load_validation(config: FinetuneConfig) -> dict[str, list[dict]]:
     empty = [task for task, records in validation.items() if not records]
     if empty:
         raise CommonsenseDataError(
-            f"max_val={config.max_val}: the run trains on every training record of {', '.join(empty)}, so none is "
-            f"left to validate on; train on fewer records (--max-train, --steps) or set --max-val 0")
+            f"max_val={config.max_val}: no training record of {', '.join(empty)} is left over for validation (the "
+            f"run trains on all of them, or the file holds none); train on fewer records (--max-train, --steps) "
+            f"or leave --max-val out")
     return validation
 
 

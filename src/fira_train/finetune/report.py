@@ -48,6 +48,10 @@ def paired_cell(paired: Paired) -> str:
 def render_report(results: dict[str, Any]) -> str:
     """A Markdown summary of one run's ``results.json``."""
     config, memory, timing = results["config"], results["memory"], results["time"]
+    rss = f"{memory['train_peak_rss_mib']:.0f}" if memory["train_peak_rss_mib"] is not None else "-"
+    start = (results.get("training") or {}).get("resumed_from_step")
+    # a run continued from a checkpoint measures its last sitting only
+    resumed = f" and peak RSS of steps {start + 1}-{config['steps']} only (continued from a checkpoint)" if start else ""
     scoring = scoring_of(results)
     loglik = scoring == "loglik"
     lines = [
@@ -78,8 +82,9 @@ def render_report(results: dict[str, Any]) -> str:
     lines += [
         f"- optimizer state: {memory['optimizer_state_numel']:,} elements ({memory['optimizer_state_mib']:.1f} MiB fp32)",
         f"- trainable parameters: {results['model']['trainable_parameters']:,} of {results['model']['parameters']:,}",
-        f"- peak RSS during training: {memory['train_peak_rss_mib']} MiB; process peak {memory['process_peak_rss_mib']:.0f} MiB",
-        f"- time: load {timing['load_s']:.1f}s, train {timing['train_s']:.1f}s, eval {timing['eval_s']:.1f}s",
+        f"- peak RSS during training: {rss} MiB; process peak {memory['process_peak_rss_mib']:.0f} MiB",
+        f"- time: load {timing['load_s']:.1f}s, train {timing['train_s']:.1f}s{resumed}, eval {timing['eval_s']:.1f}s"
+        + (" (validation included)" if results.get("validation") else ""),
     ]
     if results["training"]:
         t = results["training"]

@@ -143,7 +143,7 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
         assert "unparsed" in results["tasks"]["boolq"] and "average_accuracy_norm" not in results
     report = (out / "report.md").read_text()
     assert "| boolq |" in report and "average" in report and "95% Wilson interval" in report
-    assert "Validation (held-out training records" in report and "boolq " in report
+    assert "Validation (held-out training records; what a learning-rate sweep chooses on): boolq " in report
     assert ("acc_norm [95% CI]" in report) == (scoring == "loglik")
 
 
@@ -338,14 +338,19 @@ def test_validation_records_are_held_out_of_training_and_leave_it_unchanged(tmp_
     held = [r["index"] for r in validation["boolq"]]
     assert len(trained) == 64 and len(set(held)) == 20 and not trained & set(held)
     assert all(records[r["index"]]["instruction"] == r["instruction"] for r in validation["boolq"])
-    # asking for validation does not change what is trained on
+    # asking for validation does not change what is trained on: the records, in the order they had
+    # before validation existed (the union shuffled by the seed), so interrupted runs resume alike
     no_val = FinetuneConfig(tasks=["boolq", "piqa"], data_dir=str(data), method="fira", steps=8, batch_size=8)
     assert load_records(no_val)[0] == train and load_validation(no_val) == {}
-    assert load_validation(FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="none", max_val=5)) == {}
+    before = list(records)
+    random.Random(42).shuffle(before)
+    assert train == before[:64]
+    with pytest.raises(FinetuneError, match="max_val=5: validation records are the training records"):
+        FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="none", max_val=5)
     # 16 records left of 96: a partial set; none left: refused, naming the option
     assert len(load_validation(FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="fira", steps=10,
                                               batch_size=8, max_val=20, max_train=80))["boolq"]) == 16
-    with pytest.raises(CommonsenseDataError, match="max_val=5: the run trains on every training record of boolq"):
+    with pytest.raises(CommonsenseDataError, match="max_val=5: no training record of boolq is left over"):
         load_validation(FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="fira", steps=12, batch_size=8,
                                        max_val=5))
     with pytest.raises(FinetuneError, match="max_val=-1"):
