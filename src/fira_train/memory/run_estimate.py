@@ -108,8 +108,7 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
                    else 2 * stepped_whole * weight_bytes)
     if device == "cuda" and o.method in FOREACH_METHODS:
         # one foreach step per param group: adamw-grouped's two groups (matrices; the rest) in turn
-        matrices = sum(a * b for a, b in shapes)
-        temporaries = (max(matrices, others) if o.method == "adamw-grouped" else params) * weight_bytes
+        temporaries = (max(params - others, others) if o.method == "adamw-grouped" else params) * weight_bytes
     parts = {"weights": params * weight_bytes, "gradients": gradients,
              "optimizer_states": states, "activations": activations,
              "step_temporaries": temporaries}
