@@ -4,7 +4,10 @@ A process's peak resident set covers everything the process did before; memory f
 earlier run stays mapped (glibc keeps it) and counts again. ``compare`` and
 ``memory --measure`` therefore train each method in a fresh, spawned interpreter
 (:func:`run_isolated`): its peak is that method's alone. The function's result, or its
-exception, comes back through a pipe, so errors read as if the function had run here.
+exception, comes back through a pipe, so errors read as if the function had run here. A child
+whose parent is gone (killed, or stopped by a signal that did not reach the child) ends itself
+within a second: it would otherwise keep training with nobody to receive its result, and keep
+its run folder locked.
 
 :func:`run_isolated_many` runs several such calls, ``jobs`` at a time (the analyses' and the
 sweep's ``--jobs``), and :func:`with_threads` gives each of them its share of the CPU cores.
@@ -15,7 +18,10 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
@@ -32,7 +38,7 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     level = logging.getLogger().getEffectiveLevel()
-    process = context.Process(target=_child, args=(send, level, fn, args, kwargs), daemon=False)
+    process = context.Process(target=_child, args=(send, level, os.getpid(), fn, args, kwargs), daemon=False)
     process.start()
     send.close()
     try:
@@ -49,8 +55,10 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return payload
 
 
-def _child(send, level: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def _child(send, level: int, parent: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    threading.Thread(target=_end_when_orphaned, args=(parent,), daemon=True,
+                     name="fira-train-parent-watch").start()
     try:
         result = ("ok", fn(*args, **kwargs))
     except BaseException as err:  # noqa: BLE001 - handed to the parent, which raises it
@@ -62,6 +70,17 @@ def _child(send, level: int, fn: Callable[..., Any], args: tuple, kwargs: dict) 
         send.send(("error", RuntimeError(f"{type(payload).__name__}: {payload}")))
     finally:
         send.close()
+
+
+def _end_when_orphaned(parent: int, poll_s: float = 0.5) -> None:
+    """Send this process SIGTERM once its parent ``parent`` has exited (this process is then
+    re-parented, so ``os.getppid()`` changes). SIGTERM's default action ends it, as a ``kill`` would
+    have if it had reached the whole process group; a run loses at most the work since its last
+    checkpoint."""
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    log.error("the parent process %d is gone: ending this run (pid %d)", parent, os.getpid())
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def run_isolated_many(calls: Sequence[tuple[Callable[..., Any], tuple]], jobs: int,
