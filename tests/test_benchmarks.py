@@ -223,6 +223,25 @@ def test_finetune_benchmark_chooses_a_sweeps_lr_on_validation_only() -> None:
     assert pending == ["- Fira: not chosen yet (lr 5e-05 validation 40.0%, lr 0.0001 validation -)"]
 
 
+def test_finetune_benchmark_records_every_sitting_that_trains() -> None:
+    """The report names each command that trained runs, not only the first one."""
+    bench = _finetune_benchmark()
+    first = {"date": "d1", "machine": "m", "command": "python b.py --methods fira"}
+    second = {"date": "d2", "machine": "m", "command": "python b.py --methods adamw"}
+    fresh = bench.next_header({}, first, resuming=False, training=True)
+    assert bench.sittings(fresh) == [first] and fresh["command"] == first["command"]
+    resumed = bench.next_header(fresh, second, resuming=True, training=True)
+    assert bench.sittings(resumed) == [first, second] and bench.sittings(fresh) == [first]
+    report = {"date": "d3", "machine": "m", "command": "python b.py --report-only"}
+    assert bench.next_header(resumed, report, resuming=True, training=False) is resumed  # reporting trains nothing
+    # a header from before sittings were recorded: its top-level command is the first sitting
+    legacy = {**first, "states": {"fira": {}}}
+    assert bench.sittings(bench.next_header(legacy, second, resuming=True, training=True)) == [first, second]
+    # a fresh benchmark over an old folder starts the list anew and keeps the state measurements
+    restarted = bench.next_header(legacy, second, resuming=False, training=True)
+    assert bench.sittings(restarted) == [second] and restarted["states"] == {"fira": {}}
+
+
 def test_allocator_benchmark_alternates_the_setting_and_pairs_the_processes(monkeypatch) -> None:
     bench = _benchmark("allocator_speed")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "999")  # the caller's own value must not leak into "without"
