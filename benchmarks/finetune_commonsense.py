@@ -29,6 +29,7 @@ test examples.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import platform
@@ -403,12 +404,14 @@ def main() -> None:
         for run in runs:
             if run.name in results:
                 check_reusable(run, results[run.name], args, out / run.name / "results.json")
-    old = json.loads(header_file.read_text()) if header_file.is_file() else {}
     sitting = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "machine": machine(), "command": command}
-    header = next_header(old, sitting, resuming=bool(results), training=training)
-    if header is not old:
-        out.mkdir(parents=True, exist_ok=True)
-        header_file.write_text(json.dumps(header, indent=2))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".benchmark.json.lock", "w") as lock:  # two sittings started side by side both add theirs
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = json.loads(header_file.read_text()) if header_file.is_file() else {}
+        header = next_header(old, sitting, resuming=bool(results), training=training)
+        if header is not old:
+            header_file.write_text(json.dumps(header, indent=2))
     if args.state_only:
         if args.threads:
             import torch
