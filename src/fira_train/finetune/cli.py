@@ -95,11 +95,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     # imported when the command runs: they load torch and transformers
     from fira_train.finetune.run import run_finetune
     from fira_train.methods.pretrained import ModelLoadError
+    from fira_train.run.run_lock import RunDirectoryBusy
 
     try:
         config = config_from_args(args)
         run_finetune(config)
-    except (FinetuneError, CommonsenseDataError, ModelLoadError) as err:
+    except (FinetuneError, CommonsenseDataError, ModelLoadError, RunDirectoryBusy) as err:
         print(f"fira-train finetune: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     return 0

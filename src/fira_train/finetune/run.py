@@ -22,6 +22,7 @@ from fira_train.finetune.train import prepare_model, remove_checkpoints, resume_
 from fira_train.files import dumps, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.run.peak_memory import process_peak_rss_bytes
+from fira_train.run.run_lock import locked_run_directory
 
 
 def run_finetune(
@@ -33,13 +34,14 @@ def run_finetune(
     """Train (unless zero-shot), evaluate, write ``results.json``, ``report.md`` and predictions.
 
     ``model``/``tokenizer`` may be given (then ``config.model`` only labels the run); the model is
-    modified in place. Returns the results dictionary.
+    modified in place. Returns the results dictionary. The run holds its ``out_dir`` as
+    ``fira-train pretrain`` does (:mod:`fira_train.run.run_lock`): a second run into the same
+    folder, which would interleave its checkpoints with this one's, stops at once with
+    :class:`~fira_train.run.run_lock.RunDirectoryBusy`.
     """
     if config.threads:
         torch.set_num_threads(config.threads)
-    if (config.out_dir / "results.json").exists() and not config.overwrite:
-        raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
-                            "--overwrite to replace them, or choose another --out")
+    _refuse_earlier_results(config)
     train, tests, trained_on = load_records(config)  # data errors before the (slow) model load
     validation = load_validation(config)
     specs = {spec.name: spec for spec in config.task_specs}
@@ -49,6 +51,21 @@ def run_finetune(
             questions_of(spec, tests[spec.name])
         for name, records in validation.items():
             questions_of(specs[name], records)
+    with locked_run_directory(config.out_dir):  # after the data checks: a run refused for its data makes no folder
+        _refuse_earlier_results(config)  # a run that finished while this one read its data
+        return _train_and_evaluate(config, model, tokenizer, log, train, tests, trained_on, validation)
+
+
+def _refuse_earlier_results(config: FinetuneConfig) -> None:
+    if (config.out_dir / "results.json").exists() and not config.overwrite:
+        raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
+                            "--overwrite to replace them, or choose another --out")
+
+
+def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, tokenizer: Any | None, log: Any,
+                        train: list[dict], tests: dict[str, list[dict]], trained_on: list[str],
+                        validation: dict[str, list[dict]]) -> dict[str, Any]:
+    specs = {spec.name: spec for spec in config.task_specs}
     # checkpoints of another run in the way: said before the model loads
     resume = resume_point(config) if config.trains else None
     started = time.perf_counter()

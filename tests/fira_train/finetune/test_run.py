@@ -422,3 +422,21 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     answers = (out / "predictions" / "boolq.jsonl").read_text()
     assert answers == (tmp_path / "whole" / "predictions" / "boolq.jsonl").read_text()
     assert not (out / "trainer").exists()
+
+
+def test_a_second_run_into_a_busy_folder_stops_at_once(tiny_model_dir, tmp_path, capsys):
+    """Two runs into one --out would interleave their checkpoints: the second one stops, as
+    `fira-train pretrain` does, and touches nothing."""
+    from fira_train.run.run_lock import RunLock
+
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "o"
+    holder = RunLock(out)  # another run, alive, holds the folder
+    holder.acquire()
+    try:
+        err = _one_line_error(capsys, _zero_shot(model_dir, data, out))
+        assert "in use by another fira-train run" in err and str(out) in err and "--out" in err
+        assert sorted(p.name for p in out.iterdir()) == [".fira-train.lock"]
+    finally:
+        holder.release()
+    assert run_cli(_zero_shot(model_dir, data, out))["tasks"]["boolq"]["n"] == 2  # free again: it runs
