@@ -33,6 +33,7 @@ import fcntl
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -336,7 +337,14 @@ def parse_lrs(items: list[str], parser: argparse.ArgumentParser) -> dict[str, li
     return lr_for
 
 
+def _stop(signum: int, _frame) -> None:
+    """SIGTERM as an exception: ``subprocess.run`` then kills the run it waits for, which would
+    otherwise train on without this process (it continues from its last checkpoint next time)."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _stop)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-dir", default=None,
                         help="the LLM-Adapters commonsense folders (default: shared/data/commonsense beside the "

@@ -242,6 +242,34 @@ def test_finetune_benchmark_records_every_sitting_that_trains() -> None:
     assert bench.sittings(restarted) == [second] and restarted["states"] == {"fira": {}}
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree from /proc")
+def test_finetune_benchmark_stopped_by_sigterm_stops_its_run() -> None:
+    """A benchmark sent SIGTERM alone (not its process group) must not leave its current run
+    training: its handler turns the signal into an exception, and subprocess.run kills the run."""
+    import signal
+    import time
+
+    code = ("import signal, subprocess, sys\nsys.path.insert(0, 'benchmarks')\nimport finetune_commonsense as b\n"
+            "signal.signal(signal.SIGTERM, b._stop)\n"
+            "subprocess.run([sys.executable, '-c', 'import time; time.sleep(120)'])\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    try:
+        children = []
+        for _ in range(150):
+            children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+            if children:
+                break
+            time.sleep(0.1)
+        assert children, "the stand-in run did not start"
+        time.sleep(0.5)  # the handler is installed before the child starts
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == 128 + signal.SIGTERM
+        stat = Path(f"/proc/{children[0]}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:
+        parent.kill()
+
+
 def test_allocator_benchmark_alternates_the_setting_and_pairs_the_processes(monkeypatch) -> None:
     bench = _benchmark("allocator_speed")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "999")  # the caller's own value must not leak into "without"
