@@ -5,9 +5,10 @@ earlier run stays mapped (glibc keeps it) and counts again. ``compare`` and
 ``memory --measure`` therefore train each method in a fresh, spawned interpreter
 (:func:`run_isolated`): its peak is that method's alone. The function's result, or its
 exception, comes back through a pipe, so errors read as if the function had run here. A child
-whose parent is gone (killed, or stopped by a signal that did not reach the child) ends itself
-within a second: it would otherwise keep training with nobody to receive its result, and keep
-its run folder locked.
+whose parent has died (killed alone, by a signal that did not reach the child's process group, or
+by the out-of-memory killer) ends itself: it would otherwise keep training with nobody to receive
+its result, and keep its run folder locked. It learns of the death from a second pipe whose only
+writer is the parent, which the kernel closes when the parent exits, however it exits.
 
 :func:`run_isolated_many` runs several such calls, ``jobs`` at a time (the analyses' and the
 sweep's ``--jobs``), and :func:`with_threads` gives each of them its share of the CPU cores.
@@ -37,27 +38,33 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     here. ``fn`` and its arguments must be picklable (a module-level function, dataclasses)."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
+    # nothing is ever sent on this one: the child reads end-of-file when this process is gone
+    parent_gone, parent_alive = context.Pipe(duplex=False)
     level = logging.getLogger().getEffectiveLevel()
-    process = context.Process(target=_child, args=(send, level, os.getpid(), fn, args, kwargs), daemon=False)
+    process = context.Process(target=_child, args=(send, parent_gone, level, fn, args, kwargs), daemon=False)
     process.start()
     send.close()
+    parent_gone.close()
     try:
-        status, payload = receive.recv()
-    except EOFError:  # the child died without a word (killed, out of memory)
+        try:
+            status, payload = receive.recv()
+        except EOFError:  # the child died without a word (killed, out of memory)
+            process.join()
+            raise RuntimeError(f"the isolated run of {getattr(fn, '__name__', fn)} ended with exit code "
+                               f"{process.exitcode} and no result (killed? out of memory?)") from None
+        finally:
+            receive.close()
         process.join()
-        raise RuntimeError(f"the isolated run of {getattr(fn, '__name__', fn)} ended with exit code "
-                           f"{process.exitcode} and no result (killed? out of memory?)") from None
-    finally:
-        receive.close()
-    process.join()
+    finally:  # after the child's end, or on an exception here (Ctrl-C): the child stops too
+        parent_alive.close()
     if status == "error":
         raise payload
     return payload
 
 
-def _child(send, level: int, parent: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+def _child(send, parent_gone, level: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
-    threading.Thread(target=_end_when_orphaned, args=(parent,), daemon=True,
+    threading.Thread(target=_end_when_orphaned, args=(parent_gone,), daemon=True,
                      name="fira-train-parent-watch").start()
     try:
         result = ("ok", fn(*args, **kwargs))
@@ -72,15 +79,20 @@ def _child(send, level: int, parent: int, fn: Callable[..., Any], args: tuple, k
         send.close()
 
 
-def _end_when_orphaned(parent: int, poll_s: float = 0.5) -> None:
-    """Send this process SIGTERM once its parent ``parent`` has exited (this process is then
-    re-parented, so ``os.getppid()`` changes). SIGTERM's default action ends it, as a ``kill`` would
-    have if it had reached the whole process group; a run loses at most the work since its last
-    checkpoint."""
-    while os.getppid() == parent:
-        time.sleep(poll_s)
-    log.error("the parent process %d is gone: ending this run (pid %d)", parent, os.getpid())
+def _end_when_orphaned(parent_gone, grace_s: float = 10.0) -> None:
+    """End this process once the parent has closed its end of ``parent_gone`` (it has exited, or
+    it stopped waiting for this run): SIGTERM first, whose default action ends it as a ``kill`` of
+    the process group would have; if this process survives it (SIGTERM ignored, or a handler that
+    does not exit), ``os._exit`` after ``grace_s`` seconds. A run loses at most the work since its
+    last checkpoint."""
+    try:
+        parent_gone.recv()
+    except (EOFError, OSError):
+        pass
+    log.error("the parent process is gone: ending this run (pid %d)", os.getpid())
     os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    os._exit(128 + signal.SIGTERM)
 
 
 def run_isolated_many(calls: Sequence[tuple[Callable[..., Any], tuple]], jobs: int,

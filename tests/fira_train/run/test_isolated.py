@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,31 +28,27 @@ def _refuse(message: str) -> None:
     raise FileExistsError(message)
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree from /proc")
-def test_the_child_ends_when_its_parent_is_killed() -> None:
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads process states from /proc")
+def test_the_child_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
     # A parent killed alone (SIGKILL, or a SIGTERM sent to its pid only) must not leave its run
     # training on as an orphan that holds the run folder's lock.
+    marker = tmp_path / "child.pid"
+    body = f"import os, pathlib, time; pathlib.Path({str(marker)!r}).write_text(str(os.getpid())); time.sleep(120)"
     parent = subprocess.Popen([sys.executable, "-c",
-                               "import time\nfrom fira_train.run.isolated import run_isolated\n"
-                               "run_isolated(time.sleep, 120)"])
+                               "from fira_train.run.isolated import run_isolated\n"
+                               f"run_isolated(exec, {body!r})"])
+    child = None
     try:
-        child = _wait_for(lambda: _spawned_child(parent.pid), timeout_s=60)
-        assert child is not None, "the isolated run did not start"
+        # the marker is written by the function, which starts after the parent-watch thread
+        assert _wait_for(lambda: marker.is_file() and marker.read_text(), timeout_s=120), "the run did not start"
+        child = int(marker.read_text())
         parent.kill()
         parent.wait()
-        assert _wait_for(lambda: not _alive(child), timeout_s=15), f"child {child} outlived its parent"
+        assert _wait_for(lambda: not _alive(child), timeout_s=30), f"child {child} outlived its parent"
     finally:
         parent.kill()
-
-
-def _spawned_child(pid: int) -> int | None:
-    """The pid of ``pid``'s multiprocessing worker (not its resource tracker), if started."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline:
-                return int(child)
-    return None
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
