@@ -158,7 +158,7 @@ def run_one(run: Run, args: argparse.Namespace, model_dir: Path) -> dict:
         argv += ["--threads", str(args.threads)]
     print(f"[{run.name}] {' '.join(argv)}", flush=True)
     started = time.perf_counter()
-    done = subprocess.run(argv)
+    done = subprocess.run(argv, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     if done.returncode != 0:
         raise SystemExit(f"[{run.name}] failed with exit status {done.returncode}")
     print(f"[{run.name}] done in {time.perf_counter() - started:.0f}s", flush=True)
@@ -309,16 +309,27 @@ def sittings(header: dict) -> list[dict]:
     return [{k: header[k] for k in ("date", "machine", "command")}] if "command" in header else []
 
 
-def next_header(old: dict, sitting: dict, *, resuming: bool, training: bool) -> dict:
-    """``benchmark.json`` after this invocation: a training one adds its sitting (a fresh benchmark
-    starts the list anew, keeping only the one-step state measurements); a report or state-only
-    one trains nothing and records no sitting (``old`` itself is returned where there is one)."""
-    if not training:
-        return old or {"sittings": []}
-    if old and resuming:
-        return {**old, "sittings": [*sittings(old), sitting]}
-    header = {**sitting, "sittings": [sitting]}  # the top-level keys: the first sitting, as before
-    return header | ({"states": old["states"]} if old.get("states") else {})
+def next_header(old: dict, sitting: dict) -> dict:
+    """``benchmark.json`` after a training invocation: ``sitting`` added to the list. Without a
+    header it starts the list; the top-level date, machine and command stay the first sitting's."""
+    if not old:
+        return {**sitting, "sittings": [sitting]}
+    return {**old, "sittings": [*sittings(old), sitting]}
+
+
+def update_header(header_file: Path, change) -> dict:
+    """``change(old)`` written to ``header_file`` under a lock on a file beside it, atomically:
+    sittings started side by side, or a state measurement finishing during a sitting, each keep
+    what the others wrote."""
+    from fira_train.files import write_text_atomic
+
+    header_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(header_file.parent / ".benchmark.json.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = json.loads(header_file.read_text()) if header_file.is_file() else {}
+        header = change(old)
+        write_text_atomic(header_file, json.dumps(header, indent=2))
+    return header
 
 
 def parse_lrs(items: list[str], parser: argparse.ArgumentParser) -> dict[str, list[float]]:
@@ -335,6 +346,15 @@ def parse_lrs(items: list[str], parser: argparse.ArgumentParser) -> dict[str, li
         lr_for.setdefault(method, [])
         lr_for[method] += [lr for lr in lrs if lr not in lr_for[method]]
     return lr_for
+
+
+def _die_with_parent() -> None:
+    """In the run's process, before it starts (Linux): the kernel sends it SIGTERM when the
+    benchmark dies, however it dies (SIGKILL, the out-of-memory killer), so that no run trains on
+    without the benchmark that waits for it."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def _stop(signum: int, _frame) -> None:
@@ -397,6 +417,9 @@ def main() -> None:
     out = Path(args.out)
     report = Path(args.report) if args.report else out.parent / "report.md"
     header_file = out / "benchmark.json"
+    if args.report_only and not out.is_dir():
+        parser.error(f"--out {args.out!r} is not a folder: --report-only reports the finished runs in it")
+    report.parent.mkdir(parents=True, exist_ok=True)
     command = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     results: dict[str, dict] = {}
     for run in runs:
@@ -412,21 +435,19 @@ def main() -> None:
         for run in runs:
             if run.name in results:
                 check_reusable(run, results[run.name], args, out / run.name / "results.json")
-    sitting = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "machine": machine(), "command": command}
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".benchmark.json.lock", "w") as lock:  # two sittings started side by side both add theirs
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        old = json.loads(header_file.read_text()) if header_file.is_file() else {}
-        header = next_header(old, sitting, resuming=bool(results), training=training)
-        if header is not old:
-            header_file.write_text(json.dumps(header, indent=2))
+    if training:  # this sitting joins the record (a report or a state measurement trains nothing)
+        sitting = {"date": f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", "machine": machine(),
+                   "command": command}
+        header = update_header(header_file, lambda old: next_header(old, sitting))
+    else:
+        header = json.loads(header_file.read_text()) if header_file.is_file() else {}
     if args.state_only:
         if args.threads:
             import torch
 
             torch.set_num_threads(args.threads)
-        header["states"] = measure_states(args, cached_model(Path(args.model_cache)))
-        header_file.write_text(json.dumps(header, indent=2))
+        states = measure_states(args, cached_model(Path(args.model_cache)))
+        header = update_header(header_file, lambda old: {**old, "states": states})
     elif training:
         model_dir = cached_model(Path(args.model_cache))
         for run in runs:

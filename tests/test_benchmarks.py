@@ -223,51 +223,102 @@ def test_finetune_benchmark_chooses_a_sweeps_lr_on_validation_only() -> None:
     assert pending == ["- Fira: not chosen yet (lr 5e-05 validation 40.0%, lr 0.0001 validation -)"]
 
 
-def test_finetune_benchmark_records_every_sitting_that_trains() -> None:
+def test_finetune_benchmark_records_every_sitting_that_trains(tmp_path: Path) -> None:
     """The report names each command that trained runs, not only the first one."""
     bench = _finetune_benchmark()
     first = {"date": "d1", "machine": "m", "command": "python b.py --methods fira"}
     second = {"date": "d2", "machine": "m", "command": "python b.py --methods adamw"}
-    fresh = bench.next_header({}, first, resuming=False, training=True)
+    header_file = tmp_path / "methods" / "benchmark.json"
+    fresh = bench.update_header(header_file, lambda old: bench.next_header(old, first))
     assert bench.sittings(fresh) == [first] and fresh["command"] == first["command"]
-    resumed = bench.next_header(fresh, second, resuming=True, training=True)
-    assert bench.sittings(resumed) == [first, second] and bench.sittings(fresh) == [first]
-    report = {"date": "d3", "machine": "m", "command": "python b.py --report-only"}
-    assert bench.next_header(resumed, report, resuming=True, training=False) is resumed  # reporting trains nothing
+    # a second sitting, whether or not a run has finished yet (it may continue one's checkpoints)
+    resumed = bench.update_header(header_file, lambda old: bench.next_header(old, second))
+    assert bench.sittings(resumed) == [first, second] and json.loads(header_file.read_text()) == resumed
+    # a state measurement merges into what is there, sittings included
+    measured = bench.update_header(header_file, lambda old: {**old, "states": {"fira": {}}})
+    assert bench.sittings(measured) == [first, second] and measured["states"] == {"fira": {}}
     # a header from before sittings were recorded: its top-level command is the first sitting
     legacy = {**first, "states": {"fira": {}}}
-    assert bench.sittings(bench.next_header(legacy, second, resuming=True, training=True)) == [first, second]
-    # a fresh benchmark over an old folder starts the list anew and keeps the state measurements
-    restarted = bench.next_header(legacy, second, resuming=False, training=True)
-    assert bench.sittings(restarted) == [second] and restarted["states"] == {"fira": {}}
+    assert bench.sittings(bench.next_header(legacy, second)) == [first, second]
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree from /proc")
-def test_finetune_benchmark_stopped_by_sigterm_stops_its_run() -> None:
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads process states from /proc")
+def test_finetune_benchmark_stopped_by_sigterm_stops_its_run(tmp_path: Path, monkeypatch) -> None:
     """A benchmark sent SIGTERM alone (not its process group) must not leave its current run
-    training: its handler turns the signal into an exception, and subprocess.run kills the run."""
+    training: main() turns the signal into an exception, and subprocess.run kills the run."""
     import signal
     import time
 
+    bench = _finetune_benchmark()
+    installed = []
+    monkeypatch.setattr(bench.signal, "signal", lambda signum, handler: installed.append((signum, handler)))
+    monkeypatch.setattr(sys, "argv", ["finetune_commonsense.py", "--max-val", "0"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert installed == [(signal.SIGTERM, bench._stop)]
+
+    marker = _stand_in_run(tmp_path)
     code = ("import signal, subprocess, sys\nsys.path.insert(0, 'benchmarks')\nimport finetune_commonsense as b\n"
-            "signal.signal(signal.SIGTERM, b._stop)\n"
-            "subprocess.run([sys.executable, '-c', 'import time; time.sleep(120)'])\n")
+            f"signal.signal(signal.SIGTERM, b._stop)\nsubprocess.run([sys.executable, {str(tmp_path / 'run.py')!r}])\n")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    run = None
     try:
-        children = []
-        for _ in range(150):
-            children = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
-            if children:
-                break
-            time.sleep(0.1)
-        assert children, "the stand-in run did not start"
-        time.sleep(0.5)  # the handler is installed before the child starts
+        run = _started(marker)  # so subprocess.run is waiting for it
         parent.send_signal(signal.SIGTERM)
-        assert parent.wait(timeout=30) == 128 + signal.SIGTERM
-        stat = Path(f"/proc/{children[0]}/stat")
+        assert parent.wait(timeout=60) == 128 + signal.SIGTERM
+        stat = Path(f"/proc/{run}/stat")
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
     finally:
         parent.kill()
+        if run is not None and Path(f"/proc/{run}").exists():
+            os.kill(run, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_finetune_benchmark_run_dies_with_a_killed_benchmark(tmp_path: Path) -> None:
+    """SIGKILL of the benchmark (no handler runs) still ends its run: the kernel's parent-death signal."""
+    import signal
+    import time
+
+    marker = _stand_in_run(tmp_path)
+    code = ("import subprocess, sys\nsys.path.insert(0, 'benchmarks')\nimport finetune_commonsense as b\n"
+            f"subprocess.run([sys.executable, {str(tmp_path / 'run.py')!r}], preexec_fn=b._die_with_parent)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    run = None
+    try:
+        run = _started(marker)
+        parent.kill()
+        parent.wait()
+        for _ in range(100):
+            stat = Path(f"/proc/{run}/stat")
+            if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"run {run} outlived the killed benchmark")
+    finally:
+        parent.kill()
+        if run is not None and Path(f"/proc/{run}").exists():
+            os.kill(run, signal.SIGKILL)
+
+
+def _stand_in_run(folder: Path) -> Path:
+    """``folder/run.py``: a stand-in for a fine-tuning run that writes its pid to the returned
+    path and sleeps."""
+    marker = folder / "run.pid"
+    (folder / "run.py").write_text(f"import os, pathlib, time\npathlib.Path({str(marker)!r}).write_text(str(os.getpid()))\n"
+                                   "time.sleep(120)\n")
+    return marker
+
+
+def _started(marker: Path) -> int:
+    import time
+
+    for _ in range(600):
+        if marker.is_file() and marker.read_text():
+            return int(marker.read_text())
+        time.sleep(0.1)
+    pytest.fail("the stand-in run did not start")
 
 
 def test_allocator_benchmark_alternates_the_setting_and_pairs_the_processes(monkeypatch) -> None:
