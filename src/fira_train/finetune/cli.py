@@ -111,4 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fira-train")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["finetune", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args)
+    try:
+        return args.func(args)
+    except OSError as err:  # what the machine does (a folder that cannot be written, a full disk): one line
+        if err.errno is None:
+            raise
+        print(f"fira-train finetune: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

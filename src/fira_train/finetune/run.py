@@ -36,8 +36,9 @@ def run_finetune(
     ``model``/``tokenizer`` may be given (then ``config.model`` only labels the run); the model is
     modified in place. Returns the results dictionary. The run holds its ``out_dir`` as
     ``fira-train pretrain`` does (:mod:`fira_train.run.run_lock`): a second run into the same
-    folder, which would interleave its checkpoints with this one's, stops at once with
-    :class:`~fira_train.run.run_lock.RunDirectoryBusy`.
+    folder, which would interleave its checkpoints with this one's, stops with
+    :class:`~fira_train.run.run_lock.RunDirectoryBusy` after its data checks, before it loads the
+    model.
     """
     if config.threads:
         torch.set_num_threads(config.threads)

@@ -440,3 +440,11 @@ def test_a_second_run_into_a_busy_folder_stops_at_once(tiny_model_dir, tmp_path,
     finally:
         holder.release()
     assert run_cli(_zero_shot(model_dir, data, out))["tasks"]["boolq"]["n"] == 2  # free again: it runs
+
+
+def test_an_out_folder_that_cannot_be_made_is_a_one_line_error(tiny_model_dir, tmp_path, capsys):
+    model_dir, data = tiny_model_dir
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    err = _one_line_error(capsys, _zero_shot(model_dir, data, blocker / "o"))
+    assert str(blocker) in err
