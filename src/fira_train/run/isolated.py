@@ -48,10 +48,10 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         try:
             status, payload = receive.recv()
-        except EOFError:  # the child died without a word (killed, out of memory)
+        except EOFError:  # the child died without a word
             process.join()
-            raise RuntimeError(f"the isolated run of {getattr(fn, '__name__', fn)} ended with exit code "
-                               f"{process.exitcode} and no result (killed? out of memory?)") from None
+            raise RuntimeError(f"the isolated run of {getattr(fn, '__name__', fn)} ended without a result: "
+                               f"{_how_it_ended(process.exitcode)}") from None
         finally:
             receive.close()
         process.join()
@@ -60,6 +60,18 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if status == "error":
         raise payload
     return payload
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by {name}" + (" (out of memory?)" if -exitcode == signal.SIGKILL else "")
+    # the interpreter failed before the function could answer (e.g. a parent and a child running
+    # different versions of this code after an upgrade mid-run): its traceback is on stderr
+    return f"exit code {exitcode}; its error, if any, is printed above"
 
 
 def _child(send, parent_gone, level: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:

@@ -67,3 +67,10 @@ def _wait_for(condition, timeout_s: float):
             return result
         time.sleep(0.2)
     return None
+
+
+def test_a_child_that_dies_says_how() -> None:
+    with pytest.raises(RuntimeError, match="killed by SIGABRT"):
+        run_isolated(os.abort)
+    with pytest.raises(RuntimeError, match="exit code 3"):
+        run_isolated(os._exit, 3)
