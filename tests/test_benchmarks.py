@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.fira_train.harness_fixtures import write_corpus
+from tests.process_watch import ended, needs_proc, pid_written, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -242,12 +243,11 @@ def test_finetune_benchmark_records_every_sitting_that_trains(tmp_path: Path) ->
     assert bench.sittings(bench.next_header(legacy, second)) == [first, second]
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads process states from /proc")
+@needs_proc
 def test_finetune_benchmark_stopped_by_sigterm_stops_its_run(tmp_path: Path, monkeypatch) -> None:
     """A benchmark sent SIGTERM alone (not its process group) must not leave its current run
     training: main() turns the signal into an exception, and subprocess.run kills the run."""
     import signal
-    import time
 
     bench = _finetune_benchmark()
     installed = []
@@ -263,22 +263,21 @@ def test_finetune_benchmark_stopped_by_sigterm_stops_its_run(tmp_path: Path, mon
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     run = None
     try:
-        run = _started(marker)  # so subprocess.run is waiting for it
+        run = pid_written(marker)  # so subprocess.run is waiting for it
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(timeout=60) == 128 + signal.SIGTERM
-        stat = Path(f"/proc/{run}/stat")
-        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        assert ended(run)
     finally:
         parent.kill()
-        if run is not None and Path(f"/proc/{run}").exists():
+        if run is not None and not ended(run):
             os.kill(run, signal.SIGKILL)
 
 
+@needs_proc
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_finetune_benchmark_run_dies_with_a_killed_benchmark(tmp_path: Path) -> None:
     """SIGKILL of the benchmark (no handler runs) still ends its run: the kernel's parent-death signal."""
     import signal
-    import time
 
     marker = _stand_in_run(tmp_path)
     code = ("import subprocess, sys\nsys.path.insert(0, 'benchmarks')\nimport finetune_commonsense as b\n"
@@ -286,19 +285,13 @@ def test_finetune_benchmark_run_dies_with_a_killed_benchmark(tmp_path: Path) -> 
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     run = None
     try:
-        run = _started(marker)
+        run = pid_written(marker)
         parent.kill()
         parent.wait()
-        for _ in range(100):
-            stat = Path(f"/proc/{run}/stat")
-            if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail(f"run {run} outlived the killed benchmark")
+        assert wait_for(lambda: ended(run), timeout_s=10), f"run {run} outlived the killed benchmark"
     finally:
         parent.kill()
-        if run is not None and Path(f"/proc/{run}").exists():
+        if run is not None and not ended(run):
             os.kill(run, signal.SIGKILL)
 
 
@@ -309,16 +302,6 @@ def _stand_in_run(folder: Path) -> Path:
     (folder / "run.py").write_text(f"import os, pathlib, time\npathlib.Path({str(marker)!r}).write_text(str(os.getpid()))\n"
                                    "time.sleep(120)\n")
     return marker
-
-
-def _started(marker: Path) -> int:
-    import time
-
-    for _ in range(600):
-        if marker.is_file() and marker.read_text():
-            return int(marker.read_text())
-        time.sleep(0.1)
-    pytest.fail("the stand-in run did not start")
 
 
 def test_allocator_benchmark_alternates_the_setting_and_pairs_the_processes(monkeypatch) -> None:

@@ -6,12 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from fira_train.run.isolated import run_isolated
+from tests.process_watch import ended, needs_proc, pid_written, wait_for
 
 
 def test_the_function_runs_in_another_process_and_returns_its_result() -> None:
@@ -28,7 +28,7 @@ def _refuse(message: str) -> None:
     raise FileExistsError(message)
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads process states from /proc")
+@needs_proc
 def test_the_child_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
     # A parent killed alone (SIGKILL, or a SIGTERM sent to its pid only) must not leave its run
     # training on as an orphan that holds the run folder's lock.
@@ -40,33 +40,14 @@ def test_the_child_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
     child = None
     try:
         # the marker is written by the function, which starts after the parent-watch thread
-        assert _wait_for(lambda: marker.is_file() and marker.read_text(), timeout_s=120), "the run did not start"
-        child = int(marker.read_text())
+        child = pid_written(marker, timeout_s=120)
         parent.kill()
         parent.wait()
-        assert _wait_for(lambda: not _alive(child), timeout_s=30), f"child {child} outlived its parent"
+        assert wait_for(lambda: ended(child), timeout_s=30), f"child {child} outlived its parent"
     finally:
         parent.kill()
-        if child is not None and _alive(child):
+        if child is not None and not ended(child):
             os.kill(child, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"  # a zombie has ended; only its exit status waits to be collected
-
-
-def _wait_for(condition, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(0.2)
-    return None
 
 
 def test_a_child_that_dies_says_how() -> None:
