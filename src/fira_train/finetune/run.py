@@ -54,7 +54,7 @@ def run_finetune(
             questions_of(specs[name], records)
     with locked_run_directory(config.out_dir):  # after the data checks: a run refused for its data makes no folder
         _refuse_earlier_results(config)  # a run that finished while this one read its data
-        return _train_and_evaluate(config, model, tokenizer, log, train, tests, trained_on, validation)
+        return _train_and_evaluate(config, model, tokenizer, log, train, tests, trained_on, validation, specs)
 
 
 def _refuse_earlier_results(config: FinetuneConfig) -> None:
@@ -65,8 +65,7 @@ def _refuse_earlier_results(config: FinetuneConfig) -> None:
 
 def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, tokenizer: Any | None, log: Any,
                         train: list[dict], tests: dict[str, list[dict]], trained_on: list[str],
-                        validation: dict[str, list[dict]]) -> dict[str, Any]:
-    specs = {spec.name: spec for spec in config.task_specs}
+                        validation: dict[str, list[dict]], specs: dict[str, Any]) -> dict[str, Any]:
     # checkpoints of another run in the way: said before the model loads
     resume = resume_point(config) if config.trains else None
     started = time.perf_counter()
