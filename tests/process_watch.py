@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,3 +43,19 @@ def pid_written(marker: Path, timeout_s: float = 60) -> int:
     if not text:
         pytest.fail(f"no process wrote its pid to {marker} within {timeout_s} s")
     return int(text)
+
+
+@contextlib.contextmanager
+def parent_and_pid(argv: list[str], marker: Path, timeout_s: float = 60, **popen: Any) -> Iterator[tuple[Any, int]]:
+    """Start ``argv`` (a parent that starts a process writing its pid to ``marker``); yield the
+    parent's ``Popen`` and that pid once written; afterwards kill whichever of the two still lives."""
+    parent = subprocess.Popen(argv, **popen)
+    pid = None
+    try:
+        pid = pid_written(marker, timeout_s)
+        yield parent, pid
+    finally:
+        parent.kill()
+        parent.wait()
+        if pid is not None and not ended(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.fira_train.harness_fixtures import write_corpus
-from tests.process_watch import ended, needs_proc, pid_written, wait_for
+from tests.process_watch import ended, needs_proc, parent_and_pid, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -260,39 +260,24 @@ def test_finetune_benchmark_stopped_by_sigterm_stops_its_run(tmp_path: Path, mon
     marker = _stand_in_run(tmp_path)
     code = ("import signal, subprocess, sys\nsys.path.insert(0, 'benchmarks')\nimport finetune_commonsense as b\n"
             f"signal.signal(signal.SIGTERM, b._stop)\nsubprocess.run([sys.executable, {str(tmp_path / 'run.py')!r}])\n")
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
-    run = None
-    try:
-        run = pid_written(marker)  # so subprocess.run is waiting for it
+    with parent_and_pid([sys.executable, "-c", code], marker, cwd=ROOT) as (parent, run):
+        # the run has started, so subprocess.run is waiting for it
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(timeout=60) == 128 + signal.SIGTERM
         assert ended(run)
-    finally:
-        parent.kill()
-        if run is not None and not ended(run):
-            os.kill(run, signal.SIGKILL)
 
 
 @needs_proc
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_finetune_benchmark_run_dies_with_a_killed_benchmark(tmp_path: Path) -> None:
     """SIGKILL of the benchmark (no handler runs) still ends its run: the kernel's parent-death signal."""
-    import signal
-
     marker = _stand_in_run(tmp_path)
     code = ("import subprocess, sys\nsys.path.insert(0, 'benchmarks')\nimport finetune_commonsense as b\n"
             f"subprocess.run([sys.executable, {str(tmp_path / 'run.py')!r}], preexec_fn=b._die_with_parent)\n")
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
-    run = None
-    try:
-        run = pid_written(marker)
+    with parent_and_pid([sys.executable, "-c", code], marker, cwd=ROOT) as (parent, run):
         parent.kill()
         parent.wait()
         assert wait_for(lambda: ended(run), timeout_s=10), f"run {run} outlived the killed benchmark"
-    finally:
-        parent.kill()
-        if run is not None and not ended(run):
-            os.kill(run, signal.SIGKILL)
 
 
 def _stand_in_run(folder: Path) -> Path:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from fira_train.run.isolated import run_isolated
-from tests.process_watch import ended, needs_proc, pid_written, wait_for
+from tests.process_watch import ended, needs_proc, parent_and_pid, wait_for
 
 
 def test_the_function_runs_in_another_process_and_returns_its_result() -> None:
@@ -34,20 +32,12 @@ def test_the_child_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
     # training on as an orphan that holds the run folder's lock.
     marker = tmp_path / "child.pid"
     body = f"import os, pathlib, time; pathlib.Path({str(marker)!r}).write_text(str(os.getpid())); time.sleep(120)"
-    parent = subprocess.Popen([sys.executable, "-c",
-                               "from fira_train.run.isolated import run_isolated\n"
-                               f"run_isolated(exec, {body!r})"])
-    child = None
-    try:
-        # the marker is written by the function, which starts after the parent-watch thread
-        child = pid_written(marker, timeout_s=120)
+    argv = [sys.executable, "-c", f"from fira_train.run.isolated import run_isolated\nrun_isolated(exec, {body!r})"]
+    # the marker is written by the function, which starts after the parent-watch thread
+    with parent_and_pid(argv, marker, timeout_s=120) as (parent, child):
         parent.kill()
         parent.wait()
         assert wait_for(lambda: ended(child), timeout_s=30), f"child {child} outlived its parent"
-    finally:
-        parent.kill()
-        if child is not None and not ended(child):
-            os.kill(child, signal.SIGKILL)
 
 
 def test_a_child_that_dies_says_how() -> None:
