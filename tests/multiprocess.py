@@ -32,15 +32,27 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
-def _worker(rank: int, world_size: int, workdir: str, store: str, fn: Callable, args: tuple) -> None:
+def init_gloo(rank: int, world_size: int, store: str) -> None:
+    """Join the group through the rendezvous file ``store`` (the default ``init`` of
+    :func:`run_ranks`)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+
+
+def _worker(
+    rank: int, world_size: int, workdir: str, store: str, fn: Callable, args: tuple, init: Callable
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # N processes share the machine's cores
     out = Path(workdir) / f"result{rank}.pt"
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size
-        )
+        try:
+            init(rank, world_size, store)
+        except BaseException:  # the rendezvous itself failed: the parent may start afresh
+            torch.save({"init_error": traceback.format_exc()}, out)
+            return
         result = fn(rank, world_size, *args)
         torch.save({"result": result}, out)
     except BaseException:  # report it to the parent, which fails the test with the traceback
@@ -51,23 +63,63 @@ def _worker(rank: int, world_size: int, workdir: str, store: str, fn: Callable, 
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any, timeout: float = 60.0
+    fn: Callable[..., Any],
+    world_size: int,
+    workdir: Path,
+    *args: Any,
+    timeout: float = 60.0,
+    attempts: int = 3,
+    init: Callable[[int, int, str], None] = init_gloo,
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in range(world_size)]``, each in its own process
     inside one gloo process group; ``fn`` must be a module-level function and return tensors,
-    numbers, strings, lists and dicts. Raises ``AssertionError`` with the worker's traceback if
-    any rank fails, or after ``timeout`` seconds if any rank hangs."""
+    numbers, strings, lists and dicts. Raises ``AssertionError`` with every failed rank's
+    traceback if any rank fails, or after ``timeout`` seconds (all attempts together) if any
+    rank hangs.
+
+    Gloo's TCP rendezvous on one host now and then loses a connection while the ranks mesh up
+    ("connectFullMesh failed ... Connection closed by peer"), before ``fn`` has run a line. Such
+    a group is started afresh, with a new rendezvous file, up to ``attempts`` times in all, as
+    torch's own distributed tests do for connection failures; an error inside ``fn`` is never
+    retried. ``init(rank, world_size, store)`` joins the group (a module-level function, for
+    the helper's own tests)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    deadline = _now() + timeout
+    for attempt in range(1, attempts + 1):
+        outcomes = _run_group(fn, world_size, workdir, args, init, deadline, timeout)
+        init_failed = [r for r, o in enumerate(outcomes) if "init_error" in o]
+        if not init_failed or attempt == attempts or _now() >= deadline:
+            break
+    failed = [(r, o.get("error", o.get("init_error"))) for r, o in enumerate(outcomes)
+              if "error" in o or "init_error" in o]
+    if failed:
+        attempts_note = f" (after {attempt} rendezvous attempts)" if init_failed else ""
+        report = "\n".join(f"rank {r} failed{attempts_note}:\n{tb}" for r, tb in failed)
+        raise AssertionError(report)
+    return [o["result"] for o in outcomes]
+
+
+def _run_group(
+    fn: Callable,
+    world_size: int,
+    workdir: Path,
+    args: tuple,
+    init: Callable,
+    deadline: float,
+    timeout: float,
+) -> list[dict]:
+    """One process group: start the ranks, wait for them until ``deadline``, and return what
+    each rank saved (``result``, ``error`` or ``init_error``)."""
     store = workdir / f"store-{uuid.uuid4().hex}"  # a fresh rendezvous file: a stale one hangs gloo
     ctx = _context()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, str(workdir), str(store), fn, args), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, str(workdir), str(store), fn, args, init),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
-    deadline = _now() + timeout
     for p in procs:
         p.join(max(0.0, deadline - _now()))
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
@@ -77,19 +129,16 @@ def run_ranks(
             p.join(5)
     if hung:
         raise AssertionError(f"ranks {hung} of {world_size} still running after {timeout:.0f} s (hang?)")
-    results = []
+    outcomes = []
     for r, p in enumerate(procs):
         path = workdir / f"result{r}.pt"
         if not path.exists():
             raise AssertionError(f"rank {r} exited with code {p.exitcode} and no result")
-        saved = torch.load(path, weights_only=True)
-        if "error" in saved:
-            raise AssertionError(f"rank {r} failed:\n{saved['error']}")
-        results.append(saved["result"])
+        outcomes.append(torch.load(path, weights_only=True))
         os.remove(path)
     if store.exists():
         store.unlink()
-    return results
+    return outcomes
 
 
 def _now() -> float:
