@@ -23,7 +23,7 @@ from fira_train.analysis.callbacks import set_options
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
-from fira_train.report.plots import pyplot, smooth
+from fira_train.report.plots import plain_log_ticks, pyplot, smooth
 from fira_train.run.metrics import read_metrics
 
 DEFAULT_VARIANTS = ("fira", "fira-no-scaling", "fira-matrix", "fira-no-limiter", "fira-clip",
@@ -83,6 +83,7 @@ def _plot(out: Path, names: Sequence[str], path: Path) -> None:
             ax_ppl.plot(*zip(*evals), marker="o", markersize=3, label=name)
     ax_loss.set(xlabel="step", ylabel="training loss (moving average)", title="Training loss")
     ax_ppl.set(xlabel="step", ylabel="validation perplexity", yscale="log", title="Validation perplexity")
+    plain_log_ticks(ax_ppl.yaxis)
     for ax in (ax_loss, ax_ppl):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

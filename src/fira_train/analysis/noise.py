@@ -22,7 +22,7 @@ from fira_train.analysis.callbacks import NORMS_FILE, GradientNoise, record_norm
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
-from fira_train.report.plots import pyplot
+from fira_train.report.plots import plain_log_ticks, pyplot
 from fira_train.run.metrics import read_jsonl, read_metrics
 
 DEFAULT_METHODS = ("fira-only-scaling", "adamw")
@@ -64,6 +64,7 @@ def _plot(out: Path, methods: Sequence[str], path: Path) -> None:
                 ax.plot(*zip(*evals), style, marker="o", markersize=3, label=name)
     ax.set(xlabel="step", ylabel="validation perplexity", yscale="log",
            title="Validation perplexity with and without gradient noise")
+    plain_log_ticks(ax.yaxis)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

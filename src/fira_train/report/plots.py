@@ -23,6 +23,23 @@ def pyplot():
     return plt
 
 
+def plain_log_ticks(*axes) -> None:
+    """Label log-scale axes with plain numbers ("110", "0.02") instead of powers of ten.
+
+    Perplexities in a figure usually span less than a decade, where matplotlib's default labels
+    every minor tick as "1.1 x 10^2"; the ticks it chooses to label stay the same.
+    """
+    from matplotlib.ticker import LogFormatter
+
+    class _Plain(LogFormatter):
+        def __call__(self, x, pos=None):
+            return f"{x:g}" if super().__call__(x, pos) else ""
+
+    for axis in axes:
+        axis.set_major_formatter(_Plain(labelOnlyBase=False))
+        axis.set_minor_formatter(_Plain(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average (the first points average what is available)."""
     out, total = [], 0.0
@@ -51,6 +68,7 @@ def plot_curves(out_dir: str | Path, methods: list[str]) -> Path:
             ax_ppl.plot(*zip(*evals), marker="o", markersize=3, label=method)
     ax_loss.set(xlabel="step", ylabel="training loss (moving average)", title="Training loss")
     ax_ppl.set(xlabel="step", ylabel="validation perplexity", title="Validation perplexity", yscale="log")
+    plain_log_ticks(ax_ppl.yaxis)
     for ax in (ax_loss, ax_ppl):
         ax.grid(alpha=0.3)
         ax.legend()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fira_train.files import dumps, write_text_atomic
-from fira_train.report.plots import pyplot
+from fira_train.report.plots import plain_log_ticks, pyplot
 from fira_train.sweep.grid import RunKey, RunResult
 from fira_train.sweep.stats import PairedDifference
 from fira_train.sweep.summary import MethodSummary, summary_json
@@ -94,7 +94,8 @@ def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
             ax.plot([row.chosen_lr], [row.val.mean], marker="*", markersize=13,
                     color=line[0].get_color(), linestyle="none")
     ax.set(xscale="log", yscale="log", xlabel="peak learning rate",
-           ylabel="validation perplexity (final)", title="Learning-rate sweep (star: chosen lr)")
+           ylabel="validation perplexity (final)", title="Learning-rate sweep (star: chosen lr, mean of all its seeds)")
+    plain_log_ticks(ax.xaxis, ax.yaxis)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,0 +1,39 @@
+"""Figure helpers shared by the reports."""
+
+from __future__ import annotations
+
+from fira_train.report.plots import plain_log_ticks, pyplot
+
+
+def _labels(axis, minor: bool) -> list[str]:
+    return [t.get_text() for t in axis.get_ticklabels(minor=minor) if t.get_text()]
+
+
+def test_plain_log_ticks_write_plain_numbers_on_a_narrow_log_axis():
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([0.02, 0.08], [101.0, 114.0])
+    ax.set(xscale="log", yscale="log")
+    fig.canvas.draw()
+    assert any("10^" in label or "times" in label for label in _labels(ax.yaxis, minor=True))
+    plain_log_ticks(ax.xaxis, ax.yaxis)
+    fig.canvas.draw()
+    y, x = _labels(ax.yaxis, minor=True), _labels(ax.xaxis, minor=True)
+    plt.close(fig)
+    assert "110" in y and "102" in y
+    assert "0.02" in x and "0.03" in x
+    assert all(label.replace(".", "").isdigit() for label in y + x), (y, x)
+
+
+def test_plain_log_ticks_leave_wide_axes_to_the_decades():
+    """Over several decades only the decades (and a few minor ticks) carry labels, as before."""
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [10.0, 100_000.0])
+    ax.set(yscale="log")
+    plain_log_ticks(ax.yaxis)
+    fig.canvas.draw()
+    major, minor = _labels(ax.yaxis, minor=False), _labels(ax.yaxis, minor=True)
+    plt.close(fig)
+    assert {"10", "100", "1000", "10000", "100000"} <= set(major)
+    assert minor == []
