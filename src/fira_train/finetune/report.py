@@ -10,6 +10,7 @@ two runs are compared example by example with McNemar's exact test
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import PurePath
 from typing import Any
 
 from fira_train.finetune.paired import Paired, compare, pool
@@ -28,6 +29,15 @@ PROTOCOL = {
 def scoring_of(results: Mapping[str, Any]) -> str:
     """The run's scoring; ``generate-released`` for runs written before ``--scoring`` existed."""
     return results["config"].get("scoring", "generate-released")
+
+
+def model_label(name: str) -> str:
+    """How a report names the model: a hub id as it is, a local folder by its own name.
+
+    A run on a local copy records the folder's full path; the title keeps only its last part so that
+    a committed report does not carry the machine's directory layout (``results.json`` keeps the path).
+    """
+    return PurePath(name).name if PurePath(name).is_absolute() or name.startswith(".") else name
 
 
 def accuracy_cell(correct: int, n: int) -> str:
@@ -55,12 +65,12 @@ def render_report(results: dict[str, Any]) -> str:
     scoring = scoring_of(results)
     loglik = scoring == "loglik"
     lines = [
-        f"# Fine-tuning: {config['method']} on {results['model']['name']}",
+        f"# Fine-tuning: {config['method']} on {model_label(results['model']['name'])}",
         "",
-        f"Trained on {', '.join(results['trained_on']) or '-'} ({results['train_records']} records, "
-        f"{config['steps'] if results['training'] else 0} steps x {config['batch_size']}, lr {config['lr']}"
-        f"{', recipe ' + config['recipe'] if config.get('recipe') else ''}); {PROTOCOL[scoring]}. "
-        f"Accuracy in % with its 95% Wilson interval.",
+        (f"Trained on {', '.join(results['trained_on']) or '-'} ({results['train_records']} records, "
+         f"{config['steps']} steps x {config['batch_size']}, lr {config['lr']}"
+         f"{', recipe ' + config['recipe'] if config.get('recipe') else ''})" if results["training"]
+         else "Not trained (zero-shot)") + f"; {PROTOCOL[scoring]}. Accuracy in % with its 95% Wilson interval.",
         "",
         "| task | accuracy [95% CI] | correct / n | " + ("acc_norm [95% CI] |" if loglik else "unparsed |"),
         "|---|---|---|---|",

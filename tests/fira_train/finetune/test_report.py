@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fira_train.finetune.paired import Paired
-from fira_train.finetune.report import accuracy_cell, paired_cell, render_comparison, render_report
+from fira_train.finetune.report import accuracy_cell, model_label, paired_cell, render_comparison, render_report
 from fira_train.finetune.stats import mcnemar_exact, wilson_interval
 
 
@@ -37,6 +37,18 @@ def test_single_run_report_names_protocol_and_intervals():
     assert f"| boolq | {accuracy_cell(7, 10)} | 7 / 10 | {accuracy_cell(7, 10)} |" in text
     old = render_report(results({"boolq": 7}, scoring=None))  # a run made before --scoring: generated, case-sensitive
     assert "case-sensitive" in old and "| unparsed |" in old
+
+
+def test_title_names_a_local_model_by_its_folder_and_a_hub_model_by_its_id():
+    assert model_label("/work/cache/smollm2-135m-instruct") == "smollm2-135m-instruct"
+    assert model_label("./runs/model") == "model"
+    assert model_label("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    local = results({"boolq": 7})
+    local["model"]["name"] = "/home/me/cache/smollm2"
+    assert render_report(local).startswith("# Fine-tuning: fira on smollm2\n")
+    assert "Not trained (zero-shot); scored by" in render_report(local)  # the helper's run has no training
+    local["training"] = {"loss_first": 3.0, "loss_tail_mean": 2.0, "optimizer": "FiraAdamW"}
+    assert "Trained on boolq (6 records, 3 steps x 2, lr 0.0001); scored by" in render_report(local)
 
 
 def test_comparison_pairs_every_run_with_the_baseline():
