@@ -27,12 +27,23 @@ def plain_log_ticks(*axes) -> None:
     """Label log-scale axes with plain numbers ("110", "0.02") instead of powers of ten.
 
     Perplexities in a figure usually span less than a decade, where matplotlib's default labels
-    every minor tick as "1.1 x 10^2"; the ticks it chooses to label stay the same.
+    every minor tick as "1.1 x 10^2". Matplotlib chooses which ticks carry a label, except on an
+    axis spanning one to three decades (a learning-rate axis): there the ticks at 1, 2 and 5 times a
+    power of ten carry one, so that long labels such as "0.0003" and "0.0004" do not run into each
+    other.
     """
+    import math
+
     from matplotlib.ticker import LogFormatter
 
     class _Plain(LogFormatter):
         def __call__(self, x, pos=None):
+            if x <= 0:
+                return ""
+            low, high = sorted(self.axis.get_view_interval()) if self.axis is not None else (x, x)
+            if low > 0 and 1 < math.log10(high / low) <= 3:
+                mantissa = x / 10 ** math.floor(math.log10(x) + 1e-9)
+                return f"{x:g}" if min(abs(mantissa - m) for m in (1, 2, 5)) < 1e-6 else ""
             return f"{x:g}" if super().__call__(x, pos) else ""
 
     for axis in axes:

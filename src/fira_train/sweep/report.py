@@ -81,7 +81,7 @@ def read_runs(saved: dict[str, Any]) -> dict[RunKey, RunResult]:
 def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
     """``lr.png``: mean validation perplexity (error bars: sd over seeds) against lr, log-log."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for row in rows:
         points = sorted((lr, s) for lr, s in row.grid.items() if s is not None and math.isfinite(s.mean))
         if not points:
@@ -97,7 +97,8 @@ def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
            ylabel="validation perplexity (final)", title="Learning-rate sweep (star: chosen lr, mean of all its seeds)")
     plain_log_ticks(ax.xaxis, ax.yaxis)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    # beside the axes: inside them it hid the points at the edges of the grid
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -37,3 +37,18 @@ def test_plain_log_ticks_leave_wide_axes_to_the_decades():
     plt.close(fig)
     assert {"10", "100", "1000", "10000", "100000"} <= set(major)
     assert minor == []
+
+
+def test_plain_log_ticks_keep_only_1_2_5_on_a_learning_rate_axis():
+    """Two decades of learning rates: "0.0003" next to "0.0004" would overlap, so they go."""
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([0.0003, 0.05], [1.0, 2.0])
+    ax.set(xscale="log")
+    plain_log_ticks(ax.xaxis)
+    fig.canvas.draw()
+    labels = _labels(ax.xaxis, minor=False) + _labels(ax.xaxis, minor=True)
+    plt.close(fig)
+    assert {"0.001", "0.002", "0.005", "0.01", "0.02", "0.05"} <= set(labels)
+    assert "0.0003" not in labels and "0.003" not in labels and "0.004" not in labels
+    assert labels and all(label.rstrip("0").rstrip(".")[-1] in "125" for label in labels), labels
