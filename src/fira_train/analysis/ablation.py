@@ -23,8 +23,7 @@ from fira_train.analysis.callbacks import set_options
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
-from fira_train.report.plots import plain_log_ticks, pyplot, smooth
-from fira_train.run.metrics import read_metrics
+from fira_train.report.plots import plot_curves
 
 DEFAULT_VARIANTS = ("fira", "fira-no-scaling", "fira-matrix", "fira-no-limiter", "fira-clip",
                     "fira-shrink", "fira-tensorwise")
@@ -69,29 +68,6 @@ def ablation_runs(variants: Sequence[str], gammas: Sequence[float]) -> list[Anal
     return runs
 
 
-def _plot(out: Path, names: Sequence[str], path: Path) -> None:
-    plt = pyplot()
-    fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in names:
-        records = [r for r in read_metrics(out / name) if r.get("loss") is not None]  # null: not finite
-        window = max(1, len(records) // 30)
-        ax_loss.plot([r["step"] for r in records], smooth([r["loss"] for r in records], window),
-                     label=name, linewidth=1.1)
-        evals = [(r["step"], r["val_ppl"]) for r in records
-                 if r.get("val_ppl") is not None and math.isfinite(r["val_ppl"])]
-        if evals:
-            ax_ppl.plot(*zip(*evals), marker="o", markersize=3, label=name)
-    ax_loss.set(xlabel="step", ylabel="training loss (moving average)", title="Training loss")
-    ax_ppl.set(xlabel="step", ylabel="validation perplexity", yscale="log", title="Validation perplexity")
-    plain_log_ticks(ax_ppl.yaxis)
-    for ax in (ax_loss, ax_ppl):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _rank_note(measured: dict[str, float], paper: dict[Any, float], keys: Sequence[Any]) -> str:
     """Which key is best in each, and how many pairs are ordered the same way."""
     keys = [k for k in keys if k in measured and k in paper]
@@ -118,7 +94,7 @@ def run_ablation(config: RunConfig, out_dir: str | Path, *, variants: Sequence[s
     ppl = {name: s["val_ppl"] for name, s in summaries.items()}
 
     figure = out / "ablation.png"
-    _plot(out, [r.name for r in runs], figure)
+    plot_curves(out, [r.name for r in runs], figure)
     lines = report_header("Ablations: norm-based scaling, limiter, gamma", config, command=command)
     lines += [f"Final validation perplexity; learning rate {summaries[runs[0].name]['lr']:g}, "
               f"rank {config.optim.rank} (d_model {config.model.hidden_size}).", ""]

@@ -6,6 +6,7 @@ Built from the run directories alone (``metrics.jsonl`` of each method).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from fira_train.run.metrics import read_metrics
@@ -62,13 +63,14 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_curves(out_dir: str | Path, methods: list[str]) -> Path:
-    """Write ``OUT/loss.png``: training loss (smoothed) and validation perplexity per method."""
+def plot_curves(out_dir: str | Path, methods: Sequence[str], path: str | Path | None = None) -> Path:
+    """Write ``OUT/loss.png`` (or ``path``): training loss (smoothed) and validation perplexity of
+    the runs ``OUT/<method>/``, one line per method."""
     plt = pyplot()
     out_dir = Path(out_dir)
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(11, 4.2))
     for method in methods:
-        records = [r for r in read_metrics(out_dir / method) if r.get("loss") is not None]
+        records = [r for r in read_metrics(out_dir / method) if r.get("loss") is not None]  # null: not finite
         steps = [r["step"] for r in records]
         losses = [r["loss"] for r in records]
         window = max(1, len(records) // 50)
@@ -82,9 +84,9 @@ def plot_curves(out_dir: str | Path, methods: list[str]) -> Path:
     plain_log_ticks(ax_ppl.yaxis)
     for ax in (ax_loss, ax_ppl):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7 if len(methods) > 4 else None)  # an analysis's many variants
     fig.tight_layout()
-    path = out_dir / "loss.png"
+    path = Path(path) if path is not None else out_dir / "loss.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
