@@ -194,27 +194,37 @@ def measure_states(args: argparse.Namespace, model_dir: Path) -> dict[str, dict]
     return states
 
 
-def choose_lrs(results: dict[str, dict], runs: list[Run]) -> list[str]:
-    """One line per swept method: the run whose validation accuracy is highest (the first on a tie),
-    once every run of the sweep has finished; the test examples play no part in it."""
-    lines = []
+def chosen_runs(results: dict[str, dict], runs: list[Run]) -> dict[str, Run | None]:
+    """Each swept method's chosen run: the one whose validation accuracy is highest (the first on a
+    tie), once every run of its sweep has finished (None before); the test examples play no part."""
+    chosen: dict[str, Run | None] = {}
     for base in dict.fromkeys(r.base for r in runs if r.swept):
         sweep = [r for r in runs if r.base == base]
         scored = {r.name: results[r.name].get("validation_accuracy") for r in sweep if r.name in results}
-        if len(scored) < len(sweep) or None in scored.values():
+        finished = len(scored) == len(sweep) and None not in scored.values()
+        chosen[base] = max(sweep, key=lambda r: scored[r.name]) if finished else None  # max keeps the first
+    return chosen
+
+
+def choose_lrs(results: dict[str, dict], runs: list[Run]) -> list[str]:
+    """One line per swept method: its chosen lr (:func:`chosen_runs`) and the validation accuracies."""
+    lines = []
+    for base, best in chosen_runs(results, runs).items():
+        sweep = [r for r in runs if r.base == base]
+        scored = {r.name: results[r.name].get("validation_accuracy") for r in sweep if r.name in results}
+        if best is None:
             lines.append(f"- {LABEL[base]}: not chosen yet (" + ", ".join(
                 f"lr {r.lr:g} " + ("validation -" if scored.get(r.name) is None else
                                    f"validation {100 * scored[r.name]:.1f}%") for r in sweep) + ")")
-            continue
-        best = max(sweep, key=lambda r: scored[r.name])  # max keeps the first of equal ones
-        lines.append(f"- {LABEL[base]}: **lr {best.lr:g}** (validation " + ", ".join(
-            f"{100 * scored[r.name]:.1f}% at lr {r.lr:g}" for r in sweep) + ")")
+        else:
+            lines.append(f"- {LABEL[base]}: **lr {best.lr:g}** (validation " + ", ".join(
+                f"{100 * scored[r.name]:.1f}% at lr {r.lr:g}" for r in sweep) + ")")
     return lines
 
 
 def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, command: str, header: dict) -> str:
     from fira_train.finetune.paired import load_correctness
-    from fira_train.finetune.report import PROTOCOL, render_comparison, scoring_of
+    from fira_train.finetune.report import PROTOCOL, render_comparison, render_pairs, scoring_of
 
     done = [r for r in runs if r.name in results]
     missing = [r.name for r in runs if r.name not in results]
@@ -262,6 +272,13 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
                   "", *chosen, ""]
     lines += render_comparison({n: results[n] for n in names}, correctness, tasks=TASKS,
                                labels={r.name: r.label for r in done}, short=SHORT, baseline=baseline)
+    picked = [r for r in chosen_runs(results, runs).values() if r is not None]
+    if correctness is not None and len(picked) > 1:
+        lines += ["Each method at its chosen lr against each other one (methods whose sweep has finished):", "",
+                  *render_pairs([r.name for r in picked], correctness, tasks=TASKS,
+                                labels={r.name: r.label for r in picked}),
+                  "The same paired test as above, all tasks' examples pooled; no correction for the number "
+                  "of comparisons.", ""]
     loglik = all(scoring_of(results[n]) == "loglik" for n in names)
     head = ("| run | lr | avg | " + ("avg acc_norm" if loglik else "unparsed") + " | validation avg"
             + " | opt. state (M el.) | trainable (M) | peak RSS train (MiB) | train s | eval s |")

@@ -222,6 +222,8 @@ def test_finetune_benchmark_chooses_a_sweeps_lr_on_validation_only() -> None:
     assert bench.choose_lrs(tie, runs)[0].startswith("- Fira: **lr 5e-05**")
     pending = bench.choose_lrs({low.name: results[low.name]}, runs)
     assert pending == ["- Fira: not chosen yet (lr 5e-05 validation 40.0%, lr 0.0001 validation -)"]
+    assert bench.chosen_runs(results, runs) == {"fira": high}  # the released recipe is not a sweep
+    assert bench.chosen_runs({low.name: results[low.name]}, runs) == {"fira": None}
 
 
 def test_finetune_benchmark_records_every_sitting_that_trains(tmp_path: Path) -> None:

@@ -154,3 +154,26 @@ def render_comparison(
         "",
     ]
     return lines
+
+
+def render_pairs(
+    names: Sequence[str],
+    correctness: Mapping[str, Mapping[str, Mapping[int, bool]]],
+    *,
+    tasks: Sequence[str],
+    labels: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Markdown lines: every pair of ``names`` (A before B in their order) on the same examples,
+    all tasks pooled: B's accuracy minus A's and McNemar's exact p-value.
+
+    Used for the methods' chosen runs, so that each method is compared with each other one and not
+    only with a single baseline.
+    """
+    labels = labels or {}
+    label = lambda name: labels.get(name, name)  # noqa: E731
+    lines = ["| A | B | B minus A, all examples |", "|---|---|---|"]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pooled = pool([compare(correctness[a][t], correctness[b][t], f"{a} and {b} on {t}") for t in tasks])
+            lines.append(f"| {label(a)} | {label(b)} | {paired_cell(pooled)} |")
+    return lines + [""]

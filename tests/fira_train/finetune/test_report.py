@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from fira_train.finetune.paired import Paired
-from fira_train.finetune.report import accuracy_cell, model_label, paired_cell, render_comparison, render_report
+from fira_train.finetune.report import (
+    accuracy_cell,
+    model_label,
+    paired_cell,
+    render_comparison,
+    render_pairs,
+    render_report,
+)
 from fira_train.finetune.stats import mcnemar_exact, wilson_interval
 
 
@@ -67,3 +74,15 @@ def test_comparison_pairs_every_run_with_the_baseline():
     b["piqa"] = {5: True, 7: False}
     with pytest.raises(ValueError, match="a and b on piqa scored different examples"):
         render_comparison(runs, {"a": a, "b": b}, tasks=["boolq", "piqa"])
+
+
+def test_pairs_compare_every_run_with_every_later_one_pooled_over_tasks():
+    a = {"boolq": {0: True, 1: True, 2: False}, "piqa": {5: True, 6: False}}
+    b = {"boolq": {0: True, 1: False, 2: True}, "piqa": {5: True, 6: True}}
+    c = {"boolq": {0: False, 1: False, 2: False}, "piqa": {5: False, 6: False}}
+    lines = render_pairs(["a", "b", "c"], {"a": a, "b": b, "c": c}, tasks=["boolq", "piqa"], labels={"a": "A"})
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| A | B")]
+    assert [row.split(" | ")[:2] for row in rows] == [["| A", "b"], ["| A", "c"], ["| b", "c"]]
+    # a -> b: one example won (boolq 2, piqa 6), one lost (boolq 1), of 5: +20 points
+    assert rows[0].endswith(f"| {paired_cell(Paired(n=5, both=2, only_a=1, only_b=2, neither=0))} |")
+    assert "+20.0" in rows[0] and "-60.0" in rows[1] and "-80.0" in rows[2]
