@@ -33,8 +33,6 @@ def plain_log_ticks(*axes) -> None:
     power of ten carry one, so that long labels such as "0.0003" and "0.0004" do not run into each
     other.
     """
-    import math
-
     from matplotlib.ticker import LogFormatter
 
     class _Plain(LogFormatter):
