@@ -258,8 +258,8 @@ def _register_sweep(subparsers: Any) -> None:
 
 def _memory(args: argparse.Namespace) -> int:
     if not args.measure:
-        if args.recipe or args.methods or args.overrides:
-            raise ValueError("--recipe, --methods and key=value overrides go with --measure "
+        if args.recipe or args.methods or args.overrides or args.append:
+            raise ValueError("--recipe, --methods, --append and key=value overrides go with --measure "
                              "(without it, memory prints the paper's estimates)")
         from fira_train.measure import estimate_rows, format_estimate_rows  # imports torch
 
@@ -277,7 +277,8 @@ def _memory(args: argparse.Namespace) -> int:
     specs = parse_method_specs(args.methods)
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-memory"
-    markdown, _ = measure(config, specs, args.steps, out_dir, command_line(getattr(args, "argv", [])))
+    markdown, _ = measure(config, specs, args.steps, out_dir, command_line(getattr(args, "argv", [])),
+                          append=args.append)
     print(markdown.read_text())
     print(f"report: {markdown}")
     return 0
@@ -299,6 +300,11 @@ def _register_memory(subparsers: Any) -> None:
                                           "adamw,fira,fira@optim.step_in_backward=true@optim.state_dtype=int8")
     parser.add_argument("--steps", type=int, default=3, help="training steps per method (default 3)")
     parser.add_argument("--out", help="output directory (default runs/<recipe>-memory)")
+    parser.add_argument("--append", action="store_true",
+                        help="with --measure: keep the rows already in OUT/memory.json (same recipe, steps, "
+                             "machine and allocator settings), replace those of methods measured again, and "
+                             "list this command beside the earlier ones; several such commands may measure "
+                             "into one OUT side by side")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides for every method, e.g. train.batch_size=1 "
                              "train.micro_batch_size=1")

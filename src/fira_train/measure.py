@@ -11,10 +11,12 @@ and their breakdowns) and ``OUT/memory.md``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
 import platform
+from collections.abc import Iterator
 from dataclasses import replace
 from datetime import date
 from pathlib import Path
@@ -22,11 +24,16 @@ from typing import Any
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: appending runs are not locked
+    fcntl = None  # type: ignore[assignment]
+
 from fira_optim.state import optimizer_state_bytes
 from fira_train.config.method_spec import MethodSpec, parse_method_specs
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import write_text_atomic
+from fira_train.files import read_json, write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
@@ -88,45 +95,114 @@ def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
 
 
 def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str | Path,
-            command: str | None = None) -> tuple[Path, Path]:
-    """Measure every spec in its own process; write ``memory.json`` and ``memory.md``."""
+            command: str | None = None, *, append: bool = False) -> tuple[Path, Path]:
+    """Measure every spec in its own process; write ``memory.json`` and ``memory.md``.
+
+    ``append``: keep the rows already in ``OUT/memory.json`` (it must hold the same recipe, number
+    of steps, machine and allocator settings), replace the rows of methods measured again, add the
+    new ones after them, and add ``command`` to the record's commands. Every write re-reads the
+    file under a lock (``OUT/.memory.lock``), so several such commands may measure into one folder
+    side by side (on CUDA, ``max_memory_allocated`` is per process).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     base = replace(config, train=replace(config.train, steps=max(steps, 1), progress=False,
                                          tensorboard=False))
-    build_corpus(base.data)  # tokenised once, into the cache the runs read
-    rows: list[dict[str, Any]] = []
     record = {"recipe": config.recipe, "steps": steps, "command": command,
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-              "date": date.today().isoformat(), "malloc_env": malloc_env(), "rows": rows}
+              "date": date.today().isoformat(), "malloc_env": malloc_env(), "rows": []}
     json_path, md_path = out_dir / "memory.json", out_dir / "memory.md"
+    if append:
+        with _memory_lock(out_dir):
+            _merged(json_path, record, [])  # a mismatch stops before anything is trained
+    build_corpus(base.data)  # tokenised once, into the cache the runs read
+    rows: list[dict[str, Any]] = []
     for index, spec in enumerate(specs, start=1):
         run_config = spec.config(base, out_dir / "runs")
         log.info("[%d/%d] %s: %d steps", index, len(specs), spec.text, steps)
         measured = run_isolated(measure_run, run_config, steps)
         estimate = estimate_run_bytes(run_config, measured["vocab_size"], measured["device"])
         rows.append({"method": spec.text, "measured_peak_bytes": measured["measured_peak_bytes"],
-                     "estimated_bytes": estimate["total"], "estimate": estimate,
+                     "estimated_bytes": estimate["total"], "estimate": estimate, "date": date.today().isoformat(),
                      "measured": {k: v for k, v in measured.items() if k != "measured_peak_bytes"}})
         log.info("[%d/%d] %s: measured %s, estimated %s", index, len(specs), spec.text,
                  format_bytes(measured["measured_peak_bytes"]), format_bytes(estimate["total"]))
         # Written after every method: a long measurement stopped midway keeps what it measured.
         record["complete"] = index == len(specs)
-        write_text_atomic(json_path, json.dumps(record, indent=1) + "\n")
-        write_text_atomic(md_path, format_measurement(record))
+        with _memory_lock(out_dir) if append else contextlib.nullcontext():
+            written = (_merged(json_path, record, rows, f"{index} of {len(specs)}") if append
+                       else {**record, "rows": rows})
+            write_text_atomic(json_path, json.dumps(written, indent=1) + "\n")
+            write_text_atomic(md_path, format_measurement(written))
     return md_path, json_path
+
+
+def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
+            progress: str | None = None) -> dict[str, Any]:
+    """``record`` with ``rows`` merged into the rows of the record already in ``json_path`` (same
+    method: replaced in place; new: added at the end) and its command after the earlier ones.
+
+    ``progress`` (``"k of n"``): a command that has not measured all its methods yet carries
+    ``  # stopped after k of n methods``; the record is complete when no command does.
+    """
+    old = (read_json(json_path, hint="delete it, or measure into another --out without --append")
+           if json_path.exists() else {**record, "command": None, "rows": []})
+    for key, what in (("recipe", "recipe"), ("steps", "number of steps"), ("machine", "machine"),
+                      ("malloc_env", "allocator settings")):
+        if old.get(key) != record[key]:
+            raise ValueError(f"--append: {json_path} was measured with {what} {old.get(key)!r}, this command "
+                             f"with {record[key]!r}; one table holds one setting (measure into another --out)")
+    merged = list(old["rows"])
+    for row in rows:
+        same = [i for i, r in enumerate(merged) if r["method"] == row["method"]]
+        if same:
+            merged[same[0]] = row
+        else:
+            merged.append(row)
+    commands = [c for c in (old.get("command") or "").split("\n") if c]
+    if record["command"] and progress is not None:
+        first, _, total = progress.partition(" of ")
+        line = record["command"] + ("" if first == total else f"  {PROGRESS_MARK}{progress} methods")
+        same = [i for i, c in enumerate(commands) if c.split(f"  {PROGRESS_MARK}")[0] == record["command"]]
+        if same:
+            commands[same[0]] = line
+        else:
+            commands.append(line)
+    return {**record, "command": "\n".join(commands) or None, "rows": merged,
+            "complete": not any(PROGRESS_MARK in c for c in commands) if record["command"] else record.get("complete", True),
+            "date": max([r.get("date", old["date"]) for r in merged], default=record["date"])}
+
+
+#: Marks a command of an appended record that stopped before its last method.
+PROGRESS_MARK = "# stopped after "
+
+
+@contextlib.contextmanager
+def _memory_lock(out_dir: Path) -> Iterator[None]:
+    """A blocking ``flock`` on ``OUT/.memory.lock`` around a read-merge-write of ``memory.json``
+    (none where ``fcntl`` is missing: Windows)."""
+    if fcntl is None:
+        yield
+        return
+    with open(out_dir / ".memory.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def format_measurement(record: dict[str, Any]) -> str:
     """``memory.md`` from ``memory.json``'s record."""
     rows = record["rows"]
     first = rows[0]["measured"] if rows else {}
+    dates = sorted({row.get("date", record["date"]) for row in rows} or {record["date"]})
     lines = [
         f"# Measured memory: recipe `{record['recipe']}`, {record['steps']} training steps"
         + ("" if record.get("complete", True) else " (incomplete: stopped before its last method)"),
         "",
         f"{first.get('parameters', 0) / 1e6:.1f}M parameters, device `{first.get('device', '?')}`; "
-        f"{record['machine']}, {record['date']}.",
+        f"{record['machine']}, {dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}.",
         "",
         "| Method | Measured peak | Estimated | Measured / estimated | Weights | Optimizer states "
         "| Fits in 24 GB (measured) |",

@@ -84,3 +84,99 @@ def test_a_stopped_measurement_keeps_the_methods_it_measured(tmp_path: Path, mon
     record = json.loads((tmp_path / "m" / "memory.json").read_text())
     assert [r["method"] for r in record["rows"]] == ["adamw"] and record["complete"] is False
     assert "incomplete" in (tmp_path / "m" / "memory.md").read_text()
+
+
+def _fake_runs(peaks: dict[str, int], stop_at: str | None = None):
+    """A ``run_isolated`` stand-in: each method's measured peak from ``peaks``; ``stop_at``: the
+    method during which the user stops the command."""
+
+    def fake(fn, config, steps):
+        if config.optim.method == stop_at:
+            raise KeyboardInterrupt
+        return {"measured_peak_bytes": peaks[config.optim.method], "baseline_bytes": 0, "measure": "fake",
+                "device": "cpu", "vocab_size": 300, "parameters": 10, "weights_bytes": 40,
+                "optimizer_state_bytes": 80, "losses": [1.0]}
+
+    return fake
+
+
+def test_append_keeps_earlier_rows_replaces_remeasured_ones_and_lists_every_command(tmp_path: Path, monkeypatch):
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config, out = micro_config(tmp_path), tmp_path / "m"
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000, "galore": 2000, "fira": 3000}))
+    measure.measure(config, parse_method_specs("adamw,galore"), 1, out, "first")
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"galore": 2500, "fira": 3000}, stop_at="fira"))
+    with pytest.raises(KeyboardInterrupt):  # galore measured again, then stopped during fira
+        measure.measure(config, parse_method_specs("galore,fira"), 1, out, "second", append=True)
+    record = json.loads((out / "memory.json").read_text())
+    assert [(r["method"], r["measured_peak_bytes"]) for r in record["rows"]] == [("adamw", 1000), ("galore", 2500)]
+    assert record["command"] == "first\nsecond  # stopped after 1 of 2 methods" and record["complete"] is False
+    assert "incomplete" in (out / "memory.md").read_text()
+
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"galore": 2500, "fira": 3000}))
+    measure.measure(config, parse_method_specs("galore,fira"), 1, out, "second", append=True)  # the same, rerun
+    record = json.loads((out / "memory.json").read_text())
+    assert [r["method"] for r in record["rows"]] == ["adamw", "galore", "fira"]
+    assert record["command"] == "first\nsecond" and record["complete"] is True
+    text = (out / "memory.md").read_text()
+    assert "incomplete" not in text and "first\nsecond\n```" in text
+
+    without = measure.measure(config, parse_method_specs("fira"), 1, out, "third")[1]  # no --append: a new table
+    assert [r["method"] for r in json.loads(without.read_text())["rows"]] == ["fira"]
+
+
+def test_append_refuses_a_table_of_another_setting_before_training(tmp_path: Path, monkeypatch):
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config, out = micro_config(tmp_path), tmp_path / "m"
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000}))
+    measure.measure(config, parse_method_specs("adamw"), 1, out, "first")
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({}, stop_at="adamw"))  # must not be reached
+    with pytest.raises(ValueError, match=r"--append: .*memory.json was measured with number of steps 1, this "
+                                         r"command with 2"):
+        measure.measure(config, parse_method_specs("adamw"), 2, out, "second", append=True)
+
+
+def test_side_by_side_appends_lose_no_row(tmp_path: Path) -> None:
+    """Two processes appending into one folder at once: every row of both ends up in the table.
+
+    Each write is slowed down, so that without the lock one process would read the table while the
+    other is between its read and its write, and one of them would drop the other's row."""
+    import subprocess
+    import sys
+
+    from fira_train.data.build import build_corpus
+    from tests.fira_train.harness_fixtures import micro_config
+
+    build_corpus(micro_config(tmp_path).data)  # both lanes find the tokenised corpus in the cache
+    out = tmp_path / "m"
+    code = f"""
+import sys, time
+from pathlib import Path
+from fira_train import measure
+from fira_train.config.method_spec import parse_method_specs
+from tests.fira_train.harness_fixtures import micro_config
+
+def fake(fn, config, steps):
+    return {{"measured_peak_bytes": 1, "baseline_bytes": 0, "measure": "fake", "device": "cpu", "vocab_size": 300,
+            "parameters": 10, "weights_bytes": 4, "optimizer_state_bytes": 8, "losses": [1.0]}}
+
+def slow_write(path, text, write=measure.write_text_atomic):
+    time.sleep(0.25)
+    return write(path, text)
+
+measure.run_isolated, measure.write_text_atomic = fake, slow_write
+measure.measure(micro_config(Path({str(tmp_path)!r})), parse_method_specs(sys.argv[1]), 1, {str(out)!r}, sys.argv[1],
+                append=True)
+"""
+    lanes = ["adamw,galore,fira", "fira@optim.rank=2,galore@optim.rank=2,adamw@optim.lr=0.1"]
+    procs = [subprocess.Popen([sys.executable, "-c", code, specs]) for specs in lanes]
+    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    record = json.loads((out / "memory.json").read_text())
+    assert sorted(r["method"] for r in record["rows"]) == sorted(",".join(lanes).split(","))
+    assert sorted(record["command"].split("\n")) == sorted(lanes) and record["complete"] is True
