@@ -108,7 +108,9 @@ class Fira(Optimizer):
         seed: seed of the random projectors and of stochastic rounding (reproducible across resumes).
         state_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"int8"`` (block-wise quantized,
             needs torchao): how the moments of every parameter and the basis (bf16 at most) are
-            stored; the arithmetic stays fp32 (:mod:`fira_optim.precision`).
+            stored; the arithmetic stays fp32 (:mod:`fira_optim.precision`). At ``"float32"``
+            the moments of a parameter that is not projected take its own dtype, as
+            ``torch.optim.AdamW``'s do (bf16 for bf16 weights; fp32 for fp16 ones).
         stochastic_rounding: write the updates of bf16 parameters by stochastic rounding
             (default False: round to nearest).
         nonfinite: ``"error"`` (raise :class:`NonFiniteGradientError` naming the parameter, before

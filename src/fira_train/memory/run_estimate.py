@@ -13,8 +13,10 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   (APOLLO, APOLLO-Mini, Flora and SlimAdam: their own states, :func:`_peer_state_numel`)
   (basis ``min(m, n) x r``, Adam moments ``r x max(m, n)``, Fira's one scalar), everything else
   AdamW's two moments; moments at 4 bytes (``float32``), 2 (``bfloat16``) or 1 + 4/256
-  (``int8``, below 4096 elements fp32), the basis at 4 bytes, or 2 from ``bfloat16`` on; the
-  plain torch optimizers (AdamW, ...) keep their moments at the weights' dtype;
+  (``int8``; a moment below 4096 elements or not whole 256-element blocks at its working dtype), the basis at 4 bytes, or 2 from ``bfloat16`` on; the
+  plain torch optimizers (AdamW, ...) keep their moments at the weights' dtype, and so does the
+  Fira family at ``float32`` for the parameters it does not project (bf16 moments of the
+  embedding and head for bf16 weights, as ``torch.optim.AdamW`` keeps them);
 - activations: per layer :math:`s b h (34 + 5 a s / h)` bytes in 16-bit (Korthikanti et al.,
   "Reducing Activation Recomputation in Large Transformer Models", 2022), twice that in fp32,
   plus the logits (:math:`4 \cdot 3 s b V`: logits, softmax, gradient); with activation
@@ -50,7 +52,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES
+from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES, quantized
 from fira_train.memory.matrix import PEER_METHODS, footprint_numel, llama_matrix_shapes, vector_state_numel
 
 if TYPE_CHECKING:  # annotations only
@@ -77,10 +79,15 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     params = sum(a * b for a, b in shapes) + others
     largest = max([a * b for a, b in shapes] + [embed])
     gradients = (largest if o.step_in_backward else params) * weight_bytes
-    # torch's optimizers keep their moments in the parameter's dtype (bf16 for bf16 weights)
-    moment = MOMENT_BYTES[o.state_dtype] if o.method not in PLAIN_METHODS else float(weight_bytes)
-    states = 2 * others * moment
     projected = o.method not in PLAIN_METHODS
+
+    def whole(numel: int) -> float:
+        """The two moments of a parameter stepped whole: torch's optimizers keep them in the
+        parameter's dtype (bf16 for bf16 weights), and so does the Fira family at
+        state_dtype="float32"."""
+        return 2 * (numel * weight_bytes if not projected else _stored_bytes(numel, o.state_dtype, weight_bytes))
+
+    states = (1 if m.tie_word_embeddings else 2) * whole(embed) + (2 * layers + 1) * whole(h)
     if o.method == "adam-mini":  # a full first moment, one second moment per block (heads, neurons)
         states, shapes = 4.0 * params, []
     if o.method in PEER_METHODS:  # their own per-matrix states, fp32
@@ -89,11 +96,12 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
         shapes = []
     for a, b in shapes:
         if projected and o.rank < min(a, b):
-            basis = min(a, b) * o.rank
-            total = footprint_numel((a, b), o.rank, "fira").optimizer_states
-            states += basis * (2 if o.state_dtype != "float32" else 4) + (total - basis) * moment
+            basis, moment = min(a, b) * o.rank, max(a, b) * o.rank  # the low-rank moments: fp32 work dtype
+            scalars = footprint_numel((a, b), o.rank, "fira").optimizer_states - basis - 2 * moment
+            states += (basis * (2 if o.state_dtype != "float32" else 4) + 2 * _stored_bytes(moment, o.state_dtype, 4)
+                       + 4 * scalars)
         else:
-            states += 2 * a * b * moment
+            states += whole(a * b)
     s, b = config.data.seq_len, t.micro_batch_size or t.batch_size
     act_bytes = 2 if t.precision == "bf16" or t.param_dtype == "bfloat16" else 4
     per_layer = s * b * h * (34 + 5 * m.num_attention_heads * s / h) * act_bytes / 2
@@ -117,6 +125,15 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
         # the CUDA allocator counts only live tensors: the activations are freed before the step
         total -= min(activations, temporaries)
     return {**{k: int(v) for k, v in parts.items()}, "total": int(total)}
+
+
+def _stored_bytes(numel: int, state_dtype: str, work_bytes: int) -> float:
+    """Bytes of one moment of ``numel`` elements stored at ``state_dtype`` (``work_bytes``: its
+    working dtype's): int8 only where it can be quantized in whole blocks (else the working
+    dtype, :func:`fira_optim.precision.quantized`), bf16, or the working dtype for ``float32``."""
+    if state_dtype == "int8":
+        return numel * MOMENT_BYTES["int8"] if quantized(numel) else numel * work_bytes
+    return numel * (MOMENT_BYTES["bfloat16"] if state_dtype == "bfloat16" else work_bytes)
 
 
 def _peer_state_numel(method: str, rank: int, shapes: list[tuple[int, int]], vocab: int, h: int,
