@@ -194,13 +194,18 @@ def measure_states(args: argparse.Namespace, model_dir: Path) -> dict[str, dict]
     return states
 
 
+def _validation(results: dict[str, dict], sweep: list[Run]) -> dict[str, float | None]:
+    """Validation accuracy of each finished run of a sweep (None: the run scored none)."""
+    return {r.name: results[r.name].get("validation_accuracy") for r in sweep if r.name in results}
+
+
 def chosen_runs(results: dict[str, dict], runs: list[Run]) -> dict[str, Run | None]:
     """Each swept method's chosen run: the one whose validation accuracy is highest (the first on a
     tie), once every run of its sweep has finished (None before); the test examples play no part."""
     chosen: dict[str, Run | None] = {}
     for base in dict.fromkeys(r.base for r in runs if r.swept):
         sweep = [r for r in runs if r.base == base]
-        scored = {r.name: results[r.name].get("validation_accuracy") for r in sweep if r.name in results}
+        scored = _validation(results, sweep)
         finished = len(scored) == len(sweep) and None not in scored.values()
         chosen[base] = max(sweep, key=lambda r: scored[r.name]) if finished else None  # max keeps the first
     return chosen
@@ -211,7 +216,7 @@ def choose_lrs(results: dict[str, dict], runs: list[Run]) -> list[str]:
     lines = []
     for base, best in chosen_runs(results, runs).items():
         sweep = [r for r in runs if r.base == base]
-        scored = {r.name: results[r.name].get("validation_accuracy") for r in sweep if r.name in results}
+        scored = _validation(results, sweep)
         if best is None:
             lines.append(f"- {LABEL[base]}: not chosen yet (" + ", ".join(
                 f"lr {r.lr:g} " + ("validation -" if scored.get(r.name) is None else

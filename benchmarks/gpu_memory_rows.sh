@@ -3,7 +3,7 @@
 # large GPU in parallel lanes that append to copies of the committed tables, and the CUDA tests.
 #
 #   bash benchmarks/gpu_memory_rows.sh wheels   # here, with PyPI: the wheels a bare GPU image lacks, into .whl/
-#   bash benchmarks/gpu_memory_rows.sh run      # there: OUT=<folder> T_ALL=<seconds> (default 420)
+#   bash benchmarks/gpu_memory_rows.sh run      # there: OUT=<folder> T_ALL=<seconds> (default 360)
 #
 # `run` installs .whl/*.whl (if present) into /tmp/site, runs the CUDA tests, then one lane per
 # command below, each `fira-train memory --measure --append` into OUT/<size>/, which starts as a
@@ -12,7 +12,8 @@
 # table was measured on another machine or torch (--append refuses it), the lane measures into a
 # table of its own, OUT/<size>-new/. Lanes share the GPU: torch.cuda.max_memory_allocated counts
 # one process's allocations only, so they do not change each other's peaks; they must fit in its
-# memory together (about 110 GB for the lanes below).
+# memory together (about 110 GB for the lanes below: an H200, not an 80 GB H100). The tests take
+# up to 150 s and each lane T_ALL, so a call needs about T_ALL + 180 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +27,7 @@ fi
 [[ "${1:-}" == run ]] || { echo "usage: $0 wheels|run" >&2; exit 2; }
 
 OUT=${OUT:?set OUT to the folder the tables and logs go to}
-T_ALL=${T_ALL:-420}
+T_ALL=${T_ALL:-360}
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
     export PYTHONPATH=/tmp/site
@@ -45,12 +46,14 @@ SIB=fira@optim.step_in_backward=true
 COMMON=(--steps 3 train.batch_size=1 train.micro_batch_size=1 train.param_dtype=bfloat16 train.num_threads=2)
 lane() {  # lane SIZE METHODS
     local size=$1 methods=$2 out=$OUT/$1
-    local args=(memory --measure --recipe "$size" --methods "$methods" "${COMMON[@]}" --append)
-    if ! timeout "$T_ALL" python3 -m fira_train "${args[@]}" --out "$out" >> "$OUT/$size.log" 2>&1 \
-            && grep -q -- "--append: " "$OUT/$size.log"; then
+    local args=(memory --measure --recipe "$size" --methods "$methods" "${COMMON[@]}" --append) rc
+    timeout "$T_ALL" python3 -m fira_train "${args[@]}" --out "$out" >> "$OUT/$size.log" 2>&1
+    rc=$?
+    if (( rc != 0 )) && grep -q -- "--append: " "$OUT/$size.log"; then
         timeout "$T_ALL" python3 -m fira_train "${args[@]}" --out "$OUT/$size-new" >> "$OUT/$size.log" 2>&1
+        rc=$?
     fi
-    echo "lane $size $methods rc=$?"
+    echo "lane $size $methods rc=$rc"  # 124: stopped by T_ALL (its table keeps the rows it measured)
 }
 lane 7b "galore$RAND" &
 sleep 5; lane 7b "fira$RAND" &

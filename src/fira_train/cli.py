@@ -304,7 +304,7 @@ def _register_memory(subparsers: Any) -> None:
                         help="with --measure: keep the rows already in OUT/memory.json (same recipe, steps, "
                              "machine and allocator settings), replace those of methods measured again, and "
                              "list this command beside the earlier ones; several such commands may measure "
-                             "into one OUT side by side")
+                             "into one OUT side by side (where fcntl locks exist: Linux, macOS)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="config overrides for every method, e.g. train.batch_size=1 "
                              "train.micro_batch_size=1")

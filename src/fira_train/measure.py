@@ -112,9 +112,17 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
               "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
               "date": date.today().isoformat(), "malloc_env": malloc_env(), "rows": []}
     json_path, md_path = out_dir / "memory.json", out_dir / "memory.md"
-    if append:
-        with _memory_lock(out_dir):
-            _merged(json_path, record, [])  # a mismatch stops before anything is trained
+
+    def write(rows: list[dict[str, Any]], done: int) -> None:
+        record["complete"] = done == len(specs)
+        with _memory_lock(out_dir) if append else contextlib.nullcontext():
+            written = (_merged(json_path, record, rows, f"{done} of {len(specs)}") if append
+                       else {**record, "rows": rows})
+            write_text_atomic(json_path, json.dumps(written, indent=1) + "\n")
+            write_text_atomic(md_path, format_measurement(written))
+
+    if append:  # a mismatch stops before anything is trained; the command is listed from the start
+        write([], 0)
     build_corpus(base.data)  # tokenised once, into the cache the runs read
     rows: list[dict[str, Any]] = []
     for index, spec in enumerate(specs, start=1):
@@ -127,32 +135,27 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
                      "measured": {k: v for k, v in measured.items() if k != "measured_peak_bytes"}})
         log.info("[%d/%d] %s: measured %s, estimated %s", index, len(specs), spec.text,
                  format_bytes(measured["measured_peak_bytes"]), format_bytes(estimate["total"]))
-        # Written after every method: a long measurement stopped midway keeps what it measured.
-        record["complete"] = index == len(specs)
-        with _memory_lock(out_dir) if append else contextlib.nullcontext():
-            written = (_merged(json_path, record, rows, f"{index} of {len(specs)}") if append
-                       else {**record, "rows": rows})
-            write_text_atomic(json_path, json.dumps(written, indent=1) + "\n")
-            write_text_atomic(md_path, format_measurement(written))
+        write(rows, index)  # after every method: a measurement stopped midway keeps what it measured
     return md_path, json_path
 
 
-def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
-            progress: str | None = None) -> dict[str, Any]:
+def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]], progress: str) -> dict[str, Any]:
     """``record`` with ``rows`` merged into the rows of the record already in ``json_path`` (same
     method: replaced in place; new: added at the end) and its command after the earlier ones.
 
-    ``progress`` (``"k of n"``): a command that has not measured all its methods yet carries
-    ``  # stopped after k of n methods``; the record is complete when no command does.
+    ``progress`` (``"k of n"``): while a command has measured fewer than all its methods, its line
+    carries ``  # stopped after k of n methods``. An incomplete earlier record without such marks
+    (a table written without ``--append``, or by hand) gets the line :data:`EARLIER_STOP`. The
+    record is complete when no line says that a command stopped.
     """
     old = (read_json(json_path, hint="delete it, or measure into another --out without --append")
-           if json_path.exists() else {**record, "command": None, "rows": []})
+           if json_path.exists() else {**record, "command": None, "rows": [], "complete": True})
     for key, what in (("recipe", "recipe"), ("steps", "number of steps"), ("machine", "machine"),
                       ("malloc_env", "allocator settings")):
         if old.get(key) != record[key]:
             raise ValueError(f"--append: {json_path} was measured with {what} {old.get(key)!r}, this command "
                              f"with {record[key]!r}; one table holds one setting (measure into another --out)")
-    merged = list(old["rows"])
+    merged = [{**row, "date": row.get("date", old["date"])} for row in old["rows"]]  # rows keep their day
     for row in rows:
         same = [i for i, r in enumerate(merged) if r["method"] == row["method"]]
         if same:
@@ -160,27 +163,33 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
         else:
             merged.append(row)
     commands = [c for c in (old.get("command") or "").split("\n") if c]
-    if record["command"] and progress is not None:
-        first, _, total = progress.partition(" of ")
-        line = record["command"] + ("" if first == total else f"  {PROGRESS_MARK}{progress} methods")
+    if old.get("complete", True) is False and not any(PROGRESS_MARK in c or c == EARLIER_STOP for c in commands):
+        commands.append(EARLIER_STOP)  # which command stopped is not known: the record says so for good
+    if record["command"]:
+        done, _, total = progress.partition(" of ")
+        line = record["command"] + ("" if done == total else f"  {PROGRESS_MARK}{progress} methods")
         same = [i for i, c in enumerate(commands) if c.split(f"  {PROGRESS_MARK}")[0] == record["command"]]
         if same:
             commands[same[0]] = line
         else:
             commands.append(line)
-    return {**record, "command": "\n".join(commands) or None, "rows": merged,
-            "complete": not any(PROGRESS_MARK in c for c in commands) if record["command"] else record.get("complete", True),
-            "date": max([r.get("date", old["date"]) for r in merged], default=record["date"])}
+    complete = not any(PROGRESS_MARK in c or c == EARLIER_STOP for c in commands)
+    if not record["command"]:
+        complete = complete and record["complete"]
+    return {**record, "command": "\n".join(commands) or None, "rows": merged, "complete": complete,
+            "date": max([r["date"] for r in merged], default=record["date"])}
 
 
 #: Marks a command of an appended record that stopped before its last method.
 PROGRESS_MARK = "# stopped after "
+#: The line added to the commands of an incomplete record that does not say which command stopped.
+EARLIER_STOP = "# (a command above stopped before its last method)"
 
 
 @contextlib.contextmanager
 def _memory_lock(out_dir: Path) -> Iterator[None]:
-    """A blocking ``flock`` on ``OUT/.memory.lock`` around a read-merge-write of ``memory.json``
-    (none where ``fcntl`` is missing: Windows)."""
+    """A blocking ``flock`` on ``OUT/.memory.lock`` around a read-merge-write of ``memory.json``.
+    Where ``fcntl`` is missing (Windows) there is no lock: one appending command at a time there."""
     if fcntl is None:
         yield
         return
@@ -199,10 +208,11 @@ def format_measurement(record: dict[str, Any]) -> str:
     dates = sorted({row.get("date", record["date"]) for row in rows} or {record["date"]})
     lines = [
         f"# Measured memory: recipe `{record['recipe']}`, {record['steps']} training steps"
-        + ("" if record.get("complete", True) else " (incomplete: stopped before its last method)"),
+        + ("" if record.get("complete", True) else " (incomplete: a command stopped before its last method)"),
         "",
-        f"{first.get('parameters', 0) / 1e6:.1f}M parameters, device `{first.get('device', '?')}`; "
-        f"{record['machine']}, {dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}.",
+        (f"{first['parameters'] / 1e6:.1f}M parameters, device `{first['device']}`; " if rows
+         else "No method measured yet; ")
+        + f"{record['machine']}, {dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}.",
         "",
         "| Method | Measured peak | Estimated | Measured / estimated | Weights | Optimizer states "
         "| Fits in 24 GB (measured) |",

@@ -115,17 +115,47 @@ def test_append_keeps_earlier_rows_replaces_remeasured_ones_and_lists_every_comm
     assert [(r["method"], r["measured_peak_bytes"]) for r in record["rows"]] == [("adamw", 1000), ("galore", 2500)]
     assert record["command"] == "first\nsecond  # stopped after 1 of 2 methods" and record["complete"] is False
     assert "incomplete" in (out / "memory.md").read_text()
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({}, stop_at="fira"))
+    with pytest.raises(KeyboardInterrupt):  # stopped during its first method: listed all the same
+        measure.measure(config, parse_method_specs("fira"), 1, out, "third", append=True)
+    assert json.loads((out / "memory.json").read_text())["command"].endswith("\nthird  # stopped after 0 of 1 methods")
 
     monkeypatch.setattr(measure, "run_isolated", _fake_runs({"galore": 2500, "fira": 3000}))
     measure.measure(config, parse_method_specs("galore,fira"), 1, out, "second", append=True)  # the same, rerun
+    measure.measure(config, parse_method_specs("fira"), 1, out, "third", append=True)
     record = json.loads((out / "memory.json").read_text())
     assert [r["method"] for r in record["rows"]] == ["adamw", "galore", "fira"]
-    assert record["command"] == "first\nsecond" and record["complete"] is True
+    assert record["command"] == "first\nsecond\nthird" and record["complete"] is True
     text = (out / "memory.md").read_text()
-    assert "incomplete" not in text and "first\nsecond\n```" in text
+    assert "incomplete" not in text and "first\nsecond\nthird\n```" in text
 
     without = measure.measure(config, parse_method_specs("fira"), 1, out, "third")[1]  # no --append: a new table
     assert [r["method"] for r in json.loads(without.read_text())["rows"]] == ["fira"]
+
+
+def test_append_keeps_an_earlier_tables_stop_and_its_rows_dates(tmp_path: Path, monkeypatch):
+    """A table left incomplete without --append (or written by hand) stays incomplete: which of its
+    commands stopped is not known. Its rows keep the day they were measured."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config, out = micro_config(tmp_path), tmp_path / "m"
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000}, stop_at="fira"))
+    with pytest.raises(KeyboardInterrupt):
+        measure.measure(config, parse_method_specs("adamw,fira"), 1, out, "first")
+    old = json.loads((out / "memory.json").read_text())
+    old["date"] = "2026-01-02"
+    for row in old["rows"]:
+        del row["date"]  # as tables written before rows carried their day
+    (out / "memory.json").write_text(json.dumps(old))
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"fira": 3000}))
+    measure.measure(config, parse_method_specs("fira"), 1, out, "second", append=True)
+    record = json.loads((out / "memory.json").read_text())
+    assert [r["method"] for r in record["rows"]] == ["adamw", "fira"] and record["complete"] is False
+    assert record["command"] == f"first\n{measure.EARLIER_STOP}\nsecond"
+    assert record["rows"][0]["date"] == "2026-01-02" != record["rows"][1]["date"]
+    assert f"2026-01-02 to {record['rows'][1]['date']}." in (out / "memory.md").read_text()
 
 
 def test_append_refuses_a_table_of_another_setting_before_training(tmp_path: Path, monkeypatch):
@@ -175,7 +205,8 @@ measure.measure(micro_config(Path({str(tmp_path)!r})), parse_method_specs(sys.ar
                 append=True)
 """
     lanes = ["adamw,galore,fira", "fira@optim.rank=2,galore@optim.rank=2,adamw@optim.lr=0.1"]
-    procs = [subprocess.Popen([sys.executable, "-c", code, specs]) for specs in lanes]
+    root = Path(__file__).parents[2]  # the lanes import the test fixtures from the repository
+    procs = [subprocess.Popen([sys.executable, "-c", code, specs], cwd=root) for specs in lanes]
     assert [p.wait(timeout=240) for p in procs] == [0, 0]
     record = json.loads((out / "memory.json").read_text())
     assert sorted(r["method"] for r in record["rows"]) == sorted(",".join(lanes).split(","))

@@ -37,7 +37,8 @@ def model_label(name: str) -> str:
     A run on a local copy records the folder's full path; the title keeps only its last part so that
     a committed report does not carry the machine's directory layout (``results.json`` keeps the path).
     """
-    return PurePath(name).name if PurePath(name).is_absolute() or name.startswith(".") else name
+    local = PurePath(name).is_absolute() or name.startswith(".")
+    return (PurePath(name).name or name) if local else name
 
 
 def accuracy_cell(correct: int, n: int) -> str:

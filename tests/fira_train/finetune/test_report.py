@@ -48,7 +48,7 @@ def test_single_run_report_names_protocol_and_intervals():
 
 def test_title_names_a_local_model_by_its_folder_and_a_hub_model_by_its_id():
     assert model_label("/work/cache/smollm2-135m-instruct") == "smollm2-135m-instruct"
-    assert model_label("./runs/model") == "model"
+    assert model_label("./runs/model") == "model" and model_label(".") == "."
     assert model_label("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     local = results({"boolq": 7})
     local["model"]["name"] = "/home/me/cache/smollm2"
@@ -83,6 +83,6 @@ def test_pairs_compare_every_run_with_every_later_one_pooled_over_tasks():
     lines = render_pairs(["a", "b", "c"], {"a": a, "b": b, "c": c}, tasks=["boolq", "piqa"], labels={"a": "A"})
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| A | B")]
     assert [row.split(" | ")[:2] for row in rows] == [["| A", "b"], ["| A", "c"], ["| b", "c"]]
-    # a -> b: one example won (boolq 2, piqa 6), one lost (boolq 1), of 5: +20 points
+    # a -> b: two examples won (boolq 2, piqa 6), one lost (boolq 1): net +1 of 5, +20 points
     assert rows[0].endswith(f"| {paired_cell(Paired(n=5, both=2, only_a=1, only_b=2, neither=0))} |")
     assert "+20.0" in rows[0] and "-60.0" in rows[1] and "-80.0" in rows[2]

@@ -59,9 +59,11 @@ def test_fira_states_are_what_the_optimizer_holds_for_each_weight_and_state_dtyp
     from fira_train.methods.model import build_model
     from fira_train.methods.registry import build_method
 
-    pytest.importorskip("torchao")  # the int8 map
+    import importlib.util
+
+    int8 = ("int8",) if importlib.util.find_spec("torchao") else ()  # the int8 map needs torchao
     for param_dtype in ("float32", "bfloat16"):
-        for state_dtype in ("float32", "bfloat16", "int8"):
+        for state_dtype in ("float32", "bfloat16", *int8):
             config = apply_overrides(micro(), ["optim.method=fira", "optim.rank=8", f"optim.state_dtype={state_dtype}",
                                                f"train.param_dtype={param_dtype}"])
             model = build_model(config.model, 512, 32, seed=0).to(getattr(torch, param_dtype))
@@ -177,27 +179,27 @@ def test_torch_adamw_on_cuda_holds_a_weights_sized_temporary() -> None:
 
 def test_the_state_estimate_equals_every_committed_measurement() -> None:
     """The optimizer states that ``memory --measure`` counted in every committed table (CPU, fp32
-    weights; H200, bf16 weights) are what the estimate says today, to the step counters."""
+    and bf16 weights; H200, bf16 weights) are what the estimate says today, to the step counters
+    (a few bytes per parameter tensor). Each table's config: its recipe and the key=value
+    overrides of its command."""
     import json
+    import re
     from pathlib import Path
-
-    import pytest
 
     from fira_train.config.method_spec import parse_method_specs
     from fira_train.config.overrides import apply_overrides
 
     root = Path(__file__).parents[3] / "docs" / "results" / "memory-measured"
-    tables = {"60m": [], "130m": [], "350m": [], "gpu-bf16/60m": ["train.param_dtype=bfloat16"],
-              "gpu-bf16/350m": ["train.param_dtype=bfloat16"], "gpu-bf16/1b": ["train.param_dtype=bfloat16"]}
     checked = 0
-    for folder, overrides in tables.items():
-        record = json.loads((root / folder / "memory.json").read_text())
-        base = apply_overrides(get_recipe(record["recipe"]), ["train.batch_size=1", "train.micro_batch_size=1",
-                                                              *overrides])
+    for path in sorted(root.rglob("memory.json")):
+        record = json.loads(path.read_text())
+        command = next(line for line in record["command"].split("\n") if line.startswith("fira-train memory"))
+        overrides = re.findall(r"(?<= )(?:train|optim|data|model)\.\w+=\S+", command)
+        base = apply_overrides(get_recipe(record["recipe"]), overrides)
         for row in record["rows"]:
             config = parse_method_specs(row["method"])[0].config(base, ".")
             estimated = estimate_run_bytes(config, row["measured"]["vocab_size"], row["measured"]["device"])
-            assert estimated["optimizer_states"] == pytest.approx(row["measured"]["optimizer_state_bytes"],
-                                                                  rel=1e-5), (folder, row["method"])
+            assert abs(estimated["optimizer_states"] - row["measured"]["optimizer_state_bytes"]) <= 4096, \
+                (str(path), row["method"])
             checked += 1
-    assert checked >= 20
+    assert checked >= 50
