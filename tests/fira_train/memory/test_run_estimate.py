@@ -16,6 +16,25 @@ def _estimate(method="fira", *, optim=(), train=()):
     return config, estimate_run_bytes(config, 32000)
 
 
+def _held_and_estimated(*overrides: str, dtype: str = "float32") -> tuple[int, int]:
+    """The optimizer-state bytes the harness's optimizer holds after one step on micro (weights
+    in ``dtype``), and the estimate of them."""
+    import torch
+
+    from fira_optim.state import optimizer_state_bytes
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import micro
+    from fira_train.methods.model import build_model
+    from fira_train.methods.registry import build_method
+
+    config = apply_overrides(micro(), [*overrides, f"train.param_dtype={dtype}"])
+    setup = build_method(build_model(config.model, 512, 32, seed=0).to(getattr(torch, dtype)), config)
+    ids = torch.randint(0, 512, (2, 32))
+    setup.model(input_ids=ids, labels=ids).loss.backward()
+    setup.optimizer.step()
+    return optimizer_state_bytes(setup.optimizer), estimate_run_bytes(config, 512)["optimizer_states"]
+
+
 def test_the_parts_follow_the_formulas() -> None:
     config, adamw = _estimate("adamw")
     params = sum(a * b for a, b in llama_matrix_shapes(512, 1376, 8)) + 2 * 32000 * 512 + 512 * (2 * 8 + 1)
@@ -50,30 +69,16 @@ def test_torch_adamw_keeps_bf16_moments_for_bf16_weights() -> None:
 def test_fira_states_are_what_the_optimizer_holds_for_each_weight_and_state_dtype() -> None:
     """The estimate counts the bytes FiraAdamW holds after a step, for fp32 and bf16 weights and
     each state dtype (micro, where building the model is cheap)."""
-    import pytest
-    import torch
-
-    from fira_optim.state import optimizer_state_bytes
-    from fira_train.config.overrides import apply_overrides
-    from fira_train.config.recipes import micro
-    from fira_train.methods.model import build_model
-    from fira_train.methods.registry import build_method
-
     import importlib.util
 
+    import pytest
+
     int8 = ("int8",) if importlib.util.find_spec("torchao") else ()  # the int8 map needs torchao
-    for param_dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16"):
         for state_dtype in ("float32", "bfloat16", *int8):
-            config = apply_overrides(micro(), ["optim.method=fira", "optim.rank=8", f"optim.state_dtype={state_dtype}",
-                                               f"train.param_dtype={param_dtype}"])
-            model = build_model(config.model, 512, 32, seed=0).to(getattr(torch, param_dtype))
-            setup = build_method(model, config)
-            ids = torch.randint(0, 512, (2, 32))
-            setup.model(input_ids=ids, labels=ids).loss.backward()
-            setup.optimizer.step()
-            held = optimizer_state_bytes(setup.optimizer)
-            estimated = estimate_run_bytes(config, 512)["optimizer_states"]
-            assert estimated == pytest.approx(held, rel=1e-3), (param_dtype, state_dtype)  # the step counters
+            held, estimated = _held_and_estimated("optim.method=fira", "optim.rank=8",
+                                                  f"optim.state_dtype={state_dtype}", dtype=dtype)
+            assert estimated == pytest.approx(held, rel=1e-3), (dtype, state_dtype)  # the step counters
 
 
 def test_each_memory_option_shrinks_its_part() -> None:
@@ -94,23 +99,9 @@ def test_the_peers_states_are_what_their_optimizers_hold() -> None:
     """APOLLO, APOLLO-Mini, Flora and SlimAdam: the estimate counts the bytes the harness's
     optimizers hold after a step (checked on micro, where building them is cheap)."""
     import pytest
-    import torch
-
-    from fira_train.config.overrides import apply_overrides
-    from fira_train.config.recipes import micro
-    from fira_train.methods.model import build_model
-    from fira_train.methods.registry import build_method
-    from fira_optim.state import optimizer_state_bytes
 
     for method in ("apollo", "apollo-mini", "flora", "slimadam", "adam-mini"):
-        config = apply_overrides(micro(), [f"optim.method={method}", "optim.rank=8"])
-        model = build_model(config.model, 512, 32, seed=0)
-        setup = build_method(model, config)
-        ids = torch.randint(0, 512, (2, 32))
-        setup.model(input_ids=ids, labels=ids).loss.backward()
-        setup.optimizer.step()
-        held = optimizer_state_bytes(setup.optimizer)
-        estimated = estimate_run_bytes(config, 512)["optimizer_states"]
+        held, estimated = _held_and_estimated(f"optim.method={method}", "optim.rank=8")
         assert estimated == pytest.approx(held, rel=0.02), method
 
 

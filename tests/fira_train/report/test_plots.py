@@ -9,6 +9,22 @@ def _labels(axis, minor: bool) -> list[str]:
     return [t.get_text() for t in axis.get_ticklabels(minor=minor) if t.get_text()]
 
 
+def _plain_labels(xs, ys, log_axes: str) -> tuple[list[str], list[str]]:
+    """(major, minor) labels of the log axes ``log_axes`` ("x", "y") of a plot of ``xs``, ``ys``
+    with :func:`plain_log_ticks`, the x axis's first."""
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot(xs, ys)
+    ax.set(**{f"{a}scale": "log" for a in log_axes})
+    axes = [getattr(ax, f"{a}axis") for a in log_axes]
+    plain_log_ticks(*axes)
+    fig.canvas.draw()
+    major = [label for axis in axes for label in _labels(axis, minor=False)]
+    minor = [label for axis in axes for label in _labels(axis, minor=True)]
+    plt.close(fig)
+    return major, minor
+
+
 def test_plain_log_ticks_write_plain_numbers_on_a_narrow_log_axis():
     plt = pyplot()
     fig, ax = plt.subplots()
@@ -27,28 +43,15 @@ def test_plain_log_ticks_write_plain_numbers_on_a_narrow_log_axis():
 
 def test_plain_log_ticks_leave_wide_axes_to_the_decades():
     """Over several decades only the decades (and a few minor ticks) carry labels, as before."""
-    plt = pyplot()
-    fig, ax = plt.subplots()
-    ax.plot([1, 2], [10.0, 100_000.0])
-    ax.set(yscale="log")
-    plain_log_ticks(ax.yaxis)
-    fig.canvas.draw()
-    major, minor = _labels(ax.yaxis, minor=False), _labels(ax.yaxis, minor=True)
-    plt.close(fig)
+    major, minor = _plain_labels([1, 2], [10.0, 100_000.0], "y")
     assert {"10", "100", "1000", "10000", "100000"} <= set(major)
     assert minor == []
 
 
 def test_plain_log_ticks_keep_only_1_2_5_on_a_learning_rate_axis():
     """Two decades of learning rates: "0.0003" next to "0.0004" would overlap, so they go."""
-    plt = pyplot()
-    fig, ax = plt.subplots()
-    ax.plot([0.0003, 0.05], [1.0, 2.0])
-    ax.set(xscale="log")
-    plain_log_ticks(ax.xaxis)
-    fig.canvas.draw()
-    labels = _labels(ax.xaxis, minor=False) + _labels(ax.xaxis, minor=True)
-    plt.close(fig)
+    major, minor = _plain_labels([0.0003, 0.05], [1.0, 2.0], "x")
+    labels = major + minor
     assert {"0.001", "0.002", "0.005", "0.01", "0.02", "0.05"} <= set(labels)
     assert "0.0003" not in labels and "0.003" not in labels and "0.004" not in labels
     assert labels and all(label.rstrip("0").rstrip(".")[-1] in "125" for label in labels), labels
