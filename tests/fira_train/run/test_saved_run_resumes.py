@@ -44,9 +44,18 @@ def test_a_checkpoint_of_an_earlier_version_resumes_the_same_run(tmp_path: Path,
 
     assert main([*COMMAND, *THEN, "--out", "fresh"]) == 0  # uninterrupted, by this version
     fresh = read_metrics("fresh")
-    for key in ("loss", "lr", "tokens"):
+    for key in ("lr", "tokens"):
         assert [r[key] for r in resumed[3:]] == [r[key] for r in fresh[3:]]
-    assert resumed[-1]["val_loss"] == fresh[-1]["val_loss"]
-    # and what the earlier version computed (equal on the machine that wrote it; round-off elsewhere)
-    assert [r["loss"] for r in resumed[3:]] == pytest.approx([r["loss"] for r in recorded[3:]], rel=1e-5)
-    assert resumed[-1]["val_loss"] == pytest.approx(recorded[-1]["val_loss"], rel=1e-5)
+    # The same losses bit for bit where this machine computes steps 1-3 as the one that wrote the
+    # checkpoint did (then the weights it resumes from are the ones this version reaches). Another
+    # CPU's kernels may round differently in the last bits (seen between an AMD and an Intel CPU,
+    # both AVX512): then they agree to round-off, as with the earlier version's own losses.
+    exact = ([r["loss"] for r in fresh[:3]] == [r["loss"] for r in recorded[:3]]
+             and fresh[2]["val_loss"] == recorded[2]["val_loss"])  # after step 3's update: the weights saved
+    for then in (fresh, recorded):
+        if exact:
+            assert [r["loss"] for r in resumed[3:]] == [r["loss"] for r in then[3:]]
+            assert resumed[-1]["val_loss"] == then[-1]["val_loss"]
+        else:
+            assert [r["loss"] for r in resumed[3:]] == pytest.approx([r["loss"] for r in then[3:]], rel=1e-5)
+            assert resumed[-1]["val_loss"] == pytest.approx(then[-1]["val_loss"], rel=1e-5)
