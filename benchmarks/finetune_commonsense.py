@@ -29,7 +29,6 @@ test examples.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import platform
@@ -343,11 +342,10 @@ def update_header(header_file: Path, change) -> dict:
     """``change(old)`` written to ``header_file`` under a lock on a file beside it, atomically:
     sittings started side by side, or a state measurement finishing during a sitting, each keep
     what the others wrote."""
-    from fira_train.files import write_text_atomic
+    from fira_train.files import locked, write_text_atomic
 
     header_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(header_file.parent / ".benchmark.json.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(header_file.parent / ".benchmark.json.lock"):
         old = json.loads(header_file.read_text()) if header_file.is_file() else {}
         header = change(old)
         write_text_atomic(header_file, json.dumps(header, indent=2))

@@ -15,14 +15,21 @@ for every non-finite float instead, so readers of ``metrics.jsonl``, ``summary.j
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DamagedFileError", "dumps", "file_digest", "finite_or_none", "fsync_dir", "read_json",
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["DamagedFileError", "dumps", "file_digest", "finite_or_none", "fsync_dir", "locked", "read_json",
            "read_json_lines", "write_text_atomic"]
 
 
@@ -60,6 +67,23 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     os.replace(temp, path)
     fsync_dir(path.parent)  # the rename itself
     return path
+
+
+@contextlib.contextmanager
+def locked(lock_file: str | Path) -> Iterator[None]:
+    """Hold a blocking, exclusive ``flock`` on ``lock_file`` (created if missing): around a
+    read-change-write of a file that several processes update, so none loses what another wrote.
+    The file stays (removing a lock file others wait on is a race). Without ``fcntl`` (Windows)
+    nothing is locked: one writer at a time there."""
+    if fcntl is None:
+        yield
+        return
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class DamagedFileError(ValueError):

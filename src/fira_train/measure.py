@@ -16,7 +16,6 @@ import gc
 import json
 import logging
 import platform
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import date
 from pathlib import Path
@@ -24,16 +23,11 @@ from typing import Any
 
 import torch
 
-try:
-    import fcntl
-except ImportError:  # Windows: appending runs are not locked
-    fcntl = None  # type: ignore[assignment]
-
 from fira_optim.state import optimizer_state_bytes
 from fira_train.config.method_spec import MethodSpec, parse_method_specs
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import read_json, write_text_atomic
+from fira_train.files import locked, read_json, write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
@@ -114,10 +108,9 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     json_path, md_path = out_dir / "memory.json", out_dir / "memory.md"
 
     def write(rows: list[dict[str, Any]], done: int) -> None:
-        record["complete"] = done == len(specs)
-        with _memory_lock(out_dir) if append else contextlib.nullcontext():
-            written = (_merged(json_path, record, rows, f"{done} of {len(specs)}") if append
-                       else {**record, "rows": rows})
+        with locked(out_dir / ".memory.lock") if append else contextlib.nullcontext():
+            written = (_merged(json_path, record, rows, done, len(specs)) if append
+                       else {**record, "rows": rows, "complete": done == len(specs)})
             write_text_atomic(json_path, json.dumps(written, indent=1) + "\n")
             write_text_atomic(md_path, format_measurement(written))
 
@@ -139,66 +132,42 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     return md_path, json_path
 
 
-def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]], progress: str) -> dict[str, Any]:
+def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]], done: int,
+            total: int) -> dict[str, Any]:
     """``record`` with ``rows`` merged into the rows of the record already in ``json_path`` (same
     method: replaced in place; new: added at the end) and its command after the earlier ones.
 
-    ``progress`` (``"k of n"``): while a command has measured fewer than all its methods, its line
-    carries ``  # stopped after k of n methods``. An incomplete earlier record without such marks
+    While a command has measured ``done`` < ``total`` of its methods, its line carries
+    ``  # stopped after done of total methods``. An incomplete earlier record without such marks
     (a table written without ``--append``, or by hand) gets the line :data:`EARLIER_STOP`. The
     record is complete when no line says that a command stopped.
     """
     old = (read_json(json_path, hint="delete it, or measure into another --out without --append")
-           if json_path.exists() else {**record, "command": None, "rows": [], "complete": True})
+           if json_path.exists() else {**record, "command": None, "rows": []})
     for key, what in (("recipe", "recipe"), ("steps", "number of steps"), ("machine", "machine"),
                       ("malloc_env", "allocator settings")):
         if old.get(key) != record[key]:
             raise ValueError(f"--append: {json_path} was measured with {what} {old.get(key)!r}, this command "
                              f"with {record[key]!r}; one table holds one setting (measure into another --out)")
-    merged = [{**row, "date": row.get("date", old["date"])} for row in old["rows"]]  # rows keep their day
-    for row in rows:
-        same = [i for i, r in enumerate(merged) if r["method"] == row["method"]]
-        if same:
-            merged[same[0]] = row
-        else:
-            merged.append(row)
-    commands = [c for c in (old.get("command") or "").split("\n") if c]
-    if old.get("complete", True) is False and not any(PROGRESS_MARK in c or c == EARLIER_STOP for c in commands):
-        commands.append(EARLIER_STOP)  # which command stopped is not known: the record says so for good
+    # keyed by method and by command (without its mark): an update keeps an entry's place
+    merged = {row["method"]: {"date": old["date"], **row} for row in old["rows"]}  # rows keep their day
+    merged.update((row["method"], row) for row in rows)
+    commands = {line.split(f"  {PROGRESS_MARK}")[0]: line for line in (old.get("command") or "").split("\n") if line}
+    if old.get("complete", True) is False and not any(PROGRESS_MARK in c for c in commands.values()):
+        commands[EARLIER_STOP] = EARLIER_STOP  # which command stopped is not known: the record says so for good
     if record["command"]:
-        done, _, total = progress.partition(" of ")
-        line = record["command"] + ("" if done == total else f"  {PROGRESS_MARK}{progress} methods")
-        same = [i for i, c in enumerate(commands) if c.split(f"  {PROGRESS_MARK}")[0] == record["command"]]
-        if same:
-            commands[same[0]] = line
-        else:
-            commands.append(line)
-    complete = not any(PROGRESS_MARK in c or c == EARLIER_STOP for c in commands)
-    if not record["command"]:
-        complete = complete and record["complete"]
-    return {**record, "command": "\n".join(commands) or None, "rows": merged, "complete": complete,
-            "date": max([r["date"] for r in merged], default=record["date"])}
+        commands[record["command"]] = record["command"] + (
+            "" if done == total else f"  {PROGRESS_MARK}{done} of {total} methods")
+    stopped = any(PROGRESS_MARK in c for c in commands.values()) or EARLIER_STOP in commands
+    return {**record, "command": "\n".join(commands.values()) or None, "rows": list(merged.values()),
+            "complete": not stopped and (bool(record["command"]) or done == total),
+            "date": max([r["date"] for r in merged.values()], default=record["date"])}
 
 
 #: Marks a command of an appended record that stopped before its last method.
 PROGRESS_MARK = "# stopped after "
 #: The line added to the commands of an incomplete record that does not say which command stopped.
 EARLIER_STOP = "# (a command above stopped before its last method)"
-
-
-@contextlib.contextmanager
-def _memory_lock(out_dir: Path) -> Iterator[None]:
-    """A blocking ``flock`` on ``OUT/.memory.lock`` around a read-merge-write of ``memory.json``.
-    Where ``fcntl`` is missing (Windows) there is no lock: one appending command at a time there."""
-    if fcntl is None:
-        yield
-        return
-    with open(out_dir / ".memory.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def format_measurement(record: dict[str, Any]) -> str:

@@ -44,3 +44,30 @@ def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path: Path, monk
     monkeypatch.undo()
     write_text_atomic(path, '{"a": 3}\n')
     assert path.read_text() == '{"a": 3}\n' and not (tmp_path / "summary.json.tmp").exists()
+
+
+def test_locked_makes_a_second_holder_wait_for_the_first(tmp_path) -> None:
+    """Two holders of one lock file (each its own open, as two processes have) take turns."""
+    import threading
+    import time
+
+    from fira_train import files
+
+    if files.fcntl is None:
+        pytest.skip("no fcntl on this platform: nothing is locked")
+    order: list[str] = []
+    entered = threading.Event()
+
+    def second() -> None:
+        entered.wait()
+        with files.locked(tmp_path / ".lock"):
+            order.append("second")
+
+    worker = threading.Thread(target=second)
+    worker.start()
+    with files.locked(tmp_path / ".lock"):
+        entered.set()
+        time.sleep(0.3)  # the second holder is blocked meanwhile
+        order.append("first")
+    worker.join(timeout=10)
+    assert order == ["first", "second"]
