@@ -13,7 +13,9 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   (APOLLO, APOLLO-Mini, Flora and SlimAdam: their own states, :func:`_peer_state_numel`)
   (basis ``min(m, n) x r``, Adam moments ``r x max(m, n)``, Fira's one scalar), everything else
   AdamW's two moments; moments at 4 bytes (``float32``), 2 (``bfloat16``) or 1 + 4/256
-  (``int8``; a moment below 4096 elements or not whole 256-element blocks at its working dtype), the basis at 4 bytes, or 2 from ``bfloat16`` on; the
+  (``int8``; a moment below 4096 elements or not whole 256-element blocks at its working
+  dtype: :func:`fira_optim.precision.moment_zeros` decides), the basis at 4 bytes, or 2 from
+  ``bfloat16`` on; the
   plain torch optimizers (AdamW, ...) keep their moments at the weights' dtype, and so does the
   Fira family at ``float32`` for the parameters it does not project (bf16 moments of the
   embedding and head for bf16 weights, as ``torch.optim.AdamW`` keeps them);
@@ -52,14 +54,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES, quantized
+import torch
+
+from fira_optim import precision
+from fira_optim.options import StateDtype
+from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES
 from fira_train.memory.matrix import PEER_METHODS, footprint_numel, llama_matrix_shapes, vector_state_numel
 
 if TYPE_CHECKING:  # annotations only
     from fira_train.config.run_config import RunConfig
 
-#: Bytes a moment element takes in each ``optim.state_dtype``.
-MOMENT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0 + 4.0 / 256}
 #: Methods that project their matrices (the Fira / GaLore family) and those that do not.
 PLAIN_METHODS = ("adamw", "adamw-grouped", "sgd", "adagrad", "adam-mini", "lora", "relora")
 #: Plain methods whose weights torch.optim.AdamW steps, by default on CUDA in its ``foreach`` step.
@@ -81,11 +85,13 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     gradients = (largest if o.step_in_backward else params) * weight_bytes
     projected = o.method not in PLAIN_METHODS
 
+    weight_dtype = torch.bfloat16 if weight_bytes == 2 else torch.float32
+
     def whole(numel: int) -> float:
         """The two moments of a parameter stepped whole: torch's optimizers keep them in the
         parameter's dtype (bf16 for bf16 weights), and so does the Fira family at
         state_dtype="float32"."""
-        return 2 * (numel * weight_bytes if not projected else _stored_bytes(numel, o.state_dtype, weight_bytes))
+        return 2 * (numel * weight_bytes if not projected else _stored_bytes(numel, o.state_dtype, weight_dtype))
 
     states = (1 if m.tie_word_embeddings else 2) * whole(embed) + (2 * layers + 1) * whole(h)
     if o.method == "adam-mini":  # a full first moment, one second moment per block (heads, neurons)
@@ -98,7 +104,8 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
         if projected and o.rank < min(a, b):
             basis, moment = min(a, b) * o.rank, max(a, b) * o.rank  # the low-rank moments: fp32 work dtype
             scalars = footprint_numel((a, b), o.rank, "fira").optimizer_states - basis - 2 * moment
-            states += (basis * (2 if o.state_dtype != "float32" else 4) + 2 * _stored_bytes(moment, o.state_dtype, 4)
+            basis_dtype = precision.basis_dtype(StateDtype(o.state_dtype), torch.float32)
+            states += (basis * basis_dtype.itemsize + 2 * _stored_bytes(moment, o.state_dtype, torch.float32)
                        + 4 * scalars)
         else:
             states += whole(a * b)
@@ -127,13 +134,14 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     return {**{k: int(v) for k, v in parts.items()}, "total": int(total)}
 
 
-def _stored_bytes(numel: int, state_dtype: str, work_bytes: int) -> float:
-    """Bytes of one moment of ``numel`` elements stored at ``state_dtype`` (``work_bytes``: its
-    working dtype's): int8 only where it can be quantized in whole blocks (else the working
-    dtype, :func:`fira_optim.precision.quantized`), bf16, or the working dtype for ``float32``."""
-    if state_dtype == "int8":
-        return numel * MOMENT_BYTES["int8"] if quantized(numel) else numel * work_bytes
-    return numel * (MOMENT_BYTES["bfloat16"] if state_dtype == "bfloat16" else work_bytes)
+def _stored_bytes(numel: int, state_dtype: str, work_dtype: torch.dtype) -> int:
+    """Bytes of one moment of ``numel`` elements as the optimizer stores it at ``state_dtype``
+    (``work_dtype``: the dtype it is computed in): the tensors that
+    :func:`fira_optim.precision.moment_zeros` makes for it, built on the meta device (no memory),
+    so the estimate follows the optimizer's own rules (int8 only in whole 256-element blocks of
+    4096 elements or more, with a fp32 scale per block)."""
+    made = precision.moment_zeros((numel,), StateDtype(state_dtype), work_dtype, "meta", "exp_avg")
+    return sum(t.numel() * t.element_size() for t in made.values())
 
 
 def _peer_state_numel(method: str, rank: int, shapes: list[tuple[int, int]], vocab: int, h: int,
