@@ -282,9 +282,13 @@ def test_a_state_dict_saved_by_0_1_0_resumes_bit_for_bit():
 
     path = os.path.join(os.path.dirname(__file__), "data", "saved_state_0_1_0.pt")
     saved = torch.load(path, weights_only=True)
+
+    def build(params, **options):  # as the generator
+        return FiraAdamW([{"params": params[:2], "rank": 3, "update_proj_gap": 3}, {"params": params[2:]}],
+                         lr=1e-2, weight_decay=0.01, **options)
+
     params = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
-    opt = FiraAdamW([{"params": params[:2], "rank": 3, "update_proj_gap": 3},  # as the generator
-                     {"params": params[2:]}], lr=1e-2, weight_decay=0.01)
+    opt = build(params)
     opt.load_state_dict(saved["optimizer"])
     for row in saved["grads"]:
         for p, g in zip(params, row):
@@ -295,8 +299,7 @@ def test_a_state_dict_saved_by_0_1_0_resumes_bit_for_bit():
     # CPU, both AVX512) may round an SVD or a sum differently in the last bit; then to round-off.
     shapes = [tuple(p.shape) for p in params]
     replay = make_params(shapes, seed=21)
-    first = FiraAdamW([{"params": replay[:2], "rank": 3, "update_proj_gap": 3}, {"params": replay[2:]}],
-                      lr=1e-2, weight_decay=0.01, align_signs=True)  # 0.1.0's default
+    first = build(replay, align_signs=True)  # 0.1.0's default
     grads = grad_sequence(shapes, 4 + len(saved["grads"]), seed=22)
     assert all(torch.equal(g, h) for row, saved_row in zip(grads[4:], saved["grads"]) for g, h in zip(row, saved_row))
     run(first, replay, grads[:4])

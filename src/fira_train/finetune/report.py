@@ -141,8 +141,7 @@ def render_comparison(
         return lines
     lines += [f"| run vs {label(baseline)} | {head} | all examples |", "|" + "---|" * (len(tasks) + 2)]
     for name in others:
-        pairs = [compare(correctness[baseline][t], correctness[name][t], f"{baseline} and {name} on {t}")
-                 for t in tasks]
+        pairs = _by_task(correctness, baseline, name, tasks)
         cells = " | ".join(paired_cell(p) for p in pairs)
         lines.append(f"| {label(name)} | {cells} | {paired_cell(pool(pairs))} |")
     lines += [
@@ -175,6 +174,12 @@ def render_pairs(
     lines = ["| A | B | B minus A, all examples |", "|---|---|---|"]
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            pooled = pool([compare(correctness[a][t], correctness[b][t], f"{a} and {b} on {t}") for t in tasks])
+            pooled = pool(_by_task(correctness, a, b, tasks))
             lines.append(f"| {label(a)} | {label(b)} | {paired_cell(pooled)} |")
     return lines + [""]
+
+
+def _by_task(correctness: Mapping[str, Mapping[str, Mapping[int, bool]]], a: str, b: str,
+             tasks: Sequence[str]) -> list[Paired]:
+    """Runs ``a`` and ``b`` paired on each task's examples."""
+    return [compare(correctness[a][t], correctness[b][t], f"{a} and {b} on {t}") for t in tasks]
