@@ -47,12 +47,14 @@ COMMON=(--steps 3 train.batch_size=1 train.micro_batch_size=1 train.param_dtype=
 lane() {  # lane SIZE METHODS
     local size=$1 methods=$2 out=$OUT/$1
     local args=(memory --measure --recipe "$size" --methods "$methods" "${COMMON[@]}" --append) rc
+    echo "# $(date -u +%T) UTC: lane $methods starts" >> "$OUT/$size.log"
     timeout "$T_ALL" python3 -m fira_train "${args[@]}" --out "$out" >> "$OUT/$size.log" 2>&1
     rc=$?
     if (( rc != 0 )) && grep -q -- "--append: " "$OUT/$size.log"; then
         timeout "$T_ALL" python3 -m fira_train "${args[@]}" --out "$OUT/$size-new" >> "$OUT/$size.log" 2>&1
         rc=$?
     fi
+    echo "# $(date -u +%T) UTC: lane $methods ends, rc=$rc" >> "$OUT/$size.log"
     echo "lane $size $methods rc=$rc"  # 124: stopped by T_ALL (its table keeps the rows it measured)
 }
 lane 7b "galore$RAND" &
