@@ -486,7 +486,7 @@ class Fira(Optimizer):
         strategy = self._strategy(hyper, p, grad)
         rounding = None
         if group["stochastic_rounding"] and p.dtype == torch.bfloat16:
-            rounding = precision.rounding_generator(group["seed"], order, step)
+            rounding = precision.rounding_generator(group["seed"], order, step, p.device)
         low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
         dim = reduce_dim(side)
         low_norm = strategy.column_norms(low, dim)

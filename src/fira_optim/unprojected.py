@@ -82,7 +82,7 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> 
             generator = None
             if rounding and p.dtype == torch.bfloat16:
                 generator = precision.rounding_generator(
-                    group["seed"], _ROUNDING_OFFSET + index[p], int(state["step"]))
+                    group["seed"], _ROUNDING_OFFSET + index[p], int(state["step"]), p.device)
             if p.numel() > precision.CHUNK and _chunkable(p, state, keys):
                 _step_in_chunks(group, p, state, keys, generator)
                 continue
@@ -108,7 +108,9 @@ def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator) 
     quantization blocks): the parameter, gradient and moments of a chunk are decoded to fp32,
     stepped, and encoded back before the next one. The step functions are elementwise, the
     quantization is per block, and stochastic rounding draws its random numbers one per element
-    in order from one generator, so the result is bit for bit the unchunked one. Each chunk steps
+    in order from one generator, so on the CPU the result is bit for bit the unchunked one (on
+    CUDA, Philox advances by whole rounds per draw: the bits depend on the fixed chunk size, and
+    a resumed run still draws the same ones). Each chunk steps
     with a copy of the step counter, which is set once, at the end."""
     size = precision.CHUNK
     if size % precision.BLOCK:

@@ -118,3 +118,50 @@ def test_bf16_weights_with_stochastic_rounding_resume_exactly():
     _run(twin, twin_opt, 3, start=3)
     for p, q in zip(params, twin):
         assert p.dtype == torch.bfloat16 and torch.equal(p, q)
+
+
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_stochastic_rounding_draws_on_the_parameters_device_and_resumes_exactly(device, monkeypatch):
+    """A projected matrix and an unprojected vector stepped in chunks, both bf16: every bit is
+    drawn by a generator on the parameter's device (a CPU generator for a CUDA parameter costs a
+    CPU pass and a host-to-device copy per step), and a resumed run rounds as the whole one."""
+    from fira_optim import precision
+
+    drawn_on, made = [], precision.rounding_generator
+
+    def recording(*args):
+        generator = made(*args)
+        drawn_on.append(generator.device.type)
+        return generator
+
+    monkeypatch.setattr(precision, "rounding_generator", recording)
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(64, 256, generator=g) * 0.1, torch.randn(precision.CHUNK + 512, generator=g)]
+
+    def build(weights):
+        params = [torch.nn.Parameter(w.to(device, torch.bfloat16, copy=True)) for w in weights]
+        opt = FiraAdamW([{"params": params[:1], "rank": 16}, {"params": params[1:]}], lr=1e-3,
+                        stochastic_rounding=True)
+        return params, opt
+
+    def run(params, opt, steps):
+        for k in steps:
+            grads = torch.Generator().manual_seed(50 + k)
+            for p, w in zip(params, init):
+                p.grad = torch.randn(w.shape, generator=grads).to(device, torch.bfloat16)
+            opt.step()
+
+    params, opt = build(init)
+    run(params, opt, range(2))
+    saved = round_trip(copy.deepcopy(opt.state_dict()))
+    twin, twin_opt = build([p.detach() for p in params])
+    run(params, opt, range(2, 4))
+    twin_opt.load_state_dict(saved)
+    run(twin, twin_opt, range(2, 4))
+    for p, q in zip(params, twin):
+        assert p.device.type == device and torch.equal(p, q)
+    assert drawn_on and set(drawn_on) == {device}
