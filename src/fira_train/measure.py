@@ -139,8 +139,10 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
 
     While a command has measured ``done`` < ``total`` of its methods, its line carries
     ``  # stopped after done of total methods``. An incomplete earlier record without such marks
-    (a table written without ``--append``, or by hand) gets the line :data:`EARLIER_STOP`. The
-    record is complete when no line says that a command stopped.
+    (a table written without ``--append``, or by hand) gets the line :data:`EARLIER_STOP`. When
+    every command line names its ``--methods``, the record is complete when each method they name
+    has a row (a stopped command's methods may have been measured by a later one), and
+    ``missing`` lists the others; else it is complete when no line says that a command stopped.
     """
     old = (read_json(json_path, hint="delete it, or measure into another --out without --append")
            if json_path.exists() else {**record, "command": None, "rows": []})
@@ -158,10 +160,35 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
     if record["command"]:
         commands[record["command"]] = record["command"] + (
             "" if done == total else f"  {PROGRESS_MARK}{done} of {total} methods")
-    stopped = any(PROGRESS_MARK in c for c in commands.values()) or EARLIER_STOP in commands
+    named = _named_methods(commands)
+    if named is None:
+        stopped = any(PROGRESS_MARK in c for c in commands.values()) or EARLIER_STOP in commands
+        complete, missing = not stopped and (bool(record["command"]) or done == total), []
+    else:
+        missing = [method for method in named if method not in merged]
+        complete = not missing
     return {**record, "command": "\n".join(commands.values()) or None, "rows": list(merged.values()),
-            "complete": not stopped and (bool(record["command"]) or done == total),
+            "complete": complete, **({"missing": missing} if missing else {}),
             "date": max([r["date"] for r in merged.values()], default=record["date"])}
+
+
+def _named_methods(commands: dict[str, str]) -> list[str] | None:
+    """The methods that the command lines (keys; ``#`` lines are comments) name with
+    ``--methods``, in order; None if a line names none or a spec does not parse."""
+    named: dict[str, None] = {}
+    lines = [line for line in commands if not line.startswith("#")]
+    for line in lines:
+        words = line.split("#")[0].split()
+        given = [after for word, after in zip(words, words[1:] + [""]) if word == "--methods"]
+        given += [word.split("=", 1)[1] for word in words if word.startswith("--methods=")]
+        if len(given) != 1:
+            return None
+        try:
+            specs = parse_method_specs(given[0])
+        except ValueError:
+            return None
+        named.update((spec.text, None) for spec in specs)
+    return list(named) if lines else None
 
 
 #: Marks a command of an appended record that stopped before its last method.
@@ -177,7 +204,9 @@ def format_measurement(record: dict[str, Any]) -> str:
     dates = sorted({row.get("date", record["date"]) for row in rows} or {record["date"]})
     lines = [
         f"# Measured memory: recipe `{record['recipe']}`, {record['steps']} training steps"
-        + ("" if record.get("complete", True) else " (incomplete: a command stopped before its last method)"),
+        + ("" if record.get("complete", True) else
+           f" (incomplete: not measured yet: {', '.join(record['missing'])})" if record.get("missing") else
+           " (incomplete: a command stopped before its last method)"),
         "",
         (f"{first['parameters'] / 1e6:.1f}M parameters, device `{first['device']}`; " if rows
          else "No method measured yet; ")

@@ -158,6 +158,34 @@ def test_append_keeps_an_earlier_tables_stop_and_its_rows_dates(tmp_path: Path, 
     assert f"2026-01-02 to {record['rows'][1]['date']}." in (out / "memory.md").read_text()
 
 
+def test_a_table_is_complete_once_every_method_its_commands_name_has_a_row(tmp_path: Path, monkeypatch):
+    """Where every command names its --methods, a stopped command's methods measured by a later
+    command complete the table; until then the header names the methods not measured yet."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config, out = micro_config(tmp_path), tmp_path / "m"
+
+    def command(methods: str) -> str:
+        return f"fira-train memory --measure --recipe micro --methods {methods} --out {out}"
+
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000, "galore": 2000}, stop_at="fira"))
+    with pytest.raises(KeyboardInterrupt):  # without --append: which command stopped is not marked
+        measure.measure(config, parse_method_specs("adamw,fira"), 1, out, command("adamw,fira"))
+    measure.measure(config, parse_method_specs("galore"), 1, out, command("galore"), append=True)
+    record = json.loads((out / "memory.json").read_text())
+    assert record["complete"] is False and record["missing"] == ["fira"]
+    assert "(incomplete: not measured yet: fira)" in (out / "memory.md").read_text()
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"fira": 3000}))
+    measure.measure(config, parse_method_specs("fira"), 1, out, command("fira").replace(" fira ", "=fira "),
+                    append=True)
+    record = json.loads((out / "memory.json").read_text())
+    assert record["command"].split("\n")[1] == measure.EARLIER_STOP  # the history stays
+    assert record["complete"] is True and "missing" not in record
+    assert "incomplete" not in (out / "memory.md").read_text()
+
+
 def test_append_refuses_a_table_of_another_setting_before_training(tmp_path: Path, monkeypatch):
     from fira_train import measure
     from fira_train.config.method_spec import parse_method_specs
