@@ -109,8 +109,8 @@ def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator) 
     stepped, and encoded back before the next one. The step functions are elementwise, the
     quantization is per block, and stochastic rounding draws its random numbers one per element
     in order from one generator, so on the CPU the result is bit for bit the unchunked one (on
-    CUDA, Philox advances by whole rounds per draw: the bits depend on the fixed chunk size, and
-    a resumed run still draws the same ones). Each chunk steps
+    CUDA, Philox's offset advances per call, so the bits may depend on the fixed chunk size; a
+    resumed run still draws the same ones). Each chunk steps
     with a copy of the step counter, which is set once, at the end."""
     size = precision.CHUNK
     if size % precision.BLOCK:
