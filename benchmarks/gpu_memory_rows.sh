@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/gpu_memory_rows.sh wheels   # here, with PyPI: the wheels a bare GPU image lacks, into .whl/
 #   bash benchmarks/gpu_memory_rows.sh run      # there: OUT=<folder> T_ALL=<seconds> (default 360)
+#   python benchmarks/gpu_memory_merge.py <the folder OUT came back to> --code <commit> --when "<date, UTC times>"
+#   python benchmarks/memory_summary.py docs/results/memory-measured/gpu-bf16   # and the command in its reestimate.md
 #
 # `run` installs .whl/*.whl (if present) into /tmp/site, runs the CUDA tests, then one lane per
 # command below, each `fira-train memory --measure --append` into OUT/<size>/, which starts as a

@@ -311,3 +311,39 @@ def test_allocator_benchmark_alternates_the_setting_and_pairs_the_processes(monk
     assert (summary["ratio_low"], summary["ratio_high"]) == pytest.approx((2.6 / 3 - half, 2.6 / 3 + half))
     with pytest.raises(SystemExit):
         bench.parse_env("MALLOC_MMAP_THRESHOLD_", bench.argparse.ArgumentParser())
+
+
+def test_gpu_memory_merge_takes_the_lanes_rows_into_the_committed_table(tmp_path: Path) -> None:
+    """What a lent GPU brought back (a committed table with a lane's row and command appended)
+    becomes the committed table: the command's --out is the committed folder, a comment line
+    names the GPU, code and time, the new row carries its code, the old rows stay as they were."""
+    committed = json.loads((ROOT / "docs/results/memory-measured/gpu-bf16/1b/memory.json").read_text())
+    to, fetched = tmp_path / "to", tmp_path / "fetched"
+    (to / "1b").mkdir(parents=True)
+    (to / "1b" / "memory.json").write_text(json.dumps(committed))
+    lane = ("fira-train memory --measure --recipe 1b --methods adamw@optim.lr=0.01 --steps 3 --append "
+            "--out /root/out/1b")
+    new_row = {**committed["rows"][0], "method": "adamw@optim.lr=0.01", "date": "2030-01-02"}
+    del new_row["code"]
+    back = {**committed, "command": committed["command"] + "\n" + lane, "rows": committed["rows"] + [new_row],
+            "complete": False}
+    (fetched / "1b").mkdir(parents=True)
+    (fetched / "1b" / "memory.json").write_text(json.dumps(back))
+    (fetched / "1b.log").write_text("lane log\n")
+    (fetched / "cuda-tests.log").write_text("NVIDIA H200, 143771 MiB\n12 passed\n")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_memory_merge.py"), str(fetched),
+                           "--code", "abc1234", "--when", "2030-01-02, 10:00-10:05 UTC", "--to", str(to)],
+                          cwd=ROOT, timeout=120, capture_output=True, text=True, check=True)
+    assert "1b: 1 new or re-measured rows: adamw@optim.lr=0.01" in done.stdout
+    merged = json.loads((to / "1b" / "memory.json").read_text())
+    assert merged["rows"][:-1] == committed["rows"]
+    assert merged["rows"][-1]["code"] == "abc1234 (2030-01-02, 10:00-10:05 UTC)"
+    lines = merged["command"].split("\n")
+    assert lines[:-2] == committed["command"].split("\n")
+    assert lines[-2] == ("# parallel lanes on one NVIDIA H200, each its own process, code abc1234 "
+                         "(2030-01-02, 10:00-10:05 UTC), benchmarks/gpu_memory_rows.sh:")
+    assert lines[-1] == lane.replace("/root/out/1b", str(to / "1b"))
+    assert merged["complete"] is True and "missing" not in merged  # every named method has a row
+    assert "incomplete" not in (to / "1b" / "memory.md").read_text()
+    assert (to / "logs" / "lanes-1b.log").read_text() == "lane log\n"
+    assert (to / "logs" / "lanes-cuda-tests.log").exists()

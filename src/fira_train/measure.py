@@ -19,6 +19,7 @@ import platform
 from dataclasses import replace
 from datetime import date
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -160,23 +161,23 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
     if record["command"]:
         commands[record["command"]] = record["command"] + (
             "" if done == total else f"  {PROGRESS_MARK}{done} of {total} methods")
-    named = _named_methods(commands)
-    if named is None:
+    missing = not_measured(commands, merged)
+    if missing is None:
         stopped = any(PROGRESS_MARK in c for c in commands.values()) or EARLIER_STOP in commands
         complete, missing = not stopped and (bool(record["command"]) or done == total), []
     else:
-        missing = [method for method in named if method not in merged]
         complete = not missing
     return {**record, "command": "\n".join(commands.values()) or None, "rows": list(merged.values()),
             "complete": complete, **({"missing": missing} if missing else {}),
             "date": max([r["date"] for r in merged.values()], default=record["date"])}
 
 
-def _named_methods(commands: dict[str, str]) -> list[str] | None:
-    """The methods that the command lines (keys; ``#`` lines are comments) name with
-    ``--methods``, in order; None if a line names none or a spec does not parse."""
+def not_measured(commands: Iterable[str], methods: Iterable[str]) -> list[str] | None:
+    """The methods that the command lines name with ``--methods`` (``#`` lines are comments) and
+    that are not among ``methods`` (the table's rows), in order; None where that cannot be
+    told: a line names no ``--methods``, or a spec does not parse."""
     named: dict[str, None] = {}
-    lines = [line for line in commands if not line.startswith("#")]
+    lines = [line for line in commands if line.strip() and not line.startswith("#")]
     for line in lines:
         words = line.split("#")[0].split()
         given = [after for word, after in zip(words, words[1:] + [""]) if word == "--methods"]
@@ -188,7 +189,8 @@ def _named_methods(commands: dict[str, str]) -> list[str] | None:
         except ValueError:
             return None
         named.update((spec.text, None) for spec in specs)
-    return list(named) if lines else None
+    measured = set(methods)
+    return [method for method in named if method not in measured] if lines else None
 
 
 #: Marks a command of an appended record that stopped before its last method.
