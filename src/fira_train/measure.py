@@ -16,10 +16,10 @@ import gc
 import json
 import logging
 import platform
+from collections.abc import Iterable
 from dataclasses import replace
 from datetime import date
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Any
 
 import torch
