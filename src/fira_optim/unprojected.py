@@ -4,8 +4,15 @@ matrices with ``rank >= min(m, n)``.
 With ``arithmetic="paper"`` they are updated by torch's own functional optimizers, so a
 ``rank=None`` group is *exactly* ``torch.optim.AdamW`` (or ``Adagrad`` / ``RMSprop`` with
 decoupled weight decay), with torch's choice of implementation or the one the group's
-``foreach`` / ``fused`` options name, as for torch's optimizers. With ``arithmetic="released"``
-they follow ``fira`` 1.0.2 (the Hugging Face AdamW it copies):
+``foreach`` / ``fused`` options name, as for torch's optimizers. One exception, shared with the
+projected matrices (which cannot derive a basis from a zero gradient): until a parameter's first
+non-zero gradient, a step with an all-zero gradient only builds its state (no weight decay, no
+step count). So the state-building step of ``torch.distributed.checkpoint`` (zero gradients at
+lr 0) does not advance the bias correction, where ``torch.optim.AdamW`` counts it; and a
+parameter whose gradient stays exactly zero from the start (an unused expert under
+``zero_grad(set_to_none=False)``) is not decayed until it gets one.
+
+With ``arithmetic="released"`` they follow ``fira`` 1.0.2 (the Hugging Face AdamW it copies):
 
 .. math::
     p \leftarrow p - \eta \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t} \frac{m_t}{\sqrt{v_t} + \epsilon},
@@ -163,27 +170,35 @@ def _torch_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:
     )
 
 
+def _lr(group: dict) -> float:
+    # A one-element Tensor lr (validate_group) of any shape: torch's foreach scalars and
+    # ``alpha=`` take numbers only.
+    return float(group["lr"])
+
+
 def _torch_adagrad_or_rmsprop(group: dict, params: list[torch.Tensor], states: dict) -> None:
+    lr = _lr(group)
     if group["weight_decay"] != 0:  # decoupled, as for the projected matrices
-        torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+        torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
     grads = [p.grad for p in params]
     steps = [states[p]["step"] for p in params]
     if Base(group["base"]) is Base.ADAGRAD:
         torch_adagrad.adagrad(
             params, grads, [states[p]["sum"] for p in params], steps, foreach=group.get("foreach"),
-            lr=group["lr"], weight_decay=0.0, lr_decay=0.0, eps=group["eps"], maximize=False,
+            lr=lr, weight_decay=0.0, lr_decay=0.0, eps=group["eps"], maximize=False,
         )
     else:
         torch_rmsprop.rmsprop(
             params, grads, [states[p]["square_avg"] for p in params], [], [], steps,
             foreach=group.get("foreach"),
-            lr=group["lr"], alpha=group["betas"][1], eps=group["eps"], weight_decay=0.0,
+            lr=lr, alpha=group["betas"][1], eps=group["eps"], weight_decay=0.0,
             momentum=0.0, centered=False,
         )
 
 
 def _released_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:
     beta1, beta2 = group["betas"]
+    lr = _lr(group)
     for p in params:
         state = states[p]
         state["step"] += 1
@@ -191,9 +206,9 @@ def _released_adamw(group: dict, params: list[torch.Tensor], states: dict) -> No
         exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1.0 - beta2)
-        step_size = group["lr"]
+        step_size = lr
         if group["correct_bias"]:
             step_size *= adam_bias_correction(step, beta1, beta2)
         p.add_(exp_avg / exp_avg_sq.sqrt().add_(group["eps"]), alpha=-step_size)
         if group["weight_decay"] > 0.0:
-            p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+            p.add_(p, alpha=-lr * group["weight_decay"])

@@ -86,6 +86,19 @@ def test_released_arithmetic_plain_group_is_hf_style_adamw():
     torch.testing.assert_close(p.detach(), expected, rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("options", [{"arithmetic": "released"}, {"base": "rmsprop"},
+                                     {"base": "adagrad"}, {}])
+def test_one_element_tensor_lr_of_any_shape_steps_as_the_float(options):
+    # torch.optim.AdamW takes lr=torch.tensor([1e-3]); every plain path must too.
+    params = make_params(PLAIN_SHAPES)
+    twins = clone_params(params)
+    grads = grad_sequence(PLAIN_SHAPES, 3, seed=9)
+    run(FiraAdamW([{"params": params}], lr=torch.tensor([3e-3]), weight_decay=0.1, **options),
+        params, grads)
+    run(FiraAdamW([{"params": twins}], lr=3e-3, weight_decay=0.1, **options), twins, grads)
+    assert_params_equal(params, twins)
+
+
 @pytest.mark.parametrize("option", [{"foreach": True}, {"foreach": False}, {"fused": True}])
 def test_foreach_and_fused_are_torch_adamws_own(option):
     """The unprojected params take torch.optim.AdamW's implementation choice as AdamW does:
