@@ -16,7 +16,7 @@ r"""The Fira optimizer: one class, every variant of the paper as a setting.
 
 (Algorithm 1 of Chen et al., "Fira: Can We Achieve Full-rank Training of LLMs under
 Low-rank Constraint?", NeurIPS 2025; weight decay decoupled as in ``torch.optim.AdamW``.)
-Matrices with ``m > n`` are projected on the right (``R = G Q``) by the ``"std"`` rule, and
+Matrices with ``m >= n`` are projected on the right (``R = G Q``) by the ``"std"`` rule, and
 the scaling factors are then per row.
 """
 
@@ -72,7 +72,10 @@ class Fira(Optimizer):
             tensors and a plain group with the rest.
         lr: learning rate :math:`\eta` (default 1e-3).
         betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)); RMSProp uses :math:`\beta_2`.
-        eps: :math:`\epsilon` of the base optimizer, the scaling factor and the limiter.
+        eps: :math:`\epsilon` of the base optimizer, the scaling factor and the limiter (default
+            1e-8, ``torch.optim.AdamW``'s; ``fira`` 1.0.2 and ``galore-torch`` default to 1e-6).
+            Under ``arithmetic="released"`` the scaling factor and the limiter use a fixed 1e-8,
+            as ``fira`` 1.0.2 does.
         weight_decay: decoupled weight decay :math:`\lambda` (default 0).
         rank: projection rank ``r`` for groups given as tensors (default 128). A matrix with
             ``rank >= min(m, n)`` is trained by the plain base optimizer (no residual exists).
@@ -176,10 +179,10 @@ class Fira(Optimizer):
                 "params argument given to the optimizer should be an iterable of Tensors or dicts, "
                 f"but got {torch.typename(params)}"
             )
-        check_process_options(nonfinite, implementation, host_refresh)
+        check_process_options(nonfinite, implementation, host_refresh, split_refresh)
         self.nonfinite = NonFinite(nonfinite).value
         self.implementation = Implementation(implementation).value
-        self.split_refresh = bool(split_refresh)
+        self.split_refresh = split_refresh
         self.process_group = process_group
         self.host_refresh = host_refresh
         defaults = dict(
@@ -195,7 +198,7 @@ class Fira(Optimizer):
         if state_dtype == StateDtype.INT8:
             precision.require_int8()
         if rank is not None:
-            check_rank(rank)
+            rank = check_rank(rank)
         self._stats_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._in_backward = None  # the handle of fira_optim.step_in_backward, while registered
         super().__init__(_split_flat_params(params, rank), defaults)
@@ -220,7 +223,7 @@ class Fira(Optimizer):
                                      "state_dtype='int8' is not supported with FSDP2 yet "
                                      "(its blocks do not follow the shards); use 'bfloat16'")
         if group["rank"] is not None:
-            check_rank(group["rank"])
+            group["rank"] = check_rank(group["rank"])
             for index, p in enumerate(group["params"]):
                 _check_projectable(p, index, gi)
         for index, p in enumerate(group["params"]):

@@ -11,6 +11,7 @@ import enum
 import functools
 import inspect
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,9 +196,30 @@ class Hyper:
         return (2.0 * self.alpha - self.alpha**2) if self.released else 1.0
 
 
-def check_rank(rank: Any) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+def _integer(value: Any) -> int | None:
+    """``value`` as an int if it is one (Python or NumPy integers, 0-d integer tensors: what
+    ``operator.index`` takes), else None; ``bool`` is not an integer here."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_rank(rank: Any) -> int:
+    """``rank`` as an int; ``ValueError`` unless it is a positive integer."""
+    value = _integer(rank)
+    if value is None or value < 1:
         raise ValueError(f"Invalid rank: {rank!r}; expected a positive int (or None for no projection)")
+    return value
+
+
+#: torch.optim.AdamW options that Fira does not implement: a group that turns one on is refused
+#: rather than silently trained without it.
+TORCH_ONLY = ("maximize", "amsgrad", "capturable", "differentiable")
+#: Options of the whole optimizer: a param group that names one is refused (it would be ignored).
+CONSTRUCTOR_ONLY = ("nonfinite", "implementation", "split_refresh", "process_group", "host_refresh")
 
 
 def validate_group(g: dict) -> None:
@@ -218,9 +240,14 @@ def validate_group(g: dict) -> None:
         raise ValueError(f"Invalid betas: {betas}; each must be in [0, 1)")
     if not 0.0 <= g["weight_decay"]:
         raise ValueError(f"Invalid weight_decay value: {g['weight_decay']}")
-    gap = g["update_proj_gap"]
-    if isinstance(gap, bool) or not isinstance(gap, int) or gap < 1:
-        raise ValueError(f"Invalid update_proj_gap: {gap!r}; expected an int >= 1")
+    gap = _integer(g["update_proj_gap"])
+    if gap is None or gap < 1:
+        raise ValueError(f"Invalid update_proj_gap: {g['update_proj_gap']!r}; expected an int >= 1")
+    g["update_proj_gap"] = gap
+    seed = _integer(g["seed"])
+    if seed is None:
+        raise ValueError(f"Invalid seed: {g['seed']!r}; expected an int")
+    g["seed"] = seed
     if not g["alpha"] > 0:
         raise ValueError(f"Invalid alpha: {g['alpha']}; expected > 0")
     if not g["gamma"] >= 1.0:
@@ -229,9 +256,17 @@ def validate_group(g: dict) -> None:
         raise ValueError(f"Invalid clip_norm: {g['clip_norm']}; expected > 0")
     if not 0.0 < g["mu"] <= 1.0:
         raise ValueError(f"Invalid mu: {g['mu']}; expected in (0, 1]")
-    for key in ("align_signs", "stochastic_rounding"):
+    for key in ("align_signs", "stochastic_rounding", "correct_bias", "stagger", "only_scaling"):
         if not isinstance(g[key], bool):
             raise ValueError(f"Invalid {key}: {g[key]!r}; expected True or False")
+    for key in TORCH_ONLY:
+        if g.get(key):
+            raise ValueError(f"Invalid {key}: {g[key]!r}; Fira does not implement torch.optim.AdamW's "
+                             f"{key}=True (leave it unset or False)")
+    for key in CONSTRUCTOR_ONLY:
+        if key in g:
+            raise ValueError(f"{key}={g[key]!r} in a param group: {key} is an option of the whole "
+                             "optimizer; pass it to the constructor")
     StateDtype.parse("state_dtype", g["state_dtype"])
     ProjType.parse("proj_type", g["proj_type"])
     Projector.parse("projector", g["projector"])
@@ -259,12 +294,15 @@ def param_name(gi: int, pi: int, p: torch.Tensor) -> str:
     return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
 
 
-def check_process_options(nonfinite: Any, implementation: Any, host_refresh: Any) -> None:
+def check_process_options(nonfinite: Any, implementation: Any, host_refresh: Any,
+                          split_refresh: Any = False) -> None:
     """The constructor-only options (they are not per group)."""
     NonFinite.parse("nonfinite", nonfinite)
     Implementation.parse("implementation", implementation)
     if not isinstance(host_refresh, bool):
         raise ValueError(f"Invalid host_refresh: {host_refresh!r}; expected True or False")
+    if not isinstance(split_refresh, bool):
+        raise ValueError(f"Invalid split_refresh: {split_refresh!r}; expected True or False")
 
 
 def check_options(**options: Any) -> None:
@@ -272,10 +310,11 @@ def check_options(**options: Any) -> None:
     (``ValueError`` naming the argument and the value), before any parameter exists: for
     configs that hold the options of an optimizer built later."""
     values = {**_constructor_defaults(), **options}
-    check_process_options(values["nonfinite"], values["implementation"], values["host_refresh"])
+    check_process_options(values["nonfinite"], values["implementation"], values["host_refresh"],
+                          values["split_refresh"])
     if values["rank"] is not None:
         check_rank(values["rank"])
-    validate_group(values)
+    validate_group({k: v for k, v in values.items() if k not in CONSTRUCTOR_ONLY})
 
 
 @functools.lru_cache(maxsize=1)

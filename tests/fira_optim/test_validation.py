@@ -66,6 +66,11 @@ BAD_VALUES = [
     ("residual", "keep"),
     ("foreach", "yes"),
     ("fused", 1),
+    ("seed", None),
+    ("seed", 1.5),
+    ("correct_bias", "False"),  # a string from a config file: truthy, would keep bias correction on
+    ("stagger", "yes"),
+    ("only_scaling", 1),
 ]
 
 
@@ -135,3 +140,39 @@ def test_fused_needs_torch_adamw_and_excludes_foreach():
         FiraAdamW([a, b], fused=True, base="adagrad")
     with pytest.raises(ValueError, match="arithmetic='released'"):
         FiraAdamW([a, b], fused=True, arithmetic="released")
+
+
+@pytest.mark.parametrize("name", ["maximize", "amsgrad", "capturable", "differentiable"])
+def test_torch_adamw_options_fira_lacks_are_refused_when_on(name):
+    # torch.optim.AdamW's keywords: in a group they would otherwise be ignored silently
+    # (a maximize=True group minimized).
+    a, b = _params()
+    with pytest.raises(ValueError) as err:
+        FiraAdamW([{"params": [a], "rank": 3, name: True}, {"params": [b]}])
+    _assert_names(err, name, True)
+    FiraAdamW([{"params": [a], "rank": 3, name: False}, {"params": [b]}])  # off is what Fira does
+
+
+@pytest.mark.parametrize("name,value", [("split_refresh", True), ("implementation", "reference"),
+                                        ("nonfinite", "skip"), ("host_refresh", True)])
+def test_optimizer_wide_options_in_a_group_are_refused(name, value):
+    a, b = _params()
+    with pytest.raises(ValueError, match=f"{name}=.*pass it to the constructor"):
+        FiraAdamW([{"params": [a], "rank": 3, name: value}, {"params": [b]}])
+
+
+def test_split_refresh_must_be_a_bool():
+    with pytest.raises(ValueError) as err:
+        FiraAdamW(_params(), split_refresh="yes")
+    _assert_names(err, "split_refresh", "yes")
+
+
+def test_integer_options_take_numpy_and_tensor_integers():
+    np = pytest.importorskip("numpy")
+    a, b = _params()
+    opt = FiraAdamW([a, b], rank=np.int64(3), update_proj_gap=np.int32(2), seed=torch.tensor(5))
+    group = opt.param_groups[0]
+    assert (group["rank"], group["update_proj_gap"], group["seed"]) == (3, 2, 5)
+    assert all(type(group[k]) is int for k in ("rank", "update_proj_gap", "seed"))
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(6, 8))], "rank": np.int64(2)})
+    assert type(opt.param_groups[-1]["rank"]) is int
