@@ -290,12 +290,9 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
     for r in done:
         res = results[r.name]
         mem = res["memory"]
-        rss = f"{mem['train_peak_rss_mib']:.0f}" if mem["train_peak_rss_mib"] else "-"
         lr = res["config"]["lr"] if res["config"]["lr"] is not None else "-"
         val = f"{100 * res['validation_accuracy']:.1f}" if "validation_accuracy" in res else "-"
-        resumed = (res.get("training") or {}).get("resumed_from_step")
-        # a run continued from a checkpoint times only its last sitting
-        train_s = f"{res['time']['train_s']:.0f}" + (f" (steps {resumed + 1}-{steps} only)" if resumed else "")
+        rss, train_s = training_cells(res, steps)
         extra = (f"{100 * res['average_accuracy_norm']:.1f}" if loglik
                  else f"{sum(res['tasks'][t]['unparsed'] for t in TASKS)}/{sum(res['tasks'][t]['n'] for t in TASKS)}")
         lines.append(
@@ -320,6 +317,19 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
             lines.append(f"- {r.label}: loss {t['loss_first']:.3f} -> {t['loss_tail_mean']:.3f} "
                          f"(mean of the last 10% of steps), optimizer {t['optimizer']}")
     return "\n".join(lines) + "\n"
+
+
+def training_cells(res: dict, steps: int) -> tuple[str, str]:
+    """The report's peak-RSS and train-seconds cells of one run. A run continued from a
+    checkpoint measured its last sitting only, and one resumed at its last step trained
+    nothing there (its peak is of loading and evaluating): that is said, not shown as a time."""
+    peak = res["memory"]["train_peak_rss_mib"]
+    resumed = (res.get("training") or {}).get("resumed_from_step")
+    if resumed is not None and resumed >= steps:
+        return "-", f"- (resumed at step {resumed}: evaluated only)"
+    rss = f"{peak:.0f}" if peak else "-"
+    train_s = f"{res['time']['train_s']:.0f}" + (f" (steps {resumed + 1}-{steps} only)" if resumed else "")
+    return rss, train_s
 
 
 def sittings(header: dict) -> list[dict]:

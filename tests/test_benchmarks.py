@@ -184,6 +184,19 @@ def test_finetune_benchmark_plans_sweeps_and_the_released_recipe() -> None:
         bench.parse_lrs(["fira=-1"], parser)
 
 
+def test_finetune_benchmark_report_says_which_sitting_its_times_measure() -> None:
+    bench = _finetune_benchmark()
+
+    def result(resumed):
+        return {"memory": {"train_peak_rss_mib": 1633.2}, "time": {"train_s": 1.8},
+                "training": {"resumed_from_step": resumed}}
+
+    assert bench.training_cells(result(None), 500) == ("1633", "2")
+    assert bench.training_cells(result(100), 500) == ("1633", "2 (steps 101-500 only)")
+    # resumed at its last step: the sitting only loaded and evaluated, no training time or peak
+    assert bench.training_cells(result(500), 500) == ("-", "- (resumed at step 500: evaluated only)")
+
+
 def test_finetune_benchmark_reuses_only_runs_with_the_same_settings(tmp_path: Path) -> None:
     bench = _finetune_benchmark()
     args = bench.argparse.Namespace(scoring="loglik", max_eval=500, seed=42, steps=30, batch_size=4,
