@@ -114,6 +114,10 @@ def config_from_args(args: argparse.Namespace):
 
 def resume_request(args: argparse.Namespace) -> str | int | None:
     """``train``'s ``resume`` argument from ``--resume`` / ``--resume-step``."""
+    resuming = args.resume or getattr(args, "resume_step", None) is not None
+    if resuming and args.overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite starts a new one there: "
+                         "give one of them")
     if getattr(args, "resume_step", None) is not None:
         if args.resume_step < 0:
             raise ValueError(f"--resume-step must be >= 0, got {args.resume_step}")
@@ -160,6 +164,7 @@ def _compare(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-compare"
     command = command_line(getattr(args, "argv", []))
+    resume_request(args)  # refuses --resume with --overwrite
     report, plot = compare(config, methods, out_dir, resume=args.resume,
                            overwrite=args.overwrite, command=command)
     if not is_rank_zero():

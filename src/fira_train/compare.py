@@ -25,7 +25,8 @@ from pathlib import Path
 from fira_train.config.method_spec import parse_method_spec, parse_method_specs
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.report.markdown import write_report
+from fira_train.files import check_report_owner
+from fira_train.report.markdown import REPORT_TITLE, write_report
 from fira_train.report.plots import plot_curves
 from fira_train.run.isolated import run_isolated
 from fira_train.run.run_dir import finished_with
@@ -55,6 +56,7 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
     """
     out_dir = Path(out_dir)
     configs = [method_config(config, m, out_dir) for m in methods]  # validates every name first
+    check_report_owner(out_dir, (REPORT_TITLE,), "compare", overwrite=overwrite)
     if config.train.parallel != "none":
         # One process group for all the runs (each train() then reuses it); rank 0 reports.
         with distributed_session(config) as env:

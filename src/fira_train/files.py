@@ -29,8 +29,27 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["DamagedFileError", "dumps", "file_digest", "finite_or_none", "fsync_dir", "locked", "read_json",
+__all__ = ["DamagedFileError", "check_report_owner", "dumps", "file_digest", "finite_or_none", "fsync_dir", "locked", "read_json",
            "read_json_lines", "write_text_atomic"]
+
+
+def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,
+                       overwrite: bool | None = None) -> None:
+    """``FileExistsError`` if ``out/report.md`` exists and was not written by ``command``: its
+    first line begins with none of ``titles`` (the headings ``command`` writes). So a folder
+    command (compare, sweep, an analysis) run on another command's ``--out``, or on a folder with
+    a ``report.md`` of the user's, does not replace that report. ``overwrite``: True lets it
+    (the command's ``--overwrite``); None: the command has no such flag."""
+    report = Path(out) / "report.md"
+    if overwrite or not report.is_file():
+        return
+    with open(report, encoding="utf-8", errors="replace") as handle:
+        first = handle.readline().rstrip("\n")
+    if first.startswith(titles):
+        return
+    how = "choose another --out" + (", or pass --overwrite to replace it" if overwrite is not None else "")
+    raise FileExistsError(f"--out {str(out)!r} holds a report.md that `fira-train {command}` did not write "
+                          f"(it begins {first[:60]!r}); {how}")
 
 
 def file_digest(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str:

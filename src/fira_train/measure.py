@@ -100,6 +100,9 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     side by side (on CUDA, ``max_memory_allocated`` is per process).
     """
     out_dir = Path(out_dir)
+    if not append and (out_dir / "memory.json").exists():
+        raise FileExistsError(f"--out {str(out_dir)!r} already holds a measurement (memory.json): pass "
+                              "--append to add these rows to it, or choose another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
     base = replace(config, train=replace(config.train, steps=max(steps, 1), progress=False,
                                          tensorboard=False))

@@ -84,6 +84,9 @@ def test_resume_flag_values() -> None:
         parser.parse_args(base + ["--resume-step", "soon"])
     with pytest.raises(ValueError, match="--resume-step"):
         resume_request(parser.parse_args(base + ["--resume-step", "-2"]))
+    for resume in (["--resume"], ["--resume-step", "4"]):  # continue and start anew at once: refused
+        with pytest.raises(ValueError, match="give one of them"):
+            resume_request(parser.parse_args(base + resume + ["--overwrite"]))
 
 
 def test_pretrain_end_to_end(tmp_path: Path, capsys) -> None:

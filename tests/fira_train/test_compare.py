@@ -44,6 +44,20 @@ def test_compare_resume_reuses_finished_runs_and_refuses_silent_overwrite(tmp_pa
         compare(config, ["adamw"], out)
 
 
+@pytest.mark.parametrize("first_line", ["my notes", "# Learning-rate sweep: recipe `micro`"])
+def test_compare_leaves_a_report_it_did_not_write_alone(tmp_path: Path, first_line: str) -> None:
+    # a report of the user's, or of another command (sweep) in the same --out: refused before training
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=0")
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "report.md").write_text(first_line + "\n")
+    with pytest.raises(FileExistsError, match=r"report.md that `fira-train compare` did not write.*--overwrite"):
+        compare(config, ["adamw"], out)
+    assert (out / "report.md").read_text() == first_line + "\n" and not (out / "adamw").exists()
+    compare(config, ["adamw"], out, overwrite=True)  # asked for: replaced
+    assert (out / "report.md").read_text().startswith("# Pre-training comparison")
+
+
 def test_method_config_changes_only_method_and_directory(tmp_path: Path) -> None:
     config = micro_config(tmp_path, "optim.lr=0.003")
     other = method_config(config, "galore", tmp_path / "x")

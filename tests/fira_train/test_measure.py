@@ -129,8 +129,9 @@ def test_append_keeps_earlier_rows_replaces_remeasured_ones_and_lists_every_comm
     text = (out / "memory.md").read_text()
     assert "incomplete" not in text and "first\nsecond\nthird\n```" in text
 
-    without = measure.measure(config, parse_method_specs("fira"), 1, out, "third")[1]  # no --append: a new table
-    assert [r["method"] for r in json.loads(without.read_text())["rows"]] == ["fira"]
+    with pytest.raises(FileExistsError, match="pass --append"):  # without --append the table stays whole
+        measure.measure(config, parse_method_specs("fira"), 1, out, "fourth")
+    assert [r["method"] for r in json.loads((out / "memory.json").read_text())["rows"]] == ["adamw", "galore", "fira"]
 
 
 def test_append_keeps_an_earlier_tables_stop_and_its_rows_dates(tmp_path: Path, monkeypatch):

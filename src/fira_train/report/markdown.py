@@ -17,6 +17,9 @@ from fira_train.run.metrics import read_metrics
 MiB = 1024 ** 2
 
 
+#: The first words of the report ``fira-train compare`` writes.
+REPORT_TITLE = "# Pre-training comparison"
+
 def command_line(argv: Sequence[str]) -> str:
     """``fira-train`` with ``argv``, shell-quoted: the command a report records."""
     return "fira-train " + " ".join(shlex.quote(a) for a in argv)
@@ -88,7 +91,7 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
     memory_kind = {"cuda_max_allocated": "CUDA max_memory_allocated",
                    "process_peak_rss": "peak resident memory of the run's process"}
     parts = [
-        f"# Pre-training comparison: recipe `{first['recipe']}`",
+        f"{REPORT_TITLE}: recipe `{first['recipe']}`",
         "",
         f"Same data, tokens and seed for every method: {first['steps']} steps, "
         f"{first['tokens']:,} training tokens, seed {first['seed']}, data `{data.get('source', '?')}` "

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from fira_train.config.method_spec import parse_method_specs
 from fira_train.config.run_config import RunConfig
-from fira_train.files import read_json
+from fira_train.files import check_report_owner, read_json
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
-from fira_train.sweep.report import plot_lr, read_runs, write_json, write_markdown
+from fira_train.sweep.report import REPORT_TITLE, plot_lr, read_runs, write_json, write_markdown
 from fira_train.sweep.summary import MethodSummary, summarize
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
     if reference not in specs:
         raise ValueError(f"--reference {reference!r} is not among --methods ({', '.join(specs)})")
     out = Path(out_dir)
+    check_report_owner(out, (REPORT_TITLE,), "sweep")
     out.mkdir(parents=True, exist_ok=True)
     settings = {"recipe": config.recipe, "methods": list(specs), "lrs": lr_grids, "seeds": list(seeds),
                 "all_seeds": all_seeds, "reference": reference, "command": command,

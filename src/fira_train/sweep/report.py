@@ -19,6 +19,9 @@ from fira_train.sweep.stats import PairedDifference
 from fira_train.sweep.summary import MethodSummary, summary_json
 
 
+#: The first words of the report ``fira-train sweep`` writes.
+REPORT_TITLE = "# Learning-rate sweep"
+
 def _num(value: float | None, spec: str = ".2f") -> str:
     if value is None:
         return "-"
@@ -110,7 +113,7 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
     seeds = settings["seeds"]
     lrs_union = sorted({lr for row in rows for lr in row.grid})
     lines = [
-        f"# Learning-rate sweep: recipe `{settings['recipe']}`",
+        f"{REPORT_TITLE}: recipe `{settings['recipe']}`",
         "",
         f"Each method's learning rate is chosen on the **validation** set (lowest mean final "
         f"perplexity over the grid's seeds at that lr; grid at seed{'s' if settings['all_seeds'] else ''} "

@@ -62,3 +62,13 @@ def test_bad_jobs_name_the_argument(jobs, tmp_path: Path, corpus_root: Path) -> 
     config = analysis_config(corpus_root, tmp_path / "run")
     with pytest.raises(ValueError, match="jobs"):
         train_runs(config, ablation_runs(["fira"], []), tmp_path / "out", jobs=jobs)
+
+
+def test_an_analysis_leaves_a_report_it_did_not_write_alone(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("# Learning-rate sweep: recipe `tiny`\n")
+    with pytest.raises(FileExistsError, match="`fira-train analyze` did not write.*--overwrite"):
+        train_runs(config, ablation_runs(["fira"], []), out, reuse=True)
+    assert not (out / "fira").exists()

@@ -84,6 +84,15 @@ def in_process(monkeypatch: pytest.MonkeyPatch) -> list:
     return trained
 
 
+def test_sweep_leaves_another_commands_report_alone(tmp_path: Path, in_process: list) -> None:
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "report.md").write_text("# Pre-training comparison: recipe `micro`\n")
+    with pytest.raises(FileExistsError, match="`fira-train sweep` did not write.*choose another --out$"):
+        sweep(micro_config(tmp_path), ["adamw"], {"adamw": [0.001]}, [0], out)
+    assert in_process == [] and (out / "report.md").read_text().startswith("# Pre-training comparison")
+
+
 def test_micro_sweep_end_to_end_and_reuse(tmp_path: Path, in_process: list) -> None:
     config = micro_config(tmp_path, "train.steps=4", "train.save_every=2", "train.eval_every=0",
                           "data.test_fraction=0.1")
