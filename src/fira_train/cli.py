@@ -263,9 +263,9 @@ def _register_sweep(subparsers: Any) -> None:
 
 def _memory(args: argparse.Namespace) -> int:
     if not args.measure:
-        if args.recipe or args.methods or args.overrides or args.append:
-            raise ValueError("--recipe, --methods, --append and key=value overrides go with --measure "
-                             "(without it, memory prints the paper's estimates)")
+        if args.recipe or args.methods or args.overrides or args.append or args.out or args.steps is not None:
+            raise ValueError("--recipe, --methods, --steps, --out, --append and key=value overrides go with "
+                             "--measure (without it, memory prints the paper's estimates)")
         from fira_train.measure import estimate_rows, format_estimate_rows  # imports torch
 
         print(format_memory_table(memory_table()))
@@ -277,12 +277,16 @@ def _memory(args: argparse.Namespace) -> int:
 
     if not args.recipe or not args.methods:
         raise ValueError("memory --measure needs --recipe NAME and --methods SPEC,...")
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    steps = 3 if args.steps is None else args.steps
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    for override in args.overrides:
+        if override.partition("=")[0] == "train.steps":
+            raise ValueError(f"memory --measure trains --steps steps; drop the override {override!r}")
     specs = parse_method_specs(args.methods)
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-memory"
-    markdown, _ = measure(config, specs, args.steps, out_dir, command_line(getattr(args, "argv", [])),
+    markdown, _ = measure(config, specs, steps, out_dir, command_line(getattr(args, "argv", [])),
                           append=args.append)
     print(markdown.read_text())
     print(f"report: {markdown}")
@@ -303,7 +307,7 @@ def _register_memory(subparsers: Any) -> None:
     parser.add_argument("--recipe", help="with --measure: the recipe (60m, 130m, 350m, 1b, tiny, ...)")
     parser.add_argument("--methods", help="with --measure: comma-separated method specs, e.g. "
                                           "adamw,fira,fira@optim.step_in_backward=true@optim.state_dtype=int8")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per method (default 3)")
+    parser.add_argument("--steps", type=int, default=None, help="with --measure: training steps per method (default 3)")
     parser.add_argument("--out", help="output directory (default runs/<recipe>-memory)")
     parser.add_argument("--append", action="store_true",
                         help="with --measure: keep the rows already in OUT/memory.json (same recipe, steps, "

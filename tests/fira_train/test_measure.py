@@ -39,6 +39,10 @@ def test_measure_writes_a_row_per_spec(tmp_path: Path, capsys, monkeypatch) -> N
     (["memory", "--measure", "--recipe", "micro"], "needs --recipe NAME and --methods"),
     (["memory", "--recipe", "micro"], "go with --measure"),
     (["memory", "--measure", "--recipe", "micro", "--methods", "fira@rank"], "not a key=value"),
+    (["memory", "--steps", "-4"], "go with --measure"),  # the estimate takes neither --steps nor --out
+    (["memory", "--out", "x"], "go with --measure"),
+    (["memory", "--measure", "--recipe", "micro", "--methods", "fira", "--steps", "1", "train.steps=50"],
+     "drop the override 'train.steps=50'"),
 ])
 def test_measure_refuses_bad_requests_in_one_line(argv, message, capsys) -> None:
     assert main(argv) == 1

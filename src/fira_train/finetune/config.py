@@ -156,6 +156,12 @@ class FinetuneConfig:
             raise FinetuneError(f"lr={self.lr!r} must be a positive number")
         if self.rank is not None and self.rank <= 0:
             raise FinetuneError(f"rank={self.rank!r} must be a positive integer")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise FinetuneError(f"weight_decay={self.weight_decay!r} must be a non-negative number")
+        for name in ("alpha", "lora_alpha"):  # a scale of 0 would leave the update (or adapters) out
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise FinetuneError(f"{name}={value!r} must be a positive number")
         if not (0.0 <= self.lora_dropout < 1.0):
             raise FinetuneError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
         if self.threads is not None and self.threads <= 0:

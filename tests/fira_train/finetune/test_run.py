@@ -187,6 +187,9 @@ def test_run_finetune_accepts_a_loaded_model(tiny_model_dir, tmp_path):
         (["--batch-size", "0"], "batch_size=0 must be a positive integer"),
         (["--max-eval", "0"], "max_eval=0"),
         (["--lr", "-1"], "lr=-1.0 must be a positive number"),
+        (["--weight-decay", "nan"], "weight_decay=nan must be a non-negative number"),
+        (["--alpha", "-1"], "alpha=-1.0 must be a positive number"),
+        (["--lora-alpha", "0"], "lora_alpha=0 must be a positive number"),
     ],
 )
 def test_cli_errors_are_one_line_messages(tiny_model_dir, tmp_path, capsys, argv, message):
