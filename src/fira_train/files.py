@@ -29,8 +29,8 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["DamagedFileError", "check_report_owner", "dumps", "file_digest", "finite_or_none", "fsync_dir", "locked", "read_json",
-           "read_json_lines", "write_text_atomic"]
+__all__ = ["DamagedFileError", "check_report_owner", "dumps", "file_digest", "finite_or_none", "fsync_dir",
+           "locked", "read_json", "read_json_lines", "write_text_atomic"]
 
 
 def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,
