@@ -1,6 +1,7 @@
 """File helpers shared by the layers: a file's SHA-256 and a directory's fsync (the checkpoints
-and the data cache), whole-file writes that a crash cannot leave half-written, and the run's JSON
-files.
+and the data cache), whole-file writes that a crash cannot leave half-written, the run's JSON
+files, and the check that a folder command does not replace a report it did not write
+(:func:`check_report_owner`).
 
 The run's JSON files are written without ``NaN`` / ``Infinity`` and read back naming the file.
 Python's ``json`` writes ``float("inf")`` as ``Infinity`` and ``nan`` as ``NaN``, which is not
