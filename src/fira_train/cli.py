@@ -164,8 +164,7 @@ def _compare(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-compare"
     command = command_line(getattr(args, "argv", []))
-    resume_request(args)  # refuses --resume with --overwrite
-    report, plot = compare(config, methods, out_dir, resume=args.resume,
+    report, plot = compare(config, methods, out_dir, resume=resume_request(args) is not None,
                            overwrite=args.overwrite, command=command)
     if not is_rank_zero():
         return 0

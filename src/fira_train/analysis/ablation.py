@@ -25,6 +25,9 @@ from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import plot_curves
 
+#: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
+TITLE = "Ablations: norm-based scaling, limiter, gamma"
+
 DEFAULT_VARIANTS = ("fira", "fira-no-scaling", "fira-matrix", "fira-no-limiter", "fira-clip",
                     "fira-shrink", "fira-tensorwise")
 DEFAULT_GAMMAS = (math.inf, 1.1, 1.01, 1.001, 1.0)
@@ -90,12 +93,12 @@ def run_ablation(config: RunConfig, out_dir: str | Path, *, variants: Sequence[s
     gammas = [_check_gamma(g) for g in gammas]
     out = Path(out_dir)
     runs = ablation_runs(variants, gammas)
-    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs)
+    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
     ppl = {name: s["val_ppl"] for name, s in summaries.items()}
 
     figure = out / "ablation.png"
     plot_curves(out, [r.name for r in runs], figure)
-    lines = report_header("Ablations: norm-based scaling, limiter, gamma", config, command=command)
+    lines = report_header(TITLE, config, command=command)
     lines += [f"Final validation perplexity; learning rate {summaries[runs[0].name]['lr']:g}, "
               f"rank {config.optim.rank} (d_model {config.model.hidden_size}).", ""]
     if variants:

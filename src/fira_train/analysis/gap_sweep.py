@@ -27,6 +27,9 @@ from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import pyplot
 
+#: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
+TITLE = "Validation perplexity under varying update gaps"
+
 DEFAULT_GAPS = (3, 6, 12, 25, 50)
 DEFAULT_METHODS = ("fira", "galore")
 
@@ -110,7 +113,7 @@ def run_gap_sweep(config: RunConfig, out_dir: str | Path, *, gaps: Sequence[int]
     _check(config, gaps, methods, seeds)
     out = Path(out_dir)
     summaries = train_runs(config, gap_sweep_runs(methods, gaps, seeds), out,
-                           reuse=reuse, overwrite=overwrite, jobs=jobs)
+                           reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
     label = (lambda s: s) if len(seeds) > 1 else (lambda s: None)
     values = {m: {g: [summaries[run_name(m, g, label(s))]["val_ppl"] for s in seeds] for g in gaps}
               for m in methods}
@@ -120,7 +123,7 @@ def run_gap_sweep(config: RunConfig, out_dir: str | Path, *, gaps: Sequence[int]
     _plot(values, gaps, figure)
     steps = config.train.steps
     recipe_gap = config.optim.update_proj_gap
-    lines = report_header("Validation perplexity under varying update gaps", config, command=command,
+    lines = report_header(TITLE, config, command=command,
                           seeds=seeds)
     seed_text = seeds_text(seeds) if len(seeds) == 1 else f"mean over {seeds_text(seeds)}"
     lines += [f"Final validation perplexity ({seed_text}) at rank {config.optim.rank}; the recipe's own T is "

@@ -25,6 +25,9 @@ from fira_train.methods.registry import get_method
 from fira_train.report.plots import plain_log_ticks, pyplot
 from fira_train.run.metrics import read_jsonl, read_metrics
 
+#: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
+TITLE = "Robustness to gradient noise"
+
 DEFAULT_METHODS = ("fira-only-scaling", "adamw")
 DEFAULT_SCALE = 1e-5
 #: Validation perplexity (LLaMA 60M, C4, 10K steps): without noise, with noise 1e-5 N(0, 1).
@@ -81,11 +84,11 @@ def run_noise(config: RunConfig, out_dir: str | Path, *, methods: Sequence[str] 
     GradientNoise(scale)  # validates the scale before anything trains
     out = Path(out_dir)
     summaries = train_runs(config, noise_runs(methods, scale, config.train.seed), out,
-                           reuse=reuse, overwrite=overwrite, jobs=jobs)
+                           reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
     table = {m: (summaries[m]["val_ppl"], summaries[noisy_name(m)]["val_ppl"]) for m in methods}
     figure = out / "noise.png"
     _plot(out, methods, figure)
-    lines = report_header("Robustness to gradient noise", config, command=command)
+    lines = report_header(TITLE, config, command=command)
     low_rank = any(m in fira_optim.VARIANTS for m in methods)
     rank_text = f"; rank {config.optim.rank} for the low-rank methods" if low_rank else ""
     lines += [f"Final validation perplexity without and with Gaussian noise {scale:g} * N(0, 1) added to every "

@@ -19,6 +19,9 @@ from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import pyplot
 
+#: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
+TITLE = "Validation perplexity under varying ranks"
+
 DEFAULT_RANKS = (4, 16, 64, 128)
 DEFAULT_METHODS = ("fira", "galore", "fira-only-scaling")
 BASELINE = "adamw"
@@ -74,13 +77,13 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
         if not get_method(m).uses_rank:
             raise ValueError(f"method {m!r} has no rank; the sweep takes rank-dependent methods")
     out = Path(out_dir)
-    summaries = train_runs(config, rank_sweep_runs(methods, ranks), out, reuse=reuse, overwrite=overwrite, jobs=jobs)
+    summaries = train_runs(config, rank_sweep_runs(methods, ranks), out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
     baseline = summaries[BASELINE]["val_ppl"]
     table = {m: {r: summaries[run_name(m, r)]["val_ppl"] for r in ranks} for m in methods}
 
     figure = out / "ranks.png"
     _plot(table, baseline, ranks, figure)
-    lines = report_header("Validation perplexity under varying ranks", config, command=command)
+    lines = report_header(TITLE, config, command=command)
     header = ["method"] + [f"r = {r}" for r in ranks] + ["adamw (full rank)"]
     rows = [[m] + [table[m][r] for r in ranks] + [baseline] for m in methods]
     rates = ", ".join(f"{m} {summaries[run_name(m, ranks[0])]['lr']:g}" for m in methods)

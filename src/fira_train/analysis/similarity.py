@@ -63,6 +63,9 @@ from fira_train.report.plots import pyplot
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.metrics import read_jsonl
 
+#: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
+TITLE = "Similarity of low-rank and full-rank scaling factors"
+
 FACTORS_FILE = "scaling_factors.jsonl"
 METRICS = ("cosine", "mse", "rel_mse", "distance", "spearman", "kendall", "pearson")
 
@@ -391,7 +394,7 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     out = Path(out_dir)
     seed = config.train.seed
     runs = similarity_runs(ranks, every=every, columns=columns, seed=seed)
-    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs)
+    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
     records = {r: read_jsonl(out / f"fira-r{r}" / FACTORS_FILE) for r in ranks}
     results = {r: compare_factors(records[r], seed=seed) for r in ranks}
     keys = ("matrix", "column", *NULL_LABELS)
@@ -403,7 +406,7 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     matrices = len(first[0]["matrix"]) if first else 0
     sampled = sum(len(v) for v in first[0]["column"].values()) if first else 0
     lr = summaries[f"fira-r{ranks[0]}"]["lr"]
-    lines = report_header("Similarity of low-rank and full-rank scaling factors", config, command=command)
+    lines = report_header(TITLE, config, command=command)
     lines += [
         f"Runs: `fira` (lr {lr:g}) at ranks {', '.join(map(str, ranks))} (d_model {d_model}). In each run the "
         "full-rank factors come from Adam moments kept beside Fira's state and fed the gradients Fira used "

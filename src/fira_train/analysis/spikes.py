@@ -35,6 +35,9 @@ from fira_train.methods.registry import get_method
 from fira_train.report.plots import pyplot
 from fira_train.run.metrics import read_jsonl
 
+#: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
+TITLE = "Loss spikes: the norm-growth limiter and GaLore-add"
+
 LIMITER_RUNS = ("fira", "fira-no-limiter", "fira-clip")
 GALORE_RUNS = ("galore", "galore-add")
 
@@ -142,14 +145,14 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
     if galore_rank is not None and not (isinstance(galore_rank, int) and 1 <= galore_rank < config.model.hidden_size):
         raise ValueError(f"galore_rank must be an int in [1, d_model={config.model.hidden_size}), got {galore_rank!r}")
     rank_of = {n: galore_rank for n in galore_runs if galore_rank is not None and n not in limiter_runs}
-    train_runs(config, spike_runs(names, rank_of), out, reuse=reuse, overwrite=overwrite, jobs=jobs)
+    train_runs(config, spike_runs(names, rank_of), out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
     gap, steps = config.optim.update_proj_gap, config.train.steps
     records = {n: read_jsonl(out / n / NORMS_FILE) for n in names}
     stats = {n: spike_statistics([r["loss"] for r in rec], gap) for n, rec in records.items()}
     figure = out / "spikes.png"
     _plot(out, limiter_runs, galore_runs, gap, steps, figure)
 
-    lines = report_header("Loss spikes: the norm-growth limiter and GaLore-add", config, command=command)
+    lines = report_header(TITLE, config, command=command)
     ranks = f"rank {config.optim.rank} for {', '.join(limiter_runs)}" if limiter_runs else ""
     if galore_runs:
         ranks += ("; " if ranks else "") + f"rank {galore_rank or config.optim.rank} for {', '.join(galore_runs)}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fira_train.analysis.ablation import ablation_runs
+from fira_train.analysis.ablation import TITLE, ablation_runs
 from fira_train.analysis.noise import noise_runs
 from fira_train.analysis.runs import RUN_SPEC_FILE, train_runs
 from fira_train.analysis.similarity import similarity_runs
@@ -28,8 +28,8 @@ def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, 
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=3")
     # a plain run and one whose callbacks (a functools.partial) change the optimizer's gamma
     runs = ablation_runs(["fira-no-limiter"], [1.1])
-    serial = train_runs(config, runs, tmp_path / "serial")
-    parallel = train_runs(config, runs, tmp_path / "parallel", jobs=2)
+    serial = train_runs(config, runs, tmp_path / "serial", title=TITLE)
+    parallel = train_runs(config, runs, tmp_path / "parallel", jobs=2, title=TITLE)
     assert list(parallel) == [r.name for r in runs]
     for run in runs:
         # one thread per run either way (micro_config sets train.num_threads=1): bit for bit
@@ -42,7 +42,7 @@ def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, 
 
     metrics = tmp_path / "parallel" / "fira-gamma1.1" / "metrics.jsonl"
     before = metrics.stat().st_mtime_ns
-    again = train_runs(config, runs, tmp_path / "parallel", reuse=True, jobs=2)
+    again = train_runs(config, runs, tmp_path / "parallel", reuse=True, jobs=2, title=TITLE)
     assert again == parallel and metrics.stat().st_mtime_ns == before
 
 
@@ -53,7 +53,7 @@ def test_a_failing_worker_run_raises_and_keeps_the_finished_runs(tmp_path: Path,
     (out / "fira").mkdir(parents=True)
     (out / "fira" / "summary.json").write_text("{}")  # a run in the way, and neither reuse nor overwrite
     with pytest.raises(FileExistsError, match="already holds a run"):
-        train_runs(config, [*runs, *ablation_runs(["fira-matrix"], [])], out, jobs=2)
+        train_runs(config, [*runs, *ablation_runs(["fira-matrix"], [])], out, jobs=2, title=TITLE)
     assert (out / "fira-matrix" / "summary.json").exists()
 
 
@@ -61,7 +61,7 @@ def test_a_failing_worker_run_raises_and_keeps_the_finished_runs(tmp_path: Path,
 def test_bad_jobs_name_the_argument(jobs, tmp_path: Path, corpus_root: Path) -> None:
     config = analysis_config(corpus_root, tmp_path / "run")
     with pytest.raises(ValueError, match="jobs"):
-        train_runs(config, ablation_runs(["fira"], []), tmp_path / "out", jobs=jobs)
+        train_runs(config, ablation_runs(["fira"], []), tmp_path / "out", jobs=jobs, title=TITLE)
 
 
 def test_an_analysis_leaves_a_report_it_did_not_write_alone(tmp_path: Path, corpus_root: Path) -> None:
@@ -70,5 +70,5 @@ def test_an_analysis_leaves_a_report_it_did_not_write_alone(tmp_path: Path, corp
     out.mkdir()
     (out / "report.md").write_text("# Learning-rate sweep: recipe `tiny`\n")
     with pytest.raises(FileExistsError, match="`fira-train analyze` did not write.*--overwrite"):
-        train_runs(config, ablation_runs(["fira"], []), out, reuse=True)
+        train_runs(config, ablation_runs(["fira"], []), out, reuse=True, title=TITLE)
     assert not (out / "fira").exists()
