@@ -66,7 +66,8 @@ def test_method_config_changes_only_method_and_directory(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(("text", "message"), [("fira,adamx", "unknown method 'adamx'"),
-                                               ("fira,fira", "twice"), (" , ", "at least one")])
+                                               ("fira,fira", "twice"), (" ", "at least one"),
+                                               ("fira,,adamw", "empty entry")])
 def test_method_lists_are_checked_before_running(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_methods(text)

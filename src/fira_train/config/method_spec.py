@@ -41,25 +41,32 @@ def parse_method_spec(text: str) -> MethodSpec:
     name, *overrides = text.split("@")
     if not name:
         raise ValueError(f"method spec {text!r} names no method (expected NAME[@key=value...])")
+    keys = set()
     for override in overrides:
         key, sep, _ = override.partition("=")
         if not sep or not key:
             raise ValueError(f"method spec {text!r}: {override!r} is not a key=value override")
         if key == "optim.method":
             raise ValueError(f"method spec {text!r}: the method is {name!r}; do not override optim.method")
+        if key in keys:  # one would silently replace the other
+            raise ValueError(f"method spec {text!r} sets {key} twice")
+        keys.add(key)
     if "/" in text or text in (".", ".."):
         raise ValueError(f"method spec {text!r} cannot name a run folder (no '/')")
     return MethodSpec(text, name, tuple(overrides))
 
 
 def parse_method_specs(text: str) -> list[MethodSpec]:
-    """A comma-separated list of specs: at least one, none twice, each naming a method of the
-    registry (ValueError listing the valid names)."""
-    specs = [parse_method_spec(part) for part in text.split(",") if part.strip()]
+    """A comma-separated list of specs: at least one, none twice, none empty, each naming a
+    method of the registry (ValueError listing the valid names)."""
+    if not text.strip():
+        raise ValueError(f"--methods must name at least one method, got {text!r}")
+    parts = text.split(",")
+    if not all(part.strip() for part in parts):  # "fira,,adamw": a method may have been lost
+        raise ValueError(f"--methods {text!r} has an empty entry (two commas, or one at an end)")
+    specs = [parse_method_spec(part) for part in parts]
     for spec in specs:
         get_method(spec.name)
-    if not specs:
-        raise ValueError(f"--methods must name at least one method, got {text!r}")
     seen = set()
     for spec in specs:
         if spec.text in seen:
