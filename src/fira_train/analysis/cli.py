@@ -14,7 +14,10 @@ Common flags of the training analyses: ``--recipe`` (default ``tiny``), ``--out 
 ``runs/analysis/<name>``), ``--steps N``, ``--seed S``, ``--data SOURCE``, ``--reuse`` (keep
 finished runs of the same config), ``--overwrite`` (redo existing runs), ``--jobs N`` (train N
 runs at once, in worker processes) and
-``section.field=value`` overrides applied to the recipe (e.g. ``train.batch_size=4``). The default
+``section.field=value`` overrides applied to the recipe (e.g. ``train.batch_size=4``; one of a
+setting the analysis chooses per run, such as ``optim.rank`` in a rank sweep, is refused: the
+analysis's own flag sets it). ``--reuse`` and ``--overwrite`` exclude each other; a list flag with
+an empty or repeated entry is refused. The default
 ranks follow the recipe's d_model at the paper's ratios r/d_model (16/256, 128/256 for
 similarity; 4/256, 16/256, 64/256, 128/256 for rank-sweep: :mod:`fira_train.analysis.rank_defaults`).
 Each writes ``OUT/report.md`` and a PNG figure, and one run folder per training run.
@@ -35,24 +38,43 @@ ANALYSES = ("similarity", "rank-sweep", "gap-sweep", "ablation", "spikes", "nois
 
 
 def _names(text: str, flag: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
+    """A comma-separated list: at least one entry, none empty (``a,,b`` may have lost one), none
+    twice (a repeated rank or gap would be dropped, a repeated method would clash)."""
+    if not text.strip():
         raise ValueError(f"{flag} must list at least one name, got {text!r}")
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise ValueError(f"{flag} {text!r} has an empty entry (two commas, or one at an end)")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"{flag} names {repeated[0]!r} twice, in {text!r}")
     return names
 
 
 def _ints(text: str, flag: str) -> list[int]:
+    names = _names(text, flag)
     try:
-        return [int(n) for n in _names(text, flag)]
+        values = [int(n) for n in names]
     except ValueError as err:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from err
+    return _distinct(values, text, flag)
 
 
 def _floats(text: str, flag: str) -> list[float]:
+    names = _names(text, flag)
     try:
-        return [math.inf if n.lower() in ("inf", "infinity") else float(n) for n in _names(text, flag)]
+        values = [math.inf if n.lower() in ("inf", "infinity") else float(n) for n in names]
     except ValueError as err:
         raise ValueError(f"{flag} must be comma-separated numbers (or inf), got {text!r}") from err
+    return _distinct(values, text, flag)
+
+
+def _distinct(values: list, text: str, flag: str) -> list:
+    """``values``, refused if two are equal as numbers (``4,04``: one run, not two)."""
+    repeated = [v for i, v in enumerate(values) if v in values[:i]]
+    if repeated:
+        raise ValueError(f"{flag} gives {repeated[0]!r} twice, in {text!r}")
+    return values
 
 
 def _ranks(args: argparse.Namespace) -> list[int] | None:

@@ -24,12 +24,14 @@ from typing import Any
 
 import torch
 
-from fira_train.config.overrides import apply_overrides
+from fira_train.config.overrides import apply_overrides, config_to_dict
+from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, read_json
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
+from fira_train.run.checkpoint import CHECKPOINT_DIR
 from fira_train.run.run_dir import finished_with
 from fira_train.run.train import train
 
@@ -86,11 +88,15 @@ def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path) -> bool:
 
 def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Path, *,
                title: str, reuse: bool = False, overwrite: bool = False,
-               jobs: int = 1) -> dict[str, dict[str, Any]]:
+               jobs: int = 1, partly_set: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """Train ``runs`` on one shared corpus; returns ``{name: summary}``.
 
     ``title``: the heading of the analysis's report; a ``report.md`` in ``out_dir`` with another
     (the user's, or another command's) is refused unless ``overwrite``.
+
+    A setting that ``config`` changes from its recipe and that a run sets to another value is
+    refused (:func:`check_not_replaced`), but for the keys of ``partly_set``: settings some runs
+    set while the others take ``config``'s (the spikes analysis's GaLore rank).
 
     ``reuse``: a run whose folder already holds a finished run of the same config and spec is
     not trained again; any other run in the way is deleted and redone. ``overwrite``: every
@@ -107,13 +113,18 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got jobs={jobs!r}")
+    if reuse and overwrite:
+        raise ValueError("--reuse keeps finished runs and --overwrite redoes them: pass one of them")
     names = [r.name for r in runs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"run name {duplicates[0]!r} appears twice")
     out_dir = Path(out_dir)
     configs = [run_config(config, r, out_dir) for r in runs]  # validates every override first
+    check_not_replaced(config, runs, configs, partly_set)
     check_report_owner(out_dir, (f"# {title}",), "analyze", overwrite=overwrite)
+    if not (reuse or overwrite):
+        _check_no_earlier_runs(configs)
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(config.data)  # trains and caches the tokenizer once, before any worker
     summaries: dict[str, dict[str, Any]] = {}
@@ -137,6 +148,49 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
         for name, summary in run_isolated_many([(_train_task, (task,)) for task in tasks], workers):
             summaries[name] = summary
     return {name: summaries[name] for name in names}
+
+
+#: What a run always sets: its method (the analysis's method flags).
+_ALWAYS_SET = ("optim.method",)
+
+
+def check_not_replaced(config: RunConfig, runs: Sequence[AnalysisRun], configs: Sequence[RunConfig],
+                       partly_set: Sequence[str] = ()) -> None:
+    """ValueError if ``config`` changes a setting of its recipe that a run sets to another value
+    (``optim.rank=8`` given to a rank sweep, ``optim.update_proj_gap=5`` to a gap sweep): the
+    change would be silently replaced. Keys of ``partly_set`` are not checked; nor is a config
+    of no known recipe."""
+    try:
+        recipe = _flat(get_recipe(config.recipe))
+    except ValueError:
+        return
+    given = _flat(config)
+    changed = {key for key, value in given.items() if value != recipe.get(key)}
+    for run, run_cfg in zip(runs, configs):
+        values = _flat(run_cfg)
+        keys = _ALWAYS_SET + tuple(o.partition("=")[0] for o in run.overrides)
+        for key in keys:
+            if key in changed and key not in partly_set and values[key] != given[key]:
+                raise ValueError(f"{key}={given[key]!r} would be replaced: the analysis sets {key} for "
+                                 f"each run (run {run.name!r}: {values[key]!r}); leave it out, and choose "
+                                 f"it with the analysis's own flags (--help)")
+
+
+def _flat(config: RunConfig) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, fields in config_to_dict(config).items()
+            if isinstance(fields, dict) for key, value in fields.items()}
+
+
+def _check_no_earlier_runs(configs: Sequence[RunConfig]) -> None:
+    """FileExistsError naming analyze's own flags if a run's folder already holds a run (before
+    anything trains; :func:`fira_train.run.train.train` would name pretrain's --resume)."""
+    for cfg in configs:
+        run_dir = Path(cfg.train.out_dir)
+        previous = [p for p in ("metrics.jsonl", "summary.json", CHECKPOINT_DIR) if (run_dir / p).exists()]
+        if previous:
+            raise FileExistsError(f"{str(run_dir)!r} already holds a run ({', '.join(previous)}); pass "
+                                  "--reuse to keep the finished runs made with the same config, or "
+                                  "--overwrite to train every run again")
 
 
 def _train_task(task: tuple) -> tuple[str, dict[str, Any]]:

@@ -145,7 +145,9 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
     if galore_rank is not None and not (isinstance(galore_rank, int) and 1 <= galore_rank < config.model.hidden_size):
         raise ValueError(f"galore_rank must be an int in [1, d_model={config.model.hidden_size}), got {galore_rank!r}")
     rank_of = {n: galore_rank for n in galore_runs if galore_rank is not None and n not in limiter_runs}
-    train_runs(config, spike_runs(names, rank_of), out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
+    # The Fira runs take optim.rank from the config, the GaLore runs --galore-rank.
+    train_runs(config, spike_runs(names, rank_of), out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE,
+               partly_set=("optim.rank",))
     gap, steps = config.optim.update_proj_gap, config.train.steps
     records = {n: read_jsonl(out / n / NORMS_FILE) for n in names}
     stats = {n: spike_statistics([r["loss"] for r in rec], gap) for n, rec in records.items()}

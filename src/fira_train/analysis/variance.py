@@ -50,7 +50,11 @@ from typing import Any
 
 import numpy as np
 
+from fira_train.files import check_report_owner
 from fira_train.report.plots import pyplot
+
+#: The heading of this analysis's report (a folder whose report.md has another is refused).
+TITLE = "Variance of Fira's scaling factor (Appendix E.2, Theorem 2)"
 
 DEFAULT_RANKS = (1, 5, 10, 50, 100)
 REPORT_STEPS = (1, 2, 3, 5, 10, 20, 50, 100, 200, 500, 1000)
@@ -61,6 +65,13 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {name}={value!r}")
     return int(value)
+
+
+def _seed(seed: Any) -> int:
+    """A numpy seed: an int >= 0 (numpy's own error names neither the argument nor the value)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got seed={seed!r}")
+    return int(seed)
 
 
 def _ranks(ranks: Iterable[int]) -> tuple[int, ...]:
@@ -136,7 +147,7 @@ def simulate_scaling_variance(
     if not sigma > 0.0:
         raise ValueError(f"sigma must be positive, got sigma={sigma!r}")
 
-    rng = np.random.default_rng([seed, 0])
+    rng = np.random.default_rng([_seed(seed), 0])
     width = ranks[-1]
     # Blocks [0, 1), [1, r_1), ..., [r_{K-2}, r_{K-1}) of the entry axis; a cumulative sum over
     # blocks gives the prefix sums at 1 (psi itself) and at every rank without a full cumsum.
@@ -234,7 +245,7 @@ def check_theorem2(
     if samples < 2:
         raise ValueError(f"samples must be at least 2 to estimate a variance, got samples={samples}")
     exact = scale_inv_chi2_moments(rho, sigma)
-    rng = np.random.default_rng([seed, 1])
+    rng = np.random.default_rng([_seed(seed), 1])
     rows = []
     for n in ns:
         phi2 = np.empty(samples)
@@ -319,7 +330,7 @@ def _report(curves: VarianceCurves, theorem: list[dict[str, float]], summary: di
             *, rho: float, command: str | None, machine: str | None, seconds: float) -> str:
     cols = _step_columns(curves, REPORT_STEPS)
     lines = [
-        "# Variance of Fira's scaling factor (Appendix E.2, Theorem 2)",
+        f"# {TITLE}",
         "",
         f"- Date: {_dt.datetime.now(_dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- Command: `{command}`" if command else "- Command: not recorded",
@@ -484,6 +495,8 @@ def run_variance_analysis(
     "seconds"}``.
     """
     out = Path(out_dir)
+    check_report_owner(out, (f"# {TITLE}",), "analyze variance")
+    _seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     curves = simulate_scaling_variance(ranks, steps=steps, samples=samples, beta2=beta2, seed=seed)

@@ -52,7 +52,13 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     (["analyze", "ablation", "--gammas", "1.1,x"], "--gammas must be comma-separated numbers"),
     (["analyze", "rank-sweep", "--ranks", "4,a"], "--ranks must be comma-separated integers"),
     (["analyze", "gap-sweep", "--seeds", "0,x"], "--seeds must be comma-separated integers"),
-    (["analyze", "noise", "--methods", " , "], "--methods must list at least one name"),
+    (["analyze", "noise", "--methods", " "], "--methods must list at least one name"),
+    (["analyze", "noise", "--methods", "adamw,,fira"], "--methods 'adamw,,fira' has an empty entry"),
+    (["analyze", "rank-sweep", "--ranks", "4,8,4"], "--ranks names '4' twice"),
+    (["analyze", "gap-sweep", "--gaps", "4,04"], "--gaps gives 4 twice"),
+    (["analyze", "ablation", "--gammas", "inf,Infinity"], "--gammas gives inf twice"),
+    (["analyze", "gap-sweep", "--reuse", "--overwrite", "--gaps", "3"], "--reuse keeps finished runs and --overwrite"),
+    (["analyze", "rank-sweep", "--ranks", "4", "optim.rank=8"], "optim.rank=8 would be replaced"),
     (["analyze", "spikes", "--jobs", "0"], "jobs must be an int >= 1, got jobs=0"),
 ])
 def test_bad_lists_name_the_flag(argv: list[str], message: str, tmp_path: Path,
@@ -67,6 +73,16 @@ def test_analyze_variance_writes_its_report(tmp_path: Path) -> None:
     text = (out / "report.md").read_text()
     assert "fira-train analyze variance --samples 200" in text
     assert (out / "variance.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["analyze", "variance", "--samples", "200", "--steps", "20", "--out", str(out)]) == 0  # its own
+
+
+def test_analyze_variance_leaves_another_report_alone(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "report.md").write_text("# My notes\n")
+    assert main(["analyze", "variance", "--samples", "200", "--steps", "20", "--out", str(tmp_path)]) == 1
+    assert "`fira-train analyze variance` did not write" in capsys.readouterr().err
+    assert (tmp_path / "report.md").read_text() == "# My notes\n" and not (tmp_path / "variance.png").exists()
+    assert main(["analyze", "variance", "--seed", "-1", "--out", str(tmp_path / "v")]) == 1
+    assert "seed must be an int >= 0, got seed=-1" in capsys.readouterr().err
 
 
 def test_default_ranks_follow_the_recipes_width() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,50 @@ def test_a_failing_worker_run_raises_and_keeps_the_finished_runs(tmp_path: Path,
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
     runs = ablation_runs(["fira"], [])
     out = tmp_path / "out"
-    (out / "fira").mkdir(parents=True)
-    (out / "fira" / "summary.json").write_text("{}")  # a run in the way, and neither reuse nor overwrite
-    with pytest.raises(FileExistsError, match="already holds a run"):
+    out.mkdir()
+    (out / "fira").write_text("")  # a file where the run's folder goes: its worker fails
+    with pytest.raises(OSError):
         train_runs(config, [*runs, *ablation_runs(["fira-matrix"], [])], out, jobs=2, title=TITLE)
     assert (out / "fira-matrix" / "summary.json").exists()
+
+
+def test_a_run_in_the_way_is_refused_before_anything_trains(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
+    runs = ablation_runs(["fira-matrix", "fira"], [])
+    out = tmp_path / "out"
+    (out / "fira").mkdir(parents=True)
+    (out / "fira" / "summary.json").write_text("{}")  # neither reuse nor overwrite
+    with pytest.raises(FileExistsError, match="already holds a run .*--reuse .*--overwrite"):
+        train_runs(config, runs, out, title=TITLE)
+    assert not (out / "fira-matrix").exists()
+    with pytest.raises(ValueError, match="--reuse keeps .* --overwrite redoes"):
+        train_runs(config, runs, out, reuse=True, overwrite=True, title=TITLE)
+
+
+def test_a_setting_the_runs_replace_is_refused(tmp_path: Path, corpus_root: Path) -> None:
+    from fira_train.analysis.gap_sweep import gap_sweep_runs
+    from fira_train.analysis.rank_sweep import rank_sweep_runs
+    from fira_train.config.overrides import apply_overrides
+
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="optim.rank=8 would be replaced.*'fira-r4': 4"):
+        train_runs(apply_overrides(config, ["optim.rank=8"]), rank_sweep_runs(["fira"], [4]), out, title=TITLE)
+    with pytest.raises(ValueError, match="optim.update_proj_gap=7 would be replaced"):
+        train_runs(apply_overrides(config, ["optim.update_proj_gap=7"]), gap_sweep_runs(["fira"], [3], [0]), out,
+                   title=TITLE)
+    with pytest.raises(ValueError, match="optim.method='adamw' would be replaced"):
+        train_runs(apply_overrides(config, ["optim.method=adamw"]), ablation_runs(["fira"], []), out, title=TITLE)
+    with pytest.raises(ValueError, match="train.seed=3 would be replaced"):
+        train_runs(apply_overrides(config, ["train.seed=3"]), gap_sweep_runs(["fira"], [3], [0, 1]), out, title=TITLE)
+    assert not out.exists()
+    # the value the runs set anyway, a key some runs leave to the config, a config of no recipe: accepted
+    seeded = apply_overrides(config, ["train.seed=3", "optim.rank=8"])
+    assert set(train_runs(seeded, gap_sweep_runs(["fira"], [2], [3]), out, title=TITLE)) == {"fira-T2"}
+    assert set(train_runs(seeded, spike_runs(["fira", "galore"], {"galore": 4}), out / "s", title=TITLE,
+                          partly_set=("optim.rank",))) == {"fira", "galore"}
+    custom = replace(apply_overrides(config, ["optim.rank=8"]), recipe="custom")
+    assert set(train_runs(custom, rank_sweep_runs(["fira"], [4]), out / "c", title=TITLE)) == {"adamw", "fira-r4"}
 
 
 @pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
