@@ -78,7 +78,8 @@ class Fira(Optimizer):
             as ``fira`` 1.0.2 does.
         weight_decay: decoupled weight decay :math:`\lambda` (default 0).
         rank: projection rank ``r`` for groups given as tensors (default 128). A matrix with
-            ``rank >= min(m, n)`` is trained by the plain base optimizer (no residual exists).
+            ``rank >= min(m, n)`` is trained by the plain base optimizer (no residual exists); a
+            group none of whose matrices is projected gets a ``UserWarning``.
         update_proj_gap: ``T``, steps between projection refreshes (default 200).
         alpha: :math:`\alpha`, GaLore's scale of the update (default 0.25).
         gamma: :math:`\gamma` of the norm-growth limiter (default 1.01).
@@ -226,6 +227,7 @@ class Fira(Optimizer):
             group["rank"] = check_rank(group["rank"])
             for index, p in enumerate(group["params"]):
                 _check_projectable(p, index, gi)
+            _warn_if_nothing_projected(group, gi)
         for index, p in enumerate(group["params"]):
             if p.is_complex():
                 raise ValueError(
@@ -623,6 +625,20 @@ def _split_flat_params(params, rank):
     if others:
         groups.append({"params": others, "rank": None})
     return groups
+
+
+def _warn_if_nothing_projected(group: dict[str, Any], group_index: int) -> None:
+    """A projected group none of whose matrices is projected (``rank >= min(m, n)`` for each:
+    e.g. a rank meant for a wider model) trains as the plain base optimizer, with full-rank
+    states: legitimate (Fira at full rank), but worth a word, as the memory saving is gone."""
+    params = group["params"]
+    if not params or any(is_projected(p, group) for p in params):
+        return
+    widest = max(min(p.shape) for p in params)
+    warnings.warn(f"param_groups[{group_index}]: rank={group['rank']} is >= min(m, n) of each of its "
+                  f"{len(params)} matrices (the largest min(m, n) is {widest}): none is projected, so "
+                  "the group trains as the plain base optimizer with full-rank states", UserWarning,
+                  stacklevel=3)
 
 
 def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:

@@ -176,3 +176,16 @@ def test_integer_options_take_numpy_and_tensor_integers():
     assert all(type(group[k]) is int for k in ("rank", "update_proj_gap", "seed"))
     opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(6, 8))], "rank": np.int64(2)})
     assert type(opt.param_groups[-1]["rank"]) is int
+
+
+def test_a_projected_group_with_nothing_to_project_warns() -> None:
+    wide, narrow = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]: rank=8 is >= min\(m, n\) of each of its 2 "
+                                         r"matrices \(the largest min\(m, n\) is 8\): none is projected"):
+        FiraAdamW([{"params": [wide, narrow], "rank": 8}])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FiraAdamW([{"params": [wide, narrow], "rank": 4}])  # wide is projected: no warning
+        FiraAdamW([{"params": [narrow], "rank": None}])  # not a projected group
