@@ -358,6 +358,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: What a command keeps when it is interrupted, and how to continue it.
+INTERRUPTED_HINTS = {
+    "pretrain": "the checkpoints are kept: the same command with --resume continues from the newest",
+    "compare": "finished runs and checkpoints are kept: the same command with --resume continues",
+    "sweep": "finished runs and checkpoints are kept: the same command with --reuse continues",
+    "analyze": "finished runs are kept: the same command with --reuse trains only the others",
+    "finetune": "the checkpoints in OUT/trainer are kept: the same command continues from the newest",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fira-train`` and ``python -m fira_train``; returns the exit status."""
     parser = build_parser()
@@ -369,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(message)s", stream=sys.stderr)
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
+        hint = INTERRUPTED_HINTS.get(args.command)
+        print(f"{PROG} {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return 130  # the shell's status for SIGINT
     except Exception as err:  # what users do: one line (fira_train.user_errors); a bug: its traceback
         message = describe(err, args)
         if message is None:

@@ -153,3 +153,16 @@ def test_methods_lists_the_registry(capsys) -> None:
     printed = capsys.readouterr().out
     for name in ("adamw", "fira", "galore", "lora", "relora", "adam-mini", "frugal"):
         assert f"\n{name} " in "\n" + printed
+
+
+def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, capsys) -> None:
+    import fira_train.run.train
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fira_train.run.train, "train", interrupted)
+    assert main(["pretrain", "--method", "adamw", "--recipe", "micro", "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == ("fira-train pretrain: interrupted; the checkpoints are kept: the same command "
+                           "with --resume continues from the newest")
