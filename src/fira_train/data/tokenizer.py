@@ -121,7 +121,9 @@ def load_pretrained_tokenizer(name: str) -> PreTrainedTokenizerBase:
     hint = "pass data.tokenizer=bpe to train a byte-level BPE on the corpus"
     looks_like_path = os.path.isabs(name) or name.startswith((".", "~"))
     if looks_like_path and not Path(name).expanduser().is_dir():
-        raise OSError(f"tokenizer folder {name!r} does not exist; pass a folder holding tokenizer.json, or {hint}")
+        what = "is a file, not a folder" if Path(name).expanduser().exists() else "does not exist"
+        raise OSError(f"tokenizer folder {name!r} {what}; pass the folder holding tokenizer.json "
+                      f"(tokenizer_config.json beside it), or {hint}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if looks_like_path else name,
                                                   trust_remote_code=False)

@@ -58,7 +58,9 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
             hint = ""
             if "data.test_fraction" in changes and saved.data.test_fraction == 0:
                 hint = "; a run made before the held-out test split resumes with data.test_fraction=0"
-            if "optim.lr" in changes:
+            if "optim.method" in changes:  # its lr (a method's tuned one) differs for that reason alone
+                hint += f"; the run was made with --method {saved.optim.method}"
+            elif "optim.lr" in changes:
                 hint += (f"; a run made before the recipe's tuned learning rates (or at another lr) "
                          f"resumes with optim.lr={saved.optim.lr:g}")
             if "optim.align_signs" in changes and saved.optim.align_signs is LEGACY_ALIGN_SIGNS:

@@ -112,6 +112,12 @@ def check_foreign_files(out: str | Path, resume: str | int | None, overwrite: bo
         return
     if resume is not None and _has_run(out) and "config.json" not in foreign:
         return  # a run of ours with other files beside it: resuming writes none of them
+    inner = [name.rstrip("/") for name in foreign if name.endswith("/") and _has_run(out / name)]
+    if inner:  # compare's, sweep's, an analysis's folder: fira-train wrote it, but not as one run
+        raise FileExistsError(f"{str(out)!r} holds runs in folders of their own ({_listing(inner)}): the "
+                              "output of a command that trains several (compare, sweep, memory, analyze); "
+                              f"one run's folder is one of them (e.g. --out {str(out / inner[0])!r}), or "
+                              "choose an empty or new --out")
     advice = ("choose an empty or new --out, or start a new run there with --overwrite (it replaces "
               "fira-train's own files, config.json included, and leaves the others)")
     raise FileExistsError(f"{str(out)!r} holds files that fira-train did not write ({_listing(foreign)}); "

@@ -137,6 +137,14 @@ def test_unloadable_tokenizer_names_it_and_suggests_bpe(tmp_path: Path, name: st
     assert "--tokenizer" not in str(info.value)  # fira-train has no such flag: the override is the way
 
 
+def test_a_tokenizer_file_instead_of_its_folder_is_named_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{}")
+    with pytest.raises(OSError, match=r"tokenizer folder '.*tokenizer\.json' is a file, not a folder; pass the "
+                                      r"folder holding tokenizer\.json"):
+        tok.load_pretrained_tokenizer(str(path))
+
+
 def test_invalid_hub_id_error_suggests_bpe() -> None:
     # Not a path and not a valid repo id: huggingface_hub rejects it before any request.
     with pytest.raises(OSError) as info:

@@ -168,6 +168,18 @@ def test_foreign_files_beside_a_run_do_not_block_its_resume(tmp_path: Path) -> N
     assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
 
 
+def test_a_folder_of_several_runs_is_named_for_what_it_is(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0", out="compare")
+    (tmp_path / "compare" / "fira").mkdir(parents=True)
+    (tmp_path / "compare" / "fira" / "metrics.jsonl").write_text("")
+    (tmp_path / "compare" / "report.md").write_text("# Pre-training comparison\n")
+    for resume in (None, "latest"):  # compare's --out given to pretrain: not "files fira-train did not write"
+        with pytest.raises(FileExistsError, match=r"holds runs in folders of their own \(fira\).*"
+                                                  r"--out '.*compare/fira'"):
+            train(config, resume=resume)
+    assert sorted(p.name for p in (tmp_path / "compare").iterdir()) == ["fira", "report.md"]
+
+
 def test_the_analyses_files_count_as_fira_trains() -> None:
     from fira_train.run import run_files
     from fira_train.analysis.callbacks import NORMS_FILE
@@ -200,3 +212,18 @@ def test_resuming_a_run_of_the_former_tiny_defaults_names_each_setting_to_give(t
     given = resolved(apply_overrides(tiny(), ["optim.lr=0.01", "optim.align_signs=true"]))
     assert config_changes(saved_config(old), given) == []
     prepare_out_dir(given, out, "latest", overwrite=False)  # no error
+
+
+def test_resuming_with_another_method_names_the_method_not_the_lr(tmp_path: Path) -> None:
+    from fira_train.config.overrides import apply_overrides, config_to_dict
+    from fira_train.config.recipes import tiny
+    from fira_train.config.resolve import resolved
+    from fira_train.run.run_dir import prepare_out_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config_to_dict(resolved(tiny()))))  # a fira run
+    with pytest.raises(ValueError) as err:
+        prepare_out_dir(resolved(apply_overrides(tiny(), ["optim.method=adamw"])), out, "latest", overwrite=False)
+    assert "optim.lr, optim.method differ" in str(err.value)
+    assert str(err.value).endswith("the run was made with --method fira") and "optim.lr=" not in str(err.value)
