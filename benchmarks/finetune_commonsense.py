@@ -320,9 +320,15 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
 
 
 def training_cells(res: dict, steps: int) -> tuple[str, str]:
-    """The report's peak-RSS and train-seconds cells of one run. A run continued from a
-    checkpoint measured its last sitting only, and one resumed at its last step trained
-    nothing there (its peak is of loading and evaluating): that is said, not shown as a time."""
+    """The report's peak-RSS and train-seconds cells of one run: over all its sittings where they
+    were recorded. Otherwise a run continued from a checkpoint measured its last sitting only,
+    and one resumed at its last step trained nothing there (its peak is of loading and
+    evaluating): that is said, not shown as a time."""
+    history = (res.get("training") or {}).get("sittings") or []
+    total = res["time"].get("train_s_all_sittings")
+    if len(history) > 1 and total is not None:  # every sitting recorded: the whole training
+        peak = res["memory"].get("train_peak_rss_mib_all_sittings")
+        return (f"{peak:.0f}" if peak else "-"), f"{total:.0f} ({len(history)} sittings)"
     peak = res["memory"]["train_peak_rss_mib"]
     resumed = (res.get("training") or {}).get("resumed_from_step")
     if resumed is not None and resumed >= steps:

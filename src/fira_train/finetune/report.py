@@ -60,9 +60,18 @@ def render_report(results: dict[str, Any]) -> str:
     """A Markdown summary of one run's ``results.json``."""
     config, memory, timing = results["config"], results["memory"], results["time"]
     rss = f"{memory['train_peak_rss_mib']:.0f}" if memory["train_peak_rss_mib"] is not None else "-"
+    train_s = f"{timing['train_s']:.1f}s"
     start = (results.get("training") or {}).get("resumed_from_step")
-    # a run continued from a checkpoint measures its last sitting only
+    # a run continued from a checkpoint measured its last sitting only, unless its sittings were recorded
     resumed = f" and peak RSS of steps {start + 1}-{config['steps']} only (continued from a checkpoint)" if start else ""
+    sittings = (results.get("training") or {}).get("sittings") or []
+    if len(sittings) > 1 and timing.get("train_s_all_sittings") is not None:
+        train_s = f"{timing['train_s_all_sittings']:.1f}s"
+        resumed = " in {} sittings ({})".format(len(sittings), ", ".join(
+            f"steps {s['from_step'] + 1}-{s['to_step']} at {s['threads']} thread{'s' if s['threads'] != 1 else ''}"
+            if s["to_step"] > s["from_step"] else "evaluated only" for s in sittings))
+        peak = memory.get("train_peak_rss_mib_all_sittings")
+        rss = f"{peak:.0f}" if peak is not None else "-"
     scoring = scoring_of(results)
     loglik = scoring == "loglik"
     lines = [
@@ -94,7 +103,7 @@ def render_report(results: dict[str, Any]) -> str:
         f"- optimizer state: {memory['optimizer_state_numel']:,} elements ({memory['optimizer_state_mib']:.1f} MiB fp32)",
         f"- trainable parameters: {results['model']['trainable_parameters']:,} of {results['model']['parameters']:,}",
         f"- peak RSS during training: {rss} MiB; process peak {memory['process_peak_rss_mib']:.0f} MiB",
-        f"- time: load {timing['load_s']:.1f}s, train {timing['train_s']:.1f}s{resumed}, eval {timing['eval_s']:.1f}s"
+        f"- time: load {timing['load_s']:.1f}s, train {train_s}{resumed}, eval {timing['eval_s']:.1f}s"
         + (" (validation included)" if results.get("validation") else ""),
     ]
     if results["training"]:

@@ -19,6 +19,7 @@ from fira_optim import optimizer_state_numel
 from fira_optim.integrations import FiraTrainer, target_parameter_names
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training
+from fira_train.files import write_text_atomic
 from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes
 
 
@@ -110,6 +111,62 @@ def _settings(config: FinetuneConfig) -> dict[str, Any]:
     return json.loads(json.dumps({k: v for k, v in asdict(config).items() if k in RESUME_KEYS}))
 
 
+#: Beside the checkpoints: each start (sitting) of the run, up to its newest checkpoint.
+SITTINGS_FILE = "sittings.json"
+
+
+def checkpoint_step(checkpoint: str | Path) -> int:
+    """The step of a Trainer checkpoint folder (``checkpoint-<step>``)."""
+    return int(Path(checkpoint).name.rsplit("-", 1)[1])
+
+
+def earlier_sittings(config: FinetuneConfig, resume: str | None) -> list[dict[str, Any]] | None:
+    """The sittings that brought the run to checkpoint ``resume``, each ``{from_step, to_step,
+    seconds, peak_rss_mib, threads}`` as :class:`SittingRecorder` wrote them: [] for a new run,
+    None where they are unknown (checkpoints written without the record, or a record that does
+    not reach ``resume``: a start killed between a checkpoint and its record)."""
+    if resume is None:
+        return []
+    try:
+        recorded = json.loads((checkpoint_dir(config) / SITTINGS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    steps = [0, *(s.get("to_step") for s in recorded if isinstance(s, dict))]
+    chained = (isinstance(recorded, list) and len(steps) == len(recorded) + 1
+               and all(s.get("from_step") == steps[i] for i, s in enumerate(recorded)))
+    return recorded if chained and steps[-1] == checkpoint_step(resume) else None
+
+
+class SittingRecorder(transformers.TrainerCallback):
+    """Writes ``trainer/sittings.json`` at every checkpoint: the sittings before this one and
+    this one up to that checkpoint. A run stopped and continued (with ``--threads`` changed,
+    perhaps) so reports its whole training time and peak memory, not only its last sitting's;
+    time spent after a sitting's last checkpoint is not counted (the next sitting redoes it)."""
+
+    def __init__(self, path: Path, earlier: list[dict[str, Any]] | None, from_step: int, rss_measured: bool):
+        self.path, self.earlier, self.from_step, self.rss_measured = path, earlier, from_step, rss_measured
+        self.started = time.perf_counter()
+
+    def entry(self, step: int) -> dict[str, Any]:
+        """This sitting from its start to ``step``."""
+        peak = rss_peak_bytes() if self.rss_measured else None
+        return {"from_step": self.from_step, "to_step": step, "seconds": time.perf_counter() - self.started,
+                "peak_rss_mib": peak / 2**20 if peak else None, "threads": torch.get_num_threads()}
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.earlier is not None:  # an unknown past is not recorded as a partial one
+            write_text_atomic(self.path, json.dumps([*self.earlier, self.entry(state.global_step)], indent=2))
+
+
+def sitting_totals(sittings: list[dict[str, Any]] | None) -> tuple[float | None, float | None]:
+    """Training seconds summed over the sittings and their highest peak RSS (MiB); None where
+    the sittings, or a sitting's peak, are unknown."""
+    if not sittings:
+        return None, None
+    peaks = [s.get("peak_rss_mib") for s in sittings]
+    return sum(s["seconds"] for s in sittings), (None if None in peaks else max(peaks))
+
+
 def remove_checkpoints(config: FinetuneConfig) -> None:
     """Delete this run's checkpoints once its results are written (they hold the whole model
     and optimizer state)."""
@@ -123,7 +180,8 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
 
     With ``config.save_steps`` the Trainer checkpoints every that many steps (model, optimizer,
     schedule, RNG state and data position). ``resume``: the checkpoint to continue from
-    (:func:`resume_point`); ``seconds`` and the peak memory are then this start's, and
+    (:func:`resume_point`); ``seconds`` and the peak memory are then this start's, ``sittings``
+    lists every start with its time and peak (:class:`SittingRecorder`), and
     ``resumed_from_step`` says where it began."""
     method = config.effective_method
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -164,10 +222,14 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     if config.save_steps:  # what the checkpoints about to be written were made with
         checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
         (checkpoint_dir(config) / "run_settings.json").write_text(json.dumps(_settings(config), indent=2))
+    earlier = earlier_sittings(config, resume)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     reset = reset_rss_peak()
-    started = time.perf_counter()
+    recorder = SittingRecorder(checkpoint_dir(config) / SITTINGS_FILE, earlier,
+                               checkpoint_step(resume) if resume else 0, reset)
+    trainer.add_callback(recorder)
+    started = recorder.started = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - started
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
@@ -192,5 +254,7 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         "optimizer_state_mib": state_numel * 4 / 2**20,
         "train_peak_rss_mib": (rss_peak_bytes() or 0) / 2**20 if reset else None,
         "train_peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
-        "resumed_from_step": int(Path(resume).name.rsplit("-", 1)[1]) if resume else None,
+        "resumed_from_step": checkpoint_step(resume) if resume else None,
+        # every start of the run, this one last (None: the earlier ones were not recorded)
+        "sittings": None if earlier is None else [*earlier, recorder.entry(trainer.state.global_step)],
     }

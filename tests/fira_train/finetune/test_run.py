@@ -418,8 +418,17 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
         main(argv(out, lr="2e-2"))
     assert "holds checkpoints of a run with other settings (lr)" in capsys.readouterr().err
 
+    sittings = json.loads((out / "trainer" / "sittings.json").read_text())
+    assert [(s["from_step"], s["to_step"]) for s in sittings] == [(0, 4)]  # to its last checkpoint
+
     resumed = run_cli(argv(out))
     assert resumed["training"]["resumed_from_step"] == 4 and resumed["training"]["steps"] == 6
+    both = resumed["training"]["sittings"]
+    assert [(s["from_step"], s["to_step"]) for s in both] == [(0, 4), (4, 6)]
+    assert both[1]["seconds"] == pytest.approx(resumed["time"]["train_s"], abs=0.5)
+    assert resumed["time"]["train_s_all_sittings"] == pytest.approx(sum(s["seconds"] for s in both))
+    assert "in 2 sittings (steps 1-4 at " in (out / "report.md").read_text()
+    assert [(s["from_step"], s["to_step"]) for s in whole["training"]["sittings"]] == [(0, 6)]
     assert resumed["training"]["loss_history"] == pytest.approx(whole["training"]["loss_history"], rel=1e-5)
     assert resumed["tasks"]["boolq"]["correct"] == whole["tasks"]["boolq"]["correct"]
     answers = (out / "predictions" / "boolq.jsonl").read_text()
@@ -451,3 +460,25 @@ def test_an_out_folder_that_cannot_be_made_is_a_one_line_error(tiny_model_dir, t
     blocker.write_text("not a folder")
     err = _one_line_error(capsys, _zero_shot(model_dir, data, blocker / "o"))
     assert str(blocker) in err
+
+
+def test_sittings_are_known_only_as_an_unbroken_chain_to_the_checkpoint(tmp_path) -> None:
+    from fira_train.finetune.config import FinetuneConfig
+    from fira_train.finetune.train import SITTINGS_FILE, checkpoint_dir, earlier_sittings, sitting_totals
+
+    config = FinetuneConfig(tasks=["boolq"], data_dir=str(tmp_path), method="fira", steps=6, out=str(tmp_path / "o"))
+    record = checkpoint_dir(config) / SITTINGS_FILE
+    assert earlier_sittings(config, None) == []  # a new run
+    assert earlier_sittings(config, "x/checkpoint-4") is None  # checkpoints without a record
+    record.parent.mkdir(parents=True)
+    first = {"from_step": 0, "to_step": 2, "seconds": 5.0, "peak_rss_mib": 100.0, "threads": 1}
+    second = {"from_step": 2, "to_step": 4, "seconds": 7.0, "peak_rss_mib": 120.0, "threads": 2}
+    record.write_text(json.dumps([first, second]))
+    assert earlier_sittings(config, "x/checkpoint-4") == [first, second]
+    assert earlier_sittings(config, "x/checkpoint-6") is None  # killed between a checkpoint and its record
+    record.write_text(json.dumps([first, {**second, "from_step": 3}]))
+    assert earlier_sittings(config, "x/checkpoint-4") is None  # not a chain
+    assert sitting_totals([first, second]) == (12.0, 120.0)
+    assert sitting_totals([first, {**second, "peak_rss_mib": None}]) == (12.0, None)
+    assert sitting_totals(None) == (None, None)
+
