@@ -31,8 +31,7 @@ from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, read_json
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.checkpoint import CHECKPOINT_DIR
-from fira_train.run.run_dir import finished_with
+from fira_train.run.run_dir import finished_with, previous_run
 from fira_train.run.train import train
 
 log = logging.getLogger(__name__)
@@ -186,7 +185,7 @@ def _check_no_earlier_runs(configs: Sequence[RunConfig]) -> None:
     anything trains; :func:`fira_train.run.train.train` would name pretrain's --resume)."""
     for cfg in configs:
         run_dir = Path(cfg.train.out_dir)
-        previous = [p for p in ("metrics.jsonl", "summary.json", CHECKPOINT_DIR) if (run_dir / p).exists()]
+        previous = previous_run(run_dir)
         if previous:
             raise FileExistsError(f"{str(run_dir)!r} already holds a run ({', '.join(previous)}); pass "
                                   "--reuse to keep the finished runs made with the same config, or "
