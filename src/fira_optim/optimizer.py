@@ -229,10 +229,13 @@ class Fira(Optimizer):
                 _check_projectable(p, index, gi)
             _warn_if_nothing_projected(group, gi)
         for index, p in enumerate(group["params"]):
-            if p.is_complex():
+            # A rank=None group with fp32 states takes complex parameters, as torch.optim.AdamW
+            # does (real views of them); a subspace of a complex matrix is not defined here.
+            if p.is_complex() and (group["rank"] is not None or group["state_dtype"] != StateDtype.FLOAT32):
                 raise ValueError(
-                    f"param_groups[{gi}]['params'][{index}] is complex "
-                    f"({p.dtype}); Fira supports real floating-point parameters only"
+                    f"param_groups[{gi}]['params'][{index}] is complex ({p.dtype}); Fira projects real "
+                    f"floating-point parameters only: put complex ones in a group with rank=None and "
+                    f"state_dtype='float32' (got rank={group['rank']!r}, state_dtype={group['state_dtype']!r})"
                 )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -614,11 +617,12 @@ def _split_flat_params(params, rank):
     if any(isinstance(p, dict) for p in params):
         raise TypeError("params must be all tensors or all dicts, not a mix")
 
-    def dim(item) -> int:  # a tensor, or a (name, tensor) pair of model.named_parameters()
-        return (item[1] if isinstance(item, tuple) else item).dim()
+    def projectable(item) -> bool:  # a tensor, or a (name, tensor) pair of model.named_parameters()
+        tensor = item[1] if isinstance(item, tuple) else item
+        return rank is not None and tensor.dim() == 2 and not tensor.is_complex()
 
-    matrices = [p for p in params if dim(p) == 2] if rank is not None else []
-    others = [p for p in params if rank is None or dim(p) != 2]
+    matrices = [p for p in params if projectable(p)]
+    others = [p for p in params if not projectable(p)]
     groups = []
     if matrices:
         groups.append({"params": matrices, "rank": rank})

@@ -1,5 +1,6 @@
 r"""Parameters that are not projected: biases, norms, embeddings, ``rank=None`` groups and
-matrices with ``rank >= min(m, n)``.
+matrices with ``rank >= min(m, n)``. Complex parameters (``rank=None`` groups with fp32 states
+only) step as real views of their storage, as in torch's optimizers.
 
 With ``arithmetic="paper"`` they are updated by torch's own functional optimizers, so a
 ``rank=None`` group is *exactly* ``torch.optim.AdamW`` (or ``Adagrad`` / ``RMSprop`` with
@@ -139,12 +140,33 @@ def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator) 
 
 
 def _step(group: dict, params: list[torch.Tensor], states: dict) -> None:
+    params, states = _real_views(params, states)
     if Arithmetic(group["arithmetic"]) is Arithmetic.RELEASED:
         _released_adamw(group, params, states)
     elif Base(group["base"]) is Base.ADAM:
         _torch_adamw(group, params, states)
     else:
         _torch_adagrad_or_rmsprop(group, params, states)
+
+
+def _real_views(params: list[torch.Tensor], states: dict) -> tuple[list[torch.Tensor], dict]:
+    """Complex parameters as real ``(..., 2)`` views of their storage, with their gradients and
+    moments viewed the same way: each real and imaginary part steps as a real parameter of its
+    own, as in ``torch.optim.AdamW``. Real parameters pass unchanged."""
+    if not any(p.is_complex() for p in params):
+        return params, states
+    views, view_states = [], {}
+    for p in params:
+        if p.is_complex():
+            view = torch.view_as_real(p.detach())  # shares p's storage: updated in place
+            view.grad = torch.view_as_real(p.grad)
+            view_states[view] = {key: torch.view_as_real(v) if torch.is_tensor(v) and v.is_complex() else v
+                                 for key, v in states[p].items()}  # the step counter: the same tensor
+            p = view
+        else:
+            view_states[p] = states[p]
+        views.append(p)
+    return views, view_states
 
 
 def _torch_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:

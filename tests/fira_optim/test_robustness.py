@@ -237,11 +237,33 @@ def test_sparse_gradient_raises_at_step(projected):
     assert torch.equal(emb.weight, before)
 
 
-@pytest.mark.parametrize("rank", [None, 3])
-def test_complex_params_raise(rank):
+@pytest.mark.parametrize("options", [{"rank": 3}, {"rank": None, "state_dtype": "bfloat16"}])
+def test_complex_params_raise_where_they_cannot_be_stepped(options):
     p = torch.nn.Parameter(torch.randn(8, 12, dtype=torch.complex64))
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*complex"):
-        FiraAdamW([{"params": [p], "rank": rank}])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is complex .*rank=None"):
+        FiraAdamW([{"params": [p], **options}])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_complex_params_of_a_plain_group_step_as_torch_adamw(foreach):
+    """A rank=None group is torch.optim.AdamW for complex parameters too (real views of them);
+    a flat list puts a complex matrix there by itself."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(8, 12, dtype=torch.complex64)), torch.nn.Parameter(torch.randn(5))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    fira = FiraAdamW(ours, lr=1e-2, weight_decay=0.1, rank=4, foreach=foreach)
+    assert [g["rank"] for g in fira.param_groups] == [None]  # the complex matrix is not projected
+    reference = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, foreach=foreach)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in ours]
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        fira.step()
+        reference.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+    assert fira.state[ours[0]]["exp_avg"].dtype == torch.complex64
+    assert torch.equal(fira.state[ours[0]]["exp_avg_sq"], reference.state[theirs[0]]["exp_avg_sq"])
 
 
 @pytest.mark.parametrize("cls", [FiraAdamW, GaLoreAdamW])
@@ -296,3 +318,21 @@ def test_square_matrices_follow_the_tie_rule_in_both_classes():
         opt.step()
         assert opt.state[w]["exp_avg"].shape == (9, 2)  # right: R = G Q is m x r
         assert opt.state[w]["basis"].shape == (9, 2)
+
+
+@pytest.mark.parametrize("options", [{"base": "adagrad"}, {"base": "rmsprop"}, {"arithmetic": "released"}])
+def test_a_complex_parameter_steps_as_its_real_view(options):
+    torch.manual_seed(0)
+    z = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.complex64))
+    real = torch.nn.Parameter(torch.view_as_real(z.detach()).clone())
+    ours = FiraAdamW([{"params": [z]}], lr=1e-2, weight_decay=0.1, **options)
+    theirs = FiraAdamW([{"params": [real]}], lr=1e-2, weight_decay=0.1, **options)
+    for _ in range(3):
+        g = torch.randn_like(z)
+        z.grad, real.grad = g, torch.view_as_real(g).clone()
+        ours.step()
+        theirs.step()
+    assert torch.equal(torch.view_as_real(z.detach()), real.detach())
+    loaded = FiraAdamW([{"params": [z]}], lr=1e-2, weight_decay=0.1, **options)
+    loaded.load_state_dict(ours.state_dict())  # complex moments round-trip
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state[z].values(), ours.state[z].values()))
