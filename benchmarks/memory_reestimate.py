@@ -26,13 +26,15 @@ from fira_train.memory.run_estimate import estimate_run_bytes
 def reestimate(root: Path, overrides: list[str]) -> list[dict]:
     """One dict per measured row: size, method, measured, estimate then and now (bytes)."""
     out = []
-    records = [json.loads(path.read_text()) for path in root.glob("*/memory.json")]
-    for record in sorted(records, key=lambda r: r["rows"][0]["measured"]["parameters"] if r["rows"] else 0):
+    records = [(path.parent.name, json.loads(path.read_text())) for path in sorted(root.glob("*/memory.json"))]
+    for folder, record in sorted(records, key=lambda r: r[1]["rows"][0]["measured"]["parameters"] if r[1]["rows"] else 0):
         base = apply_overrides(get_recipe(record["recipe"]), overrides)
+        # the folder names the measurement where it is not the size (before / after a change)
+        size = record["recipe"] if folder == record["recipe"] else f"{record['recipe']} ({folder})"
         for row in record["rows"]:
             config = parse_method_specs(row["method"])[0].config(base, ".")
             now = estimate_run_bytes(config, row["measured"]["vocab_size"], row["measured"]["device"])
-            out.append({"size": record["recipe"], "method": row["method"],
+            out.append({"size": size, "method": row["method"],
                         "measured": row["measured_peak_bytes"], "then": row["estimated_bytes"],
                         "now": now["total"]})
     return out
