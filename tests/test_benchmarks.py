@@ -140,6 +140,9 @@ def test_memory_reestimate_rebuilds_each_rows_config_on_its_device(tmp_path: Pat
     assert cuda["now"] == estimate_run_bytes(adamw_config, 32000, "cuda")["total"] != cuda["then"]
     assert fira["now"] < fira["then"]  # on CUDA the activations are freed before the step
     assert reestimate(tmp_path, [])[0]["now"] != cpu["now"]  # the overrides are applied
+    assert cpu["size"] == "60m"
+    (tmp_path / "60m").rename(tmp_path / "before")  # a folder named for the measurement, not the size
+    assert [r["size"] for r in reestimate(tmp_path, overrides)] == ["60m (before)"] * 3
 
 
 def test_benchmarks_page_is_what_render_writes_from_the_committed_json() -> None:
