@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,3 +145,13 @@ def test_formatters_render_every_row():
 def test_bad_input_names_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_the_documented_table_is_what_the_code_prints() -> None:
+    """docs/results/memory.md's table is fira-train memory's first table: a change of the
+    estimate (or a hand edit of the page) shows up here."""
+    page = (Path(__file__).resolve().parents[3] / "docs" / "results" / "memory.md").read_text().split("\n")
+    start = page.index("## Table") + 2
+    end = next(i for i in range(start, len(page)) if not page[i].startswith("|"))
+    printed = [line for line in format_memory_table(memory_table()).split("\n") if line.startswith("|")]
+    assert page[start:end] == printed
