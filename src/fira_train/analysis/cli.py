@@ -32,49 +32,32 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fira_train.analysis.variance import run_variance_analysis
+from fira_train.config.comma_list import comma_list, distinct
 from fira_train.report.markdown import command_line
 
 ANALYSES = ("similarity", "rank-sweep", "gap-sweep", "ablation", "spikes", "noise", "variance")
 
 
 def _names(text: str, flag: str) -> list[str]:
-    """A comma-separated list: at least one entry, none empty (``a,,b`` may have lost one), none
-    twice (a repeated rank or gap would be dropped, a repeated method would clash)."""
-    if not text.strip():
-        raise ValueError(f"{flag} must list at least one name, got {text!r}")
-    names = [n.strip() for n in text.split(",")]
-    if not all(names):
-        raise ValueError(f"{flag} {text!r} has an empty entry (two commas, or one at an end)")
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ValueError(f"{flag} names {repeated[0]!r} twice, in {text!r}")
-    return names
+    return comma_list(text, flag)
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    names = _names(text, flag)
+    names = comma_list(text, flag)
     try:
         values = [int(n) for n in names]
     except ValueError as err:
         raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from err
-    return _distinct(values, text, flag)
+    return distinct(values, text, flag)
 
 
 def _floats(text: str, flag: str) -> list[float]:
-    names = _names(text, flag)
+    names = comma_list(text, flag)
     try:
         values = [math.inf if n.lower() in ("inf", "infinity") else float(n) for n in names]
     except ValueError as err:
         raise ValueError(f"{flag} must be comma-separated numbers (or inf), got {text!r}") from err
-    return _distinct(values, text, flag)
-
-
-def _distinct(values: list, text: str, flag: str) -> list:
-    """``values``, refused if two are equal as numbers (``4,04``: one run, not two)."""
-    repeated = [v for i, v in enumerate(values) if v in values[:i]]
-    if repeated:
-        raise ValueError(f"{flag} gives {repeated[0]!r} twice, in {text!r}")
-    return values
+    return distinct(values, text, flag)
 
 
 def _ranks(args: argparse.Namespace) -> list[int] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from fira_train.config.comma_list import comma_list
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
@@ -44,6 +45,7 @@ def parse_method_spec(text: str) -> MethodSpec:
     keys = set()
     for override in overrides:
         key, sep, _ = override.partition("=")
+        key = key.strip()  # as apply_overrides reads it
         if not sep or not key:
             raise ValueError(f"method spec {text!r}: {override!r} is not a key=value override")
         if key == "optim.method":
@@ -59,17 +61,7 @@ def parse_method_spec(text: str) -> MethodSpec:
 def parse_method_specs(text: str) -> list[MethodSpec]:
     """A comma-separated list of specs: at least one, none twice, none empty, each naming a
     method of the registry (ValueError listing the valid names)."""
-    if not text.strip():
-        raise ValueError(f"--methods must name at least one method, got {text!r}")
-    parts = text.split(",")
-    if not all(part.strip() for part in parts):  # "fira,,adamw": a method may have been lost
-        raise ValueError(f"--methods {text!r} has an empty entry (two commas, or one at an end)")
-    specs = [parse_method_spec(part) for part in parts]
+    specs = [parse_method_spec(part) for part in comma_list(text, "--methods")]
     for spec in specs:
         get_method(spec.name)
-    seen = set()
-    for spec in specs:
-        if spec.text in seen:
-            raise ValueError(f"--methods names {spec.text!r} twice")
-        seen.add(spec.text)
     return specs

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from fira_train.config.comma_list import comma_list, distinct
 from fira_train.config.method_spec import parse_method_specs
 from fira_train.config.run_config import RunConfig
 from fira_train.files import check_report_owner, read_json
@@ -27,12 +28,10 @@ log = logging.getLogger(__name__)
 
 
 def parse_numbers(flag: str, text: str, kind: type) -> list:
-    """``"0.001,0.003"`` -> numbers of ``kind`` (positive floats, or ints >= 0), none twice."""
+    """``"0.001,0.003"`` -> numbers of ``kind`` (positive floats, or ints >= 0), none twice, none
+    empty (:mod:`fira_train.config.comma_list`)."""
     values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for part in comma_list(text, flag):
         try:
             value = kind(part)
         except ValueError:
@@ -40,12 +39,8 @@ def parse_numbers(flag: str, text: str, kind: type) -> list:
                              f"(in {text!r})") from None
         if (kind is float and not (math.isfinite(value) and value > 0)) or (kind is int and value < 0):
             raise ValueError(f"{flag}: {part!r} must be {'a positive number' if kind is float else '>= 0'}")
-        if value in values:
-            raise ValueError(f"{flag}: {part!r} appears twice in {text!r}")
         values.append(value)
-    if not values:
-        raise ValueError(f"{flag} needs at least one value, got {text!r}")
-    return values
+    return distinct(values, text, flag)
 
 
 def parse_lr_grids(entries: Sequence[str], specs: Sequence[str]) -> dict[str, list[float]]:
