@@ -358,14 +358,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: What a command keeps when it is interrupted, and how to continue it.
-INTERRUPTED_HINTS = {
-    "pretrain": "the checkpoints are kept: the same command with --resume continues from the newest",
-    "compare": "finished runs and checkpoints are kept: the same command with --resume continues",
-    "sweep": "finished runs and checkpoints are kept: the same command with --reuse continues",
-    "analyze": "finished runs are kept: the same command with --reuse trains only the others",
-    "finetune": "the checkpoints in OUT/trainer are kept: the same command continues from the newest",
-}
+def interrupted_hint(args: argparse.Namespace) -> str | None:
+    """What a command stopped by Ctrl-C keeps, and how to continue it (None: nothing to continue)."""
+    command = args.command
+    if command == "analyze" and getattr(args, "analysis_name", None) == "variance":
+        return None  # a simulation of seconds to minutes: nothing is kept
+    instead = [f for f, given in (("--overwrite", getattr(args, "overwrite", False)),
+                                  ("--resume-step", getattr(args, "resume_step", None) is not None)) if given]
+    also = f" (instead of {' and '.join(instead)})" if instead else ""
+    if command in ("pretrain", "compare"):
+        return (f"checkpoints written so far are kept (train.save_every): the same command with --resume{also} "
+                "continues from the newest" + (", and compare keeps the finished runs" if command == "compare" else ""))
+    if command == "sweep":
+        return f"finished runs and checkpoints are kept: the same command with --reuse{also} continues"
+    if command == "analyze":
+        return f"finished runs are kept: the same command with --reuse{also} trains only the others"
+    if command == "finetune":
+        return ("checkpoints written so far are kept in OUT/trainer (--save-steps): the same command "
+                "continues from the newest")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
-        hint = INTERRUPTED_HINTS.get(args.command)
+        hint = interrupted_hint(args)
         print(f"{PROG} {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130  # the shell's status for SIGINT
     except Exception as err:  # what users do: one line (fira_train.user_errors); a bug: its traceback

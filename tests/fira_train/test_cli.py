@@ -164,5 +164,22 @@ def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, 
     monkeypatch.setattr(fira_train.run.train, "train", interrupted)
     assert main(["pretrain", "--method", "adamw", "--recipe", "micro", "--out", str(tmp_path)]) == 130
     err = capsys.readouterr().err
-    assert err.strip() == ("fira-train pretrain: interrupted; the checkpoints are kept: the same command "
-                           "with --resume continues from the newest")
+    assert err.strip() == ("fira-train pretrain: interrupted; checkpoints written so far are kept "
+                           "(train.save_every): the same command with --resume continues from the newest")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["pretrain", "--recipe", "micro", "--method", "fira", "--overwrite"],
+     "with --resume (instead of --overwrite) continues"),
+    (["pretrain", "--recipe", "micro", "--method", "fira", "--resume-step", "40"],
+     "with --resume (instead of --resume-step) continues"),
+    (["compare", "--recipe", "micro", "--methods", "fira"],
+     "with --resume continues from the newest, and compare keeps the finished runs"),
+    (["sweep", "--recipe", "micro", "--out", "o", "--methods", "fira", "--lrs", "0.01"], "with --reuse continues"),
+    (["analyze", "noise", "--overwrite"], "with --reuse (instead of --overwrite) trains only the others"),
+    (["finetune", "--tasks", "boolq", "--data-dir", "d"], "kept in OUT/trainer (--save-steps): the same command continues"),
+    (["analyze", "variance"], None), (["methods"], None),
+])
+def test_each_command_says_how_to_continue_after_ctrl_c(argv: list[str], expected: str | None) -> None:
+    hint = cli.interrupted_hint(build_parser().parse_args(argv))
+    assert hint is None if expected is None else expected in hint

@@ -91,6 +91,10 @@ def run_ablation(config: RunConfig, out_dir: str | Path, *, variants: Sequence[s
     for v in variants:
         get_method(v)
     gammas = [_check_gamma(g) for g in gammas]
+    if config.optim.gamma != FIRA_GAMMA:  # every run but the gamma runs would take it, unlabelled
+        raise ValueError(f"optim.gamma={config.optim.gamma!r}: the ablation compares limiter settings itself, "
+                         f"each variant at the paper's gamma {FIRA_GAMMA} and the --gammas runs at theirs; "
+                         "leave optim.gamma out and list the gammas in --gammas")
     out = Path(out_dir)
     runs = ablation_runs(variants, gammas)
     summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)

@@ -59,3 +59,10 @@ def test_ablation_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
 def test_ablation_rejects_bad_gammas(tmp_path: Path, corpus_root: Path, gamma) -> None:
     with pytest.raises(ValueError, match="gammas"):
         run_ablation(analysis_config(corpus_root, tmp_path / "run"), tmp_path / "x", variants=(), gammas=(gamma,))
+
+
+def test_ablation_refuses_a_gamma_of_its_own(tmp_path: Path, corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run", "optim.gamma=1.1")
+    with pytest.raises(ValueError, match="optim.gamma=1.1: the ablation compares limiter settings itself"):
+        run_ablation(config, tmp_path / "x", variants=("fira",), gammas=(1.5,))
+    assert not (tmp_path / "x").exists()
