@@ -31,7 +31,8 @@ from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, read_json
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import finished_with, previous_run
+from fira_train.run.run_dir import finished_with
+from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
 
 log = logging.getLogger(__name__)

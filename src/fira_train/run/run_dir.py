@@ -33,18 +33,13 @@ def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
     return sorted(k for k in changed if k not in RESUMABLE_CHANGES)
 
 
-def previous_run(out: Path) -> list[str]:
-    """The files of a run that ``out`` already holds (none: it holds no run)."""
-    return [p for p in ("metrics.jsonl", "summary.json", CHECKPOINT_DIR) if (out / p).exists()]
-
-
 def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool,
                     delete: bool = True) -> None:
     """Check that OUT may hold this run; with ``overwrite`` (and ``delete``: rank 0 only)
     remove a previous one. Files fira-train did not write are never deleted, and refused
     without ``overwrite`` (:func:`fira_train.run.run_files.check_foreign_files`)."""
     run_files.check_foreign_files(out, resume, overwrite)
-    previous = previous_run(out)
+    previous = run_files.previous_run(out)
     if resume is None and previous:
         if not overwrite:
             raise FileExistsError(f"{str(out)!r} already holds a run ({', '.join(previous)}); pass "

@@ -25,6 +25,7 @@ import logging
 import re
 from pathlib import Path
 
+from fira_train.run.checkpoint import CHECKPOINT_DIR
 from fira_train.run.run_lock import LOCK_FILE
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,26 @@ def foreign_files(out: str | Path) -> list[str]:
     return foreign
 
 
+def previous_run(out: Path) -> list[str]:
+    """The files of a run that ``out`` already holds (none: it holds no run's records)."""
+    return [name for name in ("metrics.jsonl", "summary.json", CHECKPOINT_DIR) if (out / name).exists()]
+
+
 def _has_run(out: Path) -> bool:
-    return any((out / name).exists() for name in ("metrics.jsonl", "summary.json", "checkpoints")) or (
-        (out / "config.json").is_file() and is_run_config(out / "config.json"))
+    return bool(previous_run(out)) or ((out / "config.json").is_file() and is_run_config(out / "config.json"))
+
+
+def _folders_with_runs(out: Path, depth: int = 3) -> list[str]:
+    """The folders of ``out`` that hold a run within ``depth`` levels: compare's and the
+    analyses' ``OUT/<run>``, the sweep's ``OUT/<method>/<lr>/<seed>``, memory's ``OUT/runs/<method>``."""
+    def holds(folder: Path, levels: int) -> bool:
+        if _has_run(folder):
+            return True
+        return levels > 1 and any(holds(child, levels - 1) for child in sorted(folder.iterdir())
+                                  if child.is_dir() and not child.is_symlink())
+
+    return [child.name for child in sorted(out.iterdir())
+            if child.is_dir() and not child.is_symlink() and holds(child, depth)]
 
 
 def _listing(names: list[str]) -> str:
@@ -112,12 +130,12 @@ def check_foreign_files(out: str | Path, resume: str | int | None, overwrite: bo
         return
     if resume is not None and _has_run(out) and "config.json" not in foreign:
         return  # a run of ours with other files beside it: resuming writes none of them
-    inner = [name.rstrip("/") for name in foreign if name.endswith("/") and _has_run(out / name)]
-    if inner:  # compare's, sweep's, an analysis's folder: fira-train wrote it, but not as one run
-        raise FileExistsError(f"{str(out)!r} holds runs in folders of their own ({_listing(inner)}): the "
-                              "output of a command that trains several (compare, sweep, memory, analyze); "
-                              f"one run's folder is one of them (e.g. --out {str(out / inner[0])!r}), or "
-                              "choose an empty or new --out")
+    inner = [name for name in _folders_with_runs(out) if f"{name}/" in foreign]
+    if inner:  # compare's, sweep's, memory's, an analysis's folder, or one holding several runs
+        raise FileExistsError(f"{str(out)!r} holds runs in folders of their own ({_listing(inner)}), as "
+                              "compare, sweep, memory --measure and analyze write them: a run's --out is "
+                              "the folder of that one run (--resume continues one of them); choose an "
+                              "empty or new --out for a new run")
     advice = ("choose an empty or new --out, or start a new run there with --overwrite (it replaces "
               "fira-train's own files, config.json included, and leaves the others)")
     raise FileExistsError(f"{str(out)!r} holds files that fira-train did not write ({_listing(foreign)}); "

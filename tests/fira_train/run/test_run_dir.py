@@ -173,11 +173,14 @@ def test_a_folder_of_several_runs_is_named_for_what_it_is(tmp_path: Path) -> Non
     (tmp_path / "compare" / "fira").mkdir(parents=True)
     (tmp_path / "compare" / "fira" / "metrics.jsonl").write_text("")
     (tmp_path / "compare" / "report.md").write_text("# Pre-training comparison\n")
+    # a sweep's runs, two levels further down
+    (tmp_path / "compare" / "adamw" / "lr=0.001" / "seed=0").mkdir(parents=True)
+    (tmp_path / "compare" / "adamw" / "lr=0.001" / "seed=0" / "summary.json").write_text("{}")
     for resume in (None, "latest"):  # compare's --out given to pretrain: not "files fira-train did not write"
-        with pytest.raises(FileExistsError, match=r"holds runs in folders of their own \(fira\).*"
-                                                  r"--out '.*compare/fira'"):
+        with pytest.raises(FileExistsError, match=r"holds runs in folders of their own \(adamw, fira\), as "
+                                                  r"compare, sweep"):
             train(config, resume=resume)
-    assert sorted(p.name for p in (tmp_path / "compare").iterdir()) == ["fira", "report.md"]
+    assert sorted(p.name for p in (tmp_path / "compare").iterdir()) == ["adamw", "fira", "report.md"]
 
 
 def test_the_analyses_files_count_as_fira_trains() -> None:
