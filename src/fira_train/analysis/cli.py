@@ -82,6 +82,9 @@ def _config(args: argparse.Namespace):
     if args.data is not None:
         flags["data.source"] = args.data
     config = apply_overrides(config, flags)
+    for override in args.overrides:
+        if override.partition("=")[0].strip() == "train.out_dir":  # would be replaced by OUT/<run>
+            raise ValueError(f"{override}: an analysis writes each run to OUT/<run>; choose OUT with --out")
     return apply_overrides(config, list(args.overrides))
 
 

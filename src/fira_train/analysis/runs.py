@@ -171,8 +171,9 @@ def check_not_replaced(config: RunConfig, runs: Sequence[AnalysisRun], configs: 
         keys = _ALWAYS_SET + tuple(o.partition("=")[0] for o in run.overrides)
         for key in keys:
             if key in changed and key not in partly_set and values[key] != given[key]:
-                raise ValueError(f"{key}={given[key]!r} would be replaced: the analysis sets {key} for "
-                                 f"each run (run {run.name!r}: {values[key]!r}); leave it out, and choose "
+                given_as = " (--seed)" if key == "train.seed" else ""
+                raise ValueError(f"{key}={given[key]!r}{given_as} would be replaced: the analysis sets {key} "
+                                 f"for each run (run {run.name!r}: {values[key]!r}); leave it out, and choose "
                                  f"it with the analysis's own flags (--help)")
 
 
