@@ -73,7 +73,7 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     r"""Param groups for :class:`fira_optim.FiraAdamW`.
 
-    Projects the 2-D weights of ``nn.Linear`` layers (attention and MLP matrices), never
+    Projects the real 2-D weights of ``nn.Linear`` layers (attention and MLP matrices), never
     embeddings or the output head (``get_output_embeddings()`` and any weight tied to an
     embedding), nor 1-D tensors. ``include`` / ``exclude`` are regular expressions searched in
     the module name (``include`` restricts the projected set, ``exclude`` removes from it).
@@ -86,8 +86,8 @@ def param_groups(
     seen: set[int] = set()
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or weight is None or weight.dim() != 2:
-            continue
+        if not isinstance(module, nn.Linear) or weight is None or weight.dim() != 2 or weight.is_complex():
+            continue  # a complex weight steps as torch.optim.AdamW does, in the plain group
         if id(weight) in never or id(weight) in seen or not weight.requires_grad:
             continue
         if include is not None and not _matches(name, include):

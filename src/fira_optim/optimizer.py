@@ -22,6 +22,7 @@ the scaling factors are then per row.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -231,6 +232,8 @@ class Fira(Optimizer):
         for index, p in enumerate(group["params"]):
             # A rank=None group with fp32 states takes complex parameters, as torch.optim.AdamW
             # does (real views of them); a subspace of a complex matrix is not defined here.
+            if p.dtype == torch.complex32:  # fp16 halves: its moments would underflow (fp16 keeps fp32 ones)
+                raise ValueError(f"param_groups[{gi}]['params'][{index}] is complex32; use complex64")
             if p.is_complex() and (group["rank"] is not None or group["state_dtype"] != StateDtype.FLOAT32):
                 raise ValueError(
                     f"param_groups[{gi}]['params'][{index}] is complex ({p.dtype}); Fira projects real "
@@ -639,10 +642,19 @@ def _warn_if_nothing_projected(group: dict[str, Any], group_index: int) -> None:
     if not params or any(is_projected(p, group) for p in params):
         return
     widest = max(min(p.shape) for p in params)
-    warnings.warn(f"param_groups[{group_index}]: rank={group['rank']} is >= min(m, n) of each of its "
-                  f"{len(params)} matrices (the largest min(m, n) is {widest}): none is projected, so "
-                  "the group trains as the plain base optimizer with full-rank states", UserWarning,
-                  stacklevel=3)
+    each = "its matrix" if len(params) == 1 else f"each of its {len(params)} matrices"
+    warnings.warn(f"param_groups[{group_index}]: rank={group['rank']} is >= min(m, n) of {each} (the "
+                  f"largest min(m, n) is {widest}): none is projected, so the group trains as the plain "
+                  "base optimizer with full-rank states", UserWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel of the first frame outside fira_optim and torch.optim (the
+    user's constructor or add_param_group call), from the function calling this one."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("fira_optim.", "torch.optim.")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:

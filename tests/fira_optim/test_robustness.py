@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+import fira_optim
 from fira_optim import FiraAdamW, GaLoreAdamW, NonFiniteGradientError
 
 from .common import (assert_params_equal, assert_states_equal, grad_sequence,
@@ -242,6 +243,9 @@ def test_complex_params_raise_where_they_cannot_be_stepped(options):
     p = torch.nn.Parameter(torch.randn(8, 12, dtype=torch.complex64))
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is complex .*rank=None"):
         FiraAdamW([{"params": [p], **options}])
+    half = torch.nn.Parameter(torch.randn(8, 12, dtype=torch.complex64).to(torch.complex32))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] is complex32"):
+        FiraAdamW([{"params": [half]}])
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -253,6 +257,8 @@ def test_complex_params_of_a_plain_group_step_as_torch_adamw(foreach):
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     fira = FiraAdamW(ours, lr=1e-2, weight_decay=0.1, rank=4, foreach=foreach)
     assert [g["rank"] for g in fira.param_groups] == [None]  # the complex matrix is not projected
+    layer = torch.nn.Linear(12, 8, dtype=torch.complex64)
+    assert [g["rank"] for g in fira_optim.param_groups(torch.nn.Sequential(layer), rank=4)] == [None]
     reference = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, foreach=foreach)
     for _ in range(3):
         grads = [torch.randn_like(p) for p in ours]

@@ -181,8 +181,13 @@ def test_integer_options_take_numpy_and_tensor_integers():
 def test_a_projected_group_with_nothing_to_project_warns() -> None:
     wide, narrow = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8, 4))
     with pytest.warns(UserWarning, match=r"param_groups\[0\]: rank=8 is >= min\(m, n\) of each of its 2 "
-                                         r"matrices \(the largest min\(m, n\) is 8\): none is projected"):
+                                         r"matrices \(the largest min\(m, n\) is 8\): none is projected") as caught:
         FiraAdamW([{"params": [wide, narrow], "rank": 8}])
+    assert caught[0].filename == __file__  # the user's line, not torch.optim's
+    optimizer = FiraAdamW([{"params": [wide], "rank": 4}])
+    with pytest.warns(UserWarning, match=r"param_groups\[1\]: rank=4 is >= min\(m, n\) of its matrix") as caught:
+        optimizer.add_param_group({"params": [narrow], "rank": 4})
+    assert caught[0].filename == __file__
     import warnings
 
     with warnings.catch_warnings():
