@@ -324,22 +324,21 @@ def training_cells(res: dict, steps: int) -> tuple[str, str]:
     were recorded. Otherwise a run continued from a checkpoint measured its last sitting only,
     and one resumed at its last step trained nothing there (its peak is of loading and
     evaluating): that is said, not shown as a time."""
-    history = (res.get("training") or {}).get("sittings") or []
-    total = res["time"].get("train_s_all_sittings")
-    if len(history) > 1 and total is not None:  # every sitting recorded: the whole training
-        peak = res["memory"].get("train_peak_rss_mib_all_sittings")
-        return (f"{peak:.0f}" if peak else "-"), f"{total:.0f} ({len(history)} sittings)"
-    peak = res["memory"]["train_peak_rss_mib"]
-    resumed = (res.get("training") or {}).get("resumed_from_step")
+    from fira_train.finetune.report import training_span
+
+    span = training_span(res)
+    rss = f"{span.peak_rss_mib:.0f}" if span.peak_rss_mib else "-"
+    if span.sittings:  # every sitting recorded: the whole training
+        return rss, f"{span.seconds:.0f} ({len(span.sittings)} sittings)"
+    resumed = span.resumed_from_step
     if resumed is not None and resumed >= steps:
         return "-", f"- (resumed at step {resumed}: evaluated only)"
-    rss = f"{peak:.0f}" if peak else "-"
-    train_s = f"{res['time']['train_s']:.0f}" + (f" (steps {resumed + 1}-{steps} only)" if resumed else "")
-    return rss, train_s
+    return rss, f"{span.seconds:.0f}" + (f" (steps {resumed + 1}-{steps} only)" if resumed else "")
 
 
 def sittings(header: dict) -> list[dict]:
-    """The ``{date, machine, command}`` of each training invocation recorded in ``header`` (a header
+    """The ``{date, machine, command}`` of each invocation of this benchmark that trained (not a
+    run's ``training.sittings``, the starts of one run) recorded in ``header`` (a header
     written before sittings were recorded holds its first one only, at the top level)."""
     if "sittings" in header:
         return header["sittings"]

@@ -10,6 +10,7 @@ two runs are compared example by example with McNemar's exact test
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
@@ -56,22 +57,44 @@ def paired_cell(paired: Paired) -> str:
     return f"{100 * paired.difference:+.1f} (p {p_text(paired.p_value)})"
 
 
+@dataclass(frozen=True)
+class TrainingSpan:
+    """A run's training time and peak RSS as its reports show them."""
+
+    seconds: float
+    peak_rss_mib: float | None
+    sittings: list[dict[str, Any]]
+    """Every sitting, where the figures are their sums (the time) and highest (the peak); [] for
+    a run trained in one sitting or whose earlier sittings were not recorded."""
+    resumed_from_step: int | None
+    """Where ``sittings`` is []: the checkpoint step the measured sitting began from (None: 0)."""
+
+
+def training_span(results: dict[str, Any]) -> TrainingSpan:
+    """The whole training's figures where every sitting was recorded (an evaluation-only sitting,
+    resumed at the last step, adds its checkpoint loading), else the last sitting's."""
+    training = results.get("training") or {}
+    history = training.get("sittings") or []
+    total = results["time"].get("train_s_all_sittings")
+    if len(history) > 1 and total is not None:
+        return TrainingSpan(total, results["memory"].get("train_peak_rss_mib_all_sittings"), history, None)
+    return TrainingSpan(results["time"]["train_s"], results["memory"]["train_peak_rss_mib"], [],
+                        training.get("resumed_from_step"))
+
+
 def render_report(results: dict[str, Any]) -> str:
     """A Markdown summary of one run's ``results.json``."""
     config, memory, timing = results["config"], results["memory"], results["time"]
-    rss = f"{memory['train_peak_rss_mib']:.0f}" if memory["train_peak_rss_mib"] is not None else "-"
-    train_s = f"{timing['train_s']:.1f}s"
-    start = (results.get("training") or {}).get("resumed_from_step")
-    # a run continued from a checkpoint measured its last sitting only, unless its sittings were recorded
+    span = training_span(results)
+    rss = f"{span.peak_rss_mib:.0f}" if span.peak_rss_mib is not None else "-"
+    train_s = f"{span.seconds:.1f}s"
+    start = span.resumed_from_step
+    # continued from a checkpoint without its earlier sittings recorded: the last sitting only
     resumed = f" and peak RSS of steps {start + 1}-{config['steps']} only (continued from a checkpoint)" if start else ""
-    sittings = (results.get("training") or {}).get("sittings") or []
-    if len(sittings) > 1 and timing.get("train_s_all_sittings") is not None:
-        train_s = f"{timing['train_s_all_sittings']:.1f}s"
-        resumed = " in {} sittings ({})".format(len(sittings), ", ".join(
+    if span.sittings:
+        resumed = " in {} sittings ({})".format(len(span.sittings), ", ".join(
             f"steps {s['from_step'] + 1}-{s['to_step']} at {s['threads']} thread{'s' if s['threads'] != 1 else ''}"
-            if s["to_step"] > s["from_step"] else "evaluated only" for s in sittings))
-        peak = memory.get("train_peak_rss_mib_all_sittings")
-        rss = f"{peak:.0f}" if peak is not None else "-"
+            if s["to_step"] > s["from_step"] else "evaluated only" for s in span.sittings))
     scoring = scoring_of(results)
     loglik = scoring == "loglik"
     lines = [

@@ -131,9 +131,10 @@ def earlier_sittings(config: FinetuneConfig, resume: str | None) -> list[dict[st
         recorded = json.loads((checkpoint_dir(config) / SITTINGS_FILE).read_text())
     except (OSError, ValueError):
         return None
-    steps = [0, *(s.get("to_step") for s in recorded if isinstance(s, dict))]
-    chained = (isinstance(recorded, list) and len(steps) == len(recorded) + 1
-               and all(s.get("from_step") == steps[i] for i, s in enumerate(recorded)))
+    if not isinstance(recorded, list) or not all(isinstance(s, dict) for s in recorded):
+        return None
+    steps = [0, *(s.get("to_step") for s in recorded)]
+    chained = all(s.get("from_step") == steps[i] for i, s in enumerate(recorded))
     return recorded if chained and steps[-1] == checkpoint_step(resume) else None
 
 
@@ -160,7 +161,8 @@ class SittingRecorder(transformers.TrainerCallback):
 
 def sitting_totals(sittings: list[dict[str, Any]] | None) -> tuple[float | None, float | None]:
     """Training seconds summed over the sittings and their highest peak RSS (MiB); None where
-    the sittings, or a sitting's peak, are unknown."""
+    the sittings, or a sitting's peak, are unknown. A sitting resumed at the last step (the
+    earlier one stopped while evaluating) counts too: its checkpoint loading is part of the run."""
     if not sittings:
         return None, None
     peaks = [s.get("peak_rss_mib") for s in sittings]

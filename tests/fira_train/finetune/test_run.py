@@ -478,6 +478,9 @@ def test_sittings_are_known_only_as_an_unbroken_chain_to_the_checkpoint(tmp_path
     assert earlier_sittings(config, "x/checkpoint-6") is None  # killed between a checkpoint and its record
     record.write_text(json.dumps([first, {**second, "from_step": 3}]))
     assert earlier_sittings(config, "x/checkpoint-4") is None  # not a chain
+    for damaged in ("5", "null", "[1, 2]"):
+        record.write_text(damaged)
+        assert earlier_sittings(config, "x/checkpoint-4") is None
     assert sitting_totals([first, second]) == (12.0, 120.0)
     assert sitting_totals([first, {**second, "peak_rss_mib": None}]) == (12.0, None)
     assert sitting_totals(None) == (None, None)
