@@ -342,3 +342,14 @@ def test_a_complex_parameter_steps_as_its_real_view(options):
     loaded = FiraAdamW([{"params": [z]}], lr=1e-2, weight_decay=0.1, **options)
     loaded.load_state_dict(ours.state_dict())  # complex moments round-trip
     assert all(torch.equal(a, b) for a, b in zip(loaded.state[z].values(), ours.state[z].values()))
+
+
+def test_a_non_finite_complex_gradient_is_caught_before_anything_changes():
+    z = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.complex64))
+    before = z.detach().clone()
+    optimizer = FiraAdamW([{"params": [z]}], lr=1e-2)
+    z.grad = torch.randn_like(z)
+    z.grad[0, 0] = complex(float("nan"), 0.0)
+    with pytest.raises(NonFiniteGradientError):
+        optimizer.step()
+    assert torch.equal(z.detach(), before)
