@@ -85,7 +85,7 @@ def test_a_setting_the_runs_replace_is_refused(tmp_path: Path, corpus_root: Path
                    title=TITLE)
     with pytest.raises(ValueError, match="optim.method='adamw' would be replaced"):
         train_runs(apply_overrides(config, ["optim.method=adamw"]), ablation_runs(["fira"], []), out, title=TITLE)
-    with pytest.raises(ValueError, match="train.seed=3 would be replaced"):
+    with pytest.raises(ValueError, match=r"train.seed=3 \(--seed\) would be replaced"):
         train_runs(apply_overrides(config, ["train.seed=3"]), gap_sweep_runs(["fira"], [3], [0, 1]), out, title=TITLE)
     assert not out.exists()
     # the value the runs set anyway, a key some runs leave to the config, a config of no recipe: accepted
