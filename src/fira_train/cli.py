@@ -187,7 +187,8 @@ def _register_compare(subparsers: Any) -> None:
 
 def _sweep(args: argparse.Namespace) -> int:
     from fira_train.compare import parse_methods  # imports torch: not at parser build
-    from fira_train.sweep.driver import parse_lr_grids, parse_numbers, rewrite_report, sweep
+    from fira_train.config.overrides import refuse_overrides
+    from fira_train.sweep.driver import SWEEP_SETS, parse_lr_grids, parse_numbers, rewrite_report, sweep
 
     if args.report_only:
         given = [flag for flag, value in (
@@ -210,10 +211,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.resume or args.overwrite:
         raise ValueError(f"sweep takes --reuse to continue where it stopped, not "
                          f"{'--resume' if args.resume else '--overwrite'} (choose another --out to start over)")
-    for override in args.overrides:
-        key = override.partition("=")[0]
-        if key in ("optim.lr", "train.seed", "train.out_dir"):
-            raise ValueError(f"sweep sets {key} itself (--lrs, --seeds, --out); drop the override {override!r}")
+    refuse_overrides(args.overrides, SWEEP_SETS, "sweep sets it itself (--lrs, --seeds, --out)")
     specs = parse_methods(args.methods)
     grids = parse_lr_grids(args.lrs, specs)
     seeds = parse_numbers("--seeds", args.seeds, int)
@@ -279,9 +277,9 @@ def _memory(args: argparse.Namespace) -> int:
     steps = 3 if args.steps is None else args.steps
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
-    for override in args.overrides:
-        if override.partition("=")[0] == "train.steps":
-            raise ValueError(f"memory --measure trains --steps steps; drop the override {override!r}")
+    from fira_train.config.overrides import refuse_overrides  # imports torch: not at parser build
+
+    refuse_overrides(args.overrides, ("train.steps",), "memory --measure trains --steps steps")
     specs = parse_method_specs(args.methods)
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-memory"
@@ -306,7 +304,8 @@ def _register_memory(subparsers: Any) -> None:
     parser.add_argument("--recipe", help="with --measure: the recipe (60m, 130m, 350m, 1b, tiny, ...)")
     parser.add_argument("--methods", help="with --measure: comma-separated method specs, e.g. "
                                           "adamw,fira,fira@optim.step_in_backward=true@optim.state_dtype=int8")
-    parser.add_argument("--steps", type=int, default=None, help="with --measure: training steps per method (default 3)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="with --measure: training steps per method (default 3)")
     parser.add_argument("--out", help="output directory (default runs/<recipe>-memory)")
     parser.add_argument("--append", action="store_true",
                         help="with --measure: keep the rows already in OUT/memory.json (same recipe, steps, "
@@ -367,8 +366,9 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
                                   ("--resume-step", getattr(args, "resume_step", None) is not None)) if given]
     also = f" (instead of {' and '.join(instead)})" if instead else ""
     if command in ("pretrain", "compare"):
+        finished = ", and compare keeps the finished runs" if command == "compare" else ""
         return (f"checkpoints written so far are kept (train.save_every): the same command with --resume{also} "
-                "continues from the newest" + (", and compare keeps the finished runs" if command == "compare" else ""))
+                f"continues from the newest{finished}")
     if command == "sweep":
         return f"finished runs and checkpoints are kept: the same command with --reuse{also} continues"
     if command == "analyze":

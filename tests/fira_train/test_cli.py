@@ -129,7 +129,7 @@ def test_errors_are_one_line_messages(tmp_path: Path, capsys) -> None:
 @pytest.mark.parametrize(("extra", "message"), [
     (["--resume"], "sweep takes --reuse to continue where it stopped, not --resume"),
     (["--lr", "0.1"], "use --lrs and --seeds, not --lr / --seed"),
-    (["train.seed=3"], "sweep sets train.seed itself"),
+    (["train.seed=3"], "train.seed: sweep sets it itself"),
     (["--lrs", "adamw:0.1,x"], "--lrs adamw: 'x' is not a number"),
     (["--seeds", "0,0"], "--seeds gives '0' twice"),
 ])

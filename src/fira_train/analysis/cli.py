@@ -70,7 +70,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _config(args: argparse.Namespace):
-    from fira_train.config.overrides import apply_overrides  # imports torch: not at parser build
+    from fira_train.config.overrides import apply_overrides, refuse_overrides  # imports torch: not at parser build
     from fira_train.config.recipes import get_recipe
 
     config = get_recipe(args.recipe)
@@ -82,9 +82,8 @@ def _config(args: argparse.Namespace):
     if args.data is not None:
         flags["data.source"] = args.data
     config = apply_overrides(config, flags)
-    for override in args.overrides:
-        if override.partition("=")[0].strip() == "train.out_dir":  # would be replaced by OUT/<run>
-            raise ValueError(f"{override}: an analysis writes each run to OUT/<run>; choose OUT with --out")
+    refuse_overrides(args.overrides, ("train.out_dir",),
+                     "an analysis writes each run to OUT/<run>; choose OUT with --out")
     return apply_overrides(config, list(args.overrides))
 
 

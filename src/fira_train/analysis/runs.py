@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fira_train.config.overrides import apply_overrides, config_to_dict
+from fira_train.config.overrides import apply_overrides, config_to_dict, override_key
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
@@ -168,7 +168,7 @@ def check_not_replaced(config: RunConfig, runs: Sequence[AnalysisRun], configs: 
     changed = {key for key, value in given.items() if value != recipe.get(key)}
     for run, run_cfg in zip(runs, configs):
         values = _flat(run_cfg)
-        keys = _ALWAYS_SET + tuple(o.partition("=")[0] for o in run.overrides)
+        keys = _ALWAYS_SET + tuple(override_key(o) for o in run.overrides)
         for key in keys:
             if key in changed and key not in partly_set and values[key] != given[key]:
                 given_as = " (--seed)" if key == "train.seed" else ""

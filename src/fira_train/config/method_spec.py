@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fira_train.config.comma_list import comma_list
-from fira_train.config.overrides import apply_overrides
+from fira_train.config.overrides import apply_overrides, override_key
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
 
@@ -44,9 +44,8 @@ def parse_method_spec(text: str) -> MethodSpec:
         raise ValueError(f"method spec {text!r} names no method (expected NAME[@key=value...])")
     keys = set()
     for override in overrides:
-        key, sep, _ = override.partition("=")
-        key = key.strip()  # as apply_overrides reads it
-        if not sep or not key:
+        key = override_key(override)
+        if "=" not in override or not key:
             raise ValueError(f"method spec {text!r}: {override!r} is not a key=value override")
         if key == "optim.method":
             raise ValueError(f"method spec {text!r}: the method is {name!r}; do not override optim.method")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any, Union
 
 from fira_train.config.run_config import ModelConfig, OptimConfig, RunConfig, TrainConfig
@@ -121,8 +122,7 @@ def apply_overrides(config: RunConfig, overrides: list[str] | dict[str, str]) ->
         for item in overrides:
             if "=" not in item:
                 raise ValueError(f"override {item!r} is not of the form section.field=value")
-            key, _, text = item.partition("=")
-            items.append((key.strip(), text))
+            items.append((override_key(item), item.partition("=")[2]))
     values = config_to_dict(config)
     for key, text in items:
         if key == "recipe":  # it would relabel the config without changing a single field
@@ -138,6 +138,20 @@ def apply_overrides(config: RunConfig, overrides: list[str] | dict[str, str]) ->
             raise ValueError(f"unknown config key {key!r}; valid keys: {valid}")
         values[section][name] = parse_value(key, text, hints[name])
     return config_from_dict(values)
+
+
+def override_key(item: str) -> str:
+    """The ``section.field`` of a ``key=value`` override, as :func:`apply_overrides` reads it."""
+    return item.partition("=")[0].strip()
+
+
+def refuse_overrides(overrides: Sequence[str], keys: Sequence[str], setter: str) -> None:
+    """ValueError for an override of one of ``keys``: a setting the command sets itself (``setter``
+    says how, e.g. ``"sweep sets it with --lrs, --seeds, --out"``), which would silently replace it."""
+    for item in overrides:
+        key = override_key(item)
+        if key in keys:
+            raise ValueError(f"{key}: {setter}; drop the override {item!r}")
 
 
 def override_keys() -> list[str]:

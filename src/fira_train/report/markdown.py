@@ -20,6 +20,7 @@ MiB = 1024 ** 2
 #: The first words of the report ``fira-train compare`` writes.
 REPORT_TITLE = "# Pre-training comparison"
 
+
 def command_line(argv: Sequence[str]) -> str:
     """``fira-train`` with ``argv``, shell-quoted: the command a report records."""
     return "fira-train " + " ".join(shlex.quote(a) for a in argv)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fira_train.config.comma_list import comma_list, distinct
 from fira_train.config.method_spec import parse_method_specs
+from fira_train.config.overrides import refuse_overrides
 from fira_train.config.run_config import RunConfig
 from fira_train.files import check_report_owner, read_json
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
@@ -67,14 +68,15 @@ def parse_lr_grids(entries: Sequence[str], specs: Sequence[str]) -> dict[str, li
     return {spec: sorted(own.get(spec, default or [])) for spec in specs}
 
 
+#: What the sweep sets for each run itself (--lrs, --seeds, --out): overrides of them are refused.
+SWEEP_SETS = ("optim.lr", "train.seed", "train.out_dir")
+
+
 def check_specs(specs: Sequence[str]) -> None:
     """The sweep sets the lr and the seed: a spec that overrides them is an error."""
     for spec in parse_method_specs(",".join(specs)):
-        for override in spec.overrides:
-            key = override.partition("=")[0]
-            if key in ("optim.lr", "train.seed", "train.out_dir"):
-                raise ValueError(f"method spec {spec.text!r} sets {key}: the sweep sets it "
-                                 f"(--lrs, --seeds, --out)")
+        refuse_overrides(spec.overrides, SWEEP_SETS, f"method spec {spec.text!r} sets it, and the sweep sets it "
+                                                     "itself (--lrs, --seeds, --out)")
 
 
 def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[float]], seeds: Sequence[int],

@@ -22,6 +22,7 @@ from fira_train.sweep.summary import MethodSummary, summary_json
 #: The first words of the report ``fira-train sweep`` writes.
 REPORT_TITLE = "# Learning-rate sweep"
 
+
 def _num(value: float | None, spec: str = ".2f") -> str:
     if value is None:
         return "-"

@@ -62,7 +62,7 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     (["analyze", "similarity", "--ranks", "4", "optim.rank=8"], "optim.rank=8 would be replaced"),
     (["analyze", "gap-sweep", "--gaps", "3", "--seed", "4", "--seeds", "1,2"],
      "train.seed=4 (--seed) would be replaced"),
-    (["analyze", "noise", "train.out_dir=elsewhere"], "train.out_dir=elsewhere: an analysis writes each run"),
+    (["analyze", "noise", "train.out_dir=elsewhere"], "train.out_dir: an analysis writes each run"),
     (["analyze", "spikes", "--jobs", "0"], "jobs must be an int >= 1, got jobs=0"),
 ])
 def test_bad_lists_name_the_flag(argv: list[str], message: str, tmp_path: Path,
