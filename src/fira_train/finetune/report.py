@@ -70,14 +70,24 @@ class TrainingSpan:
     """Where ``sittings`` is []: the checkpoint step the measured sitting began from (None: 0)."""
 
 
+def sitting_totals(sittings: list[dict[str, Any]] | None) -> tuple[float | None, float | None]:
+    """Training seconds summed over the sittings and their highest peak RSS (MiB); None where
+    the sittings, or a sitting's peak, are unknown. A sitting resumed at the last step (the
+    earlier one stopped while evaluating) counts too: its checkpoint loading is part of the run."""
+    if not sittings:
+        return None, None
+    peaks = [s.get("peak_rss_mib") for s in sittings]
+    return sum(s["seconds"] for s in sittings), (None if None in peaks else max(peaks))
+
+
 def training_span(results: dict[str, Any]) -> TrainingSpan:
     """The whole training's figures where every sitting was recorded (an evaluation-only sitting,
     resumed at the last step, adds its checkpoint loading), else the last sitting's."""
     training = results.get("training") or {}
     history = training.get("sittings") or []
-    total = results["time"].get("train_s_all_sittings")
-    if len(history) > 1 and total is not None:
-        return TrainingSpan(total, results["memory"].get("train_peak_rss_mib_all_sittings"), history, None)
+    if len(history) > 1:  # the sum of every sitting's (train_s and the peak are the last sitting's)
+        seconds, peak = sitting_totals(history)
+        return TrainingSpan(seconds, peak, history, None)
     return TrainingSpan(results["time"]["train_s"], results["memory"]["train_peak_rss_mib"], [],
                         training.get("resumed_from_step"))
 

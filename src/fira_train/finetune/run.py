@@ -18,7 +18,7 @@ from fira_train.finetune.data import load_records, load_validation
 from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
 from fira_train.finetune.report import render_report
-from fira_train.finetune.train import prepare_model, remove_checkpoints, resume_point, sitting_totals, train_model
+from fira_train.finetune.train import prepare_model, remove_checkpoints, resume_point, train_model
 from fira_train.files import dumps, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.run.peak_memory import process_peak_rss_bytes
@@ -121,8 +121,6 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
             scorer.close()
     eval_seconds = time.perf_counter() - eval_started
 
-    # a run stopped and continued: its whole training (train_s and the peak are the last sitting's)
-    all_seconds, all_peak = sitting_totals(training.get("sittings") if training else None)
     results = {
         "config": {k: v for k, v in asdict(config).items() if k != "task_specs"}
         | {"method": config.effective_method, "lr": config.effective_lr if config.trains else None,
@@ -144,10 +142,9 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
             "train_peak_rss_mib": training["train_peak_rss_mib"] if training else None,
             "train_peak_cuda_mib": training["train_peak_cuda_mib"] if training else None,
             "process_peak_rss_mib": process_peak_rss_bytes() / 2**20,
-            "train_peak_rss_mib_all_sittings": all_peak,
         },
         "time": {"load_s": load_seconds, "train_s": training["seconds"] if training else 0.0,
-                 "eval_s": eval_seconds, "train_s_all_sittings": all_seconds},
+                 "eval_s": eval_seconds},
         "training": training,
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "device": str(device),

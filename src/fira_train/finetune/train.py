@@ -159,16 +159,6 @@ class SittingRecorder(transformers.TrainerCallback):
             write_text_atomic(self.path, json.dumps([*self.earlier, self.entry(state.global_step)], indent=2))
 
 
-def sitting_totals(sittings: list[dict[str, Any]] | None) -> tuple[float | None, float | None]:
-    """Training seconds summed over the sittings and their highest peak RSS (MiB); None where
-    the sittings, or a sitting's peak, are unknown. A sitting resumed at the last step (the
-    earlier one stopped while evaluating) counts too: its checkpoint loading is part of the run."""
-    if not sittings:
-        return None, None
-    peaks = [s.get("peak_rss_mib") for s in sittings]
-    return sum(s["seconds"] for s in sittings), (None if None in peaks else max(peaks))
-
-
 def remove_checkpoints(config: FinetuneConfig) -> None:
     """Delete this run's checkpoints once its results are written (they hold the whole model
     and optimizer state)."""
@@ -231,7 +221,7 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     recorder = SittingRecorder(checkpoint_dir(config) / SITTINGS_FILE, earlier,
                                checkpoint_step(resume) if resume else 0, reset)
     trainer.add_callback(recorder)
-    started = recorder.started = time.perf_counter()
+    started = recorder.started  # the sitting's clock is the run's
     trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - started
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper

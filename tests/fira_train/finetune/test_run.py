@@ -426,8 +426,10 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     both = resumed["training"]["sittings"]
     assert [(s["from_step"], s["to_step"]) for s in both] == [(0, 4), (4, 6)]
     assert both[1]["seconds"] == pytest.approx(resumed["time"]["train_s"], abs=0.5)
-    assert resumed["time"]["train_s_all_sittings"] == pytest.approx(sum(s["seconds"] for s in both))
     assert "in 2 sittings (steps 1-4 at " in (out / "report.md").read_text()
+    from fira_train.finetune.report import training_span
+
+    assert training_span(resumed).seconds == pytest.approx(sum(s["seconds"] for s in both))
     assert [(s["from_step"], s["to_step"]) for s in whole["training"]["sittings"]] == [(0, 6)]
     assert resumed["training"]["loss_history"] == pytest.approx(whole["training"]["loss_history"], rel=1e-5)
     assert resumed["tasks"]["boolq"]["correct"] == whole["tasks"]["boolq"]["correct"]
@@ -464,7 +466,8 @@ def test_an_out_folder_that_cannot_be_made_is_a_one_line_error(tiny_model_dir, t
 
 def test_sittings_are_known_only_as_an_unbroken_chain_to_the_checkpoint(tmp_path) -> None:
     from fira_train.finetune.config import FinetuneConfig
-    from fira_train.finetune.train import SITTINGS_FILE, checkpoint_dir, earlier_sittings, sitting_totals
+    from fira_train.finetune.report import sitting_totals
+    from fira_train.finetune.train import SITTINGS_FILE, checkpoint_dir, earlier_sittings
 
     config = FinetuneConfig(tasks=["boolq"], data_dir=str(tmp_path), method="fira", steps=6, out=str(tmp_path / "o"))
     record = checkpoint_dir(config) / SITTINGS_FILE
