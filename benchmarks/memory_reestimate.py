@@ -27,7 +27,11 @@ def reestimate(root: Path, overrides: list[str]) -> list[dict]:
     """One dict per measured row: size, method, measured, estimate then and now (bytes)."""
     out = []
     records = [(path.parent.name, json.loads(path.read_text())) for path in sorted(root.glob("*/memory.json"))]
-    for folder, record in sorted(records, key=lambda r: r[1]["rows"][0]["measured"]["parameters"] if r[1]["rows"] else 0):
+    def parameters(item: tuple[str, dict]) -> int:  # smallest model first
+        rows = item[1]["rows"]
+        return rows[0]["measured"]["parameters"] if rows else 0
+
+    for folder, record in sorted(records, key=parameters):
         base = apply_overrides(get_recipe(record["recipe"]), overrides)
         # the folder names the measurement where it is not the size (before / after a change)
         size = record["recipe"] if folder == record["recipe"] else f"{record['recipe']} ({folder})"
