@@ -14,7 +14,7 @@ Three tables of the paper from one set of runs (same initialisation and batches)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -86,7 +86,8 @@ def _rank_note(measured: dict[str, float], paper: dict[Any, float], keys: Sequen
 
 def run_ablation(config: RunConfig, out_dir: str | Path, *, variants: Sequence[str] = DEFAULT_VARIANTS,
                  gammas: Sequence[float] = DEFAULT_GAMMAS, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
-                 command: str | None = None) -> dict[str, Any]:
+                 command: str | None = None,
+                 given: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Train the variants and the gamma runs; write ``OUT/report.md`` and ``OUT/ablation.png``."""
     for v in variants:
         get_method(v)
@@ -97,7 +98,7 @@ def run_ablation(config: RunConfig, out_dir: str | Path, *, variants: Sequence[s
                          "leave optim.gamma out and list the gammas in --gammas")
     out = Path(out_dir)
     runs = ablation_runs(variants, gammas)
-    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
+    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given)
     ppl = {name: s["val_ppl"] for name, s in summaries.items()}
 
     figure = out / "ablation.png"

@@ -70,21 +70,24 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _config(args: argparse.Namespace):
-    from fira_train.config.overrides import apply_overrides, refuse_overrides  # imports torch: not at parser build
+    """The run config, and ``{key: how the command line gave it}`` for each setting it gave (an
+    analysis refuses one it would replace in a run, even when equal to the recipe's value)."""
+    from fira_train.config.overrides import apply_overrides, override_key, refuse_overrides  # imports torch
     from fira_train.config.recipes import get_recipe
 
     config = get_recipe(args.recipe)
-    flags = {}
-    if args.steps is not None:
-        flags["train.steps"] = str(args.steps)
-    if args.seed is not None:
-        flags["train.seed"] = str(args.seed)
-    if args.data is not None:
-        flags["data.source"] = args.data
+    flags, given = {}, {}
+    for flag, key, value in (("--steps", "train.steps", args.steps), ("--seed", "train.seed", args.seed),
+                             ("--data", "data.source", args.data)):
+        if value is not None:
+            flags[key] = str(value)
+            given[key] = f"{flag} {value}"
     config = apply_overrides(config, flags)
     refuse_overrides(args.overrides, ("train.out_dir",),
                      "an analysis writes each run to OUT/<run>; choose OUT with --out")
-    return apply_overrides(config, list(args.overrides))
+    config = apply_overrides(config, list(args.overrides))
+    given.update({override_key(o): o.strip() for o in args.overrides})
+    return config, given
 
 
 def _run(target: str, **extra: Callable[[argparse.Namespace], Any]):
@@ -94,12 +97,12 @@ def _run(target: str, **extra: Callable[[argparse.Namespace], Any]):
 
     def command(args: argparse.Namespace) -> int:
         analysis = getattr(importlib.import_module(module_name), function)
-        config = _config(args)
+        config, given = _config(args)
         out = args.out or f"runs/analysis/{args.analysis}"
         options = {key: get(args) for key, get in extra.items()}
         options = {k: v for k, v in options.items() if v is not None}
         result = analysis(config, out, reuse=args.reuse, overwrite=args.overwrite, jobs=args.jobs,
-                          command=_command_line(args), **options)
+                          command=_command_line(args), given=given, **options)
         print(Path(result["report"]).read_text())
         print(f"report: {result['report']}")
         print(f"figure: {result['figure']}")

@@ -17,7 +17,7 @@ paired change is what a difference between gaps has to show, against the seeds' 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,8 @@ def _plot(values: dict[str, dict[int, list[float]]], gaps: Sequence[int], path: 
 def run_gap_sweep(config: RunConfig, out_dir: str | Path, *, gaps: Sequence[int] = DEFAULT_GAPS,
                   methods: Sequence[str] = DEFAULT_METHODS, seeds: Sequence[int] | None = None,
                   reuse: bool = False, overwrite: bool = False, jobs: int = 1,
-                  command: str | None = None) -> dict[str, Any]:
+                  command: str | None = None,
+                  given: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Train the sweep and write ``OUT/report.md`` and ``OUT/gaps.png``.
 
     Returns ``{"report", "figure", "table", "values", "summaries"}``: ``values[method][gap]``
@@ -113,7 +114,7 @@ def run_gap_sweep(config: RunConfig, out_dir: str | Path, *, gaps: Sequence[int]
     _check(config, gaps, methods, seeds)
     out = Path(out_dir)
     summaries = train_runs(config, gap_sweep_runs(methods, gaps, seeds), out,
-                           reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
+                           reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given)
     label = (lambda s: s) if len(seeds) > 1 else (lambda s: None)
     values = {m: {g: [summaries[run_name(m, g, label(s))]["val_ppl"] for s in seeds] for g in gaps}
               for m in methods}

@@ -12,7 +12,7 @@ wherever the true gradient is small.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -77,14 +77,15 @@ def _plot(out: Path, methods: Sequence[str], path: Path) -> None:
 
 def run_noise(config: RunConfig, out_dir: str | Path, *, methods: Sequence[str] = DEFAULT_METHODS,
               scale: float = DEFAULT_SCALE, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
-              command: str | None = None) -> dict[str, Any]:
+              command: str | None = None,
+              given: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Train each method with and without noise; write ``OUT/report.md`` and ``OUT/noise.png``."""
     for m in methods:
         get_method(m)
     GradientNoise(scale)  # validates the scale before anything trains
     out = Path(out_dir)
     summaries = train_runs(config, noise_runs(methods, scale, config.train.seed), out,
-                           reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
+                           reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given)
     table = {m: (summaries[m]["val_ppl"], summaries[noisy_name(m)]["val_ppl"]) for m in methods}
     figure = out / "noise.png"
     _plot(out, methods, figure)

@@ -9,7 +9,7 @@ method and rank, the figure perplexity against the rank with AdamW as a horizont
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,8 @@ def _plot(table: dict[str, dict[int, float]], baseline: float, ranks: Sequence[i
 
 def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] | None = None,
                    methods: Sequence[str] = DEFAULT_METHODS, reuse: bool = False, overwrite: bool = False, jobs: int = 1,
-                   command: str | None = None) -> dict[str, Any]:
+                   command: str | None = None,
+                   given: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Train the sweep and write ``OUT/report.md`` and ``OUT/ranks.png``; returns the table.
 
     ``ranks`` defaults to :data:`DEFAULT_RANKS` scaled to the config's d_model (r/d_model 4/256,
@@ -77,7 +78,8 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
         if not get_method(m).uses_rank:
             raise ValueError(f"method {m!r} has no rank; the sweep takes rank-dependent methods")
     out = Path(out_dir)
-    summaries = train_runs(config, rank_sweep_runs(methods, ranks), out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
+    summaries = train_runs(config, rank_sweep_runs(methods, ranks), out,
+                           reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given)
     baseline = summaries[BASELINE]["val_ppl"]
     table = {m: {r: summaries[run_name(m, r)]["val_ppl"] for r in ranks} for m in methods}
 

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -88,15 +88,17 @@ def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path) -> bool:
 
 def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Path, *,
                title: str, reuse: bool = False, overwrite: bool = False,
-               jobs: int = 1, partly_set: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+               jobs: int = 1, partly_set: Sequence[str] = (),
+               given: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Train ``runs`` on one shared corpus; returns ``{name: summary}``.
 
     ``title``: the heading of the analysis's report; a ``report.md`` in ``out_dir`` with another
     (the user's, or another command's) is refused unless ``overwrite``.
 
-    A setting that ``config`` changes from its recipe and that a run sets to another value is
-    refused (:func:`check_not_replaced`), but for the keys of ``partly_set``: settings some runs
-    set while the others take ``config``'s (the spikes analysis's GaLore rank).
+    A setting the caller gave (``given``: key -> how it was given, e.g. ``{"train.seed": "--seed 0"}``;
+    None: what ``config`` changes from its recipe) that a run sets to another value is refused
+    (:func:`check_not_replaced`), but for the keys of ``partly_set``: settings some runs set while
+    the others take ``config``'s (the spikes analysis's GaLore rank).
 
     ``reuse``: a run whose folder already holds a finished run of the same config and spec is
     not trained again; any other run in the way is deleted and redone. ``overwrite``: every
@@ -121,7 +123,7 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
         raise ValueError(f"run name {duplicates[0]!r} appears twice")
     out_dir = Path(out_dir)
     configs = [run_config(config, r, out_dir) for r in runs]  # validates every override first
-    check_not_replaced(config, runs, configs, partly_set)
+    check_not_replaced(config, runs, configs, partly_set, given)
     check_report_owner(out_dir, (f"# {title}",), "analyze", overwrite=overwrite)
     if not (reuse or overwrite):
         _check_no_earlier_runs(configs)
@@ -155,26 +157,34 @@ _ALWAYS_SET = ("optim.method",)
 
 
 def check_not_replaced(config: RunConfig, runs: Sequence[AnalysisRun], configs: Sequence[RunConfig],
-                       partly_set: Sequence[str] = ()) -> None:
-    """ValueError if ``config`` changes a setting of its recipe that a run sets to another value
-    (``optim.rank=8`` given to a rank sweep, ``optim.update_proj_gap=5`` to a gap sweep): the
-    change would be silently replaced. Keys of ``partly_set`` are not checked; nor is a config
-    of no known recipe."""
-    try:
-        recipe = _flat(get_recipe(config.recipe))
-    except ValueError:
-        return
-    given = _flat(config)
-    changed = {key for key, value in given.items() if value != recipe.get(key)}
+                       partly_set: Sequence[str] = (), given: Mapping[str, str] | None = None) -> None:
+    """ValueError if a setting the caller gave is one a run sets to another value (``optim.rank=8``
+    given to a rank sweep, ``--seed 0`` beside ``--seeds 1,2``): it would be silently replaced.
+
+    ``given`` maps each key the caller set to how it was set (the command line's words, shown in
+    the error); None takes the settings ``config`` changes from its recipe (nothing for a config
+    of no known recipe), which misses a value given equal to the recipe's own. Keys of
+    ``partly_set`` are not checked."""
+    if given is None:
+        given = _changed_from_recipe(config)
+    values_given = _flat(config)
     for run, run_cfg in zip(runs, configs):
         values = _flat(run_cfg)
         keys = _ALWAYS_SET + tuple(override_key(o) for o in run.overrides)
         for key in keys:
-            if key in changed and key not in partly_set and values[key] != given[key]:
-                given_as = " (--seed)" if key == "train.seed" else ""
-                raise ValueError(f"{key}={given[key]!r}{given_as} would be replaced: the analysis sets {key} "
-                                 f"for each run (run {run.name!r}: {values[key]!r}); leave it out, and choose "
-                                 f"it with the analysis's own flags (--help)")
+            if key in given and key not in partly_set and values[key] != values_given[key]:
+                raise ValueError(f"{given[key]} would be replaced: the analysis sets {key} for each run "
+                                 f"(run {run.name!r}: {values[key]!r}); leave it out, and choose it with "
+                                 "the analysis's own flags (--help)")
+
+
+def _changed_from_recipe(config: RunConfig) -> dict[str, str]:
+    """``{key: "key=value"}`` for each setting ``config`` changes from its recipe ({} if none is known)."""
+    try:
+        recipe = _flat(get_recipe(config.recipe))
+    except ValueError:
+        return {}
+    return {key: f"{key}={value!r}" for key, value in _flat(config).items() if value != recipe.get(key)}
 
 
 def _flat(config: RunConfig) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -373,7 +373,8 @@ def _mean_factor(records: list[dict[str, Any]], key: str) -> float:
 
 def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] | None = None,
                    every: int | None = None, columns: int = 100, reuse: bool = False,
-                   overwrite: bool = False, jobs: int = 1, command: str | None = None) -> dict[str, Any]:
+                   overwrite: bool = False, jobs: int = 1, command: str | None = None,
+                   given: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Train ``fira`` at each rank, recording its low-rank factors and the shadow full-rank Adam
     factors on the same gradients; compare them, with the null baselines beside; write
     ``OUT/report.md`` and ``OUT/similarity.png``. ``every`` defaults to ``steps // 100`` (>= 1),
@@ -394,7 +395,7 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     out = Path(out_dir)
     seed = config.train.seed
     runs = similarity_runs(ranks, every=every, columns=columns, seed=seed)
-    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE)
+    summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given)
     records = {r: read_jsonl(out / f"fira-r{r}" / FACTORS_FILE) for r in ranks}
     results = {r: compare_factors(records[r], seed=seed) for r in ranks}
     keys = ("matrix", "column", *NULL_LABELS)

@@ -22,7 +22,7 @@ against all other steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,7 +130,8 @@ def _plot(out: Path, limiter: Sequence[str], galore: Sequence[str], gap: int, st
 
 def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence[str] = LIMITER_RUNS,
                galore_runs: Sequence[str] = GALORE_RUNS, galore_rank: int | None = 16, reuse: bool = False,
-               overwrite: bool = False, jobs: int = 1, command: str | None = None) -> dict[str, Any]:
+               overwrite: bool = False, jobs: int = 1, command: str | None = None,
+               given: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Train the runs, write ``OUT/report.md`` and ``OUT/spikes.png``; returns the statistics.
 
     The ``galore_runs`` use rank ``galore_rank`` (default 16, the paper's GaLore-add figure has
@@ -146,7 +147,8 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
         raise ValueError(f"galore_rank must be an int in [1, d_model={config.model.hidden_size}), got {galore_rank!r}")
     rank_of = {n: galore_rank for n in galore_runs if galore_rank is not None and n not in limiter_runs}
     # The Fira runs take optim.rank from the config, the GaLore runs --galore-rank.
-    train_runs(config, spike_runs(names, rank_of), out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE,
+    train_runs(config, spike_runs(names, rank_of), out,
+               reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given,
                partly_set=("optim.rank",))
     gap, steps = config.optim.update_proj_gap, config.train.steps
     records = {n: read_jsonl(out / n / NORMS_FILE) for n in names}

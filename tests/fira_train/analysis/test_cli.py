@@ -60,8 +60,10 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     (["analyze", "gap-sweep", "--reuse", "--overwrite", "--gaps", "3"], "--reuse keeps finished runs and --overwrite"),
     (["analyze", "rank-sweep", "--ranks", "4", "optim.rank=8"], "optim.rank=8 would be replaced"),
     (["analyze", "similarity", "--ranks", "4", "optim.rank=8"], "optim.rank=8 would be replaced"),
-    (["analyze", "gap-sweep", "--gaps", "3", "--seed", "4", "--seeds", "1,2"],
-     "train.seed=4 (--seed) would be replaced"),
+    (["analyze", "gap-sweep", "--gaps", "3", "--seed", "4", "--seeds", "1,2"], "--seed 4 would be replaced"),
+    (["analyze", "gap-sweep", "--gaps", "3", "--seed", "0", "--seeds", "1,2"], "--seed 0 would be replaced"),
+    (["analyze", "gap-sweep", "--gaps", "3", "--seeds", "1,2", "train.seed=0"], "train.seed=0 would be replaced"),
+    (["analyze", "rank-sweep", "--ranks", "4", "optim.rank = 8"], "optim.rank = 8 would be replaced"),
     (["analyze", "noise", "train.out_dir=elsewhere"], "train.out_dir: an analysis writes each run"),
     (["analyze", "spikes", "--jobs", "0"], "jobs must be an int >= 1, got jobs=0"),
 ])

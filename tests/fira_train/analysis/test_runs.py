@@ -75,6 +75,7 @@ def test_a_setting_the_runs_replace_is_refused(tmp_path: Path, corpus_root: Path
     from fira_train.analysis.gap_sweep import gap_sweep_runs
     from fira_train.analysis.rank_sweep import rank_sweep_runs
     from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import get_recipe
 
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
     out = tmp_path / "out"
@@ -85,8 +86,15 @@ def test_a_setting_the_runs_replace_is_refused(tmp_path: Path, corpus_root: Path
                    title=TITLE)
     with pytest.raises(ValueError, match="optim.method='adamw' would be replaced"):
         train_runs(apply_overrides(config, ["optim.method=adamw"]), ablation_runs(["fira"], []), out, title=TITLE)
-    with pytest.raises(ValueError, match=r"train.seed=3 \(--seed\) would be replaced"):
+    with pytest.raises(ValueError, match="train.seed=3 would be replaced"):
         train_runs(apply_overrides(config, ["train.seed=3"]), gap_sweep_runs(["fira"], [3], [0, 1]), out, title=TITLE)
+    # what the caller gave is checked even where it equals the recipe's value, and named as given
+    assert config.train.seed == get_recipe(config.recipe).train.seed
+    with pytest.raises(ValueError, match="--seed 0 would be replaced: .*train.seed .*'fira-T3-s1': 1"):
+        train_runs(config, gap_sweep_runs(["fira"], [3], [1, 2]), out, title=TITLE, given={"train.seed": "--seed 0"})
+    with pytest.raises(ValueError, match="optim.rank=8 would be replaced"):
+        train_runs(replace(apply_overrides(config, ["optim.rank=8"]), recipe="custom"), rank_sweep_runs(["fira"], [4]),
+                   out, title=TITLE, given={"optim.rank": "optim.rank=8"})
     assert not out.exists()
     # the value the runs set anyway, a key some runs leave to the config, a config of no recipe: accepted
     seeded = apply_overrides(config, ["train.seed=3", "optim.rank=8"])
