@@ -100,15 +100,21 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = T
 
 def config_from_args(args: argparse.Namespace):
     """The recipe, then the flags (``--method`` -> ``optim.method`` too), then the overrides."""
-    from fira_train.config.overrides import apply_overrides  # imports torch: not at parser build
+    from fira_train.config.overrides import apply_overrides, override_key  # imports torch: not at parser build
     from fira_train.config.recipes import get_recipe
 
     config = get_recipe(args.recipe)
-    flags = {key: str(getattr(args, dest)) for dest, key in FLAG_KEYS.items()
+    given = {key: (f"--{dest.replace('_', '-')}", getattr(args, dest)) for dest, key in FLAG_KEYS.items()
              if getattr(args, dest, None) is not None}
     if getattr(args, "method", None) is not None:
-        flags["optim.method"] = args.method
-    config = apply_overrides(config, flags)
+        given["optim.method"] = ("--method", args.method)
+    for item in args.overrides:  # the override would silently win over the flag
+        key = override_key(item)
+        if key in given:
+            flag, value = given[key]
+            raise ValueError(f"{key} is given twice, by {flag} {value} and by the override {item.strip()!r}: "
+                             "give it once")
+    config = apply_overrides(config, {key: str(value) for key, (_, value) in given.items()})
     return apply_overrides(config, list(args.overrides))
 
 
@@ -159,7 +165,9 @@ def _register_pretrain(subparsers: Any) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from fira_train.compare import compare, parse_methods  # imports torch: not at parser build
+    from fira_train.config.method_spec import refuse_set_per_spec
 
+    refuse_set_per_spec(args.overrides, "compare")
     methods = parse_methods(args.methods)
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-compare"
@@ -211,7 +219,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.resume or args.overwrite:
         raise ValueError(f"sweep takes --reuse to continue where it stopped, not "
                          f"{'--resume' if args.resume else '--overwrite'} (choose another --out to start over)")
-    refuse_overrides(args.overrides, SWEEP_SETS, "sweep sets it itself (--lrs, --seeds, --out)")
+    refuse_overrides(args.overrides, SWEEP_SETS, "sweep sets it itself (--methods, --lrs, --seeds, --out)")
     specs = parse_methods(args.methods)
     grids = parse_lr_grids(args.lrs, specs)
     seeds = parse_numbers("--seeds", args.seeds, int)
@@ -269,7 +277,7 @@ def _memory(args: argparse.Namespace) -> int:
         print()
         print(format_estimate_rows(estimate_rows()))
         return 0
-    from fira_train.config.method_spec import parse_method_specs  # imports torch: not at parser build
+    from fira_train.config.method_spec import parse_method_specs, refuse_set_per_spec  # imports torch
     from fira_train.measure import measure
 
     if not args.recipe or not args.methods:
@@ -280,6 +288,7 @@ def _memory(args: argparse.Namespace) -> int:
     from fira_train.config.overrides import refuse_overrides  # imports torch: not at parser build
 
     refuse_overrides(args.overrides, ("train.steps",), "memory --measure trains --steps steps")
+    refuse_set_per_spec(args.overrides, "memory --measure")
     specs = parse_method_specs(args.methods)
     config = config_from_args(args)
     out_dir = args.out or f"runs/{config.recipe}-memory"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,16 +45,43 @@ def test_flags_and_overrides_map_onto_the_config() -> None:
     args = build_parser().parse_args([
         "pretrain", "--recipe", "micro", "--method", "galore", "--rank", "8", "--update-proj-gap", "3",
         "--lr", "0.02", "--seed", "5", "--steps", "7", "--save-every", "2", "--eval-every", "3",
-        "--data", "/some/folder", "--out", "runs/x", "train.batch_size=16", "train.steps=9",
+        "--data", "/some/folder", "--out", "runs/x", "train.batch_size=16",
     ])
     config = config_from_args(args)
     assert config.recipe == "micro" and config.optim.method == "galore"
     assert (config.optim.rank, config.optim.update_proj_gap, config.optim.lr) == (8, 3, 0.02)
     assert (config.train.seed, config.train.save_every, config.train.eval_every) == (5, 2, 3)
     assert config.data.source == "/some/folder" and config.train.out_dir == "runs/x"
-    assert config.train.batch_size == 16
-    assert config.train.steps == 9  # key=value overrides come last and win
+    assert (config.train.batch_size, config.train.steps) == (16, 7)
     assert not args.resume and args.resume_step is None
+
+
+@pytest.mark.parametrize(("flags", "override", "message"), [
+    (["--steps", "7"], "train.steps=9", "train.steps is given twice, by --steps 7 and by the override 'train.steps=9'"),
+    ([], " optim.method = adamw", "optim.method is given twice, by --method galore and by the override "
+                                  "'optim.method = adamw'"),
+    (["--update-proj-gap", "3"], "optim.update_proj_gap=3", "by --update-proj-gap 3"),  # even the same value
+])
+def test_a_flag_and_an_override_of_one_key_are_refused(flags: list[str], override: str, message: str) -> None:
+    """Which of the two won would depend on nothing the user wrote: argparse keeps no order between them."""
+    args = build_parser().parse_args(["pretrain", "--recipe", "micro", "--method", "galore", *flags, override])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_from_args(args)
+
+
+@pytest.mark.parametrize("argv", [
+    ["compare", "--methods", "fira,adamw"],
+    ["memory", "--measure", "--methods", "fira"],
+    ["sweep", "--methods", "fira", "--lrs", "0.01"],
+])
+@pytest.mark.parametrize("override", ["optim.method=galore", "train.out_dir=elsewhere"])
+def test_commands_with_methods_refuse_what_each_run_sets(argv: list[str], override: str, tmp_path: Path,
+                                                          capsys) -> None:
+    """Each method spec's run sets its method and folder: a command-wide override of them was dropped."""
+    assert main([*argv, "--recipe", "micro", "--out", str(tmp_path / "o"), override]) == 1
+    err = capsys.readouterr().err
+    assert f"{override.partition('=')[0]}: " in err and "sets it" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
 
 
 def test_overrides_may_stand_anywhere_among_the_flags() -> None:

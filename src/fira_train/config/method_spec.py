@@ -12,9 +12,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fira_train.config.comma_list import comma_list
-from fira_train.config.overrides import apply_overrides, override_key
+from fira_train.config.overrides import apply_overrides, override_key, refuse_overrides
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
+
+
+#: What a command that takes ``--methods`` sets for each spec's run itself: an override of one
+#: would be silently replaced.
+SPEC_SETS = ("optim.method", "train.out_dir")
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,19 @@ def parse_method_spec(text: str) -> MethodSpec:
             raise ValueError(f"method spec {text!r}: {override!r} is not a key=value override")
         if key == "optim.method":
             raise ValueError(f"method spec {text!r}: the method is {name!r}; do not override optim.method")
+        if key == "train.out_dir":
+            raise ValueError(f"method spec {text!r}: its run's folder is OUT/<spec>; do not override train.out_dir")
         if key in keys:  # one would silently replace the other
             raise ValueError(f"method spec {text!r} sets {key} twice")
         keys.add(key)
     if "/" in text or text in (".", ".."):
         raise ValueError(f"method spec {text!r} cannot name a run folder (no '/')")
     return MethodSpec(text, name, tuple(overrides))
+
+
+def refuse_set_per_spec(overrides: list[str], command: str) -> None:
+    """ValueError for a command-wide override of a key each spec's run sets (:data:`SPEC_SETS`)."""
+    refuse_overrides(overrides, SPEC_SETS, f"{command} sets it for each method spec (--methods, --out)")
 
 
 def parse_method_specs(text: str) -> list[MethodSpec]:

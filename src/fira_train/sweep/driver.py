@@ -69,7 +69,7 @@ def parse_lr_grids(entries: Sequence[str], specs: Sequence[str]) -> dict[str, li
 
 
 #: What the sweep sets for each run itself (--lrs, --seeds, --out): overrides of them are refused.
-SWEEP_SETS = ("optim.lr", "train.seed", "train.out_dir")
+SWEEP_SETS = ("optim.method", "optim.lr", "train.seed", "train.out_dir")
 
 
 def check_specs(specs: Sequence[str]) -> None:

@@ -24,7 +24,8 @@ def test_a_spec_is_a_method_with_its_own_overrides(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("text", "message"), [
     ("@optim.rank=2", "names no method"), ("fira@rank", "not a key=value"),
-    ("fira@optim.method=adamw", "do not override optim.method"), ("fira@data.source=a/b", "no '/'"),
+    ("fira@optim.method=adamw", "do not override optim.method"),
+    ("fira@train.out_dir=x", "its run's folder is OUT/<spec>"), ("fira@data.source=a/b", "no '/'"),
     ("fira@optim.rank=4@optim.rank=8", "sets optim.rank twice"), ("fira@optim.rank=4@optim.rank =8", "twice"),
 ])
 def test_bad_specs_name_the_spec(text: str, message: str) -> None:
