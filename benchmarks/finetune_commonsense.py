@@ -292,7 +292,7 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
         mem = res["memory"]
         lr = res["config"]["lr"] if res["config"]["lr"] is not None else "-"
         val = f"{100 * res['validation_accuracy']:.1f}" if "validation_accuracy" in res else "-"
-        rss, train_s = training_cells(res, steps)
+        rss, train_s = training_cells(res)
         extra = (f"{100 * res['average_accuracy_norm']:.1f}" if loglik
                  else f"{sum(res['tasks'][t]['unparsed'] for t in TASKS)}/{sum(res['tasks'][t]['n'] for t in TASKS)}")
         lines.append(
@@ -319,7 +319,7 @@ def render(results: dict[str, dict], runs: list[Run], args: argparse.Namespace, 
     return "\n".join(lines) + "\n"
 
 
-def training_cells(res: dict, steps: int) -> tuple[str, str]:
+def training_cells(res: dict) -> tuple[str, str]:
     """The report's peak-RSS and train-seconds cells of one run: over all its sittings where they
     were recorded. Otherwise a run continued from a checkpoint measured its last sitting only,
     and one resumed at its last step trained nothing there (its peak is of loading and
@@ -327,13 +327,10 @@ def training_cells(res: dict, steps: int) -> tuple[str, str]:
     from fira_train.finetune.report import training_span
 
     span = training_span(res)
-    rss = f"{span.peak_rss_mib:.0f}" if span.peak_rss_mib else "-"
-    if span.sittings:  # every sitting recorded: the whole training
-        return rss, f"{span.seconds:.0f} ({len(span.sittings)} sittings)"
-    resumed = span.resumed_from_step
-    if resumed is not None and resumed >= steps:
-        return "-", f"- (resumed at step {resumed}: evaluated only)"
-    return rss, f"{span.seconds:.0f}" + (f" (steps {resumed + 1}-{steps} only)" if resumed else "")
+    scope = f" ({span.scope()})" if span.scope() else ""
+    if span.evaluated_only:
+        return "-", f"-{scope}"
+    return (f"{span.peak_rss_mib:.0f}" if span.peak_rss_mib else "-"), f"{span.seconds:.0f}{scope}"
 
 
 def sittings(header: dict) -> list[dict]:

@@ -192,17 +192,17 @@ def test_finetune_benchmark_report_says_which_sitting_its_times_measure() -> Non
 
     def result(resumed):
         return {"memory": {"train_peak_rss_mib": 1633.2}, "time": {"train_s": 1.8},
-                "training": {"resumed_from_step": resumed}}
+                "training": {"resumed_from_step": resumed}, "config": {"steps": 500}}
 
-    assert bench.training_cells(result(None), 500) == ("1633", "2")
-    assert bench.training_cells(result(100), 500) == ("1633", "2 (steps 101-500 only)")
+    assert bench.training_cells(result(None)) == ("1633", "2")
+    assert bench.training_cells(result(100)) == ("1633", "2 (steps 101-500 only)")
     # resumed at its last step: the sitting only loaded and evaluated, no training time or peak
-    assert bench.training_cells(result(500), 500) == ("-", "- (resumed at step 500: evaluated only)")
+    assert bench.training_cells(result(500)) == ("-", "- (resumed at step 500: evaluated only)")
     # every sitting recorded: the whole training's time and its highest peak
     recorded = result(500)
     recorded["training"]["sittings"] = [{"from_step": 0, "to_step": 500, "seconds": 3000.0, "peak_rss_mib": 1700.0},
                                         {"from_step": 500, "to_step": 500, "seconds": 1.8, "peak_rss_mib": 900.0}]
-    assert bench.training_cells(recorded, 500) == ("1700", "3002 (2 sittings)")
+    assert bench.training_cells(recorded) == ("1700", "3002 (2 sittings)")
 
 
 def test_finetune_benchmark_reuses_only_runs_with_the_same_settings(tmp_path: Path) -> None:

@@ -68,6 +68,24 @@ class TrainingSpan:
     a run trained in one sitting or whose earlier sittings were not recorded."""
     resumed_from_step: int | None
     """Where ``sittings`` is []: the checkpoint step the measured sitting began from (None: 0)."""
+    steps: int
+    """The run's steps."""
+
+    @property
+    def evaluated_only(self) -> bool:
+        """The measured sitting trained nothing (resumed at the last step, earlier sittings not
+        recorded): its figures are of loading and evaluating, not of training."""
+        return not self.sittings and self.resumed_from_step is not None and self.resumed_from_step >= self.steps
+
+    def scope(self) -> str:
+        """What the figures cover where it is not the whole training in one sitting ("" there):
+        ``"2 sittings"``, ``"steps 101-500 only"``, ``"resumed at step 500: evaluated only"``."""
+        if self.sittings:
+            return f"{len(self.sittings)} sittings"
+        start = self.resumed_from_step
+        if self.evaluated_only:
+            return f"resumed at step {start}: evaluated only"
+        return f"steps {start + 1}-{self.steps} only" if start else ""
 
 
 def sitting_totals(sittings: list[dict[str, Any]] | None) -> tuple[float | None, float | None]:
@@ -87,20 +105,19 @@ def training_span(results: dict[str, Any]) -> TrainingSpan:
     history = training.get("sittings") or []
     if len(history) > 1:  # the sum of every sitting's (train_s and the peak are the last sitting's)
         seconds, peak = sitting_totals(history)
-        return TrainingSpan(seconds, peak, history, None)
+        return TrainingSpan(seconds, peak, history, None, results["config"]["steps"])
     return TrainingSpan(results["time"]["train_s"], results["memory"]["train_peak_rss_mib"], [],
-                        training.get("resumed_from_step"))
+                        training.get("resumed_from_step"), results["config"]["steps"])
 
 
 def render_report(results: dict[str, Any]) -> str:
     """A Markdown summary of one run's ``results.json``."""
     config, memory, timing = results["config"], results["memory"], results["time"]
     span = training_span(results)
-    rss = f"{span.peak_rss_mib:.0f}" if span.peak_rss_mib is not None else "-"
-    train_s = f"{span.seconds:.1f}s"
-    start = span.resumed_from_step
+    rss = f"{span.peak_rss_mib:.0f}" if span.peak_rss_mib is not None and not span.evaluated_only else "-"
+    train_s = "-" if span.evaluated_only else f"{span.seconds:.1f}s"
     # continued from a checkpoint without its earlier sittings recorded: the last sitting only
-    resumed = f" and peak RSS of steps {start + 1}-{config['steps']} only (continued from a checkpoint)" if start else ""
+    resumed = f" ({span.scope()}; the peak RSS too)" if span.resumed_from_step else ""
     if span.sittings:
         resumed = " in {} sittings ({})".format(len(span.sittings), ", ".join(
             f"steps {s['from_step'] + 1}-{s['to_step']} at {s['threads']} thread{'s' if s['threads'] != 1 else ''}"

@@ -86,3 +86,17 @@ def test_pairs_compare_every_run_with_every_later_one_pooled_over_tasks():
     # a -> b: two examples won (boolq 2, piqa 6), one lost (boolq 1): net +1 of 5, +20 points
     assert rows[0].endswith(f"| {paired_cell(Paired(n=5, both=2, only_a=1, only_b=2, neither=0))} |")
     assert "+20.0" in rows[0] and "-60.0" in rows[1] and "-80.0" in rows[2]
+
+
+@pytest.mark.parametrize(("resumed", "time_line", "rss_line"), [
+    (None, "train 5.0s, eval", "during training: 900 MiB"),
+    (1, "train 5.0s (steps 2-3 only; the peak RSS too), eval", "during training: 900 MiB"),
+    # resumed at the last step, earlier sittings unrecorded: nothing trained in the measured sitting
+    (3, "train - (resumed at step 3: evaluated only; the peak RSS too), eval", "during training: - MiB"),
+])
+def test_report_says_which_sitting_its_training_figures_cover(resumed, time_line: str, rss_line: str):
+    run = results({"boolq": 7})
+    run["training"] = {"loss_first": 3.0, "loss_tail_mean": 2.0, "optimizer": "FiraAdamW", "resumed_from_step": resumed}
+    run["time"]["train_s"], run["memory"]["train_peak_rss_mib"] = 5.0, 900.0
+    text = render_report(run)
+    assert time_line in text and rss_line in text
