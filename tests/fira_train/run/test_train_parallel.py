@@ -228,7 +228,10 @@ def test_parallel_flag_sets_train_parallel(command):
     for mode in ("none", "ddp", "fsdp2"):
         args = parser.parse_args([*command, "--parallel", mode])
         assert config_from_args(args).train.parallel == mode
+    args = parser.parse_args([*command, "train.parallel=fsdp2"])
+    assert config_from_args(args).train.parallel == "fsdp2"
     args = parser.parse_args([*command, "--parallel", "ddp", "train.parallel=fsdp2"])
-    assert config_from_args(args).train.parallel == "fsdp2"  # overrides win, as for every flag
+    with pytest.raises(ValueError, match="train.parallel is given twice, by --parallel ddp"):
+        config_from_args(args)  # as for every flag: which one won would depend on nothing written
     with pytest.raises(SystemExit):
         parser.parse_args([*command, "--parallel", "tp"])
