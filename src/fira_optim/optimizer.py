@@ -208,13 +208,24 @@ class Fira(Optimizer):
     # ------------------------------------------------------------------ groups and state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
         # Released semantics: a group without a "rank" key is not projected, whatever the
         # constructor's rank (which only applies to flat tensor lists, via _split_flat_params).
         param_group.setdefault("rank", None)
         if "scale" in param_group and "alpha" not in param_group:  # galore-torch's name
             param_group["alpha"] = param_group["scale"]
+        count = len(self.param_groups)
         super().add_param_group(param_group)
-        gi = len(self.param_groups) - 1
+        try:
+            self._check_new_group(count)
+        except Exception:  # a refused group is not kept: step() would train it as given
+            del self.param_groups[count:]
+            raise
+
+    def _check_new_group(self, gi: int) -> None:
+        """The checks of the group just appended as ``param_groups[gi]`` (torch's
+        ``add_param_group`` has filled in its defaults)."""
         group = self.param_groups[gi]
         validate_group(group)
         if group["state_dtype"] == StateDtype.INT8:
@@ -273,9 +284,12 @@ class Fira(Optimizer):
         # parameter's dtype. The low-rank states and basis of a bf16/fp16 matrix are kept in
         # fp32 on purpose, and that cast would lose them (the next step then multiplied bf16
         # by fp32). So capture the state dict as the load pre-hooks leave it (this hook runs
-        # last), let torch load it, then re-take its tensors by our policy (_loaded_value).
-        # Older step counters and the released package's state are converted, and a state dict
-        # of another layout (rank, side rule, base; torch's AdamW) refused, before torch reads it.
+        # last), let torch load it, then re-take its tensors in the dtypes this optimizer
+        # keeps for each parameter now (_state_dtypes: a model cast to another dtype since the
+        # save steps on), before any load post-hook runs (a user's hook sees, and may replace,
+        # the final states). Older step counters and the released package's state are
+        # converted, and a state dict of another layout (rank, side rule, base; torch's AdamW)
+        # refused, before torch reads it.
         seen: dict[str, Any] = {}
 
         def capture(_optimizer, loaded):
@@ -283,18 +297,27 @@ class Fira(Optimizer):
             seen["state_dict"] = loading.upgraded(loaded, self.param_groups)
             return seen["state_dict"]
 
-        handle = self.register_load_state_dict_pre_hook(capture)
+        def retake(_optimizer) -> None:
+            self._retake_loaded(seen["state_dict"])
+
+        pre = self.register_load_state_dict_pre_hook(capture)
+        post = self.register_load_state_dict_post_hook(retake, prepend=True)
         try:
             super().load_state_dict(state_dict)
         finally:
-            handle.remove()
-        loaded = seen["state_dict"]
+            pre.remove()
+            post.remove()
+
+    def _retake_loaded(self, loaded: dict[str, Any]) -> None:
+        """The loaded state tensors by this optimizer's dtype policy (see load_state_dict), then
+        the projected states' shapes checked against each group's rank and side rule."""
         saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
+        params = [(p, g) for g in self.param_groups for p in g["params"]]
+        for saved_id, (p, group) in zip(saved_ids, params):
+            dtypes = _state_dtypes(p, group)
             for key, value in loaded["state"].get(saved_id, {}).items():
                 if isinstance(value, torch.Tensor):
-                    self.state[p][key] = _loaded_value(p, value, key, self.state[p][key])
+                    self.state[p][key] = _loaded_value(p, value, key, dtypes.get(key), self.state[p][key])
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 state = self.state.get(p)
@@ -420,7 +443,8 @@ class Fira(Optimizer):
         ``order`` the index among the projected matrices (None: not projected), and the number
         of projected matrices when a group staggers its refreshes (else None). The layout is
         cached, so that an update in the backward pass (one parameter) costs no scan of all."""
-        key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"]) for g in self.param_groups)
+        # Keyed on the tensors themselves: a parameter replaced in a group's list is a new layout.
+        key = tuple((tuple(map(id, g["params"])), g["rank"], g["stagger"]) for g in self.param_groups)
         cached = self.__dict__.get("_layout")
         if cached is None or cached[0] != key:
             entries, order = [], 0
@@ -576,20 +600,42 @@ class GaLoreAdamW(Fira):
 _SKIP_STEP = object()
 
 
-_PROJECTED_KEYS = {"basis", "prev_norm", *(k for keys in STATE_KEYS.values() for k in keys),
-                   *(f"{k}_scale" for keys in STATE_KEYS.values() for k in keys)}
+def _state_dtypes(p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.dtype]:
+    """The dtype of each state tensor this optimizer creates for ``p`` in ``group`` (as
+    :func:`_init_projected_state` and :func:`unprojected.init_state` do), but the step count."""
+    kind = StateDtype(group["state_dtype"])
+    meta = torch.device("meta")
+    if is_projected(p, group):
+        work = torch.promote_types(p.dtype, torch.float32)
+        shape = low_rank_shape(tuple(p.shape), group["rank"], projection_side(p.shape, group["proj_type"]))
+        dtypes = {"basis": precision.basis_dtype(kind, work), "prev_norm": work}
+    else:
+        work = torch.float32 if p.dtype == torch.float16 else p.dtype
+        shape, dtypes = tuple(p.shape), {}
+    for key in STATE_KEYS[group["base"]]:
+        if kind is StateDtype.FLOAT32:
+            dtypes[key] = work
+        else:
+            dtypes.update({k: v.dtype for k, v in precision.moment_zeros(shape, kind, work, meta, key).items()})
+    return dtypes
 
 
-def _loaded_value(param: torch.Tensor, value: torch.Tensor, key: Any,
+def _loaded_value(param: torch.Tensor, value: torch.Tensor, key: Any, dtype: torch.dtype | None,
                   current: torch.Tensor) -> torch.Tensor:
-    """A loaded state tensor as this optimizer keeps it: the low-rank states and basis, and
-    any fp32 state of a lower-precision parameter, keep their dtype (moved to the parameter's
-    device); the rest is as torch's load left it (``current``)."""
+    """A loaded state tensor as this optimizer keeps it: the step count as saved, a known state
+    in ``dtype`` (its dtype for this parameter now: the fp32 states of a bf16 matrix stay fp32,
+    a model cast since the save gets its states cast too, int8 codes stay codes) on the
+    parameter's device; an unknown key (a subclass's) as torch's load left it (``current``), but
+    an fp32 state of a lower-precision parameter, kept fp32."""
     if key == "step":
         return value
-    if key in _PROJECTED_KEYS or value.dtype != param.dtype and value.dtype == torch.float32:
-        return value.to(device=param.device)
-    return current
+    if dtype is None:
+        keep = value.dtype == torch.float32 and value.dtype != param.dtype
+        return value.to(device=param.device) if keep else current
+    numeric = value.is_floating_point() or value.is_complex()
+    if numeric and (dtype.is_floating_point or dtype.is_complex) and value.dtype != dtype:
+        return value.to(device=param.device, dtype=dtype)
+    return value.to(device=param.device)
 
 
 def _init_projected_state(state, p, rank: int, side: str, hp: Hyper, dtype) -> None:

@@ -90,6 +90,54 @@ def test_resume_keeps_the_fp32_state_of_low_precision_params(dtype):
     assert_states_equal(state_snapshot(resumed_opt), state_snapshot(straight_opt))
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize(("saved", "now"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                            (torch.float32, torch.float64), (torch.float16, torch.float32)])
+def test_a_state_saved_for_another_param_dtype_loads_in_this_ones_dtypes(saved, now, state_dtype):
+    """A model cast to another dtype between save and load: every state takes the dtype a fresh
+    optimizer gives it for the parameter as it is now (as torch.optim.AdamW casts), the values
+    the saved ones cast, and training steps on (was: the first matrices stepped, then a dtype
+    error in the unprojected parameters' update)."""
+    grads = grad_sequence(SHAPES, STEPS, seed=23)
+    params = make_params(SHAPES, dtype=saved)
+    opt = _optimizer(params, state_dtype=state_dtype)
+    run(opt, params, [[g.to(saved) for g in row] for row in grads[:4]])
+    checkpoint = round_trip(opt.state_dict())
+    moved = clone_params([p.detach().to(now) for p in params])
+    loaded = _optimizer(moved, state_dtype=state_dtype)
+    loaded.load_state_dict(checkpoint)
+    fresh_params = clone_params([p.detach().clone() for p in moved])
+    fresh = _optimizer(fresh_params, state_dtype=state_dtype)
+    run(fresh, fresh_params, [[g.to(now) for g in row] for row in grads[:1]])  # states of these dtypes
+    for p, q, old in zip(moved, fresh_params, params):
+        for key, value in loaded.state[p].items():
+            if key != "step":
+                assert value.dtype == fresh.state[q][key].dtype, (tuple(p.shape), key)
+                saved_value = opt.state[old][key]
+                assert torch.equal(value, saved_value.to(value.dtype)), (tuple(p.shape), key)
+    run(loaded, moved, [[g.to(now) for g in row] for row in grads[4:]])
+    assert all(torch.isfinite(p).all() for p in moved)
+    assert [int(loaded.state[p]["step"]) for p in moved[:3]] == [STEPS] * 3
+
+
+def test_a_load_post_hook_sees_and_keeps_the_final_states():
+    """The dtype policy is applied before the user's load post-hooks, which may replace states."""
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    run(opt, params, grad_sequence(SHAPES, 4, seed=24))
+    checkpoint = round_trip(opt.state_dict())
+    fresh = clone_params([p.detach().clone() for p in params])
+    loaded = _optimizer(fresh)
+    marker = torch.full_like(checkpoint["state"][0]["exp_avg"], 7.0)
+
+    def replace_first(optimizer) -> None:
+        optimizer.state[fresh[0]]["exp_avg"] = marker
+
+    loaded.register_load_state_dict_post_hook(replace_first)
+    loaded.load_state_dict(checkpoint)
+    assert loaded.state[fresh[0]]["exp_avg"] is marker
+
+
 def test_state_dict_holds_only_tensors_and_primitives():
     params = make_params(SHAPES)
     opt = _optimizer(params)

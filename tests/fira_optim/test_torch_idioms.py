@@ -137,3 +137,45 @@ def test_a_projected_dict_group_with_1d_params_says_how_to_split():
     model = _model()
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*rank=None.*param_groups\(model"):
         FiraAdamW([{"params": list(model.parameters()), "rank": 3}])
+
+
+@pytest.mark.parametrize(("group", "error"), [
+    ({"lr": -1.0}, "Invalid learning rate"),
+    ({"rank": 2, "extra_1d": True}, "has shape"),
+])
+def test_a_refused_param_group_is_not_kept(group: dict, error: str):
+    """torch's add_param_group appends before Fira's checks ran: the refused group stayed and
+    step() trained it as given (lr=-1: gradient ascent); a corrected retry found its tensors
+    'in more than one parameter group'."""
+    model = _model()
+    opt = FiraAdamW(model.parameters(), rank=3)
+    count = len(opt.param_groups)
+    extra = [torch.nn.Parameter(torch.randn(6, 5))]
+    if group.pop("extra_1d", False):
+        extra.append(torch.nn.Parameter(torch.randn(5)))
+    with pytest.raises(ValueError, match=error):
+        opt.add_param_group({"params": extra, **group})
+    assert len(opt.param_groups) == count
+    opt.add_param_group({"params": extra[:1]})  # the corrected retry
+    assert len(opt.param_groups) == count + 1
+    with pytest.raises(TypeError, match="param_group must be a dict, but got torch.FloatTensor"):
+        opt.add_param_group(torch.zeros(2))
+
+
+def test_a_parameter_replaced_in_its_group_is_the_one_stepped():
+    """As with torch.optim.AdamW: the group's list says which tensors are stepped (the layout
+    cache was keyed on the list's identity and length, and kept stepping the old tensor)."""
+    model = _model()
+    opt = FiraAdamW(model.parameters(), rank=3)
+    _grads(model)
+    opt.step()
+    group = next(g for g in opt.param_groups if g["rank"] is None)
+    old = group["params"][0]
+    new = torch.nn.Parameter(old.detach().clone())
+    group["params"][0] = new
+    opt.state[new] = opt.state.pop(old)
+    new.grad = torch.ones_like(new)
+    old.grad = torch.ones_like(old)
+    before_old, before_new = old.detach().clone(), new.detach().clone()
+    opt.step()
+    assert torch.equal(old, before_old) and not torch.equal(new, before_new)
