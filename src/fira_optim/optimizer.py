@@ -63,6 +63,18 @@ from .subspace import STATE_KEYS
 __all__ = ["Fira", "FiraAdamW", "GaLoreAdamW", "NonFiniteGradientError"]
 
 
+class _DefaultRank(int):
+    """The constructor's default rank, 128, told apart from a ``rank=128`` the caller passed."""
+
+    def __repr__(self) -> str:
+        return "128"
+
+
+#: The constructor's default ``rank``: applied to a flat list of tensors; a dict group without a
+#: ``rank`` key is projected only when the caller passes ``rank`` (see :func:`_split_flat_params`).
+DEFAULT_RANK = _DefaultRank(128)
+
+
 class Fira(Optimizer):
     r"""Fira over a pluggable base optimizer (Adam, Adagrad or RMSProp) in the subspace.
 
@@ -70,7 +82,9 @@ class Fira(Optimizer):
         params: tensors, or param-group dicts. A group is projected iff it has a non-``None``
             ``rank`` (the released ``fira`` semantics, so ``fira.divide_params`` groups work
             unchanged). A flat iterable of tensors is split into a projected group of its 2-D
-            tensors and a plain group with the rest.
+            tensors and a plain group with the rest; so is each dict group without a ``rank``
+            key when ``rank`` is passed explicitly (as torch's keywords are the defaults of the
+            groups that lack them: a Hugging Face Trainer's decay / no-decay groups).
         lr: learning rate :math:`\eta` (default 1e-3).
         betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)); RMSProp uses :math:`\beta_2`.
         eps: :math:`\epsilon` of the base optimizer, the scaling factor and the limiter (default
@@ -78,7 +92,8 @@ class Fira(Optimizer):
             Under ``arithmetic="released"`` the scaling factor and the limiter use a fixed 1e-8,
             as ``fira`` 1.0.2 does.
         weight_decay: decoupled weight decay :math:`\lambda` (default 0).
-        rank: projection rank ``r`` for groups given as tensors (default 128). A matrix with
+        rank: projection rank ``r`` for tensors, and when passed, for dict groups without
+            their own (default 128, for tensors only). A matrix with
             ``rank >= min(m, n)`` is trained by the plain base optimizer (no residual exists); a
             group none of whose matrices is projected gets a ``UserWarning``.
         update_proj_gap: ``T``, steps between projection refreshes (default 200).
@@ -137,6 +152,14 @@ class Fira(Optimizer):
             iteration latency, and a host with many cores does the same exact SVDs in a
             fraction of the time (``benchmarks/refresh_host.py`` measures both on your machine).
             One process only: ``split_refresh`` and FSDP2 refresh on the devices (default False).
+        amsgrad, maximize, capturable, differentiable, decoupled_weight_decay:
+            ``torch.optim.AdamW``'s options, accepted at its defaults (False, and True for
+            ``decoupled_weight_decay``) so that its keywords pass through; Fira implements none
+            of the others, and refuses them.
+
+    Inside a ``torch.compile`` of the caller (a compiled training step), the step runs the
+    reference implementation: the fast strategy's fused kernels and refresh threads cannot be
+    traced, and the compiler fuses the explicit terms itself.
     """
 
     def __init__(
@@ -147,7 +170,7 @@ class Fira(Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
-        rank: int | None = 128,
+        rank: int | None = DEFAULT_RANK,
         update_proj_gap: int = 200,
         alpha: float = 0.25,
         gamma: float = 1.01,
@@ -175,6 +198,13 @@ class Fira(Optimizer):
         foreach: bool | None = None,
         fused: bool | None = None,
         no_deprecation_warning: bool = True,  # accepted for drop-in use of fira.FiraAdamW
+        # torch.optim.AdamW's own options, accepted at its defaults (AdamW(...).defaults passed
+        # on as keywords works); Fira implements none of them otherwise: a ValueError says so.
+        amsgrad: bool = False,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        decoupled_weight_decay: bool = True,
     ):
         if isinstance(params, torch.Tensor):
             raise TypeError(
@@ -196,14 +226,16 @@ class Fira(Optimizer):
             state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
             foreach=foreach, fused=fused,
         )
-        validate_group(defaults)
+        validate_group({**defaults, "amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
+                        "differentiable": differentiable, "decoupled_weight_decay": decoupled_weight_decay})
         if state_dtype == StateDtype.INT8:
             precision.require_int8()
+        explicit = rank is not DEFAULT_RANK
         if rank is not None:
             rank = check_rank(rank)
         self._stats_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._in_backward = None  # the handle of fira_optim.step_in_backward, while registered
-        super().__init__(_split_flat_params(params, rank), defaults)
+        super().__init__(_split_flat_params(params, rank, explicit), defaults)
 
     # ------------------------------------------------------------------ groups and state
 
@@ -211,7 +243,8 @@ class Fira(Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
         # Released semantics: a group without a "rank" key is not projected, whatever the
-        # constructor's rank (which only applies to flat tensor lists, via _split_flat_params).
+        # constructor's default rank (which applies to flat tensor lists, and to the dict groups
+        # of a constructor given rank=, via _split_flat_params).
         param_group.setdefault("rank", None)
         if "scale" in param_group and "alpha" not in param_group:  # galore-torch's name
             param_group["alpha"] = param_group["scale"]
@@ -380,7 +413,7 @@ class Fira(Optimizer):
         refreshed = None
         if refresh_group is not None:
             refreshed = refresh.refresh_together(self, refresh_group, total, only)
-        elif self.implementation != Implementation.REFERENCE:
+        elif self._running() != Implementation.REFERENCE:
             refreshed = refresh.refresh_in_threads(self, total, only)
         hypers: dict[int, Hyper] = {}
         plain_of: dict[int, list[torch.Tensor]] = {}
@@ -480,9 +513,17 @@ class Fira(Optimizer):
     def _strategy(self, hyper: Hyper, p: torch.Tensor, grad: torch.Tensor) -> Strategy:
         """The strategy of one matrix: the configured one where it covers the matrix, else the
         reference (FRUGAL's sign residual, low-precision parameters)."""
-        if self.implementation == Implementation.REFERENCE or not FAST.supports(hyper, p, grad):
+        implementation = self._running()
+        if implementation == Implementation.REFERENCE or not FAST.supports(hyper, p, grad):
             return REFERENCE
-        return COMPILED if self.implementation == Implementation.COMPILED else FAST
+        return COMPILED if implementation == Implementation.COMPILED else FAST
+
+    def _running(self) -> str:
+        """The implementation this step runs: the configured one, but the reference inside a
+        ``torch.compile`` of the caller (a compiled training step): the fast strategy's fused
+        multi-tensor kernels and refresh threads cannot be traced, and the compiler fuses the
+        reference's explicit terms itself."""
+        return Implementation.REFERENCE.value if torch.compiler.is_compiling() else self.implementation
 
     def _plan_matrix(self, p, group, gi, pi, order, total, hyper, refreshed=None):
         """Stages 1-2 of one matrix: a :class:`MatrixStep`, None (no update: no basis yet
@@ -657,15 +698,36 @@ def _init_projected_state(state, p, rank: int, side: str, hp: Hyper, dtype) -> N
         state["prev_norm"] = distributed.state_zeros(p, (), dtype, row_sharded=False)
 
 
-def _split_flat_params(params, rank):
+def _split_flat_params(params, rank, explicit: bool):
+    """The param groups torch's constructor gets: a flat list split into its projectable 2-D
+    tensors (``rank``) and the rest (``rank=None``). Dict groups as given (released semantics:
+    one without ``rank`` is not projected), but where the caller passed ``rank`` explicitly:
+    that is then, as in torch, the default of the groups without the key, each split the same
+    way (a Hugging Face Trainer's decay / no-decay groups with ``rank=16`` are projected)."""
     params = list(params)
     if len(params) == 0:
         raise ValueError("optimizer got an empty parameter list")
-    if all(isinstance(p, dict) for p in params):
-        return params
-    if any(isinstance(p, dict) for p in params):
+    if any(isinstance(p, dict) for p in params) and not all(isinstance(p, dict) for p in params):
         raise TypeError("params must be all tensors or all dicts, not a mix")
+    if not isinstance(params[0], dict):
+        return _split(params, rank, {})
+    if not explicit:
+        return params
+    groups = []
+    for group in params:
+        if "rank" in group:
+            groups.append(group)
+            continue
+        given = group.get("params")
+        tensors = [given] if isinstance(given, torch.Tensor) else list(given or [])
+        options = {k: v for k, v in group.items() if k != "params"}
+        groups += _split(tensors, rank, options) or [group]
+    return groups
 
+
+def _split(params: list, rank: int | None, options: dict) -> list[dict]:
+    """``params`` as a projected group of the 2-D real tensors (``rank``) and a plain group of
+    the rest, each with ``options``; an empty part is left out."""
     def projectable(item) -> bool:  # a tensor, or a (name, tensor) pair of model.named_parameters()
         tensor = item[1] if isinstance(item, tuple) else item
         return rank is not None and tensor.dim() == 2 and not tensor.is_complex()
@@ -674,9 +736,9 @@ def _split_flat_params(params, rank):
     others = [p for p in params if not projectable(p)]
     groups = []
     if matrices:
-        groups.append({"params": matrices, "rank": rank})
+        groups.append({**options, "params": matrices, "rank": rank})
     if others:
-        groups.append({"params": others, "rank": None})
+        groups.append({**options, "params": others, "rank": None})
     return groups
 
 

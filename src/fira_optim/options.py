@@ -263,6 +263,9 @@ def validate_group(g: dict) -> None:
         if g.get(key):
             raise ValueError(f"Invalid {key}: {g[key]!r}; Fira does not implement torch.optim.AdamW's "
                              f"{key}=True (leave it unset or False)")
+    if g.get("decoupled_weight_decay", True) is not True:
+        raise ValueError(f"Invalid decoupled_weight_decay: {g['decoupled_weight_decay']!r}; Fira's weight decay "
+                         "is decoupled, as torch.optim.AdamW's (leave it unset or True)")
     for key in CONSTRUCTOR_ONLY:
         if key in g:
             raise ValueError(f"{key}={g[key]!r} in a param group: {key} is an option of the whole "

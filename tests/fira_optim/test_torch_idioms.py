@@ -179,3 +179,66 @@ def test_a_parameter_replaced_in_its_group_is_the_one_stepped():
     before_old, before_new = old.detach().clone(), new.detach().clone()
     opt.step()
     assert torch.equal(old, before_old) and not torch.equal(new, before_new)
+
+
+def test_a_compiled_training_step_runs_the_reference_and_matches_it():
+    """torch.compile around a whole training step (backward and step): the fast strategy's fused
+    kernels cannot be traced (functionalization refused torch._fused_adam_, after the step
+    counts had moved); under compilation the step runs the reference, whose result it equals."""
+    def train(implementation: str, compiled: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+        opt = FiraAdamW(model.parameters(), lr=1e-2, rank=4, update_proj_gap=2, implementation=implementation)
+
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        run = torch.compile(step, backend="aot_eager") if compiled else step
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(4):  # refreshes at steps 0 and 2: the basis is traced too
+            run(torch.randn(4, 16, generator=generator))
+        return [p.detach() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    for compiled, eager in zip(train("fast", True), train("reference", False)):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
+
+
+def test_adamws_own_keywords_are_accepted_at_their_defaults_and_refused_otherwise():
+    model = _model()
+    adamw_defaults = torch.optim.AdamW(model.parameters()).defaults
+    opt = FiraAdamW(model.parameters(), rank=3, **adamw_defaults)  # a drop-in takes AdamW's own keywords
+    assert opt.defaults["weight_decay"] == adamw_defaults["weight_decay"]
+    _grads(model)
+    opt.step()
+    for key, value in [("amsgrad", True), ("maximize", True), ("capturable", True), ("differentiable", True)]:
+        with pytest.raises(ValueError, match=f"Invalid {key}: True; Fira does not implement"):
+            FiraAdamW(model.parameters(), **{key: value})
+    with pytest.raises(ValueError, match="Invalid decoupled_weight_decay: False; Fira's weight decay is decoupled"):
+        FiraAdamW(model.parameters(), decoupled_weight_decay=False)
+
+
+def test_an_explicit_rank_is_the_default_of_dict_groups_without_one():
+    """As torch's keywords are for groups: FiraAdamW(groups, rank=16) projects the matrices of the
+    groups that set no rank (a Hugging Face Trainer's decay / no-decay groups were silently
+    plain AdamW). Without rank=, a group without the key stays unprojected (the released fira)."""
+    model = _model()
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    biases = [p for p in model.parameters() if p.dim() != 2]
+    def groups():  # fresh dicts: torch's add_param_group fills its defaults into the ones given
+        return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+
+    opt = FiraAdamW(groups(), rank=3)
+    assert [(g["rank"], g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [(3, 0.1, 2), (None, 0.0, 2)]
+    mixed = FiraAdamW([{"params": list(model.parameters())}], rank=3)  # split like a flat list
+    assert [(g["rank"], len(g["params"])) for g in mixed.param_groups] == [(3, 2), (None, 2)]
+    own = FiraAdamW([{"params": weights[:1], "rank": 2}, {"params": weights[1:] + biases}], rank=3)
+    assert [(g["rank"], len(g["params"])) for g in own.param_groups] == [(2, 1), (3, 1), (None, 2)]
+    released = FiraAdamW(groups())  # the default rank is not a group default
+    assert [g["rank"] for g in released.param_groups] == [None, None]
+    assert [g["rank"] for g in FiraAdamW(groups(), rank=128).param_groups] == [128, None]  # given, though the default
+    assert [g["rank"] for g in FiraAdamW(model.parameters()).param_groups] == [128, None]
