@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,12 +74,14 @@ def param_groups(
 ) -> list[dict[str, Any]]:
     r"""Param groups for :class:`fira_optim.FiraAdamW`.
 
-    Projects the real 2-D weights of ``nn.Linear`` layers (attention and MLP matrices), never
+    Projects the real 2-D weights of ``nn.Linear`` layers (and of Hugging Face's ``Conv1D``,
+    GPT-2's linear layers: attention and MLP matrices), never
     embeddings or the output head (``get_output_embeddings()`` and any weight tied to an
     embedding), nor 1-D tensors. ``include`` / ``exclude`` are regular expressions searched in
     the module name (``include`` restricts the projected set, ``exclude`` removes from it).
     Tied weights appear once. ``group_options`` (e.g. ``proj_type``, ``gamma``, any variant
-    setting) are set on the projected group.
+    setting) are set on the projected group. A model with 2-D weights none of which qualifies
+    gets a ``UserWarning``: the optimizer would be plain AdamW.
     """
     reject_fsdp1(model)  # FSDP1 flattens the weights: nothing would be projected, silently
     never = _excluded_by_role(model)
@@ -86,7 +89,7 @@ def param_groups(
     seen: set[int] = set()
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or weight is None or weight.dim() != 2 or weight.is_complex():
+        if not _is_linear(module) or weight is None or weight.dim() != 2 or weight.is_complex():
             continue  # a complex weight steps as torch.optim.AdamW does, in the plain group
         if id(weight) in never or id(weight) in seen or not weight.requires_grad:
             continue
@@ -97,6 +100,10 @@ def param_groups(
         seen.add(id(weight))
         projected.append(weight)
     regular = [p for p in _unique(model.parameters()) if id(p) not in seen and p.requires_grad]
+    if not projected and any(p.dim() == 2 for p in regular):
+        warnings.warn("param_groups(model): no weight of an nn.Linear (or transformers Conv1D) layer "
+                      "qualified (include/exclude, frozen, embeddings and head left out): nothing is "
+                      "projected, and the optimizer is plain AdamW", UserWarning, stacklevel=2)
     groups: list[dict[str, Any]] = []
     if regular:
         groups.append({"params": regular, "rank": None})
@@ -104,6 +111,13 @@ def param_groups(
         groups.append({"params": projected, "rank": rank, "update_proj_gap": update_proj_gap,
                        "alpha": alpha, **group_options})
     return groups
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear``, or Hugging Face's ``Conv1D`` (GPT-2's attention and MLP layers: a linear
+    layer whose weight is stored transposed, ``in x out``; matched by name, so that torch stays
+    the only dependency)."""
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -152,3 +152,34 @@ def test_divide_params_defaults_match_released():
     assert {k: v for k, v in ours[1].items() if k != "params"} == {
         k: v for k, v in theirs[1].items() if k != "params"}
     assert [id(p) for p in ours[0]["params"]] == [id(p) for p in theirs[0]["params"]]
+
+
+def test_gpt2s_conv1d_layers_are_projected_and_train():
+    """GPT-2's attention and MLP layers are transformers' Conv1D (weight in x out), not nn.Linear:
+    they were silently left out, and the optimizer was plain AdamW."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2))
+    projected, plain = _projected_and_plain(param_groups(model, rank=4))
+    names = _names(model, projected)
+    assert sorted({n.split(".")[-2] for n in names}) == ["c_attn", "c_fc", "c_proj"] and len(names) == 8
+    assert "transformer.wte.weight" in _names(model, plain)  # embeddings and the tied head: never
+    opt = FiraAdamW(param_groups(model, rank=4, update_proj_gap=2), lr=1e-2)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(6):
+        loss = model(ids, labels=ids).loss
+        losses.append(float(loss))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert losses[-1] < losses[0]
+    assert all("basis" in opt.state[p] for p in projected)
+
+
+def test_a_model_with_nothing_to_project_warns():
+    model = nn.Sequential(nn.Bilinear(4, 4, 4), nn.Embedding(10, 4))  # 2-D weights, none a linear layer's
+    with pytest.warns(UserWarning, match="nothing is projected, and the optimizer is plain AdamW"):
+        groups = param_groups(model, rank=2)
+    assert [g["rank"] for g in groups] == [None]
