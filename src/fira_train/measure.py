@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fira_optim.state import optimizer_state_bytes
-from fira_train.config.method_spec import MethodSpec, parse_method_specs
+from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse_spec_keys
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import locked, read_json, write_text_atomic
@@ -100,6 +100,7 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     side by side (on CUDA, ``max_memory_allocated`` is per process).
     """
     out_dir = Path(out_dir)
+    refuse_spec_keys(specs, ("train.steps",), f"memory --measure trains {steps} steps of every method (--steps)")
     if not append and (out_dir / "memory.json").exists():
         raise FileExistsError(f"--out {str(out_dir)!r} already holds a measurement (memory.json): pass "
                               "--append to add these rows to it, or choose another --out")

@@ -84,6 +84,24 @@ def test_commands_with_methods_refuse_what_each_run_sets(argv: list[str], overri
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(("argv", "spec", "message"), [
+    (["compare", "--methods", "fira,{spec}"], "adamw@train.steps=10", "compare trains every method on the same data"),
+    (["compare", "--methods", "fira,{spec}"], "galore@data.seq_len=16", "sets data.seq_len: compare trains"),
+    (["compare", "--methods", "fira,{spec}"], "adamw@train.seed=3", "sets train.seed: compare trains"),
+    (["sweep", "--methods", "{spec}", "--lrs", "0.01"], "adamw@train.batch_size=2", "the sweep trains every method"),
+    (["memory", "--measure", "--steps", "2", "--methods", "{spec}"], "galore@train.steps=10",
+     "memory --measure trains 2 steps of every method"),
+])
+def test_a_spec_cannot_change_what_the_methods_share(argv: list[str], spec: str, message: str, tmp_path: Path,
+                                                     capsys) -> None:
+    """A report that says 'same data, tokens and seed' (or a table of N steps) would be false."""
+    argv = [a.replace("{spec}", spec) for a in argv]
+    assert main([*argv, "--recipe", "micro", "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert f"method spec {spec!r} sets {spec.split('@')[1].split('=')[0]}" in err and message in err
+    assert not (tmp_path / "o" / "memory.json").exists() and not (tmp_path / "o" / "report.md").exists()
+
+
 def test_overrides_may_stand_anywhere_among_the_flags() -> None:
     parser = build_parser()
     args = parser.parse_args(["pretrain", "train.steps=3", "--recipe", "micro", "train.batch_size=4", "--method",

@@ -8,6 +8,7 @@ spec as written labels its row and names its run folder. A value cannot hold a c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -67,6 +68,22 @@ def parse_method_spec(text: str) -> MethodSpec:
 def refuse_set_per_spec(overrides: list[str], command: str) -> None:
     """ValueError for a command-wide override of a key each spec's run sets (:data:`SPEC_SETS`)."""
     refuse_overrides(overrides, SPEC_SETS, f"{command} sets it for each method spec (--methods, --out)")
+
+
+#: What every run of a comparison shares, so that its methods differ in nothing else (the same
+#: data, tokens and seed): ``compare`` and ``sweep`` refuse a spec that changes one. A key ending
+#: in ``.`` stands for its whole section.
+SHARED = ("train.steps", "train.batch_size", "train.seed", "data.")
+
+
+def refuse_spec_keys(specs: Sequence[MethodSpec], keys: Sequence[str], why: str) -> None:
+    """ValueError for a spec that overrides one of ``keys`` (``why``: what the command does with
+    it instead)."""
+    for spec in specs:
+        for override in spec.overrides:
+            key = override_key(override)
+            if any(key == k or k.endswith(".") and key.startswith(k) for k in keys):
+                raise ValueError(f"method spec {spec.text!r} sets {key}: {why}")
 
 
 def parse_method_specs(text: str) -> list[MethodSpec]:
