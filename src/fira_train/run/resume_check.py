@@ -28,12 +28,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fira_train.config.overrides import config_to_dict
 from fira_train.config.resolve import saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
-from fira_train.run.run_dir import config_changes
+from fira_train.run.run_dir import config_changes, describe_changes
 from fira_train.run.safe_load import UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -56,13 +55,7 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
         raise ckpt.CheckpointError(f"checkpoint {str(path)!r} has an unreadable config record: {err}") from None
     changes = config_changes(saved, config)
     if changes:
-        old, new = config_to_dict(saved), config_to_dict(config)
-
-        def value(values: dict[str, Any], key: str) -> Any:
-            section, _, name = key.partition(".")
-            return values.get(section, {}).get(name)
-
-        details = ", ".join(f"{key}={value(old, key)!r} (now {value(new, key)!r})" for key in changes)
+        details = describe_changes(saved, config, changes)
         raise ValueError(f"cannot resume from {str(path)!r}: it was written with a different config: "
                          f"{details}; resume with the checkpoint's settings, or start a new run "
                          "(another --out, or --overwrite)")

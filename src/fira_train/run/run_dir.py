@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from fira_train.config.overrides import config_to_dict
 from fira_train.config.resolve import LEGACY_ALIGN_SIGNS, resolved, saved_config
@@ -31,6 +32,17 @@ def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
             if a[section].get(key) != b[section].get(key):
                 changed.append(f"{section}.{key}")
     return sorted(k for k in changed if k not in RESUMABLE_CHANGES)
+
+
+def describe_changes(old: RunConfig, new: RunConfig, changes: list[str]) -> str:
+    """``"train.steps=5 (now 10), ..."``: each changed key with the run's value and the new one."""
+    a, b = config_to_dict(old), config_to_dict(new)
+
+    def value(values: dict[str, Any], key: str) -> Any:
+        section, _, name = key.partition(".")
+        return values.get(section, {}).get(name)
+
+    return ", ".join(f"{key}={value(a, key)!r} (now {value(b, key)!r})" for key in changes)
 
 
 def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool,
@@ -66,8 +78,9 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
             if "optim.align_signs" in changes and saved.optim.align_signs is LEGACY_ALIGN_SIGNS:
                 hint += ("; a run made while aligned SVD signs were the default resumes with "
                          "optim.align_signs=true")
-            raise ValueError(f"cannot resume {str(out)!r} with a different config: {', '.join(changes)} "
-                             f"differ from its config.json (resuming must reproduce the same run){hint}")
+            raise ValueError(f"cannot resume {str(out)!r} with a different config: its config.json has "
+                             f"{describe_changes(saved, config, changes)} (resuming must reproduce the same "
+                             f"run){hint}")
 
 
 def finished_with(config: RunConfig, run_dir: Path) -> bool:

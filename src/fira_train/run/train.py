@@ -52,7 +52,7 @@ from fira_train.config.overrides import config_to_dict
 from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import dumps as json_dumps, write_text_atomic
+from fira_train.files import dumps as json_dumps, read_json, write_text_atomic
 from fira_train.methods.model import count_parameters
 from fira_train.methods.registry import get_method
 from fira_train.run import checkpoint as ckpt
@@ -64,7 +64,7 @@ from fira_train.run.metrics import MetricsLog, perplexity
 from fira_train.run.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, shard_batch
 from fira_train.run.peak_memory import PeakMemory
 from fira_train.run.rng import seed_everything
-from fira_train.run.run_dir import prepare_out_dir
+from fira_train.run.run_dir import finished_with, prepare_out_dir
 from fira_train.run.run_lock import locked_run_directory
 from fira_train.run.state import capture_state, restore_state
 from fira_train.run.training import Training, autocast_for, build_training, resolve_device
@@ -135,6 +135,13 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     config = resolved(config)
     # before the lock file is created: nothing is added to a folder the run may not use
     run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
+    out = Path(config.train.out_dir)
+    if resume == "latest" and finished_with(config, out):
+        # Its summary stands: a sitting that trains nothing would replace the run's throughput,
+        # wall time and peak memory with those of loading and evaluating it.
+        log.info("%s holds this run, finished: nothing to resume (its summary.json is kept; "
+                 "--resume-step N trains again from step N)", out)
+        return read_json(out / "summary.json", hint="delete the run's folder to train it again")
     if config.train.parallel == "none":
         train_parallel.check_launch(config)
         with locked_run_directory(config.train.out_dir):  # one run at a time per OUT
@@ -241,7 +248,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     stream = corpus.train_batches(micro_batch, config.train.seed)
     val_batches = corpus.val_batches(micro_batch)
 
-    step, progress = 0, {"tokens": 0, "train_time_s": 0.0}
+    step, progress = 0, {"tokens": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "peak_memory_bytes": 0, "sittings": 0}
     restored = state is not None
     if restored:
         step, progress = restore_state(state, training, stream)
@@ -250,6 +257,9 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         step, progress = train_parallel.load(out, resume_path, training, stream, config.train.parallel)
         log.info("resumed %s from step %d (%s)", out, step, resume_path.name)
     del state
+    # The run's totals over its sittings (checkpoints from before these were kept lack them:
+    # their earlier sittings' wall time and peak are then not counted).
+    earlier = {key: progress.get(key, 0) for key in ("wall_time_s", "peak_memory_bytes", "sittings")}
     metrics = MetricsLog(out, tensorboard=config.train.tensorboard and main,
                          resume_step=step if resume is not None else None) if main else None
 
@@ -291,6 +301,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         bar.update(1)
         bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "tokens_per_s", "val_ppl") if k in record})
         if step == t.steps or (t.save_every and step % t.save_every == 0):
+            progress.update(_sitting_totals(earlier, run_start, memory))
             if distributed:  # every rank writes its shards
                 train_parallel.save(out, step, training, stream, progress, t.keep_last,
                                     record={resume_check.CONFIG_KEY: config_to_dict(config)})
@@ -325,10 +336,9 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         "test_tokens": sum(b[:, 1:].numel() for b in test_batches),
         "tokens_per_s": progress["tokens"] / max(progress["train_time_s"], 1e-9),
         "train_time_s": progress["train_time_s"],
-        "wall_time_s": time.perf_counter() - run_start,
+        **_sitting_totals(earlier, run_start, memory),  # wall_time_s, peak_memory_bytes, sittings
         "optimizer_state_numel": optimizer_state_numel(optimizer),  # step counters excluded
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),  # step counters included
-        "peak_memory_bytes": memory.peak_bytes(),
         "peak_memory_kind": memory.kind,
         "device": str(device),
         "data": corpus.describe(),
@@ -340,3 +350,11 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if main:
         write_text_atomic(out / "summary.json", json_dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _sitting_totals(earlier: dict[str, Any], run_start: float, memory: PeakMemory) -> dict[str, Any]:
+    """The run's wall time and peak memory over every sitting so far, this one included, and how
+    many sittings that is: what a checkpoint keeps and the summary reports."""
+    return {"wall_time_s": earlier["wall_time_s"] + time.perf_counter() - run_start,
+            "peak_memory_bytes": max(earlier["peak_memory_bytes"], memory.peak_bytes()),
+            "sittings": earlier["sittings"] + 1}

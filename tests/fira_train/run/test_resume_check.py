@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import warnings
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path:
     straight = train(micro_config(tmp_path, *COMMON, out="straight"))
     config = micro_config(tmp_path, *COMMON)
     train(config)
+    (tmp_path / "run" / "summary.json").unlink()  # as a run stopped while evaluating: unfinished
     root = tmp_path / "run" / "checkpoints"
     _flip_a_byte(root / "step_00000004" / "state.pt")
     (root / "step_00000003" / "state.pt").write_bytes(b"")  # and an empty one below it
@@ -49,6 +51,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path:
 def test_no_intact_checkpoint_names_them_all(tmp_path: Path, capsys) -> None:
     config = micro_config(tmp_path, *COMMON[:2], "train.steps=2", "train.save_every=1", "train.keep_last=5")
     train(config)
+    (tmp_path / "run" / "summary.json").unlink()  # as a run stopped while evaluating: unfinished
     root = tmp_path / "run" / "checkpoints"
     for step in (1, 2):
         _flip_a_byte(root / f"step_{step:08d}" / "state.pt")
@@ -127,3 +130,29 @@ def test_single_file_checkpoints_record_the_config(tmp_path: Path) -> None:
     state = torch.load(tmp_path / "run" / "checkpoints" / "step_00000001" / "state.pt", weights_only=True)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config_from_dict(state["config"]) == config_from_dict(saved)  # the run's config, lr resolved
+
+
+def test_resuming_a_finished_run_keeps_its_summary(tmp_path: Path) -> None:
+    """Nothing to train: the summary stands (a sitting of loading and evaluating replaced its
+    throughput, wall time and peak memory); --resume-step still trains again from a checkpoint."""
+    config = micro_config(tmp_path, *COMMON)
+    summary = train(config)
+    written = (tmp_path / "run" / "summary.json").read_bytes()
+    assert train(config, resume="latest") == json.loads(written)
+    assert (tmp_path / "run" / "summary.json").read_bytes() == written
+    again = train(config, resume=2)
+    assert again["val_loss"] == summary["val_loss"] and again["sittings"] == 2
+
+
+def test_a_resumed_run_reports_its_wall_time_and_peak_over_every_sitting(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, *COMMON)
+    train(config)
+    run = tmp_path / "run"
+    first = ckpt.load_checkpoint(run, ckpt.find_checkpoint(run, 2))["progress"]
+    (run / "summary.json").unlink()  # stopped after step 2's checkpoint
+    for step in (3, 4):
+        shutil.rmtree(ckpt.find_checkpoint(run, step))
+    resumed = train(config, resume="latest")
+    assert first["sittings"] == 1 and resumed["sittings"] == 2
+    assert resumed["wall_time_s"] > first["wall_time_s"] and resumed["wall_time_s"] >= resumed["train_time_s"]
+    assert resumed["peak_memory_bytes"] >= first["peak_memory_bytes"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,7 +124,8 @@ def test_an_existing_run_needs_resume_or_overwrite(tmp_path: Path) -> None:
 
 def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
     train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4"))
-    with pytest.raises(ValueError, match="optim.lr"):
+    lr = json.loads((tmp_path / "run" / "config.json").read_text())["optim"]["lr"]
+    with pytest.raises(ValueError, match=re.escape(f"its config.json has optim.lr={lr!r} (now 0.5)")):
         train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "optim.lr=0.5"), resume="latest")
     # fields that do not change the trajectory may differ
     train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.keep_last=5"), resume="latest")
