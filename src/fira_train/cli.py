@@ -36,6 +36,7 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,34 +69,42 @@ SWEEP_SEEDS = "0,1,2"
 PLUGINS = ("fira_train.finetune.cli", "fira_train.analysis.cli")
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = True) -> None:
+def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = True, command: str = "pretrain",
+                      hidden: Sequence[str] = ()) -> None:
     """The flags shared by ``pretrain``, ``compare`` and ``sweep`` (whose ``--report-only`` needs no
-    recipe: it checks ``--recipe`` itself)."""
-    parser.add_argument("--recipe", required=recipe_required,
-                        help="60m, 130m, 350m, 1b, 7b (the paper's LLaMA models), tiny (CPU, ~10 min "
-                             "per method) or micro (seconds, for tests)")
-    parser.add_argument("--data", help="wiki (the embedded Wikipedia corpus, default), c4 (streams "
-                                       "allenai/c4, online) or a local file / folder of .txt/.jsonl")
-    parser.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
-    parser.add_argument("--rank", type=int, help="projection / LoRA rank (optim.rank)")
-    parser.add_argument("--update-proj-gap", type=int, help="subspace update gap T (optim.update_proj_gap)")
-    parser.add_argument("--lr", type=float, help="peak learning rate (optim.lr; default: the recipe's tuned "
-                                                 "rate for the method, else the method's; fira-train methods)")
-    parser.add_argument("--seed", type=int, help="seed of init, data order and RNGs (train.seed)")
-    parser.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (train.save_every)")
-    parser.add_argument("--eval-every", type=int, metavar="N", help="validate every N steps (train.eval_every)")
-    parser.add_argument("--parallel", choices=("none", "ddp", "fsdp2"),
-                        help="data parallelism over the processes of a torchrun launch "
-                             "(train.parallel; default none): torchrun --nproc_per_node N -m "
-                             "fira_train pretrain ... --parallel ddp|fsdp2")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest complete checkpoint in the output directory "
-                             "(from step 0 if there is none)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="delete a previous run in the output directory and start over")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="config overrides, e.g. train.batch_size=32 optim.alpha=0.5 "
-                             "model.num_hidden_layers=2 (sections: model, optim, data, train)")
+    recipe: it checks ``--recipe`` itself). ``hidden``: flags (dests) the command refuses, parsed
+    so that it can say why, but left out of its ``--help``."""
+
+    def add(*names: str, **options: Any) -> None:
+        if names[0].lstrip("-").replace("-", "_") in hidden:
+            options["help"] = argparse.SUPPRESS
+        parser.add_argument(*names, **options)
+
+    add("--recipe", required=recipe_required,
+        help="60m, 130m, 350m, 1b, 7b (the paper's LLaMA models), tiny (CPU, ~10 min "
+             "per method) or micro (seconds, for tests)")
+    add("--data", help="wiki (the embedded Wikipedia corpus, default), c4 (streams "
+                       "allenai/c4, online) or a local file / folder of .txt/.jsonl")
+    add("--steps", type=int, help="optimizer steps (train.steps)")
+    add("--rank", type=int, help="projection / LoRA rank (optim.rank)")
+    add("--update-proj-gap", type=int, help="subspace update gap T (optim.update_proj_gap)")
+    add("--lr", type=float, help="peak learning rate (optim.lr; default: the recipe's tuned "
+                                 "rate for the method, else the method's; fira-train methods)")
+    add("--seed", type=int, help="seed of init, data order and RNGs (train.seed)")
+    add("--save-every", type=int, metavar="N", help="checkpoint every N steps (train.save_every)")
+    add("--eval-every", type=int, metavar="N", help="validate every N steps (train.eval_every)")
+    add("--parallel", choices=("none", "ddp", "fsdp2"),
+        help="data parallelism over the processes of a torchrun launch "
+             "(train.parallel; default none): torchrun --nproc_per_node N -m "
+             f"fira_train {command} ... --parallel ddp|fsdp2")
+    add("--resume", action="store_true",
+        help="continue from the newest complete checkpoint in the output directory "
+             "(from step 0 if there is none)")
+    add("--overwrite", action="store_true",
+        help="delete a previous run in the output directory and start over")
+    add("overrides", nargs="*", metavar="key=value",
+        help="config overrides, e.g. train.batch_size=32 optim.alpha=0.5 "
+             "model.num_hidden_layers=2 (sections: model, optim, data, train)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -187,9 +196,10 @@ def _register_compare(subparsers: Any) -> None:
         "compare", help="pre-train several methods on the same data and write a report",
         description="Run several methods on the same data, tokens and seed, one after another, "
                     "into OUT/<method>/, then write OUT/report.md and OUT/loss.png.")
-    parser.add_argument("--methods", required=True, help="comma-separated method names, e.g. fira,galore,adamw")
+    parser.add_argument("--methods", required=True,
+                        help="comma-separated method specs NAME[@key=value...], e.g. fira,galore@optim.rank=16,adamw")
     parser.add_argument("--out", help="output directory (default: runs/<recipe>-compare)")
-    add_run_arguments(parser)
+    add_run_arguments(parser, command="compare")
     parser.set_defaults(func=_compare)
 
 
@@ -199,10 +209,13 @@ def _sweep(args: argparse.Namespace) -> int:
     from fira_train.sweep.driver import SWEEP_SETS, parse_lr_grids, parse_numbers, rewrite_report, sweep
 
     if args.report_only:
+        run_flags = [(f"--{dest.replace('_', '-')}", getattr(args, dest) is not None) for dest in FLAG_KEYS
+                     if dest != "out"]
         given = [flag for flag, value in (
             ("--methods", args.methods), ("--lrs", args.lrs), ("--recipe", args.recipe), ("--reuse", args.reuse),
             ("--reference", args.reference), ("--all-seeds", args.all_seeds), ("--jobs", args.jobs != 1),
-            ("--seeds", args.seeds != SWEEP_SEEDS), ("key=value", args.overrides)) if value]
+            ("--seeds", args.seeds != SWEEP_SEEDS), *run_flags, ("--resume", args.resume),
+            ("--overwrite", args.overwrite), ("key=value", args.overrides)) if value]
         if given:
             raise ValueError(f"--report-only rebuilds the report from OUT/sweep.json and takes only --out, "
                              f"not {', '.join(given)}")
@@ -238,7 +251,7 @@ def _register_sweep(subparsers: Any) -> None:
         description="Train every method at every learning rate of its grid (first seed), choose each "
                     "method's lr on the validation set, train the other seeds at it, and report test "
                     "perplexity (mean ± sd over seeds) with each method's paired difference to the "
-                    "reference and its 95%% interval: OUT/report.md, OUT/sweep.json, OUT/lr.png. Runs "
+                    "reference and its 95% interval: OUT/report.md, OUT/sweep.json, OUT/lr.png. Runs "
                     "live in OUT/<spec>/lr=<lr>/seed=<seed>/; with --reuse a sweep continues "
                     "where it stopped.")
     parser.add_argument("--methods",
@@ -262,7 +275,9 @@ def _register_sweep(subparsers: Any) -> None:
                         help="train nothing: write OUT/report.md, OUT/sweep.json and OUT/lr.png again from "
                              "OUT/sweep.json (a finished sweep in the current report format)")
     parser.add_argument("--out", required=True, help="output directory")
-    add_run_arguments(parser, recipe_required=False)
+    # parsed, so that sweep can say what to use instead, but not offered
+    add_run_arguments(parser, recipe_required=False, command="sweep",
+                      hidden=("lr", "seed", "parallel", "resume", "overwrite"))
     parser.set_defaults(func=_sweep)
 
 

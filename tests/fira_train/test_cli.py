@@ -229,3 +229,29 @@ def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, 
 def test_each_command_says_how_to_continue_after_ctrl_c(argv: list[str], expected: str | None) -> None:
     hint = cli.interrupted_hint(build_parser().parse_args(argv))
     assert hint is None if expected is None else expected in hint
+
+
+@pytest.mark.parametrize("extra", [["--steps", "5"], ["--data", "x"], ["--rank", "4"], ["--save-every", "2"],
+                                   ["--seed", "1"], ["--overwrite"], ["train.batch_size=2"]])
+def test_sweep_report_only_refuses_every_other_setting(extra: list[str], tmp_path: Path, capsys) -> None:
+    """It rebuilds the report from sweep.json: a setting given beside it would be ignored."""
+    assert main(["sweep", "--report-only", "--out", str(tmp_path), *extra]) == 1
+    err = capsys.readouterr().err
+    assert "takes only --out" in err and (extra[0] if extra[0].startswith("--") else "key=value") in err
+
+
+def test_help_offers_what_each_command_takes(capsys) -> None:
+    for argv in (["sweep", "--help"], ["compare", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = capsys.readouterr().out
+        assert "%%" not in text and "fira_train pretrain" not in text
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    text = capsys.readouterr().out
+    assert "95% interval" in text
+    for refused in ("--lr ", "--seed ", "--resume", "--overwrite", "--parallel"):  # sweep refuses them
+        assert refused not in text, refused
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    assert "fira_train compare ... --parallel" in " ".join(capsys.readouterr().out.split())
