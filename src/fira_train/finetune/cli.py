@@ -24,7 +24,12 @@ from fira_train.finetune.config import (
 
 
 def _optional_int(text: str) -> int | None:
-    return None if text.lower() in ("none", "all") else int(text)
+    if text.lower() in ("none", "all"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'all', got {text!r}") from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -91,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """The sub-command: errors in options, data or model are one line on stderr and exit status 2."""
+    """The sub-command: errors in options, data or model are one line on stderr and exit status 1,
+    as for every fira-train command (2 stays argparse's, for a malformed command line)."""
     # imported when the command runs: they load torch and transformers
     from fira_train.finetune.run import run_finetune
     from fira_train.methods.pretrained import ModelLoadError
@@ -102,7 +108,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         run_finetune(config)
     except (FinetuneError, CommonsenseDataError, ModelLoadError, RunDirectoryBusy) as err:
         print(f"fira-train finetune: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(1) from None
     return 0
 
 
@@ -117,4 +123,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         if err.errno is None:
             raise
         print(f"fira-train finetune: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(1) from None

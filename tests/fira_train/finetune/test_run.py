@@ -201,7 +201,7 @@ def test_cli_errors_are_one_line_messages(tiny_model_dir, tmp_path, capsys, argv
     message = message.format(missing=str(tmp_path / "missing"))
     with pytest.raises(SystemExit) as exit_info:
         main([x for kv in base.items() for x in kv])
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("fira-train finetune: error:") and message in err
     assert "Traceback" not in err
@@ -243,7 +243,7 @@ def _zero_shot(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]
 def _one_line_error(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("fira-train finetune: error:") and err.count("\n") == 1 and "Traceback" not in err
     return err
@@ -488,3 +488,11 @@ def test_sittings_are_known_only_as_an_unbroken_chain_to_the_checkpoint(tmp_path
     assert sitting_totals([first, {**second, "peak_rss_mib": None}]) == (12.0, None)
     assert sitting_totals(None) == (None, None)
 
+
+
+def test_a_malformed_count_is_named_without_internals(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error: status 2
+        main(["--max-eval", "abc"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --max-eval: expected an integer or 'all', got 'abc'" in err and "_optional_int" not in err
