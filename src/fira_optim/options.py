@@ -11,6 +11,7 @@ import enum
 import functools
 import inspect
 import math
+import numbers
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -231,6 +232,13 @@ def validate_group(g: dict) -> None:
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         lr = float(lr)
+    _check_real("lr", lr)
+    for key in ("eps", "weight_decay", "alpha", "gamma", "clip_norm", "mu"):
+        _check_real(key, g[key])
+    if isinstance(g["betas"], (str, bytes)) or not hasattr(g["betas"], "__len__"):
+        raise ValueError(f"Invalid betas: {g['betas']!r}; expected a pair of numbers")
+    for beta in g["betas"]:
+        _check_real("betas", beta)
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate (lr): {g['lr']}")
     if not 0.0 <= g["eps"]:
@@ -290,6 +298,14 @@ def validate_group(g: dict) -> None:
     if g.get("fused") and (base is not Base.ADAM or arithmetic is not Arithmetic.PAPER):
         raise ValueError(f"fused=True is torch's fused AdamW: it needs base='adam' and arithmetic='paper', "
                          f"got base={g['base']!r}, arithmetic={g['arithmetic']!r}")
+
+
+def _check_real(name: str, value: Any) -> None:
+    """ValueError naming ``name`` unless ``value`` is a real number (a string from a config file,
+    None or a tensor of several elements failed later with a TypeError that named nothing)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) and not (
+            isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()):
+        raise ValueError(f"Invalid {name}: {value!r}; expected a number")
 
 
 def param_name(gi: int, pi: int, p: torch.Tensor) -> str:

@@ -2,6 +2,7 @@
 need to differ, and refuses clearly where a state dict cannot mean what it says."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -242,3 +243,15 @@ def test_an_explicit_rank_is_the_default_of_dict_groups_without_one():
     assert [g["rank"] for g in released.param_groups] == [None, None]
     assert [g["rank"] for g in FiraAdamW(groups(), rank=128).param_groups] == [128, None]  # given, though the default
     assert [g["rank"] for g in FiraAdamW(model.parameters()).param_groups] == [128, None]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"lr": "0.1"}, "Invalid lr: '0.1'; expected a number"),  # a string from a config file
+    ({"eps": None}, "Invalid eps: None"),
+    ({"betas": "ab"}, "Invalid betas: 'ab'; expected a pair of numbers"),
+    ({"betas": (0.9, "0.99")}, "Invalid betas: '0.99'"),
+    ({"gamma": [1.01]}, "Invalid gamma: [1.01]"),
+])
+def test_a_hyperparameter_that_is_not_a_number_is_named(options: dict, message: str):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FiraAdamW(_model().parameters(), rank=3, **options)
