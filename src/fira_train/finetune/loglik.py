@@ -152,12 +152,28 @@ def _task_manager() -> Any:
 
 
 class _quiet:
-    """lm-eval's info and warning lines (one per task and call) off while it runs; errors still show."""
+    """lm-eval's info and warning lines (one per task and call) off while it runs; errors still show.
+
+    Its results' provenance fields, which nothing here reads, are not collected either: each call
+    ran ``git describe`` (outside a git checkout git printed "fatal: not a git repository" on
+    stderr, once per task) and torch's ``collect_env`` (0.5-1.5 s of subprocesses per call on
+    this machine)."""
 
     def __enter__(self) -> None:
+        import lm_eval.evaluator as evaluator
+
         self.logger = logging.getLogger("lm_eval")
         self.level = self.logger.level
         self.logger.setLevel(logging.ERROR)
+        self.evaluator = evaluator
+        self.saved = {name: getattr(evaluator, name, None) for name in ("get_git_commit_hash", "add_env_info")}
+        if self.saved["get_git_commit_hash"] is not None:
+            evaluator.get_git_commit_hash = lambda: None
+        if self.saved["add_env_info"] is not None:
+            evaluator.add_env_info = lambda storage: None
 
     def __exit__(self, *exc: object) -> None:
         self.logger.setLevel(self.level)
+        for name, value in self.saved.items():
+            if value is not None:
+                setattr(self.evaluator, name, value)

@@ -134,6 +134,21 @@ def test_batch_size_does_not_change_the_scores(tiny64):
         assert a["logliks"] == pytest.approx(b["logliks"], rel=1e-9, abs=1e-9)
 
 
+@needs_lm_eval
+def test_scoring_outside_a_git_checkout_prints_nothing_of_git(tiny64, tmp_path, monkeypatch, capfd):
+    """lm-eval ran `git describe` per call for a field nothing reads: "fatal: not a git repository"."""
+    import lm_eval.evaluator
+
+    model, tokenizer = tiny64
+    monkeypatch.chdir(tmp_path)
+    before = lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info
+    scorer = loglik.LoglikScorer(model, tokenizer, batch_size=4)
+    scorer.evaluate_task(resolve_task("ARC-Challenge"), [arc_record(random.Random(3), i) for i in range(2)])
+    scorer.close()
+    assert "fatal" not in capfd.readouterr().err
+    assert (lm_eval.evaluator.get_git_commit_hash, lm_eval.evaluator.add_env_info) == before  # restored
+
+
 def test_a_missing_lm_eval_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(loglik.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FinetuneError, match=r"lm-eval, which is not installed: pip install 'lm-eval.*--scoring gen"):
