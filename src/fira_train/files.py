@@ -35,12 +35,13 @@ __all__ = ["DamagedFileError", "check_report_owner", "dumps", "file_digest", "fi
 
 
 def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,
-                       overwrite: bool | None = None) -> None:
+                       overwrite: bool | None = None, writer: str | None = None) -> None:
     """``FileExistsError`` if ``out/report.md`` exists and was not written by ``command``: its
     first line begins with none of ``titles`` (the headings ``command`` writes). So a folder
     command (compare, sweep, an analysis) run on another command's ``--out``, or on a folder with
     a ``report.md`` of the user's, does not replace that report. ``overwrite``: True lets it
-    (the command's ``--overwrite``); None: the command has no such flag."""
+    (the command's ``--overwrite``); None: the command has no such flag. ``writer``: how the
+    error names what did not write it (default: the command)."""
     report = Path(out) / "report.md"
     if overwrite or not report.is_file():
         return
@@ -49,7 +50,8 @@ def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], com
     if first.startswith(titles):
         return
     how = "choose another --out" + (", or pass --overwrite to replace it" if overwrite is not None else "")
-    raise FileExistsError(f"--out {str(out)!r} holds a report.md that `fira-train {command}` did not write "
+    writer = writer or f"`fira-train {command}`"
+    raise FileExistsError(f"--out {str(out)!r} holds a report.md that {writer} did not write "
                           f"(it begins {first[:60]!r}); {how}")
 
 

@@ -124,7 +124,8 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     out_dir = Path(out_dir)
     configs = [run_config(config, r, out_dir) for r in runs]  # validates every override first
     check_not_replaced(config, runs, configs, partly_set, given)
-    check_report_owner(out_dir, (f"# {title}",), "analyze", overwrite=overwrite)
+    check_report_owner(out_dir, (f"# {title}",), "analyze", overwrite=overwrite,
+                       writer=f"this analysis ({title!r})")
     if not (reuse or overwrite):
         _check_no_earlier_runs(configs)
     out_dir.mkdir(parents=True, exist_ok=True)

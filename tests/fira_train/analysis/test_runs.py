@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,6 +118,7 @@ def test_an_analysis_leaves_a_report_it_did_not_write_alone(tmp_path: Path, corp
     out = tmp_path / "out"
     out.mkdir()
     (out / "report.md").write_text("# Learning-rate sweep: recipe `tiny`\n")
-    with pytest.raises(FileExistsError, match="`fira-train analyze` did not write.*--overwrite"):
+    with pytest.raises(FileExistsError, match=re.escape(f"report.md that this analysis ({TITLE!r}) did not write "
+                                                        "(it begins '# Learning-rate sweep") + ".*--overwrite"):
         train_runs(config, ablation_runs(["fira"], []), out, reuse=True, title=TITLE)
     assert not (out / "fira").exists()
