@@ -44,6 +44,7 @@ from fira_train.cli_args import IntermixedArgumentParser
 from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import is_rank_zero
+from fira_train.run.process_logging import configure_logging
 from fira_train.user_errors import describe
 
 PROG = "fira-train"
@@ -410,8 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv  # recorded in reports
     # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
-    logging.basicConfig(level=logging.INFO if is_rank_zero() else logging.WARNING,
-                        format="%(message)s", stream=sys.stderr)
+    configure_logging(logging.INFO if is_rank_zero() else logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback

@@ -20,7 +20,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from fira_train.config.run_config import RunConfig
+from fira_train.run.process_logging import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _how_it_ended(exitcode: int | None) -> str:
 
 
 def _child(send, parent_gone, level: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    configure_logging(level)
     threading.Thread(target=_end_when_orphaned, args=(parent_gone,), daemon=True,
                      name="fira-train-parent-watch").start()
     try:
