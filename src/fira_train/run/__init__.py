@@ -3,5 +3,5 @@ from (:mod:`.training`, :mod:`.schedule`, :mod:`.parallel`), its checkpoints (:m
 :mod:`.dist_checkpoint`, :mod:`.state`, :mod:`.rng`; checked by :mod:`.checkpoint_integrity`,
 :mod:`.safe_load` and, on resume, :mod:`.resume_check`), its run directory (:mod:`.run_dir`,
 :mod:`.run_files`, :mod:`.run_lock`) and its logs (:mod:`.metrics`, :mod:`.peak_memory`).
-Importing this package imports nothing else: :mod:`.launch` is read by the command line before
-torch is loaded."""
+Importing this package imports nothing else: :mod:`.launch` and :mod:`.process_logging` are read by
+the command line before torch is loaded."""
