@@ -70,8 +70,9 @@ class _DefaultRank(int):
         return "128"
 
 
-#: The constructor's default ``rank``: applied to a flat list of tensors; a dict group without a
-#: ``rank`` key is projected only when the caller passes ``rank`` (see :func:`_split_flat_params`).
+#: The constructor's default ``rank``: applied to a flat list of tensors; dict groups take the
+#: constructor's ``rank`` only when the caller passes it and none sets its own (see
+#: :func:`_split_flat_params`). Told apart by type, so that a copy of it is the default too.
 DEFAULT_RANK = _DefaultRank(128)
 
 
@@ -82,9 +83,10 @@ class Fira(Optimizer):
         params: tensors, or param-group dicts. A group is projected iff it has a non-``None``
             ``rank`` (the released ``fira`` semantics, so ``fira.divide_params`` groups work
             unchanged). A flat iterable of tensors is split into a projected group of its 2-D
-            tensors and a plain group with the rest; so is each dict group without a ``rank``
-            key when ``rank`` is passed explicitly (as torch's keywords are the defaults of the
-            groups that lack them: a Hugging Face Trainer's decay / no-decay groups).
+            tensors and a plain group with the rest; so is each dict group when ``rank`` is
+            passed explicitly and no group sets its own (as torch's keywords are the defaults of
+            the groups: a Hugging Face Trainer's decay / no-decay groups). A group added later
+            with ``add_param_group`` is projected iff it sets ``rank``.
         lr: learning rate :math:`\eta` (default 1e-3).
         betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)); RMSProp uses :math:`\beta_2`.
         eps: :math:`\epsilon` of the base optimizer, the scaling factor and the limiter (default
@@ -92,8 +94,8 @@ class Fira(Optimizer):
             Under ``arithmetic="released"`` the scaling factor and the limiter use a fixed 1e-8,
             as ``fira`` 1.0.2 does.
         weight_decay: decoupled weight decay :math:`\lambda` (default 0).
-        rank: projection rank ``r`` for tensors, and when passed, for dict groups without
-            their own (default 128, for tensors only). A matrix with
+        rank: projection rank ``r`` for tensors, and when passed, for dict groups none of
+            which sets its own (default 128, for tensors only). A matrix with
             ``rank >= min(m, n)`` is trained by the plain base optimizer (no residual exists); a
             group none of whose matrices is projected gets a ``UserWarning``.
         update_proj_gap: ``T``, steps between projection refreshes (default 200).
@@ -230,7 +232,7 @@ class Fira(Optimizer):
                         "differentiable": differentiable, "decoupled_weight_decay": decoupled_weight_decay})
         if state_dtype == StateDtype.INT8:
             precision.require_int8()
-        explicit = rank is not DEFAULT_RANK
+        explicit = not isinstance(rank, _DefaultRank)  # a copy of the default is the default too
         if rank is not None:
             rank = check_rank(rank)
         self._stats_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -476,10 +478,9 @@ class Fira(Optimizer):
         ``order`` the index among the projected matrices (None: not projected), and the number
         of projected matrices when a group staggers its refreshes (else None). The layout is
         cached, so that an update in the backward pass (one parameter) costs no scan of all."""
-        # Keyed on the tensors themselves: a parameter replaced in a group's list is a new layout.
-        key = tuple((tuple(map(id, g["params"])), g["rank"], g["stagger"]) for g in self.param_groups)
+        key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"]) for g in self.param_groups)
         cached = self.__dict__.get("_layout")
-        if cached is None or cached[0] != key:
+        if cached is None or cached[0] != key or not self._layout_holds(cached, only):
             entries, order = [], 0
             for gi, group in enumerate(self.param_groups):
                 for pi, p in enumerate(group["params"]):
@@ -494,6 +495,17 @@ class Fira(Optimizer):
         if only is not None:
             entries = [entries[i] for i in sorted(position[p] for p in only)]
         return entries, total
+
+    def _layout_holds(self, cached: tuple, only: set | None) -> bool:
+        """Whether the cached layout still names the tensors of the groups' lists (a parameter
+        replaced in a list is a new layout): all of them for a whole step, those of ``only`` for
+        an update in the backward pass (a replacement's own hook finds it missing)."""
+        _, entries, position, _ = cached
+        groups = self.param_groups
+        if only is None:
+            return all(groups[gi]["params"][pi] is p for gi, pi, p, _ in entries)
+        return all(p in position and groups[entries[position[p]][0]]["params"][entries[position[p]][1]] is p
+                   for p in only)
 
     def _split_refresh_group(self) -> Any:
         """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""
@@ -701,9 +713,11 @@ def _init_projected_state(state, p, rank: int, side: str, hp: Hyper, dtype) -> N
 def _split_flat_params(params, rank, explicit: bool):
     """The param groups torch's constructor gets: a flat list split into its projectable 2-D
     tensors (``rank``) and the rest (``rank=None``). Dict groups as given (released semantics:
-    one without ``rank`` is not projected), but where the caller passed ``rank`` explicitly:
-    that is then, as in torch, the default of the groups without the key, each split the same
-    way (a Hugging Face Trainer's decay / no-decay groups with ``rank=16`` are projected)."""
+    one without ``rank`` is not projected), but where the caller passed ``rank`` explicitly and
+    no group sets its own: that is then, as in torch, the default of the groups, each split the
+    same way (a Hugging Face Trainer's decay / no-decay groups with ``rank=16`` are projected).
+    Groups of which one sets ``rank`` (``divide_params``, galore-torch's) are taken as given: the
+    others are their plain groups on purpose (embeddings, head)."""
     params = list(params)
     if len(params) == 0:
         raise ValueError("optimizer got an empty parameter list")
@@ -711,14 +725,14 @@ def _split_flat_params(params, rank, explicit: bool):
         raise TypeError("params must be all tensors or all dicts, not a mix")
     if not isinstance(params[0], dict):
         return _split(params, rank, {})
-    if not explicit:
+    if not explicit or any("rank" in group for group in params):
         return params
     groups = []
     for group in params:
-        if "rank" in group:
-            groups.append(group)
-            continue
         given = group.get("params")
+        if isinstance(given, set):  # torch's own refusal, which the split would otherwise skip
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
+                            "ordering of tensors in sets will change between runs. Please use a list instead.")
         tensors = [given] if isinstance(given, torch.Tensor) else list(given or [])
         options = {k: v for k, v in group.items() if k != "params"}
         groups += _split(tensors, rank, options) or [group]

@@ -110,7 +110,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = T
 
 def config_from_args(args: argparse.Namespace):
     """The recipe, then the flags (``--method`` -> ``optim.method`` too), then the overrides."""
-    from fira_train.config.overrides import apply_overrides, override_key  # imports torch: not at parser build
+    from fira_train.config.overrides import apply_overrides, flag_settings  # imports torch: not at parser build
     from fira_train.config.recipes import get_recipe
 
     config = get_recipe(args.recipe)
@@ -118,13 +118,7 @@ def config_from_args(args: argparse.Namespace):
              if getattr(args, dest, None) is not None}
     if getattr(args, "method", None) is not None:
         given["optim.method"] = ("--method", args.method)
-    for item in args.overrides:  # the override would silently win over the flag
-        key = override_key(item)
-        if key in given:
-            flag, value = given[key]
-            raise ValueError(f"{key} is given twice, by {flag} {value} and by the override {item.strip()!r}: "
-                             "give it once")
-    config = apply_overrides(config, {key: str(value) for key, (_, value) in given.items()})
+    config = apply_overrides(config, flag_settings(given, args.overrides))
     return apply_overrides(config, list(args.overrides))
 
 

@@ -2,6 +2,8 @@
 need to differ, and refuses clearly where a state dict cannot mean what it says."""
 
 import copy
+import inspect
+import pickle
 import re
 
 import pytest
@@ -237,10 +239,16 @@ def test_an_explicit_rank_is_the_default_of_dict_groups_without_one():
     assert [(g["rank"], g["weight_decay"], len(g["params"])) for g in opt.param_groups] == [(3, 0.1, 2), (None, 0.0, 2)]
     mixed = FiraAdamW([{"params": list(model.parameters())}], rank=3)  # split like a flat list
     assert [(g["rank"], len(g["params"])) for g in mixed.param_groups] == [(3, 2), (None, 2)]
+    # a group that sets its own rank: the groups are Fira's already, the others plain on purpose
     own = FiraAdamW([{"params": weights[:1], "rank": 2}, {"params": weights[1:] + biases}], rank=3)
-    assert [(g["rank"], len(g["params"])) for g in own.param_groups] == [(2, 1), (3, 1), (None, 2)]
-    released = FiraAdamW(groups())  # the default rank is not a group default
+    assert [(g["rank"], len(g["params"])) for g in own.param_groups] == [(2, 1), (None, 3)]
+    with pytest.raises(TypeError, match="ordered collections"):  # torch's refusal, before the split too
+        FiraAdamW([{"params": set(weights)}], rank=3)
+    released = FiraAdamW(groups())  # the default rank is not a group default, nor a copy of it
     assert [g["rank"] for g in released.param_groups] == [None, None]
+    default = inspect.signature(FiraAdamW).parameters["rank"].default  # e.g. kwargs copied to a worker
+    for copied in (copy.deepcopy(default), pickle.loads(pickle.dumps(default))):
+        assert copied == 128 and [g["rank"] for g in FiraAdamW(groups(), rank=copied).param_groups] == [None, None]
     assert [g["rank"] for g in FiraAdamW(groups(), rank=128).param_groups] == [128, None]  # given, though the default
     assert [g["rank"] for g in FiraAdamW(model.parameters()).param_groups] == [128, None]
 

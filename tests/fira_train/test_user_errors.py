@@ -151,6 +151,7 @@ def test_a_damaged_metrics_jsonl_on_resume_names_the_file_and_line(root: Path, t
     assert _pretrain(root, out, "--save-every", "1", steps=2) == 0
     lines = (out / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text(lines[0] + "\n" + lines[1][:20] + "\n")
+    (out / "summary.json").unlink()  # as a run stopped while writing: unfinished, so --resume goes on
     assert _pretrain(root, out, "--save-every", "1", "--resume", steps=2) == 1
     line = _error_line(capsys)
     assert str(out / "metrics.jsonl") in line and "line 2" in line and "damaged" in line

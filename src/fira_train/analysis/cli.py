@@ -72,20 +72,19 @@ def _command_line(args: argparse.Namespace) -> str:
 def _config(args: argparse.Namespace):
     """The run config, and ``{key: how the command line gave it}`` for each setting it gave (an
     analysis refuses one it would replace in a run, even when equal to the recipe's value)."""
-    from fira_train.config.overrides import apply_overrides, override_key, refuse_overrides  # imports torch
+    from fira_train.config.overrides import (  # imports torch: not at parser build
+        apply_overrides, flag_settings, override_key, refuse_overrides)
     from fira_train.config.recipes import get_recipe
 
     config = get_recipe(args.recipe)
-    flags, given = {}, {}
-    for flag, key, value in (("--steps", "train.steps", args.steps), ("--seed", "train.seed", args.seed),
-                             ("--data", "data.source", args.data)):
-        if value is not None:
-            flags[key] = str(value)
-            given[key] = f"{flag} {value}"
-    config = apply_overrides(config, flags)
+    flags = {key: (flag, value) for flag, key, value in (
+        ("--steps", "train.steps", args.steps), ("--seed", "train.seed", args.seed),
+        ("--data", "data.source", args.data)) if value is not None}
     refuse_overrides(args.overrides, ("train.out_dir",),
                      "an analysis writes each run to OUT/<run>; choose OUT with --out")
+    config = apply_overrides(config, flag_settings(flags, args.overrides))
     config = apply_overrides(config, list(args.overrides))
+    given = {key: f"{flag} {value}" for key, (flag, value) in flags.items()}
     given.update({override_key(o): o.strip() for o in args.overrides})
     return config, given
 

@@ -145,6 +145,19 @@ def override_key(item: str) -> str:
     return item.partition("=")[0].strip()
 
 
+def flag_settings(flags: dict[str, tuple[str, Any]], overrides: Sequence[str]) -> dict[str, str]:
+    """The ``{key: value}`` overrides of the flags given on a command line (``flags``: key ->
+    ``(flag, value)``), after a ValueError for an override of a key a flag gives too: which one
+    won would depend on nothing written, as argparse keeps no order between the two."""
+    for item in overrides:
+        key = override_key(item)
+        if key in flags:
+            flag, value = flags[key]
+            raise ValueError(f"{key} is given twice, by {flag} {value} and by the override {item.strip()!r}: "
+                             "give it once")
+    return {key: str(value) for key, (_, value) in flags.items()}
+
+
 def refuse_overrides(overrides: Sequence[str], keys: Sequence[str], setter: str) -> None:
     """ValueError for an override of one of ``keys``: a setting the command sets itself (``setter``
     says how, e.g. ``"sweep sets it with --lrs, --seeds, --out"``), which would silently replace it."""

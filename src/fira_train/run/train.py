@@ -135,13 +135,6 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     config = resolved(config)
     # before the lock file is created: nothing is added to a folder the run may not use
     run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
-    out = Path(config.train.out_dir)
-    if resume == "latest" and finished_with(config, out):
-        # Its summary stands: a sitting that trains nothing would replace the run's throughput,
-        # wall time and peak memory with those of loading and evaluating it.
-        log.info("%s holds this run, finished: nothing to resume (its summary.json is kept; "
-                 "--resume-step N trains again from step N)", out)
-        return read_json(out / "summary.json", hint="delete the run's folder to train it again")
     if config.train.parallel == "none":
         train_parallel.check_launch(config)
         with locked_run_directory(config.train.out_dir):  # one run at a time per OUT
@@ -212,6 +205,11 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     distributed = env is not None
     out = Path(config.train.out_dir)
     main = env.is_main if distributed else is_rank_zero()
+    finished = _finished_summary(config, out, resume, env, main)
+    if finished is not None:
+        log.info("%s holds this run, finished: nothing to resume (its summary.json is kept; "
+                 "--resume-step N trains again from step N)", out)
+        return finished
     prepare_out_dir(config, out, resume, overwrite, delete=main or not distributed)
     if distributed:
         dist.barrier()  # every rank has checked OUT before rank 0 rewrites config.json
@@ -257,9 +255,11 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         step, progress = train_parallel.load(out, resume_path, training, stream, config.train.parallel)
         log.info("resumed %s from step %d (%s)", out, step, resume_path.name)
     del state
-    # The run's totals over its sittings (checkpoints from before these were kept lack them:
-    # their earlier sittings' wall time and peak are then not counted).
-    earlier = {key: progress.get(key, 0) for key in ("wall_time_s", "peak_memory_bytes", "sittings")}
+    # The run's totals over its sittings (a checkpoint from before these were kept lacks them:
+    # its earlier sittings' wall time and peak are then not counted, and their number unknown).
+    earlier = {"wall_time_s": progress.get("wall_time_s", 0.0), "sittings": progress.get("sittings"),
+               "peak_memory_bytes": progress.get("peak_memory_bytes", 0),
+               "peak_memory_kind": progress.get("peak_memory_kind")}
     metrics = MetricsLog(out, tensorboard=config.train.tensorboard and main,
                          resume_step=step if resume is not None else None) if main else None
 
@@ -336,10 +336,10 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         "test_tokens": sum(b[:, 1:].numel() for b in test_batches),
         "tokens_per_s": progress["tokens"] / max(progress["train_time_s"], 1e-9),
         "train_time_s": progress["train_time_s"],
-        **_sitting_totals(earlier, run_start, memory),  # wall_time_s, peak_memory_bytes, sittings
+        # wall_time_s, peak_memory_bytes, peak_memory_kind, sittings
+        **_sitting_totals(earlier, run_start, memory),
         "optimizer_state_numel": optimizer_state_numel(optimizer),  # step counters excluded
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),  # step counters included
-        "peak_memory_kind": memory.kind,
         "device": str(device),
         "data": corpus.describe(),
     }
@@ -354,7 +354,28 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
 
 def _sitting_totals(earlier: dict[str, Any], run_start: float, memory: PeakMemory) -> dict[str, Any]:
     """The run's wall time and peak memory over every sitting so far, this one included, and how
-    many sittings that is: what a checkpoint keeps and the summary reports."""
+    many sittings that is (None: unknown): what a checkpoint keeps and the summary reports. Peaks
+    of another kind (CUDA allocations, process RSS) are not compared: this sitting's stands."""
+    peak = memory.peak_bytes()
+    if earlier["peak_memory_kind"] in (None, memory.kind):
+        peak = max(peak, earlier["peak_memory_bytes"])
     return {"wall_time_s": earlier["wall_time_s"] + time.perf_counter() - run_start,
-            "peak_memory_bytes": max(earlier["peak_memory_bytes"], memory.peak_bytes()),
-            "sittings": earlier["sittings"] + 1}
+            "peak_memory_bytes": peak, "peak_memory_kind": memory.kind,
+            "sittings": None if earlier["sittings"] is None else earlier["sittings"] + 1}
+
+
+def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, env: DistributedEnv | None,
+                      main: bool) -> dict[str, Any] | None:
+    """The summary of the finished run of ``config`` in ``out`` (its summary and its final
+    checkpoint there) when ``--resume`` has nothing to train; None otherwise. It stands, as a
+    sitting that trains nothing would replace the run's throughput, wall time and peak memory
+    with those of loading and evaluating it. Decided by rank 0 (the run directory is locked by
+    then); under torchrun the others take its answer."""
+    if resume != "latest":
+        return None
+    done = main and finished_with(config, out) and any(
+        step >= config.train.steps for step, _ in ckpt.complete_checkpoints(out))  # its last one kept
+    found = [read_json(out / "summary.json", hint="delete the run's folder to train it again") if done else None]
+    if env is not None:
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
