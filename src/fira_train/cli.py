@@ -49,6 +49,8 @@ from fira_train.user_errors import describe
 
 PROG = "fira-train"
 
+log = logging.getLogger(__name__)
+
 #: flag dest -> config key
 FLAG_KEYS = {
     "data": "data.source",
@@ -135,10 +137,27 @@ def resume_request(args: argparse.Namespace) -> str | int | None:
     return "latest" if args.resume else None
 
 
+def warn_unused_settings(args: argparse.Namespace, methods: Sequence[str]) -> None:
+    """A warning for ``optim.rank`` / ``optim.update_proj_gap`` given (flag or override) to
+    methods none of which uses them (``--method adamw --rank 8``): trained without them."""
+    from fira_train.config.overrides import override_key  # imports torch: not at parser build
+    from fira_train.methods.registry import get_method
+
+    given = {key for dest, key in FLAG_KEYS.items() if getattr(args, dest, None) is not None}
+    given |= {override_key(item) for item in args.overrides}
+    if any(get_method(name).uses_rank for name in methods):
+        return
+    for key in ("optim.rank", "optim.update_proj_gap"):
+        if key in given:
+            log.warning("%s is not used by %s: it has no effect on %s", key, ", ".join(methods),
+                        "this run" if len(methods) == 1 else "these runs")
+
+
 def _pretrain(args: argparse.Namespace) -> int:
     from fira_train.run.train import train  # imports torch: not at parser build
 
     config = config_from_args(args)
+    warn_unused_settings(args, [config.optim.method])
     summary = train(config, resume=resume_request(args), overwrite=args.overwrite)
     out = config.train.out_dir
     if not is_rank_zero():
@@ -169,11 +188,12 @@ def _register_pretrain(subparsers: Any) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from fira_train.compare import compare, parse_methods  # imports torch: not at parser build
-    from fira_train.config.method_spec import refuse_set_per_spec
+    from fira_train.config.method_spec import parse_method_spec, refuse_set_per_spec
 
     refuse_set_per_spec(args.overrides, "compare")
     methods = parse_methods(args.methods)
     config = config_from_args(args)
+    warn_unused_settings(args, [parse_method_spec(m).name for m in methods])
     out_dir = args.out or f"runs/{config.recipe}-compare"
     command = command_line(getattr(args, "argv", []))
     report, plot = compare(config, methods, out_dir, resume=resume_request(args) is not None,

@@ -255,3 +255,18 @@ def test_help_offers_what_each_command_takes(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["compare", "--help"])
     assert "fira_train compare ... --parallel" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(("argv", "warned"), [
+    (["pretrain", "--method", "adamw", "--rank", "8"], "optim.rank is not used by adamw"),
+    (["pretrain", "--method", "sgd", "optim.update_proj_gap=3"], "optim.update_proj_gap is not used by sgd"),
+    (["compare", "--methods", "adamw,adam-mini", "--rank", "8"], "optim.rank is not used by adamw, adam-mini"),
+    (["compare", "--methods", "adamw,fira", "--rank", "8"], None),  # fira takes it
+    (["pretrain", "--method", "adamw"], None),  # the recipe's own rank: not given
+])
+def test_a_rank_given_to_methods_that_ignore_it_is_warned(argv: list[str], warned: str | None, caplog) -> None:
+    args = build_parser().parse_args([*argv, "--recipe", "micro"])
+    methods = [args.method] if argv[0] == "pretrain" else args.methods.split(",")
+    with caplog.at_level("WARNING"):
+        cli.warn_unused_settings(args, methods)
+    assert (warned in caplog.text) if warned else not caplog.text
