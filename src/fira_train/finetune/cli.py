@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="validation examples per trained-on task, held out of the training records, on which "
                         "a learning rate sweep chooses (default 0: none)")
     p.add_argument("--out", default=None, help="output folder (default runs/finetune/<method>)")
-    p.add_argument("--max-train", type=_optional_int, default=None,
+    p.add_argument("--max-train", type=int, default=None,
                    help="training records (default steps x batch size: one pass)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default per method: {DEFAULT_LR})")

@@ -148,6 +148,8 @@ class FinetuneConfig:
                 raise FinetuneError(f"{name}={value!r} must be a non-negative integer")
         if self.max_eval == 0:
             raise FinetuneError("max_eval=0 would evaluate nothing; leave it out to evaluate every example")
+        if self.max_train == 0 and self.trains:
+            raise FinetuneError("max_train=0 would train on nothing; leave it out for one pass (steps x batch size)")
         if self.max_val and not self.trains:
             raise FinetuneError(f"max_val={self.max_val}: validation records are the training records a run does not "
                                 f"train on, and a zero-shot run (method 'none' or steps 0) chooses nothing on them; "

@@ -31,7 +31,7 @@ def load_records(config: FinetuneConfig) -> tuple[list[dict], dict[str, list[dic
     trained_on: list[str] = []
     if config.trains:
         pool, trained_on = _training_pool(config)
-        train = [record for _, _, record in pool[:_train_limit(config)]]
+        train = [record for _, _, record in pool[:train_limit(config)]]
     return train, tests, trained_on
 
 
@@ -45,7 +45,7 @@ def load_validation(config: FinetuneConfig) -> dict[str, list[dict]]:
         return {}
     pool, trained_on = _training_pool(config)
     validation: dict[str, list[dict]] = {name: [] for name in trained_on}
-    for task, index, record in pool[_train_limit(config):]:
+    for task, index, record in pool[train_limit(config):]:
         if len(validation[task]) < config.max_val:
             validation[task].append({**record, "index": index})
     empty = [task for task, records in validation.items() if not records]
@@ -75,7 +75,8 @@ def _training_pool(config: FinetuneConfig) -> tuple[list[tuple[str, int, dict]],
     return pool, trained_on
 
 
-def _train_limit(config: FinetuneConfig) -> int:
+def train_limit(config: FinetuneConfig) -> int:
+    """The training records a run draws: ``max_train``, else one pass of ``steps x batch_size``."""
     return config.max_train if config.max_train is not None else config.steps * config.batch_size
 
 

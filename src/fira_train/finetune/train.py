@@ -18,7 +18,7 @@ import transformers
 from fira_optim import optimizer_state_numel
 from fira_optim.integrations import FiraTrainer, target_parameter_names
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
-from fira_train.finetune.data import PaddingCollator, tokenize_for_training
+from fira_train.finetune.data import PaddingCollator, tokenize_for_training, train_limit
 from fira_train.files import write_text_atomic
 from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes
 
@@ -79,9 +79,9 @@ def peer_optimizer(model: torch.nn.Module, config: FinetuneConfig) -> torch.opti
 
 
 #: The settings a checkpoint must have been saved with to be continued (what the training computes).
-RESUME_KEYS = ("model", "tasks", "method", "recipe", "steps", "max_train", "batch_size", "lr", "warmup_steps",
-               "weight_decay", "rank", "update_proj_gap", "alpha", "target_modules", "lora_r", "lora_alpha",
-               "lora_dropout", "lora_targets", "cutoff_len", "train_on_inputs", "seed")
+RESUME_KEYS = ("model", "data_dir", "tasks", "method", "recipe", "steps", "max_train", "batch_size", "lr",
+               "warmup_steps", "weight_decay", "rank", "update_proj_gap", "alpha", "target_modules", "lora_r",
+               "lora_alpha", "lora_dropout", "lora_targets", "cutoff_len", "train_on_inputs", "seed")
 
 
 def checkpoint_dir(config: FinetuneConfig) -> Path:
@@ -99,16 +99,25 @@ def resume_point(config: FinetuneConfig) -> str | None:
     if last is not None:
         record = folder / "run_settings.json"
         saved = json.loads(record.read_text()) if record.is_file() else {}
-        settings = _settings(config)
-        differ = sorted(k for k in settings if saved.get(k) != settings[k])
+        given, effective = _settings(config, effective=False), _settings(config)
+        # a key the record lacks (written before it was kept) is not compared; a value left out
+        # and one given equal to what it resolves to are the same run (records kept either)
+        differ = sorted(k for k in effective if k in saved and saved[k] not in (given[k], effective[k]))
         if differ:
-            raise FinetuneError(f"{folder} holds checkpoints of a run with other settings ({', '.join(differ)}): "
+            found = ", ".join(f"{k}={saved[k]!r} (now {effective[k]!r})" for k in differ)
+            raise FinetuneError(f"{folder} holds checkpoints of a run with other settings ({found}): "
                                 f"remove it to start again, or choose another --out")
     return last
 
 
-def _settings(config: FinetuneConfig) -> dict[str, Any]:
-    return json.loads(json.dumps({k: v for k, v in asdict(config).items() if k in RESUME_KEYS}))
+def _settings(config: FinetuneConfig, effective: bool = True) -> dict[str, Any]:
+    """The :data:`RESUME_KEYS` of ``config`` as JSON values: as in effect (defaults resolved:
+    the learning rate, warm-up, training records and rank a run trains with), or as given."""
+    values = {k: v for k, v in asdict(config).items() if k in RESUME_KEYS}
+    if effective:
+        values.update(lr=config.effective_lr, warmup_steps=config.effective_warmup, rank=config.effective_rank,
+                      max_train=train_limit(config))
+    return json.loads(json.dumps(values, default=str))
 
 
 #: Beside the checkpoints: each start (sitting) of the run, up to its newest checkpoint.

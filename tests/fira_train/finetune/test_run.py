@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -416,12 +417,18 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
 
     with pytest.raises(SystemExit):  # another run's checkpoint: refused, named, before the model loads
         main(argv(out, lr="2e-2"))
-    assert "holds checkpoints of a run with other settings (lr)" in capsys.readouterr().err
+    assert "holds checkpoints of a run with other settings (lr=0.01 (now 0.02))" in capsys.readouterr().err
+    other_data = tmp_path / "other-data"
+    shutil.copytree(data, other_data)
+    with pytest.raises(SystemExit):  # other data: it would have continued, mixing two runs
+        main([*argv(out), "--data-dir", str(other_data)])
+    assert "other settings (data_dir=" in capsys.readouterr().err
 
     sittings = json.loads((out / "trainer" / "sittings.json").read_text())
     assert [(s["from_step"], s["to_step"]) for s in sittings] == [(0, 4)]  # to its last checkpoint
 
-    resumed = run_cli(argv(out))
+    # a default given explicitly is the same run: warm-up min(100, 6 // 10) = 0, one pass = 12 records
+    resumed = run_cli([*argv(out), "--warmup-steps", "0", "--max-train", "12"])
     assert resumed["training"]["resumed_from_step"] == 4 and resumed["training"]["steps"] == 6
     both = resumed["training"]["sittings"]
     assert [(s["from_step"], s["to_step"]) for s in both] == [(0, 4), (4, 6)]
