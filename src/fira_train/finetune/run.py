@@ -90,6 +90,9 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
 
     out = config.out_dir
     (out / "predictions").mkdir(parents=True, exist_ok=True)
+    for stale in (out / "predictions").glob("*.jsonl"):  # an earlier run's tasks (--overwrite): the
+        if stale.stem not in config.tasks:               # paired comparison reads every file here
+            stale.unlink()
     per_task: dict[str, Any] = {}
     eval_started = time.perf_counter()
     scorer = LoglikScorer(model, tokenizer, batch_size=config.eval_batch_size) if config.scoring == "loglik" else None

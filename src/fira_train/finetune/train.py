@@ -187,6 +187,10 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     method = config.effective_method
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     features = [tokenize_for_training(tokenizer, r, config.cutoff_len, config.train_on_inputs) for r in train]
+    if not any(label != -100 for f in features for label in f["labels"]):  # a loss of 0 over nothing
+        raise FinetuneError(f"cutoff_len={config.cutoff_len} leaves no answer token to train on in any of the "
+                            f"{len(features)} records (the prompt alone fills it, and train_on_inputs is off): "
+                            "raise --cutoff-len")
     args = transformers.TrainingArguments(
         output_dir=str(checkpoint_dir(config)),
         per_device_train_batch_size=config.batch_size,

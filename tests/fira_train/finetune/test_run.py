@@ -269,8 +269,10 @@ def test_earlier_results_are_kept_unless_overwrite(tiny_model_dir, tmp_path, cap
     err = _one_line_error(capsys, _zero_shot(model_dir, data, out))
     assert str(out / "results.json") in err and "--overwrite" in err
     assert (out / "results.json").stat().st_mtime_ns == stamp
+    (out / "predictions" / "piqa.jsonl").write_text("{}\n")  # a task of the run replaced, not of this one
     results = run_cli(_zero_shot(model_dir, data, out, "--overwrite"))
     assert results["tasks"]["boolq"]["n"] == 2 and (out / "results.json").stat().st_mtime_ns != stamp
+    assert sorted(p.name for p in (out / "predictions").iterdir()) == ["boolq.jsonl"]
 
 
 def test_a_task_file_that_is_not_utf8_is_named(tiny_model_dir, tmp_path, capsys):
@@ -503,3 +505,16 @@ def test_a_malformed_count_is_named_without_internals(capsys) -> None:
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "argument --max-eval: expected an integer or 'all', got 'abc'" in err and "_optional_int" not in err
+
+
+def test_a_cutoff_that_leaves_no_answer_token_is_refused(tiny_model_dir, tmp_path, capsys) -> None:
+    """Every label masked: the run trained on nothing and reported a loss of 0.000 -> 0.000."""
+    model_dir, data = tiny_model_dir
+    with pytest.raises(SystemExit) as exit_info:  # found once the records are tokenized, the model loaded
+        main(["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--steps", "2",
+              "--batch-size", "2", "--cutoff-len", "8", "--no-train-on-inputs", "--method", "adamw",
+              "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("fira-train finetune: error: cutoff_len=8 leaves no answer token") and "--cutoff-len" in err
+    assert not (tmp_path / "o" / "results.json").exists()
