@@ -413,7 +413,10 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
     if command == "analyze":
         return f"finished runs are kept: the same command with --reuse{also} trains only the others"
     if command == "finetune":
-        return ("checkpoints written so far are kept in OUT/trainer (--save-steps): the same command "
+        if not getattr(args, "save_steps", 1) or not getattr(args, "steps", 1):
+            return None  # no checkpoints (--save-steps 0, or zero-shot): nothing to continue
+        folder = f"{args.out}/trainer" if getattr(args, "out", None) else "the run's folder, under trainer/"
+        return (f"checkpoints written so far are kept in {folder} (--save-steps): the same command "
                 "continues from the newest")
     return None
 

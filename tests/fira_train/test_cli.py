@@ -223,7 +223,11 @@ def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, 
      "with --resume continues from the newest, and compare keeps the finished runs"),
     (["sweep", "--recipe", "micro", "--out", "o", "--methods", "fira", "--lrs", "0.01"], "with --reuse continues"),
     (["analyze", "noise", "--overwrite"], "with --reuse (instead of --overwrite) trains only the others"),
-    (["finetune", "--tasks", "boolq", "--data-dir", "d"], "kept in OUT/trainer (--save-steps): the same command continues"),
+    (["finetune", "--tasks", "boolq", "--data-dir", "d"],
+     "kept in the run's folder, under trainer/ (--save-steps): the same command continues"),
+    (["finetune", "--tasks", "boolq", "--data-dir", "d", "--out", "runs/ft"], "kept in runs/ft/trainer (--save-steps)"),
+    (["finetune", "--tasks", "boolq", "--data-dir", "d", "--save-steps", "0"], None),  # no checkpoints kept
+    (["finetune", "--tasks", "boolq", "--data-dir", "d", "--steps", "0"], None),
     (["analyze", "variance"], None), (["methods"], None),
 ])
 def test_each_command_says_how_to_continue_after_ctrl_c(argv: list[str], expected: str | None) -> None:
@@ -270,3 +274,23 @@ def test_a_rank_given_to_methods_that_ignore_it_is_warned(argv: list[str], warne
     with caplog.at_level("WARNING"):
         cli.warn_unused_settings(args, methods)
     assert (warned in caplog.text) if warned else not caplog.text
+
+
+def test_python_dash_m_finetune_is_the_command_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Ctrl-C and errors there are the command's one line (they were tracebacks)."""
+    import runpy
+
+    import fira_train.finetune.run
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fira_train.finetune.run, "run_finetune", interrupted)
+    monkeypatch.setattr(sys, "argv", ["fira_train.finetune", "--tasks", "boolq", "--data-dir", str(tmp_path),
+                                      "--out", str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("fira_train.finetune", run_name="__main__")
+    assert exit_info.value.code == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"fira-train finetune: interrupted; checkpoints written so far are kept in " \
+        f"{tmp_path / 'run'}/trainer" in err
