@@ -372,7 +372,11 @@ def create_fira_optimizer_and_scheduler(
 
 
 def fira_optimizer_cls_and_kwargs(model: nn.Module, args: Any, **kwargs: Any) -> tuple[type[FiraAdamW], dict]:
-    """``(FiraAdamW, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` (``params`` inside kwargs)."""
+    """``(FiraAdamW, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)`` (``params`` inside kwargs).
+
+    One Trainer per call: the Trainer takes ``params`` out of the dict when it builds the
+    optimizer, and a second Trainer given the same dict builds FiraAdamW over its own param
+    groups, which set no rank: nothing projected. Call this again for another Trainer."""
     return FiraAdamW, _resolve(
         model, args,
         optim_target_modules=kwargs.pop("optim_target_modules", None),

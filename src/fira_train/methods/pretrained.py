@@ -98,6 +98,8 @@ def load_causal_lm(name_or_path: str | None = None) -> tuple[torch.nn.Module, An
     if path.suffix == ".gguf":
         return load_gguf(path)
     looks_local = path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if path.is_file():
+        raise ModelLoadError(f"model={name_or_path!r} is a file: expected a save_pretrained folder or a .gguf file")
     if looks_local and not path.is_dir():
         raise ModelLoadError(f"model={name_or_path!r}: no such folder (expected a save_pretrained folder)")
     if path.is_dir() and not (path / "config.json").is_file():
@@ -108,7 +110,8 @@ def load_causal_lm(name_or_path: str | None = None) -> tuple[torch.nn.Module, An
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         where = "the folder" if path.is_dir() else "the Hugging Face hub (is the network reachable?)"
-        raise ModelLoadError(f"model={name_or_path!r} could not be loaded from {where}: {err}") from None
+        reason = " ".join(str(err).split())  # transformers' messages span lines: one line here
+        raise ModelLoadError(f"model={name_or_path!r} could not be loaded from {where}: {reason}") from None
     if getattr(model.config, "quantization_config", None) is not None:
         model = _plain_copy(model)
     return model.eval(), tokenizer

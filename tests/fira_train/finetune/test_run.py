@@ -226,14 +226,14 @@ def test_example_script_trains_full_and_lora_with_fira_trainer(tiny_model_dir, t
 
     model_dir, data = tiny_model_dir
     script = Path(__file__).resolve().parents[3] / "examples" / "finetune_trainer.py"
-    for extra in ([], ["--lora"]):
+    for extra in ([], ["--lora"], ["--resume"]):  # --resume on a folder without checkpoints: from the start
         monkeypatch.setattr("sys.argv", [str(script), "--model", str(model_dir), "--data",
                                          str(data / "boolq" / "train.json"), "--steps", "2",
-                                         "--out", str(tmp_path / f"ex{len(extra)}"), *extra])
+                                         "--out", str(tmp_path / ("ex" + "".join(extra))), *extra])
         runpy.run_path(str(script), run_name="__main__")
         printed = capsys.readouterr().out
-        assert "optimizer state:" in printed
-        assert (tmp_path / f"ex{len(extra)}" / "checkpoint-2" / "optimizer.pt").is_file()
+        assert "optimizer state:" in printed and ("no checkpoint in" in printed) == (extra == ["--resume"])
+        assert (tmp_path / ("ex" + "".join(extra)) / "checkpoint-2" / "optimizer.pt").is_file()
 
 
 def _zero_shot(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:

