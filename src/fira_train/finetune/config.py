@@ -9,6 +9,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fira_train.finetune.commonsense import TaskSpec, parse_tasks
 
@@ -194,7 +195,24 @@ class FinetuneConfig:
 
     @property
     def effective_rank(self) -> int | None:
-        return self.rank if self.rank is not None else DEFAULT_RANK.get(self.effective_method)
+        """The rank the method trains with; None for a method without one (a --rank given to it
+        is not used)."""
+        method = self.effective_method
+        if method not in DEFAULT_RANK:
+            return None
+        return self.rank if self.rank is not None else DEFAULT_RANK[method]
+
+    def used_options(self) -> dict[str, Any]:
+        """The method's own options as the run uses them, None for those it does not use (a
+        results record says what trained, not what was typed)."""
+        method = self.effective_method
+        uses = {
+            "alpha": method in FIRA_METHODS,
+            "update_proj_gap": method in FIRA_METHODS + ("apollo", "flora"),
+            "target_modules": method in ("galore", "fira", "apollo"),  # fira-lora: the adapters
+            **{key: method in LORA_METHODS for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")},
+        }
+        return {"rank": self.effective_rank, **{key: getattr(self, key) if used else None for key, used in uses.items()}}
 
     @property
     def effective_warmup(self) -> int:

@@ -126,9 +126,9 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
 
     results = {
         "config": {k: v for k, v in asdict(config).items() if k != "task_specs"}
+        | config.used_options()
         | {"method": config.effective_method, "lr": config.effective_lr if config.trains else None,
-           "rank": config.effective_rank, "warmup_steps": config.effective_warmup if config.trains else None,
-           "requested_method": config.method},
+           "warmup_steps": config.effective_warmup if config.trains else None, "requested_method": config.method},
         "trained_on": trained_on,
         "train_records": len(train),
         "tasks": per_task,

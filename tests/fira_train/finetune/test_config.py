@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fira_train.finetune.config import DEFAULT_LR, METHODS, REGISTRY_METHODS
+from fira_train.finetune.config import DEFAULT_LR, METHODS, REGISTRY_METHODS, FinetuneConfig
 from fira_train.methods.registry import METHODS as REGISTRY
 
 
@@ -48,3 +48,15 @@ def test_released_recipe_is_fira_rank_16_on_lora_r_32_at_lr_1e_4() -> None:
         FinetuneConfig(tasks=["boolq"], data_dir=".", recipe="paper")
     with pytest.raises(FinetuneError, match="scoring='bleu' must be one of loglik, generate"):
         FinetuneConfig(tasks=["boolq"], data_dir=".", scoring="bleu")
+
+
+def test_the_results_record_only_the_options_a_method_uses() -> None:
+    """--rank 8 --alpha 0.5 given to adamw trained plain AdamW: results.json said rank 8, alpha 0.5."""
+    adamw = FinetuneConfig(tasks=["boolq"], data_dir=".", method="adamw", rank=8, alpha=0.5, steps=2)
+    assert set(adamw.used_options().values()) == {None}
+    lora = FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira-lora", steps=2, rank=4, lora_r=8)
+    used = lora.used_options()
+    assert (used["rank"], used["lora_r"], used["target_modules"]) == (4, 8, None)  # its targets: the adapters
+    fira = FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", steps=2)
+    assert fira.used_options()["rank"] == 32 and fira.used_options()["lora_r"] is None
+    assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", steps=0).used_options()["rank"] is None
