@@ -95,7 +95,8 @@ def resume_point(config: FinetuneConfig) -> str | None:
     from transformers.trainer_utils import get_last_checkpoint
 
     folder = checkpoint_dir(config)
-    last = get_last_checkpoint(str(folder)) if config.save_steps and folder.is_dir() else None
+    # an earlier start's checkpoints are continued even where this start writes none (--save-steps 0)
+    last = get_last_checkpoint(str(folder)) if config.trains and folder.is_dir() else None
     if last is not None:
         record = folder / "run_settings.json"
         saved = json.loads(record.read_text()) if record.is_file() else {}

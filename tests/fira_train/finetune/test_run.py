@@ -429,8 +429,9 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     sittings = json.loads((out / "trainer" / "sittings.json").read_text())
     assert [(s["from_step"], s["to_step"]) for s in sittings] == [(0, 4)]  # to its last checkpoint
 
-    # a default given explicitly is the same run: warm-up min(100, 6 // 10) = 0, one pass = 12 records
-    resumed = run_cli([*argv(out), "--warmup-steps", "0", "--max-train", "12"])
+    # a default given explicitly is the same run: warm-up min(100, 6 // 10) = 0, one pass = 12 records;
+    # a start that writes no checkpoints (--save-steps 0) still continues the earlier one's
+    resumed = run_cli([*argv(out), "--warmup-steps", "0", "--max-train", "12", "--save-steps", "0"])
     assert resumed["training"]["resumed_from_step"] == 4 and resumed["training"]["steps"] == 6
     both = resumed["training"]["sittings"]
     assert [(s["from_step"], s["to_step"]) for s in both] == [(0, 4), (4, 6)]
