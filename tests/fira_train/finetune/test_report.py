@@ -100,3 +100,16 @@ def test_report_says_which_sitting_its_training_figures_cover(resumed, time_line
     run["time"]["train_s"], run["memory"]["train_peak_rss_mib"] = 5.0, 900.0
     text = render_report(run)
     assert time_line in text and rss_line in text
+
+
+def test_the_committed_benchmark_runs_reports_are_what_their_results_give():
+    """docs/results/finetune/methods/*/report.md: rendered from the run's own results.json."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3] / "docs" / "results" / "finetune" / "methods"
+    runs = [d for d in sorted(root.iterdir()) if (d / "results.json").is_file()] if root.is_dir() else []
+    if not runs:
+        pytest.skip("no committed fine-tuning runs")
+    for run in runs:
+        assert (run / "report.md").read_text() == render_report(json.loads((run / "results.json").read_text())), run.name
