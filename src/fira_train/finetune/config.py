@@ -212,7 +212,8 @@ class FinetuneConfig:
             "target_modules": method in ("galore", "fira", "apollo"),  # fira-lora: the adapters
             **{key: method in LORA_METHODS for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")},
         }
-        return {"rank": self.effective_rank, **{key: getattr(self, key) if used else None for key, used in uses.items()}}
+        used = {key: getattr(self, key) if uses_it else None for key, uses_it in uses.items()}
+        return {"rank": self.effective_rank, **used}
 
     @property
     def effective_warmup(self) -> int:
