@@ -318,6 +318,7 @@ def _memory(args: argparse.Namespace) -> int:
     from fira_train.config.overrides import refuse_overrides  # imports torch: not at parser build
 
     refuse_overrides(args.overrides, ("train.steps",), "memory --measure trains --steps steps")
+    refuse_overrides(args.overrides, ("train.parallel",), "memory --measure measures each method in one process")
     refuse_set_per_spec(args.overrides, "memory --measure")
     specs = parse_method_specs(args.methods)
     config = config_from_args(args)

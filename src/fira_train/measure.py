@@ -108,7 +108,9 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     base = replace(config, train=replace(config.train, steps=max(steps, 1), progress=False,
                                          tensorboard=False))
     record = {"recipe": config.recipe, "steps": steps, "command": command,
-              "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+              # the threads each measured process runs with (train.num_threads, else this process's)
+              "machine": f"{platform.machine()}, {config.train.num_threads or torch.get_num_threads()} threads, "
+                         f"torch {torch.__version__}",
               "date": date.today().isoformat(), "malloc_env": malloc_env(), "rows": []}
     json_path, md_path = out_dir / "memory.json", out_dir / "memory.md"
 
@@ -151,6 +153,9 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
     """
     old = (read_json(json_path, hint="delete it, or measure into another --out without --append")
            if json_path.exists() else {**record, "command": None, "rows": []})
+    if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
+        raise ValueError(f"--append: {json_path} is not a measurement written by memory --measure (no list of "
+                         "rows); delete it, or measure into another --out")
     for key, what in (("recipe", "recipe"), ("steps", "number of steps"), ("machine", "machine"),
                       ("malloc_env", "allocator settings")):
         if old.get(key) != record[key]:

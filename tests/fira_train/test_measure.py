@@ -43,6 +43,8 @@ def test_measure_writes_a_row_per_spec(tmp_path: Path, capsys, monkeypatch) -> N
     (["memory", "--out", "x"], "go with --measure"),
     (["memory", "--measure", "--recipe", "micro", "--methods", "fira", "--steps", "1", "train.steps=50"],
      "drop the override 'train.steps=50'"),
+    (["memory", "--measure", "--recipe", "micro", "--methods", "adamw", "train.parallel=ddp"],
+     "train.parallel: memory --measure measures each method in one process"),  # was a traceback
 ])
 def test_measure_refuses_bad_requests_in_one_line(argv, message, capsys) -> None:
     assert main(argv) == 1
@@ -203,6 +205,10 @@ def test_append_refuses_a_table_of_another_setting_before_training(tmp_path: Pat
     with pytest.raises(ValueError, match=r"--append: .*memory.json was measured with number of steps 1, this "
                                          r"command with 2"):
         measure.measure(config, parse_method_specs("adamw"), 2, out, "second", append=True)
+    for wrong in ("[]", '{"recipe": "micro"}'):  # JSON, but not a measurement: one line, not a KeyError
+        (out / "memory.json").write_text(wrong)
+        with pytest.raises(ValueError, match="is not a measurement written by memory --measure"):
+            measure.measure(config, parse_method_specs("adamw"), 1, out, "third", append=True)
 
 
 def test_side_by_side_appends_lose_no_row(tmp_path: Path) -> None:

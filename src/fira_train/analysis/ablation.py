@@ -49,7 +49,9 @@ def gamma_run_name(gamma: float) -> str:
         return "fira-no-limiter"
     if gamma == FIRA_GAMMA:
         return "fira"
-    return f"fira-gamma{gamma:g}"
+    short = f"{gamma:g}"
+    # every digit where 6 significant ones would round it: two gammas never share a run
+    return f"fira-gamma{short if float(short) == gamma else repr(gamma)}"
 
 
 def _check_gamma(gamma: Any) -> float:

@@ -19,7 +19,7 @@ from typing import Any
 
 import fira_optim
 from fira_train.analysis.callbacks import NORMS_FILE, GradientNoise, record_norms, record_norms_with_noise
-from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
+from fira_train.analysis.runs import AnalysisRun, markdown_table, refuse_step_in_backward, report_header, train_runs
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import plain_log_ticks, pyplot
@@ -83,6 +83,7 @@ def run_noise(config: RunConfig, out_dir: str | Path, *, methods: Sequence[str] 
     for m in methods:
         get_method(m)
     GradientNoise(scale)  # validates the scale before anything trains
+    refuse_step_in_backward(config, "adds noise to each step's gradients and records their norms")
     out = Path(out_dir)
     summaries = train_runs(config, noise_runs(methods, scale, config.train.seed), out,
                            reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given)

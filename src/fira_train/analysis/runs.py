@@ -188,6 +188,14 @@ def _changed_from_recipe(config: RunConfig) -> dict[str, str]:
     return {key: f"{key}={value!r}" for key, value in _flat(config).items() if value != recipe.get(key)}
 
 
+def refuse_step_in_backward(config: RunConfig, uses: str) -> None:
+    """ValueError if the runs update in the backward pass: the analysis ``uses`` each step's
+    gradients after the backward pass, and step-in-backward has freed them by then (noise would
+    not reach the update, recorded norms would be 0)."""
+    if config.optim.step_in_backward:
+        raise ValueError(f"this analysis {uses}, which optim.step_in_backward=true frees: leave it off")
+
+
 def _flat(config: RunConfig) -> dict[str, Any]:
     return {f"{section}.{key}": value for section, fields in config_to_dict(config).items()
             if isinstance(fields, dict) for key, value in fields.items()}

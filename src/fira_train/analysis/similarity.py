@@ -55,6 +55,7 @@ from fira_train.analysis.runs import (
     AnalysisRun,
     JsonlWriter,
     markdown_table,
+    refuse_step_in_backward,
     report_header,
     train_runs,
 )
@@ -388,9 +389,7 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     for r in ranks:
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < d_model:
             raise ValueError(f"ranks must be ints in [1, d_model={d_model}) to be projected, got {r!r}")
-    if config.optim.step_in_backward:
-        raise ValueError("the similarity analysis reads each step's gradients after the step, which "
-                         "optim.step_in_backward=true frees: leave it off")
+    refuse_step_in_backward(config, "reads each step's gradients after the step")
     every = every if every is not None else max(1, config.train.steps // 100)
     out = Path(out_dir)
     seed = config.train.seed

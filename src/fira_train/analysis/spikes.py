@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from fira_train.analysis.callbacks import NORMS_FILE, record_norms
-from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
+from fira_train.analysis.runs import AnalysisRun, markdown_table, refuse_step_in_backward, report_header, train_runs
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import pyplot
@@ -140,6 +140,7 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
     names = list(dict.fromkeys([*limiter_runs, *galore_runs]))
     if not names:
         raise ValueError("spikes needs at least one run")
+    refuse_step_in_backward(config, "records each step's gradient norm")
     for n in names:
         get_method(n)
     out = Path(out_dir)
@@ -157,9 +158,11 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
     _plot(out, limiter_runs, galore_runs, gap, steps, figure)
 
     lines = report_header(TITLE, config, command=command)
-    ranks = f"rank {config.optim.rank} for {', '.join(limiter_runs)}" if limiter_runs else ""
-    if galore_runs:
-        ranks += ("; " if ranks else "") + f"rank {galore_rank or config.optim.rank} for {', '.join(galore_runs)}"
+    # each run at the rank it trained with (a GaLore run among the limiter runs takes the config's)
+    by_rank: dict[int, list[str]] = {}
+    for name in names:
+        by_rank.setdefault(rank_of.get(name, config.optim.rank), []).append(name)
+    ranks = "; ".join(f"rank {rank} for {', '.join(runs)}" for rank, runs in by_rank.items())
     lines += [f"Per-step training loss and norms ({ranks}; d_model {config.model.hidden_size}); "
               f"projection refreshed every T = {gap} steps. "
               "Spikes: steps whose loss exceeds the mean of the previous 5 steps by more than 5%. "

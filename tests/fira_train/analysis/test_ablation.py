@@ -25,6 +25,10 @@ def test_gamma_runs_reuse_the_variants_they_equal() -> None:
     runs = ablation_runs(["fira", "fira-no-limiter"], [math.inf, 1.1, 1.01, 1.0])
     assert [r.name for r in runs] == ["fira", "fira-no-limiter", "fira-gamma1.1", "fira-gamma1"]
     assert runs[2].method == "fira" and runs[2].describe == "GroupOptions(gamma=1.1)"
+    # gammas that 6 significant digits would round together: two runs, each at its own gamma
+    close = ablation_runs(["fira"], [1.0, 1.0000001])
+    assert [(r.name, r.describe) for r in close[1:]] == [("fira-gamma1", "GroupOptions(gamma=1.0)"),
+                                                        ("fira-gamma1.0000001", "GroupOptions(gamma=1.0000001)")]
 
 
 def test_default_runs_cover_the_three_tables() -> None:

@@ -66,6 +66,8 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     (["analyze", "rank-sweep", "--ranks", "4", "optim.rank = 8"], "optim.rank = 8 would be replaced"),
     (["analyze", "noise", "train.out_dir=elsewhere"], "train.out_dir: an analysis writes each run"),
     (["analyze", "noise", "--steps", "5", "train.steps=9"], "train.steps is given twice, by --steps 5"),
+    (["analyze", "noise", "optim.step_in_backward=true"], "adds noise to each step's gradients and records"),
+    (["analyze", "spikes", "optim.step_in_backward=true"], "records each step's gradient norm, which optim.step"),
     (["analyze", "spikes", "--jobs", "0"], "jobs must be an int >= 1, got jobs=0"),
 ])
 def test_bad_lists_name_the_flag(argv: list[str], message: str, tmp_path: Path,
