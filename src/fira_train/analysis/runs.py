@@ -101,7 +101,8 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     the others take ``config``'s (the spikes analysis's GaLore rank).
 
     ``reuse``: a run whose folder already holds a finished run of the same config and spec is
-    not trained again; any other run in the way is deleted and redone. ``overwrite``: every
+    not trained again; a finished run of another config is an error (before anything trains), an
+    unfinished one is deleted and redone. ``overwrite``: every
     existing run is deleted and redone. With neither, an existing run is an error
     (:func:`fira_train.run.train.train` refuses to overwrite it).
 
@@ -132,6 +133,8 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     corpus = build_corpus(config.data)  # trains and caches the tokenizer once, before any worker
     summaries: dict[str, dict[str, Any]] = {}
     pending = []
+    if reuse:
+        _check_no_other_finished_runs(runs, configs)
     for index, (run, cfg) in enumerate(zip(runs, configs), start=1):
         run_dir = Path(cfg.train.out_dir)
         if reuse and _reusable(cfg, run, run_dir):
@@ -199,6 +202,18 @@ def refuse_step_in_backward(config: RunConfig, uses: str) -> None:
 def _flat(config: RunConfig) -> dict[str, Any]:
     return {f"{section}.{key}": value for section, fields in config_to_dict(config).items()
             if isinstance(fields, dict) for key, value in fields.items()}
+
+
+def _check_no_other_finished_runs(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) -> None:
+    """FileExistsError, before anything trains, for a finished run that ``--reuse`` cannot keep:
+    made with another config or spec (``--steps 30`` then ``--steps 5 --reuse`` deleted and
+    retrained the 30-step runs without a word). Unfinished runs are trained again."""
+    for run, cfg in zip(runs, configs):
+        run_dir = Path(cfg.train.out_dir)
+        if (run_dir / "summary.json").exists() and not _reusable(cfg, run, run_dir):
+            raise FileExistsError(f"{str(run_dir)!r} holds a finished run made with another config: --reuse keeps "
+                                  "only runs of this one; pass --overwrite to train every run again, or choose "
+                                  "another --out")
 
 
 def _check_no_earlier_runs(configs: Sequence[RunConfig]) -> None:

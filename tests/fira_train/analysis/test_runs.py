@@ -46,6 +46,11 @@ def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, 
     before = metrics.stat().st_mtime_ns
     again = train_runs(config, runs, tmp_path / "parallel", reuse=True, jobs=2, title=TITLE)
     assert again == parallel and metrics.stat().st_mtime_ns == before
+    # a finished run of another config: refused, not deleted (it was retrained without a word)
+    shorter = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
+    with pytest.raises(FileExistsError, match="holds a finished run made with another config: --reuse keeps"):
+        train_runs(shorter, runs, tmp_path / "parallel", reuse=True, title=TITLE)
+    assert metrics.stat().st_mtime_ns == before
 
 
 def test_a_failing_worker_run_raises_and_keeps_the_finished_runs(tmp_path: Path, corpus_root: Path) -> None:
