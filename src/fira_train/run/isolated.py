@@ -33,6 +33,14 @@ from fira_train.run.process_logging import configure_logging
 log = logging.getLogger(__name__)
 
 
+#: The children of :func:`run_isolated` still running, stopped by :func:`run_isolated_many` when it
+#: is interrupted (their threads wait on them and would otherwise keep going, and start the rest).
+_LIVE: set[Any] = set()
+_LIVE_LOCK = threading.Lock()
+#: Set while an interrupted run_isolated_many stops its children: one started meanwhile stops too.
+_STOPPING = threading.Event()
+
+
 def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in a spawned process; its return value, or its exception raised
     here. ``fn`` and its arguments must be picklable (a module-level function, dataclasses)."""
@@ -43,6 +51,10 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     level = logging.getLogger().getEffectiveLevel()
     process = context.Process(target=_child, args=(send, parent_gone, level, fn, args, kwargs), daemon=False)
     process.start()
+    with _LIVE_LOCK:
+        _LIVE.add(process)
+        if _STOPPING.is_set():
+            process.terminate()
     send.close()
     parent_gone.close()
     try:
@@ -57,6 +69,8 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         process.join()
     finally:  # after the child's end, or on an exception here (Ctrl-C): the child stops too
         parent_alive.close()
+        with _LIVE_LOCK:
+            _LIVE.discard(process)
     if status == "error":
         raise payload
     return payload
@@ -112,12 +126,14 @@ def run_isolated_many(calls: Sequence[tuple[Callable[..., Any], tuple]], jobs: i
     """``[fn(*args) for fn, args in calls]``, each in a spawned process (:func:`run_isolated`), up to
     ``jobs`` at a time, started in order. ``on_result(index, result)`` runs here as each call
     finishes. If a call fails, the others still run to their end (no work is lost) and then the
-    first error is raised."""
+    first error is raised. If this is interrupted (Ctrl-C), no queued call starts and the running
+    ones are stopped: each loses at most the work since its last checkpoint."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got jobs={jobs!r}")
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException] = []
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
         futures = {pool.submit(run_isolated, fn, *args): index for index, (fn, args) in enumerate(calls)}
         for future in as_completed(futures):
             index = futures[future]
@@ -129,6 +145,18 @@ def run_isolated_many(calls: Sequence[tuple[Callable[..., Any], tuple]], jobs: i
                 continue
             if on_result is not None:
                 on_result(index, results[index])
+    except BaseException:  # Ctrl-C: no queued call starts, the running ones stop (SIGTERM)
+        pool.shutdown(wait=False, cancel_futures=True)
+        with _LIVE_LOCK:
+            _STOPPING.set()
+            for process in list(_LIVE):
+                process.terminate()
+        raise
+    finally:
+        try:
+            pool.shutdown(wait=True)
+        finally:
+            _STOPPING.clear()
     if errors:
         raise errors[0]
     return results

@@ -45,3 +45,30 @@ def test_a_child_that_dies_says_how() -> None:
         run_isolated(os.abort)
     with pytest.raises(RuntimeError, match="exit code 3"):
         run_isolated(os._exit, 3)
+
+
+def _mark_after(path: str, seconds: float) -> str:
+    import time
+
+    Path(path).write_text("started")
+    time.sleep(seconds)
+    return path
+
+
+def test_an_interrupted_batch_starts_no_more_runs_and_stops_the_running_ones(tmp_path: Path) -> None:
+    """Ctrl-C during analyze --jobs N: the queued runs started anyway and the running ones trained on."""
+    import time
+
+    from fira_train.run.isolated import run_isolated_many
+
+    calls = [(_mark_after, (str(tmp_path / "quick"), 0.0)), (_mark_after, (str(tmp_path / "long"), 60.0)),
+             (_mark_after, (str(tmp_path / "queued"), 0.0))]
+
+    def interrupt(index, result):
+        raise KeyboardInterrupt
+
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        run_isolated_many(calls, jobs=1, on_result=interrupt)
+    assert time.perf_counter() - started < 40  # the 60 s run was stopped
+    assert not (tmp_path / "queued").exists()
