@@ -52,7 +52,7 @@ def _check(config: RunConfig, gaps: Sequence[int], methods: Sequence[str], seeds
     steps = config.train.steps
     for g in gaps:
         if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= steps:
-            raise ValueError(f"gaps must be ints in [1, steps={steps}], got {g!r}")
+            raise ValueError(f"gaps (--gaps) must be ints in [1, steps={steps}] (--steps), got {g!r}")
     for s in seeds:
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise ValueError(f"seeds must be ints >= 0, got {s!r}")

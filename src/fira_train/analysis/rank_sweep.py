@@ -89,7 +89,8 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     header = ["method"] + [f"r = {r}" for r in ranks] + ["adamw (full rank)"]
     rows = [[m] + [table[m][r] for r in ranks] + [baseline] for m in methods]
     rates = ", ".join(f"{m} {summaries[run_name(m, ranks[0])]['lr']:g}" for m in methods)
-    lines += [f"Final validation perplexity; d_model {d_model}; learning rate: each method's default "
+    chosen = "optim.lr as given" if config.optim.lr is not None else "each method's default"
+    lines += [f"Final validation perplexity; d_model {d_model}; learning rate: {chosen} "
               f"({rates}, adamw {summaries[BASELINE]['lr']:g}).", "", markdown_table(header, rows), ""]
     lines += ["## Paper vs measured", "",
               "The paper's varying-ranks figure (LLaMA 60M, d_model 256, C4, 10K steps) gives no numbers: "

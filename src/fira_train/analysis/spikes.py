@@ -141,6 +141,8 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
     if not names:
         raise ValueError("spikes needs at least one run")
     refuse_step_in_backward(config, "records each step's gradient norm")
+    if config.train.steps < 2:  # a spike is a step's loss against the ones before it
+        raise ValueError(f"spikes needs at least 2 steps per run (--steps), got train.steps={config.train.steps}")
     for n in names:
         get_method(n)
     out = Path(out_dir)

@@ -68,6 +68,8 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     (["analyze", "noise", "--steps", "5", "train.steps=9"], "train.steps is given twice, by --steps 5"),
     (["analyze", "noise", "optim.step_in_backward=true"], "adds noise to each step's gradients and records"),
     (["analyze", "spikes", "optim.step_in_backward=true"], "records each step's gradient norm, which optim.step"),
+    (["analyze", "spikes", "--steps", "1"], "spikes needs at least 2 steps per run (--steps)"),  # before training
+    (["analyze", "gap-sweep", "--steps", "5", "--gaps", "6"], "gaps (--gaps) must be ints in [1, steps=5] (--steps)"),
     (["analyze", "spikes", "--jobs", "0"], "jobs must be an int >= 1, got jobs=0"),
 ])
 def test_bad_lists_name_the_flag(argv: list[str], message: str, tmp_path: Path,

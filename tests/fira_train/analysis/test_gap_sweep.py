@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -56,13 +57,13 @@ def test_gap_sweep_one_seed_names_runs_without_it() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"gaps": (0,)}, "gaps must be ints in [1, steps=20], got 0"),
-    ({"gaps": (21,)}, "steps=20], got 21"),
+    ({"gaps": (0,)}, "gaps (--gaps) must be ints in [1, steps=20] (--steps), got 0"),
+    ({"gaps": (21,)}, "steps=20] (--steps), got 21"),
     ({"gaps": (2,), "methods": ("adamw",)}, "'adamw' refreshes no projection"),
     ({"gaps": (2,), "seeds": (1, 1)}, "seeds must be distinct"),
     ({"gaps": (2,), "seeds": (-1,)}, "seeds must be ints >= 0, got -1"),
 ])
 def test_gap_sweep_rejects_bad_input(kwargs: dict, message: str, tmp_path: Path, corpus_root: Path) -> None:
     config = analysis_config(corpus_root, tmp_path / "run")
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         run_gap_sweep(config, tmp_path / "x", **kwargs)
