@@ -29,7 +29,7 @@ from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import locked, read_json, write_text_atomic
-from fira_train.memory.run_estimate import estimate_run_bytes
+from fira_train.memory.run_estimate import UNESTIMATED_METHODS, estimate_run_bytes
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
 from fira_train.run.peak_memory import current_rss_bytes, env_prefix, malloc_env, reset_rss_peak, rss_peak_bytes
@@ -129,12 +129,14 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
         run_config = spec.config(base, out_dir / "runs")
         log.info("[%d/%d] %s: %d steps", index, len(specs), spec.text, steps)
         measured = run_isolated(measure_run, run_config, steps)
-        estimate = estimate_run_bytes(run_config, measured["vocab_size"], measured["device"])
+        estimate = (None if spec.name in UNESTIMATED_METHODS
+                    else estimate_run_bytes(run_config, measured["vocab_size"], measured["device"]))
         rows.append({"method": spec.text, "measured_peak_bytes": measured["measured_peak_bytes"],
-                     "estimated_bytes": estimate["total"], "estimate": estimate, "date": date.today().isoformat(),
+                     "estimated_bytes": estimate and estimate["total"], "estimate": estimate,
+                     "date": date.today().isoformat(),
                      "measured": {k: v for k, v in measured.items() if k != "measured_peak_bytes"}})
         log.info("[%d/%d] %s: measured %s, estimated %s", index, len(specs), spec.text,
-                 format_bytes(measured["measured_peak_bytes"]), format_bytes(estimate["total"]))
+                 format_bytes(measured["measured_peak_bytes"]), format_bytes(estimate["total"]) if estimate else "-")
         write(rows, index)  # after every method: a measurement stopped midway keeps what it measured
     return md_path, json_path
 
@@ -230,8 +232,9 @@ def format_measurement(record: dict[str, Any]) -> str:
     for row in rows:
         measured, estimated = row["measured_peak_bytes"], row["estimated_bytes"]
         lines.append(
-            f"| {row['method']} | {format_bytes(measured)} | {format_bytes(estimated)} "
-            f"| {measured / estimated:.2f} | {format_bytes(row['measured']['weights_bytes'])} "
+            f"| {row['method']} | {format_bytes(measured)} | {format_bytes(estimated) if estimated else '-'} "
+            f"| {f'{measured / estimated:.2f}' if estimated else '-'} "
+            f"| {format_bytes(row['measured']['weights_bytes'])} "
             f"| {format_bytes(row['measured']['optimizer_state_bytes'])} "
             f"| {'yes' if measured < 24 * GB else 'no'} |")
     lines += [

@@ -250,3 +250,24 @@ measure.measure(micro_config(Path({str(tmp_path)!r})), parse_method_specs(sys.ar
     record = json.loads((out / "memory.json").read_text())
     assert sorted(r["method"] for r in record["rows"]) == sorted(",".join(lanes).split(","))
     assert sorted(record["command"].split("\n")) == sorted(lanes) and record["complete"] is True
+
+
+def test_methods_the_estimate_does_not_model_show_no_estimate(tmp_path: Path, monkeypatch) -> None:
+    """LoRA was estimated as full-weight AdamW, SGD and Adagrad with two moments."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.memory.run_estimate import estimate_run_bytes
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config = micro_config(tmp_path)
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"lora": 1000, "adamw": 2000}))
+    md, _ = measure.measure(config, parse_method_specs("lora,adamw"), 1, tmp_path / "m", "cmd")
+    rows = {r["method"]: r for r in json.loads((tmp_path / "m" / "memory.json").read_text())["rows"]}
+    assert rows["lora"]["estimated_bytes"] is None and rows["adamw"]["estimated_bytes"] > 0
+    assert "| lora | 0.0 MiB | - | - |" in md.read_text()
+
+    def states(method: str) -> int:
+        return estimate_run_bytes(apply_overrides(config, [f"optim.method={method}"]), 300)["optimizer_states"]
+
+    assert states("sgd") == states("adagrad") == states("adamw") // 2  # one state per weight, not two

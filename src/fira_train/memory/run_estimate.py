@@ -66,6 +66,11 @@ if TYPE_CHECKING:  # annotations only
 
 #: Methods that project their matrices (the Fira / GaLore family) and those that do not.
 PLAIN_METHODS = ("adamw", "adamw-grouped", "sgd", "adagrad", "adam-mini", "lora", "relora")
+#: Methods this estimate does not model: LoRA's adapters beside frozen weights (it would count
+#: full-weight AdamW); their measured rows show no estimate.
+UNESTIMATED_METHODS = ("lora", "relora")
+#: Plain methods with one state per parameter (SGD's momentum buffer, Adagrad's sum), not two.
+ONE_STATE_METHODS = ("sgd", "adagrad")
 #: Plain methods whose weights torch.optim.AdamW steps, by default on CUDA in its ``foreach`` step.
 FOREACH_METHODS = ("adamw", "adamw-grouped")
 
@@ -91,7 +96,8 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
         """The two moments of a parameter stepped whole: torch's optimizers keep them in the
         parameter's dtype (bf16 for bf16 weights), and so does the Fira family at
         state_dtype="float32"."""
-        return 2 * (numel * weight_bytes if not projected else _stored_bytes(numel, o.state_dtype, weight_dtype))
+        moments = 1 if o.method in ONE_STATE_METHODS else 2
+        return moments * (numel * weight_bytes if not projected else _stored_bytes(numel, o.state_dtype, weight_dtype))
 
     states = (1 if m.tie_word_embeddings else 2) * whole(embed) + (2 * layers + 1) * whole(h)
     if o.method == "adam-mini":  # a full first moment, one second moment per block (heads, neurons)
