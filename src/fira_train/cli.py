@@ -413,6 +413,10 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
         return f"finished runs and checkpoints are kept: the same command with --reuse{also} continues"
     if command == "analyze":
         return f"finished runs are kept: the same command with --reuse{also} trains only the others"
+    if command == "memory" and getattr(args, "measure", False):
+        out = getattr(args, "out", None) or f"runs/{args.recipe}-memory"
+        return (f"the methods measured so far are kept in {out}/memory.json: the same command with --append, "
+                "its --methods cut to those not measured yet, adds the rest")
     if command == "finetune":
         if not getattr(args, "save_steps", 1) or not getattr(args, "steps", 1):
             return None  # no checkpoints (--save-steps 0, or zero-shot): nothing to continue

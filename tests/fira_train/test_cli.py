@@ -228,7 +228,9 @@ def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, 
     (["finetune", "--tasks", "boolq", "--data-dir", "d", "--out", "runs/ft"], "kept in runs/ft/trainer (--save-steps)"),
     (["finetune", "--tasks", "boolq", "--data-dir", "d", "--save-steps", "0"], None),  # no checkpoints kept
     (["finetune", "--tasks", "boolq", "--data-dir", "d", "--steps", "0"], None),
-    (["analyze", "variance"], None), (["methods"], None),
+    (["analyze", "variance"], None), (["methods"], None), (["memory"], None),
+    (["memory", "--measure", "--recipe", "micro", "--methods", "fira"],
+     "kept in runs/micro-memory/memory.json: the same command with --append"),
 ])
 def test_each_command_says_how_to_continue_after_ctrl_c(argv: list[str], expected: str | None) -> None:
     hint = cli.interrupted_hint(build_parser().parse_args(argv))
