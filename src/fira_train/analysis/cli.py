@@ -189,7 +189,8 @@ def register(subparsers: Any) -> None:
                    help="Fira variants of the limiter figure")
     p.add_argument("--galore-runs", default="galore,galore-add", help="runs of the GaLore-add figure")
     p.add_argument("--galore-rank", type=int, default=16,
-                   help="rank of the GaLore runs (default 16: the paper's r/d_model = 16/256)")
+                   help="rank of the GaLore runs (default 16, not scaled to the recipe: the paper's "
+                        "r/d_model = 16/256 at tiny's width, 16/64 on micro)")
     _common(p, "spikes")
     p.set_defaults(func=_run("fira_train.analysis.spikes:run_spikes",
                              limiter_runs=lambda a: _names(a.limiter_runs, "--limiter-runs"),

@@ -288,6 +288,10 @@ def _infinite(rank: int, t: int, variant: str) -> bool:
     return (rank == 1 and t <= 2) or (t == 1 and rank <= 2)
 
 
+#: The first step of the ratio panel: below it the rank-1 variance is infinite or unreliable.
+SHOWN_FROM = 5
+
+
 def _plot(curves: VarianceCurves, path: Path) -> None:
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -302,7 +306,7 @@ def _plot(curves: VarianceCurves, path: Path) -> None:
                    f"{curves.beta2})", fontsize=10)
     left.legend(fontsize=8)
 
-    shown = curves.steps >= 5  # below t = 5 the rank-1 variance is infinite or unreliable
+    shown = curves.steps >= SHOWN_FROM
     ratio_adam, ratio_past = curves.ratio("adam"), curves.ratio("past")
     for k, (rank, color) in enumerate(zip(curves.ranks, colors)):
         if rank == 1:
@@ -497,6 +501,9 @@ def run_variance_analysis(
     out = Path(out_dir)
     check_report_owner(out, (f"# {TITLE}",), "analyze variance")
     _seed(seed)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < SHOWN_FROM:
+        raise ValueError(f"steps must be an int >= {SHOWN_FROM} (--steps): the variance ratios are shown from "
+                         f"t = {SHOWN_FROM}, where the rank-1 variance is finite; got steps={steps!r}")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     curves = simulate_scaling_variance(ranks, steps=steps, samples=samples, beta2=beta2, seed=seed)

@@ -94,6 +94,8 @@ def test_analyze_variance_leaves_another_report_alone(tmp_path: Path, capsys: py
     assert (tmp_path / "report.md").read_text() == "# My notes\n" and not (tmp_path / "variance.png").exists()
     assert main(["analyze", "variance", "--seed", "-1", "--out", str(tmp_path / "v")]) == 1
     assert "seed must be an int >= 0, got seed=-1" in capsys.readouterr().err
+    assert main(["analyze", "variance", "--steps", "3", "--out", str(tmp_path / "v")]) == 1  # was matplotlib's
+    assert "steps must be an int >= 5 (--steps)" in capsys.readouterr().err
 
 
 def test_default_ranks_follow_the_recipes_width() -> None:
