@@ -501,11 +501,11 @@ class Fira(Optimizer):
         replaced in a list is a new layout): all of them for a whole step, those of ``only`` for
         an update in the backward pass (a replacement's own hook finds it missing)."""
         _, entries, position, _ = cached
-        groups = self.param_groups
-        if only is None:
-            return all(groups[gi]["params"][pi] is p for gi, pi, p, _ in entries)
-        return all(p in position and groups[entries[position[p]][0]]["params"][entries[position[p]][1]] is p
-                   for p in only)
+        if only is not None:
+            if any(p not in position for p in only):
+                return False
+            entries = [entries[position[p]] for p in only]
+        return all(self.param_groups[gi]["params"][pi] is p for gi, pi, p, _ in entries)
 
     def _split_refresh_group(self) -> Any:
         """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""
@@ -654,23 +654,18 @@ _SKIP_STEP = object()
 
 
 def _state_dtypes(p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.dtype]:
-    """The dtype of each state tensor this optimizer creates for ``p`` in ``group`` (as
-    :func:`_init_projected_state` and :func:`unprojected.init_state` do), but the step count."""
-    kind = StateDtype(group["state_dtype"])
-    meta = torch.device("meta")
-    if is_projected(p, group):
-        work = torch.promote_types(p.dtype, torch.float32)
-        shape = low_rank_shape(tuple(p.shape), group["rank"], projection_side(p.shape, group["proj_type"]))
-        dtypes = {"basis": precision.basis_dtype(kind, work), "prev_norm": work}
+    """The dtype of each state tensor this optimizer creates for ``p`` in ``group``, but the step
+    count: read off the state the init functions build for a meta tensor of ``p``'s shape and
+    dtype (no memory), so the load follows the one rule that makes fresh states."""
+    probe = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+    state: dict[str, torch.Tensor] = {}
+    if is_projected(probe, group):
+        side = projection_side(probe.shape, group["proj_type"])
+        _init_projected_state(state, probe, group["rank"], side, Hyper.from_group(group),
+                              torch.promote_types(p.dtype, torch.float32))
     else:
-        work = torch.float32 if p.dtype == torch.float16 else p.dtype
-        shape, dtypes = tuple(p.shape), {}
-    for key in STATE_KEYS[group["base"]]:
-        if kind is StateDtype.FLOAT32:
-            dtypes[key] = work
-        else:
-            dtypes.update({k: v.dtype for k, v in precision.moment_zeros(shape, kind, work, meta, key).items()})
-    return dtypes
+        unprojected.init_state(state, probe, group)
+    return {key: value.dtype for key, value in state.items() if key != "step"}
 
 
 def _loaded_value(param: torch.Tensor, value: torch.Tensor, key: Any, dtype: torch.dtype | None,
