@@ -112,12 +112,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = T
 
 def config_from_args(args: argparse.Namespace):
     """The recipe, then the flags (``--method`` -> ``optim.method`` too), then the overrides."""
-    from fira_train.config.overrides import apply_overrides, flag_settings  # imports torch: not at parser build
+    from fira_train.config.overrides import apply_overrides, flag_settings, flags_given  # imports torch
     from fira_train.config.recipes import get_recipe
 
     config = get_recipe(args.recipe)
-    given = {key: (f"--{dest.replace('_', '-')}", getattr(args, dest)) for dest, key in FLAG_KEYS.items()
-             if getattr(args, dest, None) is not None}
+    given = flags_given(args, FLAG_KEYS)
     if getattr(args, "method", None) is not None:
         given["optim.method"] = ("--method", args.method)
     config = apply_overrides(config, flag_settings(given, args.overrides))
@@ -140,11 +139,10 @@ def resume_request(args: argparse.Namespace) -> str | int | None:
 def warn_unused_settings(args: argparse.Namespace, methods: Sequence[str]) -> None:
     """A warning for ``optim.rank`` / ``optim.update_proj_gap`` given (flag or override) to
     methods none of which uses them (``--method adamw --rank 8``): trained without them."""
-    from fira_train.config.overrides import override_key  # imports torch: not at parser build
+    from fira_train.config.overrides import flags_given, override_key  # imports torch: not at parser build
     from fira_train.methods.registry import get_method
 
-    given = {key for dest, key in FLAG_KEYS.items() if getattr(args, dest, None) is not None}
-    given |= {override_key(item) for item in args.overrides}
+    given = set(flags_given(args, FLAG_KEYS)) | {override_key(item) for item in args.overrides}
     if any(get_method(name).uses_rank for name in methods):
         return
     for key in ("optim.rank", "optim.update_proj_gap"):
@@ -220,12 +218,11 @@ def _register_compare(subparsers: Any) -> None:
 
 def _sweep(args: argparse.Namespace) -> int:
     from fira_train.compare import parse_methods  # imports torch: not at parser build
-    from fira_train.config.overrides import refuse_overrides
+    from fira_train.config.overrides import flags_given, refuse_overrides
     from fira_train.sweep.driver import SWEEP_SETS, parse_lr_grids, parse_numbers, rewrite_report, sweep
 
     if args.report_only:
-        run_flags = [(f"--{dest.replace('_', '-')}", getattr(args, dest) is not None) for dest in FLAG_KEYS
-                     if dest != "out"]
+        run_flags = [(flag, True) for key, (flag, _) in flags_given(args, FLAG_KEYS).items() if key != "train.out_dir"]
         given = [flag for flag, value in (
             ("--methods", args.methods), ("--lrs", args.lrs), ("--recipe", args.recipe), ("--reuse", args.reuse),
             ("--reference", args.reference), ("--all-seeds", args.all_seeds), ("--jobs", args.jobs != 1),

@@ -145,6 +145,13 @@ def override_key(item: str) -> str:
     return item.partition("=")[0].strip()
 
 
+def flags_given(args: Any, keys: dict[str, str]) -> dict[str, tuple[str, Any]]:
+    """``{config key: (flag, value)}`` of the flags given on a command line: ``keys`` maps an
+    argparse dest to its key (``{"steps": "train.steps"}``); a flag left out (None) is absent."""
+    return {key: (f"--{dest.replace('_', '-')}", getattr(args, dest)) for dest, key in keys.items()
+            if getattr(args, dest, None) is not None}
+
+
 def flag_settings(flags: dict[str, tuple[str, Any]], overrides: Sequence[str]) -> dict[str, str]:
     """The ``{key: value}`` overrides of the flags given on a command line (``flags``: key ->
     ``(flag, value)``), after a ValueError for an override of a key a flag gives too: which one

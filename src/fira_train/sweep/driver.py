@@ -18,7 +18,6 @@ from pathlib import Path
 
 from fira_train.config.comma_list import comma_list, distinct
 from fira_train.config.method_spec import SHARED, parse_method_specs, refuse_spec_keys
-from fira_train.config.overrides import refuse_overrides
 from fira_train.config.run_config import RunConfig
 from fira_train.files import check_report_owner, read_json
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
@@ -76,9 +75,7 @@ def check_specs(specs: Sequence[str]) -> None:
     """The sweep sets the lr and the seed, and trains every method on the same data and tokens:
     a spec that overrides one of those is an error."""
     parsed = parse_method_specs(",".join(specs))
-    for spec in parsed:
-        refuse_overrides(spec.overrides, SWEEP_SETS, f"method spec {spec.text!r} sets it, and the sweep sets it "
-                                                     "itself (--lrs, --seeds, --out)")
+    refuse_spec_keys(parsed, SWEEP_SETS, "the sweep sets it itself (--lrs, --seeds, --out)")
     refuse_spec_keys(parsed, SHARED, "the sweep trains every method on the same data and tokens; set it for "
                                      "all of them with key=value")
 
