@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 
 from fira_train.finetune.commonsense import CommonsenseDataError
 from fira_train.finetune.config import (
@@ -111,16 +110,3 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise SystemExit(1) from None
     return 0
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fira_train.finetune ...`` (same options as ``fira-train finetune``)."""
-    parser = argparse.ArgumentParser(prog="fira-train")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["finetune", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        return args.func(args)
-    except OSError as err:  # what the machine does (a folder that cannot be written, a full disk): one line
-        if err.errno is None:
-            raise
-        print(f"fira-train finetune: error: {err}", file=sys.stderr)
-        raise SystemExit(1) from None

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from fira_train.finetune.cli import main  # noqa: E402
+from fira_train.cli import main as cli_main  # noqa: E402
 from fira_train.finetune.commonsense import default_data_dir, format_prompt  # noqa: E402
 from fira_train.finetune.config import FinetuneConfig, FinetuneError  # noqa: E402
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training  # noqa: E402
@@ -23,6 +23,15 @@ from fira_train.finetune.run import run_finetune  # noqa: E402
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval is not installed")
 
 WORDS = "sky grass snow fire water stone tree river cloud sand".split()
+
+
+def main(argv: list[str]) -> int:
+    """``fira-train finetune ARGV`` (what ``python -m fira_train.finetune`` runs); a non-zero status
+    raised as SystemExit, as the shell would see it."""
+    status = cli_main(["finetune", *argv])
+    if status:
+        raise SystemExit(status)
+    return status
 
 
 def boolq_record(rng: random.Random) -> dict:
