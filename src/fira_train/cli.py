@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import select
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -136,19 +138,31 @@ def resume_request(args: argparse.Namespace) -> str | int | None:
     return "latest" if args.resume else None
 
 
-def warn_unused_settings(args: argparse.Namespace, methods: Sequence[str]) -> None:
-    """A warning for ``optim.rank`` / ``optim.update_proj_gap`` given (flag or override) to
-    methods none of which uses them (``--method adamw --rank 8``): trained without them."""
-    from fira_train.config.overrides import flags_given, override_key  # imports torch: not at parser build
+def warn_unused_settings(args: argparse.Namespace, specs: Sequence[str]) -> None:
+    """A warning for each ``optim`` setting given (flag, override or a method spec's own) to
+    methods none of which reads it (``--method adamw --rank 8``, ``galore@optim.gamma=1.05``):
+    trained without it (:attr:`fira_train.methods.method.Method.uses`)."""
+    from fira_train.config.method_spec import parse_method_spec  # imports torch: not at parser build
+    from fira_train.config.overrides import flags_given, override_key
     from fira_train.methods.registry import get_method
 
-    given = set(flags_given(args, FLAG_KEYS)) | {override_key(item) for item in args.overrides}
-    if any(get_method(name).uses_rank for name in methods):
-        return
-    for key in ("optim.rank", "optim.update_proj_gap"):
-        if key in given:
-            log.warning("%s is not used by %s: it has no effect on %s", key, ", ".join(methods),
-                        "this run" if len(methods) == 1 else "these runs")
+    parsed = [parse_method_spec(spec) for spec in specs]
+    names = list(dict.fromkeys(spec.name for spec in parsed))
+
+    def unused(key: str, methods: Sequence[str]) -> bool:
+        setting = key.removeprefix("optim.")
+        return (key.startswith("optim.") and setting not in ("method", "lr")
+                and not any(setting in get_method(name).uses for name in methods))
+
+    given = dict.fromkeys([*flags_given(args, FLAG_KEYS), *(override_key(item) for item in args.overrides)])
+    for key in given:
+        if unused(key, names):
+            log.warning("%s is not used by %s: it has no effect on %s", key, ", ".join(names),
+                        "this run" if len(parsed) == 1 else "these runs")
+    for spec in parsed:
+        for key in (override_key(item) for item in spec.overrides):
+            if unused(key, [spec.name]):
+                log.warning("%s is not used by %s: it has no effect on the run %s", key, spec.name, spec.text)
 
 
 def _pretrain(args: argparse.Namespace) -> int:
@@ -186,12 +200,12 @@ def _register_pretrain(subparsers: Any) -> None:
 
 def _compare(args: argparse.Namespace) -> int:
     from fira_train.compare import compare, parse_methods  # imports torch: not at parser build
-    from fira_train.config.method_spec import parse_method_spec, refuse_set_per_spec
+    from fira_train.config.method_spec import refuse_set_per_spec
 
     refuse_set_per_spec(args.overrides, "compare")
     methods = parse_methods(args.methods)
     config = config_from_args(args)
-    warn_unused_settings(args, [parse_method_spec(m).name for m in methods])
+    warn_unused_settings(args, methods)
     out_dir = args.out or f"runs/{config.recipe}-compare"
     command = command_line(getattr(args, "argv", []))
     report, plot = compare(config, methods, out_dir, resume=resume_request(args) is not None,
@@ -249,6 +263,7 @@ def _sweep(args: argparse.Namespace) -> int:
     grids = parse_lr_grids(args.lrs, specs)
     seeds = parse_numbers("--seeds", args.seeds, int)
     config = config_from_args(args)
+    warn_unused_settings(args, specs)
     report, _ = sweep(config, specs, grids, seeds, args.out, jobs=args.jobs, reuse=args.reuse,
                       all_seeds=args.all_seeds, reference=args.reference,
                       command=command_line(getattr(args, "argv", [])))
@@ -319,6 +334,7 @@ def _memory(args: argparse.Namespace) -> int:
     refuse_set_per_spec(args.overrides, "memory --measure")
     specs = parse_method_specs(args.methods)
     config = config_from_args(args)
+    warn_unused_settings(args, [spec.text for spec in specs])
     out_dir = args.out or f"runs/{config.recipe}-memory"
     markdown, _ = measure(config, specs, steps, out_dir, command_line(getattr(args, "argv", [])),
                           append=args.append)
@@ -364,11 +380,16 @@ def _methods(args: argparse.Namespace) -> int:
         tuned = "".join(f" ({recipe}: {lrs[method.name]:g})" for recipe, lrs in TUNED_LR.items()
                         if method.name in lrs)
         print(f"{method.name:<{width}}  lr {method.default_lr:<6g} {method.description}{tuned}")
+        if args.settings:
+            print(f"{'':<{width}}  reads {', '.join(f'optim.{key}' for key in sorted(method.uses))}")
     return 0
 
 
 def _register_methods(subparsers: Any) -> None:
     parser = subparsers.add_parser("methods", help="list the training methods, their default learning rates and the recipes' tuned ones")
+    parser.add_argument("--settings", action="store_true",
+                        help="also list the optim.* settings each method reads beside optim.lr (the others "
+                             "have no effect on its runs; fira-train warns when one is given)")
     parser.set_defaults(func=_methods)
 
 
@@ -423,6 +444,21 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _stdout_gone() -> bool:
+    """Whether nobody reads stdout any more (a pipe whose reader closed: ``poll`` reports an error
+    on it); then stdout goes to the null device, so that the interpreter's last flush does not
+    fail on it again. A broken pipe of anything else is not this."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), no file descriptor
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fira-train`` and ``python -m fira_train``; returns the exit status."""
     parser = build_parser()
@@ -438,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG} {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130  # the shell's status for SIGINT
     except Exception as err:  # what users do: one line (fira_train.user_errors); a bug: its traceback
+        if isinstance(err, BrokenPipeError) and _stdout_gone():
+            return 141  # the shell's status for SIGPIPE: `fira-train methods | head` read what it wanted
         message = describe(err, args)
         if message is None:
             raise

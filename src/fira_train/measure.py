@@ -104,9 +104,10 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     if not append and (out_dir / "memory.json").exists():
         raise FileExistsError(f"--out {str(out_dir)!r} already holds a measurement (memory.json): pass "
                               "--append to add these rows to it, or choose another --out")
-    out_dir.mkdir(parents=True, exist_ok=True)
     base = replace(config, train=replace(config.train, steps=max(steps, 1), progress=False,
                                          tensorboard=False))
+    configs = [spec.config(base, out_dir / "runs") for spec in specs]  # every spec checked before a run
+    out_dir.mkdir(parents=True, exist_ok=True)
     record = {"recipe": config.recipe, "steps": steps, "command": command,
               # the threads each measured process runs with (train.num_threads, else this process's)
               "machine": f"{platform.machine()}, {config.train.num_threads or torch.get_num_threads()} threads, "
@@ -125,8 +126,7 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
         write([], 0)
     build_corpus(base.data)  # tokenised once, into the cache the runs read
     rows: list[dict[str, Any]] = []
-    for index, spec in enumerate(specs, start=1):
-        run_config = spec.config(base, out_dir / "runs")
+    for index, (spec, run_config) in enumerate(zip(specs, configs), start=1):
         log.info("[%d/%d] %s: %d steps", index, len(specs), spec.text, steps)
         measured = run_isolated(measure_run, run_config, steps)
         estimate = (None if spec.name in UNESTIMATED_METHODS

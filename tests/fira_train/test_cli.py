@@ -199,6 +199,11 @@ def test_methods_lists_the_registry(capsys) -> None:
     printed = capsys.readouterr().out
     for name in ("adamw", "fira", "galore", "lora", "relora", "adam-mini", "frugal"):
         assert f"\n{name} " in "\n" + printed
+    assert "reads" not in printed
+    assert main(["methods", "--settings"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    adamw = lines.index(next(line for line in lines if line.startswith("adamw ")))
+    assert lines[adamw + 1].split() == ["reads", "optim.betas,", "optim.eps,", "optim.weight_decay"]
 
 
 def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, capsys) -> None:
@@ -269,13 +274,23 @@ def test_help_offers_what_each_command_takes(capsys) -> None:
     (["compare", "--methods", "adamw,adam-mini", "--rank", "8"], "optim.rank is not used by adamw, adam-mini"),
     (["compare", "--methods", "adamw,fira", "--rank", "8"], None),  # fira takes it
     (["pretrain", "--method", "adamw"], None),  # the recipe's own rank: not given
+    (["pretrain", "--method", "galore", "optim.gamma=1.05"], "optim.gamma is not used by galore: it has no "
+                                                            "effect on this run"),
+    (["pretrain", "--method", "fira", "optim.gamma=1.05", "optim.lora_alpha=8"], "optim.lora_alpha is not used"),
+    (["pretrain", "--method", "fira", "optim.gamma=1.05", "--lr", "0.02"], None),
+    (["compare", "--methods", "fira,galore@optim.gamma=1.05"], "optim.gamma is not used by galore: it has no "
+                                                               "effect on the run galore@optim.gamma=1.05"),
+    (["compare", "--methods", "fira@optim.gamma=1.05,galore"], None),
+    (["compare", "--methods", "adamw,relora", "optim.relora_prune=0.5"], None),
 ])
-def test_a_rank_given_to_methods_that_ignore_it_is_warned(argv: list[str], warned: str | None, caplog) -> None:
+def test_a_setting_given_to_methods_that_ignore_it_is_warned(argv: list[str], warned: str | None, caplog) -> None:
     args = build_parser().parse_args([*argv, "--recipe", "micro"])
     methods = [args.method] if argv[0] == "pretrain" else args.methods.split(",")
     with caplog.at_level("WARNING"):
         cli.warn_unused_settings(args, methods)
     assert (warned in caplog.text) if warned else not caplog.text
+    if warned:
+        assert len(caplog.records) == 1
 
 
 def test_python_dash_m_finetune_is_the_command_line(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -296,3 +311,25 @@ def test_python_dash_m_finetune_is_the_command_line(tmp_path: Path, monkeypatch,
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"fira-train finetune: interrupted; checkpoints written so far are kept in " \
         f"{tmp_path / 'run'}/trainer" in err
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly() -> None:
+    """``fira-train methods | head -1``: no "error: Broken pipe" line (it blamed the output folder)."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "fira_train", "methods", "--settings"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # before the command writes a line
+    err = process.stderr.read().decode()
+    assert process.wait() == 141, err
+    assert err == ""
+
+
+def test_a_broken_pipe_of_anything_but_stdout_is_an_error(monkeypatch, capsys) -> None:
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_methods", broken)
+    assert main(["methods"]) == 1
+    assert "fira-train methods: error: " in capsys.readouterr().err

@@ -45,10 +45,14 @@ def test_measure_writes_a_row_per_spec(tmp_path: Path, capsys, monkeypatch) -> N
      "drop the override 'train.steps=50'"),
     (["memory", "--measure", "--recipe", "micro", "--methods", "adamw", "train.parallel=ddp"],
      "train.parallel: memory --measure measures each method in one process"),  # was a traceback
+    (["memory", "--measure", "--recipe", "micro", "--methods", "fira,adamw", "optim.state_dtype=int8"],
+     "optim.state_dtype='int8' needs a Fira-family method"),  # before fira's run, not after it
 ])
-def test_measure_refuses_bad_requests_in_one_line(argv, message, capsys) -> None:
+def test_measure_refuses_bad_requests_in_one_line(argv, message, capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
     assert main(argv) == 1
     assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing measured, nothing written
 
 
 def test_the_estimate_table_covers_the_paper_sizes_and_says_what_fits() -> None:

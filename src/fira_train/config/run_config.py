@@ -185,6 +185,11 @@ class OptimConfig:
                "optim.relora_prune", self.relora_prune, "a number in [0, 1]")
 
 
+#: The memory options of the Fira / GaLore family (:class:`fira_optim.FiraAdamW`'s): a config of
+#: another method refuses them (a user who asks for int8 states must not get fp32 ones).
+FIRA_ONLY = ("step_in_backward", "state_dtype", "stochastic_rounding")
+
+
 @dataclass
 class TrainConfig:
     """Steps, batch, schedule, evaluation, checkpoints and output of one run."""
@@ -295,6 +300,12 @@ class RunConfig:
                    f"a {kind.__name__}")
         _check(self.optim.method in METHODS, "optim.method", self.optim.method,
                f"one of {', '.join(sorted(METHODS))}")
+        uses = METHODS[self.optim.method].uses
+        for name in FIRA_ONLY:  # silently ignored by the other optimizers: refused
+            value, default = getattr(self.optim, name), getattr(OptimConfig, name)
+            if value != default and name not in uses:
+                raise ValueError(f"optim.{name}={value!r} needs a Fira-family method (fira, galore, "
+                                 f"fira-released, ...); optim.method={self.optim.method!r} has no such option")
         _check(not (self.optim.step_in_backward and self.train.grad_clip > 0), "train.grad_clip",
                self.train.grad_clip, "0 with optim.step_in_backward=true (the global gradient norm "
                "exists only after the last gradient, when most updates are done; Fira's "

@@ -38,8 +38,10 @@ class Method:
     build: Callable[[nn.Module, "RunConfig", float], MethodSetup]
     """``build(model, config, lr)``: the model (possibly wrapped) and its optimizer."""
     description: str
-    uses_rank: bool = False
-    """Whether ``optim.rank`` (and for the Fira family ``optim.update_proj_gap``) matter."""
+    uses: frozenset[str] = frozenset()
+    """The ``optim`` settings ``build`` reads beside ``method`` and ``lr`` (``"rank"``,
+    ``"betas"``, ...): a run of this method is the same whatever the others say
+    (``fira-train`` warns when one is given to methods none of which uses it)."""
     wraps_model: bool = False
     """Whether ``build`` returns a wrapper of the model (``peft`` adapters) rather than the model."""
     split_refresh: bool = False
@@ -48,3 +50,8 @@ class Method:
     fsdp2: bool = True
     """Whether the method runs under ``train.parallel="fsdp2"`` (its optimizer steps sharded
     DTensor parameters); the config refuses the combination otherwise."""
+
+    @property
+    def uses_rank(self) -> bool:
+        """Whether ``optim.rank`` matters (the projection's or the adapters' rank)."""
+        return "rank" in self.uses

@@ -113,34 +113,62 @@ def get_method(name: str) -> Method:
 FIRA_LR = 0.01
 FLORA_LR = 0.01
 
+#: The ``optim`` settings of Adam's update.
+ADAM = frozenset({"betas", "eps", "weight_decay"})
+#: What the Fira / GaLore family reads (:func:`fira_uses` takes away what a variant fixes or has no use for).
+FIRA = ADAM | {"rank", "update_proj_gap", "alpha", "gamma", "projector", "implementation", "host_refresh",
+               "step_in_backward", "state_dtype", "stochastic_rounding", "align_signs"}
+LORA = ADAM | {"rank", "lora_alpha", "lora_dropout"}
+
+
+def fira_uses(options: dict) -> frozenset[str]:
+    """The ``optim`` settings a Fira / GaLore variant with these FiraAdamW ``options`` reads.
+
+    Its own projector wins over the config's (an ``align_signs`` it fixes is still read: the other
+    value is refused); gamma belongs to the norm-growth limiter of the residual (no residual, or
+    another limiter: unused); an Adagrad base has no moment decay rates.
+    """
+    uses = set(FIRA)
+    if "projector" in options:
+        uses.discard("projector")
+    if options.get("limiter", "growth") != "growth" or options.get("residual", "add") == "drop":
+        uses.discard("gamma")
+    if options.get("base", "adam") == "adagrad":
+        uses.discard("betas")
+    return frozenset(uses)
+
+
 METHODS: dict[str, Method] = {
-    "adamw": Method("adamw", 1e-3, build_adamw, "full-rank AdamW (torch.optim.AdamW)"),
+    "adamw": Method("adamw", 1e-3, build_adamw, "full-rank AdamW (torch.optim.AdamW)", uses=ADAM),
     "adamw-grouped": Method("adamw-grouped", FIRA_LR, build_adamw_grouped,
-                            "full-rank AdamW with Fira's step sizes: matrices at alpha * lr, the rest at lr"),
+                            "full-rank AdamW with Fira's step sizes: matrices at alpha * lr, the rest at lr",
+                            uses=ADAM | {"alpha"}),
 }
 for _name, _overrides in fira_optim.VARIANTS.items():
     _what = ", ".join(f"{k}={v!r}" for k, v in _overrides.items()) or "the paper's Fira"
-    METHODS[_name] = Method(_name, FIRA_LR, fira_family(_name),
-                            f"fira_optim.FiraAdamW with {_what}", uses_rank=True, split_refresh=True)
+    METHODS[_name] = Method(_name, FIRA_LR, fira_family(_name), f"fira_optim.FiraAdamW with {_what}",
+                            uses=fira_uses(_overrides), split_refresh=True)
 METHODS.update({
     "lora": Method("lora", 1e-3, build_lora, "peft LoRA on attention + MLP, the rest trained in full",
-                   uses_rank=True, wraps_model=True),
+                   uses=LORA, wraps_model=True),
     "relora": Method("relora", 1e-3, build_relora,
-                     "LoRA merged and restarted periodically, moments pruned, jagged LR", uses_rank=True,
-                     wraps_model=True),
-    "sgd": Method("sgd", 0.03, build_sgd, "torch.optim.SGD with momentum betas[0]"),
-    "adagrad": Method("adagrad", 1e-2, build_adagrad, "torch.optim.Adagrad"),
-    "adam-mini": Method("adam-mini", 1e-3, build_adam_mini, "Adam-mini (the adam-mini package)"),
+                     "LoRA merged and restarted periodically, moments pruned, jagged LR",
+                     uses=LORA | {"relora_every", "relora_prune", "relora_rewarmup"}, wraps_model=True),
+    "sgd": Method("sgd", 0.03, build_sgd, "torch.optim.SGD with momentum betas[0]",
+                  uses=frozenset({"betas", "weight_decay"})),
+    "adagrad": Method("adagrad", 1e-2, build_adagrad, "torch.optim.Adagrad",
+                      uses=frozenset({"eps", "weight_decay"})),
+    "adam-mini": Method("adam-mini", 1e-3, build_adam_mini, "Adam-mini (the adam-mini package)", uses=ADAM),
     "apollo": Method("apollo", 1e-2, build_apollo,
                      "APOLLO (apollo-torch): channel-wise scaling from a random rank-r projection, scale 1",
-                     uses_rank=True, fsdp2=False),
+                     uses=ADAM | {"rank", "update_proj_gap"}, fsdp2=False),
     "apollo-mini": Method("apollo-mini", 1e-2, build_apollo_mini,
                           "APOLLO-Mini (apollo-torch): tensor-wise scaling from a rank-1 projection, scale 128",
-                          fsdp2=False),
+                          uses=ADAM | {"update_proj_gap"}, fsdp2=False),
     "flora": Method("flora", FLORA_LR, build_flora,
                     "Flora (flora-opt): Adafactor with momentum compressed by resampled random projections",
-                    uses_rank=True, fsdp2=False),
+                    uses=frozenset({"rank", "update_proj_gap", "betas", "weight_decay"}), fsdp2=False),
     "slimadam": Method("slimadam", 1e-3, build_slimadam,
                        "SlimAdam: AdamW with the second moment averaged over fan-in/out (paper's Table 1)",
-                       fsdp2=False),
+                       uses=ADAM, fsdp2=False),
 })

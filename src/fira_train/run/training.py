@@ -90,7 +90,6 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
     # Under DDP the refresh SVDs are dealt to the ranks, but not from inside DDP's communication
     # hook (where updates in the backward pass run): there each rank computes its own.
     setup = build_method(model, config, split_refresh=mode == "ddp" and not config.optim.step_in_backward)
-    _check_fira_options(config, setup.optimizer)
     in_backward = None
     if config.optim.step_in_backward:
         in_backward = fira_optim.step_in_backward(setup.optimizer, wrapped if mode == "ddp" else None)
@@ -98,17 +97,3 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
                             restart_every=setup.restart_every, rewarmup=setup.rewarmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, schedule)
     return Training(setup, scheduler, device, wrapped if wrapped is not model else None, in_backward)
-
-
-def _check_fira_options(config: RunConfig, optimizer: torch.optim.Optimizer) -> None:
-    """The options that only a Fira-family optimizer has are refused for the other methods."""
-    if isinstance(optimizer, fira_optim.Fira):
-        return
-    o = config.optim
-    for name, value, default in (("step_in_backward", o.step_in_backward, False),
-                                 ("state_dtype", o.state_dtype, "float32"),
-                                 ("stochastic_rounding", o.stochastic_rounding, False)):
-        if value != default:
-            raise ValueError(f"optim.{name}={value!r} needs a Fira-family method (fira, galore, "
-                             f"fira-released, ...); optim.method={o.method!r} builds "
-                             f"{type(optimizer).__name__}")

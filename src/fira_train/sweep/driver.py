@@ -91,6 +91,8 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     check_specs(specs)
+    for spec in parse_method_specs(",".join(specs)):  # each method's config checked before a run
+        spec.config(config, out_dir)
     reference = reference or ("fira" if "fira" in specs else specs[0])
     if reference not in specs:
         raise ValueError(f"--reference {reference!r} is not among --methods ({', '.join(specs)})")

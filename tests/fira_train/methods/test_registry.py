@@ -61,6 +61,56 @@ def test_every_method_trains_and_its_state_loads_weights_only(method: str) -> No
     fresh.optimizer.load_state_dict(state)
 
 
+#: A valid value other than :func:`method_config`'s for every ``optim`` setting a method may
+#: ignore (the Fira-only memory options are refused, not ignored: tested with the config).
+OTHER_VALUES = {"rank": "4", "update_proj_gap": "1", "alpha": "0.5", "betas": "0.8,0.95", "eps": "0.001",
+                "weight_decay": "0.1", "gamma": "1.001", "projector": "randomized",
+                "implementation": "reference", "host_refresh": "true", "align_signs": "true",
+                "lora_alpha": "8", "lora_dropout": "0.1", "relora_every": "1", "relora_prune": "0.5",
+                "relora_rewarmup": "2"}
+
+
+def _trained(config) -> tuple[dict[str, torch.Tensor], tuple]:
+    """The weights after three steps on one batch, and the schedule the method asks for."""
+    torch.manual_seed(0)  # LoRA's adapters, dropout
+    setup = build_method(method_model(config), config)
+    for step in range(1, 4):
+        train_step(setup, learnable_batch())
+        if setup.after_step is not None:
+            setup.after_step(step)
+    weights = {n: p.detach().clone() for n, p in setup.model.state_dict().items()}
+    return weights, (setup.restart_every, setup.rewarmup)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_the_settings_a_method_does_not_use_change_nothing(method: str) -> None:
+    """What ``Method.uses`` leaves out has no effect, so fira-train's warning ("not used by") is
+    true; weight decay, which every method uses, shows that a change is seen."""
+    from fira_train.config.run_config import FIRA_ONLY, OptimConfig
+
+    uses = get_method(method).uses
+    unused = [k for k in OptimConfig.__dataclass_fields__ if k not in uses | {"method", "lr", *FIRA_ONLY}]
+    assert set(unused) <= set(OTHER_VALUES), "give every setting another value here"
+    base = method_config(method, "train.steps=6")
+    weights, schedule = _trained(base)
+    for key in unused:
+        other, other_schedule = _trained(method_config(method, "train.steps=6", f"optim.{key}={OTHER_VALUES[key]}"))
+        assert other_schedule == schedule, key
+        for name, value in weights.items():
+            assert torch.equal(other[name], value), (key, name)
+    assert "weight_decay" in uses
+    decayed, _ = _trained(method_config(method, "train.steps=6", "optim.weight_decay=0.1"))
+    assert any(not torch.equal(decayed[n], v) for n, v in weights.items())
+
+
+def test_the_fira_only_options_are_refused_for_other_methods() -> None:
+    for key, value in (("step_in_backward", "true"), ("state_dtype", "bfloat16"), ("stochastic_rounding", "true")):
+        assert key in get_method("fira").uses
+        method_config("galore", f"optim.{key}={value}")
+        with pytest.raises(ValueError, match=f"optim.{key}=.* needs a Fira-family method.*'adamw'"):
+            method_config("adamw", f"optim.{key}={value}")
+
+
 @pytest.mark.parametrize("method", ["adamw", "fira"])
 def test_loss_decreases_over_20_steps(method: str) -> None:
     config = method_config(method, "optim.rank=16", "optim.update_proj_gap=5")

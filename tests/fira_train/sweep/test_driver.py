@@ -176,3 +176,7 @@ def test_sweep_refuses_torchrun_parallelism_and_bad_jobs(tmp_path: Path) -> None
         sweep(config, ["adamw"], {"adamw": [0.01]}, [0], tmp_path / "out")
     with pytest.raises(ValueError, match="--jobs must be >= 1, got 0"):
         sweep(micro_config(tmp_path), ["adamw"], {"adamw": [0.01]}, [0], tmp_path / "out", jobs=0)
+    with pytest.raises(ValueError, match="optim.state_dtype='int8' needs a Fira-family method"):
+        sweep(micro_config(tmp_path, "optim.state_dtype=int8"), ["fira", "adamw"],
+              {"fira": [0.01], "adamw": [0.001]}, [0], tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before the first run
