@@ -26,6 +26,7 @@ import torch
 
 from fira_optim.state import optimizer_state_bytes
 from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse_spec_keys
+from fira_train.config.overrides import config_to_dict
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import locked, read_json, write_text_atomic
@@ -112,7 +113,8 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
               # the threads each measured process runs with (train.num_threads, else this process's)
               "machine": f"{platform.machine()}, {config.train.num_threads or torch.get_num_threads()} threads, "
                          f"torch {torch.__version__}",
-              "date": date.today().isoformat(), "malloc_env": malloc_env(), "rows": []}
+              "date": date.today().isoformat(), "malloc_env": malloc_env(), "settings": shared_settings(base),
+              "rows": []}
     json_path, md_path = out_dir / "memory.json", out_dir / "memory.md"
 
     def write(rows: list[dict[str, Any]], done: int) -> None:
@@ -163,6 +165,14 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
         if old.get(key) != record[key]:
             raise ValueError(f"--append: {json_path} was measured with {what} {old.get(key)!r}, this command "
                              f"with {record[key]!r}; one table holds one setting (measure into another --out)")
+    if "settings" in old:  # (tables written before it was recorded: their commands say it)
+        changed = [key for key in old["settings"].keys() | record["settings"].keys()
+                   if old["settings"].get(key) != record["settings"].get(key)]
+        if changed:
+            raise ValueError(f"--append: {json_path} was measured with other settings for every method: "
+                             + ", ".join(f"{key}={old['settings'].get(key)!r} (now {record['settings'].get(key)!r})"
+                                         for key in sorted(changed))
+                             + "; one table holds one setting (measure into another --out)")
     # keyed by method and by command (without its mark): an update keeps an entry's place
     merged = {row["method"]: {"date": old["date"], **row} for row in old["rows"]}  # rows keep their day
     merged.update((row["method"], row) for row in rows)
@@ -181,6 +191,20 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
     return {**record, "command": "\n".join(commands.values()) or None, "rows": list(merged.values()),
             "complete": complete, **({"missing": missing} if missing else {}),
             "date": max([r["date"] for r in merged.values()], default=record["date"])}
+
+
+#: What ``measure`` sets itself, or what the record holds elsewhere (``steps``, ``machine``).
+NOT_SHARED = ("optim.method", "train.out_dir", "train.steps", "train.progress", "train.tensorboard",
+              "train.num_threads")
+
+
+def shared_settings(config: RunConfig) -> dict[str, Any]:
+    """``{"section.key": value}``: the command's config, which every method's run starts from
+    (a method spec's overrides come on top), less :data:`NOT_SHARED`."""
+    values = json.loads(json.dumps(config_to_dict(config)))  # as memory.json holds them: lists, not tuples
+    flat = {f"{section}.{key}": value for section, keys in values.items()
+            if isinstance(keys, dict) for key, value in keys.items()}
+    return {key: value for key, value in flat.items() if key not in NOT_SHARED}
 
 
 def not_measured(commands: Iterable[str], methods: Iterable[str]) -> list[str] | None:

@@ -209,6 +209,15 @@ def test_append_refuses_a_table_of_another_setting_before_training(tmp_path: Pat
     with pytest.raises(ValueError, match=r"--append: .*memory.json was measured with number of steps 1, this "
                                          r"command with 2"):
         measure.measure(config, parse_method_specs("adamw"), 2, out, "second", append=True)
+    with pytest.raises(ValueError, match=r"--append: .*memory.json was measured with other settings for every "
+                                         r"method: optim.betas=\[0.9, 0.999\] \(now \[0.9, 0.95\]\), "
+                                         r"train.micro_batch_size=4 \(now 2\)"):
+        measure.measure(micro_config(tmp_path, "train.micro_batch_size=2", "optim.betas=0.9,0.95"),
+                        parse_method_specs("adamw"), 1, out, "second", append=True)
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"fira": 900}))
+    measure.measure(micro_config(tmp_path, "train.num_threads=1"), parse_method_specs("fira"), 1, out,
+                    "same settings", append=True)
+    assert [row["method"] for row in json.loads((out / "memory.json").read_text())["rows"]] == ["adamw", "fira"]
     for wrong in ("[]", '{"recipe": "micro"}'):  # JSON, but not a measurement: one line, not a KeyError
         (out / "memory.json").write_text(wrong)
         with pytest.raises(ValueError, match="is not a measurement written by memory --measure"):
