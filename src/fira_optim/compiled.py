@@ -39,6 +39,7 @@ from .limiter import limiter_factor
 from .options import Base, Hyper, Limiter, Residual, Scaling, adam_bias_correction
 from .pipeline import FAST, FastStrategy, MatrixStats, MatrixStep
 from .projection import norms, sq_norms
+from .residual import cancelled, explicit_residuals
 from .scaling import RowSum
 
 
@@ -61,7 +62,11 @@ SCALARS = ("beta1", "beta2", "eps", "residual_eps", "gamma", "low_coef", "bias_c
 
 
 def _core(low, low_norm, g_sq, exp_avg, exp_avg_sq, prev_norm, scalars, dim: int):
-    """One matrix: updates the moments and ``prev_norm`` in place, returns ``(X, c, ||S||, f)``."""
+    """One matrix: updates the moments in place, returns ``(X, c, ||S||, f, f ||S||, ||phi G||, N, phi)``.
+
+    The new history ``f ||S||`` is returned, not written into ``prev_norm``: TorchInductor (torch
+    2.13, CPU) dropped that write to a 0-d float64 input, and the caller may still correct
+    ``||S||`` (:func:`fira_optim.residual.cancelled`)."""
     beta1, beta2, eps, residual_eps, gamma, low_coef, correction, use_scaling, use_limiter, keep = (
         scalars.unbind())
     exp_avg.mul_(beta1).add_(low * (1.0 - beta1))
@@ -71,12 +76,16 @@ def _core(low, low_norm, g_sq, exp_avg, exp_avg_sq, prev_norm, scalars, dim: int
     phi = torch.where(use_scaling > 0, column, torch.ones_like(column))
     outside_sq = (g_sq - low_coef * low_norm * low_norm).clamp_min(0.0)
     norm = (phi * phi * outside_sq).sum().sqrt()
-    growth = limiter_factor(Limiter.GROWTH, norm, prev_norm, gamma=gamma, eps=residual_eps,
-                            clip_norm=1.0, mu=1.0)
-    factor = torch.where(use_limiter > 0, growth, torch.ones_like(norm))
-    prev_norm.copy_(norm * factor)
+    whole = (phi * phi * g_sq).sum().sqrt()
+    factor = _factor(norm, prev_norm, gamma, residual_eps, use_limiter)
     c = phi * factor * keep  # keep = 0: GaLore (no residual), X = N
-    return direction - low * c, c, norm, factor
+    return direction - low * c, c, norm, factor, norm * factor, whole, direction, phi
+
+
+def _factor(norm, prev_norm, gamma, eps, use_limiter):
+    """The growth limiter's factor, or 1 where ``use_limiter`` is 0."""
+    growth = limiter_factor(Limiter.GROWTH, norm, prev_norm, gamma=gamma, eps=eps, clip_norm=1.0, mu=1.0)
+    return torch.where(use_limiter > 0, growth, torch.ones_like(norm))
 
 
 _compiled = None
@@ -141,11 +150,27 @@ def _run_compiled(batch: list[MatrixStep], step: int, hp: Hyper, stats) -> bool:
             warnings.warn(f"implementation='compiled' is unavailable ({_failed}); using the "
                           "multi-tensor fast path", RuntimeWarning, stacklevel=5)
             return False
-    xs, cs, norms_, factors = zip(*updates)
+    xs, cs, norms_, factors, histories, wholes, directions, phis = map(list, zip(*updates))
     drop = hp.residual is Residual.DROP
+    if not drop:
+        for i in cancelled(torch.stack(norms_), torch.stack(wholes)):
+            _exact_norm(batch[i], i, directions, phis, xs, cs, norms_, factors, histories, hp)
+        torch._foreach_copy_([m.state["prev_norm"] for m in batch], histories)
     add_update([m.local for m in batch], [m.grad for m in batch], [m.basis for m in batch],
                [m.side for m in batch], xs, None if drop else cs, step, hp)
     if stats is not None:
         stats.extend(MatrixStats(m.param, "compiled", None if drop else n, None if drop else f)
                      for m, n, f in zip(batch, norms_, factors))
     return True
+
+
+def _exact_norm(m: MatrixStep, i: int, directions, phis, xs, cs, norms_, factors, histories,
+                hp: Hyper) -> None:
+    """Matrix ``i``'s outputs from the norm of its ``S`` formed explicitly, where the kernel's
+    column-norm subtraction kept too few bits (as the fast strategy does)."""
+    exact, _ = explicit_residuals([m.grad], [m.low], [m.basis], [m.side], [phis[i]], hp)
+    factor = limiter_factor(hp.limiter, exact[0], m.state["prev_norm"], gamma=hp.gamma, eps=hp.residual_eps,
+                            clip_norm=1.0, mu=1.0)  # growth or none (supports)
+    cs[i] = phis[i] * factor
+    xs[i] = directions[i] - m.low * cs[i]
+    norms_[i], factors[i], histories[i] = exact[0], factor, exact[0] * factor

@@ -31,7 +31,7 @@ from .commit import commit_explicit, commit_fused
 from .limiter import limit
 from .options import Hyper, Residual
 from .projection import RIGHT, norms, reduce_dim, sq_norms
-from .residual import explicit_residuals, residual_norms_from_columns
+from .residual import cancelled, explicit_residuals, residual_norms_from_columns
 from .scaling import ColumnNorms, RowSum, exact_norms, scaling_factors
 from .subspace import low_rank_directions
 
@@ -137,7 +137,8 @@ def run_stages(batch: list[MatrixStep], step: int, hp: Hyper, strategy: Strategy
         else:
             grad_sqs = [m.grad_sq if m.grad_sq is not None else sq_norms(m.grad, m.dim)
                         for m in batch]
-            norms = residual_norms_from_columns(grad_sqs, low_norms, phis, sides, hp, row_sum)
+            norms, wholes = residual_norms_from_columns(grad_sqs, low_norms, phis, sides, hp, row_sum)
+            norms = exact_where_cancelled(norms, wholes, batch, phis, hp, row_sum)
         factors = limit(norms, [m.state["prev_norm"] for m in batch], hp)
     if strategy.explicit:
         for i, m in enumerate(batch):
@@ -151,3 +152,19 @@ def run_stages(batch: list[MatrixStep], step: int, hp: Hyper, strategy: Strategy
         for i, m in enumerate(batch):
             stats.append(MatrixStats(m.param, strategy.name, None if norms is None else norms[i],
                                      None if factors is None else factors[i]))
+
+
+def exact_where_cancelled(norms: torch.Tensor, wholes: torch.Tensor, batch: list[MatrixStep], phis,
+                          hp: Hyper, row_sum: RowSum = None) -> torch.Tensor:
+    """``norms`` with each one that the column-norm subtraction left imprecise
+    (:func:`fira_optim.residual.cancelled`) replaced by the norm of ``S`` formed explicitly, one
+    matrix at a time (an ``m x n`` temporary each, only for those matrices)."""
+    redo = cancelled(norms, wholes)
+    if not redo:
+        return norms
+    norms = norms.clone()
+    for i in redo:
+        m = batch[i]
+        exact, _ = explicit_residuals([m.grad], [m.low], [m.basis], [m.side], [phis[i]], hp, row_sum)
+        norms[i] = exact[0]
+    return norms

@@ -12,6 +12,13 @@ forms it: for an orthonormal basis,
 (:math:`k' = 1`, or :math:`\alpha` for the released residual :math:`G - \alpha P R`), from the
 column norms of ``G`` and ``R`` that the step has anyway.
 
+The subtraction loses precision as the residual shrinks: about
+:math:`\log_2(\|\phi \odot G\|^2 / \|S\|^2)` of the dtype's bits (a gradient of rank at most
+``r``, such as a batch of fewer tokens than the rank, lies almost wholly in the subspace). Where
+fewer than :data:`KEPT_BITS` would be left (:func:`cancelled`: in float32 where
+:math:`\|S\| < 0.088 \|\phi \odot G\|`), the fast paths form that matrix's :math:`S`
+explicitly, so that they give the reference's norm to rounding and the limiter the same history.
+
 Variants: FRUGAL takes :math:`\mathrm{sign}(G - P R)` (no scaling, explicit only);
 Fira-only-scaling takes :math:`\phi \odot G`.
 """
@@ -48,30 +55,47 @@ def explicit_residuals(grads, lows, bases, sides, phis, hp: Hyper,
 
 
 def residual_norms_from_columns(grad_sqs, low_norms, phis, sides, hp: Hyper,
-                                row_sum: RowSum = None) -> torch.Tensor:
-    r""":math:`\|S\|` of each matrix from :math:`\|g_i\|^2` (``grad_sqs``, this rank's rows) and
-    :math:`\|r_i\|` (``low_norms``), without forming ``S``. ``grad_sqs`` are consumed.
+                                row_sum: RowSum = None) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""``(norms, wholes)``: :math:`\|S\|` and :math:`\|\phi \odot G\|` of each matrix from
+    :math:`\|g_i\|^2` (``grad_sqs``, this rank's rows) and :math:`\|r_i\|` (``low_norms``),
+    without forming ``S``. ``grad_sqs`` are consumed. :func:`cancelled` tells from the two
+    which norms lost too many bits.
 
     Under FSDP2 (``row_sum``) a left projection's :math:`\|g_i\|^2` sums over every shard's rows
-    (one collective for all of them) and a right one's :math:`\|S\|^2` over the shards."""
+    (one collective for all of them) and a right one's squared norms over the shards."""
     outside_sq = list(grad_sqs)  # becomes ||s_i||^2 in place
     if row_sum is not None:
         _row_sum_many([q for q, side in zip(outside_sq, sides) if side != RIGHT], row_sum)
+    phi_sq = torch._foreach_mul(phis, phis)
+    wholes = torch._foreach_mul(phi_sq, outside_sq)  # phi_i^2 ||g_i||^2
     if not hp.only_scaling:
         low_sq = torch._foreach_mul(low_norms, low_norms)
         torch._foreach_sub_(outside_sq, low_sq, alpha=hp.residual_coef)
         torch._foreach_clamp_min_(outside_sq, 0.0)
     # ||phi (.) S|| = sqrt(sum_i phi_i^2 ||s_i||^2), one norm per matrix.
-    terms = torch._foreach_mul(torch._foreach_mul(phis, phis), outside_sq)
+    terms = torch._foreach_mul(phi_sq, outside_sq)
     torch._foreach_sqrt_(terms)
-    norms = torch.stack(torch._foreach_norm(terms))
+    torch._foreach_sqrt_(wholes)
+    norms = torch.stack([*torch._foreach_norm(terms), *torch._foreach_norm(wholes)])
     if row_sum is not None and RIGHT in sides:
-        # A right matrix's ||S||^2 has one term per row: sum the shards' parts.
-        right = torch.tensor([side == RIGHT for side in sides], device=norms.device)
+        # A right matrix's squared norms have one term per row: sum the shards' parts.
+        right = torch.tensor([side == RIGHT for side in sides] * 2, device=norms.device)
         squares = norms.square()
         squares[right] = row_sum(squares[right])
         norms = squares.sqrt()
-    return norms
+    return norms[: len(sides)], norms[len(sides):]
+
+
+#: The bits of the working dtype that :func:`residual_norms_from_columns`'s subtraction must keep
+#: (a relative error of about ``2**-16`` in :math:`\|S\|^2`); below, :math:`S` is formed.
+KEPT_BITS = 16
+
+
+def cancelled(norms: torch.Tensor, wholes: torch.Tensor) -> list[int]:
+    r"""The matrices whose :math:`\|S\|` from column norms kept fewer than :data:`KEPT_BITS`
+    bits: :math:`\|S\|^2 < 2^{16} \epsilon_{\text{dtype}} \|\phi \odot G\|^2`. One host sync."""
+    floor = 2.0**KEPT_BITS * torch.finfo(norms.dtype).eps
+    return (norms.square() < floor * wholes.square()).nonzero().flatten().tolist()
 
 
 def _row_sum_many(tensors: list[torch.Tensor], row_sum) -> None:

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from fira_optim import FiraAdamW
+
 WIDE, TALL, SQUARE = (12, 20), (20, 12), (16, 16)  # left, right, right (the m == n tie rule)
 SHAPES = (WIDE, TALL, SQUARE)
 
@@ -105,3 +107,25 @@ def round_trip(state_dict: dict) -> dict:
     torch.save(state_dict, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+def low_rank_run(implementation: str, dtype: torch.dtype, shape: tuple[int, int] = (64, 64), rank: int = 8,
+                 batch: int = 4, steps: int = 6):
+    """A linear layer with an ``out x in`` weight of ``shape`` trained on batches of ``batch``
+    rows (G of rank ``batch`` < ``rank``), its first basis kept: ``(weights, ||S|| and f per
+    step, the limiter's history)``."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(shape[1], shape[0], bias=False).to(dtype)
+    opt = FiraAdamW([{"params": [layer.weight], "rank": rank}], lr=1e-2, update_proj_gap=100,
+                    implementation=implementation)
+    seen = []
+    opt.register_step_stats_hook(lambda o, stats: seen.append((stats[0].residual_norm.item(),
+                                                              stats[0].limiter_factor.item())))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(batch, shape[1], generator=gen, dtype=dtype)
+        y = torch.randn(batch, shape[0], generator=gen, dtype=dtype)
+        ((layer(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return layer.weight.detach().clone(), seen, opt.state[layer.weight]["prev_norm"].item()

@@ -80,3 +80,23 @@ def test_compiler_failure_falls_back_with_a_warning(monkeypatch):
     fast, _ = _run("fast", {})
     for a, b in zip(fast, got):
         assert torch.equal(a, b)  # nothing was applied twice or lost
+
+
+@needs_compiler
+@pytest.mark.timeout(900)  # a float64 graph of the kernel to compile
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_keeps_the_limiter_s_history_in_float64_and_inside_the_subspace(dtype, compiled_kernel):
+    """The kernel's write of the new history into a 0-d float64 input was lost (the limiter
+    never bound in float64), and its column-norm ||S|| of a gradient inside the subspace was
+    round-off of the wrong size: both as the reference now."""
+    from tests.fira_optim.common import low_rank_run
+
+    weights, seen, history = low_rank_run("reference", dtype, shape=SHAPES[0], rank=4, batch=2)
+    got, got_seen, got_history = low_rank_run("compiled", dtype, shape=SHAPES[0], rank=4, batch=2)
+    assert compiled._failed is None, compiled._failed
+    assert history > 0 and min(f for _, f in seen) < 1e-3  # the limiter bound after the round-off step
+    rtol = 1e-4 if dtype == torch.float32 else 1e-10
+    assert got_history == pytest.approx(history, rel=rtol)
+    for (norm, factor), (got_norm, got_factor) in zip(seen, got_seen):
+        assert got_norm == pytest.approx(norm, rel=rtol) and got_factor == pytest.approx(factor, rel=rtol)
+    torch.testing.assert_close(got, weights, rtol=rtol, atol=0)

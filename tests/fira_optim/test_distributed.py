@@ -229,13 +229,14 @@ def _communication_worker(rank: int, world: int) -> dict:
 @pytest.mark.timeout(60)
 def test_fsdp2_ordinary_step_communicates_only_small_reductions(tmp_path):
     """Counted, not guessed: an ordinary step moves R of the left matrix (r x n) with one
-    finiteness flag per gradient, the left matrix's n column norms, and ||S||^2 of the right
-    and square matrices: three all-reduces whatever the number of matrices; no gather, no
-    broadcast. A refresh step adds one gather and one broadcast per rank."""
+    finiteness flag per gradient, the left matrix's n column norms, and ||S||^2 and
+    ||phi G||^2 (the check of the subtraction's precision) of the right and square matrices:
+    three all-reduces whatever the number of matrices; no gather, no broadcast. A refresh step
+    adds one gather and one broadcast per rank."""
     results = run_ranks(_communication_worker, 2, tmp_path, timeout=50)
     n_left = SHAPES["left"][1]
     n_checks = len(SHAPES) + len(PLAIN_SHAPES)
-    expected_all_reduce = sorted([RANK * n_left + n_checks, n_left, 2])
+    expected_all_reduce = sorted([RANK * n_left + n_checks, n_left, 2 * 2])
     for result in results:
         for step, calls in enumerate(result["calls"]):
             refresh = step % GAP == 0

@@ -6,8 +6,9 @@ import torch
 from fira_optim import FiraAdamW
 from fira_optim.options import Hyper
 from fira_optim.projection import LEFT, RIGHT, project, reduce_dim, sq_norms, svd_basis
-from fira_optim.residual import explicit_residuals, residual_norms_from_columns
+from fira_optim.residual import cancelled, explicit_residuals, residual_norms_from_columns
 from fira_optim.scaling import exact_norms
+from tests.fira_optim.common import low_rank_run
 
 
 @pytest.mark.parametrize("options", [{}, {"arithmetic": "released", "alpha": 0.25},
@@ -24,8 +25,35 @@ def test_column_norm_identity_equals_the_explicit_residual(options):
     phis = [torch.rand(exact_norms(g, d).shape, generator=gen, dtype=torch.float64)
             for g, d in zip(grads, dims)]
     explicit, scaled = explicit_residuals(grads, lows, bases, sides, phis, hp)
-    implicit = residual_norms_from_columns([sq_norms(g, d) for g, d in zip(grads, dims)],
-                                           [exact_norms(low, d) for low, d in zip(lows, dims)],
-                                           phis, sides, hp)
+    implicit, wholes = residual_norms_from_columns([sq_norms(g, d) for g, d in zip(grads, dims)],
+                                                   [exact_norms(low, d) for low, d in zip(lows, dims)],
+                                                   phis, sides, hp)
     torch.testing.assert_close(implicit, explicit, rtol=1e-12, atol=0)
     assert all(s.shape == g.shape for s, g in zip(scaled, grads))
+    torch.testing.assert_close(wholes, torch.stack([torch.linalg.vector_norm(phi * g) for phi, g in zip(phis, grads)]),
+                               rtol=1e-12, atol=0)
+    assert cancelled(implicit, wholes) == []  # a random G: most of it outside a rank-4 subspace
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_norms_whose_subtraction_kept_too_few_bits_are_found(dtype):
+    eps = torch.finfo(dtype).eps
+    wholes = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=dtype)
+    # ||S||^2 / ||phi G||^2 at 4x and at a quarter of 2^16 eps (kept: about 18 and 14 bits)
+    norms = torch.tensor([(4 * 2**16 * eps) ** 0.5, (2**16 * eps / 4) ** 0.5, 0.0, 0.0], dtype=dtype)
+    assert cancelled(norms, wholes) == [1, 2]  # a zero gradient (0 of 0) is exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_gradient_inside_the_subspace_gets_the_reference_s_norm_on_the_fast_path(dtype):
+    """At the refresh G lies in the subspace: ||S|| is round-off, and the next steps' limiter
+    divides by it. The column-norm subtraction gave ~sqrt(eps) ||G|| there (470x the reference's
+    limiter factor in float32, weights 84% of their movement apart after ten steps)."""
+    weights, seen, history = low_rank_run("reference", dtype)
+    fast_weights, fast_seen, fast_history = low_rank_run("fast", dtype)
+    assert seen[0][0] < 1e-4 * seen[1][0]  # the first step's residual is round-off
+    rtol = 1e-4 if dtype == torch.float32 else 1e-10
+    for (norm, factor), (fast_norm, fast_factor) in zip(seen, fast_seen):
+        assert fast_norm == pytest.approx(norm, rel=rtol) and fast_factor == pytest.approx(factor, rel=rtol)
+    assert fast_history == pytest.approx(history, rel=rtol)
+    torch.testing.assert_close(fast_weights, weights, rtol=rtol, atol=0)
