@@ -469,7 +469,12 @@ class Fira(Optimizer):
                 flags = distributed.reduce_partials([], flags, shard_group)
         if flags is not None and not bool(flags.all()):
             _, gi, pi = checks[int((~flags).nonzero()[0, 0])]
-            self._nonfinite_found(param_name(gi, pi, self.param_groups[gi]["params"][pi]))
+            p = self.param_groups[gi]["params"][pi]
+            # A projected matrix is checked through the norms of R, which also overflow from a
+            # finite G of huge entries: then say so (the step cannot be computed either way).
+            grad = distributed.to_local(p.grad)
+            overflow = None if not bool(torch.isfinite(grad).all()) else grad.abs().max().item()
+            self._nonfinite_found(param_name(gi, pi, p), overflow)
             return None
         return matrices, plain
 
@@ -480,9 +485,16 @@ class Fira(Optimizer):
         cached, so that an update in the backward pass (one parameter) costs no scan of all."""
         key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"]) for g in self.param_groups)
         cached = self.__dict__.get("_layout")
+        if cached is not None and cached[0] != key:
+            self._check_rank_changes(cached[0], key)
         if cached is None or cached[0] != key or not self._layout_holds(cached, only):
             entries, order = [], 0
             for gi, group in enumerate(self.param_groups):
+                if group["rank"] is not None:  # a rank set in param_groups: as the constructor checks it
+                    try:
+                        group["rank"] = check_rank(group["rank"])
+                    except ValueError as err:
+                        raise ValueError(f"param_groups[{gi}]: {err}") from None
                 for pi, p in enumerate(group["params"]):
                     projected = is_projected(p, group)
                     entries.append((gi, pi, p, order if projected else None))
@@ -495,6 +507,22 @@ class Fira(Optimizer):
         if only is not None:
             entries = [entries[i] for i in sorted(position[p] for p in only)]
         return entries, total
+
+    def _check_rank_changes(self, before: tuple, after: tuple) -> None:
+        """A ``rank`` set in ``param_groups`` since the last step is refused once the group's
+        matrices have states (built for the old rank: the step failed midway, some matrices
+        updated and others not)."""
+        if len(before) != len(after):  # a group added: add_param_group checked it
+            return
+        for gi, (old, new) in enumerate(zip(before, after)):
+            if old[2] == new[2]:
+                continue
+            group = self.param_groups[gi]
+            if any(self.state.get(p) for p in group["params"]):
+                raise ValueError(
+                    f"param_groups[{gi}]['rank'] changed from {old[2]!r} to {new[2]!r} after the group's "
+                    "states were built for the old rank; a rank cannot change during training (set it "
+                    "back, or build a new optimizer)")
 
     def _layout_holds(self, cached: tuple, only: set | None) -> bool:
         """Whether the cached layout still names the tensors of the groups' lists (a parameter
@@ -513,14 +541,15 @@ class Fira(Optimizer):
             return None
         return distributed.process_group_or_world(self.process_group)
 
-    def _nonfinite_found(self, name: str) -> None:
-        """Raise (``nonfinite="error"``) or warn that the step is skipped."""
+    def _nonfinite_found(self, name: str, overflow: float | None = None) -> None:
+        """Raise (``nonfinite="error"``) or warn that the step is skipped; ``overflow``: the
+        largest entry of a finite gradient whose projection's norms overflowed."""
+        what = (f"non-finite gradient in {name}" if overflow is None else
+                f"gradient of {name} too large for its dtype (finite, largest entry {overflow:.3g}, but "
+                "the norms of its projection overflow)")
         if self.nonfinite == NonFinite.ERROR:
-            raise NonFiniteGradientError(
-                f"non-finite gradient in {name}; nothing was updated "
-                "(pass nonfinite='skip' to skip such steps)"
-            )
-        warnings.warn(f"non-finite gradient in {name}: step skipped", RuntimeWarning, stacklevel=4)
+            raise NonFiniteGradientError(f"{what}; nothing was updated (pass nonfinite='skip' to skip such steps)")
+        warnings.warn(f"{what}: step skipped", RuntimeWarning, stacklevel=4)
 
     def _strategy(self, hyper: Hyper, p: torch.Tensor, grad: torch.Tensor) -> Strategy:
         """The strategy of one matrix: the configured one where it covers the matrix, else the

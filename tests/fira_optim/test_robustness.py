@@ -89,6 +89,21 @@ def test_a_huge_finite_gradient_is_not_taken_for_a_nonfinite_one():
     assert all(float(opt.state[p]["step"]) == 1 for p in params)
 
 
+def test_a_projected_gradient_whose_projection_overflows_is_named_as_too_large_not_non_finite():
+    """A projected matrix is checked through the norms of R = P^T G, which overflow from finite
+    entries of 1e19 in fp32: the step is refused, and the message no longer says "non-finite"."""
+    param = torch.nn.Parameter(torch.randn(64, 96))
+    opt = FiraAdamW([{"params": [param], "rank": 8}])
+    param.grad = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 1e19
+    assert torch.isfinite(param.grad).all()
+    with pytest.raises(NonFiniteGradientError, match=r"too large for its dtype \(finite, largest entry 4\..e\+19"):
+        opt.step()
+    assert not opt.state[param]  # nothing was stepped
+    param.grad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match="non-finite gradient in"):
+        opt.step()
+
+
 # ---------------------------------------------------------------------- SVD failure
 
 

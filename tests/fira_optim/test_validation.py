@@ -194,3 +194,28 @@ def test_a_projected_group_with_nothing_to_project_warns() -> None:
         warnings.simplefilter("error")
         FiraAdamW([{"params": [wide, narrow], "rank": 4}])  # wide is projected: no warning
         FiraAdamW([{"params": [narrow], "rank": None}])  # not a projected group
+
+
+def test_a_rank_changed_in_param_groups_during_training_is_refused_before_anything_changes() -> None:
+    """It used to fail midway through a step: one matrix updated, another's step counted, a
+    third untouched; a rank moved to 5 was ignored until the next refresh."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((8, 12), (12, 8), (20, 30))]
+    opt = FiraAdamW([{"params": params, "rank": 3}], update_proj_gap=3)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.param_groups[0]["rank"] = 0  # before any state: checked as the constructor checks it
+    with pytest.raises(ValueError, match="Invalid rank: 0"):
+        opt.step()
+    opt.param_groups[0]["rank"] = 3
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    for rank in (8, 5):
+        opt.param_groups[0]["rank"] = rank
+        with pytest.raises(ValueError, match=rf"param_groups\[0\]\['rank'\] changed from 3 to {rank} after"):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert [float(opt.state[p]["step"]) for p in params] == [1.0] * 3
+    opt.param_groups[0]["rank"] = 3  # set back: trains on
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0] * 3
