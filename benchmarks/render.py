@@ -186,7 +186,8 @@ def throughput(data: dict) -> list[str]:
         run = json.loads(kept.read_text())
         ratios = ", ".join(f"{m} {r:.1%}" for m, r in run["ratio_to_adamw_pooled"].items() if m != "adamw")
         medians = ", ".join(f"{m} {r:.1%}" for m, r in run["ratio_to_adamw_median"].items() if m != "adamw")
-        lines.append(f"- Kept run `{kept.name}`, rank {run['rank']}: `{run['command']}` ({run['date']}; forward + backward"
+        lines.append(f"- Kept run `{kept.name}` (written to its command's `--out`, then renamed), rank {run['rank']}: "
+                     f"`{run['command']}` ({run['date']}; forward + backward"
                      f" {run['forward_backward_seconds_per_round_median']:.2f} s per round), pooled: {ratios};"
                      f" median of per-round ratios: {medians}.")
     lines.append("")

@@ -87,9 +87,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = T
 
     add("--recipe", required=recipe_required,
         help="60m, 130m, 350m, 1b, 7b (the paper's LLaMA models), tiny (CPU, ~10 min "
-             "per method) or micro (seconds, for tests)")
+             "per method) or micro (under a minute, for tests)")
     add("--data", help="wiki (the embedded Wikipedia corpus, default), c4 (streams "
-                       "allenai/c4, online) or a local file / folder of .txt/.jsonl")
+                       "allenai/c4, online), c4:DIR (a local copy in C4's layout), or a local "
+                       ".txt / .json / .jsonl (optionally .gz) / .npy file or a folder of them")
     add("--steps", type=int, help="optimizer steps (train.steps)")
     add("--rank", type=int, help="projection / LoRA rank (optim.rank)")
     add("--update-proj-gap", type=int, help="subspace update gap T (optim.update_proj_gap)")
