@@ -9,7 +9,9 @@ tensors and plain Python values) and ``COMPLETE`` (JSON: step, size and SHA-256 
 3. ``os.rename`` of the temporary directory to ``step_00000100`` and an ``fsync`` of the parent.
 
 A process killed at any point leaves either no ``step_*`` directory or a complete one; leftover
-``.tmp-*`` directories are ignored (and removed by :func:`remove_partial`). Loading verifies the
+``.tmp-*`` directories are ignored (and removed by :func:`remove_partial`). A step saved again
+replaces its checkpoint by two renames (:func:`install_dir`), so a kill never leaves it half
+deleted; a resume first puts back one a kill left aside (:func:`recover_swapped`). Loading verifies the
 marker, the size and the hash before ``torch.load(weights_only=True)``, so a truncated or
 corrupted file raises :class:`CheckpointError` and nothing is loaded. Only the newest
 ``keep_last`` complete checkpoints are kept, and never the newest one deleted.
@@ -77,11 +79,54 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any]) -> Pa
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
-    if final.exists():  # re-saving a step (a resumed run that ends where it started)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    install_dir(tmp, final)
     fsync_dir(root)
     return final
+
+
+#: Prefix of a checkpoint being replaced by a new save of its step (:func:`install_dir`).
+OLD_PREFIX = ".old-"
+
+
+def install_dir(tmp: Path, final: Path) -> None:
+    """Rename the complete directory ``tmp`` to ``final``. An existing ``final`` (a step saved
+    again: a resumed run that ends where it started, or one that skipped a damaged newest
+    checkpoint) is renamed to ``.old-<name>`` first and deleted after, never deleted in place: a
+    kill in between leaves a complete copy, which :func:`recover_swapped` puts back."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    old = final.with_name(OLD_PREFIX + final.name)
+    if old.exists():
+        shutil.rmtree(old)
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old)
+
+
+def recover_swapped(run_dir: str | Path) -> list[Path]:
+    """Finish the replacements (:func:`install_dir`) that a kill interrupted; the checkpoints
+    put back. A complete ``.old-step_N`` without a complete ``step_N`` (the kill fell between
+    the two renames) becomes ``step_N`` again; every other ``.old-*`` is deleted."""
+    root = _root(run_dir)
+    if not root.is_dir():
+        return []
+    restored = []
+    for child in sorted(root.iterdir()):
+        name = child.name[len(OLD_PREFIX):]
+        if not (child.name.startswith(OLD_PREFIX) and _NAME.match(name) and child.is_dir()):
+            continue
+        final = _confined(run_dir, root / name)
+        if (child / MARKER).is_file() and not (final / MARKER).is_file():
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(child, final)
+            restored.append(final)
+        else:
+            shutil.rmtree(_confined(run_dir, child))
+    if restored:
+        fsync_dir(root)
+    return restored
 
 
 def marked_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
@@ -132,8 +177,11 @@ def load_checkpoint(run_dir: str | Path, path: str | Path) -> dict[str, Any]:
         directory = Path(run_dir) / directory
     directory = _confined(run_dir, directory)
     state_path = directory / STATE_FILE
-    if not directory.is_dir() or not state_path.exists():
+    if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint {str(directory)!r} does not exist")
+    if not state_path.exists():
+        raise CheckpointError(f"checkpoint {str(directory)!r} has no {STATE_FILE} (deleted, or interrupted "
+                              "while being replaced)")
     try:
         marker = json.loads((directory / MARKER).read_text())
         expected_size, expected_hash = int(marker["size"]), str(marker["sha256"])

@@ -115,14 +115,7 @@ def save_checkpoint(
                 "time": time.time(), checkpoint_integrity.FILES_KEY: files}
         _write_synced(tmp / MARKER, json.dumps(info))
         fsync_dir(tmp)
-        if final.exists():  # re-saving a step (after a resume): swap, then delete the old one
-            old = final.with_name(".old-" + final.name)
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        ckpt.install_dir(tmp, final)
         fsync_dir(final.parent)
         if keep_last is not None:
             prune_checkpoints(run_dir, keep_last)

@@ -205,6 +205,9 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     distributed = env is not None
     out = Path(config.train.out_dir)
     main = env.is_main if distributed else is_rank_zero()
+    if main and resume is not None:
+        for path in ckpt.recover_swapped(out):  # before any rank looks for checkpoints
+            log.warning("put back %s, which a run killed while saving that step again had set aside", path)
     finished = _finished_summary(config, out, resume, env, main)
     if finished is not None:
         log.info("%s holds this run, finished: nothing to resume (its summary.json is kept; "
@@ -375,7 +378,8 @@ def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, en
         return None
     done = main and finished_with(config, out) and any(
         step >= config.train.steps for step, _ in ckpt.complete_checkpoints(out))  # its last one kept
-    found = [read_json(out / "summary.json", hint="delete the run's folder to train it again") if done else None]
+    found = [read_json(out / "summary.json", hint="delete summary.json and run with --resume again: the final "
+                                             "checkpoint is evaluated again, nothing retrained") if done else None]
     if env is not None:
         dist.broadcast_object_list(found, src=0)
     return found[0]

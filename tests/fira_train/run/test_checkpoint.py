@@ -145,6 +145,44 @@ def test_resaving_a_step_replaces_it(tmp_path: Path) -> None:
     assert torch.equal(ckpt.load_checkpoint(tmp_path, path)["model"]["w"], torch.full((3, 2), 5.0))
 
 
+def test_a_kill_while_a_step_is_saved_again_loses_no_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """Saving a step again deleted the old checkpoint in place (state.pt first, the marker last):
+    a kill then left a marker without state.pt, which stopped --resume. Now two renames, and a
+    kill between them leaves the old copy aside, which the resume puts back."""
+    ckpt.save_checkpoint(tmp_path, 3, _state(3))
+    ckpt.save_checkpoint(tmp_path, 4, _state(4))
+    root = tmp_path / "checkpoints"
+    renames = []
+
+    def killed_after_the_first_rename(src, dst):
+        if renames:
+            raise KeyboardInterrupt  # the kill, between the two renames
+        renames.append((src, dst))
+        os.replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", killed_after_the_first_rename)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path, 4, _state(40))
+    monkeypatch.undo()
+    assert not (root / "step_00000004").exists() and (root / ".old-step_00000004" / "COMPLETE").is_file()
+    assert [p.name for p in ckpt.recover_swapped(tmp_path)] == ["step_00000004"]
+    ckpt.remove_partial(tmp_path)  # the new copy's .tmp- folder
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"]
+    assert torch.equal(ckpt.load_checkpoint(tmp_path, root / "step_00000004")["model"]["w"], torch.full((3, 2), 4.0))
+    # killed while the old copy was being deleted after the swap: the new one stays, the old goes
+    old = root / ".old-step_00000004"
+    old.mkdir()
+    (old / "COMPLETE").write_text("{}")
+    assert ckpt.recover_swapped(tmp_path) == [] and not old.exists()
+
+
+def test_a_marker_without_its_state_file_is_a_damaged_checkpoint(tmp_path: Path) -> None:
+    path = ckpt.save_checkpoint(tmp_path, 2, _state(2))
+    (path / "state.pt").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="has no state.pt"):  # --resume falls back past it
+        ckpt.load_checkpoint(tmp_path, path)
+
+
 def test_bad_step_numbers_are_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="step"):
         ckpt.save_checkpoint(tmp_path, -1, _state(0))

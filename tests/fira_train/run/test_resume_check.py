@@ -48,6 +48,19 @@ def test_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path:
     assert resumed["val_loss"] == straight["val_loss"]
 
 
+def test_a_checkpoint_set_aside_by_a_killed_resave_is_put_back_and_resumed(tmp_path: Path, caplog) -> None:
+    config = micro_config(tmp_path, *COMMON)
+    straight = train(config)
+    (tmp_path / "run" / "summary.json").unlink()
+    root = tmp_path / "run" / "checkpoints"
+    (root / "step_00000004").rename(root / ".old-step_00000004")  # killed between the two renames
+    with caplog.at_level(logging.INFO):
+        resumed = train(config, resume="latest")
+    assert "put back" in caplog.text and "resumed" in caplog.text and "step 4" in caplog.text
+    assert resumed["val_loss"] == straight["val_loss"] and resumed["steps"] == 4
+    assert not (root / ".old-step_00000004").exists()
+
+
 def test_no_intact_checkpoint_names_them_all(tmp_path: Path, capsys) -> None:
     config = micro_config(tmp_path, *COMMON[:2], "train.steps=2", "train.save_every=1", "train.keep_last=5")
     train(config)
@@ -142,6 +155,20 @@ def test_resuming_a_finished_run_keeps_its_summary(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "summary.json").read_bytes() == written
     again = train(config, resume=2)
     assert again["val_loss"] == summary["val_loss"] and again["sittings"] == 2
+
+
+def test_a_damaged_summary_of_a_finished_run_says_how_to_rebuild_it(tmp_path: Path) -> None:
+    """The hint said to delete the whole run; the final checkpoint evaluates it again."""
+    config = micro_config(tmp_path, *COMMON)
+    summary = train(config)
+    (tmp_path / "run" / "summary.json").write_text('{"recipe": ')
+    with pytest.raises(ValueError, match="delete summary.json and run with --resume again"):
+        train(config, resume="latest")
+    (tmp_path / "run" / "summary.json").unlink()
+    trained = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    again = train(config, resume="latest")
+    assert again["val_loss"] == summary["val_loss"] and again["steps"] == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == trained == [1, 2, 3, 4]
 
 
 def test_a_resumed_run_reports_its_wall_time_and_peak_over_every_sitting(tmp_path: Path) -> None:
