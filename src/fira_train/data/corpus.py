@@ -109,8 +109,11 @@ class PackedCorpus(Corpus):
         train_tokens: np.ndarray,
         val_tokens: np.ndarray,
         test_tokens: np.ndarray | None = None,
+        identity: str | None = None,
     ) -> None:
         super().__init__(spec, tokenizer, tokenizer_name, val_tokens, test_tokens)
+        self.identity = identity
+        """A fingerprint of the text, split, tokenizer and packing (None: not computed)."""
         if spec.max_train_tokens is not None:
             train_tokens = train_tokens[: spec.max_train_tokens]
         if len(train_tokens) < spec.seq_len:
@@ -121,7 +124,7 @@ class PackedCorpus(Corpus):
         self.train_tokens = train_tokens
 
     def train_batches(self, batch_size: int, seed: int) -> PackedBatchStream:
-        return PackedBatchStream(self.train_tokens, self.seq_len, batch_size, seed)
+        return PackedBatchStream(self.train_tokens, self.seq_len, batch_size, seed, corpus=self.identity)
 
     def describe(self) -> dict[str, Any]:
         return self._describe(len(self.train_tokens) // self.seq_len * self.seq_len)

@@ -16,8 +16,12 @@ class BatchStream(ABC):
     """Infinite, deterministic iterator of ``LongTensor[batch_size, seq_len]`` training batches.
 
     ``state_dict()`` holds plain ints; a fresh stream of the same corpus, batch size and seed that
-    loads it yields exactly the batches the saved stream would have yielded next.
+    loads it yields exactly the batches the saved stream would have yielded next. ``corpus``
+    identifies the corpus it reads (a fingerprint of its text, split and tokenizer; None where
+    it is not known), so that a checkpoint can tell another corpus from its own.
     """
+
+    corpus: str | None = None
 
     def __iter__(self) -> BatchStream:
         return self
@@ -70,8 +74,10 @@ class PackedBatchStream(BatchStream):
     The position is ``(epoch, index)``: the next batch is number ``index`` of epoch ``epoch``.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
+                 corpus: str | None = None) -> None:
         check_stream_args(batch_size, seed)
+        self.corpus = corpus
         n_blocks = len(tokens) // seq_len
         self._blocks = tokens[: n_blocks * seq_len].reshape(n_blocks, seq_len)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed

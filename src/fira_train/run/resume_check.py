@@ -59,6 +59,22 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
         raise ValueError(f"cannot resume from {str(path)!r}: it was written with a different config: "
                          f"{details}; resume with the checkpoint's settings, or start a new run "
                          "(another --out, or --overwrite)")
+    rounded = [key for key in ROUND_OFF_CHANGES if _value(saved, key) != _value(config, key)]
+    if rounded:
+        log.warning("resuming from %s with %s: the run goes on equal to round-off, not bit for bit (another "
+                    "summation order); with raw SVD signs (align_signs=false, the default) round-off can flip "
+                    "a basis vector, and the runs then agree in distribution only. Resume with the "
+                    "checkpoint's setting for an exact continuation", path.name,
+                    describe_changes(saved, config, rounded))
+
+
+#: Settings a resume may change at the price of round-off (the same batches, summed in another order).
+ROUND_OFF_CHANGES = ("train.num_threads", "train.parallel")
+
+
+def _value(config: RunConfig, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(config, section), name)
 
 
 def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bool = True) -> dict | None:

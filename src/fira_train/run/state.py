@@ -25,14 +25,28 @@ def capture_state(step: int, training: Training, stream: Any, progress: dict[str
         "data": stream.state_dict(),
         "rng": rng_state(),
         "progress": dict(progress),
+        **({"corpus": stream.corpus} if getattr(stream, "corpus", None) else {}),
     }
 
 
-def restore_state(state: dict[str, Any], training: Training, stream: Any) -> tuple[int, dict[str, float]]:
-    """Load a checkpoint payload into freshly built objects; returns (step, progress)."""
+def check_corpus(saved: str | None, stream: Any, source: str) -> None:
+    """ValueError if a checkpoint was trained on another corpus than ``stream`` reads (its text,
+    split or tokenizer changed since); nothing where either side does not know (a checkpoint
+    written before corpora were fingerprinted, a streamed corpus)."""
+    current = getattr(stream, "corpus", None)
+    if saved and current and saved != current:
+        raise ValueError(f"the checkpoint was trained on other data than data.source={source!r} gives now "
+                         f"(its text, split or tokenizer changed since: corpus {saved[:12]}, now {current[:12]}); "
+                         "resume with the data it was trained on, or start the run again (--overwrite)")
+
+
+def restore_state(state: dict[str, Any], training: Training, stream: Any, source: str) -> tuple[int, dict[str, float]]:
+    """Load a checkpoint payload into freshly built objects (``source``: ``data.source``, for
+    an error); returns (step, progress)."""
     missing = {"step", "model", "optimizer", "scheduler", "data", "rng", "progress"} - set(state)
     if missing:
         raise CheckpointError(f"checkpoint lacks {sorted(missing)}")
+    check_corpus(state.get("corpus"), stream, source)
     training.model.load_state_dict(state["model"])
     training.optimizer.load_state_dict(state["optimizer"])
     training.scheduler.load_state_dict(state["scheduler"])

@@ -252,10 +252,11 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     step, progress = 0, {"tokens": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "peak_memory_bytes": 0, "sittings": 0}
     restored = state is not None
     if restored:
-        step, progress = restore_state(state, training, stream)
+        step, progress = restore_state(state, training, stream, config.data.source)
         log.info("resumed %s from step %d", out, step)
     elif resume_path is not None:
-        step, progress = train_parallel.load(out, resume_path, training, stream, config.train.parallel)
+        step, progress = train_parallel.load(out, resume_path, training, stream, config.train.parallel,
+                                             config.data.source)
         log.info("resumed %s from step %d (%s)", out, step, resume_path.name)
     del state
     # The run's totals over its sittings (a checkpoint from before these were kept lacks them:

@@ -35,7 +35,7 @@ from fira_train.config.run_config import RunConfig
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import dist_checkpoint
 from fira_train.run.parallel import DistributedEnv, destroy_distributed, init_distributed, world_size
-from fira_train.run.state import restore_state
+from fira_train.run.state import check_corpus, restore_state
 from fira_train.run.training import Training
 
 #: What a distributed checkpoint's ``extra`` holds besides the tensors DCP stores.
@@ -120,14 +120,17 @@ def save(out: Path, step: int, training: Training, stream: Any, progress: dict[s
     """Write the DCP checkpoint of ``step`` under ``OUT/checkpoints`` (every rank calls this);
     older complete checkpoints beyond ``keep_last`` are deleted. ``record``: plain values for
     the marker (the run's config)."""
-    extra = {"step": step, "data": stream.state_dict(), "progress": dict(progress)}
+    extra = {"step": step, "data": stream.state_dict(), "progress": dict(progress),
+             **({"corpus": stream.corpus} if getattr(stream, "corpus", None) else {})}
     return dist_checkpoint.save_checkpoint(Path(out) / ckpt.CHECKPOINT_DIR, step, training.model,
                                            training.optimizer, training.scheduler, extra,
                                            keep_last=keep_last, record=record)
 
 
-def load(out: Path, path: Path, training: Training, stream: Any, mode: str) -> tuple[int, dict[str, float]]:
-    """Restore ``training`` and ``stream`` from the checkpoint at ``path``; (step, progress).
+def load(out: Path, path: Path, training: Training, stream: Any, mode: str,
+         source: str) -> tuple[int, dict[str, float]]:
+    """Restore ``training`` and ``stream`` from the checkpoint at ``path`` (``source``:
+    ``data.source``, for an error); (step, progress).
 
     A DCP checkpoint loads at any world size and parallel mode, one process included (DCP
     then reads without a process group). A one-process (single-file) checkpoint loads under
@@ -143,10 +146,11 @@ def load(out: Path, path: Path, training: Training, stream: Any, mode: str) -> t
         missing = [key for key in EXTRA_KEYS if key not in extra]
         if missing:
             raise ckpt.CheckpointError(f"checkpoint {str(path)!r} lacks {missing}")
+        check_corpus(extra.get("corpus"), stream, source)
         stream.load_state_dict(extra["data"])
         return int(extra["step"]), dict(extra["progress"])
     if mode == "fsdp2":
         raise ValueError(f"checkpoint {str(path)!r} was written by a one-process run; FSDP2 resumes "
                          "only from checkpoints of a --parallel run (resume it with --parallel ddp, "
                          "whose checkpoints FSDP2 can load)")
-    return restore_state(ckpt.load_checkpoint(out, path), training, stream)
+    return restore_state(ckpt.load_checkpoint(out, path), training, stream, source)
