@@ -212,6 +212,7 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         dataloader_num_workers=0,
         remove_unused_columns=False,
         optim="adamw_torch",
+        include_num_input_tokens_seen="non_padding",  # the tokens trained on, over every sitting
     )
     common = dict(model=model, args=args, train_dataset=features, data_collator=PaddingCollator(pad_id))
     if method in FIRA_METHODS:
@@ -248,7 +249,8 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         "seconds": seconds,
         "steps": trainer.state.global_step,
         "examples": len(features),
-        "tokens": sum(len(f["input_ids"]) for f in features[: config.steps * config.batch_size]),
+        # every sitting's (the Trainer's state resumes it), records seen twice counted twice
+        "tokens": int(trainer.state.num_input_tokens_seen),
         "loss_first": losses[0],
         "loss_last": losses[-1],
         "loss_tail_mean": sum(tail) / len(tail),

@@ -451,10 +451,24 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     assert training_span(resumed).seconds == pytest.approx(sum(s["seconds"] for s in both))
     assert [(s["from_step"], s["to_step"]) for s in whole["training"]["sittings"]] == [(0, 6)]
     assert resumed["training"]["loss_history"] == pytest.approx(whole["training"]["loss_history"], rel=1e-5)
+    assert resumed["training"]["tokens"] == whole["training"]["tokens"] > 0  # over both sittings
     assert resumed["tasks"]["boolq"]["correct"] == whole["tasks"]["boolq"]["correct"]
     answers = (out / "predictions" / "boolq.jsonl").read_text()
     assert answers == (tmp_path / "whole" / "predictions" / "boolq.jsonl").read_text()
     assert not (out / "trainer").exists()
+
+
+def test_the_tokens_trained_on_count_records_seen_again(tiny_model_dir, tmp_path):
+    """Three passes over four records are three times one pass (the first steps x batch records
+    were counted once: a third of it)."""
+    model_dir, data = tiny_model_dir
+
+    def tokens(steps: int, out: str) -> int:
+        return run_cli(["--model", str(model_dir), "--tasks", "boolq", "--method", "adamw", "--data-dir", str(data),
+                        "--steps", str(steps), "--batch-size", "2", "--max-train", "4", "--scoring", "generate",
+                        "--max-eval", "1", "--max-new-tokens", "1", "--out", str(tmp_path / out)])["training"]["tokens"]
+
+    assert tokens(6, "three") == 3 * tokens(2, "one") > 0
 
 
 def test_a_second_run_into_a_busy_folder_stops_at_once(tiny_model_dir, tmp_path, capsys):
