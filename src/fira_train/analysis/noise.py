@@ -103,8 +103,11 @@ def run_noise(config: RunConfig, out_dir: str | Path, *, methods: Sequence[str] 
         rows.append([m, paper[0] if paper else "-", paper[1] if paper else "-",
                      f"{100 * (paper[1] / paper[0] - 1):+.1f}%" if paper else "-",
                      clean, noisy, f"{100 * (noisy / clean - 1):+.1f}%"])
-    lines += [markdown_table(["method", "paper: without", "paper: with noise", "paper: change",
-                              "measured: without", "measured: with noise", "measured: change"], rows), ""]
+    lines += [markdown_table(["method", "paper: without", f"paper: with noise {DEFAULT_SCALE:g}", "paper: change",
+                              "measured: without", f"measured: with noise {scale:g}", "measured: change"], rows), ""]
+    if scale != DEFAULT_SCALE:
+        lines += [f"The paper's columns are at its noise {DEFAULT_SCALE:g}, these runs at {scale:g}: compare the "
+                  "direction of the changes, not their size.", ""]
     rms = {m: gradient_rms(out / m, summaries[m]["trainable_parameters"]) for m in methods}
     lines += ["Size of the noise against the gradient: root-mean-square gradient entry of the noise-free "
               "runs, averaged over the steps: "

@@ -31,6 +31,7 @@ BASELINE = "adamw"
 #: of Fira and GaLore prints no numbers: Fira stays near full-rank training at every rank,
 #: GaLore degrades sharply at ranks 4 and 16.
 PAPER_ONLY_SCALING = {4: 35.91, 16: 32.90, 64: 31.93, 128: 31.68, 256: 30.84, "adam": 34.06}
+PAPER_D_MODEL = 256
 
 
 def run_name(method: str, rank: int) -> str:
@@ -97,10 +98,17 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
               "Fira stays close to full-rank training at every rank, while GaLore degrades "
               "sharply at ranks 4 and 16. Its rank table for Fira-only-scaling:", ""]
     paper_ranks = [r for r in ranks if r in PAPER_ONLY_SCALING]
-    rows = [["paper: fira-only-scaling"] + [PAPER_ONLY_SCALING[r] for r in paper_ranks] + [PAPER_ONLY_SCALING["adam"]]]
-    if "fira-only-scaling" in table:
+    shown = paper_ranks or [r for r in PAPER_ONLY_SCALING if r != "adam"]  # none in common: the paper's own
+    rows = [["paper: fira-only-scaling"] + [PAPER_ONLY_SCALING[r] for r in shown] + [PAPER_ONLY_SCALING["adam"]]]
+    if "fira-only-scaling" in table and paper_ranks:
         rows.append(["measured: fira-only-scaling"] + [table["fira-only-scaling"][r] for r in paper_ranks] + [baseline])
-    lines += [markdown_table(["", *(f"r = {r}" for r in paper_ranks), "Adam"], rows), ""]
+    lines += [markdown_table(["", *(f"r = {r}" for r in shown), "Adam"], rows), ""]
+    if not paper_ranks:
+        lines += [f"None of the ranks run here ({', '.join(map(str, ranks))}) is one of the paper's: nothing "
+                  "measured stands beside its numbers.", ""]
+    elif d_model != PAPER_D_MODEL:
+        lines += [f"Measured at d_model {d_model}: rank r keeps r/{d_model} of the width where the paper's "
+                  f"keeps r/{PAPER_D_MODEL}, on another corpus and budget: compare trends, not values.", ""]
     findings = []
     for m in methods:
         lo, hi = table[m][ranks[0]], table[m][ranks[-1]]

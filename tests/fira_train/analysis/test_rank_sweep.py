@@ -25,6 +25,16 @@ def test_rank_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert "| fira |" in text and "| galore |" in text and "r = 4" in text
     assert "fira below galore at" in text and "ranks in one seed" in text
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
+    assert "Measured at d_model 64: rank r keeps r/64 of the width where the paper's keeps r/256" in text
+    assert "| paper: fira-only-scaling | 35.91 | 32.9 |" in text  # its numbers at the ranks run here
+
+
+def test_rank_sweep_at_ranks_the_paper_did_not_run_shows_the_paper_s_own(tmp_path: Path, corpus_root: Path) -> None:
+    """The paper's table had no rank column left (only Adam) when no rank was one of its."""
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
+    text = run_rank_sweep(config, tmp_path / "ranks", ranks=(2, 8), methods=("fira",))["report"].read_text()
+    assert "|  | r = 4 | r = 16 | r = 64 | r = 128 | r = 256 | Adam |" in text
+    assert "None of the ranks run here (2, 8) is one of the paper's" in text
 
 
 def test_rank_sweep_rejects_bad_ranks_and_rankless_methods(tmp_path: Path, corpus_root: Path) -> None:
