@@ -53,6 +53,8 @@ def build(name: str, params, rank: int, gap: int):
     lr = 1e-3
     if name == "torch AdamW":
         return torch.optim.AdamW(params, lr=lr)
+    if name == "torch AdamW fused":  # torch's fused kernel (not its default on the CPU): full-rank states
+        return torch.optim.AdamW(params, lr=lr, fused=True)
     if name == "fira 1.0.2":
         import fira
 
@@ -180,7 +182,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
 
-    names = ["torch AdamW", "fira 1.0.2", "galore-torch 1.0", "pytorch_optimizer.Fira",
+    names = ["torch AdamW", "torch AdamW fused", "fira 1.0.2", "galore-torch 1.0", "pytorch_optimizer.Fira",
              "fira_optim", "fira_optim compiled", "fira_optim randomized", "fira_optim reference"]
     never = 10**9  # no refresh during the steady-state measurement
     runs, refresh = {}, {}
