@@ -270,7 +270,7 @@ def _analysis(results: dict, args: argparse.Namespace) -> list[str]:
         out += [
             f"- FSDP2, ordinary step: Fira adds {extra:,} bytes to FSDP2's own {base:,} "
             f"({100 * extra / base:.2f} %): for each left-projected m x n matrix R (r x n) and the "
-            "n column norms of G, for each right-projected matrix one scalar (||S||^2), and one "
+            "n column norms of G, for each right-projected matrix two scalars (||S||^2 and ||phi G||^2), and one "
             "finiteness flag per gradient; three all-reduces per step whatever the number of "
             "matrices. No gradient is gathered.",
             f"- FSDP2, refresh step: + {refresh_extra:,} bytes (each projected gradient gathered "

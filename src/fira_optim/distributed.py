@@ -28,7 +28,9 @@ For a left projection ``R`` (``r x n``) is completed by one all-reduce, batched 
 matrices together with the finiteness checks, and Adam runs on it redundantly on every rank
 (its states are replicated, ``2 r n`` per rank); the ``n`` column norms of ``G`` take a second,
 small all-reduce. For a right projection everything per row is local, the Adam states are
-row-sharded for free and only the scalar ``||S||^2`` is reduced. A matrix-level scaling factor
+row-sharded for free and only the scalars ``||S||^2`` and ``||phi G||^2`` (the check of the
+column-norm subtraction's precision, :func:`fira_optim.residual.cancelled`) are reduced, with one
+more all-reduce for each matrix whose ``S`` must then be formed. A matrix-level scaling factor
 of a right projection reduces two more scalars. No full gradient moves on ordinary steps.
 
 At a refresh (every ``T`` steps, or the matrices due under ``stagger``) the row blocks of each

@@ -45,8 +45,8 @@ def test_communication_counter_sees_every_collective(tmp_path, mode):
     assert ordinary["reduce_scatter_single"] == sum(padded.values())
     # Every parameter is gathered in forward and again in backward (reshard_after_forward).
     assert ordinary["all_gather_single"] == 2 * sum(padded.values())
-    # Fira: left (down, 6 x 9): R (2 x 9) + 9 column norms; right (up, head): one norm each;
-    # one finiteness flag per gradient (10 parameters).
-    assert ordinary["all_reduce"] == 8 * (2 * (2 * 9 + 9) + 3 + 10)
+    # Fira: left (down, 6 x 9): R (2 x 9) + 9 column norms; right (up, head): two norms each
+    # (||S|| and ||phi G||, the check of its precision); one finiteness flag per gradient (10 parameters).
+    assert ordinary["all_reduce"] == 8 * (2 * (2 * 9 + 9) + 2 * 3 + 10)
     refresh = result["steps"][0]
     assert refresh["gather"] > 0 and refresh["broadcast"] > 0
