@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import precision
 from .options import param_name
 from .projection import LEFT, projection_side
 
@@ -49,8 +50,9 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
 
 
 def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:
-    """``saved`` with plain-number steps as tensors and the released package's per-matrix state
-    in this optimizer's form; ``saved`` itself is not modified."""
+    """``saved`` with plain-number steps as tensors, the released package's per-matrix state in
+    this optimizer's form, and int8 second moments of earlier versions coded as square roots
+    (:func:`fira_optim.precision.root_coded`); ``saved`` itself is not modified."""
     state = saved.get("state", {})
     if not any(_needs_upgrade(s) for s in state.values()):
         return saved
@@ -64,12 +66,13 @@ def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any
             entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)
         if "projector" in entry:
             entry = _from_released(entry, param_of.get(key))
-        new_state[key] = entry
+        new_state[key] = precision.root_coded(entry)
     return {**saved, "state": new_state}
 
 
 def _needs_upgrade(entry: dict) -> bool:
-    return "projector" in entry or ("step" in entry and not isinstance(entry["step"], torch.Tensor))
+    return ("projector" in entry or ("step" in entry and not isinstance(entry["step"], torch.Tensor))
+            or bool(precision.value_coded(entry)))
 
 
 def _from_released(entry: dict, param: torch.Tensor | None) -> dict:

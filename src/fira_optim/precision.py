@@ -66,10 +66,44 @@ MIN_QUANTIZED = 4096
 
 #: Moment keys of every base, and whether their values can be negative (signed map).
 SIGNED = {"exp_avg": True, "exp_avg_sq": False, "sum": False, "square_avg": False}
+#: The second moments (sums of squares): stored in int8 as their square roots. Their values
+#: span the square of the first moment's range, and the map's smallest step (3.3e-7 of a block's
+#: largest value) turned a row's v to 0 while its m stayed: Adam's m / (sqrt(v) + eps) then
+#: moved an embedding row of a token absent from the batch by up to lr * 1e4 (measured on
+#: ``micro``: largest embedding entry 186 after 10 steps, 0.13 with fp32 states).
+ROOT = frozenset(key for key, signed in SIGNED.items() if not signed)
 
 
 def _scale_key(key: str) -> str:
-    return f"{key}_scale"
+    # the scale's name tells the coding: a root-coded moment's differs from the value-coded
+    # one of earlier versions (converted on load: fira_optim.loading.upgraded)
+    return f"{key}_root_scale" if key in ROOT else f"{key}_scale"
+
+
+def value_coded(entry: dict) -> list[str]:
+    """The second moments of a saved state ``entry`` coded as values (by versions before
+    :data:`ROOT`): their scales carry the old name."""
+    return [key for key in ROOT if f"{key}_scale" in entry and getattr(entry.get(key), "dtype", None) == torch.uint8]
+
+
+def root_coded(entry: dict) -> dict:
+    """``entry`` with its value-coded second moments (:func:`value_coded`) coded as square roots:
+    decoded, square-rooted and encoded again (one more rounding of each)."""
+    entry = dict(entry)
+    for key in value_coded(entry):
+        codes = entry[key]
+        value = _dequantize(codes, entry.pop(f"{key}_scale"), signed=False)
+        entry[key], entry[_scale_key(key)] = _quantize(value.sqrt(), signed=False)
+        entry[key] = entry[key].view(codes.shape)
+    return entry
+
+
+def _to_code(key: str, value: torch.Tensor) -> torch.Tensor:
+    return value.sqrt() if key in ROOT else value
+
+
+def _from_code(key: str, value: torch.Tensor) -> torch.Tensor:
+    return value.square_() if key in ROOT else value
 
 
 def quantized(numel: int) -> bool:
@@ -103,7 +137,7 @@ def decode(state: dict, keys, work_dtype: torch.dtype) -> dict:
         stored = state[key]
         if stored.dtype == torch.uint8:
             codes = stored
-            working[key] = _dequantize(codes, state[_scale_key(key)], SIGNED[key]).to(work_dtype)
+            working[key] = _from_code(key, _dequantize(codes, state[_scale_key(key)], SIGNED[key])).to(work_dtype)
         elif stored.dtype != work_dtype:
             working[key] = stored.to(work_dtype)
     return working
@@ -116,9 +150,9 @@ def encode(state: dict, working: dict, keys) -> None:
         if value is stored:
             continue
         if stored.dtype == torch.uint8 and stored.is_contiguous():
-            _quantize_into(value, stored, state[_scale_key(key)], SIGNED[key])
+            _quantize_into(_to_code(key, value), stored, state[_scale_key(key)], SIGNED[key])
         elif stored.dtype == torch.uint8:
-            codes, scale = _quantize(value, SIGNED[key])
+            codes, scale = _quantize(_to_code(key, value), SIGNED[key])
             stored.copy_(codes)
             state[_scale_key(key)].copy_(scale)
         else:
@@ -136,7 +170,7 @@ def decode_slice(state: dict, keys, work_dtype: torch.dtype, start: int, stop: i
         if stored.dtype == torch.uint8:
             codes = stored[start:stop]
             scale = state[_scale_key(key)][start // BLOCK : stop // BLOCK]
-            working[key] = _dequantize(codes, scale, SIGNED[key]).to(work_dtype)
+            working[key] = _from_code(key, _dequantize(codes, scale, SIGNED[key])).to(work_dtype)
         else:
             working[key] = stored[start:stop].to(work_dtype)
     return working
@@ -152,7 +186,7 @@ def encode_slice(state: dict, working: dict, keys, start: int, stop: int) -> Non
             continue  # a view of the stored moment, updated in place
         if stored.dtype == torch.uint8:
             scale = state[_scale_key(key)][start // BLOCK : stop // BLOCK]
-            _quantize_into(value, stored, scale, SIGNED[key])
+            _quantize_into(_to_code(key, value), stored, scale, SIGNED[key])
         else:
             stored.copy_(value)
 

@@ -217,24 +217,32 @@ def _saved_int8():
 
 def test_a_state_dict_saved_by_the_torchao_kernel_decodes_to_the_same_moments():
     """``data/saved_state_int8.pt`` was written with torchao's quantize kernel
-    (``data/make_saved_int8_state.py``): today's code decodes its codes to the same fp32
-    moments bit for bit, encodes those moments back to the same codes (where the scale
-    survives), and continues."""
+    (``data/make_saved_int8_state.py``), when second moments were coded as values: today's code
+    decodes its first moments to the same fp32 values bit for bit, and its second moments to
+    those values coded again as square roots (one more rounding); encoding gives the same codes
+    back (where the scale survives), and it continues."""
     saved = _saved_int8()
     keys = ("exp_avg", "exp_avg_sq")
     g = torch.Generator().manual_seed(4)
     params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in [(64, 256), (64, 128)]]
     opt = FiraAdamW([{"params": params[:1], "rank": 16, "update_proj_gap": 3},
                      {"params": params[1:]}], lr=1e-2, state_dtype="int8")
+    assert all("exp_avg_sq_scale" in s for s in saved["optimizer"]["state"].values())  # the old coding
     opt.load_state_dict(saved["optimizer"])
     for p, want in zip(params, saved["decoded"]):
         state = opt.state[p]
+        assert "exp_avg_sq_scale" not in state
         working = precision.decode(state, keys, torch.float32)
+        codes, scale = precision._quantize(want["exp_avg_sq"].sqrt(), signed=False)
+        expected = {"exp_avg": want["exp_avg"],
+                    "exp_avg_sq": precision._dequantize(codes, scale, signed=False).square().view_as(want["exp_avg_sq"])}
         for key in keys:
             assert state[key].dtype == torch.uint8
-            assert torch.equal(working[key], want[key])
+            assert torch.equal(working[key], expected[key])
             _assert_encoding_the_decoded_values_gives_the_codes_back(
-                state[key], state[f"{key}_scale"], precision.SIGNED[key])
+                state[key], state[precision._scale_key(key)], precision.SIGNED[key])
+        torch.testing.assert_close(working["exp_avg_sq"], want["exp_avg_sq"], rtol=0.02,
+                                   atol=0.01 * want["exp_avg_sq"].max().item())
     for p in params:
         p.grad = torch.randn(p.shape, generator=g)
     opt.step()
@@ -253,3 +261,25 @@ def test_cuda_codes_equal_cpu_codes(signed):
     assert torch.equal(cuda_codes.cpu(), codes) and torch.equal(cuda_scale.cpu(), scale)
     assert torch.equal(precision._dequantize(cuda_codes, cuda_scale, signed).cpu(),
                        precision._dequantize(codes, scale, signed))
+
+
+def test_a_row_whose_gradient_stops_is_not_thrown_by_a_second_moment_rounded_to_zero():
+    """Rows of one block with gradients 1 and 1e-4, then the second row's gradient stops (an
+    embedding row of a token absent from the batch). Coded as a value, its v (1e-8 of the
+    block's largest) rounded to 0 while its m (1e-4) did not: m / (0 + eps) moved the row by
+    about 1e3 x lr (the blow-up of the ``micro`` embeddings). Coded as a square root, the row
+    moves as with fp32 states."""
+    moved = {}
+    for state_dtype in ("float32", "int8"):
+        param = torch.nn.Parameter(torch.zeros(64, 64))  # 4096 elements: quantized, 4 rows a block
+        opt = FiraAdamW([{"params": [param]}], lr=1e-3, state_dtype=state_dtype)
+        for step in range(3):
+            grad = torch.zeros(64, 64)
+            grad[0] = 1.0
+            if step == 0:
+                grad[1] = 1e-4
+            param.grad = grad
+            opt.step()
+        moved[state_dtype] = param.detach()[1].clone()
+    assert moved["float32"].abs().max() < 3e-3  # about lr per step
+    torch.testing.assert_close(moved["int8"], moved["float32"], rtol=0.05, atol=0)
