@@ -472,9 +472,7 @@ class Fira(Optimizer):
             p = self.param_groups[gi]["params"][pi]
             # A projected matrix is checked through the norms of R, which also overflow from a
             # finite G of huge entries: then say so (the step cannot be computed either way).
-            grad = distributed.to_local(p.grad)
-            overflow = None if not bool(torch.isfinite(grad).all()) else grad.abs().max().item()
-            self._nonfinite_found(param_name(gi, pi, p), overflow)
+            self._nonfinite_found(param_name(gi, pi, p), _largest_if_finite(p.grad, shard_group))
             return None
         return matrices, plain
 
@@ -680,6 +678,19 @@ class GaLoreAdamW(Fira):
 
 
 _SKIP_STEP = object()
+
+
+def _largest_if_finite(grad: torch.Tensor, shard_group: Any) -> float | None:
+    """The largest magnitude of a gradient whose entries are all finite, None if one is not;
+    over every shard under FSDP2 (each rank holds its rows, possibly none: every rank of the
+    shard group calls this, since the finiteness flags they act on are the same)."""
+    local = distributed.to_local(grad)
+    found = torch.stack([(~torch.isfinite(local)).any().float(),
+                         local.abs().amax().float() if local.numel() else local.new_zeros((), dtype=torch.float32)])
+    if shard_group is not None:
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=shard_group)
+    nonfinite, largest = found.tolist()
+    return None if nonfinite else largest
 
 
 def _state_dtypes(p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.dtype]:

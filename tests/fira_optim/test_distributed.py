@@ -4,6 +4,7 @@ under a timeout, compared with a one-process run on the same gradients."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -147,7 +148,7 @@ def test_fsdp2_shards_equal_one_process_chunks(tmp_path):
 def _nonfinite_worker(rank: int, world: int, mode: str, bad_step: int) -> dict:
     params = {k: torch.nn.Parameter(_shard(v)) for k, v in _initial(torch.float64).items()}
     optimizer = _optimizer(params, {"nonfinite": mode})
-    outcome = "stepped"
+    outcome, warned = "stepped", []
     for step in range(bad_step + 1):
         for name, p in params.items():
             grad = _gradient(name, tuple(p.shape), step, torch.float64)
@@ -157,12 +158,15 @@ def _nonfinite_worker(rank: int, world: int, mode: str, bad_step: int) -> dict:
             p.grad = _shard(grad)
         before = {k: p.to_local().clone() for k, p in params.items()}
         try:
-            optimizer.step()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                optimizer.step()
+            warned.extend(str(w.message) for w in caught)
         except NonFiniteGradientError as err:
             outcome = f"raised: {err}"
     unchanged = all(torch.equal(before[k], p.to_local()) for k, p in params.items())
     steps = [int(optimizer.state[params[k]]["step"]) for k in SHAPES]
-    return {"outcome": outcome, "unchanged": unchanged, "steps": steps}
+    return {"outcome": outcome, "unchanged": unchanged, "steps": steps, "warned": warned}
 
 
 @pytest.mark.timeout(60)
@@ -179,8 +183,35 @@ def test_fsdp2_nonfinite_row_on_one_rank_stops_every_rank(tmp_path, mode, bad_st
         assert result["steps"] == [bad_step] * 3
         if mode == "error":
             assert result["outcome"].startswith("raised") and "shape (7, 7)" in result["outcome"]
+            # rank 0's rows are finite: it was told "too large for its dtype"
+            assert "raised: non-finite gradient in" in result["outcome"]
         else:
             assert result["outcome"] == "stepped"
+            assert any(w.startswith("non-finite gradient in") for w in result["warned"]), result["warned"]
+
+
+def _empty_shard_worker(rank: int, world: int, mode: str) -> str:
+    param = torch.nn.Parameter(_shard(torch.ones(1, 16, dtype=torch.float64)))  # rank 1 holds no row
+    optimizer = FiraAdamW([{"params": [param], "rank": None}], lr=0.01, nonfinite=mode)
+    grad = torch.ones(1, 16, dtype=torch.float64)
+    grad[0, 0] = float("nan")
+    param.grad = _shard(grad)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+    except NonFiniteGradientError as err:
+        return f"raised: {err}"
+    return "; ".join(str(w.message) for w in caught)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["skip", "error"])
+def test_fsdp2_nonfinite_gradient_of_a_parameter_with_an_empty_shard(tmp_path, mode):
+    """The rank without rows crashed on max() of its empty shard while the other skipped, and
+    the job hung; now both say the same."""
+    for outcome in run_ranks(_empty_shard_worker, 2, tmp_path, mode, timeout=50):
+        assert ("raised: " if mode == "error" else "") + "non-finite gradient in" in outcome, outcome
 
 
 
