@@ -61,8 +61,9 @@ logger = logging.getLogger(__name__)
 
 PRETOKENIZED_SUFFIX = ".npy"
 # Bump when the document split or the packing changes, so stale token caches are not reused.
-# 2: a test split held out after validation.
-SPLIT_VERSION = 2
+# 2: a test split held out after validation. 3: documents equal but for surrounding whitespace
+# on one side.
+SPLIT_VERSION = 3
 PACKING_VERSION = 1
 #: The arrays of a token cache entry; meta.json records their SHA-256 under "sha256".
 TOKEN_FILES = ("train.npy", "val.npy", "test.npy")
@@ -86,7 +87,9 @@ def split_documents(
                          f"needs at least {2 + (test_fraction > 0)} documents, got {n}")
     by_text: dict[bytes, list[int]] = {}
     for index, text in enumerate(documents):
-        by_text.setdefault(hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest(), []).append(index)
+        # surrounding whitespace aside: a .txt paragraph (stripped) and the same text in JSON (kept
+        # verbatim, with its trailing newline) are one document, on one side
+        by_text.setdefault(hashlib.blake2b(text.strip().encode("utf-8"), digest_size=16).digest(), []).append(index)
     ranked = iter(sorted(by_text))
     held_out: list[list[int]] = []
     for fraction in (val_fraction, test_fraction):
@@ -233,7 +236,9 @@ def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
         raise ValueError(f"{path}: {len(ids)} tokens leave no room for a test split of {n_test} tokens "
                          f"(test_fraction={spec.test_fraction}) and a training sequence of seq_len={spec.seq_len}")
     test_start = split - n_test
-    return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:test_start], ids[split:], ids[test_start:split])
+    identity = fingerprint("npy", file_digest(path), tokenizer_fingerprint(tokenizer))  # one read of the file
+    return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:test_start], ids[split:], ids[test_start:split],
+                        identity=identity)
 
 
 def build_corpus(spec: DataSpec) -> Corpus:

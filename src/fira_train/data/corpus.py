@@ -27,6 +27,11 @@ def test_blocks(spec: DataSpec, test_tokens: np.ndarray | None) -> np.ndarray:
             f"{0 if test_tokens is None else len(test_tokens)} tokens, fewer than test_sequences * seq_len "
             f"= {spec.test_sequences} * {seq_len}; raise test_fraction or lower test_sequences / seq_len"
         )
+    if wanted == 0 and spec.test_fraction > 0:
+        raise ValueError(
+            f"the test split of {spec.source!r} (test_fraction={spec.test_fraction}) holds "
+            f"{0 if test_tokens is None else len(test_tokens)} tokens, not one sequence of seq_len={seq_len}: "
+            "raise test_fraction, or set it to 0 for no test set")
     if wanted == 0:
         return np.zeros((0, seq_len), dtype=np.int64)
     assert test_tokens is not None

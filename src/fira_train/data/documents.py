@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -108,7 +109,9 @@ def list_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
         return [root]
     files = sorted(
         p for p in root.rglob("*")
-        if p.is_file() and not p.name.startswith(".") and _suffix(p) in SUPPORTED_SUFFIXES
+        # hidden files and anything under a hidden folder (.git, .ipynb_checkpoints) are not the corpus
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        and _suffix(p) in SUPPORTED_SUFFIXES
     )
     if not files:
         raise ValueError(
@@ -171,8 +174,10 @@ def read_file_documents(path: Path) -> list[str]:
                     texts = [_text_field(r, f"{path}: element {i}") for i, r in enumerate(records)]
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not valid UTF-8 text ({exc})") from exc
-    except (EOFError, gzip.BadGzipFile) as exc:
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ValueError(f"{path}: corrupt or truncated gzip file ({exc})") from exc
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
     return [text for text in texts if text.strip()]
 
 

@@ -55,17 +55,20 @@ def c4_data_files(folder: Path) -> dict[str, list[str]]:
     """Files of each split in a local C4-layout folder, sorted (``c4-<split>.*``)."""
     if not folder.is_dir():
         raise FileNotFoundError(f"C4 folder {str(folder)!r} (from source 'c4:{folder}') does not exist")
-    files = {
-        split: sorted(
-            str(p) for p in folder.rglob(f"c4-{split}.*") if p.is_file() and p.name.endswith(C4_FILE_SUFFIXES)
-        )
-        for split in C4_SPLITS
-    }
+    def shards(split: str, pattern: Callable[[str], Any]) -> list[Path]:
+        return sorted(p for p in pattern(f"c4-{split}.*") if p.is_file() and p.name.endswith(C4_FILE_SUFFIXES))
+
+    # The folder's own files only: the repository's root holds one folder per variant (en,
+    # en.noblocklist, realnewslike, ...), which a recursive search would mix.
+    files = {split: [str(p) for p in shards(split, folder.glob)] for split in C4_SPLITS}
     for split, names in files.items():
         if not names:
+            variants = sorted({p.parent.relative_to(folder).as_posix() for p in shards(split, folder.rglob)})
+            hint = (f"; its subfolders {', '.join(variants)} hold some: give one variant's folder, e.g. "
+                    f"'c4:{folder / variants[0]}'" if variants else "")
             raise ValueError(
                 f"C4 folder {str(folder)!r} holds no c4-{split}.*.json[.gz] files (C4's layout: "
-                f"c4-train.00000-of-01024.json.gz, c4-validation.00000-of-00008.json.gz)"
+                f"c4-train.00000-of-01024.json.gz, c4-validation.00000-of-00008.json.gz){hint}"
             )
     return files
 
@@ -78,19 +81,44 @@ def c4_opener(data_files: dict[str, list[str]] | None) -> OpenSplit:
 
         if data_files is None:
             return datasets.load_dataset(C4_HUB_PATH, C4_HUB_CONFIG, split=split, streaming=True)
-        return datasets.load_dataset("json", data_files={split: data_files[split]}, split=split, streaming=True)
+        try:
+            return datasets.load_dataset("json", data_files={split: data_files[split]}, split=split, streaming=True)
+        except Exception as exc:  # noqa: BLE001 -- datasets' own errors (an empty shard: StopIteration)
+            raise ValueError(f"C4 {split} files {_named(data_files[split])} cannot be read: "
+                             f"{type(exc).__name__}: {exc or 'no records'}") from None
 
     return open_split
 
 
 def iter_texts(dataset: Any, split: str) -> Iterator[str]:
     """Non-blank ``"text"`` fields of a streamed split (blank ones are skipped, as everywhere)."""
-    for number, row in enumerate(dataset):
+    rows = iter(dataset)
+    for number in itertools.count():
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 -- a damaged shard: gzip, JSON or arrow errors
+            raise ValueError(f"C4 {split} split{_files_of(dataset)}: reading record {number} failed: "
+                             f"{type(exc).__name__}: {exc}") from None
         text = row.get("text") if isinstance(row, Mapping) else None
         if not isinstance(text, str):
             raise ValueError(f"C4 {split} split: record {number} has no string 'text' field")
         if text.strip():
             yield text
+
+
+def _named(files: list[str]) -> str:
+    return ", ".join(repr(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def _files_of(dataset: Any) -> str:
+    """`` (files ...)`` of a local streamed split where ``datasets`` tells them, else ``""``."""
+    try:
+        files = [f for fs in dataset._ex_iterable.kwargs["files"].values() for f in fs]
+    except (AttributeError, KeyError, TypeError):
+        return ""
+    return f" (files {_named([str(f) for f in files])})" if files else ""
 
 
 def _file_identity(path: str) -> tuple[str, int, int]:

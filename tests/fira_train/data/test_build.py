@@ -43,6 +43,13 @@ def test_split_keeps_identical_texts_on_one_side() -> None:
     sides = {("val" if i in val else "test" if i in test else "train")
              for i, d in enumerate(docs) if d == "repeated text"}
     assert len(sides) == 1
+    # the same text with surrounding whitespace (a .txt paragraph is stripped, JSON text is not):
+    # one document, on one side (16 of 16 such validation documents had a twin in training)
+    twins = make_docs(40)
+    docs = twins + [f"{d}\n" for d in twins]
+    train, val, test = build.split_documents(docs, 0.3, 0.1)
+    side = {i: "val" if i in val else "test" if i in test else "train" for i in range(len(docs))}
+    assert all(side[i] == side[i + len(twins)] for i in range(len(twins)))
     with pytest.raises(ValueError, match="at least 2 documents"):
         build.split_documents(["only one"], 0.5)
     with pytest.raises(ValueError, match="at least 3 documents"):
@@ -216,6 +223,7 @@ def test_test_set_size_and_its_errors(jsonl_corpus, tmp_path: Path) -> None:
     assert none.test_batches(4) == [] and none.describe()["test_tokens"] == 0
 
 
+
 def test_cache_hit_is_identical_and_skips_all_work(jsonl_corpus, tmp_path: Path, monkeypatch) -> None:
     path, _ = jsonl_corpus
     spec = spec_for(path, tmp_path / "cache")
@@ -303,6 +311,15 @@ def test_pretokenized_npy_is_packed_as_is(tmp_path: Path, saved_tokenizer: Path)
     assert torch.equal(torch.cat(corpus.val_batches(4)).flatten(), torch.from_numpy(ids[1600:1664]).long())
     assert torch.equal(torch.cat(corpus.test_batches(4)).flatten(), torch.from_numpy(ids[1560:1592]).long())
     assert next(corpus.train_batches(2, seed=0)).shape == (2, 16)
+    # its identity follows the ids (a checkpoint refuses another array: it went on silently)
+    assert corpus.identity and corpus.train_batches(2, seed=0).corpus == corpus.identity
+    np.save(tmp_path / "ids.npy", (ids * 7 + 1) % 300)
+    other = build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))
+    assert other.identity != corpus.identity
+    # a test_fraction too small for one sequence (2 tokens): an error, not a silently empty test set
+    with pytest.raises(ValueError, match=r"test_fraction=0.001\) holds 2 tokens, not one sequence of seq_len=16"):
+        build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer),
+                              test_fraction=0.001))
 
 
 @pytest.mark.parametrize(

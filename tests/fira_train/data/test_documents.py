@@ -28,6 +28,8 @@ def test_local_formats_and_folder_order(tmp_path: Path) -> None:
     (folder / "sub" / "e.txt.gz").write_bytes(gzip.compress(docs[9].encode()))
     (folder / "notes.md").write_text("ignored: unsupported suffix")
     (folder / ".hidden.txt").write_text("ignored: hidden")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "notes.txt").write_text("ignored: under a hidden folder (it was read)")
     files = documents.list_corpus_files(folder)
     assert [f.relative_to(folder).as_posix() for f in files] == ["a.txt", "b.jsonl.gz", "c.json", "sub/d.json.gz",
                                                                  "sub/e.txt.gz"]
@@ -52,12 +54,25 @@ def test_corrupt_json_line_names_file_and_line(tmp_path: Path) -> None:
         build_corpus(spec_for(path, tmp_path / "cache"))
 
 
+def _flipped(data: bytes) -> bytes:
+    middle = bytearray(data)
+    for i in range(20, min(60, len(middle) - 10)):
+        middle[i] ^= 0x55
+    return bytes(middle)
+
+
 @pytest.mark.parametrize(
     ("name", "payload", "pattern"),
     [
         ("bad.json", b'[{"text": "a"}, {"text": ', r"bad\.json: line 1: invalid JSON"),
         ("bad.json", b'[{"text": "a"}, ["not an object"]]', r"bad\.json: element 1"),
         ("bad.jsonl.gz", gzip.compress(b'{"text": "a"}\n')[:-6], r"bad\.jsonl\.gz: corrupt or truncated gzip"),
+        # bytes flipped inside the deflate stream: zlib's own error (it was a traceback)
+        pytest.param("flipped.jsonl.gz",
+                     _flipped(gzip.compress(b"".join(b'{"text": "document %d"}\n' % i for i in range(400)))),
+                     r"flipped\.jsonl\.gz: corrupt or truncated gzip", id="flipped-gzip"),
+        pytest.param("deep.json", b"[" * 100_000, r"deep\.json: JSON nested too deeply",  # a RecursionError
+                     id="deeply-nested-json"),
         ("bad.txt", b"caf\xe9 latin-1", r"bad\.txt: not valid UTF-8"),
         ("bad.csv", b"a,b", r"bad\.csv.*unsupported type"),
     ],

@@ -174,6 +174,19 @@ def test_c4_folder_errors_name_the_folder(tmp_path: Path) -> None:
     write_jsonl(folder / "c4-train.00000-of-00001.json", make_docs(5))
     with pytest.raises(ValueError, match=r"trainonly.*c4-validation"):
         build_corpus(spec_for(f"c4:{folder}", tmp_path))
+    # the repository's root: one folder per variant, which a recursive search mixed
+    root = tmp_path / "c4-repo"
+    for variant in ("en", "realnewslike"):
+        (root / variant).mkdir(parents=True)
+        for split in ("train", "validation"):
+            write_jsonl(root / variant / f"c4-{split}.00000-of-00001.json", make_docs(5))
+    with pytest.raises(ValueError, match=r"its subfolders en, realnewslike hold some: give one variant's folder, "
+                                         r"e.g. 'c4:.*c4-repo/en'"):
+        build_corpus(spec_for(f"c4:{root}", tmp_path))
+    # an empty shard: datasets' bare StopIteration was a traceback
+    (root / "en" / "c4-train.00000-of-00001.json").write_text("")
+    with pytest.raises(ValueError, match=r"C4 train files .*c4-train.00000-of-00001.json' cannot be read"):
+        build_corpus(spec_for(f"c4:{root / 'en'}", tmp_path))
 
 
 def test_c4_short_validation_split_is_a_clear_error(c4_folder: Path, tmp_path: Path) -> None:

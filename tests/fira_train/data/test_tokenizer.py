@@ -82,9 +82,12 @@ def test_bpe_cache_hit_skips_training_and_is_identical(tmp_path: Path) -> None:
     assert tok.bpe_cache_key("corpus-a", 301) != key
 
 
-def test_bpe_damaged_cache_entry_is_rebuilt(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["{ not json", "{}", '{"model": {"type": "Bogus"}}'],
+                         ids=["not-json", "empty-object", "unknown-model"])
+def test_bpe_damaged_cache_entry_is_rebuilt(tmp_path: Path, damage: str) -> None:
+    """Valid JSON that is no tokenizer raised KeyError or the tokenizers library's bare Exception."""
     first, key = tok.load_or_train_bpe("c", lambda: make_texts(50), 300, tmp_path)
-    (tmp_path / "tokenizers" / key / "tokenizer.json").write_text("{ not json")
+    (tmp_path / "tokenizers" / key / "tokenizer.json").write_text(damage)
     again, _ = tok.load_or_train_bpe("c", lambda: make_texts(50), 300, tmp_path)
     assert again.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
 
