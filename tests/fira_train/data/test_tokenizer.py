@@ -197,3 +197,13 @@ def test_fingerprint_tracks_the_vocabulary(bpe) -> None:
     other = tok.train_bpe(make_texts(200, seed=1), 300)
     assert tok.tokenizer_fingerprint(bpe) == tok.tokenizer_fingerprint(tok.train_bpe(make_texts(200), 300))
     assert tok.tokenizer_fingerprint(bpe) != tok.tokenizer_fingerprint(other)
+
+
+def test_a_long_run_without_whitespace_is_cut_for_training_only() -> None:
+    """One base64 blob or minified line stalled the BPE trainer (93 s for 400k letters)."""
+    assert tok._cut_long_runs("ab " + "x" * 600 + " cd") == "ab " + " ".join(["x" * 256, "x" * 256, "x" * 88]) + " cd"
+    assert tok._cut_long_runs("x" * 256) == "x" * 256
+    blob = "".join("abcdefghijklmnopqrstuvwxyz"[(i * 7) % 26] for i in range(20_000))
+    tokenizer = tok.train_bpe([*make_texts(30), blob], 300)
+    assert tokenizer.decode(tokenizer(blob)["input_ids"]) == blob  # encoded whole
+
