@@ -62,7 +62,7 @@ logger = logging.getLogger(__name__)
 PRETOKENIZED_SUFFIX = ".npy"
 # Bump when the document split or the packing changes, so stale token caches are not reused.
 # 2: a test split held out after validation. 3: documents equal but for surrounding whitespace
-# on one side.
+# on one side; a byte-order mark is not read as text.
 SPLIT_VERSION = 3
 PACKING_VERSION = 1
 #: The arrays of a token cache entry; meta.json records their SHA-256 under "sha256".

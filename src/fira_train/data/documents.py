@@ -128,9 +128,11 @@ def corpus_identity(files: list[Path], root: str | os.PathLike[str]) -> str:
 
 
 def _open_text(path: Path) -> IO[str]:
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not text; it stayed in the
+    # first .txt document and made a .jsonl's first line invalid JSON
     if path.name.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def _text_field(record: object, where: str) -> str:

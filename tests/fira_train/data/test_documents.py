@@ -133,3 +133,11 @@ def test_real_wiki_corpus_builds_and_caches(tmp_path: Path) -> None:
     assert np.asarray(cold.train_tokens[: len(first)]).tolist() == first
     batch = next(warm.train_batches(8, seed=0))
     assert batch.shape == (8, 128) and int(batch.max()) < 512
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes("\ufefffirst paragraph\n\nsecond".encode("utf-8"))
+    (tmp_path / "b.jsonl").write_bytes(("\ufeff" + json.dumps({"text": "json first"}) + "\n").encode("utf-8"))
+    assert documents.read_file_documents(tmp_path / "a.txt") == ["first paragraph", "second"]
+    assert documents.read_file_documents(tmp_path / "b.jsonl") == ["json first"]  # was: line 1 invalid JSON
+
