@@ -123,13 +123,20 @@ class PackedCorpus(Corpus):
             train_tokens = train_tokens[: spec.max_train_tokens]
         if len(train_tokens) < spec.seq_len:
             raise ValueError(
-                f"the training split of {spec.source!r} holds {len(train_tokens)} tokens, fewer than "
-                f"seq_len={spec.seq_len}"
+                f"the training split of {spec.source!r} holds {len(train_tokens)} tokens{self._capped()}, fewer "
+                f"than seq_len={spec.seq_len}"
             )
         self.train_tokens = train_tokens
 
+    def _capped(self) -> str:
+        cap = self.spec.max_train_tokens
+        return "" if cap is None else f" (capped by data.max_train_tokens={cap})"
+
     def train_batches(self, batch_size: int, seed: int) -> PackedBatchStream:
-        return PackedBatchStream(self.train_tokens, self.seq_len, batch_size, seed, corpus=self.identity)
+        try:
+            return PackedBatchStream(self.train_tokens, self.seq_len, batch_size, seed, corpus=self.identity)
+        except ValueError as err:  # too few sequences for a batch: say what capped them
+            raise ValueError(f"{err}{self._capped()}") from None
 
     def describe(self) -> dict[str, Any]:
         return self._describe(len(self.train_tokens) // self.seq_len * self.seq_len)

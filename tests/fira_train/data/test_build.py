@@ -183,6 +183,11 @@ def test_max_train_tokens_caps_the_training_prefix(jsonl_corpus, tmp_path: Path)
     assert len(capped.train_tokens) == 100 and capped.describe()["train_tokens"] == 96
     assert np.array_equal(np.asarray(capped.train_tokens), np.asarray(full.train_tokens)[:100])
     assert torch.equal(torch.cat(capped.val_batches(4)), torch.cat(full.val_batches(4)))
+    # what the cap leaves too small says that the cap did it
+    with pytest.raises(ValueError, match=r"exceeds the 6 training sequences .*\(capped by data.max_train_tokens=100\)"):
+        capped.train_batches(8, seed=0)
+    with pytest.raises(ValueError, match=r"holds 10 tokens \(capped by data.max_train_tokens=10\), fewer than seq_len"):
+        build_corpus(spec_for(path, tmp_path / "cache", max_train_tokens=10))
 
 
 def test_capped_build_tokenizes_only_the_prefix(jsonl_corpus, tmp_path: Path, monkeypatch) -> None:
