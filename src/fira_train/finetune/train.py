@@ -169,6 +169,20 @@ class SittingRecorder(transformers.TrainerCallback):
             write_text_atomic(self.path, json.dumps([*self.earlier, self.entry(state.global_step)], indent=2))
 
 
+def counting_tokens(trainer_class: type) -> type:
+    """``trainer_class`` that adds each micro-batch's non-padding tokens (its attention mask's
+    sum) to ``state.num_input_tokens_seen``, which checkpoints carry over sittings. The Trainer's
+    own ``include_num_input_tokens_seen="non_padding"`` is recent (August 2025): older transformers,
+    which the ``train`` extra allows, take the string as True and count the padding too."""
+    class CountingTokens(trainer_class):
+        def training_step(self, model, inputs, *args, **kwargs):
+            self.state.num_input_tokens_seen += int(inputs["attention_mask"].sum())
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    CountingTokens.__name__ = CountingTokens.__qualname__ = trainer_class.__name__
+    return CountingTokens
+
+
 def remove_checkpoints(config: FinetuneConfig) -> None:
     """Delete this run's checkpoints once its results are written (they hold the whole model
     and optimizer state)."""
@@ -212,7 +226,6 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         dataloader_num_workers=0,
         remove_unused_columns=False,
         optim="adamw_torch",
-        include_num_input_tokens_seen="non_padding",  # the tokens trained on, over every sitting
     )
     common = dict(model=model, args=args, train_dataset=features, data_collator=PaddingCollator(pad_id))
     if method in FIRA_METHODS:
@@ -220,11 +233,11 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         fira_options = {"variant": "galore" if method == "galore" else "fira", "rank": config.effective_rank,
                         "update_proj_gap": config.update_proj_gap, "alpha": config.alpha,
                         "optim_target_modules": targets}
-        trainer = FiraTrainer(fira_options=fira_options, **common)
+        trainer = counting_tokens(FiraTrainer)(fira_options=fira_options, **common)
     elif method in PEER_METHODS:  # the Trainer schedules the optimizer given (linear warm-up and decay)
-        trainer = transformers.Trainer(**common, optimizers=(peer_optimizer(model, config), None))
+        trainer = counting_tokens(transformers.Trainer)(**common, optimizers=(peer_optimizer(model, config), None))
     else:
-        trainer = transformers.Trainer(**common)
+        trainer = counting_tokens(transformers.Trainer)(**common)
 
     if config.save_steps:  # what the checkpoints about to be written were made with
         checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
