@@ -510,9 +510,7 @@ class Fira(Optimizer):
         """A ``rank`` set in ``param_groups`` since the last step is refused once the group's
         matrices have states (built for the old rank: the step failed midway, some matrices
         updated and others not)."""
-        if len(before) != len(after):  # a group added: add_param_group checked it
-            return
-        for gi, (old, new) in enumerate(zip(before, after)):
+        for gi, (old, new) in enumerate(zip(before, after)):  # groups added since: add_param_group checked them
             if old[2] == new[2]:
                 continue
             group = self.param_groups[gi]
@@ -685,8 +683,8 @@ def _largest_if_finite(grad: torch.Tensor, shard_group: Any) -> float | None:
     over every shard under FSDP2 (each rank holds its rows, possibly none: every rank of the
     shard group calls this, since the finiteness flags they act on are the same)."""
     local = distributed.to_local(grad)
-    found = torch.stack([(~torch.isfinite(local)).any().float(),
-                         local.abs().amax().float() if local.numel() else local.new_zeros((), dtype=torch.float32)])
+    found = torch.stack([(~torch.isfinite(local)).any().double(),  # float64: a float64 gradient's largest entry
+                         local.abs().amax().double() if local.numel() else local.new_zeros((), dtype=torch.float64)])
     if shard_group is not None:
         torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=shard_group)
     nonfinite, largest = found.tolist()

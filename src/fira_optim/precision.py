@@ -36,9 +36,10 @@ or inexact (one thread, median time per element of a quantize, on a loaded 2-cor
   (fp32 moments: 10-14 ms).
 
 The codes are the nearest map value's, exactly (ties go to the larger value; tested for every
-float32 but NaN), and the scales are torchao's, bit for bit: state dicts saved with torchao's
-kernel decode to the same moments, and its codes differ from these only within an ulp or two
-of a midpoint (its rounding test is computed in float32). torchao's ``OptimState8bit`` tensor
+float32 but NaN), and the scales are torchao's, bit for bit: codes written by torchao's kernel
+decode to the same values, and differ from these only within an ulp or two of a midpoint (its
+rounding test is computed in float32). What is coded differs for the second moments, stored
+here as square roots (:data:`ROOT`). torchao's ``OptimState8bit`` tensor
 subclass is not used: a state dict of plain ``uint8`` codes and ``float32`` scales loads with
 ``torch.load(weights_only=True)`` without allow-listing a class, and stays readable without
 torchao.
@@ -113,7 +114,8 @@ def quantized(numel: int) -> bool:
 def moment_zeros(shape, kind: StateDtype, work_dtype: torch.dtype, device, key: str,
                  make=None) -> dict[str, torch.Tensor]:
     """The stored form of a zero moment ``key`` of ``shape``: ``{key: ...}`` plus, for int8,
-    ``{key_scale: ...}``. ``make(shape, dtype)`` builds a tensor (default ``torch.zeros``)."""
+    ``{_scale_key(key): ...}`` (``key_scale``, or ``key_root_scale`` for a second moment).
+    ``make(shape, dtype)`` builds a tensor (default ``torch.zeros``)."""
     make = make or (lambda s, dtype: torch.zeros(s, dtype=dtype, device=device))
     numel = 1
     for d in shape:

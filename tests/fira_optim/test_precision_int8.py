@@ -215,7 +215,7 @@ def _saved_int8():
     return torch.load(path, weights_only=True)
 
 
-def test_a_state_dict_saved_by_the_torchao_kernel_decodes_to_the_same_moments():
+def test_a_state_dict_saved_by_the_torchao_kernel_with_value_coded_second_moments_loads():
     """``data/saved_state_int8.pt`` was written with torchao's quantize kernel
     (``data/make_saved_int8_state.py``), when second moments were coded as values: today's code
     decodes its first moments to the same fp32 values bit for bit, and its second moments to

@@ -102,6 +102,11 @@ def test_a_projected_gradient_whose_projection_overflows_is_named_as_too_large_n
     param.grad[0, 0] = float("nan")
     with pytest.raises(NonFiniteGradientError, match="non-finite gradient in"):
         opt.step()
+    wide = torch.nn.Parameter(torch.randn(64, 96, dtype=torch.float64))  # its largest entry is no float32
+    opt = FiraAdamW([{"params": [wide], "rank": 8}])
+    wide.grad = torch.randn(64, 96, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e160
+    with pytest.raises(NonFiniteGradientError, match=r"finite, largest entry 3\.89e\+160"):
+        opt.step()
 
 
 # ---------------------------------------------------------------------- SVD failure

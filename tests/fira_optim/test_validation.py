@@ -219,3 +219,9 @@ def test_a_rank_changed_in_param_groups_during_training_is_refused_before_anythi
     opt.param_groups[0]["rank"] = 3  # set back: trains on
     opt.step()
     assert [float(opt.state[p]["step"]) for p in params] == [2.0] * 3
+    # a group added at the same time does not hide the change
+    extra = torch.nn.Parameter(torch.zeros(4))
+    opt.add_param_group({"params": [extra], "rank": None})
+    opt.param_groups[0]["rank"] = 5
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['rank'\] changed from 3 to 5 after"):
+        opt.step()

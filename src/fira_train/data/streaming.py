@@ -17,6 +17,7 @@ consumed tokens of the partly used document, which restores the packing exactly.
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import logging
 import os
@@ -84,6 +85,8 @@ def c4_opener(data_files: dict[str, list[str]] | None) -> OpenSplit:
         try:
             return datasets.load_dataset("json", data_files={split: data_files[split]}, split=split, streaming=True)
         except Exception as exc:  # noqa: BLE001 -- datasets' own errors (an empty shard: StopIteration)
+            if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile):
+                raise  # a full disk or an unreadable folder: fira-train's own message for it
             raise ValueError(f"C4 {split} files {_named(data_files[split])} cannot be read: "
                              f"{type(exc).__name__}: {exc or 'no records'}") from None
 
@@ -99,6 +102,8 @@ def iter_texts(dataset: Any, split: str) -> Iterator[str]:
         except StopIteration:
             return
         except Exception as exc:  # noqa: BLE001 -- a damaged shard: gzip, JSON or arrow errors
+            if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile):
+                raise  # a full disk, the network: fira-train's own message for it
             raise ValueError(f"C4 {split} split{_files_of(dataset)}: reading record {number} failed: "
                              f"{type(exc).__name__}: {exc}") from None
         text = row.get("text") if isinstance(row, Mapping) else None

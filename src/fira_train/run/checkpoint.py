@@ -101,7 +101,9 @@ def install_dir(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
     os.rename(final, old)
     os.rename(tmp, final)
-    shutil.rmtree(old)
+    # the new one is in place: a failure to delete the old copy (a busy network file) must not
+    # fail the save, which under torchrun would leave the other ranks waiting; a resume deletes it
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def recover_swapped(run_dir: str | Path) -> list[Path]:

@@ -8,11 +8,14 @@ tensors and plain Python values only, so ``torch.load(weights_only=True)`` reads
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fira_train.run.checkpoint import CheckpointError
 from fira_train.run.rng import rng_state, set_rng_state
 from fira_train.run.training import Training
+
+log = logging.getLogger(__name__)
 
 
 def capture_state(step: int, training: Training, stream: Any, progress: dict[str, float]) -> dict[str, Any]:
@@ -34,6 +37,9 @@ def check_corpus(saved: str | None, stream: Any, source: str) -> None:
     split or tokenizer changed since); nothing where either side does not know (a checkpoint
     written before corpora were fingerprinted, a streamed corpus)."""
     current = getattr(stream, "corpus", None)
+    if current and not saved:
+        log.warning("the checkpoint records no fingerprint of its data (written before they were recorded): "
+                    "whether data.source=%r still gives the data it was trained on is not checked", source)
     if saved and current and saved != current:
         raise ValueError(f"the checkpoint was trained on other data than data.source={source!r} gives now "
                          f"(its text, split or tokenizer changed since: corpus {saved[:12]}, now {current[:12]}); "

@@ -227,3 +227,19 @@ def test_a_checkpoint_without_the_totals_resumes_with_the_sittings_unknown(tmp_p
     shutil.rmtree(path)
     ckpt.save_checkpoint(run, 2, state)
     assert train(config, resume="latest")["sittings"] is None
+
+
+def test_a_checkpoint_without_a_data_fingerprint_is_resumed_with_a_warning(caplog) -> None:
+    """Checkpoints written before corpora were fingerprinted cannot be checked: said, not silent."""
+    from types import SimpleNamespace
+
+    from fira_train.run.state import check_corpus
+
+    stream = SimpleNamespace(corpus="0123456789abcdef")
+    with caplog.at_level(logging.WARNING):
+        check_corpus("0123456789abcdef", stream, "x.txt")
+        assert not caplog.text
+        check_corpus(None, stream, "x.txt")
+    assert "records no fingerprint of its data" in caplog.text and "'x.txt'" in caplog.text
+    with pytest.raises(ValueError, match=r"corpus fedcba987654, now 0123456789ab"):
+        check_corpus("fedcba9876543210", stream, "x.txt")
