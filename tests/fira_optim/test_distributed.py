@@ -32,7 +32,12 @@ CONFIGS: dict[str, dict] = {
     "float32": {"dtype": torch.float32},
     # bf16 weights: gradients gathered and bases broadcast in fp32, the working dtype
     "bfloat16": {"dtype": torch.bfloat16},
+    # gradients of rank 1 < RANK: inside the subspace at each refresh, where ||S|| is formed
+    # explicitly (fira_optim.residual.cancelled), one all-reduce per such matrix
+    "low-rank-gradients": {"gradient_rank": 1},
 }
+#: Config keys of the test itself, not FiraAdamW options.
+TEST_KEYS = ("dtype", "gradient_rank")
 
 
 def _initial(dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -41,14 +46,18 @@ def _initial(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for name, shape in shapes.items()}
 
 
-def _gradient(name: str, shape: tuple, step: int, dtype: torch.dtype) -> torch.Tensor:
+def _gradient(name: str, shape: tuple, step: int, dtype: torch.dtype, rank: int | None = None) -> torch.Tensor:
     # Growing scale: the norm-growth limiter acts on some steps.
     g = torch.Generator().manual_seed(1000 * step + sum(map(ord, name)))
+    if rank is not None and len(shape) == 2:
+        low = torch.randn(shape[0], rank, generator=g, dtype=torch.float64) @ torch.randn(
+            rank, shape[1], generator=g, dtype=torch.float64)
+        return (1.0 + step) * low.to(dtype)
     return (1.0 + step) * torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 def _optimizer(params: dict[str, torch.Tensor], config: dict) -> FiraAdamW:
-    options = {k: v for k, v in config.items() if k != "dtype"}
+    options = {k: v for k, v in config.items() if k not in TEST_KEYS}
     groups = [
         {"params": [params[k] for k in SHAPES], "rank": RANK, "update_proj_gap": GAP},
         {"params": [params[k] for k in PLAIN_SHAPES], "rank": None},
@@ -68,7 +77,7 @@ def _train(params: dict[str, torch.Tensor], config: dict, make_grad) -> FiraAdam
 def _reference(config: dict):
     dtype = config.get("dtype", torch.float64)
     params = {k: torch.nn.Parameter(v) for k, v in _initial(dtype).items()}
-    optimizer = _train(params, config, lambda n, s, t: _gradient(n, s, t, dtype))
+    optimizer = _train(params, config, lambda n, s, t: _gradient(n, s, t, dtype, config.get("gradient_rank")))
     states = {name: dict(optimizer.state[p]) for name, p in params.items() if name in SHAPES}
     return {k: v.detach() for k, v in params.items()}, states
 
@@ -88,13 +97,20 @@ def _shard(tensor: torch.Tensor):
 
 
 def _fsdp2_worker(rank: int, world: int, names: list[str]) -> dict:
+    import fira_optim.pipeline as pipeline
+
     out = {}
+    cancelled, redone = pipeline.cancelled, []
+    pipeline.cancelled = lambda *args: redone.extend(found := cancelled(*args)) or found
     for config_name in names:
         config = CONFIGS[config_name]
         dtype = config.get("dtype", torch.float64)
         params = {k: torch.nn.Parameter(_shard(v)) for k, v in _initial(dtype).items()}
-        optimizer = _train(params, config, lambda n, s, t: _shard(_gradient(n, s, t, dtype)))
+        redone.clear()
+        optimizer = _train(params, config,
+                           lambda n, s, t: _shard(_gradient(n, s, t, dtype, config.get("gradient_rank"))))
         out[config_name] = {
+            "redone": len(redone),
             "local": {k: p.to_local().detach().clone() for k, p in params.items()},
             "state": {
                 name: {key: value.full_tensor() if hasattr(value, "full_tensor") else value
@@ -143,6 +159,8 @@ def test_fsdp2_shards_equal_one_process_chunks(tmp_path):
     assert local_rows["right"]["basis"] == (6, RANK)  # Q replicated
     assert local_rows["right"]["exp_avg"] == (6, RANK)  # 13 rows: ranks hold 7 and 6
     assert local_rows["square"]["exp_avg_sq"] == (3, RANK)
+    # the explicit ||S|| of the fast path ran under FSDP2, on the same matrices on both ranks
+    assert results[0]["low-rank-gradients"]["redone"] == results[1]["low-rank-gradients"]["redone"] > 0
 
 
 def _nonfinite_worker(rank: int, world: int, mode: str, bad_step: int) -> dict:
