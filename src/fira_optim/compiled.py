@@ -62,7 +62,7 @@ SCALARS = ("beta1", "beta2", "eps", "residual_eps", "gamma", "low_coef", "bias_c
 
 
 def _core(low, low_norm, g_sq, exp_avg, exp_avg_sq, prev_norm, scalars, dim: int):
-    """One matrix: updates the moments in place, returns ``(X, c, ||S||, f, f ||S||, ||phi G||, N, phi)``.
+    """One matrix: updates the moments in place, returns ``(X, c, ||S||, f, f ||S||, ||phi G||)``.
 
     The new history ``f ||S||`` is returned, not written into ``prev_norm``: TorchInductor (torch
     2.13, CPU) dropped that write to a 0-d float64 input, and the caller may still correct
@@ -79,7 +79,7 @@ def _core(low, low_norm, g_sq, exp_avg, exp_avg_sq, prev_norm, scalars, dim: int
     whole = (phi * phi * g_sq).sum().sqrt()
     factor = _factor(norm, prev_norm, gamma, residual_eps, use_limiter)
     c = phi * factor * keep  # keep = 0: GaLore (no residual), X = N
-    return direction - low * c, c, norm, factor, norm * factor, whole, direction, phi
+    return direction - low * c, c, norm, factor, norm * factor, whole
 
 
 def _factor(norm, prev_norm, gamma, eps, use_limiter):
@@ -150,11 +150,11 @@ def _run_compiled(batch: list[MatrixStep], step: int, hp: Hyper, stats) -> bool:
             warnings.warn(f"implementation='compiled' is unavailable ({_failed}); using the "
                           "multi-tensor fast path", RuntimeWarning, stacklevel=5)
             return False
-    xs, cs, norms_, factors, histories, wholes, directions, phis = map(list, zip(*updates))
+    xs, cs, norms_, factors, histories, wholes = map(list, zip(*updates))
     drop = hp.residual is Residual.DROP
     if not drop:
         for i in cancelled(torch.stack(norms_), torch.stack(wholes)):
-            _exact_norm(batch[i], i, directions, phis, xs, cs, norms_, factors, histories, hp)
+            xs[i], cs[i], norms_[i], factors[i], histories[i] = _exact_norm(batch[i], step, hp)
         torch._foreach_copy_([m.state["prev_norm"] for m in batch], histories)
     add_update([m.local for m in batch], [m.grad for m in batch], [m.basis for m in batch],
                [m.side for m in batch], xs, None if drop else cs, step, hp)
@@ -164,13 +164,19 @@ def _run_compiled(batch: list[MatrixStep], step: int, hp: Hyper, stats) -> bool:
     return True
 
 
-def _exact_norm(m: MatrixStep, i: int, directions, phis, xs, cs, norms_, factors, histories,
-                hp: Hyper) -> None:
-    """Matrix ``i``'s outputs from the norm of its ``S`` formed explicitly, where the kernel's
-    column-norm subtraction kept too few bits (as the fast strategy does)."""
-    exact, _ = explicit_residuals([m.grad], [m.low], [m.basis], [m.side], [phis[i]], hp)
+def _exact_norm(m: MatrixStep, step: int, hp: Hyper) -> tuple:
+    """``(X, c, ||S||, f, f ||S||)`` of a matrix whose kernel-computed ``||S||`` kept too few bits
+    (:func:`fira_optim.residual.cancelled`: rare, at refreshes), from the norm of its ``S`` formed
+    explicitly, as the fast strategy does. ``N`` and ``phi`` are computed again from the moments
+    the kernel updated (returning them from the kernel cost every step an ``r x n`` output)."""
+    beta1, beta2 = hp.betas
+    direction = m.state["exp_avg"] / (m.state["exp_avg_sq"].sqrt() + hp.eps)
+    if hp.direction_bias_corrected():
+        direction = direction * adam_bias_correction(step, beta1, beta2)
+    phi = (torch.linalg.vector_norm(direction, dim=m.dim, keepdim=True) / (m.low_norm + hp.residual_eps)
+           if hp.scaling is Scaling.COLUMN else torch.ones_like(m.low_norm))
+    exact, _ = explicit_residuals([m.grad], [m.low], [m.basis], [m.side], [phi], hp)
     factor = limiter_factor(hp.limiter, exact[0], m.state["prev_norm"], gamma=hp.gamma, eps=hp.residual_eps,
                             clip_norm=1.0, mu=1.0)  # growth or none (supports)
-    cs[i] = phis[i] * factor
-    xs[i] = directions[i] - m.low * cs[i]
-    norms_[i], factors[i], histories[i] = exact[0], factor, exact[0] * factor
+    c = phi * factor
+    return direction - m.low * c, c, exact[0], factor, exact[0] * factor
