@@ -193,9 +193,12 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
             "date": max([r["date"] for r in merged.values()], default=record["date"])}
 
 
-#: What ``measure`` sets itself, or what the record holds elsewhere (``steps``, ``machine``).
+#: What ``measure`` sets itself, what the record holds elsewhere (``steps``, ``machine``), and what
+#: does not change a measured peak (where the cache lies, the seed, checkpoint and evaluation
+#: cadence of the few steps measured).
 NOT_SHARED = ("optim.method", "train.out_dir", "train.steps", "train.progress", "train.tensorboard",
-              "train.num_threads")
+              "train.num_threads", "data.cache_dir", "train.seed", "train.save_every", "train.keep_last",
+              "train.eval_every")
 
 
 def shared_settings(config: RunConfig) -> dict[str, Any]:

@@ -52,6 +52,11 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
 
     if isinstance(err, OSError) and err.errno is not None:
         return _os_error(err, args)
+    wrapped = f"{NonFiniteGradientError.__name__}: "
+    if isinstance(err, RuntimeError) and wrapped in str(err):
+        # raised in a DDP communication hook (optim.step_in_backward under DDP), which torch
+        # re-raises as "Got the following error when running the callback: ...": the same error
+        err = NonFiniteGradientError(str(err).split(wrapped, 1)[1])
     if isinstance(err, NonFiniteGradientError):
         where = str(err).split(";")[0]  # "non-finite gradient in NAME"
         return (f"the run diverged: {where}, nothing was updated; lower optim.lr or set train.grad_clip "

@@ -136,6 +136,20 @@ def test_a_non_finite_gradient_says_the_run_diverged(root: Path, tmp_path: Path,
     assert str(out) in line
 
 
+def test_a_non_finite_gradient_raised_in_a_ddp_hook_is_the_same_one_line() -> None:
+    """Under DDP with updates in the backward pass the error comes wrapped by torch's future."""
+    import argparse
+
+    from fira_train.user_errors import describe
+
+    wrapped = RuntimeError("Got the following error when running the callback: NonFiniteGradientError: "
+                           "non-finite gradient in model.layers.0.mlp.up_proj.weight; nothing was updated "
+                           "(pass nonfinite='skip' to skip such steps)")
+    line = describe(wrapped, argparse.Namespace(out="runs/x"))
+    assert line.startswith("the run diverged: non-finite gradient in model.layers.0.mlp.up_proj.weight, nothing")
+    assert describe(RuntimeError("some other failure"), argparse.Namespace()) is None  # a bug: its traceback
+
+
 def test_a_damaged_config_json_on_resume_names_the_file(root: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     assert _pretrain(root, out, steps=2) == 0
