@@ -141,7 +141,11 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
             documents = read()
             if not documents:
                 raise ValueError(f"data source {spec.source!r} holds no documents (every text is empty)")
-            split = split_documents(documents, spec.val_fraction, spec.test_fraction)
+            try:
+                split = split_documents(documents, spec.val_fraction, spec.test_fraction)
+            except ValueError as err:  # name the source, and the way out of a test split
+                hint = "; data.test_fraction=0 holds out no test set" if spec.test_fraction > 0 else ""
+                raise ValueError(f"data source {spec.source!r}: {err}{hint}") from None
         assert split is not None
         return documents, *split
 

@@ -60,6 +60,13 @@ def test_split_keeps_identical_texts_on_one_side() -> None:
         build.split_documents(["same", "same", "same"], 0.3, 0.3)
 
 
+def test_a_corpus_too_small_to_split_is_named_with_the_way_out(tmp_path: Path) -> None:
+    (tmp_path / "two.txt").write_text("first paragraph\n\nsecond paragraph\n")
+    with pytest.raises(ValueError, match=r"data source '.*two.txt': a split by document .* needs at least 3 "
+                                         r"documents, got 2; data.test_fraction=0 holds out no test set"):
+        build_corpus(spec_for(tmp_path / "two.txt", tmp_path / "cache", test_fraction=0.1))
+
+
 def test_packing_joins_documents_with_eos_and_splits_by_document(jsonl_corpus, tmp_path: Path) -> None:
     path, docs = jsonl_corpus
     corpus = build_corpus(spec_for(path, tmp_path / "cache"))
