@@ -59,6 +59,14 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
         raise ValueError(f"cannot resume from {str(path)!r}: it was written with a different config: "
                          f"{details}; resume with the checkpoint's settings, or start a new run "
                          "(another --out, or --overwrite)")
+
+
+def warn_round_off(recorded: Any, config: RunConfig, path: Path) -> None:
+    """A warning where ``config`` changes a setting of :data:`ROUND_OFF_CHANGES` against the
+    checkpoint's record (checked by :func:`check_recorded_config` first)."""
+    if recorded is None:
+        return
+    saved = saved_config(recorded)
     rounded = [key for key in ROUND_OFF_CHANGES if _value(saved, key) != _value(config, key)]
     if rounded:
         log.warning("resuming from %s with %s: the run goes on equal to round-off, not bit for bit (another "
@@ -86,9 +94,11 @@ def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bo
         marker = checkpoint_integrity.read_marker(path)
         check_recorded_config(marker.get(CONFIG_KEY), config, path)
         checkpoint_integrity.verify_dcp_checkpoint(path, marker)
+        warn_round_off(marker.get(CONFIG_KEY), config, path)  # once intact: not for a damaged one skipped
         return None
     state = ckpt.load_checkpoint(out, path)  # size, SHA-256, weights_only
     check_recorded_config(state.get(CONFIG_KEY), config, path)
+    warn_round_off(state.get(CONFIG_KEY), config, path)
     return state if keep_state else None
 
 

@@ -156,6 +156,11 @@ def test_dcp_checkpoints_fall_back_and_check_their_config_record(tmp_path: Path,
     assert "__0_0.distcp' is corrupted" in warning and ".metadata' is truncated" in warning
     with pytest.raises(ckpt.CheckpointError, match="corrupted"):
         choose_checkpoint(out, 3, config)  # asked for by step: no fallback
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # another thread count: one warning, for the checkpoint chosen
+        choose_checkpoint(out, "latest", micro_config(tmp_path, "optim.method=adamw", "train.num_threads=2"))
+    rounded = [r.getMessage() for r in caplog.records if "equal to round-off" in r.getMessage()]
+    assert len(rounded) == 1 and rounded[0].startswith("resuming from step_00000001 with train.num_threads=1")
     other = micro_config(tmp_path, "optim.method=galore", "optim.rank=8")
     with pytest.raises(ValueError, match=r"optim\.method='adamw' \(now 'galore'\)"):
         choose_checkpoint(out, "latest", other)
