@@ -40,7 +40,8 @@ from .options import Base, Hyper, Limiter, Residual, Scaling, adam_bias_correcti
 from .pipeline import FAST, FastStrategy, MatrixStats, MatrixStep
 from .projection import norms, sq_norms
 from .residual import cancelled, explicit_residuals
-from .scaling import RowSum
+from .scaling import RowSum, scaling_factors
+from .subspace import adam_directions
 
 
 def supports(hp: Hyper) -> bool:
@@ -169,12 +170,8 @@ def _exact_norm(m: MatrixStep, step: int, hp: Hyper) -> tuple:
     (:func:`fira_optim.residual.cancelled`: rare, at refreshes), from the norm of its ``S`` formed
     explicitly, as the fast strategy does. ``N`` and ``phi`` are computed again from the moments
     the kernel updated (returning them from the kernel cost every step an ``r x n`` output)."""
-    beta1, beta2 = hp.betas
-    direction = m.state["exp_avg"] / (m.state["exp_avg_sq"].sqrt() + hp.eps)
-    if hp.direction_bias_corrected():
-        direction = direction * adam_bias_correction(step, beta1, beta2)
-    phi = (torch.linalg.vector_norm(direction, dim=m.dim, keepdim=True) / (m.low_norm + hp.residual_eps)
-           if hp.scaling is Scaling.COLUMN else torch.ones_like(m.low_norm))
+    direction = adam_directions([m.state["exp_avg"]], [m.state["exp_avg_sq"]], step, hp)[0]
+    phi = scaling_factors([direction], [m.low], [m.low_norm], [m.dim], hp.scaling, hp.residual_eps)[0]
     exact, _ = explicit_residuals([m.grad], [m.low], [m.basis], [m.side], [phi], hp)
     factor = limiter_factor(hp.limiter, exact[0], m.state["prev_norm"], gamma=hp.gamma, eps=hp.residual_eps,
                             clip_norm=1.0, mu=1.0)  # growth or none (supports)

@@ -99,12 +99,15 @@ def root_coded(entry: dict) -> dict:
     return entry
 
 
-def _to_code(key: str, value: torch.Tensor) -> torch.Tensor:
-    return value.sqrt() if key in ROOT else value
-
-
-def _from_code(key: str, value: torch.Tensor) -> torch.Tensor:
+def _decode_moment(key: str, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Moment ``key`` from its codes: the map values times the scales, squared for :data:`ROOT`."""
+    value = _dequantize(codes, scale, SIGNED[key])
     return value.square_() if key in ROOT else value
+
+
+def _encode_moment(key: str, value: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """Moment ``key`` into ``codes`` and ``scale`` in place (its square root for :data:`ROOT`)."""
+    _quantize_into(value.sqrt() if key in ROOT else value, codes, scale, SIGNED[key])
 
 
 def quantized(numel: int) -> bool:
@@ -139,7 +142,7 @@ def decode(state: dict, keys, work_dtype: torch.dtype) -> dict:
         stored = state[key]
         if stored.dtype == torch.uint8:
             codes = stored
-            working[key] = _from_code(key, _dequantize(codes, state[_scale_key(key)], SIGNED[key])).to(work_dtype)
+            working[key] = _decode_moment(key, codes, state[_scale_key(key)]).to(work_dtype)
         elif stored.dtype != work_dtype:
             working[key] = stored.to(work_dtype)
     return working
@@ -152,11 +155,11 @@ def encode(state: dict, working: dict, keys) -> None:
         if value is stored:
             continue
         if stored.dtype == torch.uint8 and stored.is_contiguous():
-            _quantize_into(_to_code(key, value), stored, state[_scale_key(key)], SIGNED[key])
+            _encode_moment(key, value, stored, state[_scale_key(key)])
         elif stored.dtype == torch.uint8:
-            codes, scale = _quantize(_to_code(key, value), SIGNED[key])
+            codes = torch.empty(stored.shape, dtype=torch.uint8, device=stored.device)
+            _encode_moment(key, value, codes, state[_scale_key(key)])
             stored.copy_(codes)
-            state[_scale_key(key)].copy_(scale)
         else:
             stored.copy_(value)
 
@@ -172,7 +175,7 @@ def decode_slice(state: dict, keys, work_dtype: torch.dtype, start: int, stop: i
         if stored.dtype == torch.uint8:
             codes = stored[start:stop]
             scale = state[_scale_key(key)][start // BLOCK : stop // BLOCK]
-            working[key] = _from_code(key, _dequantize(codes, scale, SIGNED[key])).to(work_dtype)
+            working[key] = _decode_moment(key, codes, scale).to(work_dtype)
         else:
             working[key] = stored[start:stop].to(work_dtype)
     return working
@@ -188,7 +191,7 @@ def encode_slice(state: dict, working: dict, keys, start: int, stop: int) -> Non
             continue  # a view of the stored moment, updated in place
         if stored.dtype == torch.uint8:
             scale = state[_scale_key(key)][start // BLOCK : stop // BLOCK]
-            _quantize_into(_to_code(key, value), stored, scale, SIGNED[key])
+            _encode_moment(key, value, stored, scale)
         else:
             stored.copy_(value)
 

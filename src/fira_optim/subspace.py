@@ -49,7 +49,6 @@ def low_rank_directions(lows: list[torch.Tensor], states: list[dict], step: int,
     Adam through torch's fused kernel where it supports the tensors (else ``foreach``).
     """
     beta1, beta2 = hp.betas
-    corrected = hp.direction_bias_corrected()
     if hp.base is Base.ADAM:
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
@@ -59,12 +58,7 @@ def low_rank_directions(lows: list[torch.Tensor], states: list[dict], step: int,
         torch._foreach_add_(exp_avgs, lows, alpha=1.0 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, lows, lows, value=1.0 - beta2)
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_add_(denom, hp.eps)
-        directions = torch._foreach_div(exp_avgs, denom)
-        if corrected:
-            torch._foreach_mul_(directions, adam_bias_correction(step, beta1, beta2))
-        return directions
+        return adam_directions(exp_avgs, exp_avg_sqs, step, hp)
     totals = [s["sum" if hp.base is Base.ADAGRAD else "square_avg"] for s in states]
     if hp.base is Base.ADAGRAD:
         torch._foreach_addcmul_(totals, lows, lows)
@@ -74,6 +68,18 @@ def low_rank_directions(lows: list[torch.Tensor], states: list[dict], step: int,
     denom = torch._foreach_sqrt(totals)
     torch._foreach_add_(denom, hp.eps)
     return torch._foreach_div(lows, denom)
+
+
+def adam_directions(exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], step: int,
+                    hp: Hyper) -> list[torch.Tensor]:
+    r""":math:`N = b_t M / (\sqrt{V} + \epsilon)` from moments already updated (bias correction
+    :math:`b_t` where the arithmetic is the paper's)."""
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denom, hp.eps)
+    directions = torch._foreach_div(exp_avgs, denom)
+    if hp.direction_bias_corrected():
+        torch._foreach_mul_(directions, adam_bias_correction(step, *hp.betas))
+    return directions
 
 
 #: Devices with torch's fused Adam kernel (``torch._fused_adam_``), and its dtypes here.
