@@ -26,7 +26,7 @@ import torch
 
 from fira_optim.state import optimizer_state_bytes
 from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse_spec_keys
-from fira_train.config.overrides import config_to_dict
+from fira_train.config.overrides import changed_keys, describe_changed, flat_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import locked, read_json, write_text_atomic
@@ -166,13 +166,11 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
             raise ValueError(f"--append: {json_path} was measured with {what} {old.get(key)!r}, this command "
                              f"with {record[key]!r}; one table holds one setting (measure into another --out)")
     if "settings" in old:  # (tables written before it was recorded: their commands say it)
-        changed = [key for key in old["settings"].keys() | record["settings"].keys()
-                   if old["settings"].get(key) != record["settings"].get(key)]
+        changed = changed_keys(old["settings"], record["settings"])
         if changed:
             raise ValueError(f"--append: {json_path} was measured with other settings for every method: "
-                             + ", ".join(f"{key}={old['settings'].get(key)!r} (now {record['settings'].get(key)!r})"
-                                         for key in sorted(changed))
-                             + "; one table holds one setting (measure into another --out)")
+                             f"{describe_changed(old['settings'], record['settings'], changed)}; one table holds "
+                             "one setting (measure into another --out)")
     # keyed by method and by command (without its mark): an update keeps an entry's place
     merged = {row["method"]: {"date": old["date"], **row} for row in old["rows"]}  # rows keep their day
     merged.update((row["method"], row) for row in rows)
@@ -204,9 +202,7 @@ NOT_SHARED = ("optim.method", "train.out_dir", "train.steps", "train.progress", 
 def shared_settings(config: RunConfig) -> dict[str, Any]:
     """``{"section.key": value}``: the command's config, which every method's run starts from
     (a method spec's overrides come on top), less :data:`NOT_SHARED`."""
-    values = json.loads(json.dumps(config_to_dict(config)))  # as memory.json holds them: lists, not tuples
-    flat = {f"{section}.{key}": value for section, keys in values.items()
-            if isinstance(keys, dict) for key, value in keys.items()}
+    flat = json.loads(json.dumps(flat_config(config)))  # as memory.json holds them: lists, not tuples
     return {key: value for key, value in flat.items() if key not in NOT_SHARED}
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from fira_train.config.overrides import apply_overrides, config_to_dict, override_key
+from fira_train.config.overrides import apply_overrides, flat_config, override_key
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
@@ -171,9 +171,9 @@ def check_not_replaced(config: RunConfig, runs: Sequence[AnalysisRun], configs: 
     ``partly_set`` are not checked."""
     if given is None:
         given = _changed_from_recipe(config)
-    values_given = _flat(config)
+    values_given = flat_config(config)
     for run, run_cfg in zip(runs, configs):
-        values = _flat(run_cfg)
+        values = flat_config(run_cfg)
         keys = _ALWAYS_SET + tuple(override_key(o) for o in run.overrides)
         for key in keys:
             if key in given and key not in partly_set and values[key] != values_given[key]:
@@ -185,10 +185,10 @@ def check_not_replaced(config: RunConfig, runs: Sequence[AnalysisRun], configs: 
 def _changed_from_recipe(config: RunConfig) -> dict[str, str]:
     """``{key: "key=value"}`` for each setting ``config`` changes from its recipe ({} if none is known)."""
     try:
-        recipe = _flat(get_recipe(config.recipe))
+        recipe = flat_config(get_recipe(config.recipe))
     except ValueError:
         return {}
-    return {key: f"{key}={value!r}" for key, value in _flat(config).items() if value != recipe.get(key)}
+    return {key: f"{key}={value!r}" for key, value in flat_config(config).items() if value != recipe.get(key)}
 
 
 def refuse_step_in_backward(config: RunConfig, uses: str) -> None:
@@ -197,11 +197,6 @@ def refuse_step_in_backward(config: RunConfig, uses: str) -> None:
     not reach the update, recorded norms would be 0)."""
     if config.optim.step_in_backward:
         raise ValueError(f"this analysis {uses}, which optim.step_in_backward=true frees: leave it off")
-
-
-def _flat(config: RunConfig) -> dict[str, Any]:
-    return {f"{section}.{key}": value for section, fields in config_to_dict(config).items()
-            if isinstance(fields, dict) for key, value in fields.items()}
 
 
 def _check_no_other_finished_runs(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 from fira_train.config.run_config import ModelConfig, OptimConfig, RunConfig, TrainConfig
@@ -23,6 +23,22 @@ KINDS: dict[str, type] = {"model": ModelConfig, "optim": OptimConfig, "data": Da
 def config_to_dict(config: RunConfig) -> dict[str, Any]:
     """A JSON-ready dict (tuples become lists)."""
     return dataclasses.asdict(config)
+
+
+def flat_config(config: RunConfig) -> dict[str, Any]:
+    """``{"section.key": value}`` of every setting (the keys overrides name)."""
+    return {f"{section}.{key}": value for section, values in config_to_dict(config).items()
+            if isinstance(values, dict) for key, value in values.items()}
+
+
+def changed_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """The keys whose values differ between two flat settings dicts (one missing counts), sorted."""
+    return sorted(key for key in old.keys() | new.keys() if old.get(key) != new.get(key))
+
+
+def describe_changed(old: Mapping[str, Any], new: Mapping[str, Any], keys: Sequence[str]) -> str:
+    """``"train.steps=5 (now 10), ..."``: each key with its old and its new value."""
+    return ", ".join(f"{key}={old.get(key)!r} (now {new.get(key)!r})" for key in keys)
 
 
 def _section_from_dict(kind: type, values: dict[str, Any], prefix: str) -> Any:

@@ -17,6 +17,7 @@ import transformers
 
 from fira_optim import optimizer_state_numel
 from fira_optim.integrations import FiraTrainer, target_parameter_names
+from fira_train.config.overrides import describe_changed
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training, train_limit
 from fira_train.files import write_text_atomic
@@ -105,7 +106,7 @@ def resume_point(config: FinetuneConfig) -> str | None:
         # and one given equal to what it resolves to are the same run (records kept either)
         differ = sorted(k for k in effective if k in saved and saved[k] not in (given[k], effective[k]))
         if differ:
-            found = ", ".join(f"{k}={saved[k]!r} (now {effective[k]!r})" for k in differ)
+            found = describe_changed(saved, effective, differ)
             raise FinetuneError(f"{folder} holds checkpoints of a run with other settings ({found}): "
                                 f"remove it to start again, or choose another --out")
     return last

@@ -67,7 +67,7 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path) -> None:
     if recorded is None:
         return
     saved = saved_config(recorded)
-    rounded = [key for key in ROUND_OFF_CHANGES if _value(saved, key) != _value(config, key)]
+    rounded = [key for key in config_changes(saved, config, ignore=frozenset()) if key in ROUND_OFF_CHANGES]
     if rounded:
         log.warning("resuming from %s with %s: the run goes on equal to round-off, not bit for bit (another "
                     "summation order); with raw SVD signs (align_signs=false, the default) round-off can flip "
@@ -78,11 +78,6 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path) -> None:
 
 #: Settings a resume may change at the price of round-off (the same batches, summed in another order).
 ROUND_OFF_CHANGES = ("train.num_threads", "train.parallel")
-
-
-def _value(config: RunConfig, key: str) -> Any:
-    section, _, name = key.partition(".")
-    return getattr(getattr(config, section), name)
 
 
 def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bool = True) -> dict | None:

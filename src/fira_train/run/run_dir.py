@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from fira_train.config.overrides import config_to_dict
+from fira_train.config.overrides import changed_keys, describe_changed, flat_config
 from fira_train.config.resolve import LEGACY_ALIGN_SIGNS, resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.files import read_json
@@ -23,26 +23,14 @@ RESUMABLE_CHANGES = frozenset({
 })
 
 
-def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
-    """The ``section.field`` keys in which ``new`` differs from ``old``, but for :data:`RESUMABLE_CHANGES`."""
-    a, b = config_to_dict(old), config_to_dict(new)
-    changed = []
-    for section in ("model", "optim", "data", "train"):
-        for key in a[section].keys() | b[section].keys():
-            if a[section].get(key) != b[section].get(key):
-                changed.append(f"{section}.{key}")
-    return sorted(k for k in changed if k not in RESUMABLE_CHANGES)
+def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
+    """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``."""
+    return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore]
 
 
 def describe_changes(old: RunConfig, new: RunConfig, changes: list[str]) -> str:
     """``"train.steps=5 (now 10), ..."``: each changed key with the run's value and the new one."""
-    a, b = config_to_dict(old), config_to_dict(new)
-
-    def value(values: dict[str, Any], key: str) -> Any:
-        section, _, name = key.partition(".")
-        return values.get(section, {}).get(name)
-
-    return ", ".join(f"{key}={value(a, key)!r} (now {value(b, key)!r})" for key in changes)
+    return describe_changed(flat_config(old), flat_config(new), changes)
 
 
 def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, overwrite: bool,
