@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fira_train.config.resolve import saved_config
@@ -139,20 +140,28 @@ def choose_checkpoint(out: str | Path, resume: str | int, config: RunConfig,
     out = Path(out)
     if env is None or not env.distributed:
         return _choose(out, resume, config, keep_state=True)
+    path = decided_on_rank_zero(env, lambda: _choose(out, resume, config, keep_state=False)[0])
+    return (None if path is None else Path(path)), None
+
+
+def decided_on_rank_zero(env: DistributedEnv, decide: Callable[[], Any]) -> Any:
+    """``decide()`` run by rank 0 alone (what only one process may read or change in the run
+    directory) and its result, plain values, handed to every rank; an error rank 0 meets is
+    raised on every rank (the others would otherwise wait in the broadcast until the timeout)."""
     import torch.distributed as dist
 
     message: list[Any] = [None]
     error: BaseException | None = None
     if env.is_main:
         try:
-            path, _ = _choose(out, resume, config, keep_state=False)
-            message[0] = ("ok", None if path is None else str(path))
+            result = decide()
+            message[0] = ("ok", str(result) if isinstance(result, Path) else result)
         except Exception as err:  # noqa: BLE001 -- handed to every rank, then re-raised here
             error = err
             message[0] = ("error", type(err).__name__, str(err))
-    dist.broadcast_object_list(message, src=0, device=env.device)  # plain strings, from rank 0
+    dist.broadcast_object_list(message, src=0, device=env.device)
     if error is not None:
         raise error
     if message[0][0] == "error":
         raise _ERRORS.get(message[0][1], RuntimeError)(message[0][2])
-    return (None if message[0][1] is None else Path(message[0][1])), None
+    return message[0][1]

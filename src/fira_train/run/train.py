@@ -377,10 +377,11 @@ def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, en
     then); under torchrun the others take its answer."""
     if resume != "latest":
         return None
-    done = main and finished_with(config, out) and any(
-        step >= config.train.steps for step, _ in ckpt.complete_checkpoints(out))  # its last one kept
-    found = [read_json(out / "summary.json", hint="delete summary.json and run with --resume again: the final "
-                                             "checkpoint is evaluated again, nothing retrained") if done else None]
-    if env is not None:
-        dist.broadcast_object_list(found, src=0)
-    return found[0]
+
+    def decide() -> dict[str, Any] | None:
+        done = finished_with(config, out) and any(
+            step >= config.train.steps for step, _ in ckpt.complete_checkpoints(out))  # its last one kept
+        return read_json(out / "summary.json", hint="delete summary.json and run with --resume again: the final "
+                                                    "checkpoint is evaluated again, nothing retrained") if done else None
+
+    return resume_check.decided_on_rank_zero(env, decide) if env is not None else (decide() if main else None)

@@ -248,3 +248,29 @@ def test_a_checkpoint_without_a_data_fingerprint_is_resumed_with_a_warning(caplo
     assert "records no fingerprint of its data" in caplog.text and "'x.txt'" in caplog.text
     with pytest.raises(ValueError, match=r"corpus fedcba987654, now 0123456789ab"):
         check_corpus("fedcba9876543210", stream, "x.txt")
+
+
+def _decided_worker(rank: int, world: int, fail: bool) -> str:
+    from fira_train.run.parallel import DistributedEnv
+    from fira_train.run.resume_check import decided_on_rank_zero
+
+    def decide():
+        assert rank == 0  # only rank 0 reads the run directory
+        if fail:
+            raise ValueError("summary.json is damaged")
+        return {"val_loss": 1.5}
+
+    try:
+        return repr(decided_on_rank_zero(DistributedEnv(rank, world, rank, torch.device("cpu"), "gloo"), decide))
+    except ValueError as err:
+        return f"raised: {err}"
+
+
+@pytest.mark.timeout(60)
+def test_what_rank_zero_decides_reaches_every_rank_errors_included(tmp_path: Path) -> None:
+    """The finished-run check broadcast rank 0's answer without its errors: a damaged
+    summary.json raised on rank 0 while the others waited in the broadcast until the timeout."""
+    from tests.multiprocess import run_ranks
+
+    assert run_ranks(_decided_worker, 2, tmp_path, False, timeout=50) == ["{'val_loss': 1.5}"] * 2
+    assert run_ranks(_decided_worker, 2, tmp_path / "fail", True, timeout=50) == ["raised: summary.json is damaged"] * 2
