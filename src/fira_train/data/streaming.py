@@ -85,8 +85,8 @@ def c4_opener(data_files: dict[str, list[str]] | None) -> OpenSplit:
         try:
             return datasets.load_dataset("json", data_files={split: data_files[split]}, split=split, streaming=True)
         except Exception as exc:  # noqa: BLE001 -- datasets' own errors (an empty shard: StopIteration)
-            if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile):
-                raise  # a full disk or an unreadable folder: fira-train's own message for it
+            if not _damaged_shard(exc):
+                raise
             raise ValueError(f"C4 {split} files {_named(data_files[split])} cannot be read: "
                              f"{type(exc).__name__}: {exc or 'no records'}") from None
 
@@ -102,8 +102,8 @@ def iter_texts(dataset: Any, split: str) -> Iterator[str]:
         except StopIteration:
             return
         except Exception as exc:  # noqa: BLE001 -- a damaged shard: gzip, JSON or arrow errors
-            if isinstance(exc, OSError) and not isinstance(exc, gzip.BadGzipFile):
-                raise  # a full disk, the network: fira-train's own message for it
+            if not _damaged_shard(exc):
+                raise
             raise ValueError(f"C4 {split} split{_files_of(dataset)}: reading record {number} failed: "
                              f"{type(exc).__name__}: {exc}") from None
         text = row.get("text") if isinstance(row, Mapping) else None
@@ -111,6 +111,13 @@ def iter_texts(dataset: Any, split: str) -> Iterator[str]:
             raise ValueError(f"C4 {split} split: record {number} has no string 'text' field")
         if text.strip():
             yield text
+
+
+def _damaged_shard(exc: Exception) -> bool:
+    """Whether reading a C4 split failed on its files' contents (gzip, JSON, arrow, an empty
+    shard), not on the system: an OSError (a full disk, the network, permissions) keeps
+    fira-train's own message for it."""
+    return not isinstance(exc, OSError) or isinstance(exc, gzip.BadGzipFile)
 
 
 def _named(files: list[str]) -> str:

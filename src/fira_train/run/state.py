@@ -28,8 +28,14 @@ def capture_state(step: int, training: Training, stream: Any, progress: dict[str
         "data": stream.state_dict(),
         "rng": rng_state(),
         "progress": dict(progress),
-        **({"corpus": stream.corpus} if getattr(stream, "corpus", None) else {}),
+        **corpus_record(stream),
     }
+
+
+def corpus_record(stream: Any) -> dict[str, str]:
+    """``{"corpus": fingerprint}`` of the corpus ``stream`` reads, for a checkpoint (``{}`` when
+    it has none: :func:`check_corpus` then has nothing to compare)."""
+    return {"corpus": stream.corpus} if getattr(stream, "corpus", None) else {}
 
 
 def check_corpus(saved: str | None, stream: Any, source: str) -> None:

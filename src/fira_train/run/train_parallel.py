@@ -35,7 +35,7 @@ from fira_train.config.run_config import RunConfig
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import dist_checkpoint
 from fira_train.run.parallel import DistributedEnv, destroy_distributed, init_distributed, world_size
-from fira_train.run.state import check_corpus, restore_state
+from fira_train.run.state import check_corpus, corpus_record, restore_state
 from fira_train.run.training import Training
 
 #: What a distributed checkpoint's ``extra`` holds besides the tensors DCP stores.
@@ -120,8 +120,7 @@ def save(out: Path, step: int, training: Training, stream: Any, progress: dict[s
     """Write the DCP checkpoint of ``step`` under ``OUT/checkpoints`` (every rank calls this);
     older complete checkpoints beyond ``keep_last`` are deleted. ``record``: plain values for
     the marker (the run's config)."""
-    extra = {"step": step, "data": stream.state_dict(), "progress": dict(progress),
-             **({"corpus": stream.corpus} if getattr(stream, "corpus", None) else {})}
+    extra = {"step": step, "data": stream.state_dict(), "progress": dict(progress), **corpus_record(stream)}
     return dist_checkpoint.save_checkpoint(Path(out) / ckpt.CHECKPOINT_DIR, step, training.model,
                                            training.optimizer, training.scheduler, extra,
                                            keep_last=keep_last, record=record)
