@@ -200,7 +200,7 @@ def test_fingerprint_tracks_the_vocabulary(bpe) -> None:
 
 
 def test_a_long_run_without_whitespace_is_cut_for_training_only() -> None:
-    """One base64 blob or minified line stalled the BPE trainer (93 s for 400k letters)."""
+    """One base64 blob or minified line stalled the BPE trainer (benchmarks/bpe_long_runs.py)."""
     assert tok._cut_long_runs("ab " + "x" * 600 + " cd") == "ab " + " ".join(["x" * 256, "x" * 256, "x" * 88]) + " cd"
     assert tok._cut_long_runs("x" * 256) == "x" * 256
     blob = "".join("abcdefghijklmnopqrstuvwxyz"[(i * 7) % 26] for i in range(20_000))
