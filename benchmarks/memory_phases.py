@@ -44,7 +44,7 @@ from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import write_text_atomic
-from fira_train.memory.run_estimate import estimate_run_bytes
+from fira_train.memory.run_estimate import estimate_run_bytes, is_estimated
 from fira_train.measure import build_measured
 from fira_train.run.isolated import run_isolated
 from fira_train.run.peak_memory import current_rss_bytes, env_prefix, malloc_env, reset_rss_peak, rss_peak_bytes
@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     config = replace(config, train=replace(config.train, steps=args.steps, progress=False,
                                            tensorboard=False, device="cpu"))
     specs = parse_method_specs(args.methods)
+    unmodelled = [spec.text for spec in specs if not is_estimated(spec.name)]
+    if unmodelled:  # before anything is measured: each row compares with the estimate
+        parser.error(f"--methods: the run estimate does not model {', '.join(unmodelled)}")
     build_corpus(config.data)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

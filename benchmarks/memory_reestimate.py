@@ -3,7 +3,8 @@
     python benchmarks/memory_reestimate.py docs/results/memory-measured/gpu-bf16 \
         train.batch_size=1 train.micro_batch_size=1 train.param_dtype=bfloat16
 
-Reads ``DIR/<size>/memory.json`` and, for every row, rebuilds its run config (the recipe named
+Reads ``DIR/<size>/memory.json`` and, for every row of a method the estimate models (not
+LoRA's), rebuilds its run config (the recipe named
 by the directory's record, the row's method spec, then the overrides given here, which must be
 the ones the measurement used) and prints the estimate of the day it was measured, today's
 estimate (:func:`fira_train.memory.run_estimate.estimate_run_bytes` on the row's device) and
@@ -20,7 +21,7 @@ from pathlib import Path
 from fira_train.config.method_spec import parse_method_specs
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.recipes import get_recipe
-from fira_train.memory.run_estimate import estimate_run_bytes
+from fira_train.memory.run_estimate import estimate_run_bytes, is_estimated
 
 
 def reestimate(root: Path, overrides: list[str]) -> list[dict]:
@@ -37,6 +38,8 @@ def reestimate(root: Path, overrides: list[str]) -> list[dict]:
         size = record["recipe"] if folder == record["recipe"] else f"{record['recipe']} ({folder})"
         for row in record["rows"]:
             config = parse_method_specs(row["method"])[0].config(base, ".")
+            if not is_estimated(config.optim.method):  # LoRA's rows: measured, never estimated
+                continue
             now = estimate_run_bytes(config, row["measured"]["vocab_size"], row["measured"]["device"])
             out.append({"size": size, "method": row["method"],
                         "measured": row["measured_peak_bytes"], "then": row["estimated_bytes"],

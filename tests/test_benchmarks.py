@@ -132,6 +132,9 @@ def test_memory_reestimate_rebuilds_each_rows_config_on_its_device(tmp_path: Pat
         rows.append({"method": method, "measured_peak_bytes": 1,
                      "estimated_bytes": estimate_run_bytes(config, 32000)["total"],
                      "measured": {"parameters": 58 * 10**6, "vocab_size": 32000, "device": device}})
+    # measure's LoRA row carries no estimate: it is left out, not estimated as full AdamW
+    rows.append({"method": "lora", "measured_peak_bytes": 1, "estimated_bytes": None,
+                 "measured": {"parameters": 58 * 10**6, "vocab_size": 32000, "device": "cpu"}})
     (tmp_path / "60m").mkdir()
     (tmp_path / "60m" / "memory.json").write_text(json.dumps({"recipe": "60m", "rows": rows}))
     cpu, cuda, fira = reestimate(tmp_path, overrides)

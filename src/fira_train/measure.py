@@ -30,7 +30,7 @@ from fira_train.config.overrides import changed_keys, describe_changed, flat_con
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import locked, read_json, write_text_atomic
-from fira_train.memory.run_estimate import UNESTIMATED_METHODS, estimate_run_bytes
+from fira_train.memory.run_estimate import estimate_run_bytes, is_estimated
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
 from fira_train.run.peak_memory import current_rss_bytes, env_prefix, malloc_env, reset_rss_peak, rss_peak_bytes
@@ -131,8 +131,8 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     for index, (spec, run_config) in enumerate(zip(specs, configs), start=1):
         log.info("[%d/%d] %s: %d steps", index, len(specs), spec.text, steps)
         measured = run_isolated(measure_run, run_config, steps)
-        estimate = (None if spec.name in UNESTIMATED_METHODS
-                    else estimate_run_bytes(run_config, measured["vocab_size"], measured["device"]))
+        estimate = (estimate_run_bytes(run_config, measured["vocab_size"], measured["device"])
+                    if is_estimated(run_config.optim.method) else None)
         rows.append({"method": spec.text, "measured_peak_bytes": measured["measured_peak_bytes"],
                      "estimated_bytes": estimate and estimate["total"], "estimate": estimate,
                      "date": date.today().isoformat(),

@@ -75,10 +75,19 @@ ONE_STATE_METHODS = ("sgd", "adagrad")
 FOREACH_METHODS = ("adamw", "adamw-grouped")
 
 
+def is_estimated(method: str) -> bool:
+    """Whether :func:`estimate_run_bytes` models ``method`` (see :data:`UNESTIMATED_METHODS`)."""
+    return method not in UNESTIMATED_METHODS
+
+
 def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu") -> dict[str, Any]:
     """``{"weights", "gradients", "optimizer_states", "activations", "step_temporaries",
-    "total"}`` in bytes."""
+    "total"}`` in bytes. A method this estimate does not model (:func:`is_estimated`) is a
+    ``ValueError``: a number for it would be full-weight AdamW's."""
     m, o, t = config.model, config.optim, config.train
+    if not is_estimated(o.method):
+        raise ValueError(f"optim.method={o.method!r}: the run estimate does not model it "
+                         f"(not estimated: {', '.join(UNESTIMATED_METHODS)})")
     h, layers = m.hidden_size, m.num_hidden_layers
     weight_bytes = 2 if t.param_dtype == "bfloat16" else 4
     # grouped KV heads (model.num_key_value_heads) are counted as full heads: an upper bound

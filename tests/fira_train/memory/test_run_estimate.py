@@ -194,3 +194,15 @@ def test_the_state_estimate_equals_every_committed_measurement() -> None:
                 (str(path), row["method"])
             checked += 1
     assert checked >= 50
+
+
+def test_lora_is_refused_not_estimated_as_full_adamw() -> None:
+    """LoRA's adapters beside frozen weights are not modelled: asking is an error naming the
+    method (a number would be full-weight AdamW's), and :func:`is_estimated` says so first."""
+    import pytest
+
+    from fira_train.memory.run_estimate import is_estimated
+
+    assert not is_estimated("lora") and not is_estimated("relora") and is_estimated("fira")
+    with pytest.raises(ValueError, match="optim.method='lora'"):
+        _estimate("lora")
