@@ -102,9 +102,12 @@ def resume_point(config: FinetuneConfig) -> str | None:
         record = folder / "run_settings.json"
         saved = json.loads(record.read_text()) if record.is_file() else {}
         given, effective = _settings(config, effective=False), _settings(config)
-        # a key the record lacks (written before it was kept) is not compared; a value left out
-        # and one given equal to what it resolves to are the same run (records kept either)
-        differ = sorted(k for k in effective if k in saved and saved[k] not in (given[k], effective[k]))
+        unused = {k for k, v in config.used_options().items() if v is None}
+        # a key the record lacks (written before it was kept) is not compared, nor an option the
+        # method does not use; a value left out and one given equal to what it resolves to are the
+        # same run (records kept either)
+        differ = sorted(k for k in effective
+                        if k in saved and k not in unused and saved[k] not in (given[k], effective[k]))
         if differ:
             found = describe_changed(saved, effective, differ)
             raise FinetuneError(f"{folder} holds checkpoints of a run with other settings ({found}): "
@@ -114,10 +117,11 @@ def resume_point(config: FinetuneConfig) -> str | None:
 
 def _settings(config: FinetuneConfig, effective: bool = True) -> dict[str, Any]:
     """The :data:`RESUME_KEYS` of ``config`` as JSON values: as in effect (defaults resolved:
-    the learning rate, warm-up, training records and rank a run trains with), or as given."""
+    the learning rate, warm-up, training records and rank a run trains with; None for an option
+    the method does not use), or as given."""
     values = {k: v for k, v in asdict(config).items() if k in RESUME_KEYS}
     if effective:
-        values.update(lr=config.effective_lr, warmup_steps=config.effective_warmup, rank=config.effective_rank,
+        values.update(config.used_options(), lr=config.effective_lr, warmup_steps=config.effective_warmup,
                       max_train=train_limit(config))
     return json.loads(json.dumps(values, default=str))
 
@@ -242,7 +246,7 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
 
     if config.save_steps:  # what the checkpoints about to be written were made with
         checkpoint_dir(config).mkdir(parents=True, exist_ok=True)
-        (checkpoint_dir(config) / "run_settings.json").write_text(json.dumps(_settings(config), indent=2))
+        write_text_atomic(checkpoint_dir(config) / "run_settings.json", json.dumps(_settings(config), indent=2))
     earlier = earlier_sittings(config, resume)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

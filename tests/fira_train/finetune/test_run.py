@@ -439,8 +439,11 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     assert [(s["from_step"], s["to_step"]) for s in sittings] == [(0, 4)]  # to its last checkpoint
 
     # a default given explicitly is the same run: warm-up min(100, 6 // 10) = 0, one pass = 12 records;
+    # so is an option the method does not use, changed (fira: the adapters' rank; fira-lora trains
+    # adapters on lora_targets, not on the target_modules of the projected matrices);
     # a start that writes no checkpoints (--save-steps 0) still continues the earlier one's
-    resumed = run_cli([*argv(out), "--warmup-steps", "0", "--max-train", "12", "--save-steps", "0"])
+    unused = {"fira": ["--lora-r", "8"], "fira-lora": ["--target-modules", "q_proj"]}[method]
+    resumed = run_cli([*argv(out), "--warmup-steps", "0", "--max-train", "12", "--save-steps", "0", *unused])
     assert resumed["training"]["resumed_from_step"] == 4 and resumed["training"]["steps"] == 6
     both = resumed["training"]["sittings"]
     assert [(s["from_step"], s["to_step"]) for s in both] == [(0, 4), (4, 6)]
