@@ -115,15 +115,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = T
 
 def config_from_args(args: argparse.Namespace):
     """The recipe, then the flags (``--method`` -> ``optim.method`` too), then the overrides."""
-    from fira_train.config.overrides import apply_overrides, flag_settings, flags_given  # imports torch
+    from fira_train.config.overrides import apply_command_line, flags_given  # imports torch
     from fira_train.config.recipes import get_recipe
 
-    config = get_recipe(args.recipe)
     given = flags_given(args, FLAG_KEYS)
     if getattr(args, "method", None) is not None:
         given["optim.method"] = ("--method", args.method)
-    config = apply_overrides(config, flag_settings(given, args.overrides))
-    return apply_overrides(config, list(args.overrides))
+    return apply_command_line(get_recipe(args.recipe), given, args.overrides)
 
 
 def resume_request(args: argparse.Namespace) -> str | int | None:

@@ -73,15 +73,13 @@ def _config(args: argparse.Namespace):
     """The run config, and ``{key: how the command line gave it}`` for each setting it gave (an
     analysis refuses one it would replace in a run, even when equal to the recipe's value)."""
     from fira_train.config.overrides import (  # imports torch: not at parser build
-        apply_overrides, flag_settings, flags_given, override_key, refuse_overrides)
+        apply_command_line, flags_given, override_key, refuse_overrides)
     from fira_train.config.recipes import get_recipe
 
-    config = get_recipe(args.recipe)
     flags = flags_given(args, {"steps": "train.steps", "seed": "train.seed", "data": "data.source"})
     refuse_overrides(args.overrides, ("train.out_dir",),
                      "an analysis writes each run to OUT/<run>; choose OUT with --out")
-    config = apply_overrides(config, flag_settings(flags, args.overrides))
-    config = apply_overrides(config, list(args.overrides))
+    config = apply_command_line(get_recipe(args.recipe), flags, args.overrides)
     given = {key: f"{flag} {value}" for key, (flag, value) in flags.items()}
     given.update({override_key(o): o.strip() for o in args.overrides})
     return config, given

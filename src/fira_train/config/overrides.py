@@ -168,17 +168,19 @@ def flags_given(args: Any, keys: dict[str, str]) -> dict[str, tuple[str, Any]]:
             if getattr(args, dest, None) is not None}
 
 
-def flag_settings(flags: dict[str, tuple[str, Any]], overrides: Sequence[str]) -> dict[str, str]:
-    """The ``{key: value}`` overrides of the flags given on a command line (``flags``: key ->
-    ``(flag, value)``), after a ValueError for an override of a key a flag gives too: which one
-    won would depend on nothing written, as argparse keeps no order between the two."""
+def apply_command_line(config: RunConfig, flags: dict[str, tuple[str, Any]], overrides: Sequence[str]) -> RunConfig:
+    """``config`` with a command line's settings: the flags given (``flags``: key -> ``(flag,
+    value)``, from :func:`flags_given`), then the ``key=value`` overrides. An override of a key a
+    flag gives too is a ValueError: which one won would depend on nothing written, as argparse
+    keeps no order between the two."""
     for item in overrides:
         key = override_key(item)
         if key in flags:
             flag, value = flags[key]
             raise ValueError(f"{key} is given twice, by {flag} {value} and by the override {item.strip()!r}: "
                              "give it once")
-    return {key: str(value) for key, (_, value) in flags.items()}
+    config = apply_overrides(config, {key: str(value) for key, (_, value) in flags.items()})
+    return apply_overrides(config, list(overrides))
 
 
 def refuse_overrides(overrides: Sequence[str], keys: Sequence[str], setter: str) -> None:
