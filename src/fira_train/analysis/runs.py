@@ -129,15 +129,14 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
                        writer=f"this analysis ({title!r})")
     if not (reuse or overwrite):
         _check_no_earlier_runs(configs)
+    kept = _runs_to_reuse(runs, configs) if reuse else set()
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(config.data)  # trains and caches the tokenizer once, before any worker
     summaries: dict[str, dict[str, Any]] = {}
     pending = []
-    if reuse:
-        _check_no_other_finished_runs(runs, configs)
     for index, (run, cfg) in enumerate(zip(runs, configs), start=1):
         run_dir = Path(cfg.train.out_dir)
-        if reuse and _reusable(cfg, run, run_dir):
+        if run.name in kept:
             log.info("[%d/%d] %s: finished run reused from %s", index, len(runs), run.name, run_dir)
             summaries[run.name] = read_json(run_dir / "summary.json", hint=_REDO_HINT)
         else:
@@ -199,16 +198,21 @@ def refuse_step_in_backward(config: RunConfig, uses: str) -> None:
         raise ValueError(f"this analysis {uses}, which optim.step_in_backward=true frees: leave it off")
 
 
-def _check_no_other_finished_runs(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) -> None:
-    """FileExistsError, before anything trains, for a finished run that ``--reuse`` cannot keep:
-    made with another config or spec (``--steps 30`` then ``--steps 5 --reuse`` deleted and
-    retrained the 30-step runs without a word). Unfinished runs are trained again."""
+def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) -> set[str]:
+    """The names of the runs ``--reuse`` keeps: finished with the same config and spec.
+    FileExistsError, before anything trains, for a finished run it cannot keep: made with another
+    config or spec (``--steps 30`` then ``--steps 5 --reuse`` deleted and retrained the 30-step
+    runs without a word). Unfinished runs are trained again."""
+    kept = set()
     for run, cfg in zip(runs, configs):
         run_dir = Path(cfg.train.out_dir)
-        if (run_dir / "summary.json").exists() and not _reusable(cfg, run, run_dir):
+        if _reusable(cfg, run, run_dir):
+            kept.add(run.name)
+        elif (run_dir / "summary.json").exists():
             raise FileExistsError(f"{str(run_dir)!r} holds a finished run made with another config: --reuse keeps "
                                   "only runs of this one; pass --overwrite to train every run again, or choose "
                                   "another --out")
+    return kept
 
 
 def _check_no_earlier_runs(configs: Sequence[RunConfig]) -> None:
