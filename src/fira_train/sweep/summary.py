@@ -31,7 +31,7 @@ class MethodSummary:
     chosen_lr: float | None = None
     at_edge: bool = False
     complete: bool = False
-    """Whether every lr of its grid has a result (else the choice is provisional)."""
+    """Whether every lr of its grid has a result at every grid seed (else the choice is provisional)."""
     val: Spread | None = None
     test: Spread | None = None
     val_by_seed: dict[int, float] = field(default_factory=dict)
@@ -56,12 +56,15 @@ def summarize(specs: Sequence[str], lrs: dict[str, list[float]], results: dict[R
     for spec in specs:
         grid: dict[float, Spread | None] = {}
         diverged: dict[float, int] = {}
+        complete = True
         for lr in lrs[spec]:
             runs = [r for k, r in results.items() if k.spec == spec and k.lr == lr and k.seed in grid_seeds]
             grid[lr] = spread([r.val_ppl for r in runs]) if runs else None
             diverged[lr] = sum(r.diverged for r in runs)
+            # every grid seed, not only one: a mean over fewer seeds is not the one the choice is made on
+            complete = complete and {r.key.seed for r in runs} >= set(grid_seeds)
         row = MethodSummary(spec, grid, diverged)
-        row.complete = all(s is not None for s in grid.values())
+        row.complete = complete
         row.chosen_lr = choose_lr(grid)
         if row.chosen_lr is not None:
             ordered = sorted(lrs[spec])

@@ -72,6 +72,18 @@ def test_the_choice_uses_validation_only_and_flags_edges_and_gaps() -> None:
     assert c.chosen_lr == 0.001 and c.test.n == 3 and c.grid[0.001].n == 1
 
 
+def test_a_grid_with_some_seeds_missing_at_an_lr_is_not_complete() -> None:
+    """With every seed in the grid (``all_seeds``), an lr that has run at one of them only is a
+    mean over fewer seeds than the others: the choice is provisional and the report must say so."""
+    results = dict([_result("a", 0.001, 0, 30.0), _result("a", 0.001, 1, 31.0),
+                    _result("a", 0.01, 0, 20.0)])  # lr 0.01: seed 1 has not finished
+    (a,) = summarize(["a"], {"a": [0.001, 0.01]}, results, reference="a", grid_seeds=[0, 1])
+    assert a.chosen_lr == 0.01 and a.grid[0.01].n == 1 and not a.complete
+    results.update([_result("a", 0.01, 1, 45.0)])  # mean 32.5 against 30.5
+    (a,) = summarize(["a"], {"a": [0.001, 0.01]}, results, reference="a", grid_seeds=[0, 1])
+    assert a.chosen_lr == 0.001 and a.complete
+
+
 @pytest.fixture
 def in_process(monkeypatch: pytest.MonkeyPatch) -> list:
     """Runs train in this process (fast); records the configs trained."""
