@@ -5,7 +5,10 @@ r"""Each matrix's update inside the backward pass, so that full gradients never 
 that parameter's whole step (refresh, projection, Adam on ``R``, scaling, limiter, commit) and
 frees the gradient. At most one layer's full gradients exist at a time instead of the whole
 model's: the memory of the gradients drops from the model's size to its largest few matrices.
-``optimizer.step()`` becomes a no-op (keep calling it: schedulers and step hooks expect it).
+``optimizer.step()`` becomes a no-op for the hooked parameters (keep calling it: schedulers and
+step hooks expect it, and it updates the parameters no hook covers: those that did not require a
+gradient when the hooks were registered and were unfrozen since, which it hooks for the next
+backward pass; a group added with ``add_param_group`` is hooked as it is added).
 
 What stays the same: learning-rate schedulers (the hooks read ``param_groups`` when they run),
 ``state_dict`` / ``load_state_dict`` and exact resume, projection refreshes (each matrix counts
@@ -58,15 +61,33 @@ class StepInBackward:
         self._accumulating = False
         self._active = True
         self._hooks: list = []
+        self._covered: set = set()  # the parameters whose update a hook runs
         self._ddp = _is_ddp(model)
         if self._ddp:
             model.register_comm_hook(state=None, hook=self._ddp_hook)
+            self._covered.update(p for p in model.parameters() if p.requires_grad)
         else:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad:
-                        self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+            self.cover([p for group in optimizer.param_groups for p in group["params"]])
         optimizer._in_backward = self
+
+    def cover(self, params) -> None:
+        """Hook those of ``params`` that require a gradient and have no hook yet (outside DDP,
+        whose communication hook covers the model's parameters from the start)."""
+        if self._ddp or not self._active:
+            return
+        for p in params:
+            if p.requires_grad and p not in self._covered:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+                self._covered.add(p)
+
+    def uncovered(self) -> list:
+        """The parameters of the optimizer that have a gradient no hook took: frozen when the hooks
+        were registered and unfrozen since, or, under DDP, not in the model. ``optimizer.step()``
+        updates them (nothing while :meth:`accumulate` is entered, as for the hooked ones)."""
+        if self._accumulating:
+            return []
+        return [p for group in self.optimizer.param_groups for p in group["params"]
+                if p.grad is not None and p not in self._covered]
 
     def _hook(self, p: torch.Tensor) -> None:
         if self._accumulating or not self._active:
@@ -116,6 +137,7 @@ class StepInBackward:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._covered.clear()
         self._active = False
         if self.optimizer._in_backward is self:
             self.optimizer._in_backward = None

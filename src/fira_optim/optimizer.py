@@ -257,6 +257,8 @@ class Fira(Optimizer):
         except Exception:  # a refused group is not kept: step() would train it as given
             del self.param_groups[count:]
             raise
+        if self._in_backward is not None:  # its parameters are updated in the backward pass too
+            self._in_backward.cover(param_group["params"])
 
     def _check_new_group(self, gi: int) -> None:
         """The checks of the group just appended as ``param_groups[gi]`` (torch's
@@ -382,8 +384,13 @@ class Fira(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._in_backward is None:  # else the parameters were updated in the backward pass
+        if self._in_backward is None:
             self._step_params(None)
+        else:  # the hooked parameters were updated in the backward pass; the rest here
+            rest = self._in_backward.uncovered()
+            if rest:
+                self._step_params(set(rest))
+                self._in_backward.cover(rest)  # unfrozen since the hooks were registered
         return loss
 
     @torch.no_grad()

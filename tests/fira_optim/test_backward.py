@@ -120,6 +120,37 @@ def test_step_is_a_no_op_and_remove_restores_it():
     assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), after_backward))
 
 
+
+@pytest.mark.parametrize("change", ["add_param_group", "unfreeze"])
+def test_parameters_no_hook_covered_yet_are_trained_as_by_step(change):
+    # A group added after step_in_backward, and a weight frozen then and unfrozen since, are
+    # trained exactly as without it (they used to be left untouched: step() did nothing).
+    runs = []
+    for in_backward in (False, True):
+        model = _net()
+        matrices = [model.a.weight, model.b.weight]
+        later = model.c.weight if change == "add_param_group" else model.b.weight
+        if change == "unfreeze":
+            later.requires_grad_(False)
+        rest = [p for p in model.parameters() if all(p is not q for q in (model.a.weight, model.b.weight,
+                                                                           model.c.weight))]
+        opt = FiraAdamW([{"params": matrices, "rank": 3, "update_proj_gap": 3}, {"params": rest}],
+                        lr=0.02, weight_decay=0.1)
+        if in_backward:
+            step_in_backward(opt)
+        _train(model, opt, 2)
+        if change == "add_param_group":
+            opt.add_param_group({"params": [later], "rank": 3, "update_proj_gap": 3})
+        else:
+            later.requires_grad_(True)
+        _train(model, opt, 4)
+        if in_backward:
+            assert later.grad is None  # hooked by now: its update runs in the backward pass
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.equal(p, q)
+
+
 def test_resume_in_backward_is_exact():
     model = _net()
     opt = _optimizer(model)
