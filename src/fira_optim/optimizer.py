@@ -344,6 +344,9 @@ class Fira(Optimizer):
         finally:
             pre.remove()
             post.remove()
+        # The loaded groups, states and ranks replace the ones the cached layout was built for
+        # (a rank the load set is not a rank changed during training).
+        self.__dict__.pop("_layout", None)
 
     def _retake_loaded(self, loaded: dict[str, Any]) -> None:
         """The loaded state tensors by this optimizer's dtype policy (see load_state_dict), then

@@ -1,6 +1,8 @@
 """State and checkpoints (RELIABILITY.md section B): exact resume, weights-only loads, the
 zero-gradient step of torch.distributed.checkpoint, loading errors, old state dicts, dtypes."""
 
+import copy
+
 import pytest
 import torch
 
@@ -225,6 +227,31 @@ def _trained_state_dict(shapes=SHAPES, rank=3):
     opt = FiraAdamW([{"params": projected, "rank": rank}, {"params": plain}], lr=1e-2)
     run(opt, params, grad_sequence(shapes, 2, seed=26))
     return round_trip(opt.state_dict())
+
+
+
+def test_a_state_dict_loads_into_a_stepped_optimizer_as_into_a_fresh_one():
+    # The saved groups' options win, as in torch: a group built with rank=None takes the saved
+    # rank. An optimizer that had stepped before the load refused its next step, saying the
+    # rank had changed during training.
+    sd = _trained_state_dict(rank=3)
+    grads = grad_sequence(SHAPES, 3, seed=5)
+    runs = []
+    for stepped in (False, True):
+        params = make_params(SHAPES)
+        start = [p.detach().clone() for p in params]
+        opt = FiraAdamW([{"params": params[:3]}, {"params": params[3:]}], lr=1e-2)
+        if stepped:
+            run(opt, params, grads[:1])
+            with torch.no_grad():
+                for p, p0 in zip(params, start):
+                    p.copy_(p0)
+        opt.load_state_dict(copy.deepcopy(sd))  # a load shares the state dict's tensors
+        assert opt.param_groups[0]["rank"] == 3
+        run(opt, params, grads[1:])
+        runs.append((params, opt))
+    assert_params_equal(runs[0][0], runs[1][0])
+    assert_states_equal(state_snapshot(runs[0][1]), state_snapshot(runs[1][1]))
 
 
 def test_load_with_a_different_number_of_groups_raises():
