@@ -4,7 +4,9 @@ refuses before anything is loaded.
 Accepted and converted: step counters saved as plain numbers (older torch, many trainers), and
 the state of the released ``fira`` package (its ``GradientProjector`` objects become ``basis``
 tensors, its ``scaling_grad`` the limiter's ``prev_norm``), so a run of ``fira.FiraAdamW``
-continues under :class:`fira_optim.FiraAdamW`.
+continues under :class:`fira_optim.FiraAdamW`; and ``galore-torch``'s (the same projector
+objects, and its group key ``scale`` read as ``alpha``), so a run of ``galore_torch.GaLoreAdamW``
+continues under :class:`fira_optim.GaLoreAdamW`.
 
 Refused, with the reason: a state dict whose projected groups were saved at another rank or
 projection rule or with another base optimizer (its tensors would not fit), and one not saved by
@@ -51,8 +53,14 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
 
 def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:
     """``saved`` with plain-number steps as tensors, the released package's per-matrix state in
-    this optimizer's form, and int8 second moments of earlier versions coded as square roots
-    (:func:`fira_optim.precision.root_coded`); ``saved`` itself is not modified."""
+    this optimizer's form, galore-torch's group key ``scale`` as ``alpha`` (the optimizer's
+    default ``alpha`` would replace it otherwise), and int8 second moments of earlier versions
+    coded as square roots (:func:`fira_optim.precision.root_coded`); ``saved`` itself is not
+    modified."""
+    groups = saved.get("param_groups", [])
+    if any("scale" in g and "alpha" not in g for g in groups):
+        saved = {**saved, "param_groups": [{**g, "alpha": g["scale"]} if "scale" in g and "alpha" not in g
+                                           else g for g in groups]}
     state = saved.get("state", {})
     if not any(_needs_upgrade(s) for s in state.values()):
         return saved

@@ -176,3 +176,33 @@ def test_a_run_of_fira_1_0_2_continues_under_fira_optim():
         ours.step()
     for p, q in zip(our_model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, **TOL[torch.float32])
+
+
+def test_a_run_of_galore_torch_continues_under_galore_adamw():
+    """Migration: ``galore_torch.GaLoreAdamW``'s state dict (pickled projector objects, int
+    steps, the group key ``scale``) loads into ``GaLoreAdamW(arithmetic="released")``, which then
+    takes the very steps galore-torch would have taken. (The saved groups replace the
+    optimizer's, and their ``scale`` used to be dropped for the default ``alpha``.)"""
+    ref_model, our_model = _models(torch.float32)
+    scale = 2 * ALPHA  # not the constructor's default alpha
+    ref = galore_adamw_class()(_galore_groups(ref_model, scale=scale), lr=LR, eps=1e-8,
+                               weight_decay=0.1, no_deprecation_warning=True)
+    shapes = [tuple(p.shape) for p in ref_model.parameters()]
+    grads = grad_sequence(shapes, STEPS, seed=3)
+    for row in grads[:4]:
+        _inject(ref_model, row)
+        ref.step()
+    with torch.no_grad():
+        for p, q in zip(our_model.parameters(), ref_model.parameters()):
+            p.copy_(q)
+    ours = GaLoreAdamW(_galore_groups(our_model, scale=scale), lr=LR, eps=1e-8, weight_decay=0.1,
+                       arithmetic="released", align_signs=False)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert ours.param_groups[1]["alpha"] == scale
+    for row in grads[4:]:  # across the refreshes at steps 6 and 9
+        _inject(ref_model, row)
+        _inject(our_model, row)
+        ref.step()
+        ours.step()
+    for p, q in zip(our_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, **TOL[torch.float32])
