@@ -27,6 +27,11 @@ What changes:
 - **Gradient clipping by the global norm** cannot work (the norm of all gradients exists only
   after the last of them, when most updates are done): Fira's norm-growth limiter bounds each
   matrix's residual update instead; clip per matrix in your own hook if you need more.
+- **Loss scaling** (``torch.amp.GradScaler``, for fp16 autocast) cannot work either: the hooks
+  update from the scaled gradients before ``scaler.unscale_`` could see them, an overflow is a
+  non-finite gradient (per ``nonfinite``) instead of a smaller scale, and ``scaler.step``
+  then finds no gradients ("No inf checks were recorded"). Use bf16 autocast, which needs no
+  scaling.
 - **DDP**: pass the DDP model. The update then runs in DDP's communication hook, on each
   bucket's all-reduced (averaged) gradients, instead of the local ones; DDP's buckets still
   hold the model's gradients, so the memory saving under DDP is the optimizer's temporaries, not

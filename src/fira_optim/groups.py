@@ -79,7 +79,9 @@ def param_groups(
     embeddings or the output head (``get_output_embeddings()`` and any weight tied to an
     embedding), nor 1-D tensors. ``include`` / ``exclude`` are regular expressions searched in
     the module name (``include`` restricts the projected set, ``exclude`` removes from it).
-    Tied weights appear once. ``group_options`` (e.g. ``proj_type``, ``gamma``, any variant
+    Tied weights appear once. Parameters frozen at the call (``requires_grad=False``) are left
+    out, as the Hugging Face Trainer leaves them out of its optimizer: one unfrozen later trains
+    only once added (``optimizer.add_param_group``). ``group_options`` (e.g. ``proj_type``, ``gamma``, any variant
     setting) are set on the projected group. A model with 2-D weights none of which qualifies
     gets a ``UserWarning``: the optimizer would be plain AdamW.
     """
