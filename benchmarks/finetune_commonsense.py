@@ -444,7 +444,7 @@ def main() -> None:
         from fira_train.finetune.commonsense import default_data_dir
 
         args.data_dir = str(default_data_dir())
-    if not Path(args.data_dir).is_dir():
+    if not args.report_only and not Path(args.data_dir).is_dir():  # a report reads the runs' records only
         parser.error(f"--data-dir {args.data_dir!r} is not a directory (the LLM-Adapters commonsense files)")
     out = Path(args.out)
     report = Path(args.report) if args.report else out.parent / "report.md"

@@ -269,6 +269,21 @@ def test_finetune_benchmark_records_every_sitting_that_trains(tmp_path: Path) ->
     assert bench.sittings(bench.next_header(legacy, second)) == [first, second]
 
 
+def test_finetune_benchmark_report_only_needs_no_data(tmp_path: Path, monkeypatch) -> None:
+    """--report-only reads the runs' records, not the commonsense files: it works without them
+    (a training command still refuses a missing --data-dir)."""
+    bench = _finetune_benchmark()
+    out, absent = tmp_path / "runs", tmp_path / "absent"
+    out.mkdir()
+    argv = ["finetune_commonsense.py", "--methods", "fira", "--data-dir", str(absent), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--report-only"])
+    bench.main()
+    assert "Fira" in (tmp_path / "report.md").read_text()
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        bench.main()
+
+
 @needs_proc
 def test_finetune_benchmark_stopped_by_sigterm_stops_its_run(tmp_path: Path, monkeypatch) -> None:
     """A benchmark sent SIGTERM alone (not its process group) must not leave its current run
