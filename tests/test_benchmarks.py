@@ -275,6 +275,7 @@ def test_finetune_benchmark_report_only_needs_no_data(tmp_path: Path, monkeypatc
     bench = _finetune_benchmark()
     out, absent = tmp_path / "runs", tmp_path / "absent"
     out.mkdir()
+    monkeypatch.setattr(bench.signal, "signal", lambda *args: None)  # main's SIGTERM handler: not pytest's
     argv = ["finetune_commonsense.py", "--methods", "fira", "--data-dir", str(absent), "--out", str(out)]
     monkeypatch.setattr(sys, "argv", [*argv, "--report-only"])
     bench.main()
