@@ -235,17 +235,17 @@ def validate_group(g: dict) -> None:
     _check_real("lr", lr)
     for key in ("eps", "weight_decay", "alpha", "gamma", "clip_norm", "mu"):
         _check_real(key, g[key])
-    if isinstance(g["betas"], (str, bytes)) or not hasattr(g["betas"], "__len__"):
-        raise ValueError(f"Invalid betas: {g['betas']!r}; expected a pair of numbers")
-    for beta in g["betas"]:
+    betas = g["betas"]
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__"):
+        raise ValueError(f"Invalid betas: {betas!r}; expected a pair of numbers")
+    for beta in betas:
         _check_real("betas", beta)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"Invalid betas: {betas}; each must be in [0, 1)")
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate (lr): {g['lr']}")
     if not 0.0 <= g["eps"]:
         raise ValueError(f"Invalid epsilon value (eps): {g['eps']}")
-    betas = g["betas"]
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"Invalid betas: {betas}; each must be in [0, 1)")
     if not 0.0 <= g["weight_decay"]:
         raise ValueError(f"Invalid weight_decay value: {g['weight_decay']}")
     gap = _integer(g["update_proj_gap"])
