@@ -163,6 +163,19 @@ def test_benchmarks_page_is_what_render_writes_from_the_committed_json() -> None
     assert "Kept run `throughput_tiny_memory_options.json`" not in page
 
 
+def test_readme_quotes_the_committed_compile_times() -> None:
+    """The README's compile times are the committed benchmark JSON's, rounded as it prints them
+    (it had kept an earlier run's CPU figure after the page was regenerated)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    quoted = re.search(r"the first step compiles: ([\d.]+) s on the CPU and ([\d.]+) s on an H200", readme)
+    assert quoted, "README no longer quotes the compile times: update this test"
+    for text, name in zip(quoted.groups(), ("optimizer_step.json", "optimizer_step_cuda.json")):
+        measured = json.loads((ROOT / "docs" / "benchmarks" / name).read_text())["compiled_first_step_s"]
+        assert text == f"{measured:.1f}", name
+
+
 def _benchmark(name: str):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
