@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fira_train.cli_args import IntermixedArgumentParser
+from fira_train.cli_args import IntermixedArgumentParser, StoreOnce
 from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import is_rank_zero
@@ -222,7 +222,7 @@ def _register_compare(subparsers: Any) -> None:
         "compare", help="pre-train several methods on the same data and write a report",
         description="Run several methods on the same data, tokens and seed, one after another, "
                     "into OUT/<method>/, then write OUT/report.md and OUT/loss.png.")
-    parser.add_argument("--methods", required=True,
+    parser.add_argument("--methods", required=True, action=StoreOnce,
                         help="comma-separated method specs NAME[@key=value...], e.g. fira,galore@optim.rank=16,adamw")
     parser.add_argument("--out", help="output directory (default: runs/<recipe>-compare)")
     add_run_arguments(parser, command="compare")
@@ -280,7 +280,7 @@ def _register_sweep(subparsers: Any) -> None:
                     "reference and its 95% interval: OUT/report.md, OUT/sweep.json, OUT/lr.png. Runs "
                     "live in OUT/<spec>/lr=<lr>/seed=<seed>/; with --reuse a sweep continues "
                     "where it stopped.")
-    parser.add_argument("--methods",
+    parser.add_argument("--methods", action=StoreOnce,
                         help="comma-separated method specs NAME[@key=value...], e.g. "
                              "adamw,fira,adamw-grouped@optim.alpha=1 (required)")
     parser.add_argument("--lrs", action="append", metavar="[SPEC:]LR,...",
@@ -354,7 +354,7 @@ def _register_memory(subparsers: Any) -> None:
                     "measured peak beside the estimate.")
     parser.add_argument("--measure", action="store_true", help="measure real training steps")
     parser.add_argument("--recipe", help="with --measure: the recipe (60m, 130m, 350m, 1b, tiny, ...)")
-    parser.add_argument("--methods", help="with --measure: comma-separated method specs, e.g. "
+    parser.add_argument("--methods", action=StoreOnce, help="with --measure: comma-separated method specs, e.g. "
                                           "adamw,fira,fira@optim.step_in_backward=true@optim.state_dtype=int8")
     parser.add_argument("--steps", type=int, default=None,
                         help="with --measure: training steps per method (default 3)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-__all__ = ["IntermixedArgumentParser"]
+__all__ = ["IntermixedArgumentParser", "StoreOnce"]
 
 
 class IntermixedArgumentParser(argparse.ArgumentParser):
@@ -31,3 +31,16 @@ class IntermixedArgumentParser(argparse.ArgumentParser):
             return self.parse_known_intermixed_args(args, namespace)
         finally:
             self._intermixing = False
+
+
+class StoreOnce(argparse.Action):
+    """``store``, refusing a second value: argparse keeps the last one silently, and reads an
+    abbreviation as the whole flag, so ``compare --methods fira --method adamw`` trained adamw alone."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        earlier = getattr(namespace, self.dest, self.default)
+        if earlier is not self.default:
+            raise argparse.ArgumentError(self, f"given twice ({earlier!r}, then {option_string} {values!r}); "
+                                               "give it once, with every value in one comma-separated list")
+        setattr(namespace, self.dest, values)

@@ -120,6 +120,20 @@ def test_overrides_may_stand_anywhere_among_the_flags() -> None:
         parser.parse_args(["pretrain", "train.steps=3", "--method", "fira"])
 
 
+@pytest.mark.parametrize("command", [["compare", "--recipe", "micro"], ["sweep", "--recipe", "micro", "--lrs", "0.01",
+                                                                       "--out", "o"],
+                                     ["memory", "--measure", "--recipe", "micro"]])
+@pytest.mark.parametrize("again", ["--methods", "--method"])  # --method: argparse's abbreviation of --methods
+def test_methods_given_twice_is_refused(command, again, capsys) -> None:
+    """argparse kept the last value: `compare --methods fira --method adamw` trained adamw alone."""
+    parser = build_parser()
+    assert parser.parse_args([*command, "--methods", "fira,galore"]).methods == "fira,galore"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--methods", "fira", again, "adamw"])
+    err = capsys.readouterr().err
+    assert "argument --methods: given twice ('fira', then " in err and "'adamw'" in err
+
+
 def test_resume_flag_values() -> None:
     parser = build_parser()
     base = ["pretrain", "--recipe", "micro", "--method", "fira"]
