@@ -391,6 +391,9 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
             raise ValueError(f"ranks must be ints in [1, d_model={d_model}) to be projected, got {r!r}")
     refuse_step_in_backward(config, "reads each step's gradients after the step")
     every = every if every is not None else max(1, config.train.steps // 100)
+    for flag, value in (("--every", every), ("--columns", columns)):  # before any run folder is made
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} must be an int >= 1, got {value!r}")
     out = Path(out_dir)
     seed = config.train.seed
     runs = similarity_runs(ranks, every=every, columns=columns, seed=seed)

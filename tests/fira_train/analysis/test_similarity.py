@@ -234,3 +234,14 @@ def test_similarity_analysis_end_to_end(tmp_path: Path, corpus_root: Path) -> No
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="step_in_backward"):
         run_similarity(analysis_config(corpus_root, tmp_path / "run", "optim.step_in_backward=true"), out)
+
+
+@pytest.mark.parametrize(("every", "columns", "flag"), [(0, 10, "--every"), (-1, 10, "--every"), (2, 0, "--columns")])
+def test_similarity_refuses_bad_every_and_columns_before_any_run(tmp_path: Path, corpus_root: Path, every, columns,
+                                                                  flag) -> None:
+    """They were checked by the recorder, once the first run had started: after its folder was made."""
+    out = tmp_path / "similarity"
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=4")
+    with pytest.raises(ValueError, match=f"{flag} must be an int >= 1, got {min(every, columns)}"):
+        run_similarity(config, out, ranks=(8,), every=every, columns=columns)
+    assert not out.exists()
