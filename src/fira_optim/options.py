@@ -235,6 +235,12 @@ def validate_group(g: dict) -> None:
     _check_real("lr", lr)
     for key in ("eps", "weight_decay", "alpha", "gamma", "clip_norm", "mu"):
         _check_real(key, g[key])
+    # An infinite one of these only makes NaN updates (gamma: inf / inf in the limiter; alpha, lr,
+    # weight_decay: inf * 0 somewhere) or none at all (eps); torch.optim.AdamW lets them through.
+    for key, value in (("lr", lr), *((k, g[k]) for k in ("eps", "weight_decay", "alpha", "gamma"))):
+        if not math.isfinite(float(value)):
+            hint = " (the variant fira-no-limiter is Fira without the limiter)" if key == "gamma" else ""
+            raise ValueError(f"Invalid {key}: {value!r}; expected a finite number{hint}")
     betas = g["betas"]
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__"):
         raise ValueError(f"Invalid betas: {betas!r}; expected a pair of numbers")

@@ -259,7 +259,13 @@ def test_an_explicit_rank_is_the_default_of_dict_groups_without_one():
     ({"betas": "ab"}, "Invalid betas: 'ab'; expected a pair of numbers"),
     ({"betas": (0.9, "0.99")}, "Invalid betas: '0.99'"),
     ({"gamma": [1.01]}, "Invalid gamma: [1.01]"),
+    # infinite: NaN updates (the limiter's inf / inf, inf * 0) or none (eps); torch lets them through
+    ({"gamma": float("inf")}, "Invalid gamma: inf; expected a finite number (the variant fira-no-limiter"),
+    ({"alpha": float("inf")}, "Invalid alpha: inf; expected a finite number"),
+    ({"eps": float("inf")}, "Invalid eps: inf; expected a finite number"),
+    ({"weight_decay": float("inf")}, "Invalid weight_decay: inf; expected a finite number"),
+    ({"lr": torch.tensor(float("inf"))}, "Invalid lr: inf; expected a finite number"),
 ])
-def test_a_hyperparameter_that_is_not_a_number_is_named(options: dict, message: str):
+def test_a_hyperparameter_that_is_not_a_finite_number_is_named(options: dict, message: str):
     with pytest.raises(ValueError, match=re.escape(message)):
         FiraAdamW(_model().parameters(), rank=3, **options)

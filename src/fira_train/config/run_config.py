@@ -162,14 +162,6 @@ class OptimConfig:
                "a method name")
         if self.lr is not None:
             _check(_is_number(self.lr) and self.lr > 0, "optim.lr", self.lr, "None or a positive number")
-        # FiraAdamW's rules let an infinite alpha, gamma, eps or weight_decay through: each only makes
-        # NaN updates (gamma=inf: inf / inf in the limiter) or none at all (eps=inf), so the run
-        # "diverges" at its first steps or learns nothing. fira-no-limiter is Fira without the limiter.
-        for name in ("alpha", "gamma", "eps", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, float) and math.isinf(value):
-                hint = " (fira-no-limiter is Fira without the limiter)" if name == "gamma" else ""
-                raise ValueError(f"optim.{name}={value!r} is invalid: it must be a finite number{hint}")
         # The optimizer's own options: checked by fira_optim's constructor rules, not copies of them.
         for name in ("rank", "update_proj_gap", "alpha", "betas", "eps", "weight_decay", "gamma",
                      "projector", "implementation", "host_refresh", "stochastic_rounding", "state_dtype"):
