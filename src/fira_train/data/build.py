@@ -258,6 +258,9 @@ def build_corpus(spec: DataSpec) -> Corpus:
     if not isinstance(spec, DataSpec):
         raise TypeError(f"build_corpus expects a DataSpec, got {type(spec).__name__}")
     cache_dir = spec.resolved_cache_dir()
+    if Path(spec.source).suffix.lower() != PRETOKENIZED_SUFFIX:  # token files need no cache
+        # a file in the way fails here, not after a tokenizer was trained for a cache it cannot enter
+        cache_dir.mkdir(parents=True, exist_ok=True)
     if spec.source == C4 or spec.source.startswith(C4_LOCAL_PREFIX):
         return build_c4_corpus(spec, cache_dir)
     if spec.source == WIKI:

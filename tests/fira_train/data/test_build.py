@@ -357,3 +357,15 @@ def test_pretokenized_needs_its_tokenizer(tmp_path: Path, saved_tokenizer: Path)
     (tmp_path / "junk.npy").write_bytes(b"not numpy")
     with pytest.raises(ValueError, match=r"junk\.npy: not a readable \.npy"):
         build_corpus(spec_for(tmp_path / "junk.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))
+
+
+def test_a_file_in_place_of_the_cache_folder_fails_before_the_tokenizer_is_trained(tmp_path, monkeypatch) -> None:
+    """The cache folder is made first: a file in the way is an OSError naming it at once, not after
+    minutes of tokenizer training for a cache the corpus cannot be written to."""
+    source = write_jsonl(tmp_path / "docs.jsonl", make_docs(40))
+    in_the_way = tmp_path / "cache"
+    in_the_way.write_text("not a folder")
+    monkeypatch.setattr(build, "build_tokenizer", lambda *a, **k: pytest.fail("tokenizer trained"))
+    with pytest.raises(OSError) as caught:
+        build_corpus(spec_for(source, in_the_way))
+    assert caught.value.filename == str(in_the_way)
