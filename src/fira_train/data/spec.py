@@ -61,41 +61,41 @@ class DataSpec:
         if isinstance(self.source, os.PathLike):
             self.source = os.fspath(self.source)
         if not isinstance(self.source, str) or not self.source.strip():
-            raise ValueError(f"source must be 'wiki', 'c4', 'c4:FOLDER' or a path, got {self.source!r}")
+            raise ValueError(f"data.source must be 'wiki', 'c4', 'c4:FOLDER' or a path, got {self.source!r}")
         if self.source.startswith(C4_LOCAL_PREFIX) and not self.source[len(C4_LOCAL_PREFIX):].strip():
-            raise ValueError(f"source {self.source!r} names no folder after 'c4:'")
+            raise ValueError(f"data.source {self.source!r} names no folder after 'c4:'")
         if isinstance(self.tokenizer, os.PathLike):
             self.tokenizer = os.fspath(self.tokenizer)
         if not isinstance(self.tokenizer, str) or not self.tokenizer.strip():
-            raise ValueError(f"tokenizer must be 'bpe' or a Hugging Face name/path, got {self.tokenizer!r}")
-        require_int("vocab_size", self.vocab_size, MIN_BPE_VOCAB_SIZE if self.tokenizer == BPE else 1)
-        require_int("seq_len", self.seq_len, 2)  # one token has no next token to predict
+            raise ValueError(f"data.tokenizer must be 'bpe' or a Hugging Face name/path, got {self.tokenizer!r}")
+        require_int("data.vocab_size", self.vocab_size, MIN_BPE_VOCAB_SIZE if self.tokenizer == BPE else 1)
+        require_int("data.seq_len", self.seq_len, 2)  # one token has no next token to predict
         if (
             isinstance(self.val_fraction, bool)
             or not isinstance(self.val_fraction, (int, float))
             or not 0.0 < self.val_fraction < 1.0
         ):
-            raise ValueError(f"val_fraction must be a float in (0, 1), got {self.val_fraction!r}")
-        require_int("val_sequences", self.val_sequences, 1)
+            raise ValueError(f"data.val_fraction must be a float in (0, 1), got {self.val_fraction!r}")
+        require_int("data.val_sequences", self.val_sequences, 1)
         if (
             isinstance(self.test_fraction, bool)
             or not isinstance(self.test_fraction, (int, float))
             or not 0.0 <= self.test_fraction < 1.0
             or self.val_fraction + self.test_fraction >= 1.0
         ):
-            raise ValueError(f"test_fraction must be a float in [0, 1 - val_fraction), got {self.test_fraction!r} "
-                             f"(val_fraction={self.val_fraction!r})")
+            raise ValueError(f"data.test_fraction must be a float in [0, 1 - val_fraction), got {self.test_fraction!r} "
+                             f"(data.val_fraction={self.val_fraction!r})")
         if self.test_sequences is not None:
-            require_int("test_sequences", self.test_sequences, 1)
+            require_int("data.test_sequences", self.test_sequences, 1)
             if self.test_fraction == 0:
-                raise ValueError(f"test_sequences={self.test_sequences} asks for a test set, but test_fraction=0 "
-                                 f"holds none out")
+                raise ValueError(f"data.test_sequences={self.test_sequences} asks for a test set, but "
+                                 "data.test_fraction=0 holds none out")
         if self.max_train_tokens is not None:
-            require_int("max_train_tokens", self.max_train_tokens, 1)
+            require_int("data.max_train_tokens", self.max_train_tokens, 1)
         if isinstance(self.cache_dir, os.PathLike):
             self.cache_dir = os.fspath(self.cache_dir)
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir.strip()):
-            raise ValueError(f"cache_dir must be None or a folder path, got {self.cache_dir!r}")
+            raise ValueError(f"data.cache_dir must be None or a folder path, got {self.cache_dir!r}")
 
     def resolved_cache_dir(self) -> Path:
         """``cache_dir``, or the default (``$FIRA_CACHE`` or ``~/.cache/fira-train``)."""

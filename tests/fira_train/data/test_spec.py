@@ -46,7 +46,7 @@ def test_dataspec_rejects_bad_values_naming_field_and_value(field: str, value: o
     with pytest.raises(ValueError) as info:
         DataSpec(**{field: value})  # type: ignore[arg-type]
     message = str(info.value)
-    assert field in message and repr(value) in message
+    assert f"data.{field}" in message and repr(value) in message  # the key as an override writes it
 
 
 def test_test_sequences_need_a_test_split() -> None:
