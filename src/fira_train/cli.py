@@ -294,7 +294,8 @@ def _register_sweep(subparsers: Any) -> None:
                              "cores/jobs threads)")
     parser.add_argument("--reuse", action="store_true",
                         help="reuse finished runs in OUT and continue unfinished ones from their checkpoints "
-                             "(a run folder made with another config is an error, not redone)")
+                             "(a run folder made with another config, or on data that changed since, is an "
+                             "error, not redone)")
     parser.add_argument("--reference", help="the method the others are compared with (default fira, "
                                             "else the first)")
     parser.add_argument("--report-only", action="store_true",

@@ -80,7 +80,7 @@ def _train_all(config: RunConfig, methods: list[str], configs: list[RunConfig], 
     corpus = build_corpus(config.data)
     for index, (method, run_config) in enumerate(zip(methods, configs), start=1):
         run_dir = Path(run_config.train.out_dir)
-        if resume and finished_with(run_config, run_dir):
+        if resume and finished_with(run_config, run_dir, corpus.describe()):
             log.info("[%d/%d] %s: finished run found in %s, reused", index, len(methods), method, run_dir)
             continue
         log.info("[%d/%d] %s -> %s", index, len(methods), method, run_dir)

@@ -80,9 +80,9 @@ def run_config(config: RunConfig, run: AnalysisRun, out_dir: str | Path) -> RunC
 _REDO_HINT = "delete the run's folder (or pass --overwrite) to train it again"
 
 
-def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path) -> bool:
+def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path, data: dict[str, Any]) -> bool:
     spec = run_dir / RUN_SPEC_FILE
-    return (finished_with(config, run_dir) and spec.exists()
+    return (finished_with(config, run_dir, data) and spec.exists()
             and read_json(spec, hint=_REDO_HINT) == run.spec())
 
 
@@ -129,9 +129,9 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
                        writer=f"this analysis ({title!r})")
     if not (reuse or overwrite):
         _check_no_earlier_runs(configs)
-    kept = _runs_to_reuse(runs, configs) if reuse else set()
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(config.data)  # trains and caches the tokenizer once, before any worker
+    kept = _runs_to_reuse(runs, configs, corpus.describe()) if reuse else set()
     summaries: dict[str, dict[str, Any]] = {}
     pending = []
     for index, (run, cfg) in enumerate(zip(runs, configs), start=1):
@@ -198,15 +198,16 @@ def refuse_step_in_backward(config: RunConfig, uses: str) -> None:
         raise ValueError(f"this analysis {uses}, which optim.step_in_backward=true frees: leave it off")
 
 
-def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) -> set[str]:
-    """The names of the runs ``--reuse`` keeps: finished with the same config and spec.
-    FileExistsError, before anything trains, for a finished run it cannot keep: made with another
-    config or spec (``--steps 30`` then ``--steps 5 --reuse`` deleted and retrained the 30-step
-    runs without a word). Unfinished runs are trained again."""
+def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig], data: dict[str, Any]) -> set[str]:
+    """The names of the runs ``--reuse`` keeps: finished with the same config and spec, on the
+    data ``data`` describes (else a ValueError). FileExistsError, before anything trains, for a
+    finished run it cannot keep: made with another config or spec (``--steps 30`` then ``--steps 5
+    --reuse`` deleted and retrained the 30-step runs without a word). Unfinished runs are trained
+    again."""
     kept = set()
     for run, cfg in zip(runs, configs):
         run_dir = Path(cfg.train.out_dir)
-        if _reusable(cfg, run, run_dir):
+        if _reusable(cfg, run, run_dir, data):
             kept.add(run.name)
         elif (run_dir / "summary.json").exists():
             raise FileExistsError(f"{str(run_dir)!r} holds a finished run made with another config: --reuse keeps "

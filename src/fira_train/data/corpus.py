@@ -89,7 +89,8 @@ class Corpus(ABC):
     @abstractmethod
     def describe(self) -> dict[str, Any]:
         """``{"source", "train_tokens", "val_tokens", "test_tokens", "tokenizer", "vocab_size",
-        "seq_len"}``."""
+        "seq_len", "corpus"}``; ``corpus``: the fingerprint of the text, split, tokenizer and packing
+        (None where it is not computed: a streamed corpus)."""
 
     def _describe(self, train_tokens: int | None) -> dict[str, Any]:
         return {
@@ -100,6 +101,7 @@ class Corpus(ABC):
             "tokenizer": self.tokenizer_name,
             "vocab_size": self.vocab_size,
             "seq_len": self.seq_len,
+            "corpus": getattr(self, "identity", None),
         }
 
 

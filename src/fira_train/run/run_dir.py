@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from fira_train.config.overrides import changed_keys, describe_changed, flat_config
@@ -71,11 +72,42 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
                              f"run){hint}")
 
 
-def finished_with(config: RunConfig, run_dir: Path) -> bool:
+#: What a finished run's summary records of its data, compared where it has no fingerprint.
+DATA_IDENTITY = ("tokenizer", "vocab_size", "seq_len", "train_tokens", "val_tokens", "test_tokens")
+
+
+def finished_with(config: RunConfig, run_dir: Path, data: Mapping[str, Any] | None = None) -> bool:
     """Whether ``run_dir`` holds a finished run of ``config`` (learning rate resolved): equal up
-    to the keys that do not change the weights' trajectory (:data:`RESUMABLE_CHANGES`)."""
+    to the keys that do not change the weights' trajectory (:data:`RESUMABLE_CHANGES`).
+
+    ``data``: what the corpus the config gives now says of itself (``Corpus.describe()``). A
+    finished run of this config trained on other data (the same ``data.source`` whose text,
+    split or tokenizer changed since) is then a ValueError: reusing its numbers beside runs on
+    today's data would compare two corpora."""
     if not (run_dir / "summary.json").exists() or not (run_dir / "config.json").exists():
         return False
     saved = saved_config(read_json(run_dir / "config.json", hint="restore it, or delete the run's folder "
                                        "to train it again"))
-    return not config_changes(saved, resolved(config))
+    if config_changes(saved, resolved(config)):
+        return False
+    if data is not None:
+        check_same_data(run_dir, read_json(run_dir / "summary.json", hint="delete it to train the run again"), data)
+    return True
+
+
+def check_same_data(run_dir: Path, summary: Any, data: Mapping[str, Any]) -> None:
+    """ValueError if the finished run in ``run_dir``, whose ``summary.json`` holds ``summary``,
+    records other data than ``data`` (see :func:`finished_with`): its corpus fingerprint where
+    both sides have one, else the tokenizer and the split's sizes (:data:`DATA_IDENTITY`) that
+    both record."""
+    saved = summary.get("data") if isinstance(summary, dict) else None
+    if not isinstance(saved, dict):
+        return  # nothing recorded to compare
+    keys = ["corpus"] if saved.get("corpus") and data.get("corpus") else [
+        k for k in DATA_IDENTITY if saved.get(k) is not None and data.get(k) is not None]
+    differ = [k for k in keys if saved[k] != data[k]]
+    if differ:
+        found = ", ".join(f"{k}={saved[k]!r} (now {data[k]!r})" for k in differ)
+        raise ValueError(f"{str(run_dir)!r} holds a finished run of this config trained on other data than "
+                         f"data.source={data.get('source')!r} gives now ({found}: its text, split or tokenizer "
+                         "changed since); train it again with --overwrite, or choose another --out")

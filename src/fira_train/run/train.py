@@ -64,7 +64,7 @@ from fira_train.run.metrics import MetricsLog, perplexity
 from fira_train.run.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, shard_batch
 from fira_train.run.peak_memory import PeakMemory
 from fira_train.run.rng import seed_everything
-from fira_train.run.run_dir import finished_with, prepare_out_dir
+from fira_train.run.run_dir import check_same_data, finished_with, prepare_out_dir
 from fira_train.run.run_lock import locked_run_directory
 from fira_train.run.state import capture_state, restore_state
 from fira_train.run.training import Training, autocast_for, build_training, resolve_device
@@ -208,7 +208,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if main and resume is not None:
         for path in ckpt.recover_swapped(out):  # before any rank looks for checkpoints
             log.warning("put back %s, which a run killed while saving that step again had set aside", path)
-    finished = _finished_summary(config, out, resume, env, main)
+    finished = _finished_summary(config, out, resume, env, main, corpus)
     if finished is not None:
         log.info("%s holds this run, finished: nothing to resume (its summary.json is kept; "
                  "--resume-step N trains again from step N)", out)
@@ -369,19 +369,24 @@ def _sitting_totals(earlier: dict[str, Any], run_start: float, memory: PeakMemor
 
 
 def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, env: DistributedEnv | None,
-                      main: bool) -> dict[str, Any] | None:
+                      main: bool, corpus: Any) -> dict[str, Any] | None:
     """The summary of the finished run of ``config`` in ``out`` (its summary and its final
     checkpoint there) when ``--resume`` has nothing to train; None otherwise. It stands, as a
     sitting that trains nothing would replace the run's throughput, wall time and peak memory
-    with those of loading and evaluating it. Decided by rank 0 (the run directory is locked by
-    then); under torchrun the others take its answer."""
+    with those of loading and evaluating it; a ValueError if it was trained on other data than
+    ``corpus`` (built here if None) holds. Decided by rank 0 (the run directory is locked by then);
+    under torchrun the others take its answer."""
     if resume != "latest":
         return None
 
     def decide() -> dict[str, Any] | None:
         done = finished_with(config, out) and any(
             step >= config.train.steps for step, _ in ckpt.complete_checkpoints(out))  # its last one kept
-        return read_json(out / "summary.json", hint="delete summary.json and run with --resume again: the final "
-                                                    "checkpoint is evaluated again, nothing retrained") if done else None
+        if not done:
+            return None
+        summary = read_json(out / "summary.json", hint="delete summary.json and run with --resume again: the "
+                                                       "final checkpoint is evaluated again, nothing retrained")
+        check_same_data(out, summary, (corpus if corpus is not None else build_corpus(config.data)).describe())
+        return summary
 
     return resume_check.decided_on_rank_zero(env, decide) if env is not None else (decide() if main else None)

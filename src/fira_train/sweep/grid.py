@@ -84,10 +84,11 @@ def seed_runs(chosen: dict[str, float], seeds: Sequence[int]) -> list[RunKey]:
     return [RunKey(spec, lr, seed) for spec, lr in chosen.items() for seed in seeds]
 
 
-def _saved_result(key: RunKey, config: RunConfig, folder: Path) -> RunResult | None:
+def _saved_result(key: RunKey, config: RunConfig, folder: Path, data: dict[str, Any]) -> RunResult | None:
     """The outcome of ``key`` if its folder holds a finished or diverged run of ``config`` (equal
-    up to the keys that do not change a trajectory, as for resuming)."""
-    if finished_with(config, folder):
+    up to the keys that do not change a trajectory, as for resuming); a finished one trained on
+    other data than ``data`` (the corpus's description) is a ValueError."""
+    if finished_with(config, folder, data):
         return _result(key, read_json(folder / "summary.json"))
     marker = folder / DIVERGED_FILE
     if marker.exists():
@@ -134,11 +135,14 @@ def execute(keys: Sequence[RunKey], base: RunConfig, out_dir: Path, *, jobs: int
     """
     results: dict[RunKey, RunResult] = {}
     todo: list[tuple[RunKey, RunConfig]] = []
+    # tokenizer and token cache built once, before any worker needs them; what a reused run was
+    # trained on is checked against it
+    data = build_corpus(base.data).describe()
     for key in dict.fromkeys(keys):  # in order, without repeats
         if key in done:
             continue
         config = run_config(base, key, out_dir, jobs)
-        saved = _saved_result(key, config, key.folder(out_dir)) if reuse else None
+        saved = _saved_result(key, config, key.folder(out_dir), data) if reuse else None
         if saved is not None:
             results[key] = saved
             if on_result is not None:
@@ -149,7 +153,6 @@ def execute(keys: Sequence[RunKey], base: RunConfig, out_dir: Path, *, jobs: int
         return results
     if not reuse:
         check_fresh([key for key, _ in todo], out_dir)
-    build_corpus(base.data)  # tokenizer and token cache once, before any worker needs them
     for key, config in todo:
         log.info("sweep: %s at lr %g, seed %d -> %s", key.spec, key.lr, key.seed, config.train.out_dir)
 

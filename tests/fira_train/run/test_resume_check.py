@@ -188,6 +188,39 @@ def test_resuming_a_finished_run_keeps_its_summary(tmp_path: Path) -> None:
     assert again["val_loss"] == summary["val_loss"] and again["sittings"] == 2
 
 
+def test_a_finished_run_on_other_data_is_neither_kept_nor_reused(tmp_path: Path) -> None:
+    """The same config on a corpus whose text, split or tokenizer changed since (a package update
+    of the tokenizer recipe): --resume, compare/sweep/analyze reuse refuse the finished run
+    instead of keeping numbers measured on other data. A summary from before corpora were
+    fingerprinted is compared by its tokenizer and split sizes."""
+    from fira_train.data.build import build_corpus
+    from fira_train.run.run_dir import finished_with
+
+    config = micro_config(tmp_path, *COMMON)
+    train(config)
+    run = tmp_path / "run"
+    data = build_corpus(config.data).describe()
+    assert data["corpus"] and json.loads((run / "summary.json").read_text())["data"] == data
+    assert finished_with(config, run, data)
+
+    summary = json.loads((run / "summary.json").read_text())
+    summary["data"]["corpus"] = "0" * 32  # trained on another corpus
+    (run / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match=r"trained on other data than data.source=.*corpus='0000"):
+        train(config, resume="latest")
+    with pytest.raises(ValueError, match="train it again with --overwrite"):
+        finished_with(config, run, data)
+    assert finished_with(config, run)  # no data given: the config alone (the check is the caller's)
+
+    del summary["data"]["corpus"]  # a summary written before fingerprints: tokenizer and sizes
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert finished_with(config, run, data)
+    summary["data"]["tokenizer"] = "bpe300-another"
+    (run / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match=r"tokenizer='bpe300-another' \(now 'bpe300-"):
+        finished_with(config, run, data)
+
+
 def test_a_damaged_summary_of_a_finished_run_says_how_to_rebuild_it(tmp_path: Path) -> None:
     """The hint said to delete the whole run; the final checkpoint evaluates it again."""
     config = micro_config(tmp_path, *COMMON)
