@@ -771,11 +771,11 @@ def _split_flat_params(params, rank, explicit: bool):
     if not explicit or any("rank" in group for group in params):
         return params
     groups = []
-    for group in params:
+    for gi, group in enumerate(params):
         given = group.get("params")
-        if isinstance(given, set):  # torch's own refusal, which the split would otherwise skip
-            raise TypeError("optimizer parameters need to be organized in ordered collections, but the "
-                            "ordering of tensors in sets will change between runs. Please use a list instead.")
+        if isinstance(given, set):  # torch refuses sets too, but only after this split would have run
+            raise TypeError(f"param group {gi}: 'params' is a set, whose order changes from run to run (a "
+                            "saved state would then load into other tensors): give a list")
         tensors = [given] if isinstance(given, torch.Tensor) else list(given or [])
         options = {k: v for k, v in group.items() if k != "params"}
         groups += _split(tensors, rank, options) or [group]

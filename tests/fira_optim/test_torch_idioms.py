@@ -242,7 +242,7 @@ def test_an_explicit_rank_is_the_default_of_dict_groups_without_one():
     # a group that sets its own rank: the groups are Fira's already, the others plain on purpose
     own = FiraAdamW([{"params": weights[:1], "rank": 2}, {"params": weights[1:] + biases}], rank=3)
     assert [(g["rank"], len(g["params"])) for g in own.param_groups] == [(2, 1), (None, 3)]
-    with pytest.raises(TypeError, match="ordered collections"):  # torch's refusal, before the split too
+    with pytest.raises(TypeError, match="param group 0: 'params' is a set"):  # as torch refuses it, before the split
         FiraAdamW([{"params": set(weights)}], rank=3)
     released = FiraAdamW(groups())  # the default rank is not a group default, nor a copy of it
     assert [g["rank"] for g in released.param_groups] == [None, None]
