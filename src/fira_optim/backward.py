@@ -8,7 +8,10 @@ model's: the memory of the gradients drops from the model's size to its largest 
 ``optimizer.step()`` becomes a no-op for the hooked parameters (keep calling it: schedulers and
 step hooks expect it, and it updates the parameters no hook covers: those that did not require a
 gradient when the hooks were registered and were unfrozen since, which it hooks for the next
-backward pass; a group added with ``add_param_group`` is hooked as it is added).
+backward pass; a group added with ``add_param_group`` is hooked as it is added). Under DDP the
+communication hook updates every parameter DDP all-reduces; ``step()`` updates the others (not
+in the model, or frozen when DDP was built and so never reduced) from their local gradients,
+as a plain DDP step would.
 
 What stays the same: learning-rate schedulers (the hooks read ``param_groups`` when they run),
 ``state_dict`` / ``load_state_dict`` and exact resume, projection refreshes (each matrix counts
@@ -77,7 +80,7 @@ class StepInBackward:
 
     def cover(self, params) -> None:
         """Hook those of ``params`` that require a gradient and have no hook yet (outside DDP,
-        whose communication hook covers the model's parameters from the start)."""
+        whose communication hook covers the parameters it reduces: it marks them as it runs)."""
         if self._ddp or not self._active:
             return
         for p in params:
@@ -87,8 +90,9 @@ class StepInBackward:
 
     def uncovered(self) -> list:
         """The parameters of the optimizer that have a gradient no hook took: frozen when the hooks
-        were registered and unfrozen since, or, under DDP, not in the model. ``optimizer.step()``
-        updates them (nothing while :meth:`accumulate` is entered, as for the hooked ones)."""
+        were registered and unfrozen since, or, under DDP, not reduced by DDP (not in the model, or
+        frozen when DDP was built). ``optimizer.step()`` updates them (nothing while
+        :meth:`accumulate` is entered, as for the hooked ones)."""
         if self._accumulating:
             return []
         return [p for group in self.optimizer.param_groups for p in group["params"]
@@ -109,6 +113,9 @@ class StepInBackward:
 
         def update(done: torch.futures.Future) -> torch.Tensor:
             params = list(bucket.parameters())
+            # updated here, not again by step(): also a parameter frozen when the hooks were
+            # registered (DDP reduces what required a gradient when it was built)
+            self._covered.update(params)
             local = [p.grad for p in params]
             for p, grad in zip(params, bucket.gradients()):
                 p.grad = grad  # the averaged gradient, a view of the reduced bucket

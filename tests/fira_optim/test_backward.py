@@ -144,11 +144,63 @@ def test_parameters_no_hook_covered_yet_are_trained_as_by_step(change):
         else:
             later.requires_grad_(True)
         _train(model, opt, 4)
-        if in_backward:
-            assert later.grad is None  # hooked by now: its update runs in the backward pass
         runs.append(model)
     for p, q in zip(*(m.parameters() for m in runs)):
         assert torch.equal(p, q)
+
+
+def test_a_group_added_is_hooked_at_once_and_an_unfrozen_weight_after_one_step():
+    x, y = _batch(0)
+    model = _net()
+    opt = FiraAdamW([{"params": [model.a.weight, model.b.weight], "rank": 3}], lr=0.02)
+    step_in_backward(opt)
+    opt.add_param_group({"params": [model.c.weight], "rank": 3})
+    before = model.c.weight.detach().clone()
+    _loss(model, x, y).backward()
+    assert model.c.weight.grad is None and not torch.equal(model.c.weight, before)  # in the backward pass
+
+    model = _net()
+    model.b.weight.requires_grad_(False)
+    opt = _optimizer(model)
+    step_in_backward(opt)
+    model.b.weight.requires_grad_(True)
+    _loss(model, x, y).backward()
+    assert model.b.weight.grad is not None  # no hook yet: step() updates it, then hooks it
+    opt.step()
+    assert int(opt.state[model.b.weight]["step"]) == 1
+    opt.zero_grad()
+    _loss(model, x, y).backward()
+    assert model.b.weight.grad is None and int(opt.state[model.b.weight]["step"]) == 2
+
+
+def _ddp_unfrozen_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _net()
+    wrapped = DistributedDataParallel(model, find_unused_parameters=True)  # b.weight is reduced
+    model.b.weight.requires_grad_(False)  # frozen when the hooks are registered, unfrozen later
+    opt = _optimizer(model)
+    step_in_backward(opt, wrapped)
+    counts = []
+    for step in range(3):
+        if step == 1:
+            model.b.weight.requires_grad_(True)
+        x, y = _batch(step)
+        _loss(wrapped, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        counts.append({name: int(opt.state[p]["step"]) if opt.state.get(p) else 0
+                       for name, p in model.named_parameters()})
+    return counts
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_a_weight_unfrozen_later_is_updated_once_per_step(tmp_path):
+    # DDP's communication hook updates every parameter it reduces, b.weight included once it has
+    # a gradient again: step() must not update it a second time (it did, every step)
+    (counts,) = run_ranks(_ddp_unfrozen_worker, 1, tmp_path, timeout=100)
+    assert [c["b.weight"] for c in counts] == [0, 1, 2]
+    assert [c["a.weight"] for c in counts] == [1, 2, 3]
 
 
 def test_resume_in_backward_is_exact():
