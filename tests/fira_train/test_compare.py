@@ -42,6 +42,12 @@ def test_compare_resume_reuses_finished_runs_and_refuses_silent_overwrite(tmp_pa
     assert (out / "adamw" / "summary.json").stat().st_mtime_ns == stamp
     with pytest.raises(FileExistsError, match="--resume"):
         compare(config, ["adamw"], out)
+    # a finished run on a corpus that changed since is not kept beside runs on today's data
+    summary = json.loads((out / "adamw" / "summary.json").read_text())
+    summary["data"]["corpus"] = "f" * 32
+    (out / "adamw" / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match="trained on other data"):
+        compare(config, ["adamw"], out, resume=True)
 
 
 @pytest.mark.parametrize("first_line", ["my notes", "# Learning-rate sweep: recipe `micro`"])

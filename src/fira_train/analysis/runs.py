@@ -31,7 +31,7 @@ from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, read_json
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import finished_with
+from fira_train.run.run_dir import check_same_data, finished_with
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
 
@@ -80,9 +80,9 @@ def run_config(config: RunConfig, run: AnalysisRun, out_dir: str | Path) -> RunC
 _REDO_HINT = "delete the run's folder (or pass --overwrite) to train it again"
 
 
-def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path, data: dict[str, Any]) -> bool:
+def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path) -> bool:
     spec = run_dir / RUN_SPEC_FILE
-    return (finished_with(config, run_dir, data) and spec.exists()
+    return (finished_with(config, run_dir) and spec.exists()
             and read_json(spec, hint=_REDO_HINT) == run.spec())
 
 
@@ -129,9 +129,13 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
                        writer=f"this analysis ({title!r})")
     if not (reuse or overwrite):
         _check_no_earlier_runs(configs)
+    kept = _runs_to_reuse(runs, configs) if reuse else set()  # before the corpus: config alone
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(config.data)  # trains and caches the tokenizer once, before any worker
-    kept = _runs_to_reuse(runs, configs, corpus.describe()) if reuse else set()
+    for run, cfg in zip(runs, configs):  # a kept run must have been trained on this corpus
+        if run.name in kept:
+            check_same_data(Path(cfg.train.out_dir), read_json(Path(cfg.train.out_dir) / "summary.json",
+                                                               hint=_REDO_HINT), corpus.describe())
     summaries: dict[str, dict[str, Any]] = {}
     pending = []
     for index, (run, cfg) in enumerate(zip(runs, configs), start=1):
@@ -198,16 +202,16 @@ def refuse_step_in_backward(config: RunConfig, uses: str) -> None:
         raise ValueError(f"this analysis {uses}, which optim.step_in_backward=true frees: leave it off")
 
 
-def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig], data: dict[str, Any]) -> set[str]:
-    """The names of the runs ``--reuse`` keeps: finished with the same config and spec, on the
-    data ``data`` describes (else a ValueError). FileExistsError, before anything trains, for a
-    finished run it cannot keep: made with another config or spec (``--steps 30`` then ``--steps 5
-    --reuse`` deleted and retrained the 30-step runs without a word). Unfinished runs are trained
-    again."""
+def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) -> set[str]:
+    """The names of the runs ``--reuse`` keeps: finished with the same config and spec (the
+    caller checks their data once the corpus is built). FileExistsError, before anything trains,
+    for a finished run it cannot keep: made with another config or spec (``--steps 30`` then
+    ``--steps 5 --reuse`` deleted and retrained the 30-step runs without a word). Unfinished runs
+    are trained again."""
     kept = set()
     for run, cfg in zip(runs, configs):
         run_dir = Path(cfg.train.out_dir)
-        if _reusable(cfg, run, run_dir, data):
+        if _reusable(cfg, run, run_dir):
             kept.add(run.name)
         elif (run_dir / "summary.json").exists():
             raise FileExistsError(f"{str(run_dir)!r} holds a finished run made with another config: --reuse keeps "

@@ -110,4 +110,5 @@ def check_same_data(run_dir: Path, summary: Any, data: Mapping[str, Any]) -> Non
         found = ", ".join(f"{k}={saved[k]!r} (now {data[k]!r})" for k in differ)
         raise ValueError(f"{str(run_dir)!r} holds a finished run of this config trained on other data than "
                          f"data.source={data.get('source')!r} gives now ({found}: its text, split or tokenizer "
-                         "changed since); train it again with --overwrite, or choose another --out")
+                         "changed since, or a tokenizers release writes the same tokenizer otherwise); train "
+                         "it again with --overwrite, or choose another --out")

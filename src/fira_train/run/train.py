@@ -208,6 +208,10 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if main and resume is not None:
         for path in ckpt.recover_swapped(out):  # before any rank looks for checkpoints
             log.warning("put back %s, which a run killed while saving that step again had set aside", path)
+    if resume == "latest" and corpus is None:
+        # on every rank, as below: a finished run is kept only on the data it was trained on, which
+        # rank 0 checks while the others wait (building it there alone could outlast the timeout)
+        corpus = build_corpus(config.data)
     finished = _finished_summary(config, out, resume, env, main, corpus)
     if finished is not None:
         log.info("%s holds this run, finished: nothing to resume (its summary.json is kept; "
@@ -374,8 +378,8 @@ def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, en
     checkpoint there) when ``--resume`` has nothing to train; None otherwise. It stands, as a
     sitting that trains nothing would replace the run's throughput, wall time and peak memory
     with those of loading and evaluating it; a ValueError if it was trained on other data than
-    ``corpus`` (built here if None) holds. Decided by rank 0 (the run directory is locked by then);
-    under torchrun the others take its answer."""
+    ``corpus`` holds. Decided by rank 0 (the run directory is locked by then); under torchrun the
+    others take its answer."""
     if resume != "latest":
         return None
 
@@ -386,7 +390,7 @@ def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, en
             return None
         summary = read_json(out / "summary.json", hint="delete summary.json and run with --resume again: the "
                                                        "final checkpoint is evaluated again, nothing retrained")
-        check_same_data(out, summary, (corpus if corpus is not None else build_corpus(config.data)).describe())
+        check_same_data(out, summary, corpus.describe())
         return summary
 
     return resume_check.decided_on_rank_zero(env, decide) if env is not None else (decide() if main else None)

@@ -19,6 +19,7 @@ from pathlib import Path
 from fira_train.config.comma_list import comma_list, distinct
 from fira_train.config.method_spec import SHARED, parse_method_specs, refuse_spec_keys
 from fira_train.config.run_config import RunConfig
+from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, read_json
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
 from fira_train.sweep.report import REPORT_TITLE, plot_lr, read_runs, write_json, write_markdown
@@ -114,12 +115,16 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
                  "" if result.test_ppl is None else f", test ppl {result.test_ppl:.2f}", len(results))
         write()
 
-    execute(grid_runs(specs, lr_grids, seeds, all_seeds), config, out, jobs=jobs, reuse=reuse, on_result=record)
+    # the tokenizer and token cache, built once before any worker needs them; a reused run must
+    # have been trained on this corpus
+    data = build_corpus(config.data).describe()
+    execute(grid_runs(specs, lr_grids, seeds, all_seeds), config, out, data, jobs=jobs, reuse=reuse,
+            on_result=record)
     rows = write()
     # A method whose every lr diverged has nothing to repeat.
     chosen = {row.spec: row.chosen_lr for row in rows
               if row.chosen_lr is not None and row.val is not None and math.isfinite(row.val.mean)}
-    execute(seed_runs(chosen, seeds), config, out, jobs=jobs, reuse=reuse, on_result=record,
+    execute(seed_runs(chosen, seeds), config, out, data, jobs=jobs, reuse=reuse, on_result=record,
             done=set(results))
     return out / "report.md", write()
 

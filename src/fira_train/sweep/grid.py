@@ -27,7 +27,6 @@ from fira_train.config.method_spec import parse_method_spec
 from fira_train.config.overrides import config_to_dict
 from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.run_config import RunConfig
-from fira_train.data.build import build_corpus
 from fira_train.files import dumps, read_json, write_text_atomic
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.run.run_dir import config_changes, finished_with
@@ -124,20 +123,19 @@ def check_fresh(keys: Sequence[RunKey], out_dir: Path) -> None:
                 f"unfinished ones from their checkpoints, or choose another --out")
 
 
-def execute(keys: Sequence[RunKey], base: RunConfig, out_dir: Path, *, jobs: int, reuse: bool,
-            on_result: Callable[[RunResult], None] | None = None,
+def execute(keys: Sequence[RunKey], base: RunConfig, out_dir: Path, data: dict[str, Any], *, jobs: int,
+            reuse: bool, on_result: Callable[[RunResult], None] | None = None,
             done: Collection[RunKey] = ()) -> dict[RunKey, RunResult]:
     """Train (or reuse) every run of ``keys`` but those in ``done``, up to ``jobs`` at a time,
-    each in a fresh process (:func:`fira_train.run.isolated.run_isolated_many`).
+    each in a fresh process (:func:`fira_train.run.isolated.run_isolated_many`). ``data``: the
+    description of ``base``'s corpus, built (and cached) by the caller before any worker needs
+    it; a reused run must have been trained on it.
 
     ``on_result`` is called in this process after each run, in completion order. If a run fails
     (other than by diverging), the others still finish, then its error is raised.
     """
     results: dict[RunKey, RunResult] = {}
     todo: list[tuple[RunKey, RunConfig]] = []
-    # tokenizer and token cache built once, before any worker needs them; what a reused run was
-    # trained on is checked against it
-    data = build_corpus(base.data).describe()
     for key in dict.fromkeys(keys):  # in order, without repeats
         if key in done:
             continue

@@ -51,6 +51,13 @@ def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, 
     with pytest.raises(FileExistsError, match="holds a finished run made with another config: --reuse keeps"):
         train_runs(shorter, runs, tmp_path / "parallel", reuse=True, title=TITLE)
     assert metrics.stat().st_mtime_ns == before
+    # a finished run of this config on a corpus that changed since: refused too, not kept
+    summary_path = tmp_path / "parallel" / "fira-gamma1.1" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary_path.write_text(json.dumps({**summary, "data": {**summary["data"], "corpus": "f" * 32}}))
+    with pytest.raises(ValueError, match="trained on other data"):
+        train_runs(config, runs, tmp_path / "parallel", reuse=True, title=TITLE)
+    assert metrics.stat().st_mtime_ns == before
 
 
 def test_a_failing_worker_run_raises_and_keeps_the_finished_runs(tmp_path: Path, corpus_root: Path) -> None:

@@ -9,6 +9,8 @@ each batch in another order), and a 2-process DDP run stopped after a checkpoint
 
 from __future__ import annotations
 
+import json
+
 import shutil
 from pathlib import Path
 
@@ -86,6 +88,24 @@ def _ddp_worker(rank: int, world: int, root: str) -> dict:
         refused = str(err)
     straight = FinalParameters()
     summary = train(_config(root, "ddp", "ddp"), callbacks=[straight])
+    # --resume of the finished run: kept, on every rank; once its summary records another
+    # corpus, refused on every rank (rank 0 decides while the others wait)
+    dist.barrier()  # rank 0 has written summary.json
+    written = (root / "ddp" / "summary.json").read_text()
+    kept = train(_config(root, "ddp", "ddp"), resume="latest") == json.loads(written)
+    kept = kept and (root / "ddp" / "summary.json").read_text() == written
+    dist.barrier()
+    if rank == 0:
+        (root / "ddp" / "summary.json").write_text(written.replace(summary["data"]["corpus"], "f" * 32))
+    dist.barrier()
+    try:
+        train(_config(root, "ddp", "ddp"), resume="latest")
+        other_data = ""
+    except ValueError as err:
+        other_data = str(err)
+    dist.barrier()
+    if rank == 0:
+        (root / "ddp" / "summary.json").write_text(written)
     config = _config(root, "ddp", "ddp_stopped")
     try:
         train(config, callbacks=[StopBefore(SAVE + 1)])
@@ -96,7 +116,8 @@ def _ddp_worker(rank: int, world: int, root: str) -> dict:
     dist.barrier()
     resumed = FinalParameters()
     resumed_summary = train(config, resume="latest", callbacks=[resumed])
-    return {"refused": refused, "params": straight.params, "val_loss": summary["val_loss"],
+    return {"refused": refused, "kept": kept, "other_data": other_data,
+            "params": straight.params, "val_loss": summary["val_loss"],
             "resumed_params": resumed.params, "resumed_val_loss": resumed_summary["val_loss"]}
 
 
@@ -165,6 +186,8 @@ def test_ddp_two_processes_equal_one_process(reference, ddp):
     assert [p.name for p in checkpoints] == ["step_00000003", "step_00000006"]
     assert all(is_dcp_checkpoint(p) for p in checkpoints)
     assert "--parallel ddp" in ddp[0]["refused"] and "'none'" in ddp[0]["refused"]
+    assert all(rank["kept"] for rank in ddp)
+    assert all("trained on other data" in rank["other_data"] for rank in ddp)
 
 
 @pytest.mark.timeout(120)

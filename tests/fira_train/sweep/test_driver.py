@@ -167,6 +167,22 @@ def test_reuse_continues_an_unfinished_run_from_its_checkpoint(tmp_path: Path, i
     assert row.val is not None and row.val.mean == pytest.approx(finished["val_ppl"])
 
 
+def test_reuse_refuses_a_finished_run_trained_on_other_data(tmp_path: Path, in_process: list) -> None:
+    """A finished run of the same config whose corpus has changed since is not reused beside runs
+    on today's data (a sweep had paired new runs with runs on an earlier tokenizer)."""
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0")
+    out = tmp_path / "sweep"
+    sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out)
+    summary_path = RunKey("adamw", 0.01, 0).folder(out) / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["data"]["corpus"] = "f" * 32
+    summary_path.write_text(json.dumps(summary))
+    in_process.clear()
+    with pytest.raises(ValueError, match="holds a finished run of this config trained on other data"):
+        sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out, reuse=True)
+    assert in_process == []
+
+
 def test_a_diverged_run_is_an_outcome_kept_on_reuse(tmp_path: Path, in_process: list) -> None:
     config = micro_config(tmp_path, "train.steps=3", "train.eval_every=0", "train.warmup_fraction=0")
     out = tmp_path / "sweep"
