@@ -88,7 +88,9 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
     out_dir = Path(out_dir)
     summaries = [load_run(out_dir / m)[0] for m in methods]
     first = summaries[0]
-    data = first.get("data", {})
+    data = first.get("data") or {}
+    available = data.get("train_tokens")  # None for a streamed corpus: its length is not known
+    available = f"{available:,} training tokens available" if isinstance(available, int) else "streamed"
     memory_kind = {"cuda_max_allocated": "CUDA max_memory_allocated",
                    "process_peak_rss": "peak resident memory of the run's process"}
     parts = [
@@ -96,7 +98,7 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
         "",
         f"Same data, tokens and seed for every method: {first['steps']} steps, "
         f"{first['tokens']:,} training tokens, seed {first['seed']}, data `{data.get('source', '?')}` "
-        f"({data.get('train_tokens', '?'):,} training tokens available, tokenizer "
+        f"({available}, tokenizer "
         f"`{data.get('tokenizer', '?')}`), model {format_count(first['parameters'])} parameters, "
         f"device `{first['device']}`.",
         "",

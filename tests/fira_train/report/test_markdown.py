@@ -88,3 +88,13 @@ def test_a_damaged_summary_is_named(tmp_path: Path) -> None:
     (tmp_path / "fira" / "summary.json").write_text('{"method": "fira", ')
     with pytest.raises(ValueError, match=r"fira/summary\.json is damaged \(not valid JSON"):
         load_run(tmp_path / "fira")
+
+
+def test_a_streamed_corpus_of_unknown_length_is_reported(tmp_path: Path) -> None:
+    """C4 streams: its summary's train_tokens is null (formatting it raised a TypeError)."""
+    for method in ("fira", "adamw"):
+        summary = _summary(method, 32 if method == "fira" else None, 100.0, 970.0)
+        summary["data"] = {**summary["data"], "source": "c4", "train_tokens": None}
+        _write_run(tmp_path, summary)
+    text = write_report(tmp_path, ["fira", "adamw"], command="fira-train compare").read_text()
+    assert "data `c4` (streamed, tokenizer `bpe`)" in text
