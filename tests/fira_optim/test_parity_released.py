@@ -148,14 +148,10 @@ def test_galore_matches_galore_torch_1_0(dtype, weight_decay, arithmetic):
     assert "prev_norm" not in ours.state[our_model.mlp_up.weight]
 
 
-def test_a_run_of_fira_1_0_2_continues_under_fira_optim():
-    """Migration: ``fira.FiraAdamW``'s state dict (pickled projector objects, int steps, its
-    limiter norm ``scaling_grad``) loads into ``FiraAdamW(arithmetic="released")``, which then
-    takes the very steps the released package would have taken."""
-    ref_model, our_model = _models(torch.float32)
-    groups = dict(target_modules_list=TARGETS, rank=RANK, update_proj_gap=GAP, alpha=ALPHA)
-    ref = fira.FiraAdamW(quiet_fira_divide_params(ref_model, **groups), lr=LR, eps=1e-8,
-                         weight_decay=0.1, no_deprecation_warning=True)
+def _continued(ref_model, our_model, ref, ours_for):
+    """``ref`` steps 4 times, then ``ours_for()`` (built on ``our_model``, given ``ref_model``'s
+    weights) loads its state dict and both step on, across the refreshes at steps 6 and 9: the
+    weights must stay equal. Returns our optimizer."""
     shapes = [tuple(p.shape) for p in ref_model.parameters()]
     grads = grad_sequence(shapes, STEPS, seed=3)
     for row in grads[:4]:
@@ -164,18 +160,31 @@ def test_a_run_of_fira_1_0_2_continues_under_fira_optim():
     with torch.no_grad():
         for p, q in zip(our_model.parameters(), ref_model.parameters()):
             p.copy_(q)
-    ours = FiraAdamW(quiet_fira_divide_params(our_model, **groups), lr=LR, eps=1e-8,
-                     weight_decay=0.1, arithmetic="released", align_signs=False)
+    ours = ours_for()
     ours.load_state_dict(copy.deepcopy(ref.state_dict()))
-    projected = ours.param_groups[1]["params"]
-    assert all(ours.state[p]["basis"].shape == (min(p.shape), RANK) for p in projected)
-    for row in grads[4:]:  # across the refreshes at steps 6 and 9
+    for row in grads[4:]:
         _inject(ref_model, row)
         _inject(our_model, row)
         ref.step()
         ours.step()
     for p, q in zip(our_model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, **TOL[torch.float32])
+    return ours
+
+
+def test_a_run_of_fira_1_0_2_continues_under_fira_optim():
+    """Migration: ``fira.FiraAdamW``'s state dict (pickled projector objects, int steps, its
+    limiter norm ``scaling_grad``) loads into ``FiraAdamW(arithmetic="released")``, which then
+    takes the very steps the released package would have taken."""
+    ref_model, our_model = _models(torch.float32)
+    groups = dict(target_modules_list=TARGETS, rank=RANK, update_proj_gap=GAP, alpha=ALPHA)
+    ref = fira.FiraAdamW(quiet_fira_divide_params(ref_model, **groups), lr=LR, eps=1e-8,
+                         weight_decay=0.1, no_deprecation_warning=True)
+    ours = _continued(ref_model, our_model, ref, lambda: FiraAdamW(
+        quiet_fira_divide_params(our_model, **groups), lr=LR, eps=1e-8, weight_decay=0.1,
+        arithmetic="released", align_signs=False))
+    projected = ours.param_groups[1]["params"]
+    assert all(ours.state[p]["basis"].shape == (min(p.shape), RANK) for p in projected)
 
 
 def test_a_run_of_galore_torch_continues_under_galore_adamw():
@@ -187,22 +196,7 @@ def test_a_run_of_galore_torch_continues_under_galore_adamw():
     scale = 2 * ALPHA  # not the constructor's default alpha
     ref = galore_adamw_class()(_galore_groups(ref_model, scale=scale), lr=LR, eps=1e-8,
                                weight_decay=0.1, no_deprecation_warning=True)
-    shapes = [tuple(p.shape) for p in ref_model.parameters()]
-    grads = grad_sequence(shapes, STEPS, seed=3)
-    for row in grads[:4]:
-        _inject(ref_model, row)
-        ref.step()
-    with torch.no_grad():
-        for p, q in zip(our_model.parameters(), ref_model.parameters()):
-            p.copy_(q)
-    ours = GaLoreAdamW(_galore_groups(our_model, scale=scale), lr=LR, eps=1e-8, weight_decay=0.1,
-                       arithmetic="released", align_signs=False)
-    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    ours = _continued(ref_model, our_model, ref, lambda: GaLoreAdamW(
+        _galore_groups(our_model, scale=scale), lr=LR, eps=1e-8, weight_decay=0.1,
+        arithmetic="released", align_signs=False))
     assert ours.param_groups[1]["alpha"] == scale
-    for row in grads[4:]:  # across the refreshes at steps 6 and 9
-        _inject(ref_model, row)
-        _inject(our_model, row)
-        ref.step()
-        ours.step()
-    for p, q in zip(our_model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p, q, **TOL[torch.float32])
