@@ -108,7 +108,7 @@ def check_same_data(run_dir: Path, summary: Any, data: Mapping[str, Any]) -> Non
     differ = [k for k in keys if saved[k] != data[k]]
     if differ:
         found = ", ".join(f"{k}={saved[k]!r} (now {data[k]!r})" for k in differ)
-        raise ValueError(f"{str(run_dir)!r} holds a finished run of this config trained on other data than "
+        raise ValueError(f"{str(run_dir)!r} holds a run of this config trained on other data than "
                          f"data.source={data.get('source')!r} gives now ({found}: its text, split or tokenizer "
                          "changed since, or a tokenizers release writes the same tokenizer otherwise); train "
                          "it again with --overwrite, or choose another --out")

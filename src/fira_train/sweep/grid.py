@@ -29,7 +29,7 @@ from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.files import dumps, read_json, write_text_atomic
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import config_changes, finished_with
+from fira_train.run.run_dir import check_same_data, config_changes, finished_with
 from fira_train.run.train import train
 
 log = logging.getLogger(__name__)
@@ -85,14 +85,15 @@ def seed_runs(chosen: dict[str, float], seeds: Sequence[int]) -> list[RunKey]:
 
 def _saved_result(key: RunKey, config: RunConfig, folder: Path, data: dict[str, Any]) -> RunResult | None:
     """The outcome of ``key`` if its folder holds a finished or diverged run of ``config`` (equal
-    up to the keys that do not change a trajectory, as for resuming); a finished one trained on
-    other data than ``data`` (the corpus's description) is a ValueError."""
+    up to the keys that do not change a trajectory, as for resuming); one trained on other data
+    than ``data`` (the corpus's description) is a ValueError."""
     if finished_with(config, folder, data):
         return _result(key, read_json(folder / "summary.json"))
     marker = folder / DIVERGED_FILE
     if marker.exists():
         saved = read_json(marker, hint="delete it to train the run again")
         if not config_changes(saved_config(saved["config"]), resolved(config)):
+            check_same_data(folder, saved, data)  # a marker written before it recorded data: not compared
             return RunResult(key, math.inf, None, diverged=True, detail=saved.get("error", ""))
     return None
 
@@ -156,7 +157,7 @@ def execute(keys: Sequence[RunKey], base: RunConfig, out_dir: Path, data: dict[s
 
     def finished(index: int, outcome: dict[str, Any]) -> None:
         key, config = todo[index]
-        result = _record(key, outcome, config, out_dir)
+        result = _record(key, outcome, config, out_dir, data)
         results[key] = result
         if on_result is not None:
             on_result(result)
@@ -166,12 +167,14 @@ def execute(keys: Sequence[RunKey], base: RunConfig, out_dir: Path, data: dict[s
     return results
 
 
-def _record(key: RunKey, outcome: dict[str, Any], config: RunConfig, out_dir: Path) -> RunResult:
+def _record(key: RunKey, outcome: dict[str, Any], config: RunConfig, out_dir: Path,
+            data: dict[str, Any]) -> RunResult:
     if "diverged" in outcome:
         folder = key.folder(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
         write_text_atomic(folder / DIVERGED_FILE, dumps({"error": outcome["diverged"],
-                                                         "config": config_to_dict(resolved(config))}, indent=1) + "\n")
+                                                         "config": config_to_dict(resolved(config)),
+                                                         "data": data}, indent=1) + "\n")
         log.warning("sweep: %s at lr %g, seed %d diverged (%s)", key.spec, key.lr, key.seed, outcome["diverged"])
         return RunResult(key, math.inf, None, diverged=True, detail=outcome["diverged"])
     return _result(key, outcome)
