@@ -223,6 +223,10 @@ TORCH_ONLY = ("maximize", "amsgrad", "capturable", "differentiable")
 CONSTRUCTOR_ONLY = ("nonfinite", "implementation", "split_refresh", "process_group", "host_refresh")
 
 
+#: The largest float32: a step size above it cannot scale an update of fp32 (or bf16) weights.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def validate_group(g: dict) -> None:
     """Range and choice checks of a group's options; each error names the argument and value."""
     lr = g["lr"]
@@ -241,6 +245,10 @@ def validate_group(g: dict) -> None:
         if not math.isfinite(float(value)):
             hint = " (the variant fira-no-limiter is Fira without the limiter)" if key == "gamma" else ""
             raise ValueError(f"Invalid {key}: {value!r}; expected a finite number{hint}")
+    for key, value in (("lr", lr), ("alpha", g["alpha"])):  # step sizes, taken in fp32 at least
+        if float(value) > FLOAT32_MAX:
+            raise ValueError(f"Invalid {key}: {value!r}; expected at most {FLOAT32_MAX:.4g}, float32's largest "
+                             "(the update of fp32 weights cannot be taken with it)")
     betas = g["betas"]
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__"):
         raise ValueError(f"Invalid betas: {betas!r}; expected a pair of numbers")

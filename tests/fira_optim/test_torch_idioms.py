@@ -265,6 +265,9 @@ def test_an_explicit_rank_is_the_default_of_dict_groups_without_one():
     ({"eps": float("inf")}, "Invalid eps: inf; expected a finite number"),
     ({"weight_decay": float("inf")}, "Invalid weight_decay: inf; expected a finite number"),
     ({"lr": torch.tensor(float("inf"))}, "Invalid lr: inf; expected a finite number"),
+    # finite, but no fp32 update can be scaled by it (torch raised an overflow from inside the step)
+    ({"lr": 1e308}, "Invalid lr: 1e+308; expected at most 3.403e+38, float32's largest"),
+    ({"alpha": 1e39}, "Invalid alpha: 1e+39; expected at most 3.403e+38"),
 ])
 def test_a_hyperparameter_that_is_not_a_finite_number_is_named(options: dict, message: str):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fira_optim.options import check_options
+from fira_optim.options import FLOAT32_MAX, check_options
 from fira_train.data.spec import DataSpec
 from fira_train.methods.registry import METHODS
 
@@ -161,7 +161,8 @@ class OptimConfig:
         _check(isinstance(self.method, str) and self.method != "", "optim.method", self.method,
                "a method name")
         if self.lr is not None:
-            _check(_is_number(self.lr) and self.lr > 0, "optim.lr", self.lr, "None or a positive number")
+            _check(_is_number(self.lr) and 0 < self.lr <= FLOAT32_MAX, "optim.lr", self.lr,
+                   f"None or a positive number up to {FLOAT32_MAX:.4g} (float32's largest)")
         # The optimizer's own options: checked by fira_optim's constructor rules, not copies of them.
         for name in ("rank", "update_proj_gap", "alpha", "betas", "eps", "weight_decay", "gamma",
                      "projector", "implementation", "host_refresh", "stochastic_rounding", "state_dtype"):

@@ -24,6 +24,8 @@ def test_defaults_are_valid() -> None:
         (ModelConfig, {"num_hidden_layers": 2.5}, "model.num_hidden_layers"),
         (OptimConfig, {"lr": -0.1}, "optim.lr"),
         (OptimConfig, {"lr": float("nan")}, "optim.lr"),
+        (OptimConfig, {"lr": 1e308}, "optim.lr"),  # finite, but no fp32 step can be taken with it
+        (OptimConfig, {"alpha": 1e308}, "optim.alpha"),
         (OptimConfig, {"rank": 0}, "optim.rank"),
         (OptimConfig, {"update_proj_gap": 0}, "optim.update_proj_gap"),
         (OptimConfig, {"alpha": 0.0}, "optim.alpha"),
