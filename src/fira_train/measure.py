@@ -236,7 +236,12 @@ EARLIER_STOP = "# (a command above stopped before its last method)"
 def format_measurement(record: dict[str, Any]) -> str:
     """``memory.md`` from ``memory.json``'s record."""
     rows = record["rows"]
-    first = rows[0]["measured"] if rows else {}
+    # a method spec may change the model (model.*) or the device (train.device): one value of
+    # each is said in the heading, several in a column of their own
+    sizes = list(dict.fromkeys(f"{row['measured']['parameters'] / 1e6:.1f}M" for row in rows))
+    devices = list(dict.fromkeys(row["measured"]["device"] for row in rows))
+    per_row = [(name, key) for name, key, values in (("Parameters", "parameters", sizes),
+                                                     ("Device", "device", devices)) if len(values) > 1]
     dates = sorted({row.get("date", record["date"]) for row in rows} or {record["date"]})
     lines = [
         f"# Measured memory: recipe `{record['recipe']}`, {record['steps']} training steps"
@@ -244,18 +249,21 @@ def format_measurement(record: dict[str, Any]) -> str:
            f" (incomplete: not measured yet: {', '.join(record['missing'])})" if record.get("missing") else
            " (incomplete: a command stopped before its last method)"),
         "",
-        (f"{first['parameters'] / 1e6:.1f}M parameters, device `{first['device']}`; " if rows
-         else "No method measured yet; ")
+        ("No method measured yet; " if not rows else
+         f"{sizes[0] + ' parameters' if len(sizes) == 1 else 'parameters per row'}, "
+         f"{f'device `{devices[0]}`' if len(devices) == 1 else 'device per row'}; ")
         + f"{record['machine']}, {dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}.",
         "",
-        "| Method | Measured peak | Estimated | Measured / estimated | Weights | Optimizer states "
-        "| Fits in 24 GB (measured) |",
-        "|---|---|---|---|---|---|---|",
+        "| Method | " + "".join(f"{name} | " for name, _ in per_row)
+        + "Measured peak | Estimated | Measured / estimated | Weights | Optimizer states | Fits in 24 GB (measured) |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(per_row),
     ]
     for row in rows:
         measured, estimated = row["measured_peak_bytes"], row["estimated_bytes"]
+        cells = "".join(f"{row['measured']['parameters'] / 1e6:.1f}M | " if key == "parameters"
+                        else f"`{row['measured']['device']}` | " for _, key in per_row)
         lines.append(
-            f"| {row['method']} | {format_bytes(measured)} | {format_bytes(estimated) if estimated else '-'} "
+            f"| {row['method']} | {cells}{format_bytes(measured)} | {format_bytes(estimated) if estimated else '-'} "
             f"| {f'{measured / estimated:.2f}' if estimated else '-'} "
             f"| {format_bytes(row['measured']['weights_bytes'])} "
             f"| {format_bytes(row['measured']['optimizer_state_bytes'])} "

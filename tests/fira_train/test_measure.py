@@ -284,3 +284,28 @@ def test_methods_the_estimate_does_not_model_show_no_estimate(tmp_path: Path, mo
         return estimate_run_bytes(apply_overrides(config, [f"optim.method={method}"]), 300)["optimizer_states"]
 
     assert states("sgd") == states("adagrad") == states("adamw") // 2  # one state per weight, not two
+
+
+def test_the_heading_names_one_model_size_and_device_only_where_every_row_has_them(tmp_path: Path, monkeypatch):
+    """A spec may change the model or the device: the heading gave the first row's parameters and
+    device for the whole table; they are now a column where the rows differ."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    def fake(fn, config, steps):
+        wide = config.model.hidden_size == 128
+        return {"measured_peak_bytes": 1000, "baseline_bytes": 0, "measure": "fake",
+                "device": "cuda" if wide else "cpu", "vocab_size": 300, "parameters": 400_000 if wide else 200_000,
+                "weights_bytes": 40, "optimizer_state_bytes": 80, "losses": [1.0]}
+
+    monkeypatch.setattr(measure, "run_isolated", fake)
+    md, _ = measure.measure(micro_config(tmp_path), parse_method_specs("adamw,adamw@model.hidden_size=128"), 1,
+                            tmp_path / "m", "cmd")
+    text = md.read_text()
+    assert "0.2M parameters" not in text and "device `cpu`;" not in text
+    assert "parameters per row, device per row;" in text
+    assert "| Method | Parameters | Device | Measured peak |" in text
+    assert "| adamw | 0.2M | `cpu` | " in text and "| adamw@model.hidden_size=128 | 0.4M | `cuda` | " in text
+    md, _ = measure.measure(micro_config(tmp_path), parse_method_specs("adamw"), 1, tmp_path / "one", "cmd")
+    assert "0.2M parameters, device `cpu`;" in md.read_text() and "| Method | Measured peak |" in md.read_text()
