@@ -59,8 +59,13 @@ def build_measured(config: RunConfig) -> tuple[Any, torch.device, int, Any]:
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
     else:
-        baseline = current_rss_bytes() or 0
-        reset_rss_peak()
+        baseline = current_rss_bytes()
+        # without Linux's VmRSS / VmHWM the peak read 0 (the row said 0 bytes), and a peak that
+        # cannot be reset still holds the loading before the baseline: no number rather than a wrong one
+        if baseline is None or not reset_rss_peak() or rss_peak_bytes() is None:
+            raise ValueError("memory --measure on the CPU reads the process's resident set and resets its peak "
+                               "(Linux: /proc/self/status, /proc/self/clear_refs), which this system does not "
+                               "allow; measure on Linux, or on a CUDA device (train.device=cuda)")
     return corpus, device, baseline, build_training(config, corpus.vocab_size, device)
 
 
@@ -75,7 +80,7 @@ def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
     if device.type == "cuda":
         peak, kind = torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
     else:
-        peak, kind = rss_peak_bytes() or 0, "peak_rss_minus_rss_before_model"
+        peak, kind = rss_peak_bytes(), "peak_rss_minus_rss_before_model"
     model = training.model
     return {
         "measured_peak_bytes": int(peak - baseline),

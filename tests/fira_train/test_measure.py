@@ -309,3 +309,22 @@ def test_the_heading_names_one_model_size_and_device_only_where_every_row_has_th
     assert "| adamw | 0.2M | `cpu` | " in text and "| adamw@model.hidden_size=128 | 0.4M | `cuda` | " in text
     md, _ = measure.measure(micro_config(tmp_path), parse_method_specs("adamw"), 1, tmp_path / "one", "cmd")
     assert "0.2M parameters, device `cpu`;" in md.read_text() and "| Method | Measured peak |" in md.read_text()
+
+
+@pytest.mark.parametrize("platform", ["no_proc_status", "peak_not_resettable"])
+def test_a_cpu_peak_that_cannot_be_read_or_reset_is_refused_not_written(tmp_path: Path, monkeypatch, platform):
+    """Without /proc/self/status (macOS) a row said 0 bytes; where the peak could not be reset it
+    still held the corpus loading before the baseline. Either is now a one-line error."""
+    from fira_train import measure
+    from tests.fira_train.harness_fixtures import micro_config
+
+    if platform == "no_proc_status":
+        monkeypatch.setattr(measure, "current_rss_bytes", lambda: None)
+        monkeypatch.setattr(measure, "rss_peak_bytes", lambda: None)
+        monkeypatch.setattr(measure, "reset_rss_peak", lambda: False)
+    else:
+        monkeypatch.setattr(measure, "reset_rss_peak", lambda: False)
+    config = micro_config(tmp_path)
+    config = measure.replace(config, train=measure.replace(config.train, device="cpu", steps=1))
+    with pytest.raises(ValueError, match="resets its peak"):
+        measure.measure_run(config, 1)
