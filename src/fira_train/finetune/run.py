@@ -89,6 +89,10 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
             f"{training['loss_tail_mean']:.3f}, optimizer state {training['optimizer_state_numel']:,} elements")
 
     out = config.out_dir
+    # --overwrite: the earlier run's results go before this run's predictions replace its own, so
+    # that a run stopped while evaluating leaves no results that describe other predictions
+    for earlier in ("results.json", "report.md"):
+        (out / earlier).unlink(missing_ok=True)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
     for stale in (out / "predictions").glob("*.jsonl"):  # an earlier run's tasks (--overwrite): the
         if stale.stem not in config.tasks:               # paired comparison reads every file here

@@ -545,3 +545,28 @@ def test_a_cutoff_that_leaves_no_answer_token_is_refused(tiny_model_dir, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("fira-train finetune: error: cutoff_len=8 leaves no answer token") and "--cutoff-len" in err
     assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_an_overwrite_stopped_while_evaluating_leaves_no_earlier_results_beside_its_predictions(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """--overwrite stopped after its first task's predictions kept the earlier run's results.json
+    and report.md beside them: a folder whose results did not describe its predictions. The earlier
+    results now go before this run's first prediction is written."""
+    from fira_train.finetune import run as run_module
+
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "o"
+    run_cli([*_zero_shot(model_dir, data, out), "--tasks", "boolq,piqa", "--max-eval", "4"])
+    real, calls = run_module.evaluate_task, []
+
+    def stopped_at_the_second_task(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "evaluate_task", stopped_at_the_second_task)
+    with pytest.raises(SystemExit):  # the CLI's status 130
+        main([*_zero_shot(model_dir, data, out, "--overwrite"), "--tasks", "boolq,piqa", "--max-eval", "3"])
+    assert len((out / "predictions" / "boolq.jsonl").read_text().splitlines()) == 3  # this run's
+    assert not (out / "results.json").exists() and not (out / "report.md").exists()
