@@ -20,7 +20,7 @@ from fira_optim.integrations import FiraTrainer, target_parameter_names
 from fira_train.config.overrides import describe_changed
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training, train_limit
-from fira_train.files import write_text_atomic
+from fira_train.files import read_json, write_text_atomic
 from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes
 
 
@@ -100,7 +100,10 @@ def resume_point(config: FinetuneConfig) -> str | None:
     last = get_last_checkpoint(str(folder)) if config.trains and folder.is_dir() else None
     if last is not None:
         record = folder / "run_settings.json"
-        saved = json.loads(record.read_text()) if record.is_file() else {}
+        hint = "remove the folder to start again, or choose another --out"
+        saved = read_json(record, hint=hint) if record.is_file() else {}
+        if not isinstance(saved, dict):  # compared with nothing, it continued whatever it held
+            raise FinetuneError(f"{record} is not a record of a run's settings (a JSON object): {hint}")
         given, effective = _settings(config, effective=False), _settings(config)
         unused = {k for k, v in config.used_options().items() if v is None}
         # a key the record lacks (written before it was kept) is not compared, nor an option the

@@ -570,3 +570,19 @@ def test_an_overwrite_stopped_while_evaluating_leaves_no_earlier_results_beside_
         main([*_zero_shot(model_dir, data, out, "--overwrite"), "--tasks", "boolq,piqa", "--max-eval", "3"])
     assert len((out / "predictions" / "boolq.jsonl").read_text().splitlines()) == 3  # this run's
     assert not (out / "results.json").exists() and not (out / "report.md").exists()
+
+
+@pytest.mark.parametrize(("text", "message"), [("{bad", "is damaged"), ("[1]", "is not a record of a run's settings")])
+def test_a_damaged_settings_record_beside_checkpoints_is_named(tmp_path, text, message):
+    """A run_settings.json that did not parse was an error naming no file; one that parsed to a
+    list was compared with nothing, and the checkpoints continued whatever run they were."""
+    from fira_train.finetune.train import resume_point
+
+    data = write_data(tmp_path)
+    config = FinetuneConfig(tasks=["boolq"], data_dir=str(data), steps=4, batch_size=2, out=str(tmp_path / "o"))
+    (tmp_path / "o" / "trainer" / "checkpoint-2").mkdir(parents=True)
+    record = tmp_path / "o" / "trainer" / "run_settings.json"
+    record.write_text(text)
+    with pytest.raises(ValueError) as err:
+        resume_point(config)
+    assert str(record) in str(err.value) and message in str(err.value) and "start again" in str(err.value)
