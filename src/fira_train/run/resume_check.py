@@ -29,6 +29,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from fira_train.config.resolve import saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.run import checkpoint as ckpt
@@ -62,26 +64,49 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
                          "(another --out, or --overwrite)")
 
 
-def warn_round_off(recorded: Any, config: RunConfig, path: Path) -> None:
+#: The checkpoint's record of the processes that wrote it: the torch threads each used and the
+#: world size, which ``train.num_threads=0`` (torch's default count) and torchrun leave out of the config.
+ENVIRONMENT_KEY = "environment"
+
+
+def environment_record(config: RunConfig, world_size: int) -> dict[str, int]:
+    """``{"threads", "world_size"}`` of a run of ``config`` in this process: its threads are
+    ``train.num_threads``, else torch's default count here (it depends on the machine and on
+    ``OMP_NUM_THREADS``)."""
+    return {"threads": config.train.num_threads or torch.get_num_threads(), "world_size": world_size}
+
+
+def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: Any = None,
+                   world_size: int = 1) -> None:
     """A warning where ``config`` changes a setting of :data:`ROUND_OFF_CHANGES` against the
-    checkpoint's record (checked by :func:`check_recorded_config` first)."""
+    checkpoint's record (checked by :func:`check_recorded_config` first), or where the same
+    settings give other threads or another world size than the checkpoint's ``environment``
+    record (absent in checkpoints written before it was kept)."""
     if recorded is None:
         return
     saved = saved_config(recorded)
     rounded = [key for key in config_changes(saved, config, ignore=frozenset()) if key in ROUND_OFF_CHANGES]
-    if rounded:
+    changes = [describe_changes(saved, config, rounded)] if rounded else []
+    if isinstance(environment, dict):
+        now = environment_record(config, world_size)
+        changes += [f"{name.replace('_', ' ')} {now[name]} (the checkpoint's: {environment[name]})"
+                    for name in ("threads", "world_size")
+                    if isinstance(environment.get(name), int) and environment[name] != now[name]
+                    and not (name == "threads" and "train.num_threads" in rounded)
+                    and not (name == "world_size" and "train.parallel" in rounded)]
+    if changes:
         log.warning("resuming from %s with %s: the run goes on equal to round-off, not bit for bit (another "
                     "summation order); with raw SVD signs (align_signs=false, the default) round-off can flip "
                     "a basis vector, and the runs then agree in distribution only. Resume with the "
-                    "checkpoint's setting for an exact continuation", path.name,
-                    describe_changes(saved, config, rounded))
+                    "checkpoint's setting for an exact continuation", path.name, ", ".join(changes))
 
 
 #: Settings a resume may change at the price of round-off (the same batches, summed in another order).
 ROUND_OFF_CHANGES = ("train.num_threads", "train.parallel")
 
 
-def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bool = True) -> dict | None:
+def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bool = True,
+                     world_size: int = 1) -> dict | None:
     """Verify the checkpoint at ``path`` and its config record; returns the single-file
     checkpoint's loaded state (if ``keep_state``), None for a DCP checkpoint (loaded later, in
     place). Raises CheckpointError if it is damaged, UnsafeCheckpointError if it would run
@@ -90,22 +115,24 @@ def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bo
         marker = checkpoint_integrity.read_marker(path)
         check_recorded_config(marker.get(CONFIG_KEY), config, path)
         checkpoint_integrity.verify_dcp_checkpoint(path, marker)
-        warn_round_off(marker.get(CONFIG_KEY), config, path)  # once intact: not for a damaged one skipped
+        # once intact: not for a damaged one skipped
+        warn_round_off(marker.get(CONFIG_KEY), config, path, marker.get(ENVIRONMENT_KEY), world_size)
         return None
     state = ckpt.load_checkpoint(out, path)  # size, SHA-256, weights_only
     check_recorded_config(state.get(CONFIG_KEY), config, path)
-    warn_round_off(state.get(CONFIG_KEY), config, path)
+    warn_round_off(state.get(CONFIG_KEY), config, path, state.get(ENVIRONMENT_KEY), world_size)
     return state if keep_state else None
 
 
-def _choose(out: Path, resume: str | int, config: RunConfig, keep_state: bool) -> tuple[Path | None, dict | None]:
+def _choose(out: Path, resume: str | int, config: RunConfig, keep_state: bool,
+            world_size: int = 1) -> tuple[Path | None, dict | None]:
     if resume != "latest":
         path = ckpt.find_checkpoint(out, int(resume))
-        return path, check_checkpoint(out, path, config, keep_state=keep_state)
+        return path, check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size)
     damaged: list[tuple[Path, ckpt.CheckpointError]] = []
     for _, path in reversed(ckpt.complete_checkpoints(out)):
         try:
-            state = check_checkpoint(out, path, config, keep_state=keep_state)
+            state = check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size)
         except UnsafeCheckpointError:
             raise
         except ckpt.CheckpointError as err:
@@ -140,7 +167,8 @@ def choose_checkpoint(out: str | Path, resume: str | int, config: RunConfig,
     out = Path(out)
     if env is None or not env.distributed:
         return _choose(out, resume, config, keep_state=True)
-    path = decided_on_rank_zero(env, lambda: _choose(out, resume, config, keep_state=False)[0])
+    path = decided_on_rank_zero(env, lambda: _choose(out, resume, config, keep_state=False,
+                                                     world_size=env.world_size)[0])
     return (None if path is None else Path(path)), None
 
 

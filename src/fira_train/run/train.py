@@ -310,12 +310,13 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr", "tokens_per_s", "val_ppl") if k in record})
         if step == t.steps or (t.save_every and step % t.save_every == 0):
             progress.update(_sitting_totals(earlier, run_start, memory))
+            about = {resume_check.CONFIG_KEY: config_to_dict(config),  # what a resume checks
+                     resume_check.ENVIRONMENT_KEY: resume_check.environment_record(
+                         config, env.world_size if distributed else 1)}
             if distributed:  # every rank writes its shards
-                train_parallel.save(out, step, training, stream, progress, t.keep_last,
-                                    record={resume_check.CONFIG_KEY: config_to_dict(config)})
+                train_parallel.save(out, step, training, stream, progress, t.keep_last, record=about)
             elif main:
-                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress)
-                                     | {resume_check.CONFIG_KEY: config_to_dict(config)})
+                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress) | about)
                 ckpt.prune_checkpoints(out, t.keep_last)
     bar.close()
 

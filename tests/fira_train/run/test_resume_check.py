@@ -87,6 +87,30 @@ def test_a_resume_with_another_thread_count_warns_that_it_is_not_bit_exact(tmp_p
     assert "with train.num_threads=1 (now 2): the run goes on equal to round-off, not bit for bit" in caplog.text
 
 
+def test_a_resume_with_other_default_threads_warns_too(tmp_path: Path, caplog) -> None:
+    """train.num_threads=0 takes torch's default count, which depends on the machine and on
+    OMP_NUM_THREADS: the checkpoint records the count it ran with, and a resume with another one
+    says it is not bit-exact, as for a changed train.num_threads."""
+    threads = torch.get_num_threads()
+    config = micro_config(tmp_path, *COMMON, "train.num_threads=0")
+    try:
+        torch.set_num_threads(1)
+        train(config)
+        state = torch.load(ckpt.find_checkpoint(tmp_path / "run", 2) / "state.pt", weights_only=True)
+        assert state["environment"] == {"threads": 1, "world_size": 1}
+        (tmp_path / "run" / "summary.json").unlink()
+        with caplog.at_level(logging.WARNING):
+            train(config, resume=2)
+        assert "equal to round-off" not in caplog.text  # the same count: exact, no word
+        (tmp_path / "run" / "summary.json").unlink()
+        torch.set_num_threads(2)
+        with caplog.at_level(logging.WARNING):
+            train(config, resume=2)
+        assert "with threads 2 (the checkpoint's: 1): the run goes on equal to round-off" in caplog.text
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_no_intact_checkpoint_names_them_all(tmp_path: Path, capsys) -> None:
     config = micro_config(tmp_path, *COMMON[:2], "train.steps=2", "train.save_every=1", "train.keep_last=5")
     train(config)
