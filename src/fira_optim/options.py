@@ -241,12 +241,12 @@ def validate_group(g: dict) -> None:
         _check_real(key, g[key])
     # An infinite one of these only makes NaN updates (gamma: inf / inf in the limiter; alpha, lr,
     # weight_decay: inf * 0 somewhere) or none at all (eps); torch.optim.AdamW lets them through.
+    # The step sizes lr and alpha scale updates of fp32 weights at least: float32's range bounds them.
     for key, value in (("lr", lr), *((k, g[k]) for k in ("eps", "weight_decay", "alpha", "gamma"))):
         if not math.isfinite(float(value)):
             hint = " (the variant fira-no-limiter is Fira without the limiter)" if key == "gamma" else ""
             raise ValueError(f"Invalid {key}: {value!r}; expected a finite number{hint}")
-    for key, value in (("lr", lr), ("alpha", g["alpha"])):  # step sizes, taken in fp32 at least
-        if float(value) > FLOAT32_MAX:
+        if key in ("lr", "alpha") and float(value) > FLOAT32_MAX:
             raise ValueError(f"Invalid {key}: {value!r}; expected at most {FLOAT32_MAX:.4g}, float32's largest "
                              "(the update of fp32 weights cannot be taken with it)")
     betas = g["betas"]

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fira_optim.options import FLOAT32_MAX, check_options
+from fira_optim.options import check_options
 from fira_train.data.spec import DataSpec
 from fira_train.methods.registry import METHODS
 
@@ -161,11 +161,11 @@ class OptimConfig:
         _check(isinstance(self.method, str) and self.method != "", "optim.method", self.method,
                "a method name")
         if self.lr is not None:
-            _check(_is_number(self.lr) and 0 < self.lr <= FLOAT32_MAX, "optim.lr", self.lr,
-                   f"None or a positive number up to {FLOAT32_MAX:.4g} (float32's largest)")
+            _check(_is_number(self.lr) and self.lr > 0, "optim.lr", self.lr, "None or a positive number")
         # The optimizer's own options: checked by fira_optim's constructor rules, not copies of them.
         for name in ("rank", "update_proj_gap", "alpha", "betas", "eps", "weight_decay", "gamma",
-                     "projector", "implementation", "host_refresh", "stochastic_rounding", "state_dtype"):
+                     "projector", "implementation", "host_refresh", "stochastic_rounding", "state_dtype",
+                     *(("lr",) if self.lr is not None else ())):  # None: the method's default
             value = getattr(self, name)
             try:
                 check_options(**{name: value})
