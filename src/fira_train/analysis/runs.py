@@ -132,10 +132,11 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     kept = _runs_to_reuse(runs, configs) if reuse else set()  # before the corpus: config alone
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(config.data)  # trains and caches the tokenizer once, before any worker
+    data = corpus.describe()
     for run, cfg in zip(runs, configs):  # a kept run must have been trained on this corpus
         if run.name in kept:
-            check_same_data(Path(cfg.train.out_dir), read_json(Path(cfg.train.out_dir) / "summary.json",
-                                                               hint=_REDO_HINT), corpus.describe())
+            run_dir = Path(cfg.train.out_dir)
+            check_same_data(run_dir, read_json(run_dir / "summary.json", hint=_REDO_HINT), data)
     summaries: dict[str, dict[str, Any]] = {}
     pending = []
     for index, (run, cfg) in enumerate(zip(runs, configs), start=1):

@@ -5,6 +5,7 @@ memory-mapped cache file)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,25 @@ def test_blocks(spec: DataSpec, test_tokens: np.ndarray | None) -> np.ndarray:
         return np.zeros((0, seq_len), dtype=np.int64)
     assert test_tokens is not None
     return np.asarray(test_tokens[: wanted * seq_len], dtype=np.int64).reshape(wanted, seq_len)
+
+
+#: What a run's record of its data (``Corpus.describe()``) is compared by where it has no
+#: fingerprint (written before runs recorded one).
+DATA_IDENTITY = ("tokenizer", "vocab_size", "seq_len", "train_tokens", "val_tokens", "test_tokens")
+#: Why a run's recorded data can differ from what its ``data.source`` gives now.
+DATA_CHANGED = ("its text, split or tokenizer changed since, or a tokenizers release writes the same "
+                "tokenizer otherwise")
+
+
+def data_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+    """``"key=old (now new), ..."`` where a run's record of its data (``saved``: a
+    ``describe()``, or a part of it) differs from the corpus's now: the fingerprints (``corpus``)
+    where both have one, else the :data:`DATA_IDENTITY` keys both record; None where they agree or
+    nothing can be compared."""
+    keys = ["corpus"] if saved.get("corpus") and now.get("corpus") else [
+        k for k in DATA_IDENTITY if saved.get(k) is not None and now.get(k) is not None]
+    differ = [k for k in keys if saved[k] != now[k]]
+    return ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in differ) or None
 
 
 class Corpus(ABC):

@@ -10,6 +10,7 @@ from typing import Any
 from fira_train.config.overrides import changed_keys, describe_changed, flat_config
 from fira_train.config.resolve import LEGACY_ALIGN_SIGNS, resolved, saved_config
 from fira_train.config.run_config import RunConfig
+from fira_train.data.corpus import DATA_CHANGED, data_change
 from fira_train.files import read_json
 from fira_train.run import run_files
 from fira_train.run.checkpoint import CHECKPOINT_DIR
@@ -72,10 +73,6 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
                              f"run){hint}")
 
 
-#: What a finished run's summary records of its data, compared where it has no fingerprint.
-DATA_IDENTITY = ("tokenizer", "vocab_size", "seq_len", "train_tokens", "val_tokens", "test_tokens")
-
-
 def finished_with(config: RunConfig, run_dir: Path, data: Mapping[str, Any] | None = None) -> bool:
     """Whether ``run_dir`` holds a finished run of ``config`` (learning rate resolved): equal up
     to the keys that do not change the weights' trajectory (:data:`RESUMABLE_CHANGES`).
@@ -97,18 +94,11 @@ def finished_with(config: RunConfig, run_dir: Path, data: Mapping[str, Any] | No
 
 def check_same_data(run_dir: Path, summary: Any, data: Mapping[str, Any]) -> None:
     """ValueError if the finished run in ``run_dir``, whose ``summary.json`` holds ``summary``,
-    records other data than ``data`` (see :func:`finished_with`): its corpus fingerprint where
-    both sides have one, else the tokenizer and the split's sizes (:data:`DATA_IDENTITY`) that
-    both record."""
+    records other data than ``data`` (see :func:`finished_with`), compared as
+    :func:`fira_train.data.corpus.data_change` does."""
     saved = summary.get("data") if isinstance(summary, dict) else None
-    if not isinstance(saved, dict):
-        return  # nothing recorded to compare
-    keys = ["corpus"] if saved.get("corpus") and data.get("corpus") else [
-        k for k in DATA_IDENTITY if saved.get(k) is not None and data.get(k) is not None]
-    differ = [k for k in keys if saved[k] != data[k]]
-    if differ:
-        found = ", ".join(f"{k}={saved[k]!r} (now {data[k]!r})" for k in differ)
+    change = data_change(saved, data) if isinstance(saved, dict) else None  # None: nothing recorded
+    if change:
         raise ValueError(f"{str(run_dir)!r} holds a run of this config trained on other data than "
-                         f"data.source={data.get('source')!r} gives now ({found}: its text, split or tokenizer "
-                         "changed since, or a tokenizers release writes the same tokenizer otherwise); train "
+                         f"data.source={data.get('source')!r} gives now ({DATA_CHANGED}: {change}); train "
                          "it again with --overwrite, or choose another --out")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fira_train.data.corpus import DATA_CHANGED, data_change
 from fira_train.run.checkpoint import CheckpointError
 from fira_train.run.rng import rng_state, set_rng_state
 from fira_train.run.training import Training
@@ -46,10 +47,11 @@ def check_corpus(saved: str | None, stream: Any, source: str) -> None:
     if current and not saved:
         log.warning("the checkpoint records no fingerprint of its data (written before they were recorded): "
                     "whether data.source=%r still gives the data it was trained on is not checked", source)
-    if saved and current and saved != current:
+    change = data_change({"corpus": saved}, {"corpus": current})
+    if change:
         raise ValueError(f"the checkpoint was trained on other data than data.source={source!r} gives now "
-                         f"(its text, split or tokenizer changed since: corpus {saved[:12]}, now {current[:12]}); "
-                         "resume with the data it was trained on, or start the run again (--overwrite)")
+                         f"({DATA_CHANGED}: {change}); resume with the data it was trained on, or start the "
+                         "run again (--overwrite)")
 
 
 def restore_state(state: dict[str, Any], training: Training, stream: Any, source: str) -> tuple[int, dict[str, float]]:
