@@ -2,7 +2,7 @@
 against the runs it repeats.
 
     python benchmarks/sweep_rerun.py docs/results/tiny-exact-norm docs/results/tiny-sweep-galore-raw \
-        --spec fira --lr 0.02 --out docs/results/tiny-exact-norm/rerun.md
+        --spec fira --lr 0.02 --out docs/results/tiny-exact-norm/rerun-fira.md
 
 Reads each folder's ``sweep.json`` (as ``fira-train sweep`` writes it), takes the runs of
 ``--spec`` at ``--lr`` and writes, for validation and test perplexity, each seed's value in both

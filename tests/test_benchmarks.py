@@ -186,6 +186,10 @@ def test_the_committed_rerun_tables_are_what_sweep_rerun_writes(spec: str, monke
     assert text == (ROOT / "docs" / "results" / "tiny-exact-norm" / f"rerun-{spec}.md").read_text()
     with pytest.raises(SystemExit, match="holds no run of 'fira' at lr 0.5"):
         compare(Path("docs/results/tiny-exact-norm"), Path("docs/results/tiny-sweep-galore-raw"), "fira", 0.5)
+    # its README: Fira's runs there equal int8-root-seeds' plain Fira runs (same code, another sitting)
+    seeds = _benchmark("sweep_rerun").seed_values
+    assert (seeds(Path("docs/results/tiny-exact-norm"), "fira", 0.02)
+            == seeds(Path("docs/results/int8-root-seeds"), "fira", 0.02))
 
 
 def _benchmark(name: str):
