@@ -44,7 +44,7 @@ def test_compare_resume_reuses_finished_runs_and_refuses_silent_overwrite(tmp_pa
         compare(config, ["adamw"], out)
     # a finished run on a corpus that changed since is not kept beside runs on today's data
     summary = json.loads((out / "adamw" / "summary.json").read_text())
-    summary["data"]["corpus"] = "f" * 32
+    summary["data"]["token_digest"] = "f" * 32
     (out / "adamw" / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match="trained on other data"):
         compare(config, ["adamw"], out, resume=True)

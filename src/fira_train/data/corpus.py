@@ -4,8 +4,10 @@ memory-mapped cache file)."""
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -14,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fira_train.data.spec import DataSpec, require_int
 from fira_train.data.streams import BatchStream, PackedBatchStream
+from fira_train.data.tokenizer import token_dtype
 
 
 def test_blocks(spec: DataSpec, test_tokens: np.ndarray | None) -> np.ndarray:
@@ -39,23 +42,48 @@ def test_blocks(spec: DataSpec, test_tokens: np.ndarray | None) -> np.ndarray:
     return np.asarray(test_tokens[: wanted * seq_len], dtype=np.int64).reshape(wanted, seq_len)
 
 
-#: What a run's record of its data (``Corpus.describe()``) is compared by where it has no
-#: fingerprint (written before runs recorded one).
+#: What a run's record of its data (``Corpus.describe()``) is compared by where it has neither a
+#: token digest nor a fingerprint (written before runs recorded one).
 DATA_IDENTITY = ("tokenizer", "vocab_size", "seq_len", "train_tokens", "val_tokens", "test_tokens")
-#: Why a run's recorded data can differ from what its ``data.source`` gives now.
-DATA_CHANGED = ("its text, split or tokenizer changed since, or a tokenizers release writes the same "
-                "tokenizer otherwise")
+#: Ids hashed per chunk by :func:`digest_ids` (bounds the memory of a cast to the canonical dtype).
+DIGEST_CHUNK = 1 << 24
+
+
+def digest_ids(seq_len: int, vocab_size: int, *parts: np.ndarray) -> str:
+    """A sha256 of the token ids ``parts`` (train, validation, test), each in the smallest dtype
+    that holds ``vocab_size`` ids, with the parts' lengths and ``seq_len``: equal exactly when a
+    run would see the same ids in the same blocks, whatever the text, tokenizer file or cache
+    they came from."""
+    dtype = token_dtype(vocab_size)
+    digest = hashlib.sha256(repr((seq_len, dtype.str, [int(np.size(p)) for p in parts])).encode())
+    for part in parts:
+        flat = np.asarray(part).reshape(-1)
+        for start in range(0, flat.size, DIGEST_CHUNK):  # a memory-mapped corpus is read a chunk at a time
+            digest.update(np.ascontiguousarray(flat[start : start + DIGEST_CHUNK], dtype=dtype).tobytes())
+    return digest.hexdigest()[:32]
 
 
 def data_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
-    """``"key=old (now new), ..."`` where a run's record of its data (``saved``: a
-    ``describe()``, or a part of it) differs from the corpus's now: the fingerprints (``corpus``)
-    where both have one, else the :data:`DATA_IDENTITY` keys both record; None where they agree or
-    nothing can be compared."""
-    keys = ["corpus"] if saved.get("corpus") and now.get("corpus") else [
-        k for k in DATA_IDENTITY if saved.get(k) is not None and now.get(k) is not None]
-    differ = [k for k in keys if saved[k] != now[k]]
-    return ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in differ) or None
+    """Why a run's record of its data (``saved``: a ``describe()``, or a part of it) differs from
+    what the corpus says of itself now, with the values that differ, e.g. ``"its text, split or
+    tokenizer changed since: token_digest='...' (now '...')"``; None where they agree or nothing
+    can be compared.
+
+    The most exact record both sides have decides: the digest of the token ids
+    (``token_digest``), else the fingerprint of text, split, tokenizer file and packing (``corpus``:
+    records written before token digests; a ``tokenizers`` release that writes the same
+    tokenizer's file otherwise changes it too), else the :data:`DATA_IDENTITY` keys both record.
+    """
+    if saved.get("token_digest") and now.get("token_digest"):
+        keys, cause = ["token_digest"], "its text, split or tokenizer changed since"
+    elif saved.get("corpus") and now.get("corpus"):
+        keys, cause = ["corpus"], ("its text, split or tokenizer changed since, or a tokenizers release "
+                                   "writes the same tokenizer otherwise")
+    else:
+        keys = [k for k in DATA_IDENTITY if saved.get(k) is not None and now.get(k) is not None]
+        cause = "its text, split or tokenizer changed since"
+    differ = ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in keys if saved[k] != now[k])
+    return f"{cause}: {differ}" if differ else None
 
 
 class Corpus(ABC):
@@ -109,8 +137,9 @@ class Corpus(ABC):
     @abstractmethod
     def describe(self) -> dict[str, Any]:
         """``{"source", "train_tokens", "val_tokens", "test_tokens", "tokenizer", "vocab_size",
-        "seq_len", "corpus"}``; ``corpus``: the fingerprint of the text, split, tokenizer and packing
-        (None where it is not computed: a streamed corpus)."""
+        "seq_len", "corpus", "token_digest"}``; ``corpus``: the fingerprint of the text, split, tokenizer
+        and packing, ``token_digest``: the :func:`digest_ids` of the ids it serves (each None where it
+        is not computed: a streamed corpus). :func:`data_change` compares two of these."""
 
     def _describe(self, train_tokens: int | None) -> dict[str, Any]:
         return {
@@ -122,6 +151,7 @@ class Corpus(ABC):
             "vocab_size": self.vocab_size,
             "seq_len": self.seq_len,
             "corpus": getattr(self, "identity", None),
+            "token_digest": getattr(self, "token_digest", None),
         }
 
 
@@ -156,9 +186,18 @@ class PackedCorpus(Corpus):
 
     def train_batches(self, batch_size: int, seed: int) -> PackedBatchStream:
         try:
-            return PackedBatchStream(self.train_tokens, self.seq_len, batch_size, seed, corpus=self.identity)
+            return PackedBatchStream(self.train_tokens, self.seq_len, batch_size, seed, corpus=self.identity,
+                                     token_digest=self.token_digest)
         except ValueError as err:  # too few sequences for a batch: say what capped them
             raise ValueError(f"{err}{self._capped()}") from None
+
+    @cached_property
+    def token_digest(self) -> str:
+        """The :func:`digest_ids` of the training tokens its blocks use, and of the validation
+        and test blocks (one pass over the ids, on first use)."""
+        used = len(self.train_tokens) // self.seq_len * self.seq_len
+        return digest_ids(self.seq_len, self.vocab_size, self.train_tokens[:used], self._val_blocks,
+                            self._test_blocks)
 
     def describe(self) -> dict[str, Any]:
         return self._describe(len(self.train_tokens) // self.seq_len * self.seq_len)

@@ -17,11 +17,13 @@ class BatchStream(ABC):
 
     ``state_dict()`` holds plain ints; a fresh stream of the same corpus, batch size and seed that
     loads it yields exactly the batches the saved stream would have yielded next. ``corpus``
-    identifies the corpus it reads (a fingerprint of its text, split and tokenizer; None where
-    it is not known), so that a checkpoint can tell another corpus from its own.
+    identifies the corpus it reads (a fingerprint of its text, split and tokenizer) and ``token_digest``
+    the ids it reads (their digest); each None where it is not known. A checkpoint records both,
+    to tell other data from its own.
     """
 
     corpus: str | None = None
+    token_digest: str | None = None
 
     def __iter__(self) -> BatchStream:
         return self
@@ -75,9 +77,9 @@ class PackedBatchStream(BatchStream):
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
-                 corpus: str | None = None) -> None:
+                 corpus: str | None = None, token_digest: str | None = None) -> None:
         check_stream_args(batch_size, seed)
-        self.corpus = corpus
+        self.corpus, self.token_digest = corpus, token_digest
         n_blocks = len(tokens) // seq_len
         self._blocks = tokens[: n_blocks * seq_len].reshape(n_blocks, seq_len)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed

@@ -10,7 +10,7 @@ from typing import Any
 from fira_train.config.overrides import changed_keys, describe_changed, flat_config
 from fira_train.config.resolve import LEGACY_ALIGN_SIGNS, resolved, saved_config
 from fira_train.config.run_config import RunConfig
-from fira_train.data.corpus import DATA_CHANGED, data_change
+from fira_train.data.corpus import data_change
 from fira_train.files import read_json
 from fira_train.run import run_files
 from fira_train.run.checkpoint import CHECKPOINT_DIR
@@ -100,5 +100,5 @@ def check_same_data(run_dir: Path, summary: Any, data: Mapping[str, Any]) -> Non
     change = data_change(saved, data) if isinstance(saved, dict) else None  # None: nothing recorded
     if change:
         raise ValueError(f"{str(run_dir)!r} holds a run of this config trained on other data than "
-                         f"data.source={data.get('source')!r} gives now ({DATA_CHANGED}: {change}); train "
+                         f"data.source={data.get('source')!r} gives now ({change}); train "
                          "it again with --overwrite, or choose another --out")

@@ -9,9 +9,10 @@ tensors and plain Python values only, so ``torch.load(weights_only=True)`` reads
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
-from fira_train.data.corpus import DATA_CHANGED, data_change
+from fira_train.data.corpus import data_change
 from fira_train.run.checkpoint import CheckpointError
 from fira_train.run.rng import rng_state, set_rng_state
 from fira_train.run.training import Training
@@ -33,25 +34,31 @@ def capture_state(step: int, training: Training, stream: Any, progress: dict[str
     }
 
 
+#: What a checkpoint records of the data its stream reads (see ``BatchStream``).
+DATA_RECORD = ("corpus", "token_digest")
+
+
 def corpus_record(stream: Any) -> dict[str, str]:
-    """``{"corpus": fingerprint}`` of the corpus ``stream`` reads, for a checkpoint (``{}`` when
-    it has none: :func:`check_corpus` then has nothing to compare)."""
-    return {"corpus": stream.corpus} if getattr(stream, "corpus", None) else {}
+    """``{"corpus": fingerprint, "token_digest": digest}`` of the data ``stream`` reads, for a checkpoint
+    (what it does not know is left out: :func:`check_corpus` then has less to compare)."""
+    return {key: getattr(stream, key) for key in DATA_RECORD if getattr(stream, key, None)}
 
 
-def check_corpus(saved: str | None, stream: Any, source: str) -> None:
-    """ValueError if a checkpoint was trained on another corpus than ``stream`` reads (its text,
-    split or tokenizer changed since); nothing where either side does not know (a checkpoint
-    written before corpora were fingerprinted, a streamed corpus)."""
-    current = getattr(stream, "corpus", None)
-    if current and not saved:
+def check_corpus(saved: Mapping[str, Any], stream: Any, source: str) -> None:
+    """ValueError if a checkpoint (``saved``: its payload, or the part of it that
+    :func:`corpus_record` wrote) was trained on other data than ``stream`` reads, as
+    :func:`fira_train.data.corpus.data_change` decides; nothing where either side does not know (a
+    checkpoint written before corpora were fingerprinted, a streamed corpus)."""
+    record = {key: saved.get(key) for key in DATA_RECORD}
+    current = corpus_record(stream)
+    if current and not any(record.values()):
         log.warning("the checkpoint records no fingerprint of its data (written before they were recorded): "
                     "whether data.source=%r still gives the data it was trained on is not checked", source)
-    change = data_change({"corpus": saved}, {"corpus": current})
+    change = data_change(record, current)
     if change:
         raise ValueError(f"the checkpoint was trained on other data than data.source={source!r} gives now "
-                         f"({DATA_CHANGED}: {change}); resume with the data it was trained on, or start the "
-                         "run again (--overwrite)")
+                         f"({change}); resume with the data it was trained on, or start the run again "
+                         "(--overwrite)")
 
 
 def restore_state(state: dict[str, Any], training: Training, stream: Any, source: str) -> tuple[int, dict[str, float]]:
@@ -60,7 +67,7 @@ def restore_state(state: dict[str, Any], training: Training, stream: Any, source
     missing = {"step", "model", "optimizer", "scheduler", "data", "rng", "progress"} - set(state)
     if missing:
         raise CheckpointError(f"checkpoint lacks {sorted(missing)}")
-    check_corpus(state.get("corpus"), stream, source)
+    check_corpus(state, stream, source)
     training.model.load_state_dict(state["model"])
     training.optimizer.load_state_dict(state["optimizer"])
     training.scheduler.load_state_dict(state["scheduler"])

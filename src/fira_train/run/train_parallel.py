@@ -145,7 +145,7 @@ def load(out: Path, path: Path, training: Training, stream: Any, mode: str,
         missing = [key for key in EXTRA_KEYS if key not in extra]
         if missing:
             raise ckpt.CheckpointError(f"checkpoint {str(path)!r} lacks {missing}")
-        check_corpus(extra.get("corpus"), stream, source)
+        check_corpus(extra, stream, source)
         stream.load_state_dict(extra["data"])
         return int(extra["step"]), dict(extra["progress"])
     if mode == "fsdp2":

@@ -54,7 +54,7 @@ def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, 
     # a finished run of this config on a corpus that changed since: refused too, not kept
     summary_path = tmp_path / "parallel" / "fira-gamma1.1" / "summary.json"
     summary = json.loads(summary_path.read_text())
-    summary_path.write_text(json.dumps({**summary, "data": {**summary["data"], "corpus": "f" * 32}}))
+    summary_path.write_text(json.dumps({**summary, "data": {**summary["data"], "token_digest": "f" * 32}}))
     with pytest.raises(ValueError, match="trained on other data"):
         train_runs(config, runs, tmp_path / "parallel", reuse=True, title=TITLE)
     assert metrics.stat().st_mtime_ns == before

@@ -228,13 +228,27 @@ def test_a_finished_run_on_other_data_is_neither_kept_nor_reused(tmp_path: Path)
     assert finished_with(config, run, data)
 
     summary = json.loads((run / "summary.json").read_text())
-    summary["data"]["corpus"] = "0" * 32  # trained on another corpus
+    digest, corpus = summary["data"]["token_digest"], summary["data"]["corpus"]
+    summary["data"]["token_digest"] = "0" * 32  # trained on other token ids
     (run / "summary.json").write_text(json.dumps(summary))
-    with pytest.raises(ValueError, match=r"trained on other data than data.source=.*corpus='0000"):
+    with pytest.raises(ValueError, match=r"trained on other data than data.source=.*token_digest='0000"):
         train(config, resume="latest")
     with pytest.raises(ValueError, match="train it again with --overwrite"):
         finished_with(config, run, data)
     assert finished_with(config, run)  # no data given: the config alone (the check is the caller's)
+
+    # the same ids from another tokenizer file (a tokenizers release writes it otherwise): kept
+    summary["data"].update(token_digest=digest, corpus="0" * 32)
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert finished_with(config, run, data)
+
+    del summary["data"]["token_digest"]  # a summary written before token digests: its fingerprint decides
+    (run / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match=r"tokenizers release.*corpus='0000"):
+        finished_with(config, run, data)
+    summary["data"]["corpus"] = corpus
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert finished_with(config, run, data)
 
     del summary["data"]["corpus"]  # a summary written before fingerprints: tokenizer and sizes
     (run / "summary.json").write_text(json.dumps(summary))
@@ -291,20 +305,28 @@ def test_a_checkpoint_without_the_totals_resumes_with_the_sittings_unknown(tmp_p
     assert train(config, resume="latest")["sittings"] is None
 
 
-def test_a_checkpoint_without_a_data_fingerprint_is_resumed_with_a_warning(caplog) -> None:
-    """Checkpoints written before corpora were fingerprinted cannot be checked: said, not silent."""
+def test_a_checkpoint_is_checked_by_the_data_record_it_has(caplog) -> None:
+    """Token digests decide where both sides have one (the same ids from a tokenizer file that a
+    tokenizers release writes otherwise resume); a checkpoint from before them is compared by its
+    fingerprint, and one from before fingerprints cannot be checked: said, not silent."""
     from types import SimpleNamespace
 
-    from fira_train.run.state import check_corpus
+    from fira_train.run.state import check_corpus, corpus_record
 
-    stream = SimpleNamespace(corpus="0123456789abcdef")
+    stream = SimpleNamespace(corpus="0123456789abcdef", token_digest="aaaa")
+    assert corpus_record(stream) == {"corpus": "0123456789abcdef", "token_digest": "aaaa"}
+    assert corpus_record(SimpleNamespace(corpus=None, token_digest=None)) == {}
     with caplog.at_level(logging.WARNING):
-        check_corpus("0123456789abcdef", stream, "x.txt")
+        check_corpus({"corpus": "0123456789abcdef", "token_digest": "aaaa"}, stream, "x.txt")
+        check_corpus({"corpus": "fedcba9876543210", "token_digest": "aaaa", "step": 3}, stream, "x.txt")
+        check_corpus({"corpus": "0123456789abcdef"}, stream, "x.txt")
         assert not caplog.text
-        check_corpus(None, stream, "x.txt")
+        check_corpus({}, stream, "x.txt")
     assert "records no fingerprint of its data" in caplog.text and "'x.txt'" in caplog.text
+    with pytest.raises(ValueError, match=r"changed since: token_digest='bbbb' \(now 'aaaa'\)"):
+        check_corpus({"corpus": "0123456789abcdef", "token_digest": "bbbb"}, stream, "x.txt")
     with pytest.raises(ValueError, match=r"corpus='fedcba9876543210' \(now '0123456789abcdef'\)"):
-        check_corpus("fedcba9876543210", stream, "x.txt")
+        check_corpus({"corpus": "fedcba9876543210"}, stream, "x.txt")
 
 
 def _decided_worker(rank: int, world: int, fail: bool) -> str:

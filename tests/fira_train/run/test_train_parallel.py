@@ -96,7 +96,7 @@ def _ddp_worker(rank: int, world: int, root: str) -> dict:
     kept = kept and (root / "ddp" / "summary.json").read_text() == written
     dist.barrier()
     if rank == 0:
-        (root / "ddp" / "summary.json").write_text(written.replace(summary["data"]["corpus"], "f" * 32))
+        (root / "ddp" / "summary.json").write_text(written.replace(summary["data"]["token_digest"], "f" * 32))
     dist.barrier()
     try:
         train(_config(root, "ddp", "ddp"), resume="latest")

@@ -175,7 +175,7 @@ def test_reuse_refuses_a_finished_run_trained_on_other_data(tmp_path: Path, in_p
     sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out)
     summary_path = RunKey("adamw", 0.01, 0).folder(out) / "summary.json"
     summary = json.loads(summary_path.read_text())
-    summary["data"]["corpus"] = "f" * 32
+    summary["data"]["token_digest"] = "f" * 32
     summary_path.write_text(json.dumps(summary))
     in_process.clear()
     with pytest.raises(ValueError, match="holds a run of this config trained on other data"):
@@ -199,8 +199,8 @@ def test_a_diverged_run_is_an_outcome_kept_on_reuse(tmp_path: Path, in_process: 
     # the divergence is an outcome on the data it was trained on: on other data, refused as a finished run is
     marker_path = RunKey("adamw", 10.0, 0).folder(out) / grid.DIVERGED_FILE
     marker = json.loads(marker_path.read_text())
-    assert marker["data"]["corpus"]
-    marker_path.write_text(json.dumps({**marker, "data": {**marker["data"], "corpus": "f" * 32}}))
+    assert marker["data"]["corpus"] and marker["data"]["token_digest"]
+    marker_path.write_text(json.dumps({**marker, "data": {**marker["data"], "token_digest": "f" * 32}}))
     with pytest.raises(ValueError, match="holds a run of this config trained on other data"):
         sweep(config, ["adamw"], {"adamw": [0.001, 10.0]}, [0], out, reuse=True)
 
