@@ -62,6 +62,10 @@ class FinetuneError(ValueError):
     """A bad option value; the message names the option and the value."""
 
 
+#: The options only training reads (a zero-shot run's record holds None for each).
+TRAINING_OPTIONS = ("batch_size", "max_train", "weight_decay", "cutoff_len", "train_on_inputs", "save_steps")
+
+
 @dataclass
 class FinetuneConfig:
     """One fine-tuning run. Every field is a CLI option (``--max-eval`` for ``max_eval``, ...)."""
@@ -204,7 +208,8 @@ class FinetuneConfig:
 
     def used_options(self) -> dict[str, Any]:
         """The method's own options as the run uses them, None for those it does not use (a
-        results record says what trained, not what was typed)."""
+        results record says what trained, not what was typed); for a run that trains nothing
+        (zero-shot) also ``steps`` 0 and every training option None."""
         method = self.effective_method
         uses = {
             "alpha": method in FIRA_METHODS,
@@ -213,6 +218,8 @@ class FinetuneConfig:
             **{key: method in LORA_METHODS for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")},
         }
         used = {key: getattr(self, key) if uses_it else None for key, uses_it in uses.items()}
+        if not self.trains:
+            used.update(dict.fromkeys(TRAINING_OPTIONS), steps=0)
         return {"rank": self.effective_rank, **used}
 
     @property

@@ -60,3 +60,9 @@ def test_the_results_record_only_the_options_a_method_uses() -> None:
     fira = FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", steps=2)
     assert fira.used_options()["rank"] == 32 and fira.used_options()["lora_r"] is None
     assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", steps=0).used_options()["rank"] is None
+    # nothing trained: no steps, and no training option describes the run (it recorded 100 x 8)
+    for zero_shot in (FinetuneConfig(tasks=["boolq"], data_dir=".", method="none", batch_size=4),
+                      FinetuneConfig(tasks=["boolq"], data_dir=".", method="adamw", steps=0, max_train=9)):
+        used = zero_shot.used_options()
+        assert used["steps"] == 0 and used["batch_size"] is None and used["max_train"] is None
+        assert used["save_steps"] is None and used["weight_decay"] is None

@@ -163,6 +163,7 @@ def test_zero_shot_and_method_memory_ordering(tiny_model_dir, tmp_path):
               "--max-new-tokens", "4", "--lr", "1e-3", "--scoring", "generate"]
     zero = run_cli([*common, "--steps", "0", "--method", "fira", "--out", str(tmp_path / "zero")])
     assert zero["training"] is None and zero["config"]["method"] == "none"
+    assert zero["config"]["steps"] == 0 and zero["config"]["batch_size"] is None
     assert zero["tasks"]["boolq"]["n"] == 3 and zero["memory"]["optimizer_state_numel"] == 0
     states = {}
     for method in ("adamw", "galore", "lora"):
