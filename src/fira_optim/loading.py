@@ -9,9 +9,11 @@ objects, and its group key ``scale`` read as ``alpha``), so a run of ``galore_to
 continues under :class:`fira_optim.GaLoreAdamW`.
 
 Refused, with the reason: a state dict whose projected groups were saved at another rank or
-projection rule or with another base optimizer (its tensors would not fit), and one not saved by
-Fira at all (``torch.optim.AdamW``'s has the same layout, and loading it would silently train
-every matrix with plain AdamW).
+projection rule or with another base optimizer (its tensors would not fit), one whose groups,
+projected or not, were saved with another ``state_dtype`` (their states are stored otherwise;
+loading took the saved dtype for the unprojected groups, whatever the optimizer was built with),
+and one not saved by Fira at all (``torch.optim.AdamW``'s has the same layout, and loading it
+would silently train every matrix with plain AdamW).
 """
 
 from __future__ import annotations
@@ -26,23 +28,27 @@ from .projection import LEFT, projection_side
 
 #: Group options that fix the layout of a projected matrix's state.
 LAYOUT_KEYS = ("rank", "proj_type", "base", "state_dtype")
+#: Those that fix the layout of an unprojected parameter's state.
+UNPROJECTED_LAYOUT_KEYS = ("state_dtype",)
 
 
 def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
     """Refuse ``saved`` if a group that this optimizer projects was saved without Fira's keys or
-    with another layout. Group counts and sizes are left to torch's own checks."""
+    with another layout, or an unprojected group with another ``state_dtype``. Group counts and
+    sizes are left to torch's own checks."""
     for gi, (group, old) in enumerate(zip(current_groups, saved.get("param_groups", []))):
-        if group["rank"] is None or not group["params"]:
+        if not group["params"]:
             continue
         first = param_name(gi, 0, group["params"][0])
-        if "rank" not in old:
+        projected = group["rank"] is not None
+        if projected and "rank" not in old:
             raise ValueError(
                 f"{first}: the state dict's param group {gi} has no 'rank': it was not saved by "
                 "Fira (torch.optim.AdamW's state has this layout) and would silently train every "
                 "matrix of the group with plain AdamW. Start Fira from the model's weights "
                 "without this optimizer state instead"
             )
-        for key in LAYOUT_KEYS:
+        for key in LAYOUT_KEYS if projected else UNPROJECTED_LAYOUT_KEYS:
             if key in old and old[key] != group[key]:
                 raise ValueError(
                     f"{first}: the state dict was saved with {key}={old[key]!r} but this "

@@ -86,6 +86,18 @@ def test_a_state_dict_of_another_state_dtype_is_refused():
     _run(params, opt, 1)
     with pytest.raises(ValueError, match="state_dtype='int8'"):
         _optimizer(_params()).load_state_dict(opt.state_dict())
+    # an unprojected group alone too: loading took int8 moments into an optimizer built for fp32
+    embedding = [torch.nn.Parameter(torch.randn(64, 128))]
+    int8 = FiraAdamW([{"params": embedding}], lr=1e-2, state_dtype="int8")
+    embedding[0].grad = torch.randn(64, 128)
+    int8.step()
+    fp32 = FiraAdamW([{"params": embedding}], lr=1e-2)
+    with pytest.raises(ValueError, match=r"group 0 has state_dtype='float32'; build the optimizer with state_dtype='int8'"):
+        fp32.load_state_dict(int8.state_dict())
+    assert fp32.param_groups[0]["state_dtype"] == "float32" and not fp32.state
+    again = FiraAdamW([{"params": embedding}], lr=1e-2, state_dtype="int8")
+    again.load_state_dict(int8.state_dict())  # the same dtype loads
+    assert again.state[embedding[0]]["exp_avg"].dtype == int8.state[embedding[0]]["exp_avg"].dtype
 
 
 def test_invalid_state_dtype_names_the_argument():
