@@ -23,12 +23,16 @@ What changes:
 - **Gradient accumulation**: wrap the backward passes of the non-final micro-batches in
   ``with handle.accumulate():``; their gradients accumulate as usual and the final backward
   updates. The accumulated gradients are then alive across micro-batches: accumulation keeps
-  the memory of a whole model's gradients, as without this feature.
+  the memory of a whole model's gradients, as without this feature. Every backward outside
+  ``accumulate()`` is a whole update: a loop that accumulates without it (a Hugging Face
+  ``Trainer`` with ``gradient_accumulation_steps > 1``) updates once per micro-batch. The first
+  parameter updated twice between two ``optimizer.step()`` calls gets a ``UserWarning``.
 - **Non-finite gradients** are found per matrix, as each update runs: ``nonfinite="error"``
   raises from inside backward (matrices updated earlier in the same backward keep their update);
   ``"skip"`` skips that matrix's update only.
 - **Gradient clipping by the global norm** cannot work (the norm of all gradients exists only
-  after the last of them, when most updates are done): Fira's norm-growth limiter bounds each
+  after the last of them, when most updates are done; ``clip_grad_norm_`` after backward finds
+  the gradients freed and returns 0, so a Trainer logs a gradient norm of 0): Fira's norm-growth limiter bounds each
   matrix's residual update instead; clip per matrix in your own hook if you need more.
 - **Loss scaling** (``torch.amp.GradScaler``, for fp16 autocast) cannot work either: the hooks
   update from the scaled gradients before ``scaler.unscale_`` could see them, an overflow is a
@@ -49,6 +53,7 @@ What changes:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -70,6 +75,8 @@ class StepInBackward:
         self._active = True
         self._hooks: list = []
         self._covered: set = set()  # the parameters whose update a hook runs
+        self._updated: set = set()  # those a hook updated since the last optimizer.step()
+        self._warned = False
         self._ddp = _is_ddp(model)
         if self._ddp:
             model.register_comm_hook(state=None, hook=self._ddp_hook)
@@ -98,9 +105,27 @@ class StepInBackward:
         return [p for group in self.optimizer.param_groups for p in group["params"]
                 if p.grad is not None and p not in self._covered]
 
+    def stepped(self) -> None:
+        """``optimizer.step()`` ran: the updates since the last one were one step's."""
+        self._updated.clear()
+
+    def _updating(self, params) -> None:
+        # A second update of a parameter before step(): an accumulation loop that does not enter
+        # accumulate() (every micro-batch then updates, and the scheduler counts a fraction of them)
+        if not self._warned and not self._updated.isdisjoint(params):
+            self._warned = True
+            warnings.warn(
+                "step_in_backward: a backward pass updated parameters that an earlier one had updated "
+                "since the last optimizer.step(): every backward outside handle.accumulate() is a whole "
+                "update. To accumulate gradients, run the backward passes of the non-final micro-batches "
+                "inside `with handle.accumulate():` (a Trainer's gradient_accumulation_steps does not), "
+                "and call optimizer.step() once per update", UserWarning, stacklevel=2)
+        self._updated.update(params)
+
     def _hook(self, p: torch.Tensor) -> None:
         if self._accumulating or not self._active:
             return
+        self._updating((p,))
         self.optimizer._step_params({p})
         p.grad = None
 
@@ -116,6 +141,7 @@ class StepInBackward:
             # updated here, not again by step(): also a parameter frozen when the hooks were
             # registered (DDP reduces what required a gradient when it was built)
             self._covered.update(params)
+            self._updating(params)
             local = [p.grad for p in params]
             for p, grad in zip(params, bucket.gradients()):
                 p.grad = grad  # the averaged gradient, a view of the reduced bucket

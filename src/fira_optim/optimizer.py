@@ -394,6 +394,7 @@ class Fira(Optimizer):
             if rest:
                 self._step_params(set(rest))
                 self._in_backward.cover(rest)  # unfrozen since the hooks were registered
+            self._in_backward.stepped()
         return loss
 
     @torch.no_grad()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -100,6 +101,20 @@ def test_gradient_accumulation_updates_on_the_last_micro_batch():
         runs.append(model)
     for p, q in zip(*(m.parameters() for m in runs)):
         assert torch.equal(p, q)
+
+
+def test_accumulating_without_accumulate_warns_once_that_each_backward_updated():
+    """A Trainer with gradient_accumulation_steps=2 updated every micro-batch, silently."""
+    model = _net()
+    opt = _optimizer(model)
+    handle = step_in_backward(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the right loop warns of nothing
+        _train(model, opt, 2, micro_batches=2, handle=handle)
+    with pytest.warns(UserWarning, match=r"every backward outside handle.accumulate\(\) is a whole update") as caught:
+        _train(model, opt, 2, micro_batches=2)  # no accumulate(): four updates in two steps
+    assert len(caught) == 1
+    assert opt.state[model.a.weight]["step"] == 6
 
 
 def test_step_is_a_no_op_and_remove_restores_it():
