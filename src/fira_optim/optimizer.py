@@ -491,12 +491,16 @@ class Fira(Optimizer):
         """``[(gi, pi, p, order)]`` of every parameter (of ``only``), in param-group order, with
         ``order`` the index among the projected matrices (None: not projected), and the number
         of projected matrices when a group staggers its refreshes (else None). The layout is
-        cached, so that an update in the backward pass (one parameter) costs no scan of all."""
+        cached, so that an update in the backward pass (one parameter) costs no scan of all;
+        with it each parameter's dtype, so that the states of one cast since (``model.to(dtype)``
+        mid-training) are re-taken in the dtypes kept for its new one, as a load would."""
         key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"]) for g in self.param_groups)
         cached = self.__dict__.get("_layout")
         if cached is not None and cached[0] != key:
             self._check_rank_changes(cached[0], key)
         if cached is None or cached[0] != key or not self._layout_holds(cached, only):
+            if cached is not None:
+                self._follow_casts(cached[4])
             entries, order = [], 0
             for gi, group in enumerate(self.param_groups):
                 if group["rank"] is not None:  # a rank set in param_groups: as the constructor checks it
@@ -510,9 +514,10 @@ class Fira(Optimizer):
                     order += projected
             stagger = any(g["stagger"] for g in self.param_groups)
             position = {p: i for i, (_, _, p, _) in enumerate(entries)}
-            cached = (key, entries, position, order if stagger else None)
+            dtypes = {p: p.dtype for _, _, p, _ in entries}
+            cached = (key, entries, position, order if stagger else None, dtypes)
             self.__dict__["_layout"] = cached
-        _, entries, position, total = cached
+        _, entries, position, total, _ = cached
         if only is not None:
             entries = [entries[i] for i in sorted(position[p] for p in only)]
         return entries, total
@@ -535,12 +540,27 @@ class Fira(Optimizer):
         """Whether the cached layout still names the tensors of the groups' lists (a parameter
         replaced in a list is a new layout): all of them for a whole step, those of ``only`` for
         an update in the backward pass (a replacement's own hook finds it missing)."""
-        _, entries, position, _ = cached
+        _, entries, position, _, dtypes = cached
         if only is not None:
             if any(p not in position for p in only):
                 return False
             entries = [entries[position[p]] for p in only]
-        return all(self.param_groups[gi]["params"][pi] is p for gi, pi, p, _ in entries)
+        return all(self.param_groups[gi]["params"][pi] is p and p.dtype == dtypes[p] for gi, pi, p, _ in entries)
+
+    def _follow_casts(self, dtypes: dict) -> None:
+        """The states of every parameter whose dtype is no longer ``dtypes``' (the cached
+        layout's) re-taken in the dtypes this optimizer keeps for its dtype now, as
+        :meth:`load_state_dict` takes a state saved before a cast: int8 codes stay codes, the
+        fp32 states of a bf16 matrix stay fp32, the others follow the parameter."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or dtypes.get(p, p.dtype) == p.dtype:
+                    continue
+                kept = _state_dtypes(p, group)
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = _loaded_value(p, value, key, kept.get(key), value)
 
     def _split_refresh_group(self) -> Any:
         """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""

@@ -122,6 +122,50 @@ def test_a_state_saved_for_another_param_dtype_loads_in_this_ones_dtypes(saved, 
     assert [int(loaded.state[p]["step"]) for p in moved[:3]] == [STEPS] * 3
 
 
+@pytest.mark.parametrize("in_backward", [False, True])
+@pytest.mark.parametrize("state_dtype", ["float32", "int8"])
+@pytest.mark.parametrize(("before", "after"), [(torch.float32, torch.float64), (torch.float32, torch.bfloat16)])
+def test_a_model_cast_mid_training_steps_on_as_after_a_state_dict_round_trip(before, after, state_dtype,
+                                                                            in_backward):
+    """model.to(dtype) after some steps: the same optimizer steps on with its states in the
+    dtypes a load would give them (was: "mat1 and mat2 must have the same dtype" from deep in
+    the update)."""
+    from fira_optim import step_in_backward
+
+    grads = grad_sequence(SHAPES, STEPS, seed=25)
+    runs = []
+    for reload in (False, True):
+        params = make_params(SHAPES, dtype=before)
+        opt = _optimizer(params, state_dtype=state_dtype)
+        if in_backward:
+            step_in_backward(opt)
+        for row in grads[:4]:
+            _step(opt, params, [g.to(before) for g in row], in_backward)
+        for p in params:
+            p.data = p.data.to(after)  # what module.to(dtype) does to each parameter
+        if reload:
+            opt.load_state_dict(round_trip(opt.state_dict()))
+        for row in grads[4:]:
+            _step(opt, params, [g.to(after) for g in row], in_backward)
+        runs.append((params, opt))
+    (cast, cast_opt), (reloaded, reloaded_opt) = runs
+    assert_params_equal(cast, reloaded)
+    assert_states_equal(state_snapshot(cast_opt), state_snapshot(reloaded_opt))
+    assert all(p.dtype == after for p in cast)
+
+
+def _step(opt, params, grads, in_backward):
+    """One step from ``grads``: set and ``step()``, or as the backward pass would under
+    ``step_in_backward`` (each parameter's gradient accumulated, its hook run)."""
+    if not in_backward:
+        set_grads(params, grads)
+        opt.step()
+        return
+    for p, g in zip(params, grads):
+        (p * g).sum().backward()  # d/dp sum(p * g) = g: the hook updates p
+    opt.step()
+
+
 def test_a_load_post_hook_sees_and_keeps_the_final_states():
     """The dtype policy is applied before the user's load post-hooks, which may replace states."""
     params = make_params(SHAPES)
