@@ -63,7 +63,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without transfo
         "the optimizer itself (`import fira_optim`) needs torch only"
     ) from _err
 
-from . import FiraAdamW, VARIANTS
+from . import FiraAdamW, VARIANTS, step_in_backward
 
 __all__ = [
     "parse_optim_args",
@@ -398,11 +398,25 @@ class FiraTrainer(Trainer):
 
         FiraTrainer(model=model, args=args, train_dataset=ds,
                     fira_options={"variant": "fira", "rank": 16, "optim_target_modules": ["lora_A", "lora_B"]})
+
+    ``step_in_backward=True`` updates each parameter inside the backward pass
+    (:func:`fira_optim.step_in_backward`), so the model's full gradients never coexist. The
+    Trainer's gradient accumulation then runs the backward passes of the non-final micro-batches
+    under the handle's ``accumulate()`` (the weights equal those of the usual step). It needs
+    ``max_grad_norm=0`` (global-norm clipping cannot work when each gradient is freed as it is
+    used; Fira's limiter bounds each matrix's update instead), no fp16 loss scaling (``fp16``;
+    bf16 needs none) and one process; each is refused otherwise. ``in_backward`` is the handle
+    once the optimizer exists.
     """
 
-    def __init__(self, *args: Any, fira_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, fira_options: dict[str, Any] | None = None, step_in_backward: bool = False,
+                 **kwargs: Any) -> None:
         self.fira_options = dict(fira_options or {})
+        self.step_in_backward = bool(step_in_backward)
+        self.in_backward: Any = None
         super().__init__(*args, **kwargs)
+        if self.step_in_backward:
+            _check_step_in_backward(self.args)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -414,4 +428,32 @@ class FiraTrainer(Trainer):
                 decay_parameter_names=self.get_decay_parameter_names(opt_model),
                 **options,
             )
+            if self.step_in_backward:
+                self.in_backward = step_in_backward(self.optimizer)
         return self.optimizer
+
+    def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The Trainer marks the last micro-batch of each accumulation (sync_gradients) before
+        # this runs: the others accumulate their gradients and update nothing.
+        if self.in_backward is not None and not self.accelerator.sync_gradients:
+            with self.in_backward.accumulate():
+                return super().training_step(model, inputs, *args, **kwargs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+
+def _check_step_in_backward(args: Any) -> None:
+    """ValueError naming the TrainingArguments that updates in the backward pass cannot honour."""
+    if args.max_grad_norm:
+        raise ValueError(
+            f"FiraTrainer(step_in_backward=True) needs TrainingArguments(max_grad_norm=0), got "
+            f"max_grad_norm={args.max_grad_norm!r}: clipping by the global norm cannot work when each "
+            "gradient is used and freed as backward computes it (Fira's norm-growth limiter bounds each "
+            "matrix's update instead)")
+    if args.fp16:
+        raise ValueError("FiraTrainer(step_in_backward=True) cannot use fp16=True: its loss scaling would "
+                         "need the gradients after backward, when they have been used; use bf16=True")
+    if args.world_size > 1:
+        raise ValueError(f"FiraTrainer(step_in_backward=True) runs in one process (world_size="
+                         f"{args.world_size}): under DDP the update belongs in DDP's communication hook "
+                         "(fira_optim.step_in_backward(optimizer, ddp_model)), which the Trainer's wrapping "
+                         "does not offer; train without step_in_backward there")

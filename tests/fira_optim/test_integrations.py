@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,35 @@ def test_optimizers_pair_and_cls_and_kwargs_give_the_same_training(tmp_path):
     torch.testing.assert_close(results[1], results[2], rtol=0, atol=0)
     with pytest.raises(ValueError, match="num_training_steps=0"):
         create_fira_optimizer_and_scheduler(tiny_llama(), args, num_training_steps=0)
+
+
+def test_step_in_backward_through_the_trainer_equals_its_usual_step(tmp_path):
+    """With gradient accumulation: the non-final micro-batches accumulate under the handle
+    (without it every micro-batch updated: 6 updates in 3 steps), and the weights equal the
+    usual step's bit for bit."""
+    weights = []
+    for in_backward in (False, True):
+        model = tiny_llama()
+        args = training_args(tmp_path / str(in_backward), max_steps=3, gradient_accumulation_steps=2,
+                             max_grad_norm=0.0)
+        trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), step_in_backward=in_backward)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no "updated twice" warning
+            trainer.train()
+        assert (trainer.in_backward is not None) == in_backward
+        assert all(int(s["step"]) == 3 for s in _fira(trainer).state.values())
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(weights[0], weights[1])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({}, r"needs TrainingArguments\(max_grad_norm=0\), got max_grad_norm=1.0"),
+    ({"max_grad_norm": 0.0, "fp16": True}, "cannot use fp16=True"),
+])
+def test_step_in_backward_refuses_what_it_cannot_honour(tmp_path, overrides, message):
+    args = training_args(tmp_path, **overrides)
+    with pytest.raises(ValueError, match=message):
+        FiraTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), step_in_backward=True)
 
 
 def test_checkpoint_resume_continues_identically(tmp_path):

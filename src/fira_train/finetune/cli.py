@@ -17,6 +17,7 @@ from fira_train.finetune.config import (
     METHODS,
     RECIPES,
     SCORINGS,
+    STATE_DTYPES,
     FinetuneConfig,
     FinetuneError,
 )
@@ -86,6 +87,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--save-steps", type=int, default=50,
                    help="checkpoint the training every N steps in OUT/trainer; the same command, started again, "
                         "continues from the newest checkpoint (0: none; default 50)")
+    p.add_argument("--step-in-backward", action="store_true",
+                   help="fira, galore, fira-lora: update each weight inside the backward pass, so the full "
+                        "gradients never coexist (no gradient clipping then; the other runs clip at norm 1.0)")
+    p.add_argument("--state-dtype", default="float32", choices=STATE_DTYPES,
+                   help="fira, galore, fira-lora: how the optimizer states are stored (default float32)")
     p.set_defaults(func=run_from_args)
 
 

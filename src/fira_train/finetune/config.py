@@ -42,6 +42,10 @@ DEFAULT_LR = {"adamw": 5e-5, "galore": 5e-5, "fira": 5e-5, "lora": 5e-4, "fira-l
 #: fine-tuning table, Flora included); the released Fira-on-LoRA uses 16.
 DEFAULT_RANK = {"galore": 32, "fira": 32, "fira-lora": 16, "apollo": 32, "flora": 32}
 
+#: ``--state-dtype``: how the Fira-family methods store their optimizer states (the library's
+#: ``FiraAdamW(state_dtype=...)`` values; kept here, where torch is not imported).
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+
 #: ``--scoring``: ``loglik`` (default) picks the option of largest log-likelihood, as lm-eval does
 #: (:mod:`fira_train.finetune.loglik`); ``generate`` is the paper's protocol: generate, then extract
 #: the answer label (:mod:`fira_train.finetune.evaluate`).
@@ -128,6 +132,12 @@ class FinetuneConfig:
     save_steps: int = 50
     """Save a training checkpoint every ``save_steps`` steps in ``out/trainer`` (the newest kept);
     the same run started again continues from it. 0: no checkpoints."""
+    step_in_backward: bool = False
+    """Fira-family methods: update each weight inside the backward pass
+    (:func:`fira_optim.step_in_backward`), so the full gradients never coexist; such a run clips
+    no gradients (the others clip at the global norm 1.0, the Trainer's default)."""
+    state_dtype: str = "float32"
+    """Fira-family methods: how the optimizer states are stored (:data:`STATE_DTYPES`)."""
     task_specs: list[TaskSpec] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +183,13 @@ class FinetuneConfig:
             raise FinetuneError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
         if self.threads is not None and self.threads <= 0:
             raise FinetuneError(f"threads={self.threads!r} must be a positive integer")
+        if self.state_dtype not in STATE_DTYPES:
+            raise FinetuneError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
+        fira_only = {"step_in_backward": self.step_in_backward, "state_dtype": self.state_dtype != "float32"}
+        for name, given in fira_only.items():
+            if given and self.trains and self.method not in FIRA_METHODS:
+                raise FinetuneError(f"{name}={getattr(self, name)!r} is an option of the Fira-family methods "
+                                    f"({', '.join(FIRA_METHODS)}), not of method={self.method!r}")
 
     def _apply_recipe(self) -> None:
         if self.recipe not in RECIPES:
@@ -215,6 +232,7 @@ class FinetuneConfig:
             "alpha": method in FIRA_METHODS,
             "update_proj_gap": method in FIRA_METHODS + ("apollo", "flora"),
             "target_modules": method in ("galore", "fira", "apollo"),  # fira-lora: the adapters
+            **{key: method in FIRA_METHODS for key in ("step_in_backward", "state_dtype")},
             **{key: method in LORA_METHODS for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")},
         }
         used = {key: getattr(self, key) if uses_it else None for key, uses_it in uses.items()}

@@ -129,6 +129,7 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         (f"Trained on {', '.join(results['trained_on']) or '-'} ({results['train_records']} records, "
          f"{config['steps']} steps x {config['batch_size']}, lr {config['lr']}"
+         f"{', updates in the backward pass' if config.get('step_in_backward') else ''}"
          f"{', recipe ' + config['recipe'] if config.get('recipe') else ''})" if results["training"]
          else "Not trained (zero-shot)") + f"; {PROTOCOL[scoring]}. Accuracy in % with its 95% Wilson interval.",
         "",
@@ -150,7 +151,7 @@ def render_report(results: dict[str, Any]) -> str:
             f"{name} {accuracy_cell(m['correct'], m['n'])}" for name, m in results["validation"].items())
             + f"; average {100 * results['validation_accuracy']:.1f}.", ""]
     lines += [
-        f"- optimizer state: {memory['optimizer_state_numel']:,} elements ({memory['optimizer_state_mib']:.1f} MiB fp32)",
+        f"- optimizer state: {memory['optimizer_state_numel']:,} elements ({memory['optimizer_state_mib']:.1f} MiB {_state_storage(config)})",
         f"- trainable parameters: {results['model']['trainable_parameters']:,} of {results['model']['parameters']:,}",
         f"- peak RSS during training: {rss} MiB; process peak {memory['process_peak_rss_mib']:.0f} MiB",
         f"- time: load {timing['load_s']:.1f}s, train {train_s}{resumed}, eval {timing['eval_s']:.1f}s"
@@ -242,3 +243,9 @@ def _by_task(correctness: Mapping[str, Mapping[str, Mapping[int, bool]]], a: str
              tasks: Sequence[str]) -> list[Paired]:
     """Runs ``a`` and ``b`` paired on each task's examples."""
     return [compare(correctness[a][t], correctness[b][t], f"{a} and {b} on {t}") for t in tasks]
+
+
+def _state_storage(config: dict[str, Any]) -> str:
+    """How the optimizer states were stored (records from before the option: fp32)."""
+    dtype = config.get("state_dtype") or "float32"
+    return "fp32" if dtype == "float32" else f"{dtype} states"

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from fira_optim import optimizer_state_numel
+from fira_optim.state import optimizer_state_bytes
 from fira_optim.integrations import FiraTrainer, target_parameter_names
 from fira_train.config.overrides import describe_changed
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
@@ -82,7 +83,8 @@ def peer_optimizer(model: torch.nn.Module, config: FinetuneConfig) -> torch.opti
 #: The settings a checkpoint must have been saved with to be continued (what the training computes).
 RESUME_KEYS = ("model", "data_dir", "tasks", "method", "recipe", "steps", "max_train", "batch_size", "lr",
                "warmup_steps", "weight_decay", "rank", "update_proj_gap", "alpha", "target_modules", "lora_r",
-               "lora_alpha", "lora_dropout", "lora_targets", "cutoff_len", "train_on_inputs", "seed")
+               "lora_alpha", "lora_dropout", "lora_targets", "cutoff_len", "train_on_inputs", "seed",
+               "step_in_backward", "state_dtype")
 
 
 def checkpoint_dir(config: FinetuneConfig) -> Path:
@@ -234,14 +236,17 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         dataloader_num_workers=0,
         remove_unused_columns=False,
         optim="adamw_torch",
+        # updates in the backward pass cannot clip by the global norm (FiraTrainer refuses it)
+        max_grad_norm=0.0 if config.step_in_backward else 1.0,
     )
     common = dict(model=model, args=args, train_dataset=features, data_collator=PaddingCollator(pad_id))
     if method in FIRA_METHODS:
         targets = ["lora_A", "lora_B"] if method == "fira-lora" else config.optim_target_modules()
         fira_options = {"variant": "galore" if method == "galore" else "fira", "rank": config.effective_rank,
                         "update_proj_gap": config.update_proj_gap, "alpha": config.alpha,
-                        "optim_target_modules": targets}
-        trainer = counting_tokens(FiraTrainer)(fira_options=fira_options, **common)
+                        "optim_target_modules": targets, "state_dtype": config.state_dtype}
+        trainer = counting_tokens(FiraTrainer)(fira_options=fira_options, step_in_backward=config.step_in_backward,
+                                               **common)
     elif method in PEER_METHODS:  # the Trainer schedules the optimizer given (linear warm-up and decay)
         trainer = counting_tokens(transformers.Trainer)(**common, optimizers=(peer_optimizer(model, config), None))
     else:
@@ -280,7 +285,7 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         # FiraAdamW's sign alignment (raw SVD signs by default; None for other optimizers)
         "align_signs": optimizer.defaults.get("align_signs"),
         "optimizer_state_numel": state_numel,
-        "optimizer_state_mib": state_numel * 4 / 2**20,
+        "optimizer_state_mib": optimizer_state_bytes(optimizer) / 2**20,  # as stored (int8, bf16, fp32)
         "train_peak_rss_mib": (rss_peak_bytes() or 0) / 2**20 if reset else None,
         "train_peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         "resumed_from_step": checkpoint_step(resume) if resume else None,

@@ -66,3 +66,23 @@ def test_the_results_record_only_the_options_a_method_uses() -> None:
         used = zero_shot.used_options()
         assert used["steps"] == 0 and used["batch_size"] is None and used["max_train"] is None
         assert used["save_steps"] is None and used["weight_decay"] is None
+
+
+def test_the_fira_memory_options_are_checked_before_anything_loads() -> None:
+    import pytest
+
+    from fira_optim.options import STATE_DTYPES as LIBRARY_STATE_DTYPES
+    from fira_train.finetune.config import STATE_DTYPES, FinetuneError
+
+    assert STATE_DTYPES == tuple(LIBRARY_STATE_DTYPES)
+    with pytest.raises(FinetuneError, match=r"state_dtype='int4' must be one of float32, bfloat16, int8"):
+        FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", state_dtype="int4")
+    with pytest.raises(FinetuneError, match=r"step_in_backward=True is an option of the Fira-family methods "
+                                            r"\(galore, fira, fira-lora\), not of method='adamw'"):
+        FinetuneConfig(tasks=["boolq"], data_dir=".", method="adamw", step_in_backward=True)
+    with pytest.raises(FinetuneError, match="state_dtype='int8' is an option of the Fira-family"):
+        FinetuneConfig(tasks=["boolq"], data_dir=".", method="lora", state_dtype="int8")
+    used = FinetuneConfig(tasks=["boolq"], data_dir=".", method="galore", step_in_backward=True,
+                          state_dtype="bfloat16").used_options()
+    assert used["step_in_backward"] is True and used["state_dtype"] == "bfloat16"
+    assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="adamw").used_options()["state_dtype"] is None

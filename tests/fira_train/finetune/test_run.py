@@ -177,6 +177,27 @@ def test_zero_shot_and_method_memory_ordering(tiny_model_dir, tmp_path):
     assert states["lora"] < states["galore"] < states["adamw"]
 
 
+def test_fira_with_updates_in_backward_and_int8_states(tiny_model_dir, tmp_path):
+    """The memory options reach the optimizer (int8 states hold fewer bytes), the record and
+    the report."""
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "sib"
+    r = run_cli(["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--max-eval", "3",
+                 "--steps", "3", "--batch-size", "2", "--method", "fira", "--rank", "4", "--lr", "1e-3",
+                 "--step-in-backward", "--state-dtype", "int8", "--save-steps", "0", "--out", str(out)])
+    assert r["config"]["step_in_backward"] is True and r["config"]["state_dtype"] == "int8"
+    assert r["training"]["steps"] == 3 and r["training"]["optimizer"] == "FiraAdamW"
+    fp32 = run_cli(["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--max-eval", "3",
+                    "--steps", "3", "--batch-size", "2", "--method", "fira", "--rank", "4", "--lr", "1e-3",
+                    "--save-steps", "0", "--out", str(tmp_path / "fp32")])
+    # the same states in int8 hold fewer bytes (the small ones stay fp32)
+    assert r["memory"]["optimizer_state_numel"] == fp32["memory"]["optimizer_state_numel"]
+    assert r["memory"]["optimizer_state_mib"] < fp32["memory"]["optimizer_state_mib"]
+    report = (out / "report.md").read_text()
+    assert "updates in the backward pass" in report and "MiB int8 states" in report
+    assert "MiB fp32" in (tmp_path / "fp32" / "report.md").read_text()
+
+
 def test_run_finetune_accepts_a_loaded_model(tiny_model_dir, tmp_path):
     model_dir, data = tiny_model_dir
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
