@@ -207,3 +207,20 @@ def test_a_long_run_without_whitespace_is_cut_for_training_only() -> None:
     tokenizer = tok.train_bpe([*make_texts(30), blob], 300)
     assert tokenizer.decode(tokenizer(blob)["input_ids"]) == blob  # encoded whole
 
+
+def test_the_long_run_cut_changes_no_document_of_the_embedded_corpus() -> None:
+    """What docs/results rely on: runs on the BPE tokenizer before the cut (another name, the
+    recipe's version is in it) trained on the same tokenizer and the same ids as runs after it."""
+    import pytest
+
+    from fira_train.data.documents import read_wiki_documents, wiki_summaries_path
+    from fira_train.data.tokenizer import _cut_long_runs
+
+    try:
+        path = wiki_summaries_path()
+    except FileNotFoundError:
+        pytest.skip("the wiki corpus package is not installed")
+    documents = read_wiki_documents(path)
+    assert len(documents) > 10_000
+    assert all(_cut_long_runs(text) == text for text in documents)
+    assert _cut_long_runs("x" * 600) != "x" * 600  # not vacuous: a long run is cut
