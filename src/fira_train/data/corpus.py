@@ -72,16 +72,20 @@ def data_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
     The most exact record both sides have decides: the digest of the token ids
     (``token_digest``), else the fingerprint of text, split, tokenizer file and packing (``corpus``:
     records written before token digests; a ``tokenizers`` release that writes the same
-    tokenizer's file otherwise changes it too), else the :data:`DATA_IDENTITY` keys both record.
+    tokenizer's file otherwise changes it too), else the :data:`DATA_IDENTITY` keys both record
+    (the tokenizer's name among them, which a new version of the BPE recipe changes).
     """
+    cause = "its text, split or tokenizer changed since"
+    # A record without a token digest cannot tell a new tokenizer from the same one written or
+    # named otherwise (a tokenizers release, a new version of the BPE recipe that cuts nothing)
+    undecided = " (or only the tokenizer's file or name did: a record from before token digests cannot tell)"
     if saved.get("token_digest") and now.get("token_digest"):
-        keys, cause = ["token_digest"], "its text, split or tokenizer changed since"
+        keys = ["token_digest"]
     elif saved.get("corpus") and now.get("corpus"):
-        keys, cause = ["corpus"], ("its text, split or tokenizer changed since, or a tokenizers release "
-                                   "writes the same tokenizer otherwise")
+        keys, cause = ["corpus"], cause + undecided
     else:
         keys = [k for k in DATA_IDENTITY if saved.get(k) is not None and now.get(k) is not None]
-        cause = "its text, split or tokenizer changed since"
+        cause += undecided if "tokenizer" in keys else ""
     differ = ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in keys if saved[k] != now[k])
     return f"{cause}: {differ}" if differ else None
 
