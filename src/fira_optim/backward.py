@@ -32,8 +32,9 @@ What changes:
   ``"skip"`` skips that matrix's update only.
 - **Gradient clipping by the global norm** cannot work (the norm of all gradients exists only
   after the last of them, when most updates are done; ``clip_grad_norm_`` after backward finds
-  the gradients freed and returns 0, so a Trainer logs a gradient norm of 0): Fira's norm-growth limiter bounds each
-  matrix's residual update instead; clip per matrix in your own hook if you need more.
+  the gradients freed and returns 0, so a Trainer logs a gradient norm of 0): Fira's
+  norm-growth limiter bounds each matrix's residual update instead; clip per matrix in your own
+  hook if you need more.
 - **Loss scaling** (``torch.amp.GradScaler``, for fp16 autocast) cannot work either: the hooks
   update from the scaled gradients before ``scaler.unscale_`` could see them, an overflow is a
   non-finite gradient (per ``nonfinite``) instead of a smaller scale, and ``scaler.step``

@@ -151,7 +151,8 @@ def render_report(results: dict[str, Any]) -> str:
             f"{name} {accuracy_cell(m['correct'], m['n'])}" for name, m in results["validation"].items())
             + f"; average {100 * results['validation_accuracy']:.1f}.", ""]
     lines += [
-        f"- optimizer state: {memory['optimizer_state_numel']:,} elements ({memory['optimizer_state_mib']:.1f} MiB {_state_storage(config)})",
+        f"- optimizer state: {memory['optimizer_state_numel']:,} elements "
+        f"({memory['optimizer_state_mib']:.1f} MiB {_state_storage(config)})",
         f"- trainable parameters: {results['model']['trainable_parameters']:,} of {results['model']['parameters']:,}",
         f"- peak RSS during training: {rss} MiB; process peak {memory['process_peak_rss_mib']:.0f} MiB",
         f"- time: load {timing['load_s']:.1f}s, train {train_s}{resumed}, eval {timing['eval_s']:.1f}s"
