@@ -26,7 +26,9 @@ What changes:
   the memory of a whole model's gradients, as without this feature. Every backward outside
   ``accumulate()`` is a whole update: a loop that accumulates without it (a Hugging Face
   ``Trainer`` with ``gradient_accumulation_steps > 1``) updates once per micro-batch. The first
-  parameter updated twice between two ``optimizer.step()`` calls gets a ``UserWarning``.
+  parameter updated twice between two ``optimizer.step()`` calls gets a ``UserWarning``. Outside
+  DDP, a final micro-batch run inside ``accumulate()`` loses nothing: ``optimizer.step()``
+  then updates what was accumulated, as a plain step would.
 - **Non-finite gradients** are found per matrix, as each update runs: ``nonfinite="error"``
   raises from inside backward (matrices updated earlier in the same backward keep their update);
   ``"skip"`` skips that matrix's update only.
@@ -77,6 +79,7 @@ class StepInBackward:
         self._hooks: list = []
         self._covered: set = set()  # the parameters whose update a hook runs
         self._updated: set = set()  # those a hook updated since the last optimizer.step()
+        self._pending: set = set()  # those whose gradient accumulated since their last update
         self._warned = False
         self._ddp = _is_ddp(model)
         if self._ddp:
@@ -97,18 +100,21 @@ class StepInBackward:
                 self._covered.add(p)
 
     def uncovered(self) -> list:
-        """The parameters of the optimizer that have a gradient no hook took: frozen when the hooks
-        were registered and unfrozen since, or, under DDP, not reduced by DDP (not in the model, or
-        frozen when DDP was built). ``optimizer.step()`` updates them (nothing while
-        :meth:`accumulate` is entered, as for the hooked ones)."""
+        """The parameters ``optimizer.step()`` updates (nothing while :meth:`accumulate` is
+        entered, as for the hooked ones): those of the optimizer that have a gradient no hook
+        took, frozen when the hooks were registered and unfrozen since, or, under DDP, not reduced
+        by DDP (not in the model, or frozen when DDP was built); and those whose gradient was
+        accumulated under :meth:`accumulate` and never updated by a later backward (a final
+        micro-batch run inside it: the step then updates them as a plain step would)."""
         if self._accumulating:
             return []
         return [p for group in self.optimizer.param_groups for p in group["params"]
-                if p.grad is not None and p not in self._covered]
+                if p.grad is not None and (p not in self._covered or p in self._pending)]
 
     def stepped(self) -> None:
         """``optimizer.step()`` ran: the updates since the last one were one step's."""
         self._updated.clear()
+        self._pending.clear()
 
     def _updating(self, params) -> None:
         # A second update of a parameter before step(): an accumulation loop that does not enter
@@ -120,14 +126,30 @@ class StepInBackward:
                 "since the last optimizer.step(): every backward outside handle.accumulate() is a whole "
                 "update. To accumulate gradients, run the backward passes of the non-final micro-batches "
                 "inside `with handle.accumulate():` (a Trainer's gradient_accumulation_steps does not), "
-                "and call optimizer.step() once per update", UserWarning, stacklevel=2)
+                "and call optimizer.step() once per update. (A gradient completed twice in one backward, "
+                "as reentrant activation checkpointing does to a weight used twice, also updates twice: "
+                "use use_reentrant=False)", UserWarning, stacklevel=2)
         self._updated.update(params)
+        self._pending.difference_update(params)
+
+    def _update(self, params: set) -> None:
+        """Update ``params`` now, from their gradients (a hook's or DDP's call)."""
+        self._updating(params)
+        try:
+            self.optimizer._step_params(params)
+        except BaseException:
+            # The backward is abandoned (a non-finite gradient raised): a caller that recovers
+            # and trains on runs no accumulation loop
+            self._updated.clear()
+            raise
 
     def _hook(self, p: torch.Tensor) -> None:
-        if self._accumulating or not self._active:
+        if not self._active:
             return
-        self._updating((p,))
-        self.optimizer._step_params({p})
+        if self._accumulating:
+            self._pending.add(p)
+            return
+        self._update({p})
         p.grad = None
 
     def _ddp_hook(self, state, bucket):  # unannotated: DDP checks the annotations it finds
@@ -142,12 +164,11 @@ class StepInBackward:
             # updated here, not again by step(): also a parameter frozen when the hooks were
             # registered (DDP reduces what required a gradient when it was built)
             self._covered.update(params)
-            self._updating(params)
             local = [p.grad for p in params]
             for p, grad in zip(params, bucket.gradients()):
                 p.grad = grad  # the averaged gradient, a view of the reduced bucket
             try:
-                self.optimizer._step_params(set(params))
+                self._update(set(params))
             finally:  # DDP then finishes its own bookkeeping of .grad as usual
                 for p, grad in zip(params, local):
                     p.grad = grad
@@ -177,6 +198,7 @@ class StepInBackward:
             hook.remove()
         self._hooks.clear()
         self._covered.clear()
+        self._pending.clear()
         self._active = False
         if self.optimizer._in_backward is self:
             self.optimizer._in_backward = None

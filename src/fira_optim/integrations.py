@@ -63,7 +63,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without transfo
         "the optimizer itself (`import fira_optim`) needs torch only"
     ) from _err
 
-from . import FiraAdamW, VARIANTS, step_in_backward
+from . import Fira, FiraAdamW, VARIANTS, step_in_backward
 
 __all__ = [
     "parse_optim_args",
@@ -428,8 +428,12 @@ class FiraTrainer(Trainer):
                 decay_parameter_names=self.get_decay_parameter_names(opt_model),
                 **options,
             )
-            if self.step_in_backward:
-                self.in_backward = step_in_backward(self.optimizer)
+        if self.step_in_backward and self.in_backward is None:  # also an optimizer given to the Trainer
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+            if not isinstance(optimizer, Fira):
+                raise ValueError(f"FiraTrainer(step_in_backward=True) needs a fira_optim optimizer, got "
+                                 f"{type(optimizer).__name__}")
+            self.in_backward = optimizer._in_backward or step_in_backward(optimizer)
         return self.optimizer
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -492,15 +492,16 @@ class Fira(Optimizer):
         ``order`` the index among the projected matrices (None: not projected), and the number
         of projected matrices when a group staggers its refreshes (else None). The layout is
         cached, so that an update in the backward pass (one parameter) costs no scan of all;
-        with it each parameter's dtype, so that the states of one cast since (``model.to(dtype)``
-        mid-training) are re-taken in the dtypes kept for its new one, as a load would."""
+        with it each parameter's dtype: a parameter cast since (``model.to(dtype)`` mid-training)
+        is a new layout, whose building re-takes the states in the dtypes kept for the
+        parameters' dtypes now, as a load would (also after a load, a copy or a pickle, which
+        leave no cached layout)."""
         key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"]) for g in self.param_groups)
         cached = self.__dict__.get("_layout")
         if cached is not None and cached[0] != key:
             self._check_rank_changes(cached[0], key)
         if cached is None or cached[0] != key or not self._layout_holds(cached, only):
-            if cached is not None:
-                self._follow_casts(cached[4])
+            self._follow_casts()
             entries, order = [], 0
             for gi, group in enumerate(self.param_groups):
                 if group["rank"] is not None:  # a rank set in param_groups: as the constructor checks it
@@ -547,20 +548,20 @@ class Fira(Optimizer):
             entries = [entries[position[p]] for p in only]
         return all(self.param_groups[gi]["params"][pi] is p and p.dtype == dtypes[p] for gi, pi, p, _ in entries)
 
-    def _follow_casts(self, dtypes: dict) -> None:
-        """The states of every parameter whose dtype is no longer ``dtypes``' (the cached
-        layout's) re-taken in the dtypes this optimizer keeps for its dtype now, as
+    def _follow_casts(self) -> None:
+        """Every parameter's states in the dtypes this optimizer keeps for its dtype now, as
         :meth:`load_state_dict` takes a state saved before a cast: int8 codes stay codes, the
-        fp32 states of a bf16 matrix stay fp32, the others follow the parameter."""
+        fp32 states of a bf16 matrix stay fp32, the others follow the parameter (a state already
+        in its dtype is left as it is). Run when the layout is built: rarely."""
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                if not state or dtypes.get(p, p.dtype) == p.dtype:
+                if not state:
                     continue
                 kept = _state_dtypes(p, group)
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
-                        state[key] = _loaded_value(p, value, key, kept.get(key), value)
+                    if isinstance(value, torch.Tensor) and key in kept and value.dtype != kept[key]:
+                        state[key] = _loaded_value(p, value, key, kept[key], value)
 
     def _split_refresh_group(self) -> Any:
         """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""

@@ -117,6 +117,44 @@ def test_accumulating_without_accumulate_warns_once_that_each_backward_updated()
     assert opt.state[model.a.weight]["step"] == 6
 
 
+def test_a_final_micro_batch_inside_accumulate_is_updated_by_step():
+    """A loop that runs every micro-batch under accumulate() (an older Trainer decides the last
+    one after its backward): step() updates what accumulated, as the plain step does."""
+    runs = []
+    for in_backward in (False, True):
+        model = _net()
+        opt = _optimizer(model)
+        handle = step_in_backward(opt) if in_backward else None
+        for step in range(3):
+            for micro in range(2):
+                x, y = _batch(step, micro)
+                with handle.accumulate() if handle is not None else _nothing():
+                    (_loss(model, x, y) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.equal(p, q)
+
+
+def test_a_backward_abandoned_for_a_non_finite_gradient_is_no_accumulation():
+    """Catching the error and training on (no step() for the abandoned batch) warned that the
+    loop accumulated without accumulate()."""
+    from fira_optim import NonFiniteGradientError
+
+    model = _net()
+    opt = _optimizer(model)
+    step_in_backward(opt)
+    x, y = _batch(0)
+    with pytest.raises(NonFiniteGradientError):
+        (_loss(model, x, y) * float("nan")).backward()
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _loss(model, x, y).backward()
+        opt.step()
+
+
 def test_step_is_a_no_op_and_remove_restores_it():
     model = _net()
     opt = _optimizer(model)

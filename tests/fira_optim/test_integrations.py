@@ -247,6 +247,21 @@ def test_step_in_backward_through_the_trainer_equals_its_usual_step(tmp_path):
     assert torch.equal(weights[0], weights[1])
 
 
+def test_step_in_backward_hooks_an_optimizer_given_to_the_trainer(tmp_path):
+    """optimizers=(fira, None) with step_in_backward=True trained with plain steps, silently."""
+    model = tiny_llama()
+    args = training_args(tmp_path, max_steps=2, max_grad_norm=0.0)
+    optimizer = FiraAdamW(model.parameters(), lr=1e-2, rank=4)
+    trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=(optimizer, None),
+                          step_in_backward=True)
+    trainer.train()
+    assert trainer.in_backward is not None and optimizer._in_backward is trainer.in_backward
+    adamw = torch.optim.AdamW(tiny_llama().parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="needs a fira_optim optimizer, got AdamW"):
+        FiraTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), optimizers=(adamw, None),
+                    step_in_backward=True).train()
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     ({}, r"needs TrainingArguments\(max_grad_norm=0\), got max_grad_norm=1.0"),
     ({"max_grad_norm": 0.0, "fp16": True}, "cannot use fp16=True"),

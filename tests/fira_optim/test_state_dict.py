@@ -125,11 +125,12 @@ def test_a_state_saved_for_another_param_dtype_loads_in_this_ones_dtypes(saved, 
 @pytest.mark.parametrize("in_backward", [False, True])
 @pytest.mark.parametrize("state_dtype", ["float32", "int8"])
 @pytest.mark.parametrize(("before", "after"), [(torch.float32, torch.float64), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("loaded_before_the_cast", [False, True])
 def test_a_model_cast_mid_training_steps_on_as_after_a_state_dict_round_trip(before, after, state_dtype,
-                                                                            in_backward):
-    """model.to(dtype) after some steps: the same optimizer steps on with its states in the
-    dtypes a load would give them (was: "mat1 and mat2 must have the same dtype" from deep in
-    the update)."""
+                                                                            in_backward, loaded_before_the_cast):
+    """model.to(dtype) after some steps (or after a resume, which leaves no cached layout): the
+    same optimizer steps on with its states in the dtypes a load would give them (was: "mat1
+    and mat2 must have the same dtype" from deep in the update)."""
     from fira_optim import step_in_backward
 
     grads = grad_sequence(SHAPES, STEPS, seed=25)
@@ -141,6 +142,8 @@ def test_a_model_cast_mid_training_steps_on_as_after_a_state_dict_round_trip(bef
             step_in_backward(opt)
         for row in grads[:4]:
             _step(opt, params, [g.to(before) for g in row], in_backward)
+        if loaded_before_the_cast:
+            opt.load_state_dict(round_trip(opt.state_dict()))
         for p in params:
             p.data = p.data.to(after)  # what module.to(dtype) does to each parameter
         if reload:

@@ -51,11 +51,12 @@ DIGEST_CHUNK = 1 << 24
 
 def digest_ids(seq_len: int, vocab_size: int, *parts: np.ndarray) -> str:
     """A sha256 of the token ids ``parts`` (train, validation, test), each in the smallest dtype
-    that holds ``vocab_size`` ids, with the parts' lengths and ``seq_len``: equal exactly when a
-    run would see the same ids in the same blocks, whatever the text, tokenizer file or cache
-    they came from."""
+    that holds ``vocab_size`` ids, with the parts' lengths, ``seq_len`` and ``vocab_size`` (the
+    rows of the model's embedding): equal exactly when a run would see the same ids in the same
+    blocks with the same vocabulary, whatever the text, tokenizer file or cache they came from.
+    About 0.3 s per 100M ids on this project's CPU, in one pass."""
     dtype = token_dtype(vocab_size)
-    digest = hashlib.sha256(repr((seq_len, dtype.str, [int(np.size(p)) for p in parts])).encode())
+    digest = hashlib.sha256(repr((seq_len, vocab_size, dtype.str, [int(np.size(p)) for p in parts])).encode())
     for part in parts:
         flat = np.asarray(part).reshape(-1)
         for start in range(0, flat.size, DIGEST_CHUNK):  # a memory-mapped corpus is read a chunk at a time
@@ -75,19 +76,21 @@ def data_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
     tokenizer's file otherwise changes it too), else the :data:`DATA_IDENTITY` keys both record
     (the tokenizer's name among them, which a new version of the BPE recipe changes).
     """
-    cause = "its text, split or tokenizer changed since"
-    # A record without a token digest cannot tell a new tokenizer from the same one written or
-    # named otherwise (a tokenizers release, a new version of the BPE recipe that cuts nothing)
-    undecided = " (or only the tokenizer's file or name did: a record from before token digests cannot tell)"
     if saved.get("token_digest") and now.get("token_digest"):
         keys = ["token_digest"]
     elif saved.get("corpus") and now.get("corpus"):
-        keys, cause = ["corpus"], cause + undecided
+        keys = ["corpus"]
     else:
         keys = [k for k in DATA_IDENTITY if saved.get(k) is not None and now.get(k) is not None]
-        cause += undecided if "tokenizer" in keys else ""
-    differ = ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in keys if saved[k] != now[k])
-    return f"{cause}: {differ}" if differ else None
+    differ = [k for k in keys if saved[k] != now[k]]
+    if not differ:
+        return None
+    cause = "its text, split or tokenizer changed since"
+    if set(differ) <= {"corpus", "tokenizer"}:
+        # a record without a token digest cannot tell a new tokenizer from the same one written
+        # or named otherwise (a tokenizers release, a new version of the BPE recipe that cuts nothing)
+        cause += " (or only the tokenizer's file or name did: a record from before token digests cannot tell)"
+    return f"{cause}: " + ", ".join(f"{k}={saved[k]!r} (now {now[k]!r})" for k in differ)
 
 
 class Corpus(ABC):

@@ -85,6 +85,9 @@ RESUME_KEYS = ("model", "data_dir", "tasks", "method", "recipe", "steps", "max_t
                "warmup_steps", "weight_decay", "rank", "update_proj_gap", "alpha", "target_modules", "lora_r",
                "lora_alpha", "lora_dropout", "lora_targets", "cutoff_len", "train_on_inputs", "seed",
                "step_in_backward", "state_dtype")
+#: What the options added to :data:`RESUME_KEYS` since records were first written meant before
+#: them (such a record's run trained with these).
+SETTINGS_BEFORE_RECORDED = {"step_in_backward": False, "state_dtype": "float32"}
 
 
 def checkpoint_dir(config: FinetuneConfig) -> Path:
@@ -111,6 +114,7 @@ def resume_point(config: FinetuneConfig) -> str | None:
         # a key the record lacks (written before it was kept) is not compared, nor an option the
         # method does not use; a value left out and one given equal to what it resolves to are the
         # same run (records kept either)
+        saved = {**SETTINGS_BEFORE_RECORDED, **saved}  # a record from before these options: their values then
         differ = sorted(k for k in effective
                         if k in saved and k not in unused and saved[k] not in (given[k], effective[k]))
         if differ:

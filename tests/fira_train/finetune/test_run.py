@@ -608,3 +608,19 @@ def test_a_damaged_settings_record_beside_checkpoints_is_named(tmp_path, text, m
     with pytest.raises(ValueError) as err:
         resume_point(config)
     assert str(record) in str(err.value) and message in str(err.value) and "start again" in str(err.value)
+
+
+def test_a_settings_record_from_before_the_memory_options_resumes_only_without_them(tmp_path):
+    """Its run trained with fp32 states, updates after backward and clipping at 1.0: continuing it
+    with --step-in-backward would have switched the clipping off mid-run, silently."""
+    from fira_train.finetune.train import _settings, resume_point
+
+    data = write_data(tmp_path)
+    common = dict(tasks=["boolq"], data_dir=str(data), steps=4, batch_size=2, out=str(tmp_path / "o"))
+    (tmp_path / "o" / "trainer" / "checkpoint-2").mkdir(parents=True)
+    old = {k: v for k, v in _settings(FinetuneConfig(**common)).items() if k not in ("step_in_backward", "state_dtype")}
+    (tmp_path / "o" / "trainer" / "run_settings.json").write_text(json.dumps(old))
+    assert resume_point(FinetuneConfig(**common)).endswith("checkpoint-2")
+    for option in ({"step_in_backward": True}, {"state_dtype": "int8"}):
+        with pytest.raises(ValueError, match=f"other settings .*{next(iter(option))}"):
+            resume_point(FinetuneConfig(**common, **option))
