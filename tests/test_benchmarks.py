@@ -176,17 +176,22 @@ def test_readme_quotes_the_committed_compile_times() -> None:
         assert text == f"{measured:.1f}", name
 
 
-@pytest.mark.parametrize(("spec", "earlier", "lr"), [("fira", "tiny-sweep-galore-raw", 0.02),
-                                                     ("galore", "tiny-sweep-galore-raw", 0.02),
-                                                     ("adamw", "tiny-sweep", 0.001)])
-def test_the_committed_rerun_tables_are_what_sweep_rerun_writes(spec: str, earlier: str, lr: float,
-                                                                monkeypatch) -> None:
-    """docs/results/tiny-exact-norm/rerun-*.md: each seed's runs in both sweep folders and their
+@pytest.mark.parametrize(("folder", "spec", "earlier", "lr", "table"), [
+    ("tiny-exact-norm", "fira", "tiny-sweep-galore-raw", 0.02, "rerun-fira.md"),
+    ("tiny-exact-norm", "galore", "tiny-sweep-galore-raw", 0.02, "rerun-galore.md"),
+    ("tiny-exact-norm", "adamw", "tiny-sweep", 0.001, "rerun-adamw.md"),
+    ("tiny-exact-norm-alpha", "fira@optim.alpha=0.1", "tiny-sweep-fira-alpha", 0.05, "rerun-fira-alpha0.1.md"),
+    ("tiny-exact-norm-alpha", "adamw-grouped@optim.alpha=0.025", "tiny-sweep-fira-alpha", 0.05,
+     "rerun-adamw-grouped-alpha0.025.md"),
+])
+def test_the_committed_rerun_tables_are_what_sweep_rerun_writes(folder: str, spec: str, earlier: str, lr: float,
+                                                                table: str, monkeypatch) -> None:
+    """docs/results/tiny-exact-norm*/rerun-*.md: each seed's runs in both sweep folders and their
     paired difference, as benchmarks/sweep_rerun.py computes them from the committed sweep.json."""
     monkeypatch.chdir(ROOT)  # the tables name the folders as the command gave them
     compare = _benchmark("sweep_rerun").compare
-    text = compare(Path("docs/results/tiny-exact-norm"), Path("docs/results") / earlier, spec, lr)
-    assert text == (ROOT / "docs" / "results" / "tiny-exact-norm" / f"rerun-{spec}.md").read_text()
+    text = compare(Path("docs/results") / folder, Path("docs/results") / earlier, spec, lr)
+    assert text == (ROOT / "docs" / "results" / folder / table).read_text()
     with pytest.raises(SystemExit, match="holds no run of 'fira' at lr 0.5"):
         compare(Path("docs/results/tiny-exact-norm"), Path("docs/results/tiny-sweep-galore-raw"), "fira", 0.5)
     # its README: Fira's runs there equal int8-root-seeds' plain Fira runs (same code, another sitting)
