@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -166,7 +167,6 @@ def test_benchmarks_page_is_what_render_writes_from_the_committed_json() -> None
 def test_readme_quotes_the_committed_compile_times() -> None:
     """The README's compile times are the committed benchmark JSON's, rounded as it prints them
     (it had kept an earlier run's CPU figure after the page was regenerated)."""
-    import re
 
     readme = (ROOT / "README.md").read_text()
     quoted = re.search(r"the first step compiles: ([\d.]+) s on the CPU and ([\d.]+) s on an H200", readme)
@@ -424,3 +424,19 @@ def test_gpu_memory_merge_takes_the_lanes_rows_into_the_committed_table(tmp_path
     assert "incomplete" not in (to / "1b" / "memory.md").read_text()
     assert (to / "logs" / "lanes-1b.log").read_text() == "lane log\n"
     assert (to / "logs" / "lanes-cuda-tests.log").exists()
+
+
+def test_the_finetune_memory_table_is_what_its_runs_recorded() -> None:
+    """docs/results/finetune-memory/README.md: each row's peak, state and time from its results.json."""
+    folder = ROOT / "docs" / "results" / "finetune-memory"
+    rows = [line.split("|")[1:-1] for line in (folder / "README.md").read_text().splitlines()
+            if re.match(r"\| [18] \| fira", line)]
+    assert len(rows) == 6
+    for batch, run, peak, state, seconds in ([c.strip() for c in row] for row in rows):
+        results = json.loads((folder / f"batch{batch}" / run / "results.json").read_text())
+        assert results["config"]["batch_size"] == int(batch)
+        assert results["config"]["step_in_backward"] == ("in-backward" in run)
+        assert results["config"]["state_dtype"] == ("int8" if run.endswith("int8") else "float32")
+        assert peak == f"{results['memory']['train_peak_rss_mib']:.0f}"
+        assert state == f"{results['memory']['optimizer_state_mib']:.1f}"
+        assert seconds == f"{results['training']['seconds']:.1f}"
