@@ -50,6 +50,9 @@ def _worker(
     try:
         try:
             init(rank, world_size, store)
+            # Every rank has joined before any runs fn: a rank whose fn failed at once and left
+            # made a peer still meshing fail its rendezvous, and that retry ran fn twice
+            dist.barrier()
         except BaseException:  # the rendezvous itself failed: the parent may start afresh
             torch.save({"init_error": traceback.format_exc()}, out)
             return
@@ -81,7 +84,8 @@ def run_ranks(
     ("connectFullMesh failed ... Connection closed by peer"), before ``fn`` has run a line. Such
     a group is started afresh, with a new rendezvous file, up to ``attempts`` times in all, as
     torch's own distributed tests do for connection failures; an error inside ``fn`` is never
-    retried. ``init(rank, world_size, store)`` joins the group (a module-level function, for
+    retried (the ranks pass a barrier after joining, so no rank runs ``fn`` before every rank
+    has joined: one that failed at once and left could otherwise break a peer's rendezvous). ``init(rank, world_size, store)`` joins the group (a module-level function, for
     the helper's own tests)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
