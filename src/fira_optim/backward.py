@@ -79,7 +79,6 @@ class StepInBackward:
         self._hooks: list = []
         self._covered: set = set()  # the parameters whose update a hook runs
         self._updated: set = set()  # those a hook updated since the last optimizer.step()
-        self._pending: set = set()  # those whose gradient accumulated since their last update
         self._warned = False
         self._ddp = _is_ddp(model)
         if self._ddp:
@@ -108,13 +107,14 @@ class StepInBackward:
         micro-batch run inside it: the step then updates them as a plain step would)."""
         if self._accumulating:
             return []
+        # Outside DDP a hook frees the gradient it used, so a gradient still there is one no hook
+        # took; DDP's communication hook puts the local gradients back after its update.
         return [p for group in self.optimizer.param_groups for p in group["params"]
-                if p.grad is not None and (p not in self._covered or p in self._pending)]
+                if p.grad is not None and not (self._ddp and p in self._covered)]
 
     def stepped(self) -> None:
         """``optimizer.step()`` ran: the updates since the last one were one step's."""
         self._updated.clear()
-        self._pending.clear()
 
     def _updating(self, params) -> None:
         # A second update of a parameter before step(): an accumulation loop that does not enter
@@ -130,7 +130,6 @@ class StepInBackward:
                 "as reentrant activation checkpointing does to a weight used twice, also updates twice: "
                 "use use_reentrant=False)", UserWarning, stacklevel=2)
         self._updated.update(params)
-        self._pending.difference_update(params)
 
     def _update(self, params: set) -> None:
         """Update ``params`` now, from their gradients (a hook's or DDP's call)."""
@@ -144,10 +143,7 @@ class StepInBackward:
             raise
 
     def _hook(self, p: torch.Tensor) -> None:
-        if not self._active:
-            return
-        if self._accumulating:
-            self._pending.add(p)
+        if self._accumulating or not self._active:
             return
         self._update({p})
         p.grad = None
@@ -198,7 +194,6 @@ class StepInBackward:
             hook.remove()
         self._hooks.clear()
         self._covered.clear()
-        self._pending.clear()
         self._active = False
         if self.optimizer._in_backward is self:
             self.optimizer._in_backward = None
