@@ -354,10 +354,7 @@ class Fira(Optimizer):
         saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
         params = [(p, g) for g in self.param_groups for p in g["params"]]
         for saved_id, (p, group) in zip(saved_ids, params):
-            dtypes = _state_dtypes(p, group)
-            for key, value in loaded["state"].get(saved_id, {}).items():
-                if isinstance(value, torch.Tensor):
-                    self.state[p][key] = _loaded_value(p, value, key, dtypes.get(key), self.state[p][key])
+            self._retake(p, group, loaded["state"].get(saved_id, {}))
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 state = self.state.get(p)
@@ -555,13 +552,16 @@ class Fira(Optimizer):
         in its dtype is left as it is). Run when the layout is built: rarely."""
         for group in self.param_groups:
             for p in group["params"]:
-                state = self.state.get(p)
-                if not state:
-                    continue
-                kept = _state_dtypes(p, group)
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key in kept and value.dtype != kept[key]:
-                        state[key] = _loaded_value(p, value, key, kept[key], value)
+                if self.state.get(p):
+                    self._retake(p, group, dict(self.state[p]))
+
+    def _retake(self, p: torch.Tensor, group: dict[str, Any], values: dict[str, Any]) -> None:
+        """``values`` (a loaded or held state of ``p``) into ``self.state[p]``, each tensor by
+        :func:`_loaded_value` in the dtype this optimizer keeps for ``p`` as it is now."""
+        kept = _state_dtypes(p, group)
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                self.state[p][key] = _loaded_value(p, value, key, kept.get(key), self.state[p][key])
 
     def _split_refresh_group(self) -> Any:
         """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""
