@@ -405,8 +405,12 @@ class FiraTrainer(Trainer):
     under the handle's ``accumulate()`` (the weights equal those of the usual step). It needs
     ``max_grad_norm=0`` (global-norm clipping cannot work when each gradient is freed as it is
     used; Fira's limiter bounds each matrix's update instead), no fp16 loss scaling (``fp16``;
-    bf16 needs none) and one process; each is refused otherwise. ``in_backward`` is the handle
-    once the optimizer exists.
+    bf16 needs none); each is refused otherwise. Under DDP (``torchrun``, ``accelerate launch``)
+    each update runs on the all-reduced gradients, in DDP's communication hook, and saves the
+    optimizer's temporaries, not the gradients (DDP's buckets hold them); FSDP and DeepSpeed are
+    refused (use ``fira-train --parallel fsdp2`` or :func:`fira_optim.step_in_backward` in your
+    own loop for FSDP2). ``in_backward`` is the handle once training has started (the hooks go on
+    the model and optimizer as the Trainer prepared them).
     """
 
     def __init__(self, *args: Any, fira_options: dict[str, Any] | None = None, step_in_backward: bool = False,
@@ -416,7 +420,7 @@ class FiraTrainer(Trainer):
         self.in_backward: Any = None
         super().__init__(*args, **kwargs)
         if self.step_in_backward:
-            _check_step_in_backward(self.args)
+            _check_step_in_backward(self)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -428,15 +432,30 @@ class FiraTrainer(Trainer):
                 decay_parameter_names=self.get_decay_parameter_names(opt_model),
                 **options,
             )
-        if self.step_in_backward and self.in_backward is None:  # also an optimizer given to the Trainer
-            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-            if not isinstance(optimizer, Fira):
-                raise ValueError(f"FiraTrainer(step_in_backward=True) needs a fira_optim optimizer, got "
-                                 f"{type(optimizer).__name__}")
-            self.in_backward = optimizer._in_backward or step_in_backward(optimizer)
         return self.optimizer
 
+    def _hook_in_backward(self, model: nn.Module) -> None:
+        """The handle, made (once) on the optimizer and model that training uses: the Trainer
+        wraps the model in DDP after the optimizer exists, and DDP's hook needs the wrapper."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        if not isinstance(optimizer, Fira):  # also an optimizer given to the Trainer
+            raise ValueError(f"FiraTrainer(step_in_backward=True) needs a fira_optim optimizer, got "
+                             f"{type(optimizer).__name__}")
+        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+        handle = optimizer._in_backward
+        if handle is None:
+            handle = step_in_backward(optimizer, ddp)
+        elif handle.model is not ddp and (handle._ddp or ddp is not None):
+            raise ValueError(
+                "FiraTrainer(step_in_backward=True): the optimizer already updates in the backward pass "
+                f"for {'a DDP model' if handle._ddp else 'one process'}, but the Trainer trains "
+                f"{'this DDP model' if ddp is not None else 'in one process'}; remove() that handle and let "
+                "the Trainer hook the optimizer")
+        self.in_backward = handle
+
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.step_in_backward and self.in_backward is None:
+            self._hook_in_backward(model)
         # The Trainer marks the last micro-batch of each accumulation (sync_gradients) before
         # this runs: the others accumulate their gradients and update nothing.
         if self.in_backward is not None and not self.accelerator.sync_gradients:
@@ -445,8 +464,9 @@ class FiraTrainer(Trainer):
         return super().training_step(model, inputs, *args, **kwargs)
 
 
-def _check_step_in_backward(args: Any) -> None:
+def _check_step_in_backward(trainer: Trainer) -> None:
     """ValueError naming the TrainingArguments that updates in the backward pass cannot honour."""
+    args = trainer.args
     if args.max_grad_norm:
         raise ValueError(
             f"FiraTrainer(step_in_backward=True) needs TrainingArguments(max_grad_norm=0), got "
@@ -456,8 +476,9 @@ def _check_step_in_backward(args: Any) -> None:
     if args.fp16:
         raise ValueError("FiraTrainer(step_in_backward=True) cannot use fp16=True: its loss scaling would "
                          "need the gradients after backward, when they have been used; use bf16=True")
-    if args.world_size > 1:
-        raise ValueError(f"FiraTrainer(step_in_backward=True) runs in one process (world_size="
-                         f"{args.world_size}): under DDP the update belongs in DDP's communication hook "
-                         "(fira_optim.step_in_backward(optimizer, ddp_model)), which the Trainer's wrapping "
-                         "does not offer; train without step_in_backward there")
+    for name, on in (("FSDP", trainer.is_fsdp_enabled), ("DeepSpeed", trainer.is_deepspeed_enabled)):
+        if on:
+            raise ValueError(
+                f"FiraTrainer(step_in_backward=True) cannot run under {name}, which takes over the "
+                "model's parameters and gradients (the hooks would miss them); train under DDP or in one process, "
+                "or use fira_optim.step_in_backward in your own FSDP2 loop (`fira-train --parallel fsdp2`)")

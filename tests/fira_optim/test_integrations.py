@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-import warnings
+import os
 import subprocess
 import sys
+import warnings
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fira_optim import FiraAdamW, optimizer_state_numel  # noqa: E402
+from tests.multiprocess import run_ranks  # noqa: E402
 from fira_optim.integrations import (  # noqa: E402
     FiraTrainer,
+    _check_step_in_backward,
     create_fira_optimizer,
     create_fira_optimizer_and_scheduler,
     fira_optimizer_cls_and_kwargs,
@@ -247,6 +251,38 @@ def test_step_in_backward_through_the_trainer_equals_its_usual_step(tmp_path):
     assert torch.equal(weights[0], weights[1])
 
 
+def _trainer_ddp_worker(rank: int, world_size: int, out: str) -> dict:
+    # The environment torchrun gives each process: the Trainer (accelerate) then runs DDP on gloo
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    weights, steps = {}, {}
+    for in_backward in (False, True):
+        model = tiny_llama()
+        args = training_args(Path(out) / str(in_backward), max_steps=3, gradient_accumulation_steps=2,
+                             max_grad_norm=0.0, per_device_train_batch_size=2)
+        trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), step_in_backward=in_backward)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no "updated twice" warning
+            trainer.train()
+        assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        if in_backward:
+            assert trainer.in_backward.model is trainer.model_wrapped
+        steps[str(in_backward)] = sorted({int(s["step"]) for s in _fira(trainer).state.values()})
+        weights[str(in_backward)] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {"weights": weights, "steps": steps}
+
+
+@pytest.mark.timeout(180)
+def test_step_in_backward_through_the_trainer_under_ddp_equals_its_usual_step(tmp_path):
+    """Under DDP (two gloo processes) the hooks go on the model the Trainer wrapped, after the
+    optimizer was built: each update uses the all-reduced gradient (it was refused before)."""
+    results = run_ranks(_trainer_ddp_worker, 2, tmp_path, str(tmp_path), timeout=170)
+    for result in results:
+        assert result["steps"] == {"False": [3], "True": [3]}
+        assert torch.equal(result["weights"]["False"], result["weights"]["True"])
+    assert torch.equal(results[0]["weights"]["True"], results[1]["weights"]["True"])  # the ranks agree
+
+
 def test_step_in_backward_hooks_an_optimizer_given_to_the_trainer(tmp_path):
     """optimizers=(fira, None) with step_in_backward=True trained with plain steps, silently."""
     model = tiny_llama()
@@ -270,6 +306,15 @@ def test_step_in_backward_refuses_what_it_cannot_honour(tmp_path, overrides, mes
     args = training_args(tmp_path, **overrides)
     with pytest.raises(ValueError, match=message):
         FiraTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), step_in_backward=True)
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_step_in_backward_refuses_fsdp_and_deepspeed(tmp_path, backend):
+    # They need several processes to build; the check reads what the Trainer found
+    trainer = SimpleNamespace(args=training_args(tmp_path, max_grad_norm=0.0), is_fsdp_enabled=backend == "fsdp",
+                              is_deepspeed_enabled=backend == "deepspeed")
+    with pytest.raises(ValueError, match="cannot run under " + {"fsdp": "FSDP", "deepspeed": "DeepSpeed"}[backend]):
+        _check_step_in_backward(trainer)
 
 
 def test_checkpoint_resume_continues_identically(tmp_path):
