@@ -225,3 +225,16 @@ def test_a_rank_changed_in_param_groups_during_training_is_refused_before_anythi
     opt.param_groups[0]["rank"] = 5
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['rank'\] changed from 3 to 5 after"):
         opt.step()
+
+
+def test_a_step_on_meta_parameters_names_the_parameter_and_the_fix() -> None:
+    """An optimizer built on a meta-device model, before ``to_empty``, holds parameters that
+    model no longer trains; its step failed with "Tensor.item() cannot be called on meta tensors"."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+    optimizer = FiraAdamW(model.parameters(), rank=4)  # building is allowed, as in torch.optim
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(16, 16\)\) is on the meta "
+                                         r"device: build the optimizer after model.to_empty"):
+        optimizer.step()
