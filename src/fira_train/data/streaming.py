@@ -30,11 +30,11 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from fira_train.data.corpus import Corpus
+from fira_train.data.corpus import Corpus, digest_ids
 from fira_train.data.disk_cache import fingerprint
 from fira_train.data.spec import C4, C4_LOCAL_PREFIX, DataSpec
 from fira_train.data.streams import BatchStream, check_stream_args, check_stream_state
-from fira_train.data.tokenizer import build_tokenizer, encode_texts, token_dtype
+from fira_train.data.tokenizer import build_tokenizer, encode_texts, token_dtype, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +162,10 @@ class StreamingBatchStream(BatchStream):
         seed: int,
         max_train_tokens: int | None = None,
         shuffle_buffer: int = SHUFFLE_BUFFER_DOCS,
+        corpus: str | None = None,
     ) -> None:
         check_stream_args(batch_size, seed)
+        self.corpus = corpus
         self._open_train = open_train
         self._tokenizer = tokenizer
         self._eos = tokenizer.eos_token_id
@@ -283,10 +285,17 @@ class StreamingCorpus(Corpus):
         open_split: OpenSplit,
         shuffle_buffer: int = SHUFFLE_BUFFER_DOCS,
         test_tokens: np.ndarray | None = None,
+        source_id: str | None = None,
     ) -> None:
         super().__init__(spec, tokenizer, tokenizer_name, val_tokens, test_tokens)
         self._open_split = open_split
         self.shuffle_buffer = shuffle_buffer
+        self.identity = None if source_id is None else fingerprint(
+            "c4-stream", source_id, tokenizer_fingerprint(tokenizer), shuffle_buffer, spec.max_train_tokens,
+            digest_ids(spec.seq_len, len(tokenizer), self._val_blocks, self._test_blocks))
+        """A fingerprint of the files (names and sizes) or the hub dataset, the
+        tokenizer, the packing and the held-out ids (a stream's training ids are not read up front);
+        None when not given."""
 
     def train_batches(self, batch_size: int, seed: int) -> StreamingBatchStream:
         return StreamingBatchStream(
@@ -297,6 +306,7 @@ class StreamingCorpus(Corpus):
             seed,
             max_train_tokens=self.spec.max_train_tokens,
             shuffle_buffer=self.shuffle_buffer,
+            corpus=self.identity,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -342,11 +352,13 @@ def build_c4_corpus(spec: DataSpec, cache_dir: Path, shuffle_buffer: int = SHUFF
     """The corpus for ``source="c4"`` (hub) or ``"c4:FOLDER"`` (local files in C4's format)."""
     if spec.source == C4:
         data_files = None
-        corpus_id = fingerprint("c4-hub", C4_HUB_PATH, C4_HUB_CONFIG)
+        corpus_id = source_id = fingerprint("c4-hub", C4_HUB_PATH, C4_HUB_CONFIG)
     else:
         folder = Path(spec.source[len(C4_LOCAL_PREFIX) :]).expanduser()
         data_files = c4_data_files(folder)
         corpus_id = fingerprint("c4-files", [_file_identity(f) for f in data_files["train"]])
+        # names and sizes, not times: a copy of the folder on another machine still resumes
+        source_id = fingerprint("c4-files", [_file_identity(f)[:2] for split in C4_SPLITS for f in data_files[split]])
     open_split = c4_opener(data_files)
     tokenizer, tokenizer_name = build_tokenizer(
         spec.tokenizer,
@@ -356,4 +368,5 @@ def build_c4_corpus(spec: DataSpec, cache_dir: Path, shuffle_buffer: int = SHUFF
         cache_dir=cache_dir,
     )
     val_tokens, test_tokens = _held_out_tokens(open_split, tokenizer, spec)
-    return StreamingCorpus(spec, tokenizer, tokenizer_name, val_tokens, open_split, shuffle_buffer, test_tokens)
+    return StreamingCorpus(spec, tokenizer, tokenizer_name, val_tokens, open_split, shuffle_buffer, test_tokens,
+                           source_id=source_id)

@@ -48,7 +48,7 @@ def check_corpus(saved: Mapping[str, Any], stream: Any, source: str) -> None:
     """ValueError if a checkpoint (``saved``: its payload, or the part of it that
     :func:`corpus_record` wrote) was trained on other data than ``stream`` reads, as
     :func:`fira_train.data.corpus.data_change` decides; nothing where either side does not know (a
-    checkpoint written before corpora were fingerprinted, a streamed corpus)."""
+    checkpoint written before corpora were fingerprinted)."""
     record = {key: saved.get(key) for key in DATA_RECORD}
     current = corpus_record(stream)
     if current and not any(record.values()):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ from fira_train.data import tokenizer as tok
 from fira_train.data.build import build_corpus
 from fira_train.data.streaming import StreamingBatchStream, StreamingCorpus, build_c4_corpus
 from fira_train.data.streams import BatchStream
+from fira_train.run.state import check_corpus, corpus_record
 from tests.fira_train.data.data_fixtures import make_docs, spec_for, take, write_jsonl
 
 
@@ -133,6 +136,24 @@ def test_c4_stream_resume_mid_document_and_state_checks(c4_corpus) -> None:
     beyond.load_state_dict({**state, "documents": 10_000})
     with pytest.raises(ValueError, match="cannot resume"):
         next(beyond)
+
+
+def test_a_checkpoint_of_a_c4_stream_tells_a_changed_folder_from_its_own(tmp_path: Path) -> None:
+    """A resume on a C4 folder whose files changed was not checked (a stream recorded no fingerprint)."""
+    docs = make_docs(50, seed=7)
+    folder = write_c4_folder(tmp_path / "en", docs[:40], docs[40:])
+    spec = spec_for(f"c4:{folder}", tmp_path / "cache", val_sequences=3)
+    stream = build_corpus(spec).train_batches(2, seed=0)
+    record = corpus_record(stream)
+    assert set(record) == {"corpus"}
+    check_corpus(record, build_corpus(spec).train_batches(2, seed=0), spec.source)  # the same files: resumes
+    for path in folder.iterdir():  # copied to another machine without their times: still the same data
+        os.utime(path, ns=(1, 1))
+    check_corpus(record, build_corpus(spec).train_batches(2, seed=0), spec.source)
+    assert build_corpus(replace(spec, max_train_tokens=200)).identity != stream.corpus  # another packing
+    write_c4_folder(folder, docs[:40] + ["one more training document"], docs[40:])
+    with pytest.raises(ValueError, match="trained on other data than data.source="):
+        check_corpus(record, build_corpus(spec).train_batches(2, seed=0), spec.source)
 
 
 def test_c4_max_train_tokens_ends_the_epoch(c4_folder: Path, tmp_path: Path) -> None:
