@@ -37,13 +37,14 @@ __all__ = ["DamagedFileError", "check_report_owner", "dumps", "file_digest", "fi
 def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,
                        overwrite: bool | None = None, writer: str | None = None) -> None:
     """``FileExistsError`` if ``out/report.md`` exists and was not written by ``command``: its
-    first line begins with none of ``titles`` (the headings ``command`` writes). So a folder
+    first line begins with none of ``titles`` (the headings ``command`` writes) and it is not
+    empty. So a folder
     command (compare, sweep, an analysis) run on another command's ``--out``, or on a folder with
     a ``report.md`` of the user's, does not replace that report. ``overwrite``: True lets it
     (the command's ``--overwrite``); None: the command has no such flag. ``writer``: how the
     error names what did not write it (default: the command)."""
     report = Path(out) / "report.md"
-    if overwrite or not report.is_file():
+    if overwrite or not report.is_file() or report.stat().st_size == 0:  # an empty one holds nothing to keep
         return
     with open(report, encoding="utf-8", errors="replace") as handle:
         first = handle.readline().rstrip("\n")

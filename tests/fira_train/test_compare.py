@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
+import errno
+import io
 import json
 from pathlib import Path
 
@@ -62,6 +65,37 @@ def test_compare_leaves_a_report_it_did_not_write_alone(tmp_path: Path, first_li
     assert (out / "report.md").read_text() == first_line + "\n" and not (out / "adamw").exists()
     compare(config, ["adamw"], out, overwrite=True)  # asked for: replaced
     assert (out / "report.md").read_text().startswith("# Pre-training comparison")
+
+
+def test_a_full_disk_while_the_report_is_written_leaves_the_old_one_and_resume_writes_it(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    """The report was written in place: a full disk left part of it (an empty file at worst), which
+    `compare --resume`, the one-line error's advice, then refused as a report it did not write."""
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=0")
+    out = tmp_path / "cmp"
+    compare(config, ["adamw"], out)
+    before = (out / "report.md").read_text()
+    real_open = io.open
+
+    def full_disk_open(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        if "w" in mode and Path(file).name.startswith("report.md"):
+            def write(text, _write=handle.write):
+                _write(text[: len(text) // 2])
+                handle.flush()
+                raise OSError(errno.ENOSPC, "No space left on device")
+            handle.write = write
+        return handle
+
+    monkeypatch.setattr(builtins, "open", full_disk_open)
+    monkeypatch.setattr(io, "open", full_disk_open)
+    with pytest.raises(OSError, match="No space left"):
+        compare(config, ["adamw"], out, resume=True)
+    monkeypatch.undo()
+    assert (out / "report.md").read_text() == before
+    (out / "report.md").write_text("")  # as a kill between opening and writing left it before
+    compare(config, ["adamw"], out, resume=True)
+    assert (out / "report.md").read_text() == before
 
 
 def test_method_config_changes_only_method_and_directory(tmp_path: Path) -> None:

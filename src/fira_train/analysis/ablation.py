@@ -22,6 +22,7 @@ from typing import Any
 from fira_train.analysis.callbacks import set_options
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
 from fira_train.config.run_config import RunConfig
+from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import plot_curves
 
@@ -134,5 +135,5 @@ def run_ablation(config: RunConfig, out_dir: str | Path, *, variants: Sequence[s
               "(rerun with `--seed` to see it).", "",
               "![training loss and validation perplexity](ablation.png)", ""]
     report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
+    write_text_atomic(report, "\n".join(lines) + "\n")
     return {"report": report, "figure": figure, "ppl": ppl, "summaries": summaries}

@@ -24,6 +24,7 @@ from typing import Any
 import fira_optim
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, seeds_text, train_runs
 from fira_train.config.run_config import RunConfig
+from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import pyplot
 
@@ -159,7 +160,7 @@ def run_gap_sweep(config: RunConfig, out_dir: str | Path, *, gaps: Sequence[int]
         findings.append(text + ".")
     lines += ["Measured:", "", *findings, "", "![perplexity vs update gap](gaps.png)", ""]
     report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
+    write_text_atomic(report, "\n".join(lines) + "\n")
     return {"report": report, "figure": figure, "table": table, "values": values, "summaries": summaries}
 
 

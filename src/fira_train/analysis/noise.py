@@ -21,6 +21,7 @@ import fira_optim
 from fira_train.analysis.callbacks import NORMS_FILE, GradientNoise, record_norms, record_norms_with_noise
 from fira_train.analysis.runs import AnalysisRun, markdown_table, refuse_step_in_backward, report_header, train_runs
 from fira_train.config.run_config import RunConfig
+from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import plain_log_ticks, pyplot
 from fira_train.run.metrics import read_jsonl, read_metrics
@@ -116,5 +117,5 @@ def run_noise(config: RunConfig, out_dir: str | Path, *, methods: Sequence[str] 
               ""]
     lines += ["![validation perplexity with and without noise](noise.png)", ""]
     report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
+    write_text_atomic(report, "\n".join(lines) + "\n")
     return {"report": report, "figure": figure, "table": table, "summaries": summaries}

@@ -16,6 +16,7 @@ from typing import Any
 from fira_train.analysis.rank_defaults import RANK_SWEEP_FRACTIONS, ranks_for_width
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
 from fira_train.config.run_config import RunConfig
+from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import pyplot
 
@@ -130,7 +131,7 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
                         "investigated).")
     lines += ["Measured:", "", *findings, "", "![perplexity vs rank](ranks.png)", ""]
     report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
+    write_text_atomic(report, "\n".join(lines) + "\n")
     return {"report": report, "figure": figure, "table": table, "baseline": baseline, "summaries": summaries}
 
 

@@ -28,7 +28,7 @@ from fira_train.config.overrides import apply_overrides, flat_config, override_k
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import check_report_owner, read_json
+from fira_train.files import check_report_owner, read_json, write_text_atomic
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.run.run_dir import check_same_data, finished_with
@@ -250,7 +250,7 @@ def _train_one(index: int, total: int, run: AnalysisRun, cfg: RunConfig, overwri
         corpus = build_corpus(cfg.data)
     callbacks = list(run.callbacks(run_dir)) if run.callbacks is not None else []
     summary = train(cfg, overwrite=overwrite, corpus=corpus, callbacks=callbacks)
-    (run_dir / RUN_SPEC_FILE).write_text(json.dumps(run.spec(), indent=2) + "\n")
+    write_text_atomic(run_dir / RUN_SPEC_FILE, json.dumps(run.spec(), indent=2) + "\n")
     log.info("[%d/%d] %s: validation perplexity %.2f", index, total, run.name, summary["val_ppl"])
     return summary
 

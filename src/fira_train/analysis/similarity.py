@@ -60,6 +60,7 @@ from fira_train.analysis.runs import (
     train_runs,
 )
 from fira_train.config.run_config import RunConfig
+from fira_train.files import write_text_atomic
 from fira_train.report.plots import pyplot
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.metrics import read_jsonl
@@ -517,6 +518,6 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
             "(the paper: negligible reduction at 16/256).")
     lines += ["## Paper vs measured", "", *findings, "", "![similarity trends](similarity.png)", ""]
     report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
+    write_text_atomic(report, "\n".join(lines) + "\n")
     return {"report": report, "figure": figure, "averages": averages, "per_step": results,
             "summaries": summaries}

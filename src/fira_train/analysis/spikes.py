@@ -31,6 +31,7 @@ import numpy as np
 from fira_train.analysis.callbacks import NORMS_FILE, record_norms
 from fira_train.analysis.runs import AnalysisRun, markdown_table, refuse_step_in_backward, report_header, train_runs
 from fira_train.config.run_config import RunConfig
+from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import pyplot
 from fira_train.run.metrics import read_jsonl
@@ -211,5 +212,5 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
                      + "; final loss " + ", ".join(f"{n} {records[n][-1]['loss']:.3f}" for n in GALORE_RUNS) + ".")
     lines += ["", "![loss and gradient norms](spikes.png)", ""]
     report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
+    write_text_atomic(report, "\n".join(lines) + "\n")
     return {"report": report, "figure": figure, "stats": stats}

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from fira_train.files import check_report_owner
+from fira_train.files import check_report_owner, write_text_atomic
 from fira_train.report.plots import pyplot
 
 #: The heading of this analysis's report (a folder whose report.md has another is refused).
@@ -518,8 +518,8 @@ def run_variance_analysis(
     _plot(curves, figure)
     seconds = time.perf_counter() - start
     report = out / "report.md"
-    report.write_text(_report(curves, theorem, summary, rho=rho, command=command,
-                              machine=machine, seconds=seconds), encoding="utf-8")
+    write_text_atomic(report, _report(curves, theorem, summary, rho=rho, command=command,
+                                      machine=machine, seconds=seconds))
     return {"report": report, "figure": figure, "curves": curves, "theorem": theorem,
             "summary": summary, "seconds": seconds}
 

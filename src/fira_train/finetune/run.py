@@ -158,7 +158,7 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
                         "threads": torch.get_num_threads(), "machine": platform.platform()},
     }
     write_text_atomic(out / "results.json", dumps(results, indent=2))  # NaN / inf as null
-    (out / "report.md").write_text(render_report(results))
+    write_text_atomic(out / "report.md", render_report(results))
     if training is not None:
         remove_checkpoints(config)  # the results are written: nothing left to continue
     log(f"average accuracy {results['average_accuracy']:.3f}; results in {out}")

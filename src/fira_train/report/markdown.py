@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import read_json
+from fira_train.files import read_json, write_text_atomic
 from fira_train.run.metrics import read_metrics
 
 MiB = 1024 ** 2
@@ -122,5 +122,5 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
     if command:
         parts += ["", "Command:", "", "```bash", command, "```"]
     path = out_dir / "report.md"
-    path.write_text("\n".join(parts) + "\n")
+    write_text_atomic(path, "\n".join(parts) + "\n")
     return path
