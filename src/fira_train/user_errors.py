@@ -15,8 +15,9 @@ Known, with what the message says:
   needed (``ENOTDIR``, ``EEXIST``), ...: the file, and what to do -- for the cache
   (``$FIRA_CACHE`` or ``data.cache_dir``) set another folder, for the run folder pass another
   ``--out``, for a full disk free space and run the command again (with ``--resume``: the
-  checkpoints already written stay); other ``OSError`` (a tokenizer that cannot be loaded):
-  their message;
+  checkpoints already written stay), also where it stands behind another error (torch.save's
+  writer raises a ``RuntimeError`` for it), and for a file-size limit (``EFBIG``) raise it;
+  other ``OSError`` (a tokenizer that cannot be loaded): their message;
 - divergence (:class:`fira_train.run.divergence.DivergedError`, ``NonFiniteLossError``,
   ``fira_optim.NonFiniteGradientError``): that the run diverged, and what to change.
 """
@@ -67,6 +68,20 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
         return (text if "diverged" in text else f"the run diverged: {text}") + _checkpoints_stay(args)
     if isinstance(err, (ValueError, OSError, CheckpointError)):
         return str(err)
+    behind = _disk_error_behind(err)
+    if behind is not None:
+        return _os_error(behind, args)
+    return None
+
+
+def _disk_error_behind(err: BaseException) -> OSError | None:
+    """The full disk or file-size limit that ``err`` was raised while handling: torch.save's zip
+    writer turns the OSError of a write into a RuntimeError ("unexpected pos ...")."""
+    seen = err.__cause__ or err.__context__
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FULL | {errno.EFBIG}:
+            return seen
+        seen = seen.__cause__ or seen.__context__
     return None
 
 
@@ -106,11 +121,16 @@ def _os_error(err: OSError, args: argparse.Namespace) -> str:
     cache, cache_source = _cache_dir(args)
     out = _run_dir(args)
     in_cache = path is not None and _inside(path, cache)
-    if err.errno in _FULL:
+    if err.errno in _FULL | {errno.EFBIG}:
         where = path or out or "the output folder"
         again = {"pretrain": " with --resume", "compare": " with --resume", "analyze": " with --reuse"}
-        return (f"no space left on the device holding {where} ({reason}): free some space (or point "
-                f"{'FIRA_CACHE' if in_cache else '--out'} at another disk) and run the same command again"
+        target = "FIRA_CACHE" if in_cache else "--out"
+        problem, fix = (
+            (f"no space left on the device holding {where}", f"free some space (or point {target} at another disk)")
+            if err.errno in _FULL else
+            (f"a file in {where} grew past the largest this process may write (`ulimit -f`, or the file "
+             "system's limit)", f"raise that limit (or point {target} at another file system)"))
+        return (f"{problem} ({reason}): {fix} and run the same command again"
                 f"{again.get(getattr(args, 'command', ''), '')}{_checkpoints_stay(args)}")
     if path is None:
         return f"{reason} (in {out or 'the output folder'})"

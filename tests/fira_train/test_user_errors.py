@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,43 @@ def test_a_full_disk_is_one_line_and_the_checkpoints_stay(root: Path, tmp_path: 
     monkeypatch.setattr(MetricsLog, "log", log)  # space freed: the same command with --resume finishes
     assert _pretrain(root, out, "--save-every", "2", "--resume", steps=6) == 0
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("limit", ["full disk", "file size"])
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_earlier_ones_stay(root: Path, tmp_path: Path,
+                                                                                   limit: str) -> None:
+    """torch.save turns the OSError of a write into "RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos": a traceback, not one line. A real file-size limit (``ulimit -f``) in a child
+    process gives EFBIG; a full disk is that error with ENOSPC (a tmpfs needs root to mount)."""
+    out = tmp_path / "run"
+    code = (
+        "import errno, resource, sys, torch\n"
+        "from fira_train.cli import main\n"
+        "from fira_train.run import checkpoint\n"
+        "save, saves = torch.save, []\n"
+        "def full_on_the_second(obj, f, *a, **k):\n"
+        "    saves.append(f)\n"
+        "    if len(saves) > 1 and sys.argv[1] == 'full disk':\n"
+        "        try:\n"
+        "            raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "        except OSError:\n"
+        "            raise RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 18496 vs 18390')\n"
+        "    if len(saves) > 1:\n"
+        "        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))\n"
+        "    return save(obj, f, *a, **k)\n"
+        "torch.save = full_on_the_second\n"
+        "sys.exit(main(sys.argv[2:]))\n"
+    )
+    args = ["pretrain", "--recipe", "micro", "--method", "adamw", "--steps", "4", "--out", str(out),
+            "--data", str(root / "corpus"), "--save-every", "2", *_overrides(root)]
+    done = subprocess.run([sys.executable, "-c", code, limit, *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("fira-train ")]
+    assert len(lines) == 1, done.stderr
+    expected = "no space left on the device" if limit == "full disk" else "grew past the largest this process may write"
+    assert expected in lines[0] and "--resume" in lines[0] and "checkpoints already written" in lines[0]
+    assert _checkpoints(out) == ["step_00000002"]
 
 
 def test_a_read_only_out_is_one_line_naming_it(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
