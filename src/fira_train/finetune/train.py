@@ -10,7 +10,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import transformers
@@ -95,14 +95,13 @@ def checkpoint_dir(config: FinetuneConfig) -> Path:
     return config.out_dir / "trainer"
 
 
-def resume_point(config: FinetuneConfig) -> str | None:
-    """The newest checkpoint of an earlier, interrupted start of the same run, or None. A
-    checkpoint saved with other settings is refused (continuing it would mix two runs)."""
-    from transformers.trainer_utils import get_last_checkpoint
-
+def resume_point(config: FinetuneConfig, log: Callable[[str], Any] = print) -> str | None:
+    """The newest complete checkpoint of an earlier, interrupted start of the same run, or None
+    (newer incomplete ones are removed, with a warning through ``log``). A checkpoint saved with
+    other settings is refused (continuing it would mix two runs)."""
     folder = checkpoint_dir(config)
     # an earlier start's checkpoints are continued even where this start writes none (--save-steps 0)
-    last = get_last_checkpoint(str(folder)) if config.trains and folder.is_dir() else None
+    last = newest_complete_checkpoint(folder, log) if config.trains and folder.is_dir() else None
     if last is not None:
         record = folder / "run_settings.json"
         hint = "remove the folder to start again, or choose another --out"
@@ -122,6 +121,37 @@ def resume_point(config: FinetuneConfig) -> str | None:
             raise FinetuneError(f"{folder} holds checkpoints of a run with other settings ({found}): "
                                 f"remove it to start again, or choose another --out")
     return last
+
+
+def newest_complete_checkpoint(folder: Path, log: Callable[[str], Any] = print) -> str | None:
+    """The newest ``checkpoint-<step>`` in ``folder`` that the Trainer finished writing, or None.
+    The Trainer writes a checkpoint in place, ``trainer_state.json`` last: a start killed while
+    writing one leaves a folder without it (or with part of it), which resuming from failed on
+    ("No such file or directory") at every start. Such folders are removed, each named in a
+    warning; the older checkpoint is still there (the Trainer drops it only after the new one)."""
+    found = sorted((checkpoint_step(p), p) for p in folder.glob("checkpoint-*")
+                   if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit())
+    for step, path in reversed(found):
+        problem = _incomplete(path, step)
+        if problem is None:
+            return str(path)
+        log(f"warning: {path} is incomplete ({problem}: a start stopped while writing it); removing it and "
+            "continuing from the checkpoint before it")
+        shutil.rmtree(path, ignore_errors=True)
+    return None
+
+
+def _incomplete(checkpoint: Path, step: int) -> str | None:
+    """Why the Trainer checkpoint ``checkpoint`` of ``step`` is incomplete, or None."""
+    state = checkpoint / "trainer_state.json"
+    try:
+        saved = json.loads(state.read_text())
+    except FileNotFoundError:
+        return "it has no trainer_state.json"
+    except (OSError, ValueError) as err:
+        return f"its trainer_state.json does not parse: {err}"
+    recorded = saved.get("global_step") if isinstance(saved, dict) else None
+    return None if recorded == step else f"its trainer_state.json records global_step={recorded!r}"
 
 
 def _settings(config: FinetuneConfig, effective: bool = True) -> dict[str, Any]:

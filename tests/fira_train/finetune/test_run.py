@@ -465,8 +465,15 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     # adapters on lora_targets, not on the target_modules of the projected matrices);
     # a start that writes no checkpoints (--save-steps 0) still continues the earlier one's
     unused = {"fira": ["--lora-r", "8"], "fira-lora": ["--target-modules", "q_proj"]}[method]
+    # killed while writing the next checkpoint (the Trainer writes in place, trainer_state.json last):
+    # resuming from it failed at every start; it is removed, named, and the run continues from step 4
+    partial = out / "trainer" / "checkpoint-6"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"the first bytes")
+    capsys.readouterr()
     resumed = run_cli([*argv(out), "--warmup-steps", "0", "--max-train", "12", "--save-steps", "0", *unused])
     assert resumed["training"]["resumed_from_step"] == 4 and resumed["training"]["steps"] == 6
+    assert f"warning: {partial} is incomplete (it has no trainer_state.json" in capsys.readouterr().out
     both = resumed["training"]["sittings"]
     assert [(s["from_step"], s["to_step"]) for s in both] == [(0, 4), (4, 6)]
     assert both[1]["seconds"] == pytest.approx(resumed["time"]["train_s"], abs=0.5)
@@ -594,6 +601,34 @@ def test_an_overwrite_stopped_while_evaluating_leaves_no_earlier_results_beside_
     assert not (out / "results.json").exists() and not (out / "report.md").exists()
 
 
+def _checkpoint(folder: Path, step: int, state: str | None = None) -> Path:
+    """A Trainer checkpoint folder as far as resuming looks at it: its trainer_state.json."""
+    path = folder / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}) if state is None else state)
+    return path
+
+
+def test_the_newest_complete_checkpoint_is_continued_and_incomplete_ones_are_removed(tmp_path):
+    from fira_train.finetune.train import newest_complete_checkpoint
+
+    folder = tmp_path / "trainer"
+    complete = _checkpoint(folder, 2)
+    _checkpoint(folder, 10)  # step 10 sorts after 4 and 6 as a number, not as text
+    truncated = _checkpoint(folder, 12, state='{"global_step": 1')
+    other_step = _checkpoint(folder, 14, state='{"global_step": 4}')
+    (folder / "checkpoint-16").mkdir()
+    (folder / "checkpoint-16" / "model.safetensors").write_bytes(b"x")
+    (folder / "checkpoint-final").mkdir()  # not a step: not a checkpoint of the Trainer's
+    said = []
+    assert newest_complete_checkpoint(folder, said.append) == str(folder / "checkpoint-10")
+    assert [line.split(" is incomplete (")[0] for line in said] == [
+        f"warning: {folder / 'checkpoint-16'}", f"warning: {other_step}", f"warning: {truncated}"]
+    assert "no trainer_state.json" in said[0] and "does not parse" in said[2] and "global_step=4" in said[1]
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-10", "checkpoint-2", "checkpoint-final"]
+    assert complete.is_dir()
+
+
 @pytest.mark.parametrize(("text", "message"), [("{bad", "is damaged"), ("[1]", "is not a record of a run's settings")])
 def test_a_damaged_settings_record_beside_checkpoints_is_named(tmp_path, text, message):
     """A run_settings.json that did not parse was an error naming no file; one that parsed to a
@@ -602,7 +637,7 @@ def test_a_damaged_settings_record_beside_checkpoints_is_named(tmp_path, text, m
 
     data = write_data(tmp_path)
     config = FinetuneConfig(tasks=["boolq"], data_dir=str(data), steps=4, batch_size=2, out=str(tmp_path / "o"))
-    (tmp_path / "o" / "trainer" / "checkpoint-2").mkdir(parents=True)
+    _checkpoint(tmp_path / "o" / "trainer", 2)
     record = tmp_path / "o" / "trainer" / "run_settings.json"
     record.write_text(text)
     with pytest.raises(ValueError) as err:
@@ -617,7 +652,7 @@ def test_a_settings_record_from_before_the_memory_options_resumes_only_without_t
 
     data = write_data(tmp_path)
     common = dict(tasks=["boolq"], data_dir=str(data), steps=4, batch_size=2, out=str(tmp_path / "o"))
-    (tmp_path / "o" / "trainer" / "checkpoint-2").mkdir(parents=True)
+    _checkpoint(tmp_path / "o" / "trainer", 2)
     old = {k: v for k, v in _settings(FinetuneConfig(**common)).items() if k not in ("step_in_backward", "state_dtype")}
     (tmp_path / "o" / "trainer" / "run_settings.json").write_text(json.dumps(old))
     assert resume_point(FinetuneConfig(**common)).endswith("checkpoint-2")
