@@ -405,12 +405,13 @@ class FiraTrainer(Trainer):
     under the handle's ``accumulate()`` (the weights equal those of the usual step). It needs
     ``max_grad_norm=0`` (global-norm clipping cannot work when each gradient is freed as it is
     used; Fira's limiter bounds each matrix's update instead), no fp16 loss scaling (``fp16``;
-    bf16 needs none); each is refused otherwise. Under DDP (``torchrun``, ``accelerate launch``)
-    each update runs on the all-reduced gradients, in DDP's communication hook, and saves the
-    optimizer's temporaries, not the gradients (DDP's buckets hold them); FSDP and DeepSpeed are
-    refused (use ``fira-train --parallel fsdp2`` or :func:`fira_optim.step_in_backward` in your
-    own loop for FSDP2). ``in_backward`` is the handle once training has started (the hooks go on
-    the model and optimizer as the Trainer prepared them).
+    bf16 needs none); each is refused otherwise. Under DDP (``torchrun``, ``accelerate launch``;
+    also with ``torch_compile``) each update runs on the all-reduced gradients, in DDP's
+    communication hook, and saves the optimizer's temporaries, not the gradients (DDP's buckets
+    hold them). Several processes without a DDP wrapper (FSDP, DeepSpeed, tensor parallelism)
+    are refused (for FSDP2 use ``fira-train --parallel fsdp2`` or :func:`fira_optim.step_in_backward`
+    in your own loop). ``in_backward`` is the handle once training has started: the hooks go on
+    the model and optimizer as the Trainer prepared them, and move when it replaces either.
     """
 
     def __init__(self, *args: Any, fira_options: dict[str, Any] | None = None, step_in_backward: bool = False,
@@ -435,17 +436,35 @@ class FiraTrainer(Trainer):
         return self.optimizer
 
     def _hook_in_backward(self, model: nn.Module) -> None:
-        """The handle, made (once) on the optimizer and model that training uses: the Trainer
-        wraps the model in DDP after the optimizer exists, and DDP's hook needs the wrapper."""
+        """The handle on the optimizer and model that training uses now: the Trainer wraps the
+        model in DDP after the optimizer exists (and again after ``auto_find_batch_size`` lowers
+        the batch size), and DDP's hook needs the wrapper. A handle this Trainer made for an
+        earlier optimizer or wrapper is replaced."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
         if not isinstance(optimizer, Fira):  # also an optimizer given to the Trainer
             raise ValueError(f"FiraTrainer(step_in_backward=True) needs a fira_optim optimizer, got "
                              f"{type(optimizer).__name__}")
-        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
-        handle = optimizer._in_backward
+        inner = getattr(model, "_orig_mod", model)  # torch.compile wraps the DDP model (torch_compile=True)
+        ddp = inner if isinstance(inner, nn.parallel.DistributedDataParallel) else None
+        if ddp is None and self.args.world_size > 1:
+            raise ValueError(
+                f"FiraTrainer(step_in_backward=True) with world_size={self.args.world_size} needs the model "
+                f"wrapped in DistributedDataParallel, got {type(inner).__name__}: each update must use the "
+                "all-reduced gradient (tensor parallelism, XLA and SageMaker are not supported)")
+
+        def fits(handle: Any) -> bool:  # hooks this optimizer, and this DDP wrapper under DDP
+            return (handle.optimizer is optimizer and optimizer._in_backward is handle
+                    and (handle.model is ddp or not (handle._ddp or ddp is not None)))
+
+        if self.in_backward is not None:
+            if fits(self.in_backward):
+                return
+            self.in_backward.remove()  # the Trainer has replaced the optimizer or the DDP wrapper since
+            self.in_backward = None
+        handle = optimizer._in_backward  # None, or a handle made before the Trainer saw the optimizer
         if handle is None:
             handle = step_in_backward(optimizer, ddp)
-        elif handle.model is not ddp and (handle._ddp or ddp is not None):
+        elif not fits(handle):
             raise ValueError(
                 "FiraTrainer(step_in_backward=True): the optimizer already updates in the backward pass "
                 f"for {'a DDP model' if handle._ddp else 'one process'}, but the Trainer trains "
@@ -454,7 +473,7 @@ class FiraTrainer(Trainer):
         self.in_backward = handle
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.step_in_backward and self.in_backward is None:
+        if self.step_in_backward:
             self._hook_in_backward(model)
         # The Trainer marks the last micro-batch of each accumulation (sync_gradients) before
         # this runs: the others accumulate their gradients and update nothing.

@@ -251,32 +251,38 @@ def test_step_in_backward_through_the_trainer_equals_its_usual_step(tmp_path):
     assert torch.equal(weights[0], weights[1])
 
 
-def _trainer_ddp_worker(rank: int, world_size: int, out: str) -> dict:
+def _trainer_ddp_worker(rank: int, world_size: int, out: str, compiled: bool) -> dict:
     # The environment torchrun gives each process: the Trainer (accelerate) then runs DDP on gloo
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     weights, steps = {}, {}
+    compile_args = {"torch_compile": True, "torch_compile_backend": "eager"} if compiled else {}
     for in_backward in (False, True):
         model = tiny_llama()
         args = training_args(Path(out) / str(in_backward), max_steps=3, gradient_accumulation_steps=2,
-                             max_grad_norm=0.0, per_device_train_batch_size=2)
+                             max_grad_norm=0.0, per_device_train_batch_size=2, **compile_args)
         trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), step_in_backward=in_backward)
         with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)  # no "updated twice" warning
+            warnings.filterwarnings("error", "step_in_backward", UserWarning)  # no "updated twice" warning
             trainer.train()
-        assert isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
+        wrapped = getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped)  # torch.compile's wrapper
+        assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        assert (wrapped is not trainer.model_wrapped) == compiled
         if in_backward:
-            assert trainer.in_backward.model is trainer.model_wrapped
+            assert trainer.in_backward.model is wrapped
         steps[str(in_backward)] = sorted({int(s["step"]) for s in _fira(trainer).state.values()})
         weights[str(in_backward)] = torch.cat([p.detach().flatten() for p in model.parameters()])
     return {"weights": weights, "steps": steps}
 
 
 @pytest.mark.timeout(180)
-def test_step_in_backward_through_the_trainer_under_ddp_equals_its_usual_step(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_step_in_backward_through_the_trainer_under_ddp_equals_its_usual_step(tmp_path, compiled):
     """Under DDP (two gloo processes) the hooks go on the model the Trainer wrapped, after the
-    optimizer was built: each update uses the all-reduced gradient (it was refused before)."""
-    results = run_ranks(_trainer_ddp_worker, 2, tmp_path, str(tmp_path), timeout=170)
+    optimizer was built: each update uses the all-reduced gradient (it was refused before). With
+    torch_compile the Trainer hands training_step the compiled wrapper of the DDP model: hooks on
+    the local gradients then trained each rank on its own, and the ranks drifted apart."""
+    results = run_ranks(_trainer_ddp_worker, 2, tmp_path, str(tmp_path), compiled, timeout=170)
     for result in results:
         assert result["steps"] == {"False": [3], "True": [3]}
         assert torch.equal(result["weights"]["False"], result["weights"]["True"])
@@ -306,6 +312,36 @@ def test_step_in_backward_refuses_what_it_cannot_honour(tmp_path, overrides, mes
     args = training_args(tmp_path, **overrides)
     with pytest.raises(ValueError, match=message):
         FiraTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), step_in_backward=True)
+
+
+def test_step_in_backward_follows_an_optimizer_the_trainer_replaced(tmp_path):
+    """The handle was made once: after the Trainer built another optimizer (auto_find_batch_size,
+    model_init) the hooks stayed on the old one and the new one trained in step(), or not at all."""
+    model = tiny_llama()
+    trainer = FiraTrainer(model=model, args=training_args(tmp_path, max_grad_norm=0.0), train_dataset=TokenDataset(),
+                          step_in_backward=True)
+    trainer.create_optimizer()
+    trainer._hook_in_backward(model)
+    first = trainer.in_backward
+    assert first.optimizer is trainer.optimizer and trainer.optimizer._in_backward is first
+    trainer._hook_in_backward(model)
+    assert trainer.in_backward is first  # nothing changed: the same handle
+    old = trainer.optimizer
+    trainer.optimizer = None
+    trainer.create_optimizer()
+    trainer._hook_in_backward(model)
+    assert trainer.in_backward is not first and trainer.in_backward.optimizer is trainer.optimizer
+    assert old._in_backward is None and not first._hooks  # the old hooks are gone
+
+
+def test_step_in_backward_refuses_several_processes_without_ddp(tmp_path):
+    # Tensor parallelism, XLA or SageMaker: no DDP wrapper, so hooks would use the local gradients
+    model = tiny_llama()
+    fake = SimpleNamespace(optimizer=FiraAdamW(model.parameters(), rank=4), in_backward=None,
+                           args=SimpleNamespace(world_size=2))
+    with pytest.raises(ValueError, match="world_size=2 needs the model wrapped in DistributedDataParallel, "
+                                         "got LlamaForCausalLM"):
+        FiraTrainer._hook_in_backward(fake, model)
 
 
 @pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
