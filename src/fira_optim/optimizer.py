@@ -507,9 +507,9 @@ class Fira(Optimizer):
                     except ValueError as err:
                         raise ValueError(f"param_groups[{gi}]: {err}") from None
                 for pi, p in enumerate(group["params"]):
-                    if p.is_meta:  # torch's AdamW fails on .item(); say what went wrong
+                    if p.is_meta:  # the update would fail deep inside on .item(): say what went wrong
                         raise ValueError(
-                            f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is on the meta device: "
+                            f"{param_name(gi, pi, p)} is on the meta device: "
                             "build the optimizer after model.to_empty(device=...) and the weights' initialization "
                             "or loading (to_empty gives the model new parameters; an optimizer built before it "
                             "holds the meta ones)")

@@ -83,11 +83,15 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     the new one, never a part. One writer per path at a time (a run's lock, a sweep's driver)."""
     path = Path(path)
     temp = path.with_name(path.name + ".tmp")
-    with open(temp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
+    try:
+        with open(temp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:  # a full disk: no part-written file left beside the old one
+        temp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)  # the rename itself
     return path
 

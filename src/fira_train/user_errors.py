@@ -35,6 +35,8 @@ __all__ = ["TRACEBACK_ENV", "describe"]
 TRACEBACK_ENV = "FIRA_TRACEBACK"
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
+#: A full disk, or a file-size limit (``ulimit -f``, the file system's largest file).
+_NO_ROOM = _FULL | {errno.EFBIG}
 _NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}
 _NOT_A_FOLDER = {errno.ENOTDIR, errno.EEXIST}
 
@@ -77,10 +79,11 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
 def _disk_error_behind(err: BaseException) -> OSError | None:
     """The full disk or file-size limit that ``err`` was raised while handling: torch.save's zip
     writer turns the OSError of a write into a RuntimeError ("unexpected pos ...")."""
-    seen = err.__cause__ or err.__context__
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in _FULL | {errno.EFBIG}:
+    visited, seen = {id(err)}, err.__cause__ or err.__context__
+    while seen is not None and id(seen) not in visited:  # a chain may loop
+        if isinstance(seen, OSError) and seen.errno in _NO_ROOM:
             return seen
+        visited.add(id(seen))
         seen = seen.__cause__ or seen.__context__
     return None
 
@@ -121,7 +124,7 @@ def _os_error(err: OSError, args: argparse.Namespace) -> str:
     cache, cache_source = _cache_dir(args)
     out = _run_dir(args)
     in_cache = path is not None and _inside(path, cache)
-    if err.errno in _FULL | {errno.EFBIG}:
+    if err.errno in _NO_ROOM:
         where = path or out or "the output folder"
         again = {"pretrain": " with --resume", "compare": " with --resume", "analyze": " with --reuse"}
         target = "FIRA_CACHE" if in_cache else "--out"

@@ -32,15 +32,18 @@ def test_an_atomic_write_leaves_the_old_file_or_the_new_one(tmp_path: Path, monk
     assert write_text_atomic(path, '{"a": 1}\n') == path
     assert path.read_text() == '{"a": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
 
-    def crash(*args):  # killed between writing the new content and renaming it over the old
-        raise OSError("killed")
+    def full(*args):  # the disk filled up between writing the new content and renaming it over the old
+        raise OSError("No space left on device")
 
-    monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError, match="killed"):
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError, match="No space left"):
         write_text_atomic(path, '{"a": 2}\n')
     assert path.read_text() == '{"a": 1}\n'  # the old file, whole
-    # the leftover is a file the run wrote, so resuming into this folder is not refused
-    assert (tmp_path / "summary.json.tmp").exists() and foreign_files(tmp_path) == []
+    assert not (tmp_path / "summary.json.tmp").exists()  # and no part-written one beside it
+    # a kill there leaves the new content beside the old: a file the run wrote, so resuming into
+    # this folder is not refused
+    (tmp_path / "summary.json.tmp").write_text('{"a": 2}\n')
+    assert foreign_files(tmp_path) == []
     monkeypatch.undo()
     write_text_atomic(path, '{"a": 3}\n')
     assert path.read_text() == '{"a": 3}\n' and not (tmp_path / "summary.json.tmp").exists()

@@ -34,7 +34,7 @@ from fira_train.data.corpus import Corpus, digest_ids
 from fira_train.data.disk_cache import fingerprint
 from fira_train.data.spec import C4, C4_LOCAL_PREFIX, DataSpec
 from fira_train.data.streams import BatchStream, check_stream_args, check_stream_state
-from fira_train.data.tokenizer import build_tokenizer, encode_texts, token_dtype, tokenizer_fingerprint
+from fira_train.data.tokenizer import build_tokenizer, encode_texts, token_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -290,12 +290,13 @@ class StreamingCorpus(Corpus):
         super().__init__(spec, tokenizer, tokenizer_name, val_tokens, test_tokens)
         self._open_split = open_split
         self.shuffle_buffer = shuffle_buffer
+        # The tokenizer enters through the ids it gives the held-out text (and its EOS): not the hash
+        # of its file, which a new tokenizers release writes otherwise for the same tokenizer
         self.identity = None if source_id is None else fingerprint(
-            "c4-stream", source_id, tokenizer_fingerprint(tokenizer), shuffle_buffer, spec.max_train_tokens,
+            "c4-stream", source_id, tokenizer.eos_token_id, shuffle_buffer, spec.max_train_tokens,
             digest_ids(spec.seq_len, len(tokenizer), self._val_blocks, self._test_blocks))
-        """A fingerprint of the files (names and sizes) or the hub dataset, the
-        tokenizer, the packing and the held-out ids (a stream's training ids are not read up front);
-        None when not given."""
+        """A fingerprint of the files (names and sizes) or the hub dataset, the packing and the
+        held-out ids (a stream's training ids are not read up front); None when not given."""
 
     def train_batches(self, batch_size: int, seed: int) -> StreamingBatchStream:
         return StreamingBatchStream(

@@ -148,8 +148,8 @@ def _incomplete(checkpoint: Path, step: int) -> str | None:
         saved = json.loads(state.read_text())
     except FileNotFoundError:
         return "it has no trainer_state.json"
-    except (OSError, ValueError) as err:
-        return f"its trainer_state.json does not parse: {err}"
+    except ValueError as err:  # not JSON (cut short) or not text; another OSError (EIO, EACCES) is raised:
+        return f"its trainer_state.json does not parse: {err}"  # a good checkpoint is not removed for it
     recorded = saved.get("global_step") if isinstance(saved, dict) else None
     return None if recorded == step else f"its trainer_state.json records global_step={recorded!r}"
 

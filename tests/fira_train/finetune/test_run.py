@@ -627,6 +627,13 @@ def test_the_newest_complete_checkpoint_is_continued_and_incomplete_ones_are_rem
     assert "no trainer_state.json" in said[0] and "does not parse" in said[2] and "global_step=4" in said[1]
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-10", "checkpoint-2", "checkpoint-final"]
     assert complete.is_dir()
+    # a trainer_state.json that cannot be read (here a folder; EIO, EACCES) is an error, not a
+    # reason to remove what may be the run's newest good checkpoint
+    unreadable = folder / "checkpoint-20"
+    (unreadable / "trainer_state.json").mkdir(parents=True)
+    with pytest.raises(IsADirectoryError):
+        newest_complete_checkpoint(folder, said.append)
+    assert unreadable.is_dir()
 
 
 @pytest.mark.parametrize(("text", "message"), [("{bad", "is damaged"), ("[1]", "is not a record of a run's settings")])
