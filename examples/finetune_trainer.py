@@ -7,8 +7,12 @@
     # The released recipe: LoRA r=32 on q,k,v,up,down, Fira rank 16 (scale 1.0, lr 1e-4) on the adapters
     python examples/finetune_trainer.py --lora --model HuggingFaceTB/SmolLM2-135M --data my.json
 
-    # Resume from the last checkpoint in --out (model, Fira state, scheduler, data position); none: from the start
+    # Resume from the newest complete checkpoint in --out (model, Fira state, scheduler, data
+    # position); none: from the start
     python examples/finetune_trainer.py ... --resume
+
+    # Each weight updated inside the backward pass (no global-norm clipping), on 2 processes (DDP)
+    torchrun --nproc-per-node 2 examples/finetune_trainer.py --data DATA/boolq/train.json --step-in-backward
 
 ``--data`` is a JSON list of ``{"instruction", "input", "output"}`` records (LLM-Adapters / Alpaca
 format). The three lines that matter are marked ``# <-- Fira``.
@@ -19,14 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 import transformers
-from transformers.trainer_utils import get_last_checkpoint
 
 from fira_optim import optimizer_state_numel
 from fira_optim.integrations import FiraTrainer  # <-- Fira
 from fira_train.finetune.commonsense import format_prompt
+from fira_train.finetune.train import newest_complete_checkpoint
 from fira_train.methods.pretrained import load_causal_lm
 
 
@@ -57,6 +62,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lora", action="store_true", help="Fira on LoRA adapters instead of full weights")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--step-in-backward", action="store_true",
+                        help="update each weight as its gradient is complete (fira_optim.step_in_backward)")
     args = parser.parse_args()
 
     model, tokenizer = load_causal_lm(args.model)
@@ -80,11 +87,14 @@ def main() -> None:
         save_steps=max(1, args.steps // 2), report_to="none", remove_unused_columns=False,
         optim_target_modules=targets,  # <-- Fira: which weights are projected (Trainer/GaLore semantics)
         optim_args=f"rank={rank},update_proj_gap=200,alpha=1.0",  # <-- Fira: its hyper-parameters
+        # the global gradient norm does not exist when each gradient is used as it is computed
+        max_grad_norm=0.0 if args.step_in_backward else 1.0,
     )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     trainer = FiraTrainer(model=model, args=training_args, train_dataset=tokenized(records, tokenizer),
-                          data_collator=lambda batch: collate(batch, pad_id))
-    last = get_last_checkpoint(args.out) if args.resume and os.path.isdir(args.out) else None
+                          data_collator=lambda batch: collate(batch, pad_id), step_in_backward=args.step_in_backward)
+    # a checkpoint a kill left half-written (the Trainer writes in place) is removed, with a warning
+    last = newest_complete_checkpoint(Path(args.out)) if args.resume and os.path.isdir(args.out) else None
     if args.resume and last is None:
         print(f"no checkpoint in {args.out}: training from the start")
     trainer.train(resume_from_checkpoint=last)

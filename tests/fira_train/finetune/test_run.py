@@ -257,7 +257,8 @@ def test_example_script_trains_full_and_lora_with_fira_trainer(tiny_model_dir, t
 
     model_dir, data = tiny_model_dir
     script = Path(__file__).resolve().parents[3] / "examples" / "finetune_trainer.py"
-    for extra in ([], ["--lora"], ["--resume"]):  # --resume on a folder without checkpoints: from the start
+    # --resume on a folder without checkpoints: from the start
+    for extra in ([], ["--lora"], ["--resume"], ["--step-in-backward"]):
         monkeypatch.setattr("sys.argv", [str(script), "--model", str(model_dir), "--data",
                                          str(data / "boolq" / "train.json"), "--steps", "2",
                                          "--out", str(tmp_path / ("ex" + "".join(extra))), *extra])
