@@ -430,9 +430,12 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
     if command == "sweep":
         return f"finished runs and checkpoints are kept: the same command with --reuse{also} continues"
     if command == "analyze":
-        return f"finished runs are kept: the same command with --reuse{also} trains only the others"
+        return (f"finished runs are kept: the same command with --reuse{also} trains only the others (from their "
+                "start: what an analysis records is not in the checkpoints)")
     if command == "memory" and getattr(args, "measure", False):
         out = getattr(args, "out", None) or f"runs/{args.recipe}-memory"
+        if not Path(out, "memory.json").is_file():
+            return "no method was measured yet: the same command measures them all"
         return (f"the methods measured so far are kept in {out}/memory.json: the same command with --append, "
                 "its --methods cut to those not measured yet, adds the rest")
     if command == "finetune":

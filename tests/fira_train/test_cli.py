@@ -241,19 +241,30 @@ def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, 
     (["compare", "--recipe", "micro", "--methods", "fira"],
      "with --resume continues from the newest, and compare keeps the finished runs"),
     (["sweep", "--recipe", "micro", "--out", "o", "--methods", "fira", "--lrs", "0.01"], "with --reuse continues"),
-    (["analyze", "noise", "--overwrite"], "with --reuse (instead of --overwrite) trains only the others"),
+    (["analyze", "noise", "--overwrite"],
+     "with --reuse (instead of --overwrite) trains only the others (from their start"),
     (["finetune", "--tasks", "boolq", "--data-dir", "d"],
      "kept in the run's folder, under trainer/ (--save-steps): the same command continues"),
     (["finetune", "--tasks", "boolq", "--data-dir", "d", "--out", "runs/ft"], "kept in runs/ft/trainer (--save-steps)"),
     (["finetune", "--tasks", "boolq", "--data-dir", "d", "--save-steps", "0"], None),  # no checkpoints kept
     (["finetune", "--tasks", "boolq", "--data-dir", "d", "--steps", "0"], None),
     (["analyze", "variance"], None), (["methods"], None), (["memory"], None),
-    (["memory", "--measure", "--recipe", "micro", "--methods", "fira"],
-     "kept in runs/micro-memory/memory.json: the same command with --append"),
 ])
 def test_each_command_says_how_to_continue_after_ctrl_c(argv: list[str], expected: str | None) -> None:
     hint = cli.interrupted_hint(build_parser().parse_args(argv))
     assert hint is None if expected is None else expected in hint
+
+
+def test_memory_measure_says_what_it_kept_after_ctrl_c(tmp_path: Path) -> None:
+    """Stopped in its first method, it said the methods measured so far were kept in a memory.json
+    that did not exist (the advised --append then had nothing to add to)."""
+    out = tmp_path / "mem"
+    args = build_parser().parse_args(["memory", "--measure", "--recipe", "micro", "--methods", "fira,adamw",
+                                      "--out", str(out)])
+    assert cli.interrupted_hint(args) == "no method was measured yet: the same command measures them all"
+    out.mkdir()
+    (out / "memory.json").write_text("{}")
+    assert f"kept in {out}/memory.json: the same command with --append" in cli.interrupted_hint(args)
 
 
 @pytest.mark.parametrize("extra", [["--steps", "5"], ["--data", "x"], ["--rank", "4"], ["--save-every", "2"],

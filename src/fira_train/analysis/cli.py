@@ -113,7 +113,8 @@ def _common(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--seed", type=int, help="seed of init, data order and noise (train.seed)")
     parser.add_argument("--data", help="data source (data.source): wiki, c4 or a local path")
     parser.add_argument("--reuse", action="store_true",
-                        help="keep finished runs made with the same config on the same data")
+                        help="keep finished runs made with the same config on the same data (unfinished ones are "
+                             "trained again from their start: what an analysis records is not in checkpoints)")
     parser.add_argument("--overwrite", action="store_true", help="delete and redo existing runs")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs trained at once, one worker process each (default 1; e.g. 4 on a GPU "

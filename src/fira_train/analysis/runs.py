@@ -102,7 +102,8 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
 
     ``reuse``: a run whose folder already holds a finished run of the same config and spec is
     not trained again; a finished run of another config is an error (before anything trains), an
-    unfinished one is deleted and redone. ``overwrite``: every
+    unfinished one (also one stopped before its spec file was written) is deleted and redone
+    from its start. ``overwrite``: every
     existing run is deleted and redone. With neither, an existing run is an error
     (:func:`fira_train.run.train.train` refuses to overwrite it).
 
@@ -208,13 +209,15 @@ def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) ->
     caller checks their data once the corpus is built). FileExistsError, before anything trains,
     for a finished run it cannot keep: made with another config or spec (``--steps 30`` then
     ``--steps 5 --reuse`` deleted and retrained the 30-step runs without a word). Unfinished runs
-    are trained again."""
+    are trained again, from their start (what an analysis records while a run trains is not in
+    its checkpoints), and so is a run whose spec file is missing: its start was stopped between
+    writing the summary and the spec (it was refused as "another config")."""
     kept = set()
     for run, cfg in zip(runs, configs):
         run_dir = Path(cfg.train.out_dir)
         if _reusable(cfg, run, run_dir):
             kept.add(run.name)
-        elif (run_dir / "summary.json").exists():
+        elif (run_dir / "summary.json").exists() and (run_dir / RUN_SPEC_FILE).exists():
             raise FileExistsError(f"{str(run_dir)!r} holds a finished run made with another config: --reuse keeps "
                                   "only runs of this one; pass --overwrite to train every run again, or choose "
                                   "another --out")

@@ -51,6 +51,14 @@ def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, 
     with pytest.raises(FileExistsError, match="holds a finished run made with another config: --reuse keeps"):
         train_runs(shorter, runs, tmp_path / "parallel", reuse=True, title=TITLE)
     assert metrics.stat().st_mtime_ns == before
+    # stopped between writing its summary and its spec: unfinished, trained again (it was refused
+    # as "another config", and the advised --overwrite retrained every run)
+    (tmp_path / "parallel" / "fira-no-limiter" / RUN_SPEC_FILE).unlink()
+    other = tmp_path / "parallel" / "fira-no-limiter" / "metrics.jsonl"
+    other_before = other.stat().st_mtime_ns
+    redone = train_runs(config, runs, tmp_path / "parallel", reuse=True, title=TITLE)
+    assert {k: v["val_ppl"] for k, v in redone.items()} == {k: v["val_ppl"] for k, v in parallel.items()}
+    assert other.stat().st_mtime_ns != other_before and metrics.stat().st_mtime_ns == before
     # a finished run of this config on a corpus that changed since: refused too, not kept
     summary_path = tmp_path / "parallel" / "fira-gamma1.1" / "summary.json"
     summary = json.loads(summary_path.read_text())
