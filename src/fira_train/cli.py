@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from fira_train.cli_args import IntermixedArgumentParser, StoreOnce
+from fira_train.files import measure_out_dir
 from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import is_rank_zero
@@ -335,7 +336,7 @@ def _memory(args: argparse.Namespace) -> int:
     specs = parse_method_specs(args.methods)
     config = config_from_args(args)
     warn_unused_settings(args, [spec.text for spec in specs])
-    out_dir = args.out or f"runs/{config.recipe}-memory"
+    out_dir = measure_out_dir(args.out, config.recipe)
     markdown, _ = measure(config, specs, steps, out_dir, command_line(getattr(args, "argv", [])),
                           append=args.append)
     print(markdown.read_text())
@@ -433,7 +434,7 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
         return (f"finished runs are kept: the same command with --reuse{also} trains only the others (from their "
                 "start: what an analysis records is not in the checkpoints)")
     if command == "memory" and getattr(args, "measure", False):
-        out = getattr(args, "out", None) or f"runs/{args.recipe}-memory"
+        out = measure_out_dir(getattr(args, "out", None), args.recipe)
         if not Path(out, "memory.json").is_file():
             return "no method was measured yet: the same command measures them all"
         return (f"the methods measured so far are kept in {out}/memory.json: the same command with --append, "

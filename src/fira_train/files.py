@@ -34,6 +34,11 @@ __all__ = ["DamagedFileError", "check_report_owner", "dumps", "file_digest", "fi
            "locked", "read_json", "read_json_lines", "write_text_atomic"]
 
 
+def measure_out_dir(out: str | None, recipe: str) -> str:
+    """Where ``fira-train memory --measure`` writes: ``--out``, else ``runs/<recipe>-memory``."""
+    return str(out) if out else f"runs/{recipe}-memory"
+
+
 def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,
                        overwrite: bool | None = None, writer: str | None = None) -> None:
     """``FileExistsError`` if ``out/report.md`` exists and was not written by ``command``: its

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 from pathlib import Path
 
 __all__ = ["TRACEBACK_ENV", "describe"]
@@ -76,21 +77,42 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     return None
 
 
+#: A Rust library's I/O error (safetensors: "I/O error: No space left on device (os error 28)").
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
 def _disk_error_behind(err: BaseException) -> OSError | None:
-    """The full disk or file-size limit that ``err`` was raised while handling: torch.save's zip
-    writer turns the OSError of a write into a RuntimeError ("unexpected pos ...")."""
+    """The full disk or file-size limit behind ``err``: the OSError it was raised while handling
+    (torch.save's zip writer, given a file, turns it into a RuntimeError "unexpected pos ..."),
+    one a Rust library names in its message (safetensors), or, for torch.save given a path (the
+    Hugging Face Trainer's checkpoints), a write its C++ writer found short."""
     visited, seen = {id(err)}, err.__cause__ or err.__context__
     while seen is not None and id(seen) not in visited:  # a chain may loop
         if isinstance(seen, OSError) and seen.errno in _NO_ROOM:
             return seen
         visited.add(id(seen))
         seen = seen.__cause__ or seen.__context__
+    found = _RUST_OS_ERROR.search(str(err))
+    if found and int(found.group(1)) in _NO_ROOM:
+        return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
+    if isinstance(err, RuntimeError) and "inline_container.cc" in str(err) and "unexpected pos" in str(err):
+        return OSError(errno.ENOSPC, "torch.save could not write the whole file: a full disk or a file-size limit")
     return None
 
 
 def _checkpoints_stay(args: argparse.Namespace) -> str:
+    """What the command keeps of its work when it stops: checkpoints, or memory's rows."""
     out = _run_dir(args)
+    if getattr(args, "command", None) == "memory":
+        return f" (the methods measured so far stay in {_memory_json(args)})"
     return f" (the checkpoints already written in {out} stay)" if out else " (the checkpoints already written stay)"
+
+
+def _memory_json(args: argparse.Namespace) -> Path:
+    """Where ``memory --measure`` keeps its rows."""
+    from fira_train.files import measure_out_dir
+
+    return Path(measure_out_dir(_run_dir(args), args.recipe), "memory.json")
 
 
 def _run_dir(args: argparse.Namespace) -> str | None:
@@ -126,15 +148,18 @@ def _os_error(err: OSError, args: argparse.Namespace) -> str:
     in_cache = path is not None and _inside(path, cache)
     if err.errno in _NO_ROOM:
         where = path or out or "the output folder"
-        again = {"pretrain": " with --resume", "compare": " with --resume", "analyze": " with --reuse"}
+        again = {"pretrain": " with --resume", "compare": " with --resume", "analyze": " with --reuse",
+                 "sweep": " with --reuse", "memory": " with --append, its --methods cut to those not measured yet"}
         target = "FIRA_CACHE" if in_cache else "--out"
         problem, fix = (
             (f"no space left on the device holding {where}", f"free some space (or point {target} at another disk)")
             if err.errno in _FULL else
             (f"a file in {where} grew past the largest this process may write (`ulimit -f`, or the file "
              "system's limit)", f"raise that limit (or point {target} at another file system)"))
-        return (f"{problem} ({reason}): {fix} and run the same command again"
-                f"{again.get(getattr(args, 'command', ''), '')}{_checkpoints_stay(args)}")
+        command = getattr(args, "command", "")
+        if command == "memory" and not _memory_json(args).is_file():  # nothing measured: nothing to append to
+            return f"{problem} ({reason}): {fix} and run the same command again"
+        return f"{problem} ({reason}): {fix} and run the same command again{again.get(command, '')}{_checkpoints_stay(args)}"
     if path is None:
         return f"{reason} (in {out or 'the output folder'})"
     if in_cache:
