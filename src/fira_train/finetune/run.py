@@ -18,7 +18,7 @@ from fira_train.finetune.data import load_records, load_validation
 from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
 from fira_train.finetune.report import render_report
-from fira_train.finetune.train import prepare_model, remove_checkpoints, resume_point, train_model
+from fira_train.finetune.train import checkpoint_dir, prepare_model, remove_checkpoints, resume_point, train_model
 from fira_train.files import dumps, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.run.peak_memory import process_peak_rss_bytes
@@ -59,8 +59,11 @@ def run_finetune(
 
 def _refuse_earlier_results(config: FinetuneConfig) -> None:
     if (config.out_dir / "results.json").exists() and not config.overwrite:
+        left = checkpoint_dir(config)
+        stale = (f" ({left} holds checkpoints that a start stopped after writing them kept: the results are "
+                 "complete without them, delete them)" if left.is_dir() else "")
         raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
-                            "--overwrite to replace them, or choose another --out")
+                            f"--overwrite to replace them, or choose another --out{stale}")
 
 
 def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, tokenizer: Any | None, log: Any,
@@ -157,8 +160,10 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
                         "transformers": transformers.__version__, "device": str(device),
                         "threads": torch.get_num_threads(), "machine": platform.platform()},
     }
-    write_text_atomic(out / "results.json", dumps(results, indent=2))  # NaN / inf as null
+    # results.json last: it marks the run finished (a start stopped before it evaluates again from
+    # the last checkpoint and writes both)
     write_text_atomic(out / "report.md", render_report(results))
+    write_text_atomic(out / "results.json", dumps(results, indent=2))  # NaN / inf as null
     if training is not None:
         remove_checkpoints(config)  # the results are written: nothing left to continue
     log(f"average accuracy {results['average_accuracy']:.3f}; results in {out}")

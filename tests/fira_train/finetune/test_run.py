@@ -307,6 +307,38 @@ def test_earlier_results_are_kept_unless_overwrite(tiny_model_dir, tmp_path, cap
     assert sorted(p.name for p in (out / "predictions").iterdir()) == ["boolq.jsonl"]
 
 
+def test_a_start_stopped_while_writing_its_results_finishes_with_the_same_command(tiny_model_dir, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """results.json was written before report.md: a kill between them left 800 MB of checkpoints and
+    no report, and the same command refused to go on ("already holds the results")."""
+    from fira_train.finetune import run as finetune_run
+
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "o"
+    argv = ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--steps", "2",
+            "--batch-size", "2", "--rank", "4", "--scoring", "generate", "--max-new-tokens", "2", "--max-eval", "2",
+            "--save-steps", "2", "--out", str(out)]
+    real_write = finetune_run.write_text_atomic
+
+    def killed_at_the_results(path, text):
+        if Path(path).name == "results.json":
+            raise _Killed
+        return real_write(path, text)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(finetune_run, "write_text_atomic", killed_at_the_results)
+        with pytest.raises(_Killed):
+            main(argv)
+    assert (out / "trainer" / "checkpoint-2").is_dir() and not (out / "results.json").exists()
+    results = run_cli(argv)  # evaluates again from the last checkpoint, trains nothing, and cleans up
+    assert results["training"]["resumed_from_step"] == 2 and results["training"]["steps"] == 2
+    assert (out / "report.md").is_file() and not (out / "trainer").exists()
+    (out / "trainer" / "checkpoint-2").mkdir(parents=True)  # as a kill after results.json leaves them
+    capsys.readouterr()
+    err = _one_line_error(capsys, argv)
+    assert "already holds the results" in err and f"{out / 'trainer'} holds checkpoints" in err
+
+
 def test_a_task_file_that_is_not_utf8_is_named(tiny_model_dir, tmp_path, capsys):
     model_dir, data = tiny_model_dir
     latin = tmp_path / "data"
