@@ -438,8 +438,8 @@ class FiraTrainer(Trainer):
     def _hook_in_backward(self, model: nn.Module) -> None:
         """The handle on the optimizer and model that training uses now: the Trainer wraps the
         model in DDP after the optimizer exists (and again after ``auto_find_batch_size`` lowers
-        the batch size), and DDP's hook needs the wrapper. A handle this Trainer made for an
-        earlier optimizer or wrapper is replaced."""
+        the batch size), and DDP's hook needs the wrapper. The handle it holds (made by it, or
+        one the optimizer came with) is replaced when it hooks an earlier optimizer or wrapper."""
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
         if not isinstance(optimizer, Fira):  # also an optimizer given to the Trainer
             raise ValueError(f"FiraTrainer(step_in_backward=True) needs a fira_optim optimizer, got "

@@ -35,8 +35,9 @@ __all__ = ["DamagedFileError", "check_report_owner", "dumps", "file_digest", "fi
 
 
 def measure_out_dir(out: str | None, recipe: str) -> str:
-    """Where ``fira-train memory --measure`` writes: ``--out``, else ``runs/<recipe>-memory``."""
-    return str(out) if out else f"runs/{recipe}-memory"
+    """Where ``fira-train memory --measure`` writes: ``--out``, else ``runs/<recipe>-memory`` (the
+    recipe's name in lower case, as recipes are looked up)."""
+    return str(out) if out else f"runs/{recipe.lower()}-memory"
 
 
 def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,

@@ -74,7 +74,7 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     behind = _disk_error_behind(err)
     if behind is not None:
         return _os_error(behind, args)
-    return None
+    return _short_write(err, args)
 
 
 #: A Rust library's I/O error (safetensors: "I/O error: No space left on device (os error 28)").
@@ -83,9 +83,8 @@ _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 def _disk_error_behind(err: BaseException) -> OSError | None:
     """The full disk or file-size limit behind ``err``: the OSError it was raised while handling
-    (torch.save's zip writer, given a file, turns it into a RuntimeError "unexpected pos ..."),
-    one a Rust library names in its message (safetensors), or, for torch.save given a path (the
-    Hugging Face Trainer's checkpoints), a write its C++ writer found short."""
+    (torch.save's zip writer, given a file, turns it into a RuntimeError "unexpected pos ..."), or
+    one a Rust library names in its message (safetensors)."""
     visited, seen = {id(err)}, err.__cause__ or err.__context__
     while seen is not None and id(seen) not in visited:  # a chain may loop
         if isinstance(seen, OSError) and seen.errno in _NO_ROOM:
@@ -95,9 +94,33 @@ def _disk_error_behind(err: BaseException) -> OSError | None:
     found = _RUST_OS_ERROR.search(str(err))
     if found and int(found.group(1)) in _NO_ROOM:
         return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
-    if isinstance(err, RuntimeError) and "inline_container.cc" in str(err) and "unexpected pos" in str(err):
-        return OSError(errno.ENOSPC, "torch.save could not write the whole file: a full disk or a file-size limit")
     return None
+
+
+def _short_write(err: BaseException, args: argparse.Namespace) -> str | None:
+    """torch.save given a path (the Hugging Face Trainer's checkpoints) writes from C++, and a
+    write that fails there is only "unexpected pos": a full disk, a file-size limit or an I/O
+    error, it cannot tell which."""
+    text = str(err)
+    if not (isinstance(err, RuntimeError) and "inline_container.cc" in text and "unexpected pos" in text):
+        return None
+    where = _run_dir(args) or "the output folder"
+    return _no_room(f"a file in {where} could not be written whole (torch.save: {text.strip()}): the disk is full, "
+                    "a file-size limit (`ulimit -f`) was reached or the device failed",
+                    "free some space or raise the limit", args)
+
+
+#: How each command continues after it stopped for want of room.
+_AGAIN = {"pretrain": " with --resume", "compare": " with --resume", "analyze": " with --reuse", "sweep": " with --reuse",
+          "memory": " with --append, its --methods cut to those not measured yet"}
+
+
+def _no_room(problem: str, fix: str, args: argparse.Namespace) -> str:
+    """The one line for a write that found no room: what happened, what to do, how to go on."""
+    command = getattr(args, "command", "")
+    if command == "memory" and not _memory_json(args).is_file():  # nothing measured: nothing to append to
+        return f"{problem}: {fix} and run the same command again"
+    return f"{problem}: {fix} and run the same command again{_AGAIN.get(command, '')}{_checkpoints_stay(args)}"
 
 
 def _checkpoints_stay(args: argparse.Namespace) -> str:
@@ -112,7 +135,7 @@ def _memory_json(args: argparse.Namespace) -> Path:
     """Where ``memory --measure`` keeps its rows."""
     from fira_train.files import measure_out_dir
 
-    return Path(measure_out_dir(_run_dir(args), args.recipe), "memory.json")
+    return Path(measure_out_dir(getattr(args, "out", None), args.recipe), "memory.json")
 
 
 def _run_dir(args: argparse.Namespace) -> str | None:
@@ -148,18 +171,13 @@ def _os_error(err: OSError, args: argparse.Namespace) -> str:
     in_cache = path is not None and _inside(path, cache)
     if err.errno in _NO_ROOM:
         where = path or out or "the output folder"
-        again = {"pretrain": " with --resume", "compare": " with --resume", "analyze": " with --reuse",
-                 "sweep": " with --reuse", "memory": " with --append, its --methods cut to those not measured yet"}
-        target = "FIRA_CACHE" if in_cache else "--out"
-        problem, fix = (
-            (f"no space left on the device holding {where}", f"free some space (or point {target} at another disk)")
-            if err.errno in _FULL else
-            (f"a file in {where} grew past the largest this process may write (`ulimit -f`, or the file "
-             "system's limit)", f"raise that limit (or point {target} at another file system)"))
-        command = getattr(args, "command", "")
-        if command == "memory" and not _memory_json(args).is_file():  # nothing measured: nothing to append to
-            return f"{problem} ({reason}): {fix} and run the same command again"
-        return f"{problem} ({reason}): {fix} and run the same command again{again.get(command, '')}{_checkpoints_stay(args)}"
+        # a library's error names no file: the output folder or a cache may be the full one
+        target = "FIRA_CACHE" if in_cache else "--out" if path is not None else "--out or FIRA_CACHE"
+        if err.errno in _FULL:
+            return _no_room(f"no space left on the device holding {where} ({reason})",
+                            f"free some space (or point {target} at another disk)", args)
+        return _no_room(f"a file in {where} grew past the largest this process may write ({reason}; `ulimit -f`, or "
+                        "the file system's limit)", f"raise that limit (or point {target} at another file system)", args)
     if path is None:
         return f"{reason} (in {out or 'the output folder'})"
     if in_cache:

@@ -257,19 +257,25 @@ class SafetensorError(Exception):
     """As safetensors raises it: a Rust I/O error named in the message, no OSError behind it."""
 
 
-@pytest.mark.parametrize("error", [
-    SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
-    # torch.save given a path (the Trainer's optimizer.pt) writes from C++: no OSError behind it either
-    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 65846144 vs 65846036"),
+@pytest.mark.parametrize(("error", "start"), [
+    (SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+     "no space left on the device holding {out} (No space left on device): free some space (or point --out or "
+     "FIRA_CACHE at another disk)"),
+    (SafetensorError("Error while serializing: I/O error: File too large (os error 27)"),
+     "a file in {out} grew past the largest this process may write (File too large; `ulimit -f`"),
+    # torch.save given a path (the Trainer's optimizer.pt) writes from C++: it cannot tell why a write fell short
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 65846144 vs 65846036"),
+     "a file in {out} could not be written whole (torch.save: [enforce fail at inline_container.cc:672] . "
+     "unexpected pos 65846144 vs 65846036): the disk is full, a file-size limit"),
 ])
-def test_a_full_disk_inside_a_library_writer_is_one_line(error: Exception, tmp_path: Path) -> None:
+def test_a_full_disk_inside_a_library_writer_is_one_line(error: Exception, start: str, tmp_path: Path) -> None:
     """fira-train finetune on a full disk ended in 40 lines of traceback."""
     from argparse import Namespace
 
     from fira_train.user_errors import describe
 
     line = describe(error, Namespace(command="finetune", out=str(tmp_path)))
-    assert line is not None and line.startswith(f"no space left on the device holding {tmp_path}")
+    assert line is not None and line.startswith(start.format(out=tmp_path)), line
     assert "run the same command again (the checkpoints already written" in line
     assert describe(SafetensorError("Error while serializing: I/O error: Permission denied (os error 13)")) is None
 
@@ -279,15 +285,17 @@ def test_a_full_disk_names_the_next_command_of_sweep_and_memory(tmp_path: Path) 
     --measure (without --append) then refused; memory keeps rows, not checkpoints."""
     from argparse import Namespace
 
-    from fira_train.user_errors import describe
+    from fira_train.user_errors import _memory_json, describe
 
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     assert "run the same command again with --reuse (the checkpoints already written" in describe(
         full, Namespace(command="sweep", out=str(tmp_path)))
-    memory = Namespace(command="memory", out=str(tmp_path / "mem"), recipe="micro")
+    memory = Namespace(command="memory", out=str(tmp_path / "mem"), recipe="MICRO")
     assert describe(full, memory).endswith("and run the same command again")  # nothing measured yet
     (tmp_path / "mem").mkdir()
     (tmp_path / "mem" / "memory.json").write_text("{}")
     assert describe(full, memory).endswith(
         "run the same command again with --append, its --methods cut to those not measured yet "
         f"(the methods measured so far stay in {tmp_path / 'mem' / 'memory.json'})")
+    # without --out: the folder of the recipe as it is looked up, in lower case
+    assert _memory_json(Namespace(command="memory", out=None, recipe="MICRO")) == Path("runs/micro-memory/memory.json")

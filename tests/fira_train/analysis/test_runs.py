@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import re
 from dataclasses import replace
@@ -26,7 +27,7 @@ def test_every_analysis_run_can_be_sent_to_a_worker() -> None:
         assert pickle.loads(pickle.dumps(run)).spec() == run.spec()
 
 
-def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, corpus_root: Path) -> None:
+def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, corpus_root: Path, caplog) -> None:
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=3")
     # a plain run and one whose callbacks (a functools.partial) change the optimizer's gamma
     runs = ablation_runs(["fira-no-limiter"], [1.1])
@@ -56,7 +57,9 @@ def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, 
     (tmp_path / "parallel" / "fira-no-limiter" / RUN_SPEC_FILE).unlink()
     other = tmp_path / "parallel" / "fira-no-limiter" / "metrics.jsonl"
     other_before = other.stat().st_mtime_ns
-    redone = train_runs(config, runs, tmp_path / "parallel", reuse=True, title=TITLE)
+    with caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
+        redone = train_runs(config, runs, tmp_path / "parallel", reuse=True, title=TITLE)
+    assert f"{tmp_path / 'parallel' / 'fira-no-limiter'} holds a finished run without its {RUN_SPEC_FILE}" in caplog.text
     assert {k: v["val_ppl"] for k, v in redone.items()} == {k: v["val_ppl"] for k, v in parallel.items()}
     assert other.stat().st_mtime_ns != other_before and metrics.stat().st_mtime_ns == before
     # a finished run of this config on a corpus that changed since: refused too, not kept

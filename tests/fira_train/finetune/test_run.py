@@ -337,6 +337,14 @@ def test_a_start_stopped_while_writing_its_results_finishes_with_the_same_comman
     capsys.readouterr()
     err = _one_line_error(capsys, argv)
     assert "already holds the results" in err and f"{out / 'trainer'} holds checkpoints" in err
+    # an --overwrite start stopped while training: the earlier results are gone before its checkpoints
+    # are written, so results beside checkpoints always mean a start stopped after its results
+    shutil.rmtree(out / "trainer")
+    with monkeypatch.context() as patch:
+        patch.setattr(finetune_run, "train_model", lambda *args, **kwargs: (_ for _ in ()).throw(_Killed()))
+        with pytest.raises(_Killed):
+            main([*argv, "--overwrite"])
+    assert not (out / "results.json").exists() and not (out / "report.md").exists()
 
 
 def test_a_task_file_that_is_not_utf8_is_named(tiny_model_dir, tmp_path, capsys):
