@@ -13,6 +13,10 @@ communication hook updates every parameter DDP all-reduces; ``step()`` updates t
 in the model, or frozen when DDP was built and so never reduced) from their local gradients,
 as a plain DDP step would.
 
+A parameter is updated in the backward pass by one handle at a time: a handle over a parameter
+that another active handle updates (a second optimizer over the same weights, a second Trainer on
+the same model) is a ValueError, not a second update in each backward.
+
 What stays the same: learning-rate schedulers (the hooks read ``param_groups`` when they run),
 ``state_dict`` / ``load_state_dict`` and exact resume, projection refreshes (each matrix counts
 its own steps, as it always has). With one micro-batch per step, in one process, the weights
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -82,8 +87,10 @@ class StepInBackward:
         self._warned = False
         self._ddp = _is_ddp(model)
         if self._ddp:
+            reduced = [p for p in model.parameters() if p.requires_grad]
+            _claim(self, reduced)
             model.register_comm_hook(state=None, hook=self._ddp_hook)
-            self._covered.update(p for p in model.parameters() if p.requires_grad)
+            self._covered.update(reduced)
         else:
             self.cover([p for group in optimizer.param_groups for p in group["params"]])
         optimizer._in_backward = self
@@ -93,10 +100,11 @@ class StepInBackward:
         whose communication hook covers the parameters it reduces: it marks them as it runs)."""
         if self._ddp or not self._active:
             return
-        for p in params:
-            if p.requires_grad and p not in self._covered:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
-                self._covered.add(p)
+        new = [p for p in params if p.requires_grad and p not in self._covered]
+        _claim(self, new)
+        for p in new:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook))
+            self._covered.add(p)
 
     def uncovered(self) -> list:
         """The parameters ``optimizer.step()`` updates (nothing while :meth:`accumulate` is
@@ -193,6 +201,7 @@ class StepInBackward:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        _release(self, self._covered)
         self._covered.clear()
         self._active = False
         if self.optimizer._in_backward is self:
@@ -210,6 +219,41 @@ def step_in_backward(optimizer: "Fira", model: Any = None) -> StepInBackward:
         raise TypeError(f"step_in_backward takes a fira_optim.Fira optimizer, got "
                         f"{type(optimizer).__name__}")
     return StepInBackward(optimizer, model)
+
+
+#: ``id(parameter) -> weakref to the active handle that updates it in the backward pass``: a
+#: second one (another optimizer over the same weights, a second Trainer on the same model)
+#: would update it twice. Keyed by id, not held on the parameter (a model must still pickle): an
+#: active handle holds its parameters, so their ids are not reused while the entry counts.
+_CLAIMED: dict[int, "weakref.ReferenceType[StepInBackward]"] = {}
+
+
+def _claimant(p: torch.Tensor) -> "StepInBackward | None":
+    ref = _CLAIMED.get(id(p))
+    handle = ref() if ref is not None else None
+    return handle if handle is not None and handle._active and p in handle._covered else None
+
+
+def _claim(handle: StepInBackward, params: list) -> None:
+    """Mark ``params`` as updated by ``handle``; ValueError if another active handle updates one."""
+    for p in params:
+        other = _claimant(p)
+        if other is not None and other is not handle:
+            raise ValueError(
+                f"step_in_backward: a parameter of shape {tuple(p.shape)} is already updated in the backward "
+                f"pass by the handle of another {type(other.optimizer).__name__} (another optimizer over the "
+                "same weights, or an earlier FiraTrainer on the same model): each backward would update it "
+                "twice; remove() that handle first")
+    for key in [k for k, ref in _CLAIMED.items() if ref() is None]:  # handles collected without remove()
+        del _CLAIMED[key]
+    for p in params:
+        _CLAIMED[id(p)] = weakref.ref(handle)
+
+
+def _release(handle: StepInBackward, params) -> None:
+    for p in params:
+        if _claimant(p) is handle:
+            del _CLAIMED[id(p)]
 
 
 def _is_ddp(model: Any) -> bool:

@@ -411,7 +411,8 @@ class FiraTrainer(Trainer):
     hold them). Several processes without a DDP wrapper (FSDP, DeepSpeed, tensor parallelism)
     are refused (for FSDP2 use ``fira-train --parallel fsdp2`` or :func:`fira_optim.step_in_backward`
     in your own loop). ``in_backward`` is the handle once training has started: the hooks go on
-    the model and optimizer as the Trainer prepared them, and move when it replaces either.
+    the model and optimizer as the Trainer prepared them, move when it replaces either, and are
+    removed when ``train()`` returns (a handle the optimizer came with is left to its owner).
     """
 
     def __init__(self, *args: Any, fira_options: dict[str, Any] | None = None, step_in_backward: bool = False,
@@ -419,6 +420,7 @@ class FiraTrainer(Trainer):
         self.fira_options = dict(fira_options or {})
         self.step_in_backward = bool(step_in_backward)
         self.in_backward: Any = None
+        self._own_handle: Any = None  # the handle this Trainer made (not one the optimizer came with)
         super().__init__(*args, **kwargs)
         if self.step_in_backward:
             _check_step_in_backward(self)
@@ -463,7 +465,7 @@ class FiraTrainer(Trainer):
             self.in_backward = None
         handle = optimizer._in_backward  # None, or a handle made before the Trainer saw the optimizer
         if handle is None:
-            handle = step_in_backward(optimizer, ddp)
+            handle = self._own_handle = step_in_backward(optimizer, ddp)
         elif not fits(handle):
             raise ValueError(
                 "FiraTrainer(step_in_backward=True): the optimizer already updates in the backward pass "
@@ -471,6 +473,14 @@ class FiraTrainer(Trainer):
                 f"{'this DDP model' if ddp is not None else 'in one process'}; remove() that handle and let "
                 "the Trainer hook the optimizer")
         self.in_backward = handle
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:  # its hooks stay on the model's weights no longer: another Trainer may train them
+            if self._own_handle is not None:
+                self._own_handle.remove()
+                self._own_handle = None
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.step_in_backward:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
@@ -15,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fira_optim import FiraAdamW, optimizer_state_numel  # noqa: E402
+from fira_optim import FiraAdamW, optimizer_state_numel, step_in_backward  # noqa: E402
 from tests.multiprocess import run_ranks  # noqa: E402
 from fira_optim.integrations import (  # noqa: E402
     FiraTrainer,
@@ -296,8 +297,14 @@ def test_step_in_backward_hooks_an_optimizer_given_to_the_trainer(tmp_path):
     optimizer = FiraAdamW(model.parameters(), lr=1e-2, rank=4)
     trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=(optimizer, None),
                           step_in_backward=True)
+    handle = step_in_backward(optimizer)  # made before the Trainer saw the optimizer: adopted, left to its owner
     trainer.train()
-    assert trainer.in_backward is not None and optimizer._in_backward is trainer.in_backward
+    assert trainer.in_backward is handle and optimizer._in_backward is handle and handle._active
+    handle.remove()
+    trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=(optimizer, None),
+                          step_in_backward=True)
+    trainer.train()
+    assert trainer.in_backward.optimizer is optimizer
     adamw = torch.optim.AdamW(tiny_llama().parameters(), lr=1e-2)
     with pytest.raises(ValueError, match="needs a fira_optim optimizer, got AdamW"):
         FiraTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), optimizers=(adamw, None),
@@ -332,6 +339,29 @@ def test_step_in_backward_follows_an_optimizer_the_trainer_replaced(tmp_path):
     trainer._hook_in_backward(model)
     assert trainer.in_backward is not first and trainer.in_backward.optimizer is trainer.optimizer
     assert old._in_backward is None and not first._hooks  # the old hooks are gone
+
+
+def test_a_second_trainer_on_the_same_model_updates_each_weight_once(tmp_path):
+    """The first Trainer's hooks stayed on the weights after its train(): a second Trainer's
+    hooks then updated every weight a second time in each backward, silently."""
+    model = tiny_llama()
+    args = training_args(tmp_path, max_steps=2, max_grad_norm=0.0)
+    first = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), step_in_backward=True)
+    first.train()
+    assert not first.in_backward._active and _fira(first)._in_backward is None  # removed when train() returned
+    twin = copy.deepcopy(model)
+    second = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), step_in_backward=True)
+    second.train()
+    plain = FiraTrainer(model=twin, args=args, train_dataset=TokenDataset())  # the same steps, after backward
+    plain.train()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    # any two handles over the same weights: refused (each backward would update them twice)
+    a = FiraAdamW(model.parameters(), rank=4)
+    handle = step_in_backward(a)
+    with pytest.raises(ValueError, match="already updated in the backward pass by the handle of another FiraAdamW"):
+        step_in_backward(FiraAdamW(model.parameters(), rank=4))
+    handle.remove()
+    step_in_backward(FiraAdamW(model.parameters(), rank=4)).remove()
 
 
 def test_step_in_backward_refuses_several_processes_without_ddp(tmp_path):
