@@ -51,7 +51,7 @@ What changes:
   hold the model's gradients, so the memory saving under DDP is the optimizer's temporaries, not
   the gradients. Use ``model.no_sync()`` (``handle.accumulate()`` enters it) for accumulation.
   The communication hook stays registered after ``remove()`` (DDP cannot unregister one); it
-  then only all-reduces, as DDP's default.
+  then only all-reduces, as DDP's default, until a new handle on the same DDP model takes it over.
 - **FSDP2**: the hooks run on the sharded parameters after FSDP2's reduce-scatter, on this
   rank's rows of the reduced gradient; under ``accumulate()`` the reduce-scattered gradients
   accumulate in the shards, and the final micro-batch's hook updates.
@@ -89,7 +89,8 @@ class StepInBackward:
         if self._ddp:
             reduced = [p for p in model.parameters() if p.requires_grad]
             _claim(self, reduced)
-            model.register_comm_hook(state=None, hook=self._ddp_hook)
+            self._target = _ddp_dispatch(model)
+            self._target[0] = self
             self._covered.update(reduced)
         else:
             self.cover([p for group in optimizer.param_groups for p in group["params"]])
@@ -204,6 +205,8 @@ class StepInBackward:
         _release(self, self._covered)
         self._covered.clear()
         self._active = False
+        if self._ddp and self._target[0] is self:  # DDP's hook all-reduces only, until another handle
+            self._target[0] = None
         if self.optimizer._in_backward is self:
             self.optimizer._in_backward = None
 
@@ -241,9 +244,9 @@ def _claim(handle: StepInBackward, params: list) -> None:
         if other is not None and other is not handle:
             raise ValueError(
                 f"step_in_backward: a parameter of shape {tuple(p.shape)} is already updated in the backward "
-                f"pass by the handle of another {type(other.optimizer).__name__} (another optimizer over the "
-                "same weights, or an earlier FiraTrainer on the same model): each backward would update it "
-                "twice; remove() that handle first")
+                f"pass by the handle of another {type(other.optimizer).__name__} (a step_in_backward() call not "
+                "undone, or a FiraTrainer's while it trains): each backward would update it twice; remove() "
+                "that handle first")
     for key in [k for k, ref in _CLAIMED.items() if ref() is None]:  # handles collected without remove()
         del _CLAIMED[key]
     for p in params:
@@ -254,6 +257,26 @@ def _release(handle: StepInBackward, params) -> None:
     for p in params:
         if _claimant(p) is handle:
             del _CLAIMED[id(p)]
+
+
+def _ddp_dispatch(model: Any) -> list:
+    """The one-element list whose handle (or None) DDP's communication hook of ``model`` runs:
+    registered once per wrapper (DDP cannot register a second hook, nor remove one), so a handle
+    made after another's ``remove()`` on the same wrapper (a second ``Trainer.train()``) takes it
+    over; with None it all-reduces only, as DDP's default."""
+    target = model.__dict__.get("_fira_in_backward")
+    if target is None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        target = [None]
+
+        def hook(state, bucket):  # unannotated: DDP checks the annotations it finds
+            handle = target[0]
+            return default_hooks.allreduce_hook(state, bucket) if handle is None else handle._ddp_hook(state, bucket)
+
+        model.register_comm_hook(state=None, hook=hook)
+        model.__dict__["_fira_in_backward"] = target
+    return target
 
 
 def _is_ddp(model: Any) -> bool:

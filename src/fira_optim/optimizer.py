@@ -254,11 +254,11 @@ class Fira(Optimizer):
         super().add_param_group(param_group)
         try:
             self._check_new_group(count)
+            if self._in_backward is not None:  # its parameters are updated in the backward pass too
+                self._in_backward.cover(param_group["params"])  # (refused if another handle updates one)
         except Exception:  # a refused group is not kept: step() would train it as given
             del self.param_groups[count:]
             raise
-        if self._in_backward is not None:  # its parameters are updated in the backward pass too
-            self._in_backward.cover(param_group["params"])
 
     def _check_new_group(self, gi: int) -> None:
         """The checks of the group just appended as ``param_groups[gi]`` (torch's

@@ -266,6 +266,8 @@ def _trainer_ddp_worker(rank: int, world_size: int, out: str, compiled: bool) ->
         with warnings.catch_warnings():
             warnings.filterwarnings("error", "step_in_backward", UserWarning)  # no "updated twice" warning
             trainer.train()
+            # again, on the same DDP wrapper: its communication hook is taken over, not registered twice
+            trainer.train()
         wrapped = getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped)  # torch.compile's wrapper
         assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
         assert (wrapped is not trainer.model_wrapped) == compiled
@@ -285,7 +287,7 @@ def test_step_in_backward_through_the_trainer_under_ddp_equals_its_usual_step(tm
     the local gradients then trained each rank on its own, and the ranks drifted apart."""
     results = run_ranks(_trainer_ddp_worker, 2, tmp_path, str(tmp_path), compiled, timeout=170)
     for result in results:
-        assert result["steps"] == {"False": [3], "True": [3]}
+        assert result["steps"] == {"False": [6], "True": [6]}
         assert torch.equal(result["weights"]["False"], result["weights"]["True"])
     assert torch.equal(results[0]["weights"]["True"], results[1]["weights"]["True"])  # the ranks agree
 
@@ -362,6 +364,14 @@ def test_a_second_trainer_on_the_same_model_updates_each_weight_once(tmp_path):
         step_in_backward(FiraAdamW(model.parameters(), rank=4))
     handle.remove()
     step_in_backward(FiraAdamW(model.parameters(), rank=4)).remove()
+    embedding = FiraAdamW([model.model.embed_tokens.weight], rank=None)
+    head = FiraAdamW([model.lm_head.weight], rank=None)
+    handles = [step_in_backward(embedding), step_in_backward(head)]
+    with pytest.raises(ValueError, match="already updated in the backward pass"):  # refused, and not kept
+        head.add_param_group({"params": [model.model.embed_tokens.weight]})
+    assert len(head.param_groups) == 1
+    for handle in handles:
+        handle.remove()
 
 
 def test_step_in_backward_refuses_several_processes_without_ddp(tmp_path):
