@@ -239,6 +239,8 @@ def _claimant(p: torch.Tensor) -> "StepInBackward | None":
 
 def _claim(handle: StepInBackward, params: list) -> None:
     """Mark ``params`` as updated by ``handle``; ValueError if another active handle updates one."""
+    if not params:
+        return
     for p in params:
         other = _claimant(p)
         if other is not None and other is not handle:
