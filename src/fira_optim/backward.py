@@ -60,6 +60,7 @@ What changes:
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator
@@ -229,6 +230,7 @@ def step_in_backward(optimizer: "Fira", model: Any = None) -> StepInBackward:
 #: would update it twice. Keyed by id, not held on the parameter (a model must still pickle): an
 #: active handle holds its parameters, so their ids are not reused while the entry counts.
 _CLAIMED: dict[int, "weakref.ReferenceType[StepInBackward]"] = {}
+_CLAIMS_LOCK = threading.Lock()  # handles made from two threads at once
 
 
 def _claimant(p: torch.Tensor) -> "StepInBackward | None":
@@ -241,6 +243,11 @@ def _claim(handle: StepInBackward, params: list) -> None:
     """Mark ``params`` as updated by ``handle``; ValueError if another active handle updates one."""
     if not params:
         return
+    with _CLAIMS_LOCK:
+        _claim_locked(handle, params)
+
+
+def _claim_locked(handle: StepInBackward, params: list) -> None:
     for p in params:
         other = _claimant(p)
         if other is not None and other is not handle:
@@ -256,9 +263,10 @@ def _claim(handle: StepInBackward, params: list) -> None:
 
 
 def _release(handle: StepInBackward, params) -> None:
-    for p in params:
-        if _claimant(p) is handle:
-            del _CLAIMED[id(p)]
+    with _CLAIMS_LOCK:
+        for p in params:
+            if _claimant(p) is handle:
+                del _CLAIMED[id(p)]
 
 
 def _ddp_dispatch(model: Any) -> list:

@@ -101,26 +101,31 @@ def resume_point(config: FinetuneConfig, log: Callable[[str], Any] = print) -> s
     other settings is refused (continuing it would mix two runs)."""
     folder = checkpoint_dir(config)
     # an earlier start's checkpoints are continued even where this start writes none (--save-steps 0)
-    last = newest_complete_checkpoint(folder, log) if config.trains and folder.is_dir() else None
-    if last is not None:
-        record = folder / "run_settings.json"
-        hint = "remove the folder to start again, or choose another --out"
-        saved = read_json(record, hint=hint) if record.is_file() else {}
-        if not isinstance(saved, dict):  # compared with nothing, it continued whatever it held
-            raise FinetuneError(f"{record} is not a record of a run's settings (a JSON object): {hint}")
-        given, effective = _settings(config, effective=False), _settings(config)
-        unused = {k for k, v in config.used_options().items() if v is None}
-        # a key the record lacks (written before it was kept) is not compared, nor an option the
-        # method does not use; a value left out and one given equal to what it resolves to are the
-        # same run (records kept either)
-        saved = {**SETTINGS_BEFORE_RECORDED, **saved}  # a record from before these options: their values then
-        differ = sorted(k for k in effective
-                        if k in saved and k not in unused and saved[k] not in (given[k], effective[k]))
-        if differ:
-            found = describe_changed(saved, effective, differ)
-            raise FinetuneError(f"{folder} holds checkpoints of a run with other settings ({found}): "
-                                f"remove it to start again, or choose another --out")
-    return last
+    if not (config.trains and folder.is_dir() and _checkpoint_folders(folder)):
+        return None
+    _check_settings(config, folder)  # before anything is removed: another run's folder is left as it is
+    return newest_complete_checkpoint(folder, log)
+
+
+def _check_settings(config: FinetuneConfig, folder: Path) -> None:
+    """FinetuneError if the checkpoints in ``folder`` were saved with other settings than ``config``'s."""
+    record = folder / "run_settings.json"
+    hint = "remove the folder to start again, or choose another --out"
+    saved = read_json(record, hint=hint) if record.is_file() else {}
+    if not isinstance(saved, dict):  # compared with nothing, it continued whatever it held
+        raise FinetuneError(f"{record} is not a record of a run's settings (a JSON object): {hint}")
+    given, effective = _settings(config, effective=False), _settings(config)
+    unused = {k for k, v in config.used_options().items() if v is None}
+    # a key the record lacks (written before it was kept) is not compared, nor an option the
+    # method does not use; a value left out and one given equal to what it resolves to are the
+    # same run (records kept either)
+    saved = {**SETTINGS_BEFORE_RECORDED, **saved}  # a record from before these options: their values then
+    differ = sorted(k for k in effective
+                    if k in saved and k not in unused and saved[k] not in (given[k], effective[k]))
+    if differ:
+        found = describe_changed(saved, effective, differ)
+        raise FinetuneError(f"{folder} holds checkpoints of a run with other settings ({found}): "
+                            f"remove it to start again, or choose another --out")
 
 
 def newest_complete_checkpoint(folder: Path, log: Callable[[str], Any] = print) -> str | None:
@@ -129,9 +134,7 @@ def newest_complete_checkpoint(folder: Path, log: Callable[[str], Any] = print) 
     writing one leaves a folder without it (or with part of it), which resuming from failed on
     ("No such file or directory") at every start. Such folders are removed, each named in a
     warning; the older checkpoint is still there (the Trainer drops it only after the new one)."""
-    found = sorted((checkpoint_step(p), p) for p in folder.glob("checkpoint-*")
-                   if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit())
-    for step, path in reversed(found):
+    for step, path in reversed(_checkpoint_folders(folder)):
         problem = _incomplete(path, step)
         if problem is None:
             return str(path)
@@ -139,6 +142,12 @@ def newest_complete_checkpoint(folder: Path, log: Callable[[str], Any] = print) 
             "continuing from the checkpoint before it")
         shutil.rmtree(path, ignore_errors=True)
     return None
+
+
+def _checkpoint_folders(folder: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the Trainer's ``checkpoint-<step>`` folders in ``folder``, by step."""
+    return sorted((checkpoint_step(p), p) for p in folder.glob("checkpoint-*")
+                  if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit())
 
 
 def _incomplete(checkpoint: Path, step: int) -> str | None:

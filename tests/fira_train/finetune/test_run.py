@@ -707,3 +707,8 @@ def test_a_settings_record_from_before_the_memory_options_resumes_only_without_t
     for option in ({"step_in_backward": True}, {"state_dtype": "int8"}):
         with pytest.raises(ValueError, match=f"other settings .*{next(iter(option))}"):
             resume_point(FinetuneConfig(**common, **option))
+    # another run's folder is left as it is: its incomplete checkpoints are not removed by a refused start
+    (tmp_path / "o" / "trainer" / "checkpoint-4").mkdir()
+    with pytest.raises(ValueError, match="other settings"):
+        resume_point(FinetuneConfig(**common, step_in_backward=True))
+    assert (tmp_path / "o" / "trainer" / "checkpoint-4").is_dir()
