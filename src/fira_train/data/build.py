@@ -203,7 +203,8 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
             f"= {spec.val_sequences} * {spec.seq_len} = {needed} tokens; raise val_fraction or lower "
             f"val_sequences / seq_len"
         )
-    return PackedCorpus(spec, tokenizer, tokenizer_name, train, val, test, identity=key)
+    return PackedCorpus(spec, tokenizer, tokenizer_name, train, val, test, identity=key,
+                        digest_dir=cache_dir / "token-digests")
 
 
 def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:

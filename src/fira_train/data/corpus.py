@@ -5,18 +5,22 @@ memory-mapped cache file)."""
 from __future__ import annotations
 
 import hashlib
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fira_train.data.disk_cache import fingerprint
 from fira_train.data.spec import DataSpec, require_int
 from fira_train.data.streams import BatchStream, PackedBatchStream
 from fira_train.data.tokenizer import token_dtype
+from fira_train.files import write_text_atomic
 
 
 def test_blocks(spec: DataSpec, test_tokens: np.ndarray | None) -> np.ndarray:
@@ -174,10 +178,12 @@ class PackedCorpus(Corpus):
         val_tokens: np.ndarray,
         test_tokens: np.ndarray | None = None,
         identity: str | None = None,
+        digest_dir: Path | None = None,
     ) -> None:
         super().__init__(spec, tokenizer, tokenizer_name, val_tokens, test_tokens)
         self.identity = identity
         """A fingerprint of the text, split, tokenizer and packing (None: not computed)."""
+        self._digest_dir = digest_dir
         if spec.max_train_tokens is not None:
             train_tokens = train_tokens[: spec.max_train_tokens]
         if len(train_tokens) < spec.seq_len:
@@ -201,10 +207,31 @@ class PackedCorpus(Corpus):
     @cached_property
     def token_digest(self) -> str:
         """The :func:`digest_ids` of the training tokens its blocks use, and of the validation
-        and test blocks (one pass over the ids, on first use)."""
+        and test blocks (one pass over the ids, on first use). With a ``digest_dir`` (a corpus
+        from the token cache, whose files were checked against their SHA-256 as they loaded) the
+        digest is kept there, keyed by the corpus's identity and everything else it hashes, so a
+        later start reads no id a second time (a large corpus took seconds per start and rank)."""
         used = len(self.train_tokens) // self.seq_len * self.seq_len
-        return digest_ids(self.seq_len, self.vocab_size, self.train_tokens[:used], self._val_blocks,
+        path = None
+        if self._digest_dir is not None and self.identity is not None:
+            name = fingerprint(self.identity, self.seq_len, used, self.vocab_size, self._val_blocks.shape,
+                               self._test_blocks.shape)
+            path = self._digest_dir / f"{name}.txt"
+            try:
+                kept = path.read_text().strip()
+                if re.fullmatch(r"[0-9a-f]{32}", kept):  # else cut short (a start killed writing it): again
+                    return kept
+            except OSError:
+                pass
+        digest = digest_ids(self.seq_len, self.vocab_size, self.train_tokens[:used], self._val_blocks,
                             self._test_blocks)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_text_atomic(path, digest + "\n")
+            except OSError:  # a cache that cannot be written: computed again next time
+                pass
+        return digest
 
     def describe(self) -> dict[str, Any]:
         return self._describe(len(self.train_tokens) // self.seq_len * self.seq_len)

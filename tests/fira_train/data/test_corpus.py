@@ -56,3 +56,26 @@ def test_a_packed_corpus_digests_the_ids_it_serves(tmp_path, vocab: int) -> None
     assert corpus.token_digest == digest_ids(8, vocab, ids[:64], ids[:16], ids[16:24])
     assert corpus.describe()["token_digest"] == corpus.token_digest
     assert corpus.train_batches(2, seed=0).token_digest == corpus.token_digest
+
+
+def test_a_cached_corpus_reads_its_ids_for_the_digest_once(tmp_path, monkeypatch) -> None:
+    """Every start read every training id a second time for the digest (after the cache's own
+    check had read the files): seconds per start and rank on a large corpus."""
+    from fira_train.data.build import build_corpus
+    from tests.fira_train.data.data_fixtures import make_docs, spec_for, write_jsonl
+
+    (tmp_path / "corpus").mkdir()
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", make_docs(40, seed=3))
+    spec = spec_for(tmp_path / "corpus", tmp_path / "cache")
+    calls = []
+    real = corpus_module.digest_ids
+    monkeypatch.setattr(corpus_module, "digest_ids", lambda *args: calls.append(1) or real(*args))
+    first = build_corpus(spec).token_digest
+    assert build_corpus(spec).token_digest == first and len(calls) == 1  # the second start reads it back
+    other = build_corpus(spec_for(tmp_path / "corpus", tmp_path / "cache", seq_len=8)).token_digest
+    assert other != first and len(calls) == 2  # other blocks: another digest
+    kept = list((tmp_path / "cache" / "token-digests").iterdir())
+    assert len(kept) == 2
+    for path in kept:
+        path.write_text(path.read_text()[:10])  # cut short by a kill: computed again
+    assert build_corpus(spec).token_digest == first and len(calls) == 3
