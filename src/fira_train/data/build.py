@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from fira_train.data.corpus import Corpus, PackedCorpus
+from fira_train.data.corpus import DIGEST_CHUNK, Corpus, PackedCorpus
 from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint
 from fira_train.data.documents import (
     corpus_identity,
@@ -222,7 +222,7 @@ def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
     if ids.size == 0:
         raise ValueError(f"{path}: holds no token ids")
     tokenizer = load_pretrained_tokenizer(spec.tokenizer)
-    low, high = int(ids.min()), int(ids.max())
+    low, high = _id_range(ids)
     if low < 0 or high >= len(tokenizer):
         raise ValueError(
             f"{path}: token ids must lie in [0, {len(tokenizer)}) for tokenizer {spec.tokenizer!r}, "
@@ -242,8 +242,21 @@ def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
                          f"(test_fraction={spec.test_fraction}) and a training sequence of seq_len={spec.seq_len}")
     test_start = split - n_test
     identity = fingerprint("npy", file_digest(path), tokenizer_fingerprint(tokenizer))  # one read of the file
+    # its token digest is kept in the cache as a tokenized corpus's is (a later start reads the ids
+    # for its identity and range only)
     return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:test_start], ids[split:], ids[test_start:split],
-                        identity=identity)
+                        identity=identity, digest_dir=spec.resolved_cache_dir() / "token-digests")
+
+
+def _id_range(ids: np.ndarray) -> tuple[int, int]:
+    """The smallest and largest id, in one pass over a memory-mapped array, a chunk at a time."""
+    low, high = None, None
+    for start in range(0, ids.size, DIGEST_CHUNK):
+        chunk = np.asarray(ids[start : start + DIGEST_CHUNK])
+        low = int(chunk.min()) if low is None else min(low, int(chunk.min()))
+        high = int(chunk.max()) if high is None else max(high, int(chunk.max()))
+    assert low is not None and high is not None  # the caller refused an empty array
+    return low, high
 
 
 def build_corpus(spec: DataSpec) -> Corpus:

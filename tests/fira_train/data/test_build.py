@@ -325,9 +325,12 @@ def test_pretokenized_npy_is_packed_as_is(tmp_path: Path, saved_tokenizer: Path)
     assert next(corpus.train_batches(2, seed=0)).shape == (2, 16)
     # its identity follows the ids (a checkpoint refuses another array: it went on silently)
     assert corpus.identity and corpus.train_batches(2, seed=0).corpus == corpus.identity
+    # its token digest is kept in the cache: a later start reads the ids for its identity and range only
+    digest = corpus.token_digest
+    assert [p.read_text().strip() for p in (tmp_path / "cache" / "token-digests").iterdir()] == [digest]
     np.save(tmp_path / "ids.npy", (ids * 7 + 1) % 300)
     other = build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))
-    assert other.identity != corpus.identity
+    assert other.identity != corpus.identity and other.token_digest != digest
     # a test_fraction too small for one sequence (2 tokens): an error, not a silently empty test set
     with pytest.raises(ValueError, match=r"test_fraction=0.001\) holds 2 tokens, not one sequence of seq_len=16"):
         build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer),
@@ -348,6 +351,13 @@ def test_bad_token_ids_name_the_file(tmp_path: Path, saved_tokenizer: Path, ids:
     np.save(tmp_path / "ids.npy", ids)
     with pytest.raises(ValueError, match=pattern):
         build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))
+
+
+def test_the_range_of_token_ids_is_read_a_chunk_at_a_time(monkeypatch) -> None:
+    monkeypatch.setattr(build, "DIGEST_CHUNK", 7)  # chunks of 7 ids: the extremes in different chunks
+    ids = np.array([5, 3, 9, 4, 4, 4, 4, 4, 4, 4, 2, 4, 4, 4, 11, 4])
+    assert build._id_range(ids) == (2, 11)
+    assert build._id_range(np.array([6])) == (6, 6)
 
 
 def test_pretokenized_needs_its_tokenizer(tmp_path: Path, saved_tokenizer: Path) -> None:
