@@ -203,9 +203,9 @@ class StepInBackward:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        _release(self, self._covered)
         self._covered.clear()
         self._active = False
+        _ACTIVE.discard(self)
         if self._ddp and self._target[0] is self:  # DDP's hook all-reduces only, until another handle
             self._target[0] = None
         if self.optimizer._in_backward is self:
@@ -225,48 +225,25 @@ def step_in_backward(optimizer: "Fira", model: Any = None) -> StepInBackward:
     return StepInBackward(optimizer, model)
 
 
-#: ``id(parameter) -> weakref to the active handle that updates it in the backward pass``: a
-#: second one (another optimizer over the same weights, a second Trainer on the same model)
-#: would update it twice. Keyed by id, not held on the parameter (a model must still pickle): an
-#: active handle holds its parameters, so their ids are not reused while the entry counts.
-_CLAIMED: dict[int, "weakref.ReferenceType[StepInBackward]"] = {}
-_CLAIMS_LOCK = threading.Lock()  # handles made from two threads at once
-
-
-def _claimant(p: torch.Tensor) -> "StepInBackward | None":
-    ref = _CLAIMED.get(id(p))
-    handle = ref() if ref is not None else None
-    return handle if handle is not None and handle._active and p in handle._covered else None
+#: The handles not removed: a second one over a parameter that one of them updates (another
+#: optimizer over the same weights, a second Trainer on the same model) would update it twice.
+_ACTIVE: "weakref.WeakSet[StepInBackward]" = weakref.WeakSet()
+_ACTIVE_LOCK = threading.Lock()  # handles made from two threads at once
 
 
 def _claim(handle: StepInBackward, params: list) -> None:
-    """Mark ``params`` as updated by ``handle``; ValueError if another active handle updates one."""
-    if not params:
-        return
-    with _CLAIMS_LOCK:
-        _claim_locked(handle, params)
-
-
-def _claim_locked(handle: StepInBackward, params: list) -> None:
-    for p in params:
-        other = _claimant(p)
-        if other is not None and other is not handle:
-            raise ValueError(
-                f"step_in_backward: a parameter of shape {tuple(p.shape)} is already updated in the backward "
-                f"pass by the handle of another {type(other.optimizer).__name__} (a step_in_backward() call not "
-                "undone, or a FiraTrainer's while it trains): each backward would update it twice; remove() "
-                "that handle first")
-    for key in [k for k, ref in _CLAIMED.items() if ref() is None]:  # handles collected without remove()
-        del _CLAIMED[key]
-    for p in params:
-        _CLAIMED[id(p)] = weakref.ref(handle)
-
-
-def _release(handle: StepInBackward, params) -> None:
-    with _CLAIMS_LOCK:
-        for p in params:
-            if _claimant(p) is handle:
-                del _CLAIMED[id(p)]
+    """Count ``handle`` among the active ones; ValueError if another one updates one of ``params``
+    (which ``handle`` then adds to the parameters it covers)."""
+    with _ACTIVE_LOCK:
+        for other in list(_ACTIVE):
+            if other is not handle and other._active and not other._covered.isdisjoint(params):
+                shape = next(tuple(p.shape) for p in params if p in other._covered)
+                raise ValueError(
+                    f"step_in_backward: a parameter of shape {shape} is already updated in the backward "
+                    f"pass by the handle of another {type(other.optimizer).__name__} (a step_in_backward() "
+                    "call not undone, or a FiraTrainer's while it trains): each backward would update it "
+                    "twice; remove() that handle first")
+        _ACTIVE.add(handle)
 
 
 def _ddp_dispatch(model: Any) -> list:
