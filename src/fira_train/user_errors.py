@@ -65,10 +65,10 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
         where = str(err).split(";")[0]  # "non-finite gradient in NAME"
         return (f"the run diverged: {where}, nothing was updated; lower optim.lr or set train.grad_clip "
                 "(e.g. 1.0), then start over with --overwrite or continue from an earlier checkpoint with "
-                f"--resume-step{_checkpoints_stay(args)}")
+                f"--resume-step{_work_kept(args)}")
     if isinstance(err, FloatingPointError):  # DivergedError, NonFiniteLossError
         text = str(err)
-        return (text if "diverged" in text else f"the run diverged: {text}") + _checkpoints_stay(args)
+        return (text if "diverged" in text else f"the run diverged: {text}") + _work_kept(args)
     if isinstance(err, (ValueError, OSError, CheckpointError)):
         return str(err)
     behind = _disk_error_behind(err)
@@ -120,10 +120,10 @@ def _no_room(problem: str, fix: str, args: argparse.Namespace) -> str:
     command = getattr(args, "command", "")
     if command == "memory" and not _memory_json(args).is_file():  # nothing measured: nothing to append to
         return f"{problem}: {fix} and run the same command again"
-    return f"{problem}: {fix} and run the same command again{_AGAIN.get(command, '')}{_checkpoints_stay(args)}"
+    return f"{problem}: {fix} and run the same command again{_AGAIN.get(command, '')}{_work_kept(args)}"
 
 
-def _checkpoints_stay(args: argparse.Namespace) -> str:
+def _work_kept(args: argparse.Namespace) -> str:
     """What the command keeps of its work when it stops: checkpoints, or memory's rows."""
     out = _run_dir(args)
     if getattr(args, "command", None) == "memory":
