@@ -217,10 +217,11 @@ def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) ->
         run_dir = Path(cfg.train.out_dir)
         if _reusable(cfg, run, run_dir):
             kept.add(run.name)
-        elif (run_dir / "summary.json").exists() and not (run_dir / RUN_SPEC_FILE).exists():
-            log.warning("%s holds a finished run without its %s (a start stopped before writing it, or not a "
-                        "run of an analysis): training it again", run_dir, RUN_SPEC_FILE)
         elif (run_dir / "summary.json").exists():
+            if not (run_dir / RUN_SPEC_FILE).exists():
+                log.warning("%s holds a finished run without its %s (a start stopped before writing it, or not "
+                            "a run of an analysis): training it again", run_dir, RUN_SPEC_FILE)
+                continue
             raise FileExistsError(f"{str(run_dir)!r} holds a finished run made with another config: --reuse keeps "
                                   "only runs of this one; pass --overwrite to train every run again, or choose "
                                   "another --out")
