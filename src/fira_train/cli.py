@@ -431,8 +431,8 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
     if command == "sweep":
         return f"finished runs and checkpoints are kept: the same command with --reuse{also} continues"
     if command == "analyze":
-        return (f"finished runs are kept: the same command with --reuse{also} trains only the others (from their "
-                "start: what an analysis records is not in the checkpoints)")
+        return (f"finished runs and checkpoints are kept (train.save_every): the same command with --reuse{also} "
+                "continues the others from their newest")
     if command == "memory" and getattr(args, "measure", False):
         out = measure_out_dir(getattr(args, "out", None), args.recipe)
         if not Path(out, "memory.json").is_file():

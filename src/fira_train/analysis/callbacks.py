@@ -38,18 +38,26 @@ class GradientNoise(TrainCallback):
             raise ValueError(f"noise scale must be a finite number >= 0, got scale={scale!r}")
         self.scale = float(scale)
         self.seed = seed
-        self._generator: torch.Generator | None = None
+        self._generator = torch.Generator().manual_seed(seed)
 
     def before_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     loss: float) -> None:
         if self.scale == 0:
             return
-        if self._generator is None:
-            self._generator = torch.Generator().manual_seed(self.seed)
         for p in model.parameters():
             if p.grad is not None:
                 noise = torch.randn(p.grad.shape, generator=self._generator, dtype=torch.float32)
                 p.grad.add_(noise.to(device=p.grad.device, dtype=p.grad.dtype), alpha=self.scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generator's state: a resumed run draws the noise the uninterrupted one would."""
+        return {"generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != {"generator"}:
+            raise ValueError(f"GradientNoise's state holds {sorted(state)}, not ['generator']: the "
+                             "checkpoint was written with other callbacks")
+        self._generator.set_state(state["generator"])
 
 
 class GroupOptions(TrainCallback):
@@ -102,6 +110,9 @@ class NormRecorder(TrainCallback):
     def __init__(self, path: str | Path) -> None:
         self.writer = JsonlWriter(path)
         self._grad_norm = float("nan")
+
+    def begin(self, step: int) -> None:
+        self.writer.begin(step)
 
     def before_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     loss: float) -> None:

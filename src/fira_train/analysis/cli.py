@@ -12,7 +12,7 @@
 
 Common flags of the training analyses: ``--recipe`` (default ``tiny``), ``--out DIR`` (default
 ``runs/analysis/<name>``), ``--steps N``, ``--seed S``, ``--data SOURCE``, ``--reuse`` (keep
-finished runs of the same config), ``--overwrite`` (redo existing runs), ``--jobs N`` (train N
+finished runs of the same config, continue unfinished ones from their checkpoints), ``--overwrite`` (redo existing runs), ``--jobs N`` (train N
 runs at once, in worker processes) and
 ``section.field=value`` overrides applied to the recipe (e.g. ``train.batch_size=4``; one of a
 setting the analysis chooses per run, such as ``optim.rank`` in a rank sweep, is refused: the
@@ -113,8 +113,8 @@ def _common(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--seed", type=int, help="seed of init, data order and noise (train.seed)")
     parser.add_argument("--data", help="data source (data.source): wiki, c4 or a local path")
     parser.add_argument("--reuse", action="store_true",
-                        help="keep finished runs made with the same config on the same data (unfinished ones are "
-                             "trained again from their start: what an analysis records is not in checkpoints)")
+                        help="keep finished runs made with the same config on the same data, and continue "
+                             "unfinished ones from their newest checkpoints (train.save_every)")
     parser.add_argument("--overwrite", action="store_true", help="delete and redo existing runs")
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs trained at once, one worker process each (default 1; e.g. 4 on a GPU "

@@ -25,13 +25,14 @@ from typing import Any
 import torch
 
 from fira_train.config.overrides import apply_overrides, flat_config, override_key
+from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, read_json, write_text_atomic
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import check_same_data, finished_with
+from fira_train.run.run_dir import check_same_data, config_changes, finished_with
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
 
@@ -101,9 +102,11 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     the others take ``config``'s (the spikes analysis's GaLore rank).
 
     ``reuse``: a run whose folder already holds a finished run of the same config and spec is
-    not trained again; a finished run of another config is an error (before anything trains), an
-    unfinished one (also one stopped before its spec file was written) is deleted and redone
-    from its start. ``overwrite``: every
+    not trained again; a finished run of another config is an error (before anything trains). An
+    unfinished run started with the same config and spec continues from its newest checkpoint,
+    callbacks' state included (:meth:`~fira_train.run.callbacks.TrainCallback.state_dict`), and
+    ends as if it had not stopped; any other unfinished one is deleted and redone from its start.
+    ``overwrite``: every
     existing run is deleted and redone. With neither, an existing run is an error
     (:func:`fira_train.run.train.train` refuses to overwrite it).
 
@@ -131,6 +134,7 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     if not (reuse or overwrite):
         _check_no_earlier_runs(configs)
     kept = _runs_to_reuse(runs, configs) if reuse else set()  # before the corpus: config alone
+    resumed = {r.name for r, c in zip(runs, configs) if reuse and r.name not in kept and _resumable(c, r)}
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(config.data)  # trains and caches the tokenizer once, before any worker
     data = corpus.describe()
@@ -147,12 +151,16 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
             summaries[run.name] = read_json(run_dir / "summary.json", hint=_REDO_HINT)
         else:
             pending.append((index, run, cfg))
+
+    def mode(run: AnalysisRun) -> str:
+        return "resume" if run.name in resumed else "overwrite" if overwrite or reuse else "new"
+
     if jobs == 1 or len(pending) <= 1:
         for index, run, cfg in pending:
-            summaries[run.name] = _train_one(index, len(runs), run, cfg, overwrite or reuse, corpus)
+            summaries[run.name] = _train_one(index, len(runs), run, cfg, mode(run), corpus)
     else:
         workers = min(jobs, len(pending))
-        tasks = [(index, len(runs), run, with_threads(cfg, workers), overwrite or reuse)
+        tasks = [(index, len(runs), run, with_threads(cfg, workers), mode(run))
                  for index, run, cfg in pending]
         log.info("training %d runs in %d worker processes", len(tasks), workers)
         # Every run finishes even if one fails (reuse keeps them); then the first error is raised.
@@ -208,10 +216,9 @@ def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) ->
     """The names of the runs ``--reuse`` keeps: finished with the same config and spec (the
     caller checks their data once the corpus is built). FileExistsError, before anything trains,
     for a finished run it cannot keep: made with another config or spec (``--steps 30`` then
-    ``--steps 5 --reuse`` deleted and retrained the 30-step runs without a word). Unfinished runs
-    are trained again, from their start (what an analysis records while a run trains is not in
-    its checkpoints), and so is a run whose spec file is missing: its start was stopped between
-    writing the summary and the spec (it was refused as "another config")."""
+    ``--steps 5 --reuse`` deleted and retrained the 30-step runs without a word). A finished run
+    without a spec file (written by a version that wrote it last, and stopped just before) is
+    trained again."""
     kept = set()
     for run, cfg in zip(runs, configs):
         run_dir = Path(cfg.train.out_dir)
@@ -228,6 +235,21 @@ def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) ->
     return kept
 
 
+def _resumable(config: RunConfig, run: AnalysisRun) -> bool:
+    """Whether ``--reuse`` continues the unfinished run in ``config``'s folder (:func:`train_runs`):
+    it was started with ``run``'s spec (written when a run starts) and this config, up to the keys
+    a resume may change. A damaged spec or config is not resumable: the run starts again."""
+    run_dir = Path(config.train.out_dir)
+    spec, saved = run_dir / RUN_SPEC_FILE, run_dir / "config.json"
+    if (run_dir / "summary.json").exists() or not (spec.is_file() and saved.is_file()):
+        return False
+    try:
+        return (read_json(spec) == run.spec()
+                and not config_changes(saved_config(read_json(saved)), resolved(config)))
+    except ValueError:  # DamagedFileError, or a config record this version cannot read
+        return False
+
+
 def _check_no_earlier_runs(configs: Sequence[RunConfig]) -> None:
     """FileExistsError naming analyze's own flags if a run's folder already holds a run (before
     anything trains; :func:`fira_train.run.train.train` would name pretrain's --resume)."""
@@ -242,22 +264,30 @@ def _check_no_earlier_runs(configs: Sequence[RunConfig]) -> None:
 
 def _train_task(task: tuple) -> tuple[str, dict[str, Any]]:
     """A worker's job: the corpus comes from the cache the parent filled."""
-    index, total, run, cfg, overwrite = task
-    return run.name, _train_one(index, total, run, cfg, overwrite, None)
+    index, total, run, cfg, mode = task
+    return run.name, _train_one(index, total, run, cfg, mode, None)
 
 
-def _train_one(index: int, total: int, run: AnalysisRun, cfg: RunConfig, overwrite: bool,
+def _train_one(index: int, total: int, run: AnalysisRun, cfg: RunConfig, mode: str,
                corpus: Any) -> dict[str, Any]:
-    """Train one run into its folder (building the corpus from the cache if not given) and
-    record its spec there once it finished."""
+    """Train one run into its folder (building the corpus from the cache if not given). ``mode``:
+    ``"new"`` (its folder holds no run), ``"overwrite"`` (a run there is replaced) or
+    ``"resume"`` (the unfinished run there continues from its newest checkpoint). A new run's
+    spec is written before it trains: an unfinished run is resumed only under its own spec."""
     run_dir = Path(cfg.train.out_dir)
-    log.info("[%d/%d] %s (%s %s) -> %s", index, total, run.name, run.method, " ".join(run.overrides), run_dir)
-    (run_dir / RUN_SPEC_FILE).unlink(missing_ok=True)
+    log.info("[%d/%d] %s (%s %s) -> %s%s", index, total, run.name, run.method, " ".join(run.overrides), run_dir,
+             ": continuing from its newest checkpoint" if mode == "resume" else "")
     if corpus is None:
         corpus = build_corpus(cfg.data)
     callbacks = list(run.callbacks(run_dir)) if run.callbacks is not None else []
-    summary = train(cfg, overwrite=overwrite, corpus=corpus, callbacks=callbacks)
-    write_text_atomic(run_dir / RUN_SPEC_FILE, json.dumps(run.spec(), indent=2) + "\n")
+    if mode == "resume":
+        summary = train(cfg, resume="latest", corpus=corpus, callbacks=callbacks)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if mode == "overwrite":  # replaced anyway: a finished run never stands beside another spec
+            (run_dir / "summary.json").unlink(missing_ok=True)
+        write_text_atomic(run_dir / RUN_SPEC_FILE, json.dumps(run.spec(), indent=2) + "\n")
+        summary = train(cfg, overwrite=mode == "overwrite", corpus=corpus, callbacks=callbacks)
     log.info("[%d/%d] %s: validation perplexity %.2f", index, total, run.name, summary["val_ppl"])
     return summary
 
@@ -329,13 +359,46 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line to a file (created empty on construction)."""
+    """Appends one JSON object per line to a file; every object has a ``"step"``.
+
+    The file is started by :meth:`begin` (the callback's :meth:`TrainCallback.begin`, or the first
+    :meth:`write`): a new run empties it, a resumed one keeps the lines of the steps up to the
+    checkpoint's and drops those a stopped sitting wrote after it, so that the file ends as that
+    of a run that never stopped. Nothing is read or emptied before then: building the callbacks
+    again to resume leaves the file as it was."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("")
+        self._begun = False
+
+    def begin(self, step: int) -> None:
+        """Keep the lines of steps ``<= step`` (none for 0), in one atomic rewrite."""
+        kept = ""
+        if step > 0:
+            if not self.path.exists():
+                raise FileNotFoundError(f"{str(self.path)!r} is missing: the run resumes from step {step}, and "
+                                        "what it recorded up to there is lost; start the run again (--overwrite)")
+            with open(self.path, encoding="utf-8") as f:
+                # a last line without its newline was cut by a kill: it was written after the
+                # checkpoint (a step's line is written before that step's checkpoint)
+                lines = [line for line in f if line.endswith("\n") and line.strip()]
+            kept = "".join(line for line in lines if _line_step(line, self.path) <= step)
+        write_text_atomic(self.path, kept)
+        self._begun = True
 
     def write(self, record: dict[str, Any]) -> None:
+        if not self._begun:
+            self.begin(0)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _line_step(line: str, path: Path) -> int:
+    """The ``"step"`` of one whole line of a :class:`JsonlWriter` file; ValueError naming the file
+    for a line that is not such a record."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{str(path)!r} holds a line that is not a step's record ({line[:80]!r}): delete the "
+                         "run's folder (or pass --overwrite) to train it again") from None

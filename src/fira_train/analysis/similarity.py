@@ -151,6 +151,19 @@ class ShadowAdam:
     def __init__(self) -> None:
         self.state: dict[str, dict[str, Any]] = {}
 
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """``{name: {"step", "exp_avg", "exp_avg_sq"}}`` (the tensors themselves: a checkpoint
+        copies them when it is written)."""
+        return {name: dict(state) for name, state in self.state.items()}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        for name, moments in state.items():
+            if set(moments) != {"step", "exp_avg", "exp_avg_sq"}:
+                raise ValueError(f"shadow Adam state of {name!r} holds {sorted(moments)}, not step, exp_avg "
+                                 "and exp_avg_sq")
+        self.state = {name: {"step": int(m["step"]), "exp_avg": m["exp_avg"].clone(),
+                             "exp_avg_sq": m["exp_avg_sq"].clone()} for name, m in state.items()}
+
     @torch.no_grad()
     def update(self, name: str, grad: torch.Tensor, betas: tuple[float, float]) -> None:
         beta1, beta2 = betas
@@ -189,7 +202,23 @@ class ScalingFactorRecorder(TrainCallback):
         self.writer = JsonlWriter(path)
         self.every, self.columns, self.seed = every, columns, seed
         self.shadow = ShadowAdam() if shadow else None
-        self._indices: dict[str, list[int]] = {}
+        self._indices: dict[str, list[int]] = {}  # a function of (name, seed): rebuilt on resume
+
+    def begin(self, step: int) -> None:
+        self.writer.begin(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shadow Adam's moments (none without ``shadow``)."""
+        return {} if self.shadow is None else {"shadow": self.shadow.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = set() if self.shadow is None else {"shadow"}
+        if set(state) != expected:
+            raise ValueError(f"ScalingFactorRecorder(shadow={self.shadow is not None})'s state holds "
+                             f"{sorted(state)}, not {sorted(expected)}: the checkpoint was written with "
+                             "other callbacks")
+        if self.shadow is not None:
+            self.shadow.load_state_dict(state["shadow"])
 
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    loss: float) -> None:

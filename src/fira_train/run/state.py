@@ -2,17 +2,20 @@
 
 A checkpoint payload (:func:`capture_state`) has the model, optimizer and scheduler state
 dicts, the data stream position (``BatchStream.state_dict()``), the Python, NumPy, torch and
-CUDA generator states, the step and the run's running totals (tokens, training time). It holds
+CUDA generator states, the step, the run's running totals (tokens, training time) and the
+state of the run's callbacks (:class:`~fira_train.run.callbacks.TrainCallback`, an analysis's
+noise generator or running moments). It holds
 tensors and plain Python values only, so ``torch.load(weights_only=True)`` reads it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fira_train.data.corpus import data_change
+from fira_train.run.callbacks import TrainCallback, callback_states, load_callback_states
 from fira_train.run.checkpoint import CheckpointError
 from fira_train.run.rng import rng_state, set_rng_state
 from fira_train.run.training import Training
@@ -20,7 +23,8 @@ from fira_train.run.training import Training
 log = logging.getLogger(__name__)
 
 
-def capture_state(step: int, training: Training, stream: Any, progress: dict[str, float]) -> dict[str, Any]:
+def capture_state(step: int, training: Training, stream: Any, progress: dict[str, float],
+                  callbacks: Sequence[TrainCallback] = ()) -> dict[str, Any]:
     """The checkpoint payload: tensors and plain Python values only (``weights_only`` loads it)."""
     return {
         "step": step,
@@ -30,6 +34,7 @@ def capture_state(step: int, training: Training, stream: Any, progress: dict[str
         "data": stream.state_dict(),
         "rng": rng_state(),
         "progress": dict(progress),
+        "callbacks": callback_states(callbacks),
         **corpus_record(stream),
     }
 
@@ -61,13 +66,15 @@ def check_corpus(saved: Mapping[str, Any], stream: Any, source: str) -> None:
                          "(--overwrite)")
 
 
-def restore_state(state: dict[str, Any], training: Training, stream: Any, source: str) -> tuple[int, dict[str, float]]:
-    """Load a checkpoint payload into freshly built objects (``source``: ``data.source``, for
-    an error); returns (step, progress)."""
+def restore_state(state: dict[str, Any], training: Training, stream: Any, source: str,
+                  callbacks: Sequence[TrainCallback] = ()) -> tuple[int, dict[str, float]]:
+    """Load a checkpoint payload into freshly built objects and ``callbacks`` (``source``:
+    ``data.source``, for an error); returns (step, progress)."""
     missing = {"step", "model", "optimizer", "scheduler", "data", "rng", "progress"} - set(state)
     if missing:
         raise CheckpointError(f"checkpoint lacks {sorted(missing)}")
     check_corpus(state, stream, source)
+    load_callback_states(callbacks, state.get("callbacks"))  # first: a refused one changes nothing else
     training.model.load_state_dict(state["model"])
     training.optimizer.load_state_dict(state["optimizer"])
     training.scheduler.load_state_dict(state["scheduler"])

@@ -126,7 +126,8 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     ``"latest"`` (continue from the newest complete checkpoint, or start fresh if there is
     none) or a step number (that checkpoint; FileNotFoundError if absent). ``corpus`` lets
     several runs share one tokenised corpus (``compare``). ``callbacks`` are called in order
-    at every step (:class:`TrainCallback`).
+    at every step (:class:`TrainCallback`); their state is kept in one-process checkpoints and
+    loaded on resume (stateful callbacks are refused with ``train.parallel`` ddp / fsdp2).
 
     With ``train.parallel`` ddp / fsdp2, every process of a ``torchrun`` launch calls this
     (:mod:`fira_train.run.train_parallel`); every rank returns the summary, rank 0 writes it.
@@ -135,6 +136,11 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     config = resolved(config)
     # before the lock file is created: nothing is added to a folder the run may not use
     run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
+    stateful = [type(c).__name__ for c in callbacks if c.state_dict()]
+    if stateful and config.train.parallel != "none":
+        raise ValueError(f"callbacks that keep state ({', '.join(stateful)}) run in one process only: "
+                         f"distributed checkpoints do not hold their state, and train.parallel="
+                         f"{config.train.parallel!r}; leave it at none")
     if config.train.parallel == "none":
         train_parallel.check_launch(config)
         with locked_run_directory(config.train.out_dir):  # one run at a time per OUT
@@ -256,11 +262,11 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     step, progress = 0, {"tokens": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "peak_memory_bytes": 0, "sittings": 0}
     restored = state is not None
     if restored:
-        step, progress = restore_state(state, training, stream, config.data.source)
+        step, progress = restore_state(state, training, stream, config.data.source, callbacks)
         log.info("resumed %s from step %d", out, step)
     elif resume_path is not None:
         step, progress = train_parallel.load(out, resume_path, training, stream, config.train.parallel,
-                                             config.data.source)
+                                             config.data.source, callbacks)
         log.info("resumed %s from step %d (%s)", out, step, resume_path.name)
     del state
     # The run's totals over its sittings (a checkpoint from before these were kept lacks them:
@@ -279,6 +285,8 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     val_loss = float("nan")
     run_start = time.perf_counter()
 
+    for callback in callbacks:
+        callback.begin(step)
     bar = tqdm(total=t.steps, initial=step, desc=config.optim.method, unit="step",
                disable=not (t.progress and main), dynamic_ncols=True)
     net.train()
@@ -316,7 +324,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
             if distributed:  # every rank writes its shards
                 train_parallel.save(out, step, training, stream, progress, t.keep_last, record=about)
             elif main:
-                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress) | about)
+                ckpt.save_checkpoint(out, step, capture_state(step, training, stream, progress, callbacks) | about)
                 ckpt.prune_checkpoints(out, t.keep_last)
     bar.close()
 

@@ -23,7 +23,7 @@ import contextlib
 import gc
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fira_train.config.run_config import RunConfig
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import dist_checkpoint
+from fira_train.run.callbacks import TrainCallback, load_callback_states
 from fira_train.run.parallel import DistributedEnv, destroy_distributed, init_distributed, world_size
 from fira_train.run.state import check_corpus, corpus_record, restore_state
 from fira_train.run.training import Training
@@ -127,9 +128,10 @@ def save(out: Path, step: int, training: Training, stream: Any, progress: dict[s
 
 
 def load(out: Path, path: Path, training: Training, stream: Any, mode: str,
-         source: str) -> tuple[int, dict[str, float]]:
-    """Restore ``training`` and ``stream`` from the checkpoint at ``path`` (``source``:
-    ``data.source``, for an error); (step, progress).
+         source: str, callbacks: Sequence[TrainCallback] = ()) -> tuple[int, dict[str, float]]:
+    """Restore ``training``, ``stream`` and ``callbacks`` from the checkpoint at ``path``
+    (``source``: ``data.source``, for an error); (step, progress). DCP checkpoints hold no
+    callback state: stateful callbacks are refused there.
 
     A DCP checkpoint loads at any world size and parallel mode, one process included (DCP
     then reads without a process group). A one-process (single-file) checkpoint loads under
@@ -146,10 +148,11 @@ def load(out: Path, path: Path, training: Training, stream: Any, mode: str,
         if missing:
             raise ckpt.CheckpointError(f"checkpoint {str(path)!r} lacks {missing}")
         check_corpus(extra, stream, source)
+        load_callback_states(callbacks, None)
         stream.load_state_dict(extra["data"])
         return int(extra["step"]), dict(extra["progress"])
     if mode == "fsdp2":
         raise ValueError(f"checkpoint {str(path)!r} was written by a one-process run; FSDP2 resumes "
                          "only from checkpoints of a --parallel run (resume it with --parallel ddp, "
                          "whose checkpoints FSDP2 can load)")
-    return restore_state(ckpt.load_checkpoint(out, path), training, stream, source)
+    return restore_state(ckpt.load_checkpoint(out, path), training, stream, source, callbacks)

@@ -71,6 +71,48 @@ def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, 
     assert metrics.stat().st_mtime_ns == before
 
 
+class _Stop(Exception):
+    pass
+
+
+def test_reuse_continues_an_unfinished_run_exactly_callbacks_included(tmp_path: Path, corpus_root: Path,
+                                                                     monkeypatch, caplog) -> None:
+    from fira_train.run import checkpoint as ckpt
+
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=6", "train.save_every=2")
+    # gradient noise (a random generator) and full-rank shadow moments: state carried step to step
+    runs = [*noise_runs(["fira"], 1e-3, 0)[1:], *similarity_runs([4], every=1, columns=3, seed=0)]
+    straight = train_runs(config, runs, tmp_path / "straight", title="Noise")
+
+    real_save, stopped = ckpt.save_checkpoint, set()
+
+    def stop_before_saving_step_6(run_dir, step, state):
+        if step == 6 and run_dir not in stopped:  # steps 5-6 ran after the newest checkpoint (4)
+            stopped.add(run_dir)
+            raise _Stop
+        return real_save(run_dir, step, state)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", stop_before_saving_step_6)
+    out = tmp_path / "stopped"
+    with pytest.raises(_Stop):
+        train_runs(config, runs, out, title="Noise")
+    norms = out / runs[0].name / "norms.jsonl"
+    with open(norms, "a", encoding="utf-8") as f:
+        f.write('{"step": 7, "lo')  # a line cut by the kill
+    with pytest.raises(_Stop), caplog.at_level(logging.INFO, logger="fira_train.analysis.runs"):
+        train_runs(config, runs, out, reuse=True, title="Noise")  # the first continues, the second stops
+    assert f"{out / runs[0].name}: continuing from its newest checkpoint" in caplog.text
+    resumed = train_runs(config, runs, out, reuse=True, title="Noise")
+
+    for run, recorded in zip(runs, ["norms.jsonl", "scaling_factors.jsonl"]):
+        assert resumed[run.name]["sittings"] == 2 and straight[run.name]["sittings"] == 1
+        assert resumed[run.name]["val_loss"] == straight[run.name]["val_loss"]  # bit for bit
+        assert ((out / run.name / recorded).read_text()
+                == (tmp_path / "straight" / run.name / recorded).read_text())
+        assert [m["loss"] for m in read_metrics(out / run.name)] == [
+            m["loss"] for m in read_metrics(tmp_path / "straight" / run.name)]
+
+
 def test_a_failing_worker_run_raises_and_keeps_the_finished_runs(tmp_path: Path, corpus_root: Path) -> None:
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
     runs = ablation_runs(["fira"], [])
