@@ -113,6 +113,31 @@ def test_reuse_continues_an_unfinished_run_exactly_callbacks_included(tmp_path: 
             m["loss"] for m in read_metrics(tmp_path / "straight" / run.name)]
 
 
+def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, corpus_root: Path,
+                                                             monkeypatch) -> None:
+    from fira_train.run import checkpoint as ckpt
+
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=4", "train.save_every=2")
+    runs = ablation_runs(["fira"], [])
+    real_save = ckpt.save_checkpoint
+
+    def stop_at_step_4(run_dir, step, state):
+        if step == 4:
+            raise _Stop
+        return real_save(run_dir, step, state)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", stop_at_step_4)
+    with pytest.raises(_Stop):
+        train_runs(config, runs, tmp_path / "out", title=TITLE)
+    monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
+    spec = tmp_path / "out" / "fira" / RUN_SPEC_FILE
+    assert json.loads(spec.read_text()) == runs[0].spec()  # written when the run started
+    spec.write_text(json.dumps({**runs[0].spec(), "callbacks": "something else"}))
+    summary = train_runs(config, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
+    assert summary["sittings"] == 1  # from its start, not from the checkpoint of step 2
+    assert json.loads(spec.read_text()) == runs[0].spec()
+
+
 def test_a_failing_worker_run_raises_and_keeps_the_finished_runs(tmp_path: Path, corpus_root: Path) -> None:
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
     runs = ablation_runs(["fira"], [])
