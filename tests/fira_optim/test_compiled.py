@@ -99,4 +99,6 @@ def test_compiled_keeps_the_limiter_s_history_in_float64_and_inside_the_subspace
     assert got_history == pytest.approx(history, rel=rtol)
     for (norm, factor), (got_norm, got_factor) in zip(seen, got_seen):
         assert got_norm == pytest.approx(norm, rel=rtol) and got_factor == pytest.approx(factor, rel=rtol)
-    torch.testing.assert_close(got, weights, rtol=rtol, atol=0)
+    # float32: the compiled kernel sums in another order, which moves a weight near 0 by a few
+    # ulps of the larger ones (2.4e-8 at 2.1e-4 on one CPU): an absolute term of that size
+    torch.testing.assert_close(got, weights, rtol=rtol, atol=1e-7 if dtype == torch.float32 else 0)
