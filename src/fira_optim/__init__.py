@@ -5,6 +5,7 @@ Depends on torch alone. Start with :class:`FiraAdamW` and :func:`param_groups`.
 
 from .backward import StepInBackward, step_in_backward
 from .groups import divide_params, param_groups
+from .loss_scale import LossScale
 from .optimizer import Fira, FiraAdamW, GaLoreAdamW, NonFiniteGradientError
 from .pipeline import MatrixStats
 from .state import optimizer_state_numel
@@ -15,6 +16,7 @@ __all__ = [
     "MatrixStats",
     "FiraAdamW",
     "GaLoreAdamW",
+    "LossScale",
     "NonFiniteGradientError",
     "StepInBackward",
     "VARIANTS",

@@ -41,11 +41,14 @@ What changes:
   the gradients freed and returns 0, so a Trainer logs a gradient norm of 0): Fira's
   norm-growth limiter bounds each matrix's residual update instead; clip per matrix in your own
   hook if you need more.
-- **Loss scaling** (``torch.amp.GradScaler``, for fp16 autocast) cannot work either: the hooks
-  update from the scaled gradients before ``scaler.unscale_`` could see them, an overflow is a
-  non-finite gradient (per ``nonfinite``) instead of a smaller scale, and ``scaler.step``
-  then finds no gradients ("No inf checks were recorded"). Use bf16 autocast, which needs no
-  scaling.
+- **Loss scaling** for fp16 autocast: ``torch.amp.GradScaler`` cannot work (the hooks would
+  update from the scaled gradients before ``scaler.unscale_`` sees them, and ``scaler.step``
+  then finds no gradients: "No inf checks were recorded"). Pass ``loss_scale="dynamic"`` (or a
+  number, a static scale) instead and call ``handle.scale(loss).backward()``; each update divides
+  its own gradients by the scale, with GradScaler's kernels, and the scale moves at each
+  ``optimizer.step()`` as GradScaler's does (:mod:`fira_optim.loss_scale`). An overflow skips
+  the updates whose gradients overflowed, not the whole step (those before it are done). Not
+  under FSDP2 (each rank would see its own shard overflow); bf16 autocast needs no scaling.
 - **DDP**: pass the DDP model. The update then runs in DDP's communication hook, on each
   bucket's all-reduced (averaged) gradients, instead of the local ones; DDP's buckets still
   hold the model's gradients, so the memory saving under DDP is the optimizer's temporaries, not
@@ -67,6 +70,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from . import distributed
+from .loss_scale import LossScale
+
 if TYPE_CHECKING:
     from .optimizer import Fira
 
@@ -74,10 +80,12 @@ if TYPE_CHECKING:
 class StepInBackward:
     """The handle :func:`step_in_backward` returns."""
 
-    def __init__(self, optimizer: "Fira", model: Any = None):
+    def __init__(self, optimizer: "Fira", model: Any = None, loss_scale: Any = None):
         if optimizer._in_backward is not None:
             raise RuntimeError("step_in_backward is already active on this optimizer; "
                                "remove() its handle first")
+        self.loss_scale = _loss_scale(loss_scale, optimizer)
+        """The :class:`~fira_optim.loss_scale.LossScale` (None without loss scaling)."""
         self.optimizer = optimizer
         self.model = model
         self._accumulating = False
@@ -122,9 +130,29 @@ class StepInBackward:
         return [p for group in self.optimizer.param_groups for p in group["params"]
                 if p.grad is not None and not (self._ddp and p in self._covered)]
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (``loss_scale=``): call ``.backward()`` on this. Each
+        update divides its gradients by the scale first."""
+        if self.loss_scale is None:
+            raise RuntimeError("this handle has no loss scale: pass loss_scale='dynamic' (or a number) to "
+                               "step_in_backward for fp16 autocast, and call backward() on the loss itself "
+                               "otherwise")
+        return self.loss_scale.scale(loss)
+
+    def unscaled(self, params) -> bool:
+        """Divide the gradients of ``params`` by the loss scale (none: nothing to do); False if
+        one overflowed (the update of ``params`` is then skipped, and the scale backs off at the
+        next ``optimizer.step()``)."""
+        if self.loss_scale is None:
+            return True
+        return self.loss_scale.unscale_([p.grad for p in params if p.grad is not None])
+
     def stepped(self) -> None:
-        """``optimizer.step()`` ran: the updates since the last one were one step's."""
+        """``optimizer.step()`` ran: the updates since the last one were one step's (and the
+        loss scale moves, once per step)."""
         self._updated.clear()
+        if self.loss_scale is not None:
+            self.loss_scale.update()
 
     def _updating(self, params) -> None:
         # A second update of a parameter before step(): an accumulation loop that does not enter
@@ -144,6 +172,8 @@ class StepInBackward:
     def _update(self, params: set) -> None:
         """Update ``params`` now, from their gradients (a hook's or DDP's call)."""
         self._updating(params)
+        if not self.unscaled(params):  # overflowed under loss scaling: this update is skipped
+            return
         try:
             self.optimizer._step_params(params)
         except BaseException:
@@ -212,17 +242,39 @@ class StepInBackward:
             self.optimizer._in_backward = None
 
 
-def step_in_backward(optimizer: "Fira", model: Any = None) -> StepInBackward:
+def step_in_backward(optimizer: "Fira", model: Any = None, *, loss_scale: Any = None) -> StepInBackward:
     """Update every parameter of ``optimizer`` inside the backward pass, as soon as its gradient
     is complete, and free the gradient (module docstring). ``model``: the DDP-wrapped model under
-    DDP (required there); anything else is ignored.
+    DDP (required there); anything else is ignored. ``loss_scale``: for fp16 autocast, ``"dynamic"``
+    (GradScaler's defaults), a number (a static scale) or a
+    :class:`~fira_optim.loss_scale.LossScale`; then ``handle.scale(loss).backward()``.
     Returns the handle; ``handle.remove()`` restores the normal behaviour."""
     from .optimizer import Fira
 
     if not isinstance(optimizer, Fira):
         raise TypeError(f"step_in_backward takes a fira_optim.Fira optimizer, got "
                         f"{type(optimizer).__name__}")
-    return StepInBackward(optimizer, model)
+    return StepInBackward(optimizer, model, loss_scale)
+
+
+def _loss_scale(value: Any, optimizer: "Fira") -> LossScale | None:
+    """``loss_scale=`` as a :class:`LossScale` (None: no scaling); ValueError naming the value."""
+    if value is None:
+        return None
+    if isinstance(value, LossScale):
+        scale = value
+    elif value == "dynamic":
+        scale = LossScale()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        scale = LossScale(init_scale=value, dynamic=False)  # validates it
+    else:
+        raise ValueError(f"loss_scale must be None, 'dynamic', a number > 0 (a static scale) or a "
+                         f"fira_optim.LossScale, got loss_scale={value!r}")
+    if any(distributed.is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+        # each rank would see its own shard overflow and skip its own rows of a matrix's update
+        raise ValueError("loss_scale does not run on sharded (FSDP2) parameters: each rank finds overflows "
+                         "in its own shard only; use bf16 autocast there, which needs no scaling")
+    return scale
 
 
 #: The handles not removed: a second one over a parameter that one of them updates (another

@@ -503,8 +503,10 @@ def _check_step_in_backward(trainer: Trainer) -> None:
             "gradient is used and freed as backward computes it (Fira's norm-growth limiter bounds each "
             "matrix's update instead)")
     if args.fp16:
-        raise ValueError("FiraTrainer(step_in_backward=True) cannot use fp16=True: its loss scaling would "
-                         "need the gradients after backward, when they have been used; use bf16=True")
+        raise ValueError("FiraTrainer(step_in_backward=True) cannot use fp16=True: the Trainer's GradScaler "
+                         "needs the gradients after backward, when they have been used; use bf16=True, or "
+                         "a training loop of your own with fira_optim.step_in_backward(optimizer, "
+                         "loss_scale='dynamic'), which scales per update")
     for name, on in (("FSDP", trainer.is_fsdp_enabled), ("DeepSpeed", trainer.is_deepspeed_enabled)):
         if on:
             raise ValueError(

@@ -389,7 +389,8 @@ class Fira(Optimizer):
         else:  # the hooked parameters were updated in the backward pass; the rest here
             rest = self._in_backward.uncovered()
             if rest:
-                self._step_params(set(rest))
+                if self._in_backward.unscaled(rest):  # under loss scaling: skipped if one overflowed
+                    self._step_params(set(rest))
                 self._in_backward.cover(rest)  # unfrozen since the hooks were registered
             self._in_backward.stepped()
         return loss

@@ -310,14 +310,20 @@ def _distributed_worker(rank, world, mode):
             fully_shard(layer)
         wrapped = fully_shard(model)
     opt = _optimizer(model)
-    handle = step_in_backward(opt, wrapped)
+    if mode == "fsdp2":  # each rank would find overflows in its own shard only
+        with pytest.raises(ValueError, match="loss_scale does not run on sharded"):
+            step_in_backward(opt, wrapped, loss_scale=1024.0)
+        handle = step_in_backward(opt, wrapped)
+    else:  # a static power of 2 in float64: unscaled exactly, as the unscaled one-process run
+        handle = step_in_backward(opt, wrapped, loss_scale=1024.0)
     for step in range(5):
         for micro in range(2):
             x, y = _batch(step, micro)
             rows = slice(4 * rank, 4 * rank + 4)  # each rank its half of the batch
             context = handle.accumulate() if micro == 0 else _nothing()
             with context:
-                (_loss(wrapped, x[rows], y[rows]) / 2).backward()
+                loss = _loss(wrapped, x[rows], y[rows]) / 2
+                (handle.scale(loss) if handle.loss_scale is not None else loss).backward()
         opt.step()
         opt.zero_grad()
     out = {}
