@@ -23,7 +23,7 @@ from fira_optim.options import check_options
 from fira_train.data.spec import DataSpec
 from fira_train.methods.registry import METHODS
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 PARAM_DTYPES = ("float32", "bfloat16")
 #: ``train.parallel``: one process, or a data parallelism of
@@ -223,7 +223,9 @@ class TrainConfig:
     """Run directory: config.json, metrics.jsonl, summary.json, tb/ and checkpoints/ go here."""
     precision: str = "auto"
     """"auto" (bf16 autocast on CUDA devices that support it, float32 otherwise), "bf16"
-    (autocast, also on CPU) or "fp32"."""
+    (autocast, also on CPU), "fp16" (autocast with dynamic loss scaling: GPUs without bf16, such
+    as the T4 and V100; ``torch.amp.GradScaler``, or the step-in-backward handle's own scale) or
+    "fp32"."""
     device: str = "auto"
     """"auto" (CUDA if available), "cpu" or "cuda"."""
     tensorboard: bool = True
@@ -313,6 +315,12 @@ class RunConfig:
                self.train.grad_clip, "0 with optim.step_in_backward=true (the global gradient norm "
                "exists only after the last gradient, when most updates are done; Fira's "
                "norm-growth limiter bounds each matrix's update instead)")
+        _check(self.train.precision != "fp16" or self.train.param_dtype == "float32", "train.param_dtype",
+               self.train.param_dtype, "float32 with train.precision='fp16' (fp16 autocast keeps fp32 weights; "
+               "bf16 weights need no loss scaling: use train.precision=bf16)")
+        _check(self.train.precision != "fp16" or self.train.parallel != "fsdp2", "train.precision",
+               self.train.precision, "'bf16' or 'fp32' with train.parallel='fsdp2' (fp16 loss scaling "
+               "would find overflows in each rank's shard only; bf16 needs no scaling)")
         # peft wraps the model after it is built; DDP / FSDP2 must wrap it before the optimizer
         # sees the parameters, and the two orders do not compose yet.
         _check(self.train.parallel == "none" or not METHODS[self.optim.method].wraps_model,

@@ -2,10 +2,11 @@
 
 A checkpoint payload (:func:`capture_state`) has the model, optimizer and scheduler state
 dicts, the data stream position (``BatchStream.state_dict()``), the Python, NumPy, torch and
-CUDA generator states, the step, the run's running totals (tokens, training time) and the
-state of the run's callbacks (:class:`~fira_train.run.callbacks.TrainCallback`, an analysis's
-noise generator or running moments). It holds
-tensors and plain Python values only, so ``torch.load(weights_only=True)`` reads it.
+CUDA generator states, the step, the run's running totals (tokens, training time), the loss
+scale of ``train.precision=fp16`` and the state of the run's callbacks
+(:class:`~fira_train.run.callbacks.TrainCallback`: an analysis's noise generator or running
+moments). It holds tensors and plain Python values only, so ``torch.load(weights_only=True)``
+reads it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def capture_state(step: int, training: Training, stream: Any, progress: dict[str
         "rng": rng_state(),
         "progress": dict(progress),
         "callbacks": callback_states(callbacks),
+        "loss_scale": training.loss_scale_state(),  # train.precision=fp16; else None
         **corpus_record(stream),
     }
 
@@ -79,5 +81,6 @@ def restore_state(state: dict[str, Any], training: Training, stream: Any, source
     training.optimizer.load_state_dict(state["optimizer"])
     training.scheduler.load_state_dict(state["scheduler"])
     stream.load_state_dict(state["data"])
+    training.load_loss_scale_state(state.get("loss_scale"))
     set_rng_state(state["rng"])
     return int(state["step"]), dict(state["progress"])

@@ -179,7 +179,7 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
         with train_parallel.accumulation_context(net, last=last), waiting or contextlib.nullcontext():
             with autocast:
                 loss = net(input_ids=ids, labels=ids).loss  # mean over micro_batch * (seq_len - 1)
-            (loss / accum).backward()
+            training.scale(loss / accum).backward()  # scaled under train.precision=fp16
         loss_sum += loss.detach()
     # equal rows per rank: the mean of the ranks' means is the global mean
     step_loss = all_reduce_mean(loss_sum / accum, env) if distributed else (loss_sum / accum).item()
@@ -187,16 +187,27 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
         raise NonFiniteLossError(step, step_loss)
     check_loss(step, step_loss)  # a loss above the divergence bound (fira_train.run.divergence)
     started = time.perf_counter()
+    scaler = training.grad_scaler
+    if scaler is not None:  # callbacks and clipping see the true gradients
+        scaler.unscale_(optimizer)
     for callback in callbacks:
         callback.before_step(step, model, optimizer, step_loss)
     if config.train.grad_clip > 0:
         if trainable is None:
             trainable = [p for p in model.parameters() if p.requires_grad]
         clip_grad_norm_(trainable, config.train.grad_clip)  # the global norm over FSDP2's shards too
-    optimizer.step()
+    skipped = False
+    if scaler is None:
+        optimizer.step()
+    else:  # skipped, and the scale lowered, if a gradient overflowed
+        before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        skipped = scaler.get_scale() < before
     for callback in callbacks:
         callback.after_step(step, model, optimizer, step_loss)
-    training.scheduler.step()
+    if not skipped:  # as the Hugging Face Trainer: the schedule moves with the updates
+        training.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if training.setup.after_step is not None:
         training.setup.after_step(step)

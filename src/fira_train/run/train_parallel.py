@@ -121,7 +121,8 @@ def save(out: Path, step: int, training: Training, stream: Any, progress: dict[s
     """Write the DCP checkpoint of ``step`` under ``OUT/checkpoints`` (every rank calls this);
     older complete checkpoints beyond ``keep_last`` are deleted. ``record``: plain values for
     the marker (the run's config)."""
-    extra = {"step": step, "data": stream.state_dict(), "progress": dict(progress), **corpus_record(stream)}
+    extra = {"step": step, "data": stream.state_dict(), "progress": dict(progress),
+             "loss_scale": training.loss_scale_state(), **corpus_record(stream)}
     return dist_checkpoint.save_checkpoint(Path(out) / ckpt.CHECKPOINT_DIR, step, training.model,
                                            training.optimizer, training.scheduler, extra,
                                            keep_last=keep_last, record=record)
@@ -150,6 +151,7 @@ def load(out: Path, path: Path, training: Training, stream: Any, mode: str,
         check_corpus(extra, stream, source)
         load_callback_states(callbacks, None)
         stream.load_state_dict(extra["data"])
+        training.load_loss_scale_state(extra.get("loss_scale"))
         return int(extra["step"]), dict(extra["progress"])
     if mode == "fsdp2":
         raise ValueError(f"checkpoint {str(path)!r} was written by a one-process run; FSDP2 resumes "

@@ -29,6 +29,34 @@ class Training:
     place, and ``model`` is then the FSDP2 module)."""
     in_backward: fira_optim.StepInBackward | None = None
     """The handle of ``optim.step_in_backward``: updates run inside the backward pass."""
+    grad_scaler: torch.amp.GradScaler | None = None
+    """``train.precision=fp16`` with a plain step: the loss scaling (with step-in-backward the
+    handle scales, ``in_backward.loss_scale``)."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale of ``train.precision=fp16`` (as it is otherwise)."""
+        if self.grad_scaler is not None:
+            return self.grad_scaler.scale(loss)
+        if self.in_backward is not None and self.in_backward.loss_scale is not None:
+            return self.in_backward.scale(loss)
+        return loss
+
+    def loss_scale_state(self) -> dict | None:
+        """The loss scale's state (plain values) for a checkpoint; None without loss scaling."""
+        if self.grad_scaler is not None:
+            return self.grad_scaler.state_dict()
+        if self.in_backward is not None and self.in_backward.loss_scale is not None:
+            return self.in_backward.loss_scale.state_dict()
+        return None
+
+    def load_loss_scale_state(self, state: dict | None) -> None:
+        """Take back :meth:`loss_scale_state` (None: a checkpoint without loss scaling)."""
+        if state is None:
+            return
+        if self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state)
+        elif self.in_backward is not None and self.in_backward.loss_scale is not None:
+            self.in_backward.loss_scale.load_state_dict(state)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -54,8 +82,11 @@ def resolve_device(config: RunConfig) -> torch.device:
 
 
 def autocast_for(config: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA devices that support it ("auto"), or wherever "bf16" asks for it."""
+    """bf16 autocast on CUDA devices that support it ("auto"), or wherever "bf16" asks for it;
+    fp16 autocast for "fp16" (with loss scaling: :class:`Training`)."""
     precision = config.train.precision
+    if precision == "fp16":
+        return torch.autocast(device_type=device.type, dtype=torch.float16)
     if precision == "auto":
         use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     else:
@@ -90,10 +121,14 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
     # Under DDP the refresh SVDs are dealt to the ranks, but not from inside DDP's communication
     # hook (where updates in the backward pass run): there each rank computes its own.
     setup = build_method(model, config, split_refresh=mode == "ddp" and not config.optim.step_in_backward)
-    in_backward = None
+    in_backward, grad_scaler = None, None
+    fp16 = config.train.precision == "fp16"
     if config.optim.step_in_backward:
-        in_backward = fira_optim.step_in_backward(setup.optimizer, wrapped if mode == "ddp" else None)
+        in_backward = fira_optim.step_in_backward(setup.optimizer, wrapped if mode == "ddp" else None,
+                                                  loss_scale="dynamic" if fp16 else None)
+    elif fp16:
+        grad_scaler = torch.amp.GradScaler(device.type)
     schedule = WarmupCosine(config.train.steps, config.train.warmup_fraction, config.train.min_lr_ratio,
                             restart_every=setup.restart_every, rewarmup=setup.rewarmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(setup.optimizer, schedule)
-    return Training(setup, scheduler, device, wrapped if wrapped is not model else None, in_backward)
+    return Training(setup, scheduler, device, wrapped if wrapped is not model else None, in_backward, grad_scaler)

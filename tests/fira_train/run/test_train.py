@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fira_optim
 import fira_train.run.training as training_module
 from fira_train.config.overrides import apply_overrides, config_from_dict
 from fira_train.config.run_config import ModelConfig
@@ -160,6 +161,83 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path: Path, monk
     assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")  # exact, every step
     assert [r["step"] for r in read_metrics(tmp_path / "resumed")] == list(range(1, 13))
     assert resumed["val_loss"] == straight["val_loss"]
+
+
+@pytest.mark.parametrize("method", [("optim.method=adamw",),
+                                    ("optim.method=fira", "optim.step_in_backward=true", "train.grad_clip=0")])
+def test_fp16_with_loss_scaling_trains_and_resumes_exactly(tmp_path: Path, monkeypatch, method) -> None:
+    # GradScaler with a plain step, the handle's own scale with step-in-backward: both in
+    # checkpoints. Growing every 2 steps, the scales reach an overflow and back off in 8 steps.
+    import fira_optim.backward
+
+    class GradScaler(torch.amp.GradScaler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "growth_interval": 2})
+
+    class LossScale(fira_optim.LossScale):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "growth_interval": 2})
+
+    monkeypatch.setattr(torch.amp, "GradScaler", GradScaler)
+    monkeypatch.setattr(fira_optim.backward, "LossScale", LossScale)
+    common = [*method, "train.precision=fp16", "train.steps=8", "train.save_every=3", "train.eval_every=0",
+              "train.keep_last=5"]
+    straight = train(micro_config(tmp_path, *common, out="straight"))
+    real_save = ckpt.save_checkpoint
+
+    def save_then_crash(run_dir, step, state):
+        path = real_save(run_dir, step, state)
+        if step == 6:
+            raise _Stop
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_crash)
+    with pytest.raises(_Stop):
+        train(micro_config(tmp_path, *common, out="resumed"))
+    monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
+    resumed = train(micro_config(tmp_path, *common, out="resumed"), resume="latest")
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    assert resumed["val_loss"] == straight["val_loss"] and math.isfinite(straight["val_loss"])
+    def scales(run: str) -> list[float]:
+        return [torch.load(path / ckpt.STATE_FILE, weights_only=True)["loss_scale"]["scale"]
+                for _, path in ckpt.complete_checkpoints(tmp_path / run)]
+
+    assert len(set(scales("straight"))) == 3  # the scale moved between checkpoints 3, 6 and 8
+    assert scales("resumed") == scales("straight")  # continued from the checkpoint's, not 2**16
+
+
+def test_an_fp16_overflow_skips_the_step_and_the_schedule(tmp_path: Path, monkeypatch) -> None:
+    calls = {"backward": 0}
+
+    def poisoned(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+
+        def hook(grad):
+            calls["backward"] += 1  # 2 micro-batches per step: the first backward of step 3
+            return torch.full_like(grad, float("inf")) if calls["backward"] == 5 else grad
+
+        model.lm_head.weight.register_hook(hook)
+        return model
+
+    monkeypatch.setattr(training_module, "build_model", poisoned)
+    config = micro_config(tmp_path, "optim.method=fira", "train.precision=fp16", "train.steps=4",
+                          "train.save_every=1", "train.keep_last=4", "train.eval_every=0")
+    train(config)
+    states = {step: torch.load(path / ckpt.STATE_FILE, weights_only=True)
+              for step, path in ckpt.complete_checkpoints(tmp_path / "run")}
+    for name, value in states[3]["model"].items():  # step 3 changed no weight
+        assert torch.equal(value, states[2]["model"][name]), name
+    assert not torch.equal(states[4]["model"]["lm_head.weight"], states[3]["model"]["lm_head.weight"])
+    assert [states[s]["loss_scale"]["scale"] for s in (2, 3)] == [2.0 ** 16, 2.0 ** 15]
+    lrs = [r["lr"] for r in read_metrics(tmp_path / "run")]
+    assert lrs[3] == lrs[2] != lrs[1]  # the schedule did not move for the skipped step
+
+
+def test_fp16_refuses_bf16_weights_and_fsdp2(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="train.param_dtype.*float32 with train.precision='fp16'"):
+        micro_config(tmp_path, "train.precision=fp16", "train.param_dtype=bfloat16")
+    with pytest.raises(ValueError, match="train.precision.*with train.parallel='fsdp2'"):
+        micro_config(tmp_path, "train.precision=fp16", "train.parallel=fsdp2")
 
 
 def test_kill_9_while_writing_a_checkpoint_then_resume_exactly(tmp_path: Path) -> None:
