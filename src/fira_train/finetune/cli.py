@@ -15,6 +15,7 @@ from fira_train.finetune.config import (
     DEFAULT_LR,
     DEFAULT_RANK,
     METHODS,
+    PRECISIONS,
     RECIPES,
     SCORINGS,
     STATE_DTYPES,
@@ -92,6 +93,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "gradients never coexist (no gradient clipping then; the other runs clip at norm 1.0)")
     p.add_argument("--state-dtype", default="float32", choices=STATE_DTYPES,
                    help="fira, galore, fira-lora: how the optimizer states are stored (default float32)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="fp32 throughout (default, the Trainer's), or the Trainer's bf16 / fp16 mixed precision "
+                        "(fp32 weights; fp16 scales the loss: GPUs without bf16, not with --step-in-backward)")
     p.set_defaults(func=run_from_args)
 
 

@@ -67,7 +67,10 @@ class FinetuneError(ValueError):
 
 
 #: The options only training reads (a zero-shot run's record holds None for each).
-TRAINING_OPTIONS = ("batch_size", "max_train", "weight_decay", "cutoff_len", "train_on_inputs", "save_steps")
+TRAINING_OPTIONS = ("batch_size", "max_train", "weight_decay", "cutoff_len", "train_on_inputs", "save_steps",
+                    "precision")
+#: How the training runs (the Trainer's ``bf16`` / ``fp16`` mixed precision, or fp32 throughout).
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -138,6 +141,9 @@ class FinetuneConfig:
     no gradients (the others clip at the global norm 1.0, the Trainer's default)."""
     state_dtype: str = "float32"
     """Fira-family methods: how the optimizer states are stored (:data:`STATE_DTYPES`)."""
+    precision: str = "fp32"
+    """The training's precision (:data:`PRECISIONS`): fp32 throughout, as the Trainer's default, or
+    its bf16 / fp16 mixed precision (fp32 weights; fp16 with loss scaling, for GPUs without bf16)."""
     task_specs: list[TaskSpec] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -185,6 +191,12 @@ class FinetuneConfig:
             raise FinetuneError(f"threads={self.threads!r} must be a positive integer")
         if self.state_dtype not in STATE_DTYPES:
             raise FinetuneError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
+        if self.precision not in PRECISIONS:
+            raise FinetuneError(f"precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
+        if self.precision == "fp16" and self.step_in_backward and self.trains:
+            raise FinetuneError("precision='fp16' with step_in_backward=True: the Trainer's loss scaling needs the "
+                                "gradients after the backward pass, when each has been used and freed; use "
+                                "precision='bf16', which needs no scaling")
         fira_only = {"step_in_backward": self.step_in_backward, "state_dtype": self.state_dtype != "float32"}
         for name, given in fira_only.items():
             if given and self.trains and self.method not in FIRA_METHODS:

@@ -130,6 +130,7 @@ def render_report(results: dict[str, Any]) -> str:
         (f"Trained on {', '.join(results['trained_on']) or '-'} ({results['train_records']} records, "
          f"{config['steps']} steps x {config['batch_size']}, lr {config['lr']}"
          f"{', updates in the backward pass' if config.get('step_in_backward') else ''}"
+         f"{', ' + config['precision'] + ' mixed precision' if config.get('precision') in ('bf16', 'fp16') else ''}"
          f"{', recipe ' + config['recipe'] if config.get('recipe') else ''})" if results["training"]
          else "Not trained (zero-shot)") + f"; {PROTOCOL[scoring]}. Accuracy in % with its 95% Wilson interval.",
         "",

@@ -42,6 +42,10 @@ def run_finetune(
     """
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.precision == "fp16" and config.trains and not torch.cuda.is_available():
+        # the Trainer (accelerate) runs fp16 only on an accelerator: on the CPU it would train in fp32
+        raise FinetuneError("precision='fp16' needs a CUDA GPU (the Trainer's fp16 mixed precision runs only on "
+                            "an accelerator, and would silently train in fp32 here); use precision='bf16' or 'fp32'")
     _refuse_earlier_results(config)
     train, tests, trained_on = load_records(config)  # data errors before the (slow) model load
     validation = load_validation(config)

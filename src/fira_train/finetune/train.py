@@ -84,10 +84,10 @@ def peer_optimizer(model: torch.nn.Module, config: FinetuneConfig) -> torch.opti
 RESUME_KEYS = ("model", "data_dir", "tasks", "method", "recipe", "steps", "max_train", "batch_size", "lr",
                "warmup_steps", "weight_decay", "rank", "update_proj_gap", "alpha", "target_modules", "lora_r",
                "lora_alpha", "lora_dropout", "lora_targets", "cutoff_len", "train_on_inputs", "seed",
-               "step_in_backward", "state_dtype")
+               "step_in_backward", "state_dtype", "precision")
 #: What the options added to :data:`RESUME_KEYS` since records were first written meant before
 #: them (such a record's run trained with these).
-SETTINGS_BEFORE_RECORDED = {"step_in_backward": False, "state_dtype": "float32"}
+SETTINGS_BEFORE_RECORDED = {"step_in_backward": False, "state_dtype": "float32", "precision": "fp32"}
 
 
 def checkpoint_dir(config: FinetuneConfig) -> Path:
@@ -279,6 +279,8 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         dataloader_num_workers=0,
         remove_unused_columns=False,
         optim="adamw_torch",
+        bf16=config.precision == "bf16",
+        fp16=config.precision == "fp16",
         # updates in the backward pass cannot clip by the global norm (FiraTrainer refuses it)
         max_grad_norm=0.0 if config.step_in_backward else 1.0,
     )

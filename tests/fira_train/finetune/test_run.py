@@ -157,6 +157,27 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
     assert ("acc_norm [95% CI]" in report) == (scoring == "loglik")
 
 
+def test_mixed_precision_reaches_the_trainer_the_record_and_the_report(tiny_model_dir, tmp_path):
+    model_dir, data = tiny_model_dir
+    common = ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--max-eval", "3",
+              "--steps", "2", "--batch-size", "2", "--method", "fira", "--rank", "4", "--lr", "1e-3",
+              "--save-steps", "0"]
+    results = {}
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / precision
+        results[precision] = run_cli([*common, "--precision", precision, "--out", str(out)])
+        assert results[precision]["config"]["precision"] == precision
+    assert "bf16 mixed precision" in (tmp_path / "bf16" / "report.md").read_text()
+    assert "mixed precision" not in (tmp_path / "fp32" / "report.md").read_text()
+    # autocast changed the training: the losses differ from fp32's
+    assert results["bf16"]["training"]["loss_history"] != results["fp32"]["training"]["loss_history"]
+    if not torch.cuda.is_available():  # the Trainer would train fp16 in fp32 on the CPU: refused
+        with pytest.raises(FinetuneError, match="precision='fp16' needs a CUDA GPU"):
+            run_finetune(FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="fira", steps=2,
+                                        precision="fp16", out=str(tmp_path / "fp16")))
+        assert not (tmp_path / "fp16").exists()
+
+
 def test_zero_shot_and_method_memory_ordering(tiny_model_dir, tmp_path):
     model_dir, data = tiny_model_dir
     common = ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--max-eval", "3",
@@ -701,10 +722,11 @@ def test_a_settings_record_from_before_the_memory_options_resumes_only_without_t
     data = write_data(tmp_path)
     common = dict(tasks=["boolq"], data_dir=str(data), steps=4, batch_size=2, out=str(tmp_path / "o"))
     _checkpoint(tmp_path / "o" / "trainer", 2)
-    old = {k: v for k, v in _settings(FinetuneConfig(**common)).items() if k not in ("step_in_backward", "state_dtype")}
+    old = {k: v for k, v in _settings(FinetuneConfig(**common)).items()
+           if k not in ("step_in_backward", "state_dtype", "precision")}
     (tmp_path / "o" / "trainer" / "run_settings.json").write_text(json.dumps(old))
     assert resume_point(FinetuneConfig(**common)).endswith("checkpoint-2")
-    for option in ({"step_in_backward": True}, {"state_dtype": "int8"}):
+    for option in ({"step_in_backward": True}, {"state_dtype": "int8"}, {"precision": "bf16"}):
         with pytest.raises(ValueError, match=f"other settings .*{next(iter(option))}"):
             resume_point(FinetuneConfig(**common, **option))
     # another run's folder is left as it is: its incomplete checkpoints are not removed by a refused start
