@@ -222,7 +222,7 @@ def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
     if ids.size == 0:
         raise ValueError(f"{path}: holds no token ids")
     tokenizer = load_pretrained_tokenizer(spec.tokenizer)
-    low, high = _id_range(ids)
+    file_sha256, low, high = _digest_and_range(path, ids)  # one read of a file that may be many GB
     if low < 0 or high >= len(tokenizer):
         raise ValueError(
             f"{path}: token ids must lie in [0, {len(tokenizer)}) for tokenizer {spec.tokenizer!r}, "
@@ -241,22 +241,36 @@ def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
         raise ValueError(f"{path}: {len(ids)} tokens leave no room for a test split of {n_test} tokens "
                          f"(test_fraction={spec.test_fraction}) and a training sequence of seq_len={spec.seq_len}")
     test_start = split - n_test
-    identity = fingerprint("npy", file_digest(path), tokenizer_fingerprint(tokenizer))  # one read of the file
+    identity = fingerprint("npy", file_sha256, tokenizer_fingerprint(tokenizer))
     # its token digest is kept in the cache as a tokenized corpus's is (a later start reads the ids
     # for its identity and range only)
     return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:test_start], ids[split:], ids[test_start:split],
                         identity=identity, digest_dir=spec.resolved_cache_dir() / "token-digests")
 
 
-def _id_range(ids: np.ndarray) -> tuple[int, int]:
-    """The smallest and largest id, in one pass over a memory-mapped array, a chunk at a time."""
+def _digest_and_range(path: Path, ids: np.memmap) -> tuple[str, int, int]:
+    """The SHA-256 of the file's bytes (:func:`fira_train.files.file_digest`'s) and the smallest
+    and largest id of ``ids``, its memory map, in one read of the file, a chunk of ids at a time
+    (the file, its identity, was read twice: once for the digest, once for the range)."""
+    digest = hashlib.sha256()
     low, high = None, None
-    for start in range(0, ids.size, DIGEST_CHUNK):
-        chunk = np.asarray(ids[start : start + DIGEST_CHUNK])
-        low = int(chunk.min()) if low is None else min(low, int(chunk.min()))
-        high = int(chunk.max()) if high is None else max(high, int(chunk.max()))
+    itemsize = ids.dtype.itemsize
+    with open(path, "rb") as handle:
+        digest.update(handle.read(ids.offset))  # the .npy header
+        left = ids.size * itemsize
+        while left:
+            chunk = handle.read(min(left, DIGEST_CHUNK * itemsize))
+            if not chunk or len(chunk) % itemsize:
+                raise ValueError(f"{path}: shorter than its header says ({ids.size} ids of {itemsize} bytes)")
+            left -= len(chunk)
+            digest.update(chunk)
+            values = np.frombuffer(chunk, dtype=ids.dtype)
+            low = int(values.min()) if low is None else min(low, int(values.min()))
+            high = int(values.max()) if high is None else max(high, int(values.max()))
+        while rest := handle.read(1 << 20):  # bytes after the array (none in a file numpy wrote)
+            digest.update(rest)
     assert low is not None and high is not None  # the caller refused an empty array
-    return low, high
+    return digest.hexdigest(), low, high
 
 
 def build_corpus(spec: DataSpec) -> Corpus:

@@ -13,6 +13,7 @@ import torch
 from fira_train.data import build
 from fira_train.data import tokenizer as tok
 from fira_train.data.build import build_corpus
+from fira_train.files import file_digest
 from tests.fira_train.data.data_fixtures import make_docs, spec_for, split_on_eos, take, write_jsonl
 
 
@@ -353,11 +354,18 @@ def test_bad_token_ids_name_the_file(tmp_path: Path, saved_tokenizer: Path, ids:
         build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))
 
 
-def test_the_range_of_token_ids_is_read_a_chunk_at_a_time(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", ["<i4", ">u2", "<i8"])
+def test_the_digest_and_range_of_token_ids_are_one_read_a_chunk_at_a_time(tmp_path: Path, monkeypatch,
+                                                                          dtype: str) -> None:
     monkeypatch.setattr(build, "DIGEST_CHUNK", 7)  # chunks of 7 ids: the extremes in different chunks
-    ids = np.array([5, 3, 9, 4, 4, 4, 4, 4, 4, 4, 2, 4, 4, 4, 11, 4])
-    assert build._id_range(ids) == (2, 11)
-    assert build._id_range(np.array([6])) == (6, 6)
+    for values, expected in (([5, 3, 9, 4, 4, 4, 4, 4, 4, 4, 2, 4, 4, 4, 11, 4], (2, 11)), ([6], (6, 6))):
+        path = tmp_path / "ids.npy"
+        np.save(path, np.array(values, dtype=dtype))
+        ids = np.load(path, mmap_mode="r")
+        assert build._digest_and_range(path, ids) == (file_digest(path), *expected)
+    with open(path, "ab") as f:
+        f.write(b"tail")  # bytes after the array are part of the file's identity too
+    assert build._digest_and_range(path, np.load(path, mmap_mode="r"))[0] == file_digest(path)
 
 
 def test_pretokenized_needs_its_tokenizer(tmp_path: Path, saved_tokenizer: Path) -> None:
