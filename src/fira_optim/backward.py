@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from . import distributed
-from .loss_scale import LossScale
+from .loss_scale import _FP16_GRADIENTS, LossScale
 
 if TYPE_CHECKING:
     from .optimizer import Fira
@@ -86,6 +86,8 @@ class StepInBackward:
                                "remove() its handle first")
         self.loss_scale = _loss_scale(loss_scale, optimizer)
         """The :class:`~fira_optim.loss_scale.LossScale` (None without loss scaling)."""
+        if self.loss_scale is not None:
+            self.loss_scale.handle = self
         self.optimizer = optimizer
         self.model = model
         self._accumulating = False
@@ -139,13 +141,17 @@ class StepInBackward:
                                "otherwise")
         return self.loss_scale.scale(loss)
 
-    def unscaled(self, params) -> bool:
-        """Divide the gradients of ``params`` by the loss scale (none: nothing to do); False if
-        one overflowed (the update of ``params`` is then skipped, and the scale backs off at the
+    def unscaled(self, params) -> list:
+        """Divide the gradients of ``params`` by the loss scale (none: nothing to do); those of
+        ``params`` to update: all without a loss scale, else those with a gradient that did not
+        overflow (each overflow skips its own parameter's update, and the scale backs off at the
         next ``optimizer.step()``)."""
+        params = list(params)
         if self.loss_scale is None:
-            return True
-        return self.loss_scale.unscale_([p.grad for p in params if p.grad is not None])
+            return params
+        with_grad = [p for p in params if p.grad is not None]
+        finite = self.loss_scale.unscale_([p.grad for p in with_grad])
+        return [p for p, ok in zip(with_grad, finite) if ok]
 
     def stepped(self) -> None:
         """``optimizer.step()`` ran: the updates since the last one were one step's (and the
@@ -172,10 +178,11 @@ class StepInBackward:
     def _update(self, params: set) -> None:
         """Update ``params`` now, from their gradients (a hook's or DDP's call)."""
         self._updating(params)
-        if not self.unscaled(params):  # overflowed under loss scaling: this update is skipped
+        kept = self.unscaled(params)  # under loss scaling, those whose gradient did not overflow
+        if not kept:
             return
         try:
-            self.optimizer._step_params(params)
+            self.optimizer._step_params(set(kept))
         except BaseException:
             # The backward is abandoned (a non-finite gradient raised): a caller that recovers
             # and trains on runs no accumulation loop
@@ -236,6 +243,8 @@ class StepInBackward:
         self._covered.clear()
         self._active = False
         _ACTIVE.discard(self)
+        if self.loss_scale is not None and self.loss_scale.handle is self:  # free for another handle
+            self.loss_scale.handle = None
         if self._ddp and self._target[0] is self:  # DDP's hook all-reduces only, until another handle
             self._target[0] = None
         if self.optimizer._in_backward is self:
@@ -262,6 +271,9 @@ def _loss_scale(value: Any, optimizer: "Fira") -> LossScale | None:
     if value is None:
         return None
     if isinstance(value, LossScale):
+        if value.handle is not None and value.handle._active:
+            raise ValueError("loss_scale: this LossScale is used by another step_in_backward handle (each would "
+                             "move it once per step); give each handle its own, or remove() the other first")
         scale = value
     elif value == "dynamic":
         scale = LossScale()
@@ -270,7 +282,10 @@ def _loss_scale(value: Any, optimizer: "Fira") -> LossScale | None:
     else:
         raise ValueError(f"loss_scale must be None, 'dynamic', a number > 0 (a static scale) or a "
                          f"fira_optim.LossScale, got loss_scale={value!r}")
-    if any(distributed.is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(p.dtype == torch.float16 for p in params):
+        raise ValueError(_FP16_GRADIENTS)
+    if any(distributed.is_dtensor(p) for p in params):
         # each rank would see its own shard overflow and skip its own rows of a matrix's update
         raise ValueError("loss_scale does not run on sharded (FSDP2) parameters: each rank finds overflows "
                          "in its own shard only; use bf16 autocast there, which needs no scaling")

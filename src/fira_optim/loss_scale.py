@@ -30,31 +30,29 @@ from typing import Any
 import torch
 
 
+#: The scales float32 holds: a smaller one is 0, a larger one Inf.
+_SCALE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
 class LossScale:
     """The scale of :func:`fira_optim.step_in_backward` (``loss_scale=``), with GradScaler's
     defaults: ``init_scale=2**16``, ``growth_factor=2``, ``backoff_factor=0.5``,
-    ``growth_interval=2000``; ``dynamic=False`` keeps ``init_scale`` throughout."""
+    ``growth_interval=2000``; ``dynamic=False`` keeps ``init_scale`` throughout. One handle at a
+    time uses it (two would move it twice per step)."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, dynamic: bool = True) -> None:
-        checks = (("init_scale", init_scale, 0.0, math.inf), ("growth_factor", growth_factor, 1.0, math.inf),
-                  ("backoff_factor", backoff_factor, 0.0, 1.0))
-        for name, value, low, high in checks:
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                    or not low < value or (high < math.inf and not value < high)):
-                bounds = f"in ({low:g}, {high:g})" if high < math.inf else f"> {low:g}"
-                raise ValueError(f"{name} must be a finite number {bounds}, got {name}={value!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be an int >= 1, got growth_interval={growth_interval!r}")
-        if not isinstance(dynamic, bool):
-            raise ValueError(f"dynamic must be True or False, got dynamic={dynamic!r}")
+        _check_settings(init_scale, growth_factor, backoff_factor, growth_interval, dynamic)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.dynamic = growth_interval, dynamic
         self._scale = torch.full((1,), float(init_scale), dtype=torch.float32)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32)
         self._found_inf = torch.zeros(1, dtype=torch.float32)  # since the last update()
+        self._scaled = False  # scale() called since the last update(): the gradients are scaled
+        self.handle: Any = None
+        """The :class:`~fira_optim.backward.StepInBackward` that uses this scale (None: none)."""
         self.skipped = 0
-        """Updates skipped for an overflow since the handle was made (matrices, not steps)."""
+        """Parameter updates skipped for an overflow since this scale was made."""
 
     def get_scale(self) -> float:
         """The current scale :math:`S` (a host sync on a GPU)."""
@@ -63,27 +61,34 @@ class LossScale:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * S``: call ``.backward()`` on this."""
         self._to(loss.device)
+        self._scaled = True
         return loss * self._scale  # as GradScaler.scale: a (1,)-shaped fp32 tensor
 
-    def unscale_(self, grads: list[torch.Tensor]) -> bool:
-        """Divide ``grads`` by :math:`S` in place; False (and the step's overflow is recorded)
-        if one of them holds Inf or NaN, after which they must not be used."""
+    def unscale_(self, grads: list[torch.Tensor]) -> list[bool]:
+        """Divide each of ``grads`` by :math:`S` in place; whether each is finite after it (one
+        host sync for all). A gradient found non-finite (an overflow, recorded for the step's
+        :meth:`update`) must not be used. RuntimeError if no :meth:`scale` came first in this
+        step (the gradients would be divided by :math:`S` without having been multiplied), or for
+        fp16 gradients, which cannot hold what the scale protected once divided (GradScaler
+        refuses them too)."""
         if not grads:
-            return True
+            return []
+        if not self._scaled:
+            raise RuntimeError("loss_scale: the gradients were not scaled: call handle.scale(loss).backward(), "
+                               "not loss.backward(), when step_in_backward has a loss_scale")
+        if any(grad.dtype == torch.float16 for grad in grads):
+            raise RuntimeError(_FP16_GRADIENTS)
         inv_scale = self._scale.double().reciprocal().float()  # as GradScaler.unscale_
-        found = torch.zeros(1, dtype=torch.float32, device=self._scale.device)
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for grad in grads:
-            by_device.setdefault(grad.device, []).append(grad)
-        for device, tensors in by_device.items():
-            here = torch.zeros(1, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, here, inv_scale.to(device))
-            found += here.to(found.device)
-        if bool(found):  # the update waits for this answer anyway
+        found = []
+        for grad in grads:  # one flag each: an overflow skips the update of its own parameter only
+            flag = torch.zeros(1, dtype=torch.float32, device=grad.device)
+            torch._amp_foreach_non_finite_check_and_unscale_([grad], flag, inv_scale.to(grad.device))
+            found.append(flag.to(self._scale.device))
+        overflowed = torch.cat(found).tolist()  # the update waits for this answer anyway
+        if any(overflowed):
             self._found_inf.fill_(1.0)
-            self.skipped += 1
-            return False
-        return True
+            self.skipped += sum(1 for f in overflowed if f)
+        return [not f for f in overflowed]
 
     def update(self) -> None:
         """Once per optimizer step: back off after an overflow, grow after ``growth_interval``
@@ -93,26 +98,31 @@ class LossScale:
             torch._amp_update_scale_(self._scale, self._growth_tracker, found, self.growth_factor,
                                      self.backoff_factor, self.growth_interval)
         self._found_inf.zero_()
+        self._scaled = False
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain values (``torch.load(weights_only=True)`` reads them), as GradScaler's."""
+        """Plain values (``torch.load(weights_only=True)`` reads them); the keys of GradScaler's
+        but ``growth_tracker`` (GradScaler: ``_growth_tracker``), and ``dynamic``."""
         return {"scale": self.get_scale(), "growth_tracker": int(self._growth_tracker),
                 "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                 "growth_interval": self.growth_interval, "dynamic": self.dynamic}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back :meth:`state_dict`, or a ``torch.amp.GradScaler``'s."""
+        state = dict(state)
+        if "_growth_tracker" in state:  # GradScaler's name
+            state.setdefault("growth_tracker", state.pop("_growth_tracker"))
         missing = {"scale", "growth_tracker"} - set(state)
         if missing:
             raise ValueError(f"a loss-scale state needs {sorted(missing)}, got keys {sorted(state)}")
-        LossScale(state["scale"], state.get("growth_factor", self.growth_factor),  # validates the values
-                  state.get("backoff_factor", self.backoff_factor),
-                  state.get("growth_interval", self.growth_interval), state.get("dynamic", self.dynamic))
+        settings = {"growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                    "growth_interval": self.growth_interval, "dynamic": self.dynamic}
+        settings.update({key: state[key] for key in settings if key in state})
+        _check_settings(state["scale"], **settings)
         self._scale.fill_(float(state["scale"]))
         self._growth_tracker.fill_(int(state["growth_tracker"]))
-        self.growth_factor = float(state.get("growth_factor", self.growth_factor))
-        self.backoff_factor = float(state.get("backoff_factor", self.backoff_factor))
-        self.growth_interval = int(state.get("growth_interval", self.growth_interval))
-        self.dynamic = bool(state.get("dynamic", self.dynamic))
+        self.growth_factor, self.backoff_factor = float(settings["growth_factor"]), float(settings["backoff_factor"])
+        self.growth_interval, self.dynamic = settings["growth_interval"], settings["dynamic"]
 
     def _to(self, device: torch.device) -> None:
         """Keep the scale where the loss is (the first ``scale()`` call moves it)."""
@@ -120,3 +130,26 @@ class LossScale:
             self._scale = self._scale.to(device)
             self._growth_tracker = self._growth_tracker.to(device)
             self._found_inf = self._found_inf.to(device)
+
+
+_FP16_GRADIENTS = ("loss_scale needs fp32 gradients (fp32 weights under fp16 autocast): an fp16 gradient "
+                   "divided by the scale loses the small values the scale kept (GradScaler refuses them too); "
+                   "keep the weights in fp32, or use bf16, which needs no scaling")
+
+
+def _check_settings(init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any,
+                    dynamic: Any) -> None:
+    """ValueError naming the first setting out of its range."""
+    tiny, largest = _SCALE_RANGE
+    checks = (("init_scale", init_scale, tiny, largest, f"in [{tiny:.3g}, {largest:.3g}] (float32's range)"),
+              ("growth_factor", growth_factor, 1.0, math.inf, "> 1"),
+              ("backoff_factor", backoff_factor, 0.0, 1.0, "in (0, 1)"))
+    for name, value, low, high, bounds in checks:
+        number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        inside = number and (low <= value <= high if name == "init_scale" else low < value < high)
+        if not inside:
+            raise ValueError(f"{name} must be a finite number {bounds}, got {name}={value!r}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1, got growth_interval={growth_interval!r}")
+    if not isinstance(dynamic, bool):
+        raise ValueError(f"dynamic must be True or False, got dynamic={dynamic!r}")

@@ -389,8 +389,9 @@ class Fira(Optimizer):
         else:  # the hooked parameters were updated in the backward pass; the rest here
             rest = self._in_backward.uncovered()
             if rest:
-                if self._in_backward.unscaled(rest):  # under loss scaling: skipped if one overflowed
-                    self._step_params(set(rest))
+                kept = self._in_backward.unscaled(rest)  # under loss scaling: those that did not overflow
+                if kept:
+                    self._step_params(set(kept))
                 self._in_backward.cover(rest)  # unfrozen since the hooks were registered
             self._in_backward.stepped()
         return loss

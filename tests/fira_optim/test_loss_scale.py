@@ -9,6 +9,7 @@ import torch
 
 from fira_optim import FiraAdamW, LossScale, step_in_backward
 from tests.fira_optim.test_backward import _batch, _loss, _net, _optimizer
+from tests.multiprocess import run_ranks
 
 
 def _scaled_training(in_backward: bool, steps: int, dynamic: bool, unfreeze_at: int | None = None,
@@ -94,13 +95,19 @@ def test_the_scale_resumes_from_its_state_dict_with_weights_only():
         "growth_interval": 3, "dynamic": True}
     with pytest.raises(ValueError, match=r"needs \['growth_tracker'\]"):
         other.load_state_dict({"scale": 4.0})
-    with pytest.raises(ValueError, match="init_scale must be a finite number > 0, got init_scale=-1"):
+    with pytest.raises(ValueError, match=r"init_scale must be a finite number in \[1.18e-38, 3.4e\+38\].*=-1"):
         other.load_state_dict({"scale": -1.0, "growth_tracker": 0})
+    # GradScaler's state dict (its tracker is "_growth_tracker")
+    gradscaler = torch.amp.GradScaler("cpu", init_scale=32.0, growth_interval=7)
+    other.load_state_dict(gradscaler.state_dict())
+    assert other.get_scale() == 32.0 and other.growth_interval == 7
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"init_scale": 0.0}, "init_scale must be a finite number > 0, got init_scale=0.0"),
-    ({"init_scale": float("inf")}, "init_scale must be a finite number > 0"),
+    ({"init_scale": 0.0}, r"init_scale must be a finite number in \[1.18e-38, 3.4e\+38\] .*=0.0"),
+    ({"init_scale": float("inf")}, "init_scale must be a finite number in"),
+    ({"init_scale": 1e39}, "float32's range.*init_scale=1e\\+39"),  # Inf in float32
+    ({"init_scale": 1e-50}, "float32's range.*init_scale=1e-50"),  # 0 in float32
     ({"growth_factor": 1.0}, "growth_factor must be a finite number > 1, got growth_factor=1.0"),
     ({"backoff_factor": 1.0}, r"backoff_factor must be a finite number in \(0, 1\), got backoff_factor=1.0"),
     ({"growth_interval": 0}, "growth_interval must be an int >= 1, got growth_interval=0"),
@@ -116,10 +123,87 @@ def test_bad_loss_scale_and_scale_without_one_are_refused():
     opt = FiraAdamW([{"params": [model.a.weight], "rank": 2}])
     with pytest.raises(ValueError, match="loss_scale must be None, 'dynamic', a number > 0.*got loss_scale='auto'"):
         step_in_backward(opt, loss_scale="auto")
-    with pytest.raises(ValueError, match="init_scale must be a finite number > 0, got init_scale=-2"):
+    with pytest.raises(ValueError, match="init_scale must be a finite number in .* got init_scale=-2"):
         step_in_backward(opt, loss_scale=-2)
     handle = step_in_backward(opt)
     with pytest.raises(RuntimeError, match="no loss scale: pass loss_scale='dynamic'"):
         handle.scale(torch.ones(()))
     handle.remove()
     assert step_in_backward(opt, loss_scale=128).loss_scale.state_dict()["dynamic"] is False
+
+
+def test_forgetting_to_scale_the_loss_is_an_error_not_a_gradient_divided_by_the_scale():
+    model = _net(torch.float32)
+    opt = _optimizer(model)
+    handle = step_in_backward(opt, loss_scale="dynamic")
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _batch(0, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"not scaled: call handle.scale\(loss\).backward\(\)"):
+        _loss(model, x, y).backward()  # the first update refuses: nothing was divided by 2**16
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and handle.loss_scale.skipped == 0
+
+
+def test_one_scale_serves_one_handle_at_a_time():
+    scale = LossScale()
+    first = step_in_backward(_optimizer(_net(torch.float32)), loss_scale=scale)
+    assert scale.handle is first
+    with pytest.raises(ValueError, match="used by another step_in_backward handle"):
+        step_in_backward(_optimizer(_net(torch.float32)), loss_scale=scale)
+    first.remove()
+    assert step_in_backward(_optimizer(_net(torch.float32)), loss_scale=scale).loss_scale is scale
+
+
+def test_fp16_weights_are_refused_as_gradscaler_refuses_their_gradients():
+    model = _net(torch.float16)
+    with pytest.raises(ValueError, match="loss_scale needs fp32 gradients"):
+        step_in_backward(_optimizer(model), loss_scale="dynamic")
+    scale = LossScale()
+    scale.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match="loss_scale needs fp32 gradients"):
+        scale.unscale_([torch.ones(3, dtype=torch.float16)])
+
+
+def test_an_overflow_in_step_skips_only_its_own_parameter():
+    # b and c unfrozen after the hooks were registered: optimizer.step() updates them, together
+    model = _net(torch.float32)
+    model.b.weight.requires_grad_(False)
+    model.c.weight.requires_grad_(False)
+    opt = _optimizer(model)
+    handle = step_in_backward(opt, loss_scale=LossScale(2.0 ** 10))
+    model.b.weight.requires_grad_(True)
+    model.c.weight.requires_grad_(True)
+    model.b.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    x, y = _batch(0, dtype=torch.float32)
+    handle.scale(_loss(model, x, y)).backward()
+    opt.step()
+    assert not opt.state.get(model.b.weight) or int(opt.state[model.b.weight]["step"]) == 0
+    assert int(opt.state[model.c.weight]["step"]) == 1 and handle.loss_scale.skipped == 1
+    assert handle.loss_scale.get_scale() == 2.0 ** 9
+
+
+def _ddp_overflow_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _net(torch.float32)
+    wrapped = DistributedDataParallel(model)  # one bucket holds every parameter
+    opt = _optimizer(model)
+    handle = step_in_backward(opt, wrapped, loss_scale=LossScale(2.0 ** 10))
+    poison = {"on": False}
+    model.a.weight.register_hook(lambda g: torch.full_like(g, float("inf")) if poison["on"] and rank == 0 else g)
+    for step in range(3):
+        poison["on"] = step == 1
+        x, y = _batch(step, dtype=torch.float32)
+        rows = slice(4 * rank, 4 * rank + 4)
+        handle.scale(_loss(wrapped, x[rows], y[rows])).backward()
+        opt.step()
+        opt.zero_grad()
+    steps = {name: int(opt.state[p]["step"]) for name, p in model.named_parameters()}
+    return steps, handle.loss_scale.skipped, handle.loss_scale.get_scale()
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_an_overflow_skips_its_parameter_not_its_bucket(tmp_path):
+    # rank 0's Inf reaches every rank through the all-reduce: all skip a.weight's update at step 2
+    for steps, skipped, scale in run_ranks(_ddp_overflow_worker, 2, tmp_path, timeout=100):
+        assert steps["a.weight"] == 2 and skipped == 1 and scale == 2.0 ** 9
+        assert all(count == 3 for name, count in steps.items() if name != "a.weight")

@@ -32,7 +32,7 @@ from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, read_json, write_text_atomic
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import check_same_data, config_changes, finished_with
+from fira_train.run.run_dir import check_same_data, config_changes, describe_changes, finished_with
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
 
@@ -134,7 +134,16 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     if not (reuse or overwrite):
         _check_no_earlier_runs(configs)
     kept = _runs_to_reuse(runs, configs) if reuse else set()  # before the corpus: config alone
-    resumed = {r.name for r, c in zip(runs, configs) if reuse and r.name not in kept and _resumable(c, r)}
+    resumed = set()
+    for run, cfg in zip(runs, configs):
+        if reuse and run.name not in kept:
+            refusal = _resume_refusal(cfg, run)
+            if refusal is None:
+                resumed.add(run.name)
+            elif previous_run(Path(cfg.train.out_dir)) and not Path(cfg.train.out_dir, "summary.json").exists():
+                # its steps are lost: say so, and why (a finished run without a spec is warned of above)
+                log.warning("%s holds an unfinished run that --reuse cannot continue (%s): training it again "
+                            "from its start", cfg.train.out_dir, refusal)
     out_dir.mkdir(parents=True, exist_ok=True)
     corpus = build_corpus(config.data)  # trains and caches the tokenizer once, before any worker
     data = corpus.describe()
@@ -235,19 +244,39 @@ def _runs_to_reuse(runs: Sequence[AnalysisRun], configs: Sequence[RunConfig]) ->
     return kept
 
 
-def _resumable(config: RunConfig, run: AnalysisRun) -> bool:
-    """Whether ``--reuse`` continues the unfinished run in ``config``'s folder (:func:`train_runs`):
-    it was started with ``run``'s spec (written when a run starts) and this config, up to the keys
-    a resume may change. A damaged spec or config is not resumable: the run starts again."""
+def _resume_refusal(config: RunConfig, run: AnalysisRun) -> str | None:
+    """Why ``--reuse`` cannot continue the unfinished run in ``config``'s folder from its
+    checkpoints; None if it can (:func:`train_runs`): it was started with ``run``'s spec (written
+    when a run starts) and this config, up to the keys a resume may change."""
     run_dir = Path(config.train.out_dir)
     spec, saved = run_dir / RUN_SPEC_FILE, run_dir / "config.json"
-    if (run_dir / "summary.json").exists() or not (spec.is_file() and saved.is_file()):
-        return False
+    if (run_dir / "summary.json").exists():
+        return "it is finished"
+    if not (spec.is_file() and saved.is_file()):
+        return f"it has no {RUN_SPEC_FILE if not spec.is_file() else 'config.json'}"
     try:
-        return (read_json(spec) == run.spec()
-                and not config_changes(saved_config(read_json(saved)), resolved(config)))
-    except ValueError:  # DamagedFileError, or a config record this version cannot read
-        return False
+        if read_json(spec) != run.spec():
+            return f"it was started with other callbacks or overrides ({RUN_SPEC_FILE})"
+        saved_cfg = saved_config(read_json(saved))
+        changes = config_changes(saved_cfg, resolved(config))
+    except ValueError as err:  # DamagedFileError, or a config record this version cannot read
+        return f"its records cannot be read: {err}"
+    if changes:
+        return f"it was started with {describe_changes(saved_cfg, resolved(config), changes)}"
+    return None
+
+
+class _RecordSpec(TrainCallback):
+    """Writes a run's spec file when it starts from step 0: inside :func:`train`'s hold on the
+    folder, after an earlier run there was cleared (written before, it could mark that run's
+    checkpoints, or a running one's, with this spec)."""
+
+    def __init__(self, run_dir: Path, spec: dict[str, Any]) -> None:
+        self.path, self.spec = run_dir / RUN_SPEC_FILE, spec
+
+    def begin(self, step: int) -> None:
+        if step == 0:
+            write_text_atomic(self.path, json.dumps(self.spec, indent=2) + "\n")
 
 
 def _check_no_earlier_runs(configs: Sequence[RunConfig]) -> None:
@@ -272,21 +301,18 @@ def _train_one(index: int, total: int, run: AnalysisRun, cfg: RunConfig, mode: s
                corpus: Any) -> dict[str, Any]:
     """Train one run into its folder (building the corpus from the cache if not given). ``mode``:
     ``"new"`` (its folder holds no run), ``"overwrite"`` (a run there is replaced) or
-    ``"resume"`` (the unfinished run there continues from its newest checkpoint). A new run's
-    spec is written before it trains: an unfinished run is resumed only under its own spec."""
+    ``"resume"`` (the unfinished run there continues from its newest checkpoint). A run's spec
+    is written as it starts (:class:`_RecordSpec`): an unfinished run is resumed only under its
+    own spec."""
     run_dir = Path(cfg.train.out_dir)
     log.info("[%d/%d] %s (%s %s) -> %s%s", index, total, run.name, run.method, " ".join(run.overrides), run_dir,
              ": continuing from its newest checkpoint" if mode == "resume" else "")
     if corpus is None:
         corpus = build_corpus(cfg.data)
-    callbacks = list(run.callbacks(run_dir)) if run.callbacks is not None else []
+    callbacks = [*(run.callbacks(run_dir) if run.callbacks is not None else []), _RecordSpec(run_dir, run.spec())]
     if mode == "resume":
         summary = train(cfg, resume="latest", corpus=corpus, callbacks=callbacks)
     else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if mode == "overwrite":  # replaced anyway: a finished run never stands beside another spec
-            (run_dir / "summary.json").unlink(missing_ok=True)
-        write_text_atomic(run_dir / RUN_SPEC_FILE, json.dumps(run.spec(), indent=2) + "\n")
         summary = train(cfg, overwrite=mode == "overwrite", corpus=corpus, callbacks=callbacks)
     log.info("[%d/%d] %s: validation perplexity %.2f", index, total, run.name, summary["val_ppl"])
     return summary

@@ -171,6 +171,7 @@ class ShadowAdam:
         state = self.state.get(name)
         if state is None:
             state = self.state[name] = {"step": 0, "exp_avg": torch.zeros_like(g), "exp_avg_sq": torch.zeros_like(g)}
+        _to_device(state, g.device)
         state["step"] += 1
         state["exp_avg"].mul_(beta1).add_(g, alpha=1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -181,7 +182,15 @@ class ShadowAdam:
         state = self.state.get(name)
         if state is None:
             return None
+        _to_device(state, grad.device)
         return adam_factors(grad, state["exp_avg"], state["exp_avg_sq"], float(state["step"]), betas, eps, side)
+
+
+def _to_device(state: dict[str, Any], device: torch.device) -> None:
+    """Moments loaded from a checkpoint (on the CPU) follow the gradients of a GPU run."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        if state[key].device != device:
+            state[key] = state[key].to(device)
 
 
 class ScalingFactorRecorder(TrainCallback):

@@ -67,6 +67,8 @@ def load_callback_states(callbacks: Sequence[TrainCallback],
                              "would not continue them exactly; start the run again (--overwrite)")
         return
     if len(states) != len(callbacks):
+        if not any(states) and not any(c.state_dict() for c in callbacks):
+            return  # nothing to carry on either side (an analysis's run continued by pretrain --resume)
         raise ValueError(f"the checkpoint holds the state of {len(states)} callbacks, the run has "
                          f"{len(callbacks)}: resume with the callbacks that wrote it")
     for callback, state in zip(callbacks, states):

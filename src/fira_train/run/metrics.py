@@ -18,17 +18,27 @@ from typing import Any
 from fira_train.files import dumps, read_json_lines, write_text_atomic
 
 
+def _drop_cut_line(path: Path) -> None:
+    """Remove a last line without its newline: a kill cut it while it was written, after the
+    newest checkpoint (a step's line is written before that step's checkpoint)."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsLog:
     """Appends metric dicts to ``OUT/metrics.jsonl`` and, optionally, to TensorBoard ``OUT/tb``.
 
     On resume from step ``k`` the JSONL file is first cut back to the lines with ``step <= k``
-    (a killed run may have logged steps past its last checkpoint) and TensorBoard purges the
-    same events, so the logs read like one uninterrupted run.
+    (a killed run may have logged steps past its last checkpoint, the last of them maybe cut
+    short) and TensorBoard purges the same events, so the logs read like one uninterrupted run.
     """
 
     def __init__(self, out_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
+            _drop_cut_line(self.path)
             kept = [record for record in read_json_lines(self.path, hint=_DAMAGED_HINT)
                     if record.get("step", 0) <= resume_step]
             write_text_atomic(self.path, "".join(dumps(record) + "\n" for record in kept))

@@ -114,7 +114,7 @@ def test_reuse_continues_an_unfinished_run_exactly_callbacks_included(tmp_path: 
 
 
 def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, corpus_root: Path,
-                                                             monkeypatch) -> None:
+                                                             monkeypatch, caplog) -> None:
     from fira_train.run import checkpoint as ckpt
 
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=4", "train.save_every=2")
@@ -133,9 +133,34 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
     spec = tmp_path / "out" / "fira" / RUN_SPEC_FILE
     assert json.loads(spec.read_text()) == runs[0].spec()  # written when the run started
     spec.write_text(json.dumps({**runs[0].spec(), "callbacks": "something else"}))
-    summary = train_runs(config, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
+    with caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
+        summary = train_runs(config, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
     assert summary["sittings"] == 1  # from its start, not from the checkpoint of step 2
     assert json.loads(spec.read_text()) == runs[0].spec()
+    assert "holds an unfinished run that --reuse cannot continue (it was started with other callbacks" in caplog.text
+    # stopped again, then asked for more steps: the config changed, and the warning says how
+    monkeypatch.setattr(ckpt, "save_checkpoint", stop_at_step_4)
+    (tmp_path / "out" / "fira" / "summary.json").unlink()
+    longer = analysis_config(corpus_root, tmp_path / "run", "train.steps=6", "train.save_every=2")
+    caplog.clear()
+    with pytest.raises(_Stop), caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
+        train_runs(longer, runs, tmp_path / "out", reuse=True, title=TITLE)
+    assert "it was started with train.steps=4 (now 6)" in caplog.text
+
+
+def test_a_second_analysis_into_a_busy_run_folder_leaves_its_spec_alone(tmp_path: Path, corpus_root: Path) -> None:
+    from fira_train.analysis.runs import AnalysisRun
+    from fira_train.run.run_lock import RunDirectoryBusy, locked_run_directory
+
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
+    train_runs(config, [AnalysisRun("fira", "fira", describe="first")], tmp_path / "out", title=TITLE)
+    spec = tmp_path / "out" / "fira" / RUN_SPEC_FILE
+    before = spec.read_text()
+    with locked_run_directory(tmp_path / "out" / "fira"):  # a run still training there
+        with pytest.raises(RunDirectoryBusy):
+            train_runs(config, [AnalysisRun("fira", "fira", describe="second")], tmp_path / "out", title=TITLE,
+                       overwrite=True)
+    assert spec.read_text() == before  # it was rewritten before the lock refused the second one
 
 
 def test_a_failing_worker_run_raises_and_keeps_the_finished_runs(tmp_path: Path, corpus_root: Path) -> None:

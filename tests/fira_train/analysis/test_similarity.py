@@ -245,3 +245,13 @@ def test_similarity_refuses_bad_every_and_columns_before_any_run(tmp_path: Path,
     with pytest.raises(ValueError, match=f"{flag} must be an int >= 1, got {min(every, columns)}"):
         run_similarity(config, out, ranks=(8,), every=every, columns=columns)
     assert not out.exists()
+
+
+def test_shadow_moments_loaded_from_a_checkpoint_follow_the_gradients_device() -> None:
+    # a checkpoint loads on the CPU: on a GPU run the next update mixed devices (meta stands in)
+    saved = ShadowAdam()
+    saved.update("w", torch.ones(3, 2), (0.9, 0.999))
+    shadow = ShadowAdam()
+    shadow.load_state_dict(saved.state_dict())
+    shadow.update("w", torch.ones(3, 2, device="meta"), (0.9, 0.999))
+    assert shadow.state["w"]["exp_avg"].device.type == "meta" and shadow.state["w"]["step"] == 2

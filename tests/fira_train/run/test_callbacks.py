@@ -67,6 +67,9 @@ def test_a_resumed_run_continues_its_callbacks_from_the_checkpoint(tmp_path: Pat
 def test_stateless_callbacks_resume_from_a_checkpoint_without_callback_state() -> None:
     load_callback_states([TrainCallback()], None)  # a checkpoint of an older version
     load_callback_states([], [])
+    load_callback_states([], [{}, {}])  # an analysis's run (stateless callbacks) continued by pretrain
+    with pytest.raises(ValueError, match="state of 1 callbacks, the run has 0"):
+        load_callback_states([], [{"seen": torch.tensor(3)}])
     assert callback_states([TrainCallback(), Counter()]) == [{}, {"seen": torch.tensor(0)}]
 
 

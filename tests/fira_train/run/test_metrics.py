@@ -29,6 +29,11 @@ def test_jsonl_lines_and_resume_truncation(tmp_path: Path) -> None:
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[-1]["loss"] == 9.0
+    # killed while writing step 5's line (after checkpoint 4): the cut line goes, it was refused
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 5, "lo')
+    MetricsLog(tmp_path, tensorboard=False, resume_step=4).close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
 def test_tensorboard_events_are_written(tmp_path: Path) -> None:
