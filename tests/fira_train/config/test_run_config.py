@@ -46,7 +46,7 @@ def test_defaults_are_valid() -> None:
         (TrainConfig, {"grad_clip": -1.0}, "train.grad_clip"),
         (TrainConfig, {"eval_every": -1}, "train.eval_every"),
         (TrainConfig, {"keep_last": 0}, "train.keep_last"),
-        (TrainConfig, {"precision": "fp16"}, "train.precision"),
+        (TrainConfig, {"precision": "fp8"}, "train.precision"),
         (TrainConfig, {"device": "tpu"}, "train.device"),
     ],
 )
