@@ -220,6 +220,20 @@ class StepInBackward:
         return future.then(update)
 
     @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """``optimizer.step()`` as without the handle inside the block: every parameter with a
+        gradient, no loss scale, the scale not moved. For code that steps the optimizer outside
+        training: ``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``
+        build an optimizer's missing state by a step on zero gradients at lr 0, which would
+        otherwise update nothing under DDP (the state then loads nowhere: the moments restart
+        from zero) and find the gradients unscaled under a loss scale."""
+        previous, self.optimizer._in_backward = self.optimizer._in_backward, None
+        try:
+            yield
+        finally:
+            self.optimizer._in_backward = previous
+
+    @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
         """Around the backward passes of the non-final micro-batches of a step: gradients
         accumulate and nothing is updated (under DDP also ``no_sync``; under FSDP2 each

@@ -361,6 +361,12 @@ class Fira(Optimizer):
                 if state and "basis" in state:
                     _check_loaded_state(p, state, group, gi, pi)
 
+    @property
+    def in_backward(self) -> Any:
+        """The :func:`fira_optim.step_in_backward` handle updating this optimizer's parameters in
+        the backward pass (None: none; :meth:`step` updates them)."""
+        return self._in_backward
+
     def register_step_stats_hook(self, hook: Callable[["Fira", list[MatrixStats]], None]) -> RemovableHandle:
         r"""Call ``hook(optimizer, stats)`` after every step, with one
         :class:`fira_optim.pipeline.MatrixStats` per projected matrix updated in it (its

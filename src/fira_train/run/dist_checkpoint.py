@@ -21,6 +21,7 @@ planner would unpickle arbitrary objects), and ``.metadata`` with a restricted u
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -193,12 +194,20 @@ class _ModelAndOptimizer:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        with self._step_outside_backward():
+            model_state, optim_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        with self._step_outside_backward():
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"])
+
+    def _step_outside_backward(self) -> contextlib.AbstractContextManager:
+        """DCP builds missing optimizer state by a step on zero gradients: with updates in the
+        backward pass that step must update every parameter (``StepInBackward.paused``)."""
+        handle = getattr(self.optimizer, "in_backward", None)
+        return handle.paused() if handle is not None else contextlib.nullcontext()
 
 
 class _RunState:

@@ -211,6 +211,60 @@ def test_ddp_stopped_and_resumed_continues_identically(reference, ddp):
     _assert_same_run(reference, one.params, summary["val_loss"])
 
 
+#: Updates in the backward pass with fp16 loss scaling (the handle's own scale).
+IN_BACKWARD = ("optim.step_in_backward=true", "train.grad_clip=0", "train.precision=fp16")
+
+
+class MomentSums(TrainCallback):
+    """The sum of |exp_avg| over the optimizer's state before each step: moments restarted
+    from zero after a resume show at once."""
+
+    def __init__(self) -> None:
+        self.sums: dict[int, float] = {}
+
+    def before_step(self, step, model, optimizer, loss) -> None:
+        self.sums[step] = sum(float(s["exp_avg"].float().abs().sum()) for s in optimizer.state.values()
+                              if "exp_avg" in s)
+
+
+def _ddp_in_backward_worker(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    root = Path(root)
+    straight, straight_sums = FinalParameters(), MomentSums()
+    train(micro_config(root, *COMMON, "train.parallel=ddp", *IN_BACKWARD, out="sib"),
+          callbacks=[straight, straight_sums])
+    config = micro_config(root, *COMMON, "train.parallel=ddp", *IN_BACKWARD, out="sib_stopped")
+    try:
+        train(config, callbacks=[StopBefore(SAVE + 1), MomentSums()])
+    except _Stop:
+        pass
+    if rank == 0:  # a copy of the stopped run for the 1-process resume in the test
+        shutil.copytree(root / "sib_stopped", root / "sib_stopped_copy")
+    dist.barrier()
+    resumed, resumed_sums = FinalParameters(), MomentSums()
+    train(config, resume="latest", callbacks=[resumed, resumed_sums])
+    return {"params": straight.params, "sums": straight_sums.sums, "resumed_params": resumed.params,
+            "resumed_sums": resumed_sums.sums}
+
+
+@pytest.mark.timeout(150)
+def test_ddp_in_backward_with_fp16_resumes_its_moments(reference):
+    """DCP builds missing optimizer state by a step on zero gradients: under DDP with updates in
+    the backward pass that step updated nothing, and the resumed run restarted Adam from zero
+    moments; a one-process resume of the same checkpoint failed on the unscaled gradients."""
+    root = reference["root"]
+    for rank in run_ranks(_ddp_in_backward_worker, 2, root / "w-sib", str(root), timeout=130):
+        assert rank["resumed_sums"] == {s: v for s, v in rank["sums"].items() if s > SAVE}
+        for name, value in rank["params"].items():
+            assert torch.equal(rank["resumed_params"][name], value), name
+    one = FinalParameters()
+    train(micro_config(root, *COMMON, "train.parallel=none", *IN_BACKWARD, out="sib_stopped_copy"),
+          resume="latest", callbacks=[one])
+    for name, value in rank["params"].items():  # the ranks' halves added in another order, in fp16
+        torch.testing.assert_close(one.params[name], value, rtol=1e-3, atol=1e-3, msg=name)
+
+
 @pytest.mark.timeout(120)
 def test_fsdp2_two_processes_equal_one_process(reference):
     root = reference["root"]
