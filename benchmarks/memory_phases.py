@@ -105,10 +105,14 @@ def measure_phases(config: RunConfig, steps: int) -> dict[str, Any]:
         fwd["saved_for_backward"] = _tensor_bytes(saved, weights)
         saved.clear()
         with phase(bwd):
-            loss.backward()
+            training.scale(loss).backward()  # train.precision=fp16: scaled, as fira-train does
         bwd["gradients_after"] = _tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
         with phase(opt):
-            optimizer.step()
+            if training.grad_scaler is not None:
+                training.grad_scaler.step(optimizer)
+                training.grad_scaler.update()
+            else:
+                optimizer.step()
             training.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         opt["states_after"] = optimizer_state_bytes(optimizer)

@@ -118,7 +118,10 @@ class LossScale:
         settings = {"growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                     "growth_interval": self.growth_interval, "dynamic": self.dynamic}
         settings.update({key: state[key] for key in settings if key in state})
-        _check_settings(state["scale"], **settings)
+        # a scale backed off many times in a row lies below float32's normal range: still a scale
+        scale = state["scale"]
+        _check_settings(max(scale, _SCALE_RANGE[0]) if isinstance(scale, float) and scale > 0 else scale,
+                        **settings)
         self._scale.fill_(float(state["scale"]))
         self._growth_tracker.fill_(int(state["growth_tracker"]))
         self.growth_factor, self.backoff_factor = float(settings["growth_factor"]), float(settings["backoff_factor"])

@@ -97,6 +97,8 @@ def test_the_scale_resumes_from_its_state_dict_with_weights_only():
         other.load_state_dict({"scale": 4.0})
     with pytest.raises(ValueError, match=r"init_scale must be a finite number in \[1.18e-38, 3.4e\+38\].*=-1"):
         other.load_state_dict({"scale": -1.0, "growth_tracker": 0})
+    other.load_state_dict({"scale": 1e-40, "growth_tracker": 0})  # backed off below float32's normal range
+    assert 0 < other.get_scale() < 1.2e-38
     # GradScaler's state dict (its tracker is "_growth_tracker")
     gradscaler = torch.amp.GradScaler("cpu", init_scale=32.0, growth_interval=7)
     other.load_state_dict(gradscaler.state_dict())

@@ -22,7 +22,8 @@ class MethodSetup:
     optimizer: torch.optim.Optimizer
     """The optimizer over the model's trainable parameters."""
     after_step: Callable[[int], None] | None = None
-    """Called with the number of completed optimizer steps after each step (ReLoRA's restarts)."""
+    """Called with the number of updates applied after each one (ReLoRA's restarts): the
+    schedule's count, which a step skipped for an fp16 overflow does not advance."""
     restart_every: int | None = None
     """If set, the schedule re-warms the learning rate after every this many steps."""
     rewarmup: int = 1

@@ -34,7 +34,8 @@ class TrainCallback:
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    loss: float) -> None:
         """After ``optimizer.step()``, before the gradients are zeroed: the step's gradients
-        and the optimizer state that step produced are both available."""
+        and the optimizer state that step produced are both available. Not called for a step
+        that ``train.precision=fp16`` skipped (a gradient overflowed: nothing was updated)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What the callback needs to continue exactly: tensors and plain Python values only

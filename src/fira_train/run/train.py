@@ -161,7 +161,9 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
     under ``env``), the mean loss (raises :class:`NonFiniteLossError` before anything is
     updated if it is not finite, :class:`~fira_train.run.divergence.DivergedError` if it is above
     the divergence bound), callbacks, gradient clipping, the optimizer, the schedule,
-    the method's ``after_step`` (ReLoRA's merges). The second number times the part that
+    the method's ``after_step`` (ReLoRA's merges). Under ``train.precision=fp16`` a step whose
+    gradients overflowed is skipped (``training.skipped_steps`` counts it): no ``after_step``
+    callbacks, no schedule step, no method ``after_step``. The second number times the part that
     differs between methods (from the callbacks on): ``benchmarks/throughput.py`` reports it.
     """
     distributed = env is not None
@@ -204,13 +206,16 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
         scaler.step(optimizer)
         scaler.update()
         skipped = scaler.get_scale() < before
-    for callback in callbacks:
-        callback.after_step(step, model, optimizer, step_loss)
-    if not skipped:  # as the Hugging Face Trainer: the schedule moves with the updates
+    if skipped:  # no update: callbacks, the schedule and the method's restarts wait for the next
+        training.skipped_steps += 1  # (the schedule as in the Hugging Face Trainer)
+    else:
+        for callback in callbacks:
+            callback.after_step(step, model, optimizer, step_loss)
         training.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    if training.setup.after_step is not None:
-        training.setup.after_step(step)
+    if training.setup.after_step is not None and not skipped:
+        # the updates applied (the schedule's count): ReLoRA merges where its re-warm-up starts
+        training.setup.after_step(training.scheduler.last_epoch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return step_loss, time.perf_counter() - started
@@ -304,6 +309,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     while step < t.steps:
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
+        skipped_before = training.skipped_steps
         try:
             step_loss, _ = train_step(training, config, stream, autocast, step + 1, env=env,
                                       callbacks=callbacks, trainable=trainable)
@@ -317,6 +323,12 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
 
         record = {"step": step, "loss": step_loss, "lr": lr, "tokens_per_s": tokens_per_step / elapsed,
                   "tokens": progress["tokens"]}
+        scale = training.loss_scale_value()
+        if scale is not None:  # train.precision=fp16: the scale after this step, and a skip
+            record["loss_scale"] = scale
+            if training.skipped_steps > skipped_before:
+                record["skipped"] = True
+                progress["skipped_steps"] = progress.get("skipped_steps", 0) + 1
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
             val_loss, _ = evaluate(net, val_batches, device, autocast, env)
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
@@ -366,6 +378,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         "train_time_s": progress["train_time_s"],
         # wall_time_s, peak_memory_bytes, peak_memory_kind, sittings
         **_sitting_totals(earlier, run_start, memory),
+        **({"skipped_steps": progress.get("skipped_steps", 0)} if config.train.precision == "fp16" else {}),
         "optimizer_state_numel": optimizer_state_numel(optimizer),  # step counters excluded
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),  # step counters included
         "device": str(device),

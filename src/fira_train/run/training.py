@@ -32,6 +32,16 @@ class Training:
     grad_scaler: torch.amp.GradScaler | None = None
     """``train.precision=fp16`` with a plain step: the loss scaling (with step-in-backward the
     handle scales, ``in_backward.loss_scale``)."""
+    skipped_steps: int = 0
+    """Steps skipped in this process for a gradient overflow (``grad_scaler``)."""
+
+    def loss_scale_value(self) -> float | None:
+        """The loss scale now (None without loss scaling)."""
+        if self.grad_scaler is not None:
+            return self.grad_scaler.get_scale()
+        if self.in_backward is not None and self.in_backward.loss_scale is not None:
+            return self.in_backward.loss_scale.get_scale()
+        return None
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale of ``train.precision=fp16`` (as it is otherwise)."""

@@ -23,6 +23,7 @@ from fira_train.config.overrides import apply_overrides, config_from_dict
 from fira_train.config.run_config import ModelConfig
 from fira_train.methods.model import build_model
 from fira_train.run import checkpoint as ckpt
+from fira_train.run.callbacks import TrainCallback
 from fira_train.run.metrics import read_metrics
 from fira_train.run.train import NonFiniteLossError, evaluate, train
 from tests.fira_train.harness_fixtures import micro_config  # noqa: F401
@@ -213,7 +214,12 @@ def test_an_fp16_overflow_skips_the_step_and_the_schedule(tmp_path: Path, monkey
     monkeypatch.setattr(training_module, "build_model", poisoned)
     config = micro_config(tmp_path, "optim.method=fira", "train.precision=fp16", "train.steps=4",
                           "train.save_every=1", "train.keep_last=4", "train.eval_every=0")
-    train(config)
+    seen = _AfterSteps()
+    summary = train(config, callbacks=[seen])
+    assert seen.steps == [1, 2, 4] and summary["skipped_steps"] == 1  # no update to see at step 3
+    records = read_metrics(tmp_path / "run")
+    assert [r.get("skipped", False) for r in records] == [False, False, True, False]
+    assert [r["loss_scale"] for r in records] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
     states = {step: torch.load(path / ckpt.STATE_FILE, weights_only=True)
               for step, path in ckpt.complete_checkpoints(tmp_path / "run")}
     for name, value in states[3]["model"].items():  # step 3 changed no weight
@@ -222,6 +228,35 @@ def test_an_fp16_overflow_skips_the_step_and_the_schedule(tmp_path: Path, monkey
     assert [states[s]["loss_scale"]["scale"] for s in (2, 3)] == [2.0 ** 16, 2.0 ** 15]
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run")]
     assert lrs[3] == lrs[2] != lrs[1]  # the schedule did not move for the skipped step
+
+
+class _AfterSteps(TrainCallback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def after_step(self, step, model, optimizer, loss) -> None:
+        self.steps.append(step)
+
+
+def test_a_skipped_fp16_step_moves_relora_s_merges_with_its_schedule(tmp_path: Path, monkeypatch) -> None:
+    # merges every 2 applied updates, where the schedule re-warms: step 2 skipped, so after the
+    # updates of steps 3 and 5 (the loop's count merged after steps 2 and 4, out of step with it)
+    import fira_train.methods.lora as lora
+
+    calls, seen, merged = {"backward": 0}, _AfterSteps(), []
+
+    def poisoned(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        model.lm_head.weight.register_hook(lambda g: (calls.update(backward=calls["backward"] + 1), (
+            torch.full_like(g, float("inf")) if calls["backward"] == 3 else g))[1])
+        return model
+
+    real_merge = lora.merge_and_reinit_lora
+    monkeypatch.setattr(training_module, "build_model", poisoned)
+    monkeypatch.setattr(lora, "merge_and_reinit_lora", lambda model: merged.append(seen.steps[-1]) or real_merge(model))
+    train(micro_config(tmp_path, "optim.method=relora", "optim.relora_every=2", "train.precision=fp16",
+                       "train.steps=6", "train.eval_every=0", "train.save_every=0"), callbacks=[seen])
+    assert seen.steps == [1, 3, 4, 5, 6] and merged == [3, 5]
 
 
 def test_fp16_refuses_bf16_weights_and_fsdp2(tmp_path: Path) -> None:
