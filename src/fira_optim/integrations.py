@@ -63,7 +63,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without transfo
         "the optimizer itself (`import fira_optim`) needs torch only"
     ) from _err
 
-from . import Fira, FiraAdamW, VARIANTS, step_in_backward
+from . import Fira, FiraAdamW, LossScale, VARIANTS, step_in_backward
 
 __all__ = [
     "parse_optim_args",
@@ -404,8 +404,10 @@ class FiraTrainer(Trainer):
     Trainer's gradient accumulation then runs the backward passes of the non-final micro-batches
     under the handle's ``accumulate()`` (the weights equal those of the usual step). It needs
     ``max_grad_norm=0`` (global-norm clipping cannot work when each gradient is freed as it is
-    used; Fira's limiter bounds each matrix's update instead), no fp16 loss scaling (``fp16``;
-    bf16 needs none); each is refused otherwise. Under DDP (``torchrun``, ``accelerate launch``;
+    used; Fira's limiter bounds each matrix's update instead; refused otherwise). With ``fp16=True``
+    the loss is scaled by the handle's own :class:`~fira_optim.loss_scale.LossScale` in place of
+    the Trainer's GradScaler (each update divides its own gradients; an overflow skips the updates
+    whose gradients overflowed; the scale is saved as the Trainer's ``scaler.pt``). Under DDP (``torchrun``, ``accelerate launch``;
     also with ``torch_compile``) each update runs on the all-reduced gradients, in DDP's
     communication hook, and saves the optimizer's temporaries, not the gradients (DDP's buckets
     hold them). Several processes without a DDP wrapper (FSDP, DeepSpeed, tensor parallelism)
@@ -421,9 +423,18 @@ class FiraTrainer(Trainer):
         self.step_in_backward = bool(step_in_backward)
         self.in_backward: Any = None
         self._own_handle: Any = None  # the handle this Trainer made (not one the optimizer came with)
+        self._loss_scale: LossScale | None = None  # fp16 with step_in_backward: the handle's scale
         super().__init__(*args, **kwargs)
         if self.step_in_backward:
             _check_step_in_backward(self)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        if self.step_in_backward and self.args.fp16:
+            # before accelerate wraps the optimizer (it hands the wrapper its scaler then), and
+            # before a checkpoint's scaler.pt is loaded into it
+            self._loss_scale = self._loss_scale or LossScale()
+            self.accelerator.scaler = _ScalerInBackward(self._loss_scale)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -465,7 +476,11 @@ class FiraTrainer(Trainer):
             self.in_backward = None
         handle = optimizer._in_backward  # None, or a handle made before the Trainer saw the optimizer
         if handle is None:
-            handle = self._own_handle = step_in_backward(optimizer, ddp)
+            handle = self._own_handle = step_in_backward(optimizer, ddp, loss_scale=self._loss_scale)
+        elif self._loss_scale is not None and handle.loss_scale is not self._loss_scale:
+            raise ValueError("FiraTrainer(step_in_backward=True) with fp16=True scales the loss itself: the "
+                             "optimizer already has a step_in_backward handle; remove() it and let the Trainer "
+                             "hook the optimizer")
         elif not fits(handle):
             raise ValueError(
                 "FiraTrainer(step_in_backward=True): the optimizer already updates in the backward pass "
@@ -493,6 +508,40 @@ class FiraTrainer(Trainer):
         return super().training_step(model, inputs, *args, **kwargs)
 
 
+class _ScalerInBackward:
+    """What accelerate asks of the Trainer's ``GradScaler`` under ``fp16=True``, for updates in
+    the backward pass: the loss is scaled by the handle's :class:`~fira_optim.loss_scale.LossScale`,
+    each update divides its own gradients by it, and ``optimizer.step()`` moves it (GradScaler
+    would find the gradients used and freed). Its state is the Trainer's ``scaler.pt``."""
+
+    def __init__(self, loss_scale: LossScale) -> None:
+        self.loss_scale = loss_scale
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor:
+        return self.loss_scale.scale(outputs)
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Nothing: each update divided its own gradients (the Trainer clips none: max_grad_norm=0)."""
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        return optimizer.step(*args, **kwargs)  # an overflow skipped its own updates in the backward pass
+
+    def update(self, new_scale: Any = None) -> None:
+        """Nothing: ``optimizer.step()`` moved the scale."""
+
+    def get_scale(self) -> float:
+        return self.loss_scale.get_scale()
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loss_scale.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_scale.load_state_dict(state)
+
+
 def _check_step_in_backward(trainer: Trainer) -> None:
     """ValueError naming the TrainingArguments that updates in the backward pass cannot honour."""
     args = trainer.args
@@ -502,11 +551,6 @@ def _check_step_in_backward(trainer: Trainer) -> None:
             f"max_grad_norm={args.max_grad_norm!r}: clipping by the global norm cannot work when each "
             "gradient is used and freed as backward computes it (Fira's norm-growth limiter bounds each "
             "matrix's update instead)")
-    if args.fp16:
-        raise ValueError("FiraTrainer(step_in_backward=True) cannot use fp16=True: the Trainer's GradScaler "
-                         "needs the gradients after backward, when they have been used; use bf16=True, or "
-                         "a training loop of your own with fira_optim.step_in_backward(optimizer, "
-                         "loss_scale='dynamic'), which scales per update")
     for name, on in (("FSDP", trainer.is_fsdp_enabled), ("DeepSpeed", trainer.is_deepspeed_enabled)):
         if on:
             raise ValueError(

@@ -252,6 +252,31 @@ def test_step_in_backward_through_the_trainer_equals_its_usual_step(tmp_path):
     assert torch.equal(weights[0], weights[1])
 
 
+def test_step_in_backward_with_fp16_scales_the_loss_per_update_and_saves_the_scale(tmp_path):
+    """fp16=True: the handle's LossScale stands in for the Trainer's GradScaler (which would find
+    the gradients used). On the CPU accelerate runs fp16 without autocast or a scaler, so the
+    usual step is fp32 and unscaled; scaled by 2**16 and divided back exactly, the weights equal
+    it bit for bit, with accumulation. The scale is the checkpoint's scaler.pt, and a resume
+    continues it."""
+    weights = []
+    for in_backward in (False, True):
+        model = tiny_llama()
+        args = training_args(tmp_path / str(in_backward), max_steps=4, gradient_accumulation_steps=2,
+                             max_grad_norm=0.0, fp16=True, save_strategy="steps", save_steps=2)
+        trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), step_in_backward=in_backward)
+        trainer.train()
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(weights[0], weights[1])
+    assert trainer._loss_scale.handle is None  # the handle was removed when train() returned
+    saved = torch.load(tmp_path / "True" / "checkpoint-2" / "scaler.pt", weights_only=True)
+    assert saved["scale"] == 2.0 ** 16 and saved["growth_tracker"] == 2
+    resumed_model = tiny_llama(seed=123)
+    resumed = FiraTrainer(model=resumed_model, args=args, train_dataset=TokenDataset(), step_in_backward=True)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "True" / "checkpoint-2"))
+    assert resumed._loss_scale.state_dict()["growth_tracker"] == 4  # 2 from the checkpoint + 2 steps
+    assert torch.equal(torch.cat([p.detach().flatten() for p in resumed_model.parameters()]), weights[1])
+
+
 def _trainer_ddp_worker(rank: int, world_size: int, out: str, compiled: bool) -> dict:
     # The environment torchrun gives each process: the Trainer (accelerate) then runs DDP on gloo
     os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -315,7 +340,6 @@ def test_step_in_backward_hooks_an_optimizer_given_to_the_trainer(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     ({}, r"needs TrainingArguments\(max_grad_norm=0\), got max_grad_norm=1.0"),
-    ({"max_grad_norm": 0.0, "fp16": True}, "cannot use fp16=True"),
 ])
 def test_step_in_backward_refuses_what_it_cannot_honour(tmp_path, overrides, message):
     args = training_args(tmp_path, **overrides)

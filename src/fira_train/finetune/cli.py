@@ -95,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="fira, galore, fira-lora: how the optimizer states are stored (default float32)")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="fp32 throughout (default, the Trainer's), or the Trainer's bf16 / fp16 mixed precision "
-                        "(fp32 weights; fp16 scales the loss: GPUs without bf16, not with --step-in-backward)")
+                        "(fp32 weights; fp16 scales the loss, for GPUs without bf16: a CUDA GPU only)")
     p.set_defaults(func=run_from_args)
 
 

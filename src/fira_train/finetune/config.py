@@ -193,10 +193,6 @@ class FinetuneConfig:
             raise FinetuneError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
         if self.precision not in PRECISIONS:
             raise FinetuneError(f"precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
-        if self.precision == "fp16" and self.step_in_backward and self.trains:
-            raise FinetuneError("precision='fp16' with step_in_backward=True: the Trainer's loss scaling needs the "
-                                "gradients after the backward pass, when each has been used and freed; use "
-                                "precision='bf16', which needs no scaling")
         fira_only = {"step_in_backward": self.step_in_backward, "state_dtype": self.state_dtype != "float32"}
         for name, given in fira_only.items():
             if given and self.trains and self.method not in FIRA_METHODS:
