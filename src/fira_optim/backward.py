@@ -227,11 +227,15 @@ class StepInBackward:
         build an optimizer's missing state by a step on zero gradients at lr 0, which would
         otherwise update nothing under DDP (the state then loads nowhere: the moments restart
         from zero) and find the gradients unscaled under a loss scale."""
-        previous, self.optimizer._in_backward = self.optimizer._in_backward, None
+        if self.optimizer._in_backward is not self:
+            raise RuntimeError("paused() needs the handle that is active on its optimizer (this one was removed, "
+                               "or replaced)")
+        self.optimizer._in_backward = None
         try:
             yield
-        finally:
-            self.optimizer._in_backward = previous
+        finally:  # back, unless removed inside the block (or another handle was made there)
+            if self._active and self.optimizer._in_backward is None:
+                self.optimizer._in_backward = self
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:

@@ -404,10 +404,12 @@ class FiraTrainer(Trainer):
     Trainer's gradient accumulation then runs the backward passes of the non-final micro-batches
     under the handle's ``accumulate()`` (the weights equal those of the usual step). It needs
     ``max_grad_norm=0`` (global-norm clipping cannot work when each gradient is freed as it is
-    used; Fira's limiter bounds each matrix's update instead; refused otherwise). With ``fp16=True``
-    the loss is scaled by the handle's own :class:`~fira_optim.loss_scale.LossScale` in place of
-    the Trainer's GradScaler (each update divides its own gradients; an overflow skips the updates
-    whose gradients overflowed; the scale is saved as the Trainer's ``scaler.pt``). Under DDP (``torchrun``, ``accelerate launch``;
+    used; Fira's limiter bounds each matrix's update instead; refused otherwise). Under fp16 mixed
+    precision (``fp16=True`` or accelerate's ``--mixed_precision fp16``) the loss is scaled by the
+    handle's own :class:`~fira_optim.loss_scale.LossScale` in place of the Trainer's GradScaler:
+    each update divides its own gradients, an overflow skips the updates whose gradients
+    overflowed while the step (and the schedule) goes on, so ``optimizer_step_was_skipped`` stays
+    False; the scale is saved as the Trainer's ``scaler.pt``. Under DDP (``torchrun``, ``accelerate launch``;
     also with ``torch_compile``) each update runs on the all-reduced gradients, in DDP's
     communication hook, and saves the optimizer's temporaries, not the gradients (DDP's buckets
     hold them). Several processes without a DDP wrapper (FSDP, DeepSpeed, tensor parallelism)
@@ -430,10 +432,13 @@ class FiraTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        if self.step_in_backward and self.args.fp16:
+        # fp16=True, or `accelerate launch --mixed_precision fp16` (which leaves args.fp16 False)
+        fp16 = self.args.fp16 or getattr(self.accelerator, "mixed_precision", None) == "fp16"
+        if self.step_in_backward and fp16:
             # before accelerate wraps the optimizer (it hands the wrapper its scaler then), and
-            # before a checkpoint's scaler.pt is loaded into it
-            self._loss_scale = self._loss_scale or LossScale()
+            # before a checkpoint's scaler.pt is loaded into it; a new accelerator (a new
+            # hyperparameter-search trial) starts a new scale, as it would a new GradScaler
+            self._loss_scale = LossScale()
             self.accelerator.scaler = _ScalerInBackward(self._loss_scale)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -536,7 +541,8 @@ class _ScalerInBackward:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loss_scale.state_dict()
+        state = self.loss_scale.state_dict()
+        return {**state, "_growth_tracker": state["growth_tracker"]}  # a GradScaler reads it too
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_scale.load_state_dict(state)

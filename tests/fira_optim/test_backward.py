@@ -280,6 +280,25 @@ def _train_from(model, opt, start, steps):
         opt.step()
 
 
+def test_paused_steps_as_without_the_handle_and_does_not_bring_back_a_removed_one():
+    model = _net()
+    opt = _optimizer(model)
+    handle = step_in_backward(opt)
+    with handle.paused():
+        assert opt.in_backward is None
+        _loss(model, *_batch(0)).backward()  # no hooks run: paused is for code that steps itself
+        opt.step()
+    assert opt.in_backward is handle and int(opt.state[model.a.weight]["step"]) == 1
+    opt.zero_grad()
+    with handle.paused():
+        handle.remove()
+    assert opt.in_backward is None  # removed inside the block: not put back
+    with pytest.raises(RuntimeError, match="paused\\(\\) needs the handle that is active"):
+        with handle.paused():
+            pass
+    assert step_in_backward(opt).optimizer is opt
+
+
 def test_a_non_finite_gradient_skips_only_its_matrix():
     model = _net()
     opt = FiraAdamW([{"params": [model.a.weight, model.b.weight], "rank": 3}], nonfinite="skip")

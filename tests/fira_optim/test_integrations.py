@@ -275,6 +275,21 @@ def test_step_in_backward_with_fp16_scales_the_loss_per_update_and_saves_the_sca
     resumed.train(resume_from_checkpoint=str(tmp_path / "True" / "checkpoint-2"))
     assert resumed._loss_scale.state_dict()["growth_tracker"] == 4  # 2 from the checkpoint + 2 steps
     assert torch.equal(torch.cat([p.detach().flatten() for p in resumed_model.parameters()]), weights[1])
+    # the scaler.pt also loads into a GradScaler (resumed without step_in_backward)
+    torch.amp.GradScaler("cpu").load_state_dict(saved)
+
+
+def test_step_in_backward_scales_under_accelerate_s_fp16_and_each_accelerator_anew(tmp_path, monkeypatch):
+    # `accelerate launch --mixed_precision fp16` leaves args.fp16 False: the Trainer's GradScaler
+    # would then have met the used gradients
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    args = training_args(tmp_path, max_steps=2, max_grad_norm=0.0)
+    trainer = FiraTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), step_in_backward=True)
+    assert not args.fp16 and trainer._loss_scale is not None
+    assert trainer.accelerator.scaler.loss_scale is trainer._loss_scale
+    first = trainer._loss_scale
+    trainer.create_accelerator_and_postprocess()  # a new hyperparameter-search trial: a new scale
+    assert trainer._loss_scale is not first and trainer.accelerator.scaler.loss_scale is trainer._loss_scale
 
 
 def _trainer_ddp_worker(rank: int, world_size: int, out: str, compiled: bool) -> dict:

@@ -161,9 +161,11 @@ def train_step(training: Training, config: RunConfig, stream: Iterator[torch.Ten
     under ``env``), the mean loss (raises :class:`NonFiniteLossError` before anything is
     updated if it is not finite, :class:`~fira_train.run.divergence.DivergedError` if it is above
     the divergence bound), callbacks, gradient clipping, the optimizer, the schedule,
-    the method's ``after_step`` (ReLoRA's merges). Under ``train.precision=fp16`` a step whose
-    gradients overflowed is skipped (``training.skipped_steps`` counts it): no ``after_step``
-    callbacks, no schedule step, no method ``after_step``. The second number times the part that
+    the method's ``after_step`` (ReLoRA's merges). Under ``train.precision=fp16`` with a plain
+    step, a step whose gradients overflowed is skipped (``training.skipped_steps`` counts it): no
+    ``after_step`` callbacks, no schedule step, no method ``after_step``. With step-in-backward
+    the handle skips only the updates whose gradients overflowed, and the step goes on
+    (``training.skipped_updates()``). The second number times the part that
     differs between methods (from the callbacks on): ``benchmarks/throughput.py`` reports it.
     """
     distributed = env is not None
@@ -309,7 +311,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     while step < t.steps:
         started = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]
-        skipped_before = training.skipped_steps
+        skipped_before, updates_before = training.skipped_steps, training.skipped_updates()
         try:
             step_loss, _ = train_step(training, config, stream, autocast, step + 1, env=env,
                                       callbacks=callbacks, trainable=trainable)
@@ -324,11 +326,15 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         record = {"step": step, "loss": step_loss, "lr": lr, "tokens_per_s": tokens_per_step / elapsed,
                   "tokens": progress["tokens"]}
         scale = training.loss_scale_value()
-        if scale is not None:  # train.precision=fp16: the scale after this step, and a skip
+        if scale is not None:  # train.precision=fp16: the scale after this step, and what overflowed
             record["loss_scale"] = scale
-            if training.skipped_steps > skipped_before:
+            if training.skipped_steps > skipped_before:  # GradScaler: the whole step
                 record["skipped"] = True
                 progress["skipped_steps"] = progress.get("skipped_steps", 0) + 1
+            skipped_updates = training.skipped_updates() - updates_before  # the handle: its matrices
+            if skipped_updates:
+                record["skipped_updates"] = skipped_updates
+                progress["skipped_updates"] = progress.get("skipped_updates", 0) + skipped_updates
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
             val_loss, _ = evaluate(net, val_batches, device, autocast, env)
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
@@ -378,7 +384,8 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         "train_time_s": progress["train_time_s"],
         # wall_time_s, peak_memory_bytes, peak_memory_kind, sittings
         **_sitting_totals(earlier, run_start, memory),
-        **({"skipped_steps": progress.get("skipped_steps", 0)} if config.train.precision == "fp16" else {}),
+        **({"skipped_steps": progress.get("skipped_steps", 0), "skipped_updates": progress.get("skipped_updates", 0)}
+           if config.train.precision == "fp16" else {}),
         "optimizer_state_numel": optimizer_state_numel(optimizer),  # step counters excluded
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),  # step counters included
         "device": str(device),

@@ -35,6 +35,13 @@ class Training:
     skipped_steps: int = 0
     """Steps skipped in this process for a gradient overflow (``grad_scaler``)."""
 
+    def skipped_updates(self) -> int:
+        """Parameter updates the step-in-backward handle's loss scale skipped for an overflow
+        (this process; 0 without one): there an overflow skips its own matrices, not the step."""
+        if self.in_backward is not None and self.in_backward.loss_scale is not None:
+            return self.in_backward.loss_scale.skipped
+        return 0
+
     def loss_scale_value(self) -> float | None:
         """The loss scale now (None without loss scaling)."""
         if self.grad_scaler is not None:

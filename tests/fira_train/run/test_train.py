@@ -230,6 +230,30 @@ def test_an_fp16_overflow_skips_the_step_and_the_schedule(tmp_path: Path, monkey
     assert lrs[3] == lrs[2] != lrs[1]  # the schedule did not move for the skipped step
 
 
+def test_an_fp16_overflow_in_backward_skips_its_matrices_and_the_step_goes_on(tmp_path: Path, monkeypatch) -> None:
+    calls = {"backward": 0}
+
+    def poisoned(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+
+        def hook(grad):
+            calls["backward"] += 1  # 2 micro-batches per step: the last backward of step 3
+            return torch.full_like(grad, float("inf")) if calls["backward"] == 6 else grad
+
+        model.lm_head.weight.register_hook(hook)
+        return model
+
+    monkeypatch.setattr(training_module, "build_model", poisoned)
+    config = micro_config(tmp_path, "optim.method=fira", "optim.step_in_backward=true", "train.grad_clip=0",
+                          "train.precision=fp16", "train.steps=4", "train.eval_every=0", "train.save_every=0")
+    seen = _AfterSteps()
+    summary = train(config, callbacks=[seen])
+    records = read_metrics(tmp_path / "run")
+    assert seen.steps == [1, 2, 3, 4] and summary["skipped_steps"] == 0 and summary["skipped_updates"] == 1
+    assert [r.get("skipped_updates", 0) for r in records] == [0, 0, 1, 0]
+    assert [r["loss_scale"] for r in records] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
+
+
 class _AfterSteps(TrainCallback):
     def __init__(self) -> None:
         self.steps: list[int] = []
