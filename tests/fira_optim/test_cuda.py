@@ -113,30 +113,11 @@ def test_host_refresh_decomposes_cuda_gradients_on_the_host(monkeypatch):
 
 def test_fp16_loss_scaling_in_backward_matches_gradscaler_on_cuda():
     """fp16 autocast on the GPU: the handle's per-update scaling against GradScaler and a plain
-    step, with a static scale that does not overflow (bit for bit, as on the CPU)."""
-    from fira_optim import step_in_backward
+    step (bit for bit, as on the CPU), the scale growing every 2 steps."""
+    from tests.fira_optim.test_loss_scale import _scaled_training
 
-    runs = []
-    for in_backward in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Tanh(), torch.nn.Linear(48, 16)).cuda()
-        opt = FiraAdamW([{"params": [model[0].weight, model[2].weight], "rank": 4},
-                         {"params": [model[0].bias, model[2].bias]}], lr=1e-2)
-        handle = step_in_backward(opt, loss_scale=1024.0) if in_backward else None
-        scaler = None if in_backward else torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=10 ** 9)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(5):
-            x = torch.randn(8, 32, generator=gen).cuda()
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = model(x).square().mean()
-            if in_backward:
-                handle.scale(loss).backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            opt.zero_grad()
-        runs.append([p.detach().cpu() for p in model.parameters()])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    (m1, _, s1), (m2, _, s2) = (_scaled_training(b, 7, True, unfreeze_at=2, device="cuda", autocast=True)
+                                for b in (False, True))
+    assert s1 == s2
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(p, q)

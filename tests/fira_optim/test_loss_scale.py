@@ -13,10 +13,10 @@ from tests.multiprocess import run_ranks
 
 
 def _scaled_training(in_backward: bool, steps: int, dynamic: bool, unfreeze_at: int | None = None,
-                     overflow_at: int | None = None):
+                     overflow_at: int | None = None, device: str = "cpu", autocast: bool = False):
     """Fira on float32 weights, loss scaled at 2**10: step_in_backward with a LossScale, or
-    GradScaler and a plain step."""
-    model = _net(torch.float32)
+    GradScaler and a plain step (``autocast``: under fp16 autocast)."""
+    model = _net(torch.float32).to(device)
     if unfreeze_at is not None:
         model.c.weight.requires_grad_(False)  # not hooked at first: optimizer.step() updates it
     opt = _optimizer(model)
@@ -24,7 +24,7 @@ def _scaled_training(in_backward: bool, steps: int, dynamic: bool, unfreeze_at: 
         handle = step_in_backward(opt, loss_scale=LossScale(2.0 ** 10, growth_interval=2, dynamic=dynamic))
         scaler = handle.loss_scale
     else:
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2 if dynamic else 10 ** 9)
+        scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 10, growth_interval=2 if dynamic else 10 ** 9)
     poison = {"on": False}
     model.a.weight.register_hook(lambda g: torch.full_like(g, float("inf")) if poison["on"] else g)
     scales = []
@@ -32,8 +32,9 @@ def _scaled_training(in_backward: bool, steps: int, dynamic: bool, unfreeze_at: 
         if unfreeze_at == step:
             model.c.weight.requires_grad_(True)
         poison["on"] = step == overflow_at
-        x, y = _batch(step, dtype=torch.float32)
-        loss = _loss(model, x, y)
+        x, y = (t.to(device) for t in _batch(step, dtype=torch.float32))
+        with torch.autocast(device, dtype=torch.float16, enabled=autocast):
+            loss = _loss(model, x, y)
         if in_backward:
             handle.scale(loss).backward()
             opt.step()
@@ -46,9 +47,10 @@ def _scaled_training(in_backward: bool, steps: int, dynamic: bool, unfreeze_at: 
     return model, opt, scales
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_scaled_updates_in_backward_equal_gradscaler_and_step_bit_for_bit(dynamic):
-    (m1, o1, s1), (m2, o2, s2) = (_scaled_training(b, 7, dynamic, unfreeze_at=2) for b in (False, True))
+@pytest.mark.parametrize(("dynamic", "autocast"), [(False, False), (True, False), (True, True)])
+def test_scaled_updates_in_backward_equal_gradscaler_and_step_bit_for_bit(dynamic, autocast):
+    (m1, o1, s1), (m2, o2, s2) = (_scaled_training(b, 7, dynamic, unfreeze_at=2, autocast=autocast)
+                                  for b in (False, True))
     assert s1 == s2 and (s1[-1] > s1[0]) == dynamic  # grown every 2 clean steps when dynamic
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p, q)

@@ -35,45 +35,41 @@ class Training:
     skipped_steps: int = 0
     """Steps skipped in this process for a gradient overflow (``grad_scaler``)."""
 
-    def skipped_updates(self) -> int:
-        """Parameter updates the step-in-backward handle's loss scale skipped for an overflow
-        (this process; 0 without one): there an overflow skips its own matrices, not the step."""
-        if self.in_backward is not None and self.in_backward.loss_scale is not None:
-            return self.in_backward.loss_scale.skipped
-        return 0
+    @property
+    def loss_scaler(self) -> torch.amp.GradScaler | fira_optim.LossScale | None:
+        """The loss scaling of ``train.precision=fp16``: ``grad_scaler``, or the step-in-backward
+        handle's :class:`fira_optim.LossScale` (None: none). Both scale, report and checkpoint
+        alike (``scale``, ``get_scale``, ``state_dict``, ``load_state_dict``)."""
+        if self.grad_scaler is not None:
+            return self.grad_scaler
+        return self.in_backward.loss_scale if self.in_backward is not None else None
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (as it is without one)."""
+        scaler = self.loss_scaler
+        return loss if scaler is None else scaler.scale(loss)
 
     def loss_scale_value(self) -> float | None:
         """The loss scale now (None without loss scaling)."""
-        if self.grad_scaler is not None:
-            return self.grad_scaler.get_scale()
-        if self.in_backward is not None and self.in_backward.loss_scale is not None:
-            return self.in_backward.loss_scale.get_scale()
-        return None
+        scaler = self.loss_scaler
+        return None if scaler is None else scaler.get_scale()
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale of ``train.precision=fp16`` (as it is otherwise)."""
-        if self.grad_scaler is not None:
-            return self.grad_scaler.scale(loss)
-        if self.in_backward is not None and self.in_backward.loss_scale is not None:
-            return self.in_backward.scale(loss)
-        return loss
+    def skipped_updates(self) -> int:
+        """Parameter updates the step-in-backward handle's loss scale skipped for an overflow
+        (this process; 0 without one): there an overflow skips its own matrices, not the step."""
+        scaler = self.loss_scaler
+        return scaler.skipped if isinstance(scaler, fira_optim.LossScale) else 0
 
     def loss_scale_state(self) -> dict | None:
         """The loss scale's state (plain values) for a checkpoint; None without loss scaling."""
-        if self.grad_scaler is not None:
-            return self.grad_scaler.state_dict()
-        if self.in_backward is not None and self.in_backward.loss_scale is not None:
-            return self.in_backward.loss_scale.state_dict()
-        return None
+        scaler = self.loss_scaler
+        return None if scaler is None else scaler.state_dict()
 
     def load_loss_scale_state(self, state: dict | None) -> None:
         """Take back :meth:`loss_scale_state` (None: a checkpoint without loss scaling)."""
-        if state is None:
-            return
-        if self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(state)
-        elif self.in_backward is not None and self.in_backward.loss_scale is not None:
-            self.in_backward.loss_scale.load_state_dict(state)
+        scaler = self.loss_scaler
+        if state is not None and scaler is not None:
+            scaler.load_state_dict(state)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -198,20 +198,26 @@ def test_fp16_with_loss_scaling_trains_and_resumes_exactly(tmp_path: Path, monke
     assert scales("resumed") == scales("straight")  # continued from the checkpoint's, not 2**16
 
 
-def test_an_fp16_overflow_skips_the_step_and_the_schedule(tmp_path: Path, monkeypatch) -> None:
+def _overflow_lm_head_at(monkeypatch, backward: int) -> None:
+    """The runs' models get an Inf gradient of lm_head.weight in their ``backward``-th backward
+    pass (2 micro-batches per step: 5 is the first of step 3, 6 its last)."""
     calls = {"backward": 0}
 
     def poisoned(*args, **kwargs):
         model = build_model(*args, **kwargs)
 
         def hook(grad):
-            calls["backward"] += 1  # 2 micro-batches per step: the first backward of step 3
-            return torch.full_like(grad, float("inf")) if calls["backward"] == 5 else grad
+            calls["backward"] += 1
+            return torch.full_like(grad, float("inf")) if calls["backward"] == backward else grad
 
         model.lm_head.weight.register_hook(hook)
         return model
 
     monkeypatch.setattr(training_module, "build_model", poisoned)
+
+
+def test_an_fp16_overflow_skips_the_step_and_the_schedule(tmp_path: Path, monkeypatch) -> None:
+    _overflow_lm_head_at(monkeypatch, 5)
     config = micro_config(tmp_path, "optim.method=fira", "train.precision=fp16", "train.steps=4",
                           "train.save_every=1", "train.keep_last=4", "train.eval_every=0")
     seen = _AfterSteps()
@@ -231,19 +237,7 @@ def test_an_fp16_overflow_skips_the_step_and_the_schedule(tmp_path: Path, monkey
 
 
 def test_an_fp16_overflow_in_backward_skips_its_matrices_and_the_step_goes_on(tmp_path: Path, monkeypatch) -> None:
-    calls = {"backward": 0}
-
-    def poisoned(*args, **kwargs):
-        model = build_model(*args, **kwargs)
-
-        def hook(grad):
-            calls["backward"] += 1  # 2 micro-batches per step: the last backward of step 3
-            return torch.full_like(grad, float("inf")) if calls["backward"] == 6 else grad
-
-        model.lm_head.weight.register_hook(hook)
-        return model
-
-    monkeypatch.setattr(training_module, "build_model", poisoned)
+    _overflow_lm_head_at(monkeypatch, 6)  # the last backward of step 3, where the updates run
     config = micro_config(tmp_path, "optim.method=fira", "optim.step_in_backward=true", "train.grad_clip=0",
                           "train.precision=fp16", "train.steps=4", "train.eval_every=0", "train.save_every=0")
     seen = _AfterSteps()
@@ -267,16 +261,9 @@ def test_a_skipped_fp16_step_moves_relora_s_merges_with_its_schedule(tmp_path: P
     # updates of steps 3 and 5 (the loop's count merged after steps 2 and 4, out of step with it)
     import fira_train.methods.lora as lora
 
-    calls, seen, merged = {"backward": 0}, _AfterSteps(), []
-
-    def poisoned(*args, **kwargs):
-        model = build_model(*args, **kwargs)
-        model.lm_head.weight.register_hook(lambda g: (calls.update(backward=calls["backward"] + 1), (
-            torch.full_like(g, float("inf")) if calls["backward"] == 3 else g))[1])
-        return model
-
+    seen, merged = _AfterSteps(), []
+    _overflow_lm_head_at(monkeypatch, 3)  # the first backward of step 2
     real_merge = lora.merge_and_reinit_lora
-    monkeypatch.setattr(training_module, "build_model", poisoned)
     monkeypatch.setattr(lora, "merge_and_reinit_lora", lambda model: merged.append(seen.steps[-1]) or real_merge(model))
     train(micro_config(tmp_path, "optim.method=relora", "optim.relora_every=2", "train.precision=fp16",
                        "train.steps=6", "train.eval_every=0", "train.save_every=0"), callbacks=[seen])
