@@ -190,7 +190,7 @@ class StepInBackward:
             raise
 
     def _hook(self, p: torch.Tensor) -> None:
-        if self._accumulating or not self._active:
+        if self._accumulating or not self._active or self.optimizer._in_backward is not self:  # or paused
             return
         self._update({p})
         p.grad = None
@@ -199,8 +199,8 @@ class StepInBackward:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         future = default_hooks.allreduce_hook(state, bucket)
-        if not self._active or self._accumulating:
-            return future
+        if not self._active or self._accumulating or self.optimizer._in_backward is not self:  # or paused
+            return future  # the averaged gradients stay for optimizer.step()
 
         def update(done: torch.futures.Future) -> torch.Tensor:
             params = list(bucket.parameters())
@@ -221,9 +221,10 @@ class StepInBackward:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """``optimizer.step()`` as without the handle inside the block: every parameter with a
-        gradient, no loss scale, the scale not moved. For code that steps the optimizer outside
-        training: ``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``
+        """Training as without the handle inside the block: a backward pass updates nothing and
+        keeps the gradients (under DDP the averaged ones), and ``optimizer.step()`` updates every
+        parameter with a gradient, with no loss scale, the scale not moved. For code that steps the
+        optimizer outside training: ``torch.distributed.checkpoint``'s ``get_state_dict`` / ``set_state_dict``
         build an optimizer's missing state by a step on zero gradients at lr 0, which would
         otherwise update nothing under DDP (the state then loads nowhere: the moments restart
         from zero) and find the gradients unscaled under a loss scale."""

@@ -404,9 +404,10 @@ class FiraTrainer(Trainer):
     Trainer's gradient accumulation then runs the backward passes of the non-final micro-batches
     under the handle's ``accumulate()`` (the weights equal those of the usual step). It needs
     ``max_grad_norm=0`` (global-norm clipping cannot work when each gradient is freed as it is
-    used; Fira's limiter bounds each matrix's update instead; refused otherwise). Under fp16 mixed
-    precision (``fp16=True`` or accelerate's ``--mixed_precision fp16``) the loss is scaled by the
-    handle's own :class:`~fira_optim.loss_scale.LossScale` in place of the Trainer's GradScaler:
+    used; Fira's limiter bounds each matrix's update instead; refused otherwise). Where the
+    Trainer would scale the loss (fp16 mixed precision, ``fp16=True`` or accelerate's
+    ``--mixed_precision fp16``, on a GPU) the handle's own
+    :class:`~fira_optim.loss_scale.LossScale` takes the place of its GradScaler:
     each update divides its own gradients, an overflow skips the updates whose gradients
     overflowed while the step (and the schedule) goes on, so ``optimizer_step_was_skipped`` stays
     False; the scale is saved as the Trainer's ``scaler.pt``. Under DDP (``torchrun``, ``accelerate launch``;
@@ -432,9 +433,10 @@ class FiraTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        # fp16=True, or `accelerate launch --mixed_precision fp16` (which leaves args.fp16 False)
-        fp16 = self.args.fp16 or getattr(self.accelerator, "mixed_precision", None) == "fp16"
-        if self.step_in_backward and fp16:
+        # Where accelerate scales the loss: fp16 mixed precision (fp16=True, or `accelerate launch
+        # --mixed_precision fp16`, which leaves args.fp16 False) on an accelerator (on the CPU it
+        # runs fp16 as fp32, unscaled, and so does this Trainer then)
+        if self.step_in_backward and getattr(self.accelerator, "scaler", None) is not None:
             # before accelerate wraps the optimizer (it hands the wrapper its scaler then), and
             # before a checkpoint's scaler.pt is loaded into it; a new accelerator (a new
             # hyperparameter-search trial) starts a new scale, as it would a new GradScaler

@@ -52,7 +52,7 @@ class LossScale:
         self.handle: Any = None
         """The :class:`~fira_optim.backward.StepInBackward` that uses this scale (None: none)."""
         self.skipped = 0
-        """Parameter updates skipped for an overflow since this scale was made."""
+        """Parameter updates skipped for an overflow (kept in :meth:`state_dict`)."""
 
     def get_scale(self) -> float:
         """The current scale :math:`S` (a host sync on a GPU)."""
@@ -105,7 +105,7 @@ class LossScale:
         but ``growth_tracker`` (GradScaler: ``_growth_tracker``), and ``dynamic``."""
         return {"scale": self.get_scale(), "growth_tracker": int(self._growth_tracker),
                 "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "dynamic": self.dynamic}
+                "growth_interval": self.growth_interval, "dynamic": self.dynamic, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back :meth:`state_dict`, or a ``torch.amp.GradScaler``'s."""
@@ -118,14 +118,18 @@ class LossScale:
         settings = {"growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                     "growth_interval": self.growth_interval, "dynamic": self.dynamic}
         settings.update({key: state[key] for key in settings if key in state})
-        # a scale backed off many times in a row lies below float32's normal range: still a scale
         scale = state["scale"]
-        _check_settings(max(scale, _SCALE_RANGE[0]) if isinstance(scale, float) and scale > 0 else scale,
-                        **settings)
+        # a scale backed off many times in a row lies below float32's normal range: still a scale
+        if (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+                or not 0 < scale <= _SCALE_RANGE[1]):
+            raise ValueError(f"a loss-scale state's scale must be a finite number in (0, {_SCALE_RANGE[1]:.3g}], "
+                             f"got scale={scale!r}")
+        _check_settings(1.0, **settings)
         self._scale.fill_(float(state["scale"]))
         self._growth_tracker.fill_(int(state["growth_tracker"]))
         self.growth_factor, self.backoff_factor = float(settings["growth_factor"]), float(settings["backoff_factor"])
         self.growth_interval, self.dynamic = settings["growth_interval"], settings["dynamic"]
+        self.skipped = int(state.get("skipped", 0))  # a GradScaler's state has no count
 
     def _to(self, device: torch.device) -> None:
         """Keep the scale where the loss is (the first ``scale()`` call moves it)."""

@@ -286,7 +286,8 @@ def test_paused_steps_as_without_the_handle_and_does_not_bring_back_a_removed_on
     handle = step_in_backward(opt)
     with handle.paused():
         assert opt.in_backward is None
-        _loss(model, *_batch(0)).backward()  # no hooks run: paused is for code that steps itself
+        _loss(model, *_batch(0)).backward()  # no hook updates: paused is for code that steps itself
+        assert model.a.weight.grad is not None and not opt.state.get(model.a.weight)
         opt.step()
     assert opt.in_backward is handle and int(opt.state[model.a.weight]["step"]) == 1
     opt.zero_grad()

@@ -252,12 +252,25 @@ def test_step_in_backward_through_the_trainer_equals_its_usual_step(tmp_path):
     assert torch.equal(weights[0], weights[1])
 
 
-def test_step_in_backward_with_fp16_scales_the_loss_per_update_and_saves_the_scale(tmp_path):
+@pytest.fixture
+def gpu_like_fp16(monkeypatch):
+    """accelerate's fp16 as on a GPU, where it makes a GradScaler (on the CPU it makes none and
+    runs fp16 as fp32); without autocast here, so the loss is scaled and nothing else changes."""
+    real = transformers.Trainer.create_accelerator_and_postprocess
+
+    def with_scaler(self):
+        real(self)
+        if getattr(self.accelerator, "mixed_precision", None) == "fp16" and self.accelerator.scaler is None:
+            self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", with_scaler)
+
+
+def test_step_in_backward_with_fp16_scales_the_loss_per_update_and_saves_the_scale(tmp_path, gpu_like_fp16):
     """fp16=True: the handle's LossScale stands in for the Trainer's GradScaler (which would find
-    the gradients used). On the CPU accelerate runs fp16 without autocast or a scaler, so the
-    usual step is fp32 and unscaled; scaled by 2**16 and divided back exactly, the weights equal
-    it bit for bit, with accumulation. The scale is the checkpoint's scaler.pt, and a resume
-    continues it."""
+    the gradients used). Both scale by 2**16 and divide back exactly (fp32 weights, no autocast
+    here): the weights equal the usual step's bit for bit, with accumulation. The scale is the
+    checkpoint's scaler.pt, which a GradScaler reads too, and a resume continues it."""
     weights = []
     for in_backward in (False, True):
         model = tiny_llama()
@@ -275,11 +288,14 @@ def test_step_in_backward_with_fp16_scales_the_loss_per_update_and_saves_the_sca
     resumed.train(resume_from_checkpoint=str(tmp_path / "True" / "checkpoint-2"))
     assert resumed._loss_scale.state_dict()["growth_tracker"] == 4  # 2 from the checkpoint + 2 steps
     assert torch.equal(torch.cat([p.detach().flatten() for p in resumed_model.parameters()]), weights[1])
-    # the scaler.pt also loads into a GradScaler (resumed without step_in_backward)
-    torch.amp.GradScaler("cpu").load_state_dict(saved)
+    # the scaler.pt also resumes the Trainer without step_in_backward (its GradScaler)
+    plain = FiraTrainer(model=tiny_llama(seed=123), args=args, train_dataset=TokenDataset())
+    plain.train(resume_from_checkpoint=str(tmp_path / "True" / "checkpoint-2"))
+    assert plain.accelerator.scaler.get_scale() == 2.0 ** 16
 
 
-def test_step_in_backward_scales_under_accelerate_s_fp16_and_each_accelerator_anew(tmp_path, monkeypatch):
+def test_step_in_backward_scales_under_accelerate_s_fp16_and_each_accelerator_anew(tmp_path, monkeypatch,
+                                                                                   gpu_like_fp16):
     # `accelerate launch --mixed_precision fp16` leaves args.fp16 False: the Trainer's GradScaler
     # would then have met the used gradients
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
@@ -505,3 +521,11 @@ def test_fira_on_lora_adapters_projects_the_lora_rank(tmp_path):
     model(input_ids=TokenDataset()[0]["input_ids"][None], labels=TokenDataset()[0]["labels"][None]).loss.backward()
     plain.step()
     assert optimizer_state_numel(plain) == adam_moments
+
+
+def test_step_in_backward_with_fp16_on_the_cpu_is_unscaled_as_accelerate_runs_it(tmp_path):
+    args = training_args(tmp_path, max_steps=2, max_grad_norm=0.0, fp16=True)
+    trainer = FiraTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), step_in_backward=True)
+    assert trainer.accelerator.scaler is None and trainer._loss_scale is None
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.in_backward.loss_scale is None

@@ -94,11 +94,13 @@ def test_the_scale_resumes_from_its_state_dict_with_weights_only():
     other.load_state_dict(torch.load(buffer, weights_only=True))
     assert other.state_dict() == scale.state_dict() == {
         "scale": 16.0, "growth_tracker": 1, "growth_factor": 2.0, "backoff_factor": 0.5,
-        "growth_interval": 3, "dynamic": True}
+        "growth_interval": 3, "dynamic": True, "skipped": 0}
     with pytest.raises(ValueError, match=r"needs \['growth_tracker'\]"):
         other.load_state_dict({"scale": 4.0})
-    with pytest.raises(ValueError, match=r"init_scale must be a finite number in \[1.18e-38, 3.4e\+38\].*=-1"):
+    with pytest.raises(ValueError, match=r"a loss-scale state's scale must be a finite number in \(0, 3.4e\+38\], got scale=-1.0"):
         other.load_state_dict({"scale": -1.0, "growth_tracker": 0})
+    with pytest.raises(ValueError, match="got scale=inf"):
+        other.load_state_dict({"scale": float("inf"), "growth_tracker": 0})
     other.load_state_dict({"scale": 1e-40, "growth_tracker": 0})  # backed off below float32's normal range
     assert 0 < other.get_scale() < 1.2e-38
     # GradScaler's state dict (its tracker is "_growth_tracker")

@@ -5,6 +5,7 @@ zero-shot), evaluate every task (by option log-likelihood, :mod:`.loglik`, or by
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import asdict
@@ -42,6 +43,12 @@ def run_finetune(
     """
     if config.threads:
         torch.set_num_threads(config.threads)
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "").strip()  # `accelerate launch --mixed_precision`
+    wanted = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[config.precision]
+    if config.trains and launched and launched != wanted:
+        # the Trainer would take it over --precision fp32 and record fp32: refuse the mismatch
+        raise FinetuneError(f"ACCELERATE_MIXED_PRECISION={launched!r} (accelerate launch --mixed_precision) asks for "
+                            f"another precision than precision={config.precision!r}: pass the same to both")
     if config.precision == "fp16" and config.trains and not torch.cuda.is_available():
         # the Trainer (accelerate) runs fp16 only on an accelerator: on the CPU it would train in fp32
         raise FinetuneError("precision='fp16' needs a CUDA GPU (the Trainer's fp16 mixed precision runs only on "

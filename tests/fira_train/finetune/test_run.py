@@ -157,7 +157,7 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
     assert ("acc_norm [95% CI]" in report) == (scoring == "loglik")
 
 
-def test_mixed_precision_reaches_the_trainer_the_record_and_the_report(tiny_model_dir, tmp_path):
+def test_mixed_precision_reaches_the_trainer_the_record_and_the_report(tiny_model_dir, tmp_path, monkeypatch):
     model_dir, data = tiny_model_dir
     common = ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--max-eval", "3",
               "--steps", "2", "--batch-size", "2", "--method", "fira", "--rank", "4", "--lr", "1e-3",
@@ -171,6 +171,12 @@ def test_mixed_precision_reaches_the_trainer_the_record_and_the_report(tiny_mode
     assert "mixed precision" not in (tmp_path / "fp32" / "report.md").read_text()
     # autocast changed the training: the losses differ from fp32's
     assert results["bf16"]["training"]["loss_history"] != results["fp32"]["training"]["loss_history"]
+    # `accelerate launch --mixed_precision fp16` would make the Trainer train fp16 under --precision fp32
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(FinetuneError, match="ACCELERATE_MIXED_PRECISION='fp16'.*precision='fp32'"):
+        run_finetune(FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="fira", steps=2,
+                                    out=str(tmp_path / "launched")))
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     if not torch.cuda.is_available():  # the Trainer would train fp16 in fp32 on the CPU: refused
         with pytest.raises(FinetuneError, match="precision='fp16' needs a CUDA GPU"):
             run_finetune(FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="fira", steps=2,
