@@ -30,7 +30,7 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["DamagedFileError", "check_report_owner", "dumps", "file_digest", "finite_or_none", "fsync_dir",
+__all__ = ["DamagedFileError", "check_report_owner", "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir",
            "locked", "read_json", "read_json_lines", "write_text_atomic"]
 
 
@@ -160,6 +160,34 @@ def read_json(path: str | Path, hint: str = "") -> Any:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise DamagedFileError(path, _reason(err), hint) from None
+
+
+def cut_back_json_lines(path: str | Path, step: int, hint: str = "") -> None:
+    """Keep the lines of a per-step JSON-lines log (``metrics.jsonl``, an analysis's records)
+    whose ``"step"`` is at most ``step`` (a run resumed from that step's checkpoint), in one atomic
+    rewrite; the lines kept are not re-encoded. A last line without its newline was cut by a kill
+    while it was written, after that checkpoint (a step's line comes before its checkpoint): it
+    goes too. :class:`DamagedFileError` names any other line that cannot be parsed."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError as err:
+        raise DamagedFileError(path, _reason(err), hint) from None
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DamagedFileError(path, f"line {number} is not valid JSON: {err.msg}", hint) from None
+        if not isinstance(record, dict):
+            raise DamagedFileError(path, f"line {number} is not a step's record", hint)
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    write_text_atomic(path, "".join(kept))
 
 
 def read_json_lines(path: str | Path, hint: str = "") -> list[Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fira_train.files import DamagedFileError, dumps, read_json, write_text_atomic
+from fira_train.files import DamagedFileError, cut_back_json_lines, dumps, read_json, write_text_atomic
 from fira_train.run.metrics import MetricsLog, read_metrics
 from fira_train.run.run_files import foreign_files
 
@@ -74,3 +74,13 @@ def test_locked_makes_a_second_holder_wait_for_the_first(tmp_path) -> None:
         order.append("first")
     worker.join(timeout=10)
     assert order == ["first", "second"]
+
+
+def test_cut_back_json_lines_keeps_steps_up_to_the_checkpoint_and_drops_a_cut_line(tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"step": 1, "x": NaN}\n\n{"step": 2}\n{"step": 3}\n{"step": 4, "x"')
+    cut_back_json_lines(log, 2)
+    assert log.read_text() == '{"step": 1, "x": NaN}\n{"step": 2}\n'  # kept as written, not re-encoded
+    log.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(DamagedFileError, match="line 2 is not valid JSON"):
+        cut_back_json_lines(log, 3, hint="delete it")

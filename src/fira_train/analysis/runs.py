@@ -29,7 +29,7 @@ from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import check_report_owner, read_json, write_text_atomic
+from fira_train.files import check_report_owner, cut_back_json_lines, read_json, write_text_atomic
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.run.run_dir import check_same_data, config_changes, describe_changes, finished_with
@@ -399,18 +399,15 @@ class JsonlWriter:
         self._begun = False
 
     def begin(self, step: int) -> None:
-        """Keep the lines of steps ``<= step`` (none for 0), in one atomic rewrite."""
-        kept = ""
-        if step > 0:
-            if not self.path.exists():
-                raise FileNotFoundError(f"{str(self.path)!r} is missing: the run resumes from step {step}, and "
-                                        "what it recorded up to there is lost; start the run again (--overwrite)")
-            with open(self.path, encoding="utf-8") as f:
-                # a last line without its newline was cut by a kill: it was written after the
-                # checkpoint (a step's line is written before that step's checkpoint)
-                lines = [line for line in f if line.endswith("\n") and line.strip()]
-            kept = "".join(line for line in lines if _line_step(line, self.path) <= step)
-        write_text_atomic(self.path, kept)
+        """Keep the lines of steps ``<= step`` (none for 0), as ``metrics.jsonl`` is cut back
+        (:func:`fira_train.files.cut_back_json_lines`)."""
+        if step == 0:
+            write_text_atomic(self.path, "")
+        elif not self.path.exists():
+            raise FileNotFoundError(f"{str(self.path)!r} is missing: the run resumes from step {step}, and "
+                                    "what it recorded up to there is lost; start the run again (--overwrite)")
+        else:
+            cut_back_json_lines(self.path, step, hint=_REDO_HINT)
         self._begun = True
 
     def write(self, record: dict[str, Any]) -> None:
@@ -418,13 +415,3 @@ class JsonlWriter:
             self.begin(0)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-
-
-def _line_step(line: str, path: Path) -> int:
-    """The ``"step"`` of one whole line of a :class:`JsonlWriter` file; ValueError naming the file
-    for a line that is not such a record."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{str(path)!r} holds a line that is not a step's record ({line[:80]!r}): delete the "
-                         "run's folder (or pass --overwrite) to train it again") from None

@@ -15,16 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import dumps, read_json_lines, write_text_atomic
-
-
-def _drop_cut_line(path: Path) -> None:
-    """Remove a last line without its newline: a kill cut it while it was written, after the
-    newest checkpoint (a step's line is written before that step's checkpoint)."""
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
+from fira_train.files import cut_back_json_lines, dumps, read_json_lines
 
 
 class MetricsLog:
@@ -38,10 +29,7 @@ class MetricsLog:
     def __init__(self, out_dir: Path, *, tensorboard: bool, resume_step: int | None = None) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            _drop_cut_line(self.path)
-            kept = [record for record in read_json_lines(self.path, hint=_DAMAGED_HINT)
-                    if record.get("step", 0) <= resume_step]
-            write_text_atomic(self.path, "".join(dumps(record) + "\n" for record in kept))
+            cut_back_json_lines(self.path, resume_step, hint=_DAMAGED_HINT)
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:
