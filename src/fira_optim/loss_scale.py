@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from .options import _integer
+
 
 #: The scales float32 holds: a smaller one is 0, a larger one Inf.
 _SCALE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
@@ -44,10 +46,11 @@ class LossScale:
                  growth_interval: int = 2000, dynamic: bool = True) -> None:
         _check_settings(init_scale, growth_factor, backoff_factor, growth_interval, dynamic)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
-        self.growth_interval, self.dynamic = growth_interval, dynamic
+        self.growth_interval, self.dynamic = _integer(growth_interval), dynamic
         self._scale = torch.full((1,), float(init_scale), dtype=torch.float32)
         self._growth_tracker = torch.zeros(1, dtype=torch.int32)
-        self._found_inf = torch.zeros(1, dtype=torch.float32)  # since the last update()
+        self._inverse()
+        self._overflowed = False  # since the last update()
         self._scaled = False  # scale() called since the last update(): the gradients are scaled
         self.handle: Any = None
         """The :class:`~fira_optim.backward.StepInBackward` that uses this scale (None: none)."""
@@ -78,15 +81,17 @@ class LossScale:
                                "not loss.backward(), when step_in_backward has a loss_scale")
         if any(grad.dtype == torch.float16 for grad in grads):
             raise RuntimeError(_FP16_GRADIENTS)
-        inv_scale = self._scale.double().reciprocal().float()  # as GradScaler.unscale_
-        found = []
-        for grad in grads:  # one flag each: an overflow skips the update of its own parameter only
-            flag = torch.zeros(1, dtype=torch.float32, device=grad.device)
-            torch._amp_foreach_non_finite_check_and_unscale_([grad], flag, inv_scale.to(grad.device))
-            found.append(flag.to(self._scale.device))
-        overflowed = torch.cat(found).tolist()  # the update waits for this answer anyway
+        found = torch.zeros(len(grads), dtype=torch.float32, device=self._scale.device)
+        for i, grad in enumerate(grads):  # a flag each: an overflow skips its own parameter's update
+            if grad.device == found.device:
+                torch._amp_foreach_non_finite_check_and_unscale_([grad], found[i:i + 1], self._inv_scale)
+            else:  # a model spread over devices
+                flag = torch.zeros(1, dtype=torch.float32, device=grad.device)
+                torch._amp_foreach_non_finite_check_and_unscale_([grad], flag, self._inv_scale.to(grad.device))
+                found[i:i + 1].copy_(flag)
+        overflowed = found.tolist()  # the one host sync; the update waits for this answer anyway
         if any(overflowed):
-            self._found_inf.fill_(1.0)
+            self._overflowed = True
             self.skipped += sum(1 for f in overflowed if f)
         return [not f for f in overflowed]
 
@@ -94,10 +99,11 @@ class LossScale:
         """Once per optimizer step: back off after an overflow, grow after ``growth_interval``
         clean steps (``dynamic=False``: nothing changes)."""
         if self.dynamic:
-            found = self._found_inf.to(self._scale.device)
+            found = torch.full((1,), float(self._overflowed), device=self._scale.device)
             torch._amp_update_scale_(self._scale, self._growth_tracker, found, self.growth_factor,
                                      self.backoff_factor, self.growth_interval)
-        self._found_inf.zero_()
+            self._inverse()
+        self._overflowed = False
         self._scaled = False
 
     def state_dict(self) -> dict[str, Any]:
@@ -126,9 +132,10 @@ class LossScale:
                              f"got scale={scale!r}")
         _check_settings(1.0, **settings)
         self._scale.fill_(float(state["scale"]))
+        self._inverse()
         self._growth_tracker.fill_(int(state["growth_tracker"]))
         self.growth_factor, self.backoff_factor = float(settings["growth_factor"]), float(settings["backoff_factor"])
-        self.growth_interval, self.dynamic = settings["growth_interval"], settings["dynamic"]
+        self.growth_interval, self.dynamic = _integer(settings["growth_interval"]), settings["dynamic"]
         self.skipped = int(state.get("skipped", 0))  # a GradScaler's state has no count
 
     def _to(self, device: torch.device) -> None:
@@ -136,7 +143,12 @@ class LossScale:
         if self._scale.device != device:
             self._scale = self._scale.to(device)
             self._growth_tracker = self._growth_tracker.to(device)
-            self._found_inf = self._found_inf.to(device)
+            self._inverse()
+
+    def _inverse(self) -> None:
+        """:math:`1 / S` as GradScaler computes it (in float64, then float32), once per scale, not
+        once per update in the backward pass."""
+        self._inv_scale = self._scale.double().reciprocal().float()
 
 
 _FP16_GRADIENTS = ("loss_scale needs fp32 gradients (fp32 weights under fp16 autocast): an fp16 gradient "
@@ -156,7 +168,7 @@ def _check_settings(init_scale: Any, growth_factor: Any, backoff_factor: Any, gr
         inside = number and (low <= value <= high if name == "init_scale" else low < value < high)
         if not inside:
             raise ValueError(f"{name} must be a finite number {bounds}, got {name}={value!r}")
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+    if _integer(growth_interval) is None or growth_interval < 1:
         raise ValueError(f"growth_interval must be an int >= 1, got growth_interval={growth_interval!r}")
     if not isinstance(dynamic, bool):
         raise ValueError(f"dynamic must be True or False, got dynamic={dynamic!r}")
