@@ -334,7 +334,6 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
             skipped_updates = training.skipped_updates() - updates_before  # the handle: its matrices
             if skipped_updates:
                 record["skipped_updates"] = skipped_updates
-                progress["skipped_updates"] = progress.get("skipped_updates", 0) + skipped_updates
         if step == t.steps or (t.eval_every and step % t.eval_every == 0):
             val_loss, _ = evaluate(net, val_batches, device, autocast, env)
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
@@ -384,7 +383,8 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         "train_time_s": progress["train_time_s"],
         # wall_time_s, peak_memory_bytes, peak_memory_kind, sittings
         **_sitting_totals(earlier, run_start, memory),
-        **({"skipped_steps": progress.get("skipped_steps", 0), "skipped_updates": progress.get("skipped_updates", 0)}
+        # the handle's count is in its loss scale's state (checkpointed), GradScaler keeps none
+        **({"skipped_steps": progress.get("skipped_steps", 0), "skipped_updates": training.skipped_updates()}
            if config.train.precision == "fp16" else {}),
         "optimizer_state_numel": optimizer_state_numel(optimizer),  # step counters excluded
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),  # step counters included

@@ -56,7 +56,8 @@ class Training:
 
     def skipped_updates(self) -> int:
         """Parameter updates the step-in-backward handle's loss scale skipped for an overflow
-        (this process; 0 without one): there an overflow skips its own matrices, not the step."""
+        over the run (its state holds the count; 0 without one): there an overflow skips its own
+        matrices, not the step."""
         scaler = self.loss_scaler
         return scaler.skipped if isinstance(scaler, fira_optim.LossScale) else 0
 

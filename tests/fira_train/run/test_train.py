@@ -246,6 +246,23 @@ def test_an_fp16_overflow_in_backward_skips_its_matrices_and_the_step_goes_on(tm
     assert seen.steps == [1, 2, 3, 4] and summary["skipped_steps"] == 0 and summary["skipped_updates"] == 1
     assert [r.get("skipped_updates", 0) for r in records] == [0, 0, 1, 0]
     assert [r["loss_scale"] for r in records] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
+    # stopped after the checkpoint of step 3 and resumed: the count comes back with the scale
+    _overflow_lm_head_at(monkeypatch, 6)
+    real_save = ckpt.save_checkpoint
+
+    def save_then_crash(run_dir, step, state):
+        path = real_save(run_dir, step, state)
+        if step == 3:
+            raise _Stop
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_crash)
+    stopped = apply_overrides(config, ["train.save_every=1", f"train.out_dir={tmp_path / 'stopped'}"])
+    with pytest.raises(_Stop):
+        train(stopped)
+    monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
+    _overflow_lm_head_at(monkeypatch, 0)  # no overflow in the second sitting
+    assert train(stopped, resume="latest")["skipped_updates"] == 1
 
 
 class _AfterSteps(TrainCallback):
