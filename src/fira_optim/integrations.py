@@ -426,7 +426,6 @@ class FiraTrainer(Trainer):
         self.step_in_backward = bool(step_in_backward)
         self.in_backward: Any = None
         self._own_handle: Any = None  # the handle this Trainer made (not one the optimizer came with)
-        self._loss_scale: LossScale | None = None  # fp16 with step_in_backward: the handle's scale
         super().__init__(*args, **kwargs)
         if self.step_in_backward:
             _check_step_in_backward(self)
@@ -440,8 +439,13 @@ class FiraTrainer(Trainer):
             # before accelerate wraps the optimizer (it hands the wrapper its scaler then), and
             # before a checkpoint's scaler.pt is loaded into it; a new accelerator (a new
             # hyperparameter-search trial) starts a new scale, as it would a new GradScaler
-            self._loss_scale = LossScale()
-            self.accelerator.scaler = _ScalerInBackward(self._loss_scale)
+            self.accelerator.scaler = _ScalerInBackward(LossScale())
+
+    @property
+    def _loss_scale(self) -> LossScale | None:
+        """The scale the handle takes under fp16 mixed precision (None: no loss scaling)."""
+        scaler = getattr(getattr(self, "accelerator", None), "scaler", None)
+        return scaler.loss_scale if isinstance(scaler, _ScalerInBackward) else None
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -485,8 +489,8 @@ class FiraTrainer(Trainer):
         if handle is None:
             handle = self._own_handle = step_in_backward(optimizer, ddp, loss_scale=self._loss_scale)
         elif self._loss_scale is not None and handle.loss_scale is not self._loss_scale:
-            raise ValueError("FiraTrainer(step_in_backward=True) with fp16=True scales the loss itself: the "
-                             "optimizer already has a step_in_backward handle; remove() it and let the Trainer "
+            raise ValueError("FiraTrainer(step_in_backward=True) under fp16 mixed precision scales the loss itself: "
+                             "the optimizer already has a step_in_backward handle; remove() it and let the Trainer "
                              "hook the optimizer")
         elif not fits(handle):
             raise ValueError(
@@ -516,7 +520,7 @@ class FiraTrainer(Trainer):
 
 
 class _ScalerInBackward:
-    """What accelerate asks of the Trainer's ``GradScaler`` under ``fp16=True``, for updates in
+    """What accelerate asks of the Trainer's ``GradScaler`` under fp16 mixed precision, for updates in
     the backward pass: the loss is scaled by the handle's :class:`~fira_optim.loss_scale.LossScale`,
     each update divides its own gradients by it, and ``optimizer.step()`` moves it (GradScaler
     would find the gradients used and freed). Its state is the Trainer's ``scaler.pt``."""

@@ -50,6 +50,11 @@ class TrainCallback:
                              f"{sorted(state)} for it: it was written with other callbacks")
 
 
+def stateful(callbacks: Sequence[TrainCallback]) -> list[str]:
+    """The class names of the callbacks that keep state (a non-empty :meth:`~TrainCallback.state_dict`)."""
+    return [type(callback).__name__ for callback in callbacks if callback.state_dict()]
+
+
 def callback_states(callbacks: Sequence[TrainCallback]) -> list[dict[str, Any]]:
     """Each callback's :meth:`~TrainCallback.state_dict`, in order (a checkpoint's ``callbacks``)."""
     return [callback.state_dict() for callback in callbacks]
@@ -61,14 +66,14 @@ def load_callback_states(callbacks: Sequence[TrainCallback],
     were kept) into ``callbacks``. ValueError where the two do not match: another number of
     callbacks, or state missing for one that keeps some."""
     if states is None:
-        stateful = [type(c).__name__ for c in callbacks if c.state_dict()]
-        if stateful:
-            raise ValueError(f"the checkpoint holds no state of the run's callbacks ({', '.join(stateful)}): "
+        keeping = stateful(callbacks)
+        if keeping:
+            raise ValueError(f"the checkpoint holds no state of the run's callbacks ({', '.join(keeping)}): "
                              "a distributed run wrote it, or a version that did not keep them, and resuming "
                              "would not continue them exactly; start the run again (--overwrite)")
         return
     if len(states) != len(callbacks):
-        if not any(states) and not any(c.state_dict() for c in callbacks):
+        if not any(states) and not stateful(callbacks):
             return  # nothing to carry on either side (an analysis's run continued by pretrain --resume)
         raise ValueError(f"the checkpoint holds the state of {len(states)} callbacks, the run has "
                          f"{len(callbacks)}: resume with the callbacks that wrote it")

@@ -57,7 +57,7 @@ from fira_train.methods.model import count_parameters
 from fira_train.methods.registry import get_method
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import resume_check, run_files, train_parallel
-from fira_train.run.callbacks import TrainCallback
+from fira_train.run.callbacks import TrainCallback, stateful
 from fira_train.run.divergence import DivergedError, check_loss, diverged
 from fira_train.run.launch import is_rank_zero
 from fira_train.run.metrics import MetricsLog, perplexity
@@ -136,9 +136,9 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     config = resolved(config)
     # before the lock file is created: nothing is added to a folder the run may not use
     run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
-    stateful = [type(c).__name__ for c in callbacks if c.state_dict()]
-    if stateful and config.train.parallel != "none":
-        raise ValueError(f"callbacks that keep state ({', '.join(stateful)}) run in one process only: "
+    keeping = stateful(callbacks)
+    if keeping and config.train.parallel != "none":
+        raise ValueError(f"callbacks that keep state ({', '.join(keeping)}) run in one process only: "
                          f"distributed checkpoints do not hold their state, and train.parallel="
                          f"{config.train.parallel!r}; leave it at none")
     if config.train.parallel == "none":
