@@ -63,6 +63,7 @@ What changes:
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import warnings
 import weakref
@@ -71,7 +72,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from . import distributed
-from .loss_scale import _FP16_GRADIENTS, LossScale
+from .loss_scale import _FP16_GRADIENTS, _SCALE_RANGE, LossScale
 
 if TYPE_CHECKING:
     from .optimizer import Fira
@@ -86,8 +87,6 @@ class StepInBackward:
                                "remove() its handle first")
         self.loss_scale = _loss_scale(loss_scale, optimizer)
         """The :class:`~fira_optim.loss_scale.LossScale` (None without loss scaling)."""
-        if self.loss_scale is not None:
-            self.loss_scale.handle = self
         self.optimizer = optimizer
         self.model = model
         self._accumulating = False
@@ -106,6 +105,8 @@ class StepInBackward:
         else:
             self.cover([p for group in optimizer.param_groups for p in group["params"]])
         optimizer._in_backward = self
+        if self.loss_scale is not None:  # last: a handle refused above must not hold the scale
+            self.loss_scale.handle = self
 
     def cover(self, params) -> None:
         """Hook those of ``params`` that require a gradient and have no hook yet (outside DDP,
@@ -190,7 +191,11 @@ class StepInBackward:
             raise
 
     def _hook(self, p: torch.Tensor) -> None:
-        if self._accumulating or not self._active or self.optimizer._in_backward is not self:  # or paused
+        if not self._active or self.optimizer._in_backward is not self:  # removed, or paused
+            return
+        if self.loss_scale is not None:  # each backward pass, also one that accumulates
+            self.loss_scale.check_backward()
+        if self._accumulating:
             return
         self._update({p})
         p.grad = None
@@ -297,10 +302,14 @@ def _loss_scale(value: Any, optimizer: "Fira") -> LossScale | None:
     elif value == "dynamic":
         scale = LossScale()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        scale = LossScale(init_scale=value, dynamic=False)  # validates it
+        low, high = _SCALE_RANGE
+        if not (math.isfinite(value) and low <= value <= high):
+            raise ValueError(f"loss_scale: a static scale must be a finite number in [{low:.3g}, {high:.3g}] "
+                             f"(float32's range), got loss_scale={value!r}")
+        scale = LossScale(init_scale=value, dynamic=False)
     else:
-        raise ValueError(f"loss_scale must be None, 'dynamic', a number > 0 (a static scale) or a "
-                         f"fira_optim.LossScale, got loss_scale={value!r}")
+        raise ValueError(f"loss_scale must be None, 'dynamic', a number (a static scale, in float32's range) "
+                         f"or a fira_optim.LossScale, got loss_scale={value!r}")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(p.dtype == torch.float16 for p in params):
         raise ValueError(_FP16_GRADIENTS)

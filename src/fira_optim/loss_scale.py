@@ -52,6 +52,7 @@ class LossScale:
         self._inverse()
         self._overflowed = False  # since the last update()
         self._scaled = False  # scale() called since the last update(): the gradients are scaled
+        self._in_scaled_backward = False  # a backward pass through a scaled loss is running
         self.handle: Any = None
         """The :class:`~fira_optim.backward.StepInBackward` that uses this scale (None: none)."""
         self.skipped = 0
@@ -65,7 +66,29 @@ class LossScale:
         """``loss * S``: call ``.backward()`` on this."""
         self._to(loss.device)
         self._scaled = True
-        return loss * self._scale  # as GradScaler.scale: a (1,)-shaped fp32 tensor
+        scaled = loss * self._scale  # as GradScaler.scale: a (1,)-shaped fp32 tensor
+        if scaled.requires_grad:  # marks the backward passes that start from it (check_backward)
+            scaled.register_hook(self._backward_starts)
+        return scaled
+
+    def check_backward(self) -> None:
+        """RuntimeError unless the running backward pass went through :meth:`scale`: called by
+        each update (and each accumulating micro-batch) in one process, where an unscaled backward
+        would otherwise be divided by :math:`S` (or, accumulated with scaled ones, be weighted
+        :math:`1/S` against them) without a word."""
+        if not self._in_scaled_backward:
+            raise RuntimeError(_UNSCALED)
+
+    def _backward_starts(self, grad: torch.Tensor) -> None:
+        # The scaled loss's gradient comes first in its backward pass, before any weight's; the
+        # mark lasts until that pass ends (a nested backward, as reentrant activation checkpointing
+        # runs, inside it). Queued for each pass, so that one abandoned by an error (which runs
+        # no end callback) is not taken for the next.
+        self._in_scaled_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    def _backward_ends(self) -> None:
+        self._in_scaled_backward = False
 
     def unscale_(self, grads: list[torch.Tensor]) -> list[bool]:
         """Divide each of ``grads`` by :math:`S` in place; whether each is finite after it (one
@@ -77,8 +100,7 @@ class LossScale:
         if not grads:
             return []
         if not self._scaled:
-            raise RuntimeError("loss_scale: the gradients were not scaled: call handle.scale(loss).backward(), "
-                               "not loss.backward(), when step_in_backward has a loss_scale")
+            raise RuntimeError(_UNSCALED)
         if any(grad.dtype == torch.float16 for grad in grads):
             raise RuntimeError(_FP16_GRADIENTS)
         found = torch.zeros(len(grads), dtype=torch.float32, device=self._scale.device)
@@ -99,7 +121,8 @@ class LossScale:
         """Once per optimizer step: back off after an overflow, grow after ``growth_interval``
         clean steps (``dynamic=False``: nothing changes)."""
         if self.dynamic:
-            found = torch.full((1,), float(self._overflowed), device=self._scale.device)
+            # float32 whatever torch's default dtype (the kernel takes nothing else)
+            found = torch.full((1,), float(self._overflowed), dtype=torch.float32, device=self._scale.device)
             torch._amp_update_scale_(self._scale, self._growth_tracker, found, self.growth_factor,
                                      self.backoff_factor, self.growth_interval)
             self._inverse()
@@ -150,6 +173,10 @@ class LossScale:
         once per update in the backward pass."""
         self._inv_scale = self._scale.double().reciprocal().float()
 
+
+_UNSCALED = ("loss_scale: the gradients were not scaled: call handle.scale(loss).backward(), not "
+             "loss.backward(), when step_in_backward has a loss_scale (every backward pass of the step, "
+             "also those inside handle.accumulate())")
 
 _FP16_GRADIENTS = ("loss_scale needs fp32 gradients (fp32 weights under fp16 autocast): an fp16 gradient "
                    "divided by the scale loses the small values the scale kept (GradScaler refuses them too); "

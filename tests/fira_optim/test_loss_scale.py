@@ -127,10 +127,11 @@ def test_bad_settings_name_the_argument(kwargs, message):
 def test_bad_loss_scale_and_scale_without_one_are_refused():
     model = _net(torch.float32)
     opt = FiraAdamW([{"params": [model.a.weight], "rank": 2}])
-    with pytest.raises(ValueError, match="loss_scale must be None, 'dynamic', a number > 0.*got loss_scale='auto'"):
+    with pytest.raises(ValueError, match="loss_scale must be None, 'dynamic', a number .*got loss_scale='auto'"):
         step_in_backward(opt, loss_scale="auto")
-    with pytest.raises(ValueError, match="init_scale must be a finite number in .* got init_scale=-2"):
-        step_in_backward(opt, loss_scale=-2)
+    for bad in (-2, 0, 1e-50, float("inf")):  # named as given, with float32's range
+        with pytest.raises(ValueError, match=rf"loss_scale: a static scale .*float32's range\), got loss_scale={bad!r}"):
+            step_in_backward(opt, loss_scale=bad)
     handle = step_in_backward(opt)
     with pytest.raises(RuntimeError, match="no loss scale: pass loss_scale='dynamic'"):
         handle.scale(torch.ones(()))
@@ -149,6 +150,56 @@ def test_forgetting_to_scale_the_loss_is_an_error_not_a_gradient_divided_by_the_
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and handle.loss_scale.skipped == 0
 
 
+@pytest.mark.parametrize("accumulating", ["first", "last"])
+def test_an_unscaled_backward_beside_scaled_ones_is_an_error(accumulating):
+    # one micro-batch scaled and one not: accumulated, the unscaled one would weigh 1/S of the other
+    model = _net(torch.float32)
+    handle = step_in_backward(_optimizer(model), loss_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    (x0, y0), (x1, y1) = _batch(0, dtype=torch.float32), _batch(1, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="not scaled.*also those inside handle.accumulate"):
+        if accumulating == "first":  # the non-final micro-batch unscaled
+            with handle.accumulate():
+                _loss(model, x0, y0).backward()
+        else:  # the final one unscaled, after a scaled one
+            with handle.accumulate():
+                handle.scale(_loss(model, x0, y0)).backward()
+            _loss(model, x1, y1).backward()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_scaled_backward_after_an_abandoned_one_is_still_checked():
+    model = _net(torch.float32)
+    opt = _optimizer(model)
+    handle = step_in_backward(opt, loss_scale=1024.0)
+    x, y = _batch(0, dtype=torch.float32)
+    model.a.weight.register_hook(lambda g: (_ for _ in ()).throw(KeyError("stop")) if stop["on"] else g)
+    stop = {"on": True}
+    with pytest.raises(KeyError, match="stop"):  # leaves its backward pass without its end
+        handle.scale(_loss(model, x, y)).backward()
+    stop["on"] = False
+    opt.step()  # ends the step the error cut short
+    opt.zero_grad()
+    handle.scale(_loss(model, x, y)).backward()  # scaled: updates
+    opt.step()
+    with pytest.raises(RuntimeError, match="not scaled"):  # the mark ended with the pass before
+        _loss(model, x, y).backward()
+
+
+def test_the_scale_moves_under_a_float64_default_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        layer = torch.nn.Linear(8, 8, bias=False, dtype=torch.float32)
+        opt = FiraAdamW([{"params": [layer.weight], "rank": 2}])
+        handle = step_in_backward(opt, loss_scale=LossScale(growth_interval=1))
+        handle.scale(layer(torch.randn(4, 8, dtype=torch.float32)).pow(2).mean()).backward()
+        opt.step()  # torch._amp_update_scale_ takes a float32 overflow flag only
+    finally:
+        torch.set_default_dtype(previous)
+    assert handle.loss_scale.get_scale() == 2.0 ** 17
+
+
 def test_one_scale_serves_one_handle_at_a_time():
     scale = LossScale()
     first = step_in_backward(_optimizer(_net(torch.float32)), loss_scale=scale)
@@ -157,6 +208,17 @@ def test_one_scale_serves_one_handle_at_a_time():
         step_in_backward(_optimizer(_net(torch.float32)), loss_scale=scale)
     first.remove()
     assert step_in_backward(_optimizer(_net(torch.float32)), loss_scale=scale).loss_scale is scale
+
+
+def test_a_refused_handle_leaves_its_scale_free():
+    model = _net(torch.float32)
+    first = step_in_backward(_optimizer(model))
+    scale = LossScale()
+    with pytest.raises(ValueError, match="already updated in the backward pass"):
+        step_in_backward(_optimizer(model), loss_scale=scale)  # the same weights as first's
+    assert scale.handle is None
+    first.remove()
+    assert step_in_backward(_optimizer(model), loss_scale=scale).loss_scale is scale
 
 
 def test_fp16_weights_are_refused_as_gradscaler_refuses_their_gradients():
@@ -213,3 +275,31 @@ def test_under_ddp_an_overflow_skips_its_parameter_not_its_bucket(tmp_path):
     for steps, skipped, scale in run_ranks(_ddp_overflow_worker, 2, tmp_path, timeout=100):
         assert steps["a.weight"] == 2 and skipped == 1 and scale == 2.0 ** 9
         assert all(count == 3 for name, count in steps.items() if name != "a.weight")
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_runs_its_backward_inside_the_scaled_one(reentrant):
+    # reentrant checkpointing recomputes and differentiates its segment in a nested backward pass
+    from torch.utils.checkpoint import checkpoint
+
+    def train(in_backward: bool):
+        model = _net(torch.float32)
+        opt = _optimizer(model)
+        handle = step_in_backward(opt, loss_scale=1024.0) if in_backward else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10 ** 9)
+        for step in range(3):
+            x, y = _batch(step, dtype=torch.float32)
+            x = x.requires_grad_(reentrant)  # a reentrant segment needs an input that requires grad
+            loss = checkpoint(_loss, model, x, y, use_reentrant=reentrant)
+            if in_backward:
+                handle.scale(loss).backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+        return model
+
+    for p, q in zip(train(False).parameters(), train(True).parameters()):
+        assert torch.equal(p, q)
