@@ -142,6 +142,18 @@ class StepInBackward:
                                "otherwise")
         return self.loss_scale.scale(loss)
 
+    @contextlib.contextmanager
+    def scaled_backward(self) -> Iterator[None]:
+        """Around a backward pass whose gradients already carry the loss scale without starting
+        from :meth:`scale`'s tensor (``hidden.backward(hidden_detached.grad)``, a pipeline
+        stage): such a pass is otherwise refused as unscaled
+        (:meth:`~fira_optim.loss_scale.LossScale.scaled_backward`)."""
+        if self.loss_scale is None:
+            raise RuntimeError("this handle has no loss scale: scaled_backward() is for step_in_backward(..., "
+                               "loss_scale=...)")
+        with self.loss_scale.scaled_backward():
+            yield
+
     def unscaled(self, params) -> list:
         """Divide the gradients of ``params`` by the loss scale (none: nothing to do); those of
         ``params`` to update: all without a loss scale, else those with a gradient that did not

@@ -24,13 +24,19 @@ GradScaler with the same constant scale and a plain ``optimizer.step()``, bit fo
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any
+import threading
+from typing import Any, Iterator
 
 import torch
 
 from .options import _integer
 
+
+#: Backward passes run in several threads at once count under it (a module's lock: a LossScale
+#: stays deep-copyable and picklable).
+_PASSES_LOCK = threading.Lock()
 
 #: The scales float32 holds: a smaller one is 0, a larger one Inf.
 _SCALE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
@@ -52,7 +58,7 @@ class LossScale:
         self._inverse()
         self._overflowed = False  # since the last update()
         self._scaled = False  # scale() called since the last update(): the gradients are scaled
-        self._in_scaled_backward = False  # a backward pass through a scaled loss is running
+        self._scaled_passes = 0  # backward passes from a scaled loss running now (check_backward)
         self.handle: Any = None
         """The :class:`~fira_optim.backward.StepInBackward` that uses this scale (None: none)."""
         self.skipped = 0
@@ -72,23 +78,39 @@ class LossScale:
         return scaled
 
     def check_backward(self) -> None:
-        """RuntimeError unless the running backward pass went through :meth:`scale`: called by
-        each update (and each accumulating micro-batch) in one process, where an unscaled backward
-        would otherwise be divided by :math:`S` (or, accumulated with scaled ones, be weighted
-        :math:`1/S` against them) without a word."""
-        if not self._in_scaled_backward:
+        """RuntimeError unless a backward pass from a :meth:`scale`-d loss (or one inside
+        :meth:`scaled_backward`) is running: called by each update (and each accumulating
+        micro-batch) in one process, where an unscaled backward would otherwise be divided by
+        :math:`S` (or, accumulated with scaled ones, be weighted :math:`1/S` against them) without
+        a word. A pass that also starts from an unscaled loss (``(scaled + other).backward()``)
+        is not told apart."""
+        if not self._scaled_passes:
             raise RuntimeError(_UNSCALED)
+
+    @contextlib.contextmanager
+    def scaled_backward(self) -> Iterator[None]:
+        """Around backward passes whose gradients carry the scale without starting from
+        :meth:`scale`'s tensor: one started from an intermediate tensor with a gradient computed
+        from the scaled loss (``hidden.backward(h.grad)`` after a detached head's backward, a
+        pipeline stage's ``torch.autograd.backward(outputs, grads)``)."""
+        self._scaled = True
+        self._count(+1)
+        try:
+            yield
+        finally:
+            self._count(-1)
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         # The scaled loss's gradient comes first in its backward pass, before any weight's; the
-        # mark lasts until that pass ends (a nested backward, as reentrant activation checkpointing
-        # runs, inside it). Queued for each pass, so that one abandoned by an error (which runs
-        # no end callback) is not taken for the next.
-        self._in_scaled_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+        # count lasts until that pass ends (a nested backward, as reentrant activation
+        # checkpointing runs, inside it). A pass abandoned by an error runs no end callback:
+        # update() sets the count back to 0.
+        self._count(+1)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._count(-1))
 
-    def _backward_ends(self) -> None:
-        self._in_scaled_backward = False
+    def _count(self, change: int) -> None:
+        with _PASSES_LOCK:
+            self._scaled_passes = max(0, self._scaled_passes + change)
 
     def unscale_(self, grads: list[torch.Tensor]) -> list[bool]:
         """Divide each of ``grads`` by :math:`S` in place; whether each is finite after it (one
@@ -128,6 +150,8 @@ class LossScale:
             self._inverse()
         self._overflowed = False
         self._scaled = False
+        with _PASSES_LOCK:  # outside backward: a pass an error abandoned counts no longer
+            self._scaled_passes = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values (``torch.load(weights_only=True)`` reads them); the keys of GradScaler's
@@ -176,7 +200,8 @@ class LossScale:
 
 _UNSCALED = ("loss_scale: the gradients were not scaled: call handle.scale(loss).backward(), not "
              "loss.backward(), when step_in_backward has a loss_scale (every backward pass of the step, "
-             "also those inside handle.accumulate())")
+             "also those inside handle.accumulate()); a backward from a gradient that already carries "
+             "the scale (a split or pipelined backward) goes inside `with handle.scaled_backward():`")
 
 _FP16_GRADIENTS = ("loss_scale needs fp32 gradients (fp32 weights under fp16 autocast): an fp16 gradient "
                    "divided by the scale loses the small values the scale kept (GradScaler refuses them too); "
