@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 from typing import Any, Iterator
 
@@ -59,6 +60,7 @@ class LossScale:
         self._overflowed = False  # since the last update()
         self._scaled = False  # scale() called since the last update(): the gradients are scaled
         self._scaled_passes = 0  # backward passes from a scaled loss running now (check_backward)
+        self._open_blocks = 0  # scaled_backward() blocks entered and not left
         self.handle: Any = None
         """The :class:`~fira_optim.backward.StepInBackward` that uses this scale (None: none)."""
         self.skipped = 0
@@ -78,13 +80,16 @@ class LossScale:
         return scaled
 
     def check_backward(self) -> None:
-        """RuntimeError unless a backward pass from a :meth:`scale`-d loss (or one inside
-        :meth:`scaled_backward`) is running: called by each update (and each accumulating
+        """RuntimeError unless a backward pass from a :meth:`scale`-d loss runs (or a
+        :meth:`scaled_backward` block is open): called by each update (and each accumulating
         micro-batch) in one process, where an unscaled backward would otherwise be divided by
         :math:`S` (or, accumulated with scaled ones, be weighted :math:`1/S` against them) without
-        a word. A pass that also starts from an unscaled loss (``(scaled + other).backward()``)
-        is not told apart."""
-        if not self._scaled_passes:
+        a word. The count is the scale's, not a pass's: an unscaled pass is not told apart while
+        a scaled one runs in another thread, nor one with a scaled and an unscaled root
+        (``(scaled + other).backward()``), nor one after a scaled pass that an error abandoned
+        (it counts until the next ``optimizer.step()``). Not under compiled autograd, which runs
+        no end-of-backward callback from a hook: there the step's check alone (:meth:`unscale_`)."""
+        if not (self._scaled_passes or self._open_blocks or _compiled_autograd()):
             raise RuntimeError(_UNSCALED)
 
     @contextlib.contextmanager
@@ -92,25 +97,30 @@ class LossScale:
         """Around backward passes whose gradients carry the scale without starting from
         :meth:`scale`'s tensor: one started from an intermediate tensor with a gradient computed
         from the scaled loss (``hidden.backward(h.grad)`` after a detached head's backward, a
-        pipeline stage's ``torch.autograd.backward(outputs, grads)``)."""
-        self._scaled = True
-        self._count(+1)
+        pipeline stage's ``torch.autograd.backward(outputs, grads)``). It may hold whole steps."""
+        self._count_blocks(+1)
         try:
             yield
         finally:
-            self._count(-1)
+            self._count_blocks(-1)
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         # The scaled loss's gradient comes first in its backward pass, before any weight's; the
         # count lasts until that pass ends (a nested backward, as reentrant activation
         # checkpointing runs, inside it). A pass abandoned by an error runs no end callback:
         # update() sets the count back to 0.
+        if _compiled_autograd():
+            return
         self._count(+1)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._count(-1))
 
     def _count(self, change: int) -> None:
         with _PASSES_LOCK:
             self._scaled_passes = max(0, self._scaled_passes + change)
+
+    def _count_blocks(self, change: int) -> None:
+        with _PASSES_LOCK:
+            self._open_blocks += change
 
     def unscale_(self, grads: list[torch.Tensor]) -> list[bool]:
         """Divide each of ``grads`` by :math:`S` in place; whether each is finite after it (one
@@ -121,7 +131,7 @@ class LossScale:
         refuses them too)."""
         if not grads:
             return []
-        if not self._scaled:
+        if not (self._scaled or self._open_blocks):
             raise RuntimeError(_UNSCALED)
         if any(grad.dtype == torch.float16 for grad in grads):
             raise RuntimeError(_FP16_GRADIENTS)
@@ -196,6 +206,13 @@ class LossScale:
         """:math:`1 / S` as GradScaler computes it (in float64, then float32), once per scale, not
         once per update in the backward pass."""
         self._inv_scale = self._scale.double().reciprocal().float()
+
+
+def _compiled_autograd() -> bool:
+    """Whether compiled autograd runs this backward pass (never if torch._dynamo is not loaded)."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    flag = getattr(module, "in_compiled_autograd_region", False)
+    return bool(flag() if callable(flag) else flag)
 
 
 _UNSCALED = ("loss_scale: the gradients were not scaled: call handle.scale(loss).backward(), not "

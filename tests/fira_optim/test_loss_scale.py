@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
 
@@ -186,32 +187,42 @@ def test_after_an_abandoned_scaled_backward_the_next_step_is_checked_again():
             _loss(model, x, y).backward()
 
 
-def test_a_split_backward_runs_inside_scaled_backward_as_one_pass():
+@pytest.mark.parametrize("block", ["each pass", "the whole loop"])
+def test_a_split_backward_runs_inside_scaled_backward_as_one_pass(block):
     # the head's backward from a detached input, then the body's from that input's (scaled) gradient
     def train(split: bool):
         model = _net(torch.float32)
         opt = _optimizer(model)
         handle = step_in_backward(opt, loss_scale=1024.0)
-        for step in range(3):
-            x, y = _batch(step, dtype=torch.float32)
-            hidden = model.a(x)
-            head_input = hidden.detach().requires_grad_() if split else hidden
-            out = model.norm(model.c(torch.tanh(model.b(torch.tanh(head_input)))))
-            handle.scale((out - y).square().mean()).backward()
-            if split:
-                if step == 0:  # not marked: refused at the first of a's parameters, before any update
-                    with pytest.raises(RuntimeError, match="handle.scaled_backward"):
-                        hidden.backward(head_input.grad, retain_graph=True)
-                    for p in model.a.parameters():  # accumulated before the hook refused
-                        p.grad = None
-                with handle.scaled_backward():
-                    hidden.backward(head_input.grad)
-            opt.step()
-            opt.zero_grad()
+        with contextlib.ExitStack() as loop:
+            if split and block == "the whole loop":  # open across optimizer.step()
+                loop.enter_context(handle.scaled_backward())
+            _train_split(model, opt, handle, split and block == "each pass", split)
         return model
 
     for p, q in zip(train(False).parameters(), train(True).parameters()):
         assert torch.equal(p, q)
+
+
+def _train_split(model, opt, handle, mark_each: bool, split: bool) -> None:
+    """Three steps; ``split``: the body's backward from the detached head input's gradient,
+    inside ``scaled_backward()`` each time when ``mark_each``."""
+    for step in range(3):
+        x, y = _batch(step, dtype=torch.float32)
+        hidden = model.a(x)
+        head_input = hidden.detach().requires_grad_() if split else hidden
+        out = model.norm(model.c(torch.tanh(model.b(torch.tanh(head_input)))))
+        handle.scale((out - y).square().mean()).backward()
+        if split:
+            if step == 0 and mark_each:  # not marked: refused at the first of a's parameters
+                with pytest.raises(RuntimeError, match="handle.scaled_backward"):
+                    hidden.backward(head_input.grad, retain_graph=True)
+                for p in model.a.parameters():  # accumulated before the hook refused
+                    p.grad = None
+            with handle.scaled_backward() if mark_each else contextlib.nullcontext():
+                hidden.backward(head_input.grad)
+        opt.step()
+        opt.zero_grad()
 
 
 def test_scaled_backward_passes_in_two_threads_at_once():
@@ -360,3 +371,19 @@ def test_activation_checkpointing_runs_its_backward_inside_the_scaled_one(reentr
 
     for p, q in zip(train(False).parameters(), train(True).parameters()):
         assert torch.equal(p, q)
+
+
+def test_compiled_autograd_trains_under_a_loss_scale():
+    # compiled autograd runs no end-of-backward callback queued from a hook: the step's check only
+    compiled_autograd = pytest.importorskip("torch._dynamo.compiled_autograd")
+    if not hasattr(compiled_autograd, "_enable"):
+        pytest.skip("this torch has no compiled_autograd._enable")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 6, bias=False)
+    opt = FiraAdamW([{"params": [layer.weight], "rank": 2}])
+    handle = step_in_backward(opt, loss_scale=1024.0)
+    before = layer.weight.detach().clone()
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        handle.scale(layer(torch.randn(4, 8)).square().mean()).backward()  # raised from the hook before
+    opt.step()
+    assert not torch.equal(layer.weight, before) and layer.weight.grad is None  # updated in the pass
