@@ -97,12 +97,15 @@ class LossScale:
         """Around backward passes whose gradients carry the scale without starting from
         :meth:`scale`'s tensor: one started from an intermediate tensor with a gradient computed
         from the scaled loss (``hidden.backward(h.grad)`` after a detached head's backward, a
-        pipeline stage's ``torch.autograd.backward(outputs, grads)``). It may hold whole steps."""
+        pipeline stage's ``torch.autograd.backward(outputs, grads)``). It may hold whole steps,
+        and the gradients it leaves count as scaled until the next ``optimizer.step()``."""
         self._count_blocks(+1)
+        self._scaled = True
         try:
             yield
         finally:
             self._count_blocks(-1)
+            self._scaled = True  # also where a step inside the block reset it
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         # The scaled loss's gradient comes first in its backward pass, before any weight's; the
@@ -125,8 +128,8 @@ class LossScale:
     def unscale_(self, grads: list[torch.Tensor]) -> list[bool]:
         """Divide each of ``grads`` by :math:`S` in place; whether each is finite after it (one
         host sync for all). A gradient found non-finite (an overflow, recorded for the step's
-        :meth:`update`) must not be used. RuntimeError if no :meth:`scale` came first in this
-        step (the gradients would be divided by :math:`S` without having been multiplied), or for
+        :meth:`update`) must not be used. RuntimeError if no :meth:`scale` (or
+        :meth:`scaled_backward` block) came first in this step (the gradients would be divided by :math:`S` without having been multiplied), or for
         fp16 gradients, which cannot hold what the scale protected once divided (GradScaler
         refuses them too)."""
         if not grads:

@@ -225,6 +225,28 @@ def _train_split(model, opt, handle, mark_each: bool, split: bool) -> None:
         opt.zero_grad()
 
 
+def test_a_pipeline_stage_steps_after_its_scaled_backward_block():
+    # a stage that never calls scale(): its backward passes start from the next stage's scaled
+    # gradients; the final micro-batch inside accumulate() leaves its gradients to optimizer.step()
+    def train(in_backward: bool):
+        torch.manual_seed(0)
+        stage = torch.nn.Linear(8, 6, bias=False)
+        opt = FiraAdamW([{"params": [stage.weight], "rank": 2}])
+        handle = step_in_backward(opt, loss_scale=1024.0) if in_backward else None
+        for step in range(2):
+            x, g = torch.randn(4, 8), torch.randn(4, 6)
+            if in_backward:
+                with handle.scaled_backward(), handle.accumulate():
+                    torch.autograd.backward(stage(x), g * 1024.0)
+            else:
+                torch.autograd.backward(stage(x), g)
+            opt.step()
+            opt.zero_grad()
+        return stage.weight
+
+    assert torch.equal(train(False), train(True))
+
+
 def test_scaled_backward_passes_in_two_threads_at_once():
     import threading
 
