@@ -37,16 +37,22 @@ def _scaled_training(in_backward: bool, steps: int, dynamic: bool, unfreeze_at: 
         x, y = (t.to(device) for t in _batch(step, dtype=torch.float32))
         with torch.autocast(device, dtype=torch.float16, enabled=autocast):
             loss = _loss(model, x, y)
-        if in_backward:
-            handle.scale(loss).backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        opt.zero_grad()
+        _scaled_step(loss, opt, handle if in_backward else None, scaler)
         scales.append(scaler.get_scale())
     return model, opt, scales
+
+
+def _scaled_step(loss, opt, handle, scaler) -> None:
+    """One update from ``loss``: in the backward pass, scaled by ``handle`` (if given), else by
+    the GradScaler ``scaler`` and a plain step."""
+    if handle is not None:
+        handle.scale(loss).backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    opt.zero_grad()
 
 
 @pytest.mark.parametrize(("dynamic", "autocast"), [(False, False), (True, False), (True, True)])
@@ -381,14 +387,7 @@ def test_activation_checkpointing_runs_its_backward_inside_the_scaled_one(reentr
             x, y = _batch(step, dtype=torch.float32)
             x = x.requires_grad_(reentrant)  # a reentrant segment needs an input that requires grad
             loss = checkpoint(_loss, model, x, y, use_reentrant=reentrant)
-            if in_backward:
-                handle.scale(loss).backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            opt.zero_grad()
+            _scaled_step(loss, opt, handle, scaler)
         return model
 
     for p, q in zip(train(False).parameters(), train(True).parameters()):
