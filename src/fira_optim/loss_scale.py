@@ -36,7 +36,7 @@ from .options import _integer
 
 
 #: Backward passes run in several threads at once count under it (a module's lock: a LossScale
-#: stays deep-copyable and picklable).
+#: stays deep-copyable and picklable, see LossScale.__getstate__).
 _PASSES_LOCK = threading.Lock()
 
 #: The scales float32 holds: a smaller one is 0, a larger one Inf.
@@ -65,6 +65,13 @@ class LossScale:
         """The :class:`~fira_optim.backward.StepInBackward` that uses this scale (None: none)."""
         self.skipped = 0
         """Parameter updates skipped for an overflow (kept in :meth:`state_dict`)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickle) is a free scale: without the handle (and its
+        optimizer and model) and without the passes and blocks running in this process."""
+        state = dict(self.__dict__)
+        state.update(handle=None, _scaled_passes=0, _open_blocks=0, _scaled=False, _overflowed=False)
+        return state
 
     def get_scale(self) -> float:
         """The current scale :math:`S` (a host sync on a GPU)."""
@@ -98,7 +105,9 @@ class LossScale:
         :meth:`scale`'s tensor: one started from an intermediate tensor with a gradient computed
         from the scaled loss (``hidden.backward(h.grad)`` after a detached head's backward, a
         pipeline stage's ``torch.autograd.backward(outputs, grads)``). It may hold whole steps,
-        and the gradients it leaves count as scaled until the next ``optimizer.step()``."""
+        and the gradients it leaves count as scaled until the next ``optimizer.step()``. While
+        it is open every pass counts as scaled, in every thread (hooks run in autograd's device
+        threads, not the caller's): keep it around those passes only."""
         self._count_blocks(+1)
         self._scaled = True
         try:
@@ -112,6 +121,7 @@ class LossScale:
         # count lasts until that pass ends (a nested backward, as reentrant activation
         # checkpointing runs, inside it). A pass abandoned by an error runs no end callback:
         # update() sets the count back to 0.
+        self._scaled = True  # also a loss scaled before the step that came between
         if _compiled_autograd():
             return
         self._count(+1)
@@ -128,10 +138,10 @@ class LossScale:
     def unscale_(self, grads: list[torch.Tensor]) -> list[bool]:
         """Divide each of ``grads`` by :math:`S` in place; whether each is finite after it (one
         host sync for all). A gradient found non-finite (an overflow, recorded for the step's
-        :meth:`update`) must not be used. RuntimeError if no :meth:`scale` (or
-        :meth:`scaled_backward` block) came first in this step (the gradients would be divided by :math:`S` without having been multiplied), or for
-        fp16 gradients, which cannot hold what the scale protected once divided (GradScaler
-        refuses them too)."""
+        :meth:`update`) must not be used. RuntimeError if no backward pass from a scaled loss
+        (nor a :meth:`scaled_backward` block) came first in this step (the gradients would be
+        divided by :math:`S` without having been multiplied), or for fp16 gradients, which cannot
+        hold what the scale protected once divided (GradScaler refuses them too)."""
         if not grads:
             return []
         if not (self._scaled or self._open_blocks):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import warnings
 
@@ -408,3 +409,39 @@ def test_compiled_autograd_trains_under_a_loss_scale():
         handle.scale(layer(torch.randn(4, 8)).square().mean()).backward()  # raised from the hook before
     opt.step()
     assert not torch.equal(layer.weight, before) and layer.weight.grad is None  # updated in the pass
+
+
+def test_a_loss_scaled_before_a_step_backpropagates_after_it():
+    # scale() in one step, backward() in the next: the pass starts from the scaled loss
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 6, bias=False)
+    opt = FiraAdamW([{"params": [layer.weight], "rank": 2}])
+    handle = step_in_backward(opt, loss_scale=1024.0)
+    scaled = handle.scale(layer(torch.randn(4, 8)).square().mean())
+    opt.step()
+    before = layer.weight.detach().clone()
+    scaled.backward()
+    assert not torch.equal(layer.weight, before)
+
+
+def test_a_copy_of_a_scale_is_free_and_checks_again():
+    model = _net(torch.float32)
+    handle = step_in_backward(_optimizer(model), loss_scale=1024.0)
+    with handle.scaled_backward():  # a copy made inside a block, of a scale a handle holds
+        copied = copy.deepcopy(handle.loss_scale)
+    restored = torch.load(_saved(handle.loss_scale), weights_only=False)
+    handle.remove()
+    for scale in (copied, restored):
+        assert scale.handle is None and scale.get_scale() == 1024.0
+        other = step_in_backward(_optimizer(model), loss_scale=scale)  # not "used by another handle"
+        x, y = _batch(0, dtype=torch.float32)
+        with pytest.raises(RuntimeError, match="not scaled"):  # no block open in the copy
+            _loss(model, x, y).backward()
+        other.remove()
+
+
+def _saved(obj) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
