@@ -102,6 +102,8 @@ class StepInBackward:
             self._target = _ddp_dispatch(model)
             self._target[0] = self
             self._covered.update(reduced)
+            if self.loss_scale is not None:  # the hook sees only synchronised passes: check each one here
+                self._hooks.extend(p.register_post_accumulate_grad_hook(self._check_scaled) for p in reduced)
         else:
             self.cover([p for group in optimizer.param_groups for p in group["params"]])
         optimizer._in_backward = self
@@ -211,6 +213,12 @@ class StepInBackward:
             return
         self._update({p})
         p.grad = None
+
+    def _check_scaled(self, p: torch.Tensor) -> None:
+        """Under DDP with a loss scale: the check of :meth:`_hook`, for every backward pass (the
+        communication hook runs for the synchronised ones only, not under ``no_sync``)."""
+        if self._active and self.optimizer._in_backward is self:
+            self.loss_scale.check_backward()
 
     def _ddp_hook(self, state, bucket):  # unannotated: DDP checks the annotations it finds
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

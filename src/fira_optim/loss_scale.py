@@ -89,7 +89,7 @@ class LossScale:
     def check_backward(self) -> None:
         """RuntimeError unless a backward pass from a :meth:`scale`-d loss runs (or a
         :meth:`scaled_backward` block is open): called by each update (and each accumulating
-        micro-batch) in one process, where an unscaled backward would otherwise be divided by
+        micro-batch; under DDP by a check-only hook on each weight), where an unscaled backward would otherwise be divided by
         :math:`S` (or, accumulated with scaled ones, be weighted :math:`1/S` against them) without
         a word. The count is the scale's, not a pass's: an unscaled pass is not told apart while
         a scaled one runs in another thread, nor one with a scaled and an unscaled root

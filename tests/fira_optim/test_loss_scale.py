@@ -366,6 +366,29 @@ def _ddp_overflow_worker(rank, world_size):
     return steps, handle.loss_scale.skipped, handle.loss_scale.get_scale()
 
 
+def _ddp_unscaled_micro_batch_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _net(torch.float32)
+    wrapped = DistributedDataParallel(model)
+    handle = step_in_backward(_optimizer(model), wrapped, loss_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _batch(0, dtype=torch.float32)
+    rows = slice(4 * rank, 4 * rank + 4)
+    try:
+        with handle.accumulate():  # under no_sync: DDP's communication hook does not run
+            _loss(wrapped, x[rows], y[rows]).backward()
+    except RuntimeError as err:
+        return str(err), all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    return None, None
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_an_unscaled_accumulating_micro_batch_is_an_error(tmp_path):
+    for message, unchanged in run_ranks(_ddp_unscaled_micro_batch_worker, 2, tmp_path, timeout=100):
+        assert message is not None and "not scaled" in message and unchanged
+
+
 @pytest.mark.timeout(120)
 def test_under_ddp_an_overflow_skips_its_parameter_not_its_bucket(tmp_path):
     # rank 0's Inf reaches every rank through the all-reduce: all skip a.weight's update at step 2
