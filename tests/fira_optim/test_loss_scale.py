@@ -183,7 +183,13 @@ def test_after_an_abandoned_scaled_backward_the_next_step_is_checked_again():
     handle = step_in_backward(opt, loss_scale=1024.0)
     x, y = _batch(0, dtype=torch.float32)
     stop = {"on": True}
-    model.a.weight.register_hook(lambda g: (_ for _ in ()).throw(KeyError("stop")) if stop["on"] else g)
+
+    def fail_once(grad: torch.Tensor) -> torch.Tensor:
+        if stop["on"]:
+            raise KeyError("stop")
+        return grad
+
+    model.a.weight.register_hook(fail_once)
     with pytest.raises(KeyError, match="stop"):  # its pass ends without its end callback
         handle.scale(_loss(model, x, y)).backward()
     stop["on"] = False
