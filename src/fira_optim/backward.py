@@ -103,7 +103,9 @@ class StepInBackward:
             self._target[0] = self
             self._covered.update(reduced)
             if self.loss_scale is not None:  # the hook sees only synchronised passes: check each one here
-                self._hooks.extend(p.register_post_accumulate_grad_hook(self._check_scaled) for p in reduced)
+                own = {p for group in optimizer.param_groups for p in group["params"]}
+                self._hooks.extend(p.register_post_accumulate_grad_hook(self._check_scaled)
+                                   for p in reduced if p in own)  # not another optimizer's weights
         else:
             self.cover([p for group in optimizer.param_groups for p in group["params"]])
         optimizer._in_backward = self

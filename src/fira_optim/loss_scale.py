@@ -89,13 +89,13 @@ class LossScale:
     def check_backward(self) -> None:
         """RuntimeError unless a backward pass from a :meth:`scale`-d loss runs (or a
         :meth:`scaled_backward` block is open): called by each update (and each accumulating
-        micro-batch; under DDP by a check-only hook on each weight), where an unscaled backward would otherwise be divided by
-        :math:`S` (or, accumulated with scaled ones, be weighted :math:`1/S` against them) without
-        a word. The count is the scale's, not a pass's: an unscaled pass is not told apart while
-        a scaled one runs in another thread, nor one with a scaled and an unscaled root
-        (``(scaled + other).backward()``), nor one after a scaled pass that an error abandoned
-        (it counts until the next ``optimizer.step()``). Not under compiled autograd, which runs
-        no end-of-backward callback from a hook: there the step's check alone (:meth:`unscale_`)."""
+        micro-batch; under DDP by a check-only hook on each weight), where an unscaled backward would
+        otherwise be divided by :math:`S` (or, accumulated with scaled ones, be weighted :math:`1/S`
+        against them) without a word. The count is the scale's, not a pass's: an unscaled pass is not
+        told apart while a scaled one runs in another thread, nor one with a scaled and an unscaled
+        root (``(scaled + other).backward()``), nor one after a scaled pass that an error abandoned
+        (it counts until the next ``optimizer.step()``). Not under compiled autograd, which runs no
+        end-of-backward callback from a hook: there the step's check alone (:meth:`unscale_`)."""
         if not (self._scaled_passes or self._open_blocks or _compiled_autograd()):
             raise RuntimeError(_UNSCALED)
 
