@@ -97,7 +97,7 @@ class StepInBackward:
         self._warned = False
         self._ddp = _is_ddp(model)
         if self._ddp:
-            reduced = [p for p in model.parameters() if p.requires_grad]
+            reduced = _ddp_reduced(model)
             _claim(self, reduced)
             self._target = _ddp_dispatch(model)
             self._target[0] = self
@@ -381,6 +381,22 @@ def _ddp_dispatch(model: Any) -> list:
         model.register_comm_hook(state=None, hook=hook)
         model.__dict__["_fira_in_backward"] = target
     return target
+
+
+def _ddp_reduced(model: Any) -> list:
+    """The parameters DDP all-reduces: those that required a gradient when it was built, read off
+    its buckets (a weight frozen then and unfrozen since is not reduced: ``optimizer.step()``
+    updates it; taken as reduced, nothing did). A torch without that accessor: those that require
+    a gradient now."""
+    buckets = getattr(getattr(model, "reducer", None), "_get_zeros_like_grad_buckets", None)
+    if buckets is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    seen: dict = {}
+    for bucket in buckets():
+        for p in bucket.parameters():
+            seen.setdefault(id(p), p)
+    by_id = {id(p): p for p in model.parameters()}  # the model's own tensors, in its order
+    return [by_id[i] for i in by_id if i in seen]
 
 
 def _is_ddp(model: Any) -> bool:

@@ -256,6 +256,31 @@ def test_under_ddp_a_weight_unfrozen_later_is_updated_once_per_step(tmp_path):
     assert [c["a.weight"] for c in counts] == [1, 2, 3]
 
 
+def _ddp_unfrozen_before_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _net()
+    model.b.weight.requires_grad_(False)  # frozen when DDP is built: DDP never reduces it
+    wrapped = DistributedDataParallel(model)
+    model.b.weight.requires_grad_(True)  # unfrozen before the handle is made
+    opt = _optimizer(model)
+    step_in_backward(opt, wrapped)
+    for step in range(2):
+        x, y = _batch(step)
+        _loss(wrapped, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: int(opt.state[p]["step"]) if opt.state.get(p) else 0 for name, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_a_weight_ddp_does_not_reduce_is_updated_by_step(tmp_path):
+    # not in DDP's buckets: optimizer.step() updates it from its local gradient, as without the
+    # handle (taken as covered by the communication hook, it was never updated)
+    (counts,) = run_ranks(_ddp_unfrozen_before_worker, 1, tmp_path, timeout=100)
+    assert counts["b.weight"] == 2 and counts["a.weight"] == 2
+
+
 def test_resume_in_backward_is_exact():
     model = _net()
     opt = _optimizer(model)
