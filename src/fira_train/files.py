@@ -169,20 +169,11 @@ def cut_back_json_lines(path: str | Path, step: int, hint: str = "") -> None:
     while it was written, after that checkpoint (a step's line comes before its checkpoint): it
     goes too. :class:`DamagedFileError` names any other line that cannot be parsed."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    except UnicodeDecodeError as err:
-        raise DamagedFileError(path, _reason(err), hint) from None
+    lines = _read_text(path, hint).splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
         lines.pop()
     kept = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DamagedFileError(path, f"line {number} is not valid JSON: {err.msg}", hint) from None
+    for number, line, record in _parsed_lines(path, lines, hint):
         if not isinstance(record, dict):
             raise DamagedFileError(path, f"line {number} is not a step's record", hint)
         if record.get("step", 0) <= step:
@@ -193,16 +184,24 @@ def cut_back_json_lines(path: str | Path, step: int, hint: str = "") -> None:
 def read_json_lines(path: str | Path, hint: str = "") -> list[Any]:
     """The values of a JSON-lines file (blank lines skipped); :class:`DamagedFileError` naming
     the first line that cannot be parsed."""
+    return [record for _, _, record in _parsed_lines(path, _read_text(path, hint).splitlines(), hint)]
+
+
+def _read_text(path: str | Path, hint: str) -> str:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise DamagedFileError(path, _reason(err), hint) from None
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+
+
+def _parsed_lines(path: str | Path, lines: list[str], hint: str) -> Iterator[tuple[int, str, Any]]:
+    """``(line number, line, its value)`` of each non-blank line; :class:`DamagedFileError` naming
+    the first that is not JSON."""
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as err:
             raise DamagedFileError(path, f"line {number} is not valid JSON: {err.msg}", hint) from None
-    return records
+        yield number, line, record
