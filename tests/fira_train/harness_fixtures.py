@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -39,3 +40,31 @@ def micro_config(root: Path, *overrides: str, out: str = "run") -> RunConfig:
         "train.tensorboard=false", "train.num_threads=1", *overrides,
     ])
 
+
+
+class StopRun(Exception):
+    """The kill that :func:`stop_at_checkpoint` simulates."""
+
+
+def stop_at_checkpoint(monkeypatch, step: int, *, saved: bool, once_per_run: bool = False) -> Callable[[], None]:
+    """Make one-process runs stop (raise :class:`StopRun`) at the checkpoint of ``step``: right
+    after writing it (``saved``) or before (the steps since the previous checkpoint are lost);
+    ``once_per_run``: only the first time each run folder reaches it. Returns what takes it back
+    (the other patches of ``monkeypatch`` stay)."""
+    from fira_train.run import checkpoint as ckpt
+
+    real_save, stopped = ckpt.save_checkpoint, set()
+
+    def save(run_dir, at, state):
+        stop = at == step and not (once_per_run and run_dir in stopped)
+        if stop:
+            stopped.add(run_dir)
+            if not saved:
+                raise StopRun
+        path = real_save(run_dir, at, state)
+        if stop:
+            raise StopRun
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save)
+    return lambda: monkeypatch.setattr(ckpt, "save_checkpoint", real_save)

@@ -18,6 +18,7 @@ from fira_train.analysis.similarity import similarity_runs
 from fira_train.analysis.spikes import spike_runs
 from fira_train.run.metrics import read_metrics
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
+from tests.fira_train.harness_fixtures import StopRun, stop_at_checkpoint
 
 
 def test_every_analysis_run_can_be_sent_to_a_worker() -> None:
@@ -71,35 +72,22 @@ def test_jobs_give_the_runs_of_one_process_and_reuse_keeps_them(tmp_path: Path, 
     assert metrics.stat().st_mtime_ns == before
 
 
-class _Stop(Exception):
-    pass
-
-
 def test_reuse_continues_an_unfinished_run_exactly_callbacks_included(tmp_path: Path, corpus_root: Path,
                                                                      monkeypatch, caplog) -> None:
-    from fira_train.run import checkpoint as ckpt
-
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=6", "train.save_every=2")
     # gradient noise (a random generator) and full-rank shadow moments: state carried step to step
     runs = [*noise_runs(["fira"], 1e-3, 0)[1:], *similarity_runs([4], every=1, columns=3, seed=0)]
     straight = train_runs(config, runs, tmp_path / "straight", title="Noise")
 
-    real_save, stopped = ckpt.save_checkpoint, set()
-
-    def stop_before_saving_step_6(run_dir, step, state):
-        if step == 6 and run_dir not in stopped:  # steps 5-6 ran after the newest checkpoint (4)
-            stopped.add(run_dir)
-            raise _Stop
-        return real_save(run_dir, step, state)
-
-    monkeypatch.setattr(ckpt, "save_checkpoint", stop_before_saving_step_6)
+    # each run stopped once before saving step 6: steps 5-6 ran after the newest checkpoint (4)
+    stop_at_checkpoint(monkeypatch, 6, saved=False, once_per_run=True)
     out = tmp_path / "stopped"
-    with pytest.raises(_Stop):
+    with pytest.raises(StopRun):
         train_runs(config, runs, out, title="Noise")
     norms = out / runs[0].name / "norms.jsonl"
     with open(norms, "a", encoding="utf-8") as f:
         f.write('{"step": 7, "lo')  # a line cut by the kill
-    with pytest.raises(_Stop), caplog.at_level(logging.INFO, logger="fira_train.analysis.runs"):
+    with pytest.raises(StopRun), caplog.at_level(logging.INFO, logger="fira_train.analysis.runs"):
         train_runs(config, runs, out, reuse=True, title="Noise")  # the first continues, the second stops
     assert f"{out / runs[0].name}: continuing from its newest checkpoint" in caplog.text
     resumed = train_runs(config, runs, out, reuse=True, title="Noise")
@@ -115,21 +103,12 @@ def test_reuse_continues_an_unfinished_run_exactly_callbacks_included(tmp_path: 
 
 def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, corpus_root: Path,
                                                              monkeypatch, caplog) -> None:
-    from fira_train.run import checkpoint as ckpt
-
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=4", "train.save_every=2")
     runs = ablation_runs(["fira"], [])
-    real_save = ckpt.save_checkpoint
-
-    def stop_at_step_4(run_dir, step, state):
-        if step == 4:
-            raise _Stop
-        return real_save(run_dir, step, state)
-
-    monkeypatch.setattr(ckpt, "save_checkpoint", stop_at_step_4)
-    with pytest.raises(_Stop):
+    go_on = stop_at_checkpoint(monkeypatch, 4, saved=False)
+    with pytest.raises(StopRun):
         train_runs(config, runs, tmp_path / "out", title=TITLE)
-    monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
+    go_on()
     spec = tmp_path / "out" / "fira" / RUN_SPEC_FILE
     assert json.loads(spec.read_text()) == runs[0].spec()  # written when the run started
     spec.write_text(json.dumps({**runs[0].spec(), "callbacks": "something else"}))
@@ -139,11 +118,11 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
     assert json.loads(spec.read_text()) == runs[0].spec()
     assert "holds an unfinished run that --reuse cannot continue (it was started with other callbacks" in caplog.text
     # stopped again, then asked for more steps: the config changed, and the warning says how
-    monkeypatch.setattr(ckpt, "save_checkpoint", stop_at_step_4)
+    stop_at_checkpoint(monkeypatch, 4, saved=False)
     (tmp_path / "out" / "fira" / "summary.json").unlink()
     longer = analysis_config(corpus_root, tmp_path / "run", "train.steps=6", "train.save_every=2")
     caplog.clear()
-    with pytest.raises(_Stop), caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
+    with pytest.raises(StopRun), caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
         train_runs(longer, runs, tmp_path / "out", reuse=True, title=TITLE)
     assert "it was started with train.steps=4 (now 6)" in caplog.text
 

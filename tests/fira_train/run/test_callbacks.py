@@ -11,7 +11,7 @@ import torch
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback, callback_states, load_callback_states
 from fira_train.run.train import train
-from tests.fira_train.harness_fixtures import micro_config  # noqa: F401
+from tests.fira_train.harness_fixtures import StopRun, micro_config, stop_at_checkpoint  # noqa: F401
 
 
 class Counter(TrainCallback):
@@ -36,25 +36,15 @@ class Counter(TrainCallback):
         self.seen = state["seen"].clone()
 
 
-class _Stop(Exception):
-    pass
-
-
 def test_a_resumed_run_continues_its_callbacks_from_the_checkpoint(tmp_path: Path, monkeypatch) -> None:
     common = ["optim.method=fira", "train.steps=8", "train.save_every=3", "train.eval_every=0"]
-    real_save = ckpt.save_checkpoint
-
-    def crash_before_saving(run_dir, step, state):
-        if step == 6:  # steps 4-5 ran after the newest checkpoint (3): their count is not in it
-            raise _Stop
-        return real_save(run_dir, step, state)
-
-    monkeypatch.setattr(ckpt, "save_checkpoint", crash_before_saving)
+    # stopped before saving step 6: steps 4-5 ran after the newest checkpoint (3), their count is not in it
+    go_on = stop_at_checkpoint(monkeypatch, 6, saved=False)
     first = Counter()
-    with pytest.raises(_Stop):
+    with pytest.raises(StopRun):
         train(micro_config(tmp_path, *common), callbacks=[first])
     assert int(first.seen) == 6 and first.began == [0]
-    monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
+    go_on()
 
     second = Counter()
     train(micro_config(tmp_path, *common), resume="latest", callbacks=[second])

@@ -26,7 +26,7 @@ from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.metrics import read_metrics
 from fira_train.run.train import NonFiniteLossError, evaluate, train
-from tests.fira_train.harness_fixtures import micro_config  # noqa: F401
+from tests.fira_train.harness_fixtures import StopRun, micro_config, stop_at_checkpoint  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -133,26 +133,14 @@ def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
     train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.keep_last=5"), resume="latest")
 
 
-class _Stop(Exception):
-    pass
-
-
 def _straight_and_resumed(tmp_path: Path, monkeypatch, common: list[str]) -> tuple[dict, dict]:
     """The summaries of the run of ``common`` trained straight (in ``straight``) and stopped right
     after saving step 6, then resumed (in ``resumed``)."""
     straight = train(micro_config(tmp_path, *common, out="straight"))
-    real_save = ckpt.save_checkpoint
-
-    def save_then_crash(run_dir, step, state):
-        path = real_save(run_dir, step, state)
-        if step == 6:
-            raise _Stop
-        return path
-
-    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_crash)
-    with pytest.raises(_Stop):
+    go_on = stop_at_checkpoint(monkeypatch, 6, saved=True)
+    with pytest.raises(StopRun):
         train(micro_config(tmp_path, *common, out="resumed"))
-    monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
+    go_on()
     return straight, train(micro_config(tmp_path, *common, out="resumed"), resume="latest")
 
 
@@ -248,19 +236,11 @@ def test_an_fp16_overflow_in_backward_skips_its_matrices_and_the_step_goes_on(tm
     assert [r["loss_scale"] for r in records] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
     # stopped after the checkpoint of step 3 and resumed: the count comes back with the scale
     _overflow_lm_head_at(monkeypatch, 6)
-    real_save = ckpt.save_checkpoint
-
-    def save_then_crash(run_dir, step, state):
-        path = real_save(run_dir, step, state)
-        if step == 3:
-            raise _Stop
-        return path
-
-    monkeypatch.setattr(ckpt, "save_checkpoint", save_then_crash)
+    go_on = stop_at_checkpoint(monkeypatch, 3, saved=True)
     stopped = apply_overrides(config, ["train.save_every=1", f"train.out_dir={tmp_path / 'stopped'}"])
-    with pytest.raises(_Stop):
+    with pytest.raises(StopRun):
         train(stopped)
-    monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
+    go_on()
     _overflow_lm_head_at(monkeypatch, 0)  # no overflow in the second sitting
     assert train(stopped, resume="latest")["skipped_updates"] == 1
 
