@@ -107,8 +107,13 @@ def split_documents(
                          f"(val_fraction={val_fraction}): none remain for the test set")
     taken = set(val) | set(test)
     if len(taken) == n:
+        # each fraction rounds up to whole documents, and a repeated text stays on one side
+        cause = ("every document has the same text" if len(by_text) == 1 else
+                 f"validation (val_fraction={val_fraction}) took {len(val)} and test "
+                 f"(test_fraction={test_fraction}) {len(test)}: each fraction rounds up to whole documents, "
+                 "and copies of one text stay together; lower them or add documents")
         raise ValueError(f"the {n} documents hold {len(by_text)} distinct texts, all taken by validation and "
-                         f"test: none remain for training (every document has the same text?)")
+                         f"test: none remain for training ({cause})")
     return [i for i in range(n) if i not in taken], sorted(val), sorted(test)
 
 
@@ -241,7 +246,9 @@ def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
         raise ValueError(f"{path}: {len(ids)} tokens leave no room for a test split of {n_test} tokens "
                          f"(test_fraction={spec.test_fraction}) and a training sequence of seq_len={spec.seq_len}")
     test_start = split - n_test
-    identity = fingerprint("npy", file_sha256, tokenizer_fingerprint(tokenizer))
+    # the split's offsets too: two splits of one file whose blocks have the same shapes must not
+    # share the identity (nor the token digest kept under it)
+    identity = fingerprint("npy", file_sha256, tokenizer_fingerprint(tokenizer), test_start, split)
     # its token digest is kept in the cache as a tokenized corpus's is (a later start reads the ids
     # for its identity and range only)
     return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:test_start], ids[split:], ids[test_start:split],

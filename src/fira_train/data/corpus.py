@@ -200,7 +200,7 @@ class PackedCorpus(Corpus):
     def train_batches(self, batch_size: int, seed: int) -> PackedBatchStream:
         try:
             return PackedBatchStream(self.train_tokens, self.seq_len, batch_size, seed, corpus=self.identity,
-                                     token_digest=self.token_digest)
+                                     token_digest=self.token_digest, order=self.spec.epoch_order)
         except ValueError as err:  # too few sequences for a batch: say what capped them
             raise ValueError(f"{err}{self._capped()}") from None
 

@@ -53,6 +53,12 @@ class DataSpec:
     max_train_tokens: int | None = None
     """Cap on the training tokens, for tests and tiny runs: the first ones of the training split
     (only those documents are tokenized on a cold build); for ``c4``, the first ones of each epoch."""
+    epoch_order: int = 2
+    """How each epoch's training order is seeded (see :func:`fira_train.data.streams.epoch_seed`):
+    ``2`` keeps the run's seed for epoch 0 and draws later epochs' seeds from (seed, epoch), so no
+    two seeds share an epoch's order; ``1`` is the former ``seed + epoch`` (epoch ``e`` of seed
+    ``s`` was epoch ``e - 1`` of seed ``s + 1``), to rerun results made with it as they ran. A
+    resumed run keeps the rule its checkpoint's stream recorded (``1`` where none is recorded)."""
     cache_dir: str | None = None
     """Where tokenizers and tokenized corpora are cached; default ``$FIRA_CACHE`` or
     ``~/.cache/fira-train``."""
@@ -92,6 +98,8 @@ class DataSpec:
                                  "data.test_fraction=0 holds none out")
         if self.max_train_tokens is not None:
             require_int("data.max_train_tokens", self.max_train_tokens, 1)
+        if isinstance(self.epoch_order, bool) or self.epoch_order not in (1, 2):
+            raise ValueError(f"data.epoch_order must be 1 or 2, got {self.epoch_order!r}")
         if isinstance(self.cache_dir, os.PathLike):
             self.cache_dir = os.fspath(self.cache_dir)
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir.strip()):

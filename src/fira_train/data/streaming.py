@@ -6,7 +6,8 @@
 ``load_dataset("json", data_files=..., streaming=True)``. Everything after opening is shared.
 
 Training stream, epoch ``e``: the train split shuffled by ``datasets`` (shard order and a
-``SHUFFLE_BUFFER_DOCS``-document buffer) with seed ``seed + e``; each document's ids followed
+``SHUFFLE_BUFFER_DOCS``-document buffer) with seed ``epoch_seed(seed, e)`` (``seed`` itself for
+epoch 0; see :func:`fira_train.data.streams.epoch_seed`); each document's ids followed
 by EOS; consecutive ``batch_size * seq_len`` token chunks become ``[batch_size, seq_len]``
 batches. An epoch ends when the split is exhausted or ``max_train_tokens`` tokens were used in
 it; the incomplete tail chunk is dropped. The position is (epoch, documents fully consumed in
@@ -22,7 +23,7 @@ import itertools
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ from transformers import PreTrainedTokenizerBase
 from fira_train.data.corpus import Corpus, digest_ids
 from fira_train.data.disk_cache import fingerprint
 from fira_train.data.spec import C4, C4_LOCAL_PREFIX, DataSpec
-from fira_train.data.streams import BatchStream, check_stream_args, check_stream_state
+from fira_train.data.streams import (ORDER_RULE, BatchStream, check_stream_args, check_stream_state, epoch_seed,
+                                     order_rule)
 from fira_train.data.tokenizer import build_tokenizer, encode_texts, token_dtype
 
 logger = logging.getLogger(__name__)
@@ -87,14 +89,22 @@ def c4_opener(data_files: dict[str, list[str]] | None) -> OpenSplit:
         except Exception as exc:  # noqa: BLE001 -- datasets' own errors (an empty shard: StopIteration)
             if not _damaged_shard(exc):
                 raise
+            # an empty shard raises a bare StopIteration, whose text is empty
             raise ValueError(f"C4 {split} files {_named(data_files[split])} cannot be read: "
-                             f"{type(exc).__name__}: {exc or 'no records'}") from None
+                             f"{type(exc).__name__}: {str(exc) or 'no records (an empty file?)'}") from None
 
+    open_split.files = data_files or {}  # type: ignore[attr-defined] # named when a record cannot be read
     return open_split
 
 
-def iter_texts(dataset: Any, split: str) -> Iterator[str]:
-    """Non-blank ``"text"`` fields of a streamed split (blank ones are skipped, as everywhere)."""
+def split_files(open_split: OpenSplit, split: str) -> list[str]:
+    """The local files of ``split`` that ``open_split`` (:func:`c4_opener`'s) reads; [] for the hub."""
+    return list(getattr(open_split, "files", {}).get(split, []))
+
+
+def iter_texts(dataset: Any, split: str, files: Sequence[str] = ()) -> Iterator[str]:
+    """Non-blank ``"text"`` fields of a streamed split (blank ones are skipped, as everywhere);
+    ``files``, the split's local files, are named if one cannot be read."""
     rows = iter(dataset)
     for number in itertools.count():
         try:
@@ -104,8 +114,9 @@ def iter_texts(dataset: Any, split: str) -> Iterator[str]:
         except Exception as exc:  # noqa: BLE001 -- a damaged shard: gzip, JSON or arrow errors
             if not _damaged_shard(exc):
                 raise
-            raise ValueError(f"C4 {split} split{_files_of(dataset)}: reading record {number} failed: "
-                             f"{type(exc).__name__}: {exc}") from None
+            named = f" (files {_named(list(files))})" if files else ""
+            raise ValueError(f"C4 {split} split{named}: reading the record after {number} good ones failed "
+                             f"(a damaged file?): {type(exc).__name__}: {exc}") from None
         text = row.get("text") if isinstance(row, Mapping) else None
         if not isinstance(text, str):
             raise ValueError(f"C4 {split} split: record {number} has no string 'text' field")
@@ -122,15 +133,6 @@ def _damaged_shard(exc: Exception) -> bool:
 
 def _named(files: list[str]) -> str:
     return ", ".join(repr(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
-
-
-def _files_of(dataset: Any) -> str:
-    """`` (files ...)`` of a local streamed split where ``datasets`` tells them, else ``""``."""
-    try:
-        files = [f for fs in dataset._ex_iterable.kwargs["files"].values() for f in fs]
-    except (AttributeError, KeyError, TypeError):
-        return ""
-    return f" (files {_named([str(f) for f in files])})" if files else ""
 
 
 def _file_identity(path: str) -> tuple[str, int, int]:
@@ -163,10 +165,13 @@ class StreamingBatchStream(BatchStream):
         max_train_tokens: int | None = None,
         shuffle_buffer: int = SHUFFLE_BUFFER_DOCS,
         corpus: str | None = None,
+        order: int = ORDER_RULE,
+        files: Sequence[str] = (),
     ) -> None:
-        check_stream_args(batch_size, seed)
+        check_stream_args(batch_size, seed, order)
         self.corpus = corpus
         self._open_train = open_train
+        self._files = tuple(files)  # the split's local files, named if one cannot be read
         self._tokenizer = tokenizer
         self._eos = tokenizer.eos_token_id
         self._dtype = token_dtype(len(tokenizer))
@@ -177,6 +182,7 @@ class StreamingBatchStream(BatchStream):
         self.documents = 0  # documents fully consumed in this epoch
         self.offset = 0  # tokens consumed of the next document
         self.tokens = 0  # tokens consumed in this epoch
+        self.order = order  # epoch_seed's rule; a resumed stream keeps the rule its state was saved with
         self._close_reader()
 
     def _close_reader(self) -> None:
@@ -188,8 +194,9 @@ class StreamingBatchStream(BatchStream):
     def _open_reader(self) -> None:
         dataset = self._open_train()
         if self.shuffle_buffer > 1:
-            dataset = dataset.shuffle(seed=self.seed + self.epoch, buffer_size=self.shuffle_buffer)
-        texts = iter_texts(dataset, "train")
+            dataset = dataset.shuffle(seed=epoch_seed(self.seed, self.epoch, self.order),
+                                      buffer_size=self.shuffle_buffer)
+        texts = iter_texts(dataset, "train", self._files)
         skipped = sum(1 for _ in itertools.islice(texts, self.documents))
         if skipped < self.documents:
             raise ValueError(
@@ -262,13 +269,16 @@ class StreamingBatchStream(BatchStream):
             "seed": self.seed,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
+            "order": self.order,
         }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         fixed = {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}
+        rule, state = order_rule(state, type(self).__name__)
         checked = check_stream_state(state, fixed, ("epoch", "documents", "offset", "tokens"), type(self).__name__)
         self.epoch, self.documents = checked["epoch"], checked["documents"]
         self.offset, self.tokens = checked["offset"], checked["tokens"]
+        self.order = rule
         self._close_reader()  # re-opened (and fast-forwarded) lazily by the next batch
 
 
@@ -308,6 +318,8 @@ class StreamingCorpus(Corpus):
             max_train_tokens=self.spec.max_train_tokens,
             shuffle_buffer=self.shuffle_buffer,
             corpus=self.identity,
+            order=self.spec.epoch_order,
+            files=split_files(self._open_split, "train"),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -323,7 +335,7 @@ def _held_out_tokens(open_split: OpenSplit, tokenizer: PreTrainedTokenizerBase,
     (``val_sequences`` when None); None with ``test_fraction=0``."""
     val_needed = spec.val_sequences * spec.seq_len
     test_needed = 0 if not spec.test_fraction else (spec.test_sequences or spec.val_sequences) * spec.seq_len
-    texts = iter_texts(open_split("validation"), "validation")
+    texts = iter_texts(open_split("validation"), "validation", split_files(open_split, "validation"))
     val: list[np.ndarray] = []
     test: list[np.ndarray] = []
     val_total = test_total = 0
@@ -365,7 +377,8 @@ def build_c4_corpus(spec: DataSpec, cache_dir: Path, shuffle_buffer: int = SHUFF
         spec.tokenizer,
         vocab_size=spec.vocab_size,
         corpus_id=fingerprint(corpus_id, "sample", BPE_SAMPLE_CHARS),
-        training_texts=lambda: _first_chars(iter_texts(open_split("train"), "train"), BPE_SAMPLE_CHARS),
+        training_texts=lambda: _first_chars(iter_texts(open_split("train"), "train", split_files(open_split, "train")),
+                                            BPE_SAMPLE_CHARS),
         cache_dir=cache_dir,
     )
     val_tokens, test_tokens = _held_out_tokens(open_split, tokenizer, spec)

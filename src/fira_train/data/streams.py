@@ -38,10 +38,47 @@ class BatchStream(ABC):
     def load_state_dict(self, state: Mapping[str, int]) -> None: ...
 
 
-def check_stream_args(batch_size: object, seed: object) -> None:
-    """ValueError naming the argument unless ``batch_size >= 1`` and ``seed >= 0`` are ints."""
+ORDER_RULE = 2
+"""The rule :func:`epoch_seed` follows in streams built today; a stream state records it as
+``"order"`` (a state saved without it follows rule 1)."""
+
+
+def epoch_seed(seed: int, epoch: int, rule: int = ORDER_RULE) -> int:
+    """The shuffling seed of epoch ``epoch`` of a stream seeded ``seed``.
+
+    Rule 1 was ``seed + epoch``: epoch ``e`` of seed ``s`` was epoch ``e - 1`` of seed ``s + 1``,
+    so runs at consecutive seeds saw the same batch orders one epoch apart, and on a corpus of
+    few batches per epoch their data order was nearly the same. Rule 2 keeps ``seed`` for epoch 0
+    (a run's first epoch, all of a run shorter than an epoch, is as under rule 1) and draws every
+    later epoch's seed from ``numpy.random.SeedSequence([seed, epoch])`` (64 bits), so no two
+    (seed, epoch) pairs share an order in practice.
+    """
+    if rule == 1:
+        return seed + epoch
+    if rule != 2:
+        raise ValueError(f"order={rule!r}: expected 1 (seed + epoch) or 2 (see epoch_seed)")
+    if epoch == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0])
+
+
+def order_rule(state: Mapping[str, object], owner: str) -> tuple[int, dict[str, object]]:
+    """``(rule, the state without its "order" key)``: rule 1 for a state saved before streams
+    recorded their rule. ValueError naming the key unless the rule is 1 or 2."""
+    rest = {k: v for k, v in state.items() if k != "order"} if isinstance(state, Mapping) else state
+    rule = state.get("order", 1) if isinstance(state, Mapping) else 1
+    if type(rule) is not int or rule not in (1, 2):
+        raise ValueError(f"{owner} state['order']={rule!r}: expected 1 or 2 (the epoch order rule)")
+    return rule, rest
+
+
+def check_stream_args(batch_size: object, seed: object, order: object = ORDER_RULE) -> None:
+    """ValueError naming the argument unless ``batch_size >= 1`` and ``seed >= 0`` are ints and
+    ``order`` is a rule of :func:`epoch_seed` (1 or 2)."""
     require_int("batch_size", batch_size, 1)
     require_int("seed", seed, 0)
+    if type(order) is not int or order not in (1, 2):
+        raise ValueError(f"order={order!r}: expected 1 (seed + epoch) or 2 (see epoch_seed)")
 
 
 def check_stream_state(
@@ -71,14 +108,14 @@ class PackedBatchStream(BatchStream):
     """Batches of an in-memory token stream cut into ``seq_len`` blocks.
 
     Epoch ``e`` visits the ``n = len(tokens) // seq_len`` blocks in the order
-    ``torch.randperm(n, generator=manual_seed(seed + e))``, ``batch_size`` at a time; the last
+    ``torch.randperm(n, generator=manual_seed(epoch_seed(seed, e)))``, ``batch_size`` at a time; the last
     ``n mod batch_size`` blocks of each order are skipped, so every batch has the same shape.
     The position is ``(epoch, index)``: the next batch is number ``index`` of epoch ``epoch``.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
-                 corpus: str | None = None, token_digest: str | None = None) -> None:
-        check_stream_args(batch_size, seed)
+                 corpus: str | None = None, token_digest: str | None = None, order: int = ORDER_RULE) -> None:
+        check_stream_args(batch_size, seed, order)
         self.corpus, self.token_digest = corpus, token_digest
         n_blocks = len(tokens) // seq_len
         self._blocks = tokens[: n_blocks * seq_len].reshape(n_blocks, seq_len)
@@ -91,12 +128,13 @@ class PackedBatchStream(BatchStream):
             )
         self.epoch = 0
         self.index = 0
+        self.order = order  # epoch_seed's rule; a resumed stream keeps the rule its state was saved with
         self._order_epoch = -1
         self._order = np.empty(0, dtype=np.int64)
 
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch, self.order))
             self._order = torch.randperm(len(self._blocks), generator=generator).numpy()
             self._order_epoch = self.epoch
         return self._order
@@ -116,15 +154,18 @@ class PackedBatchStream(BatchStream):
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
             "sequences": len(self._blocks),
+            "order": self.order,
         }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         fixed = {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
                  "sequences": len(self._blocks)}
+        rule, state = order_rule(state, type(self).__name__)
         checked = check_stream_state(state, fixed, ("epoch", "index"), type(self).__name__)
         if checked["index"] > self.batches_per_epoch:
             raise ValueError(
                 f"{type(self).__name__} state['index']={checked['index']} exceeds the "
                 f"{self.batches_per_epoch} batches of an epoch"
             )
-        self.epoch, self.index = checked["epoch"], checked["index"]
+        self.epoch, self.index, self.order = checked["epoch"], checked["index"], rule
+        self._order_epoch = -1

@@ -59,6 +59,10 @@ def test_split_keeps_identical_texts_on_one_side() -> None:
         build.split_documents(["same", "same"], 0.5)
     with pytest.raises(ValueError, match="none remain for the test set"):
         build.split_documents(["same", "same", "same"], 0.3, 0.3)
+    # distinct texts, taken by fractions that round up to whole documents: say so, with the values
+    with pytest.raises(ValueError, match=r"validation \(val_fraction=0.5\) took 2 and test \(test_fraction=0.4\) 1: "
+                                         r"each fraction rounds up"):
+        build.split_documents(["one", "two", "three"], 0.5, 0.4)
 
 
 def test_a_corpus_too_small_to_split_is_named_with_the_way_out(tmp_path: Path) -> None:
@@ -120,15 +124,48 @@ def test_streams_are_deterministic_and_seeded(jsonl_corpus, tmp_path: Path) -> N
     assert not all(torch.equal(a, b) for a, b in zip(first, other))
 
 
-def test_epochs_reshuffle_with_seed_plus_epoch(jsonl_corpus, tmp_path: Path) -> None:
+def test_epochs_reshuffle_and_seeds_do_not_share_epoch_orders(jsonl_corpus, tmp_path: Path) -> None:
     path, _ = jsonl_corpus
     corpus = build_corpus(spec_for(path, tmp_path / "cache"))
     stream = corpus.train_batches(2, seed=3)
     n = stream.batches_per_epoch
     epoch0, epoch1 = torch.cat(take(stream, n)), torch.cat(take(stream, n))
     assert not torch.equal(epoch0, epoch1)
-    # Epoch 1 of seed 3 is epoch 0 of seed 4: the order depends on seed + epoch only.
-    assert torch.equal(epoch1, torch.cat(take(corpus.train_batches(2, seed=4), n)))
+    # Under the former rule (seed + epoch) epoch 1 of seed 3 was epoch 0 of seed 4.
+    assert not torch.equal(epoch1, torch.cat(take(corpus.train_batches(2, seed=4), n)))
+    # Epoch 0 is seeded by the seed itself, as before, so a run shorter than an epoch is unchanged.
+    order = torch.randperm(len(stream._blocks), generator=torch.Generator().manual_seed(3))[: 2 * n]
+    assert torch.equal(epoch0, torch.from_numpy(stream._blocks[order.numpy()].astype(np.int64)))
+
+
+def test_a_stream_state_saved_without_its_order_rule_resumes_with_the_former_rule(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    corpus = build_corpus(spec_for(path, tmp_path / "cache"))
+    state = corpus.train_batches(2, seed=3).state_dict()
+    assert state["order"] == 2
+    old = corpus.train_batches(2, seed=3)
+    old.load_state_dict({k: v for k, v in state.items() if k != "order"})  # as saved before the rule
+    n = old.batches_per_epoch
+    take(old, n)
+    assert old.state_dict()["order"] == 1  # saved again, it keeps its rule
+    # seed + epoch: its epoch 1 is epoch 0 of seed 4, as in the run that saved the state
+    assert torch.equal(torch.cat(take(old, n)), torch.cat(take(corpus.train_batches(2, seed=4), n)))
+    for bad in (3, "2", True):
+        with pytest.raises(ValueError, match=r"state\['order'\]"):
+            corpus.train_batches(2, seed=3).load_state_dict({**state, "order": bad})
+
+
+def test_data_epoch_order_1_reruns_the_former_order(jsonl_corpus, tmp_path: Path) -> None:
+    path, _ = jsonl_corpus
+    former = build_corpus(spec_for(path, tmp_path / "cache", epoch_order=1))
+    stream = former.train_batches(2, seed=3)
+    n = stream.batches_per_epoch
+    epoch0, epoch1 = take(stream, n), take(stream, n)
+    assert stream.state_dict()["order"] == 1
+    today = build_corpus(spec_for(path, tmp_path / "cache")).train_batches(2, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(epoch0, take(today, n)))  # epoch 0: one rule
+    assert not all(torch.equal(a, b) for a, b in zip(epoch1, take(today, n)))
+    assert all(torch.equal(a, b) for a, b in zip(epoch1, take(former.train_batches(2, seed=4), n)))
 
 
 def test_packed_stream_resumes_exactly(jsonl_corpus, tmp_path: Path) -> None:
@@ -332,6 +369,15 @@ def test_pretokenized_npy_is_packed_as_is(tmp_path: Path, saved_tokenizer: Path)
     np.save(tmp_path / "ids.npy", (ids * 7 + 1) % 300)
     other = build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer)))
     assert other.identity != corpus.identity and other.token_digest != digest
+    # another split of the same file whose blocks have the same shapes: its own identity and digest
+    moved = build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer),
+                                  val_fraction=0.199))
+    assert len(moved.train_tokens) // 16 == len(other.train_tokens) // 16
+    assert not torch.equal(moved.val_batches(4)[0], other.val_batches(4)[0])
+    assert moved.identity != other.identity and moved.token_digest != other.token_digest
+    fresh = build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "fresh", tokenizer=str(saved_tokenizer),
+                                  val_fraction=0.199))
+    assert moved.token_digest == fresh.token_digest  # as computed without the cache
     # a test_fraction too small for one sequence (2 tokens): an error, not a silently empty test set
     with pytest.raises(ValueError, match=r"test_fraction=0.001\) holds 2 tokens, not one sequence of seq_len=16"):
         build_corpus(spec_for(tmp_path / "ids.npy", tmp_path / "cache", tokenizer=str(saved_tokenizer),

@@ -39,6 +39,10 @@ def test_dataspec_defaults_match_the_contract() -> None:
         ("test_sequences", 0),
         ("max_train_tokens", 0),
         ("max_train_tokens", 10.5),
+        ("epoch_order", 0),
+        ("epoch_order", 3),
+        ("epoch_order", True),
+        ("epoch_order", "2"),
         ("cache_dir", ""),
     ],
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -108,6 +110,22 @@ def test_c4_stream_is_deterministic_and_reshuffles_each_epoch(c4_corpus) -> None
     assert not torch.equal(epoch0[: len(epoch1)], epoch1[: len(epoch0)])
 
 
+def test_c4_stream_seeds_do_not_share_epoch_orders_and_a_state_without_its_rule_keeps_the_former(c4_corpus) -> None:
+    starts = first_batch_of_each_epoch(c4_corpus.train_batches(8, seed=0), 60)
+    epoch1_seed0 = torch.cat(take(c4_corpus.train_batches(8, seed=0), starts[2])[starts[1]:])
+    epoch0_seed1 = torch.cat(take(c4_corpus.train_batches(8, seed=1), starts[2] - starts[1]))
+    # under the former rule (seed + epoch) these were the same batches
+    assert not torch.equal(epoch1_seed0, epoch0_seed1)
+    old = c4_corpus.train_batches(8, seed=0)
+    state = old.state_dict()
+    assert state["order"] == 2
+    old.load_state_dict({k: v for k, v in state.items() if k != "order"})  # saved before the rule
+    legacy = take(old, starts[2])  # every epoch holds as many batches (the same tokens, reordered)
+    assert old.state_dict()["order"] == 1
+    assert torch.equal(torch.cat(legacy[: starts[1]]), torch.cat(take(c4_corpus.train_batches(8, seed=0), starts[1])))
+    assert torch.equal(torch.cat(legacy[starts[1] :]), epoch0_seed1)  # rule 1: seed 1's epoch 0
+
+
 def test_c4_stream_resumes_exactly(c4_corpus) -> None:
     starts = first_batch_of_each_epoch(c4_corpus.train_batches(8, seed=4), 60)
     total = starts[2] + 3
@@ -206,7 +224,15 @@ def test_c4_folder_errors_name_the_folder(tmp_path: Path) -> None:
         build_corpus(spec_for(f"c4:{root}", tmp_path))
     # an empty shard: datasets' bare StopIteration was a traceback
     (root / "en" / "c4-train.00000-of-00001.json").write_text("")
-    with pytest.raises(ValueError, match=r"C4 train files .*c4-train.00000-of-00001.json' cannot be read"):
+    with pytest.raises(ValueError, match=r"C4 train files .*c4-train.00000-of-00001.json' cannot be read: "
+                                         r"StopIteration: no records \(an empty file\?\)"):
+        build_corpus(spec_for(f"c4:{root / 'en'}", tmp_path))
+    # a damaged record in a shard, found while reading it: the files are named
+    lines = [json.dumps({"text": f"document number {i} " * 20}) for i in range(60)]
+    lines[40] = '{"text": "cut'
+    (root / "en" / "c4-train.00000-of-00001.json").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"C4 train split \(files .*en/c4-train.00000-of-00001.json'\): reading the "
+                                         r"record after \d+ good ones failed \(a damaged file\?\)"):
         build_corpus(spec_for(f"c4:{root / 'en'}", tmp_path))
 
 
