@@ -199,19 +199,21 @@ def _validation(results: dict[str, dict], sweep: list[Run]) -> dict[str, float |
 
 
 def chosen_runs(results: dict[str, dict], runs: list[Run]) -> dict[str, Run | None]:
-    """Each swept method's chosen run: the one whose validation accuracy is highest (the first on a
-    tie), once every run of its sweep has finished (None before); the test examples play no part."""
+    """Each swept method's chosen run: the one whose validation accuracy is highest (the smaller lr
+    on a tie, as ``fira-train sweep`` chooses, whatever order ``--lr`` gave), once every run of
+    its sweep has finished (None before); the test examples play no part."""
     chosen: dict[str, Run | None] = {}
     for base in dict.fromkeys(r.base for r in runs if r.swept):
         sweep = [r for r in runs if r.base == base]
         scored = _validation(results, sweep)
         finished = len(scored) == len(sweep) and None not in scored.values()
-        chosen[base] = max(sweep, key=lambda r: scored[r.name]) if finished else None  # max keeps the first
+        chosen[base] = max(sweep, key=lambda r: (scored[r.name], -r.lr)) if finished else None
     return chosen
 
 
 def choose_lrs(results: dict[str, dict], runs: list[Run]) -> list[str]:
-    """One line per swept method: its chosen lr (:func:`chosen_runs`) and the validation accuracies."""
+    """One line per swept method: its chosen lr (:func:`chosen_runs`; flagged at the grid's edge,
+    where a wider grid might choose otherwise) and the validation accuracies."""
     lines = []
     for base, best in chosen_runs(results, runs).items():
         sweep = [r for r in runs if r.base == base]
@@ -221,7 +223,9 @@ def choose_lrs(results: dict[str, dict], runs: list[Run]) -> list[str]:
                 f"lr {r.lr:g} " + ("validation -" if scored.get(r.name) is None else
                                    f"validation {100 * scored[r.name]:.1f}%") for r in sweep) + ")")
         else:
-            lines.append(f"- {LABEL[base]}: **lr {best.lr:g}** (validation " + ", ".join(
+            lrs = sorted(r.lr for r in sweep)
+            edge = ", at the grid's edge" if len(lrs) > 1 and best.lr in (lrs[0], lrs[-1]) else ""
+            lines.append(f"- {LABEL[base]}: **lr {best.lr:g}**{edge} (validation " + ", ".join(
                 f"{100 * scored[r.name]:.1f}% at lr {r.lr:g}" for r in sweep) + ")")
     return lines
 

@@ -28,7 +28,8 @@ def seed_values(folder: Path, spec: str, lr: float) -> dict[str, dict[int, float
     runs = [r for key, r in read_runs(json.loads(path.read_text())).items() if key.spec == spec and key.lr == lr]
     if not runs:
         raise SystemExit(f"{path} holds no run of {spec!r} at lr {lr}")
-    return {"val": {r.key.seed: r.val_ppl for r in runs}, "test": {r.key.seed: r.test_ppl for r in runs}}
+    return {"val": {r.key.seed: r.val_ppl for r in runs},  # inf: diverged
+            "test": {r.key.seed: r.test_ppl for r in runs if r.test_ppl is not None}}  # None: no test split
 
 
 def compare(rerun: Path, earlier: Path, spec: str, lr: float) -> str:
@@ -44,9 +45,10 @@ def compare(rerun: Path, earlier: Path, spec: str, lr: float) -> str:
     for split in ("val", "test"):
         d = paired_difference(new[split], old[split])
         if d is None:
-            lines.append(f"| {split} | no seed in both | - |")
+            lines.append(f"| {split} | {'no seed in both' if new[split] and old[split] else 'no test split'} | - |")
             continue
-        interval = f" [{d.low:+.2f}, {d.high:+.2f}]" if d.low is not None else " (one seed: no interval)"
+        interval = (f" [{d.low:+.2f}, {d.high:+.2f}]" if d.low is not None else " (one seed: no interval)"
+                    if d.n < 2 else " (a run diverged: no interval)")
         lines.append(f"| {split} | {d.mean:+.2f}{interval} | {', '.join(map(str, d.seeds))} |")
     return "\n".join(lines) + "\n"
 

@@ -4,6 +4,7 @@ script that no longer runs would leave those numbers unreproducible."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -200,6 +201,20 @@ def test_the_committed_rerun_tables_are_what_sweep_rerun_writes(folder: str, spe
             == seeds(Path("docs/results/int8-root-seeds"), "fira", 0.02))
 
 
+def test_sweep_rerun_reads_sweeps_without_a_test_split_and_names_why_an_interval_is_missing(tmp_path: Path) -> None:
+    def sweep(folder: Path, vals: list[float]) -> Path:
+        folder.mkdir()
+        runs = [{"spec": "fira", "lr": 0.02, "seed": s, "val_ppl": None if v == math.inf else v, "test_ppl": None,
+                 "diverged": v == math.inf} for s, v in enumerate(vals)]
+        (folder / "sweep.json").write_text(json.dumps({"runs": runs}))
+        return folder
+
+    text = _benchmark("sweep_rerun").compare(sweep(tmp_path / "new", [100.0, math.inf, 102.0]),
+                                             sweep(tmp_path / "old", [101.0, 99.0, 103.0]), "fira", 0.02)
+    assert "| val | +inf (a run diverged: no interval) | 0, 1, 2 |" in text
+    assert "| test | no test split | - |" in text
+
+
 def _benchmark(name: str):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -278,9 +293,14 @@ def test_finetune_benchmark_chooses_a_sweeps_lr_on_validation_only() -> None:
         return {"average_accuracy": test, **({"validation_accuracy": val} if val is not None else {})}
 
     results = {"released": result(None, 0.5), low.name: result(0.40, 0.60), high.name: result(0.45, 0.50)}
-    assert bench.choose_lrs(results, runs) == ["- Fira: **lr 0.0001** (validation 40.0% at lr 5e-05, 45.0% at lr 0.0001)"]
-    tie = results | {high.name: result(0.40, 0.70)}  # equal validation: the first lr of the sweep
-    assert bench.choose_lrs(tie, runs)[0].startswith("- Fira: **lr 5e-05**")
+    assert bench.choose_lrs(results, runs) == [
+        "- Fira: **lr 0.0001**, at the grid's edge (validation 40.0% at lr 5e-05, 45.0% at lr 0.0001)"]
+    tie = results | {high.name: result(0.40, 0.70)}  # equal validation: the smaller lr, in either order
+    assert bench.choose_lrs(tie, runs)[0].startswith("- Fira: **lr 5e-05**, at the grid's edge")
+    assert bench.chosen_runs(tie, [runs[0], high, low]) == {"fira": low}
+    inside = bench.plan_runs(["fira"], {"fira": [5e-5, 1e-4, 2e-4]})
+    scores = {r.name: result(v, 0.5) for r, v in zip(inside, (0.40, 0.45, 0.41))}
+    assert bench.choose_lrs(scores, inside)[0].startswith("- Fira: **lr 0.0001** (validation")
     pending = bench.choose_lrs({low.name: results[low.name]}, runs)
     assert pending == ["- Fira: not chosen yet (lr 5e-05 validation 40.0%, lr 0.0001 validation -)"]
     assert bench.chosen_runs(results, runs) == {"fira": high}  # the released recipe is not a sweep

@@ -24,10 +24,9 @@ REPORT_TITLE = "# Learning-rate sweep"
 
 
 def _num(value: float | None, spec: str = ".2f") -> str:
+    """A perplexity: ``inf`` (JSON's ``null`` for a run with a test set) is a diverged run."""
     if value is None:
         return "-"
-    if math.isnan(value):
-        return "no order (both diverged)"
     return "diverged" if math.isinf(value) else format(value, spec)
 
 
@@ -40,8 +39,13 @@ def _spread(mean: float, sd: float | None, n: int) -> str:
 def _difference(d: PairedDifference | None) -> str:
     if d is None:
         return "-"
+    if math.isnan(d.mean):
+        return f"no order: runs diverged on both sides (n={d.n}, no interval)"
+    if math.isinf(d.mean):  # the direction survives, the size does not
+        side = "this method diverged" if d.mean > 0 else "the reference diverged"
+        return f"{'+' if d.mean > 0 else '-'}inf: {side} (n={d.n}, no interval)"
     if d.low is None:
-        return f"{_num(d.mean, '+.2f')} (n={d.n}, no interval)"
+        return f"{d.mean:+.2f} (n={d.n}, no interval)"
     return f"{d.mean:+.2f} [{d.low:+.2f}, {d.high:+.2f}] (n={d.n})" + (" *" if d.excludes_zero else "")
 
 
@@ -63,8 +67,10 @@ def _seed_table(rows: Sequence[MethodSummary], seeds: Sequence[int]) -> list[str
 
 def write_json(path: Path, settings: dict[str, Any], results: dict[RunKey, RunResult],
                rows: Sequence[MethodSummary]) -> Path:
+    # "test_set": whether the run had a test set, so that a null test_ppl reads back as a
+    # non-finite perplexity (inf), not as "no test set", even for a run that finished
     runs = [{"spec": k.spec, "lr": k.lr, "seed": k.seed, "val_ppl": r.val_ppl, "test_ppl": r.test_ppl,
-             "diverged": r.diverged, **({"error": r.detail} if r.detail else {})}
+             "test_set": r.test_ppl is not None, "diverged": r.diverged, **({"error": r.detail} if r.detail else {})}
             for k, r in sorted(results.items(), key=lambda kr: (kr[0].spec, kr[0].lr, kr[0].seed))]
     payload = {**settings, "runs": runs, "methods": summary_json(rows)}
     return write_text_atomic(path, dumps(payload, indent=1) + "\n")
@@ -72,12 +78,15 @@ def write_json(path: Path, settings: dict[str, Any], results: dict[RunKey, RunRe
 
 def read_runs(saved: dict[str, Any]) -> dict[RunKey, RunResult]:
     """The runs of a ``sweep.json`` (as :func:`write_json` wrote them) back as results; JSON holds
-    ``null`` where a perplexity was not finite."""
+    ``null`` where a perplexity was not finite, and a finished run's ``test_set`` tells that from
+    a run without a test set (in a file written before it existed, a finished run's null reads as
+    no test set). A diverged run's null test perplexity is inf, as :func:`summarize` takes it."""
     results: dict[RunKey, RunResult] = {}
     for run in saved["runs"]:
         key = RunKey(run["spec"], float(run["lr"]), int(run["seed"]))
         val = math.inf if run["val_ppl"] is None else float(run["val_ppl"])
-        test = math.inf if run["test_ppl"] is None and run["diverged"] else run["test_ppl"]
+        had_test = run.get("test_set", False) or run["diverged"]
+        test = (math.inf if had_test else None) if run["test_ppl"] is None else float(run["test_ppl"])
         results[key] = RunResult(key, val, test, diverged=bool(run["diverged"]), detail=run.get("error", ""))
     return results
 
@@ -130,6 +139,8 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
         flags = []
         if not row.complete:
             flags.append("grid incomplete")
+        if len(row.grid) == 1:  # set by the command, not chosen on validation
+            flags.append("one lr: not chosen")
         if row.at_edge:
             flags.append("at the grid's edge")
         chosen = "-" if row.chosen_lr is None else f"{row.chosen_lr:g}" + (f" ({', '.join(flags)})" if flags else "")

@@ -92,8 +92,14 @@ def _spread_json(value: Spread | None) -> dict[str, Any] | None:
 
 
 def _difference_json(diff: PairedDifference | None) -> dict[str, Any] | None:
-    return None if diff is None else {"mean": diff.mean, "ci95": None if diff.low is None else [diff.low, diff.high],
-                                      "n": diff.n, "seeds": list(diff.seeds)}
+    """JSON holds no inf or nan (``mean`` is then null): ``diverged`` says which side diverged."""
+    if diff is None:
+        return None
+    out = {"mean": diff.mean, "ci95": None if diff.low is None else [diff.low, diff.high],
+           "n": diff.n, "seeds": list(diff.seeds)}
+    if not math.isfinite(diff.mean):
+        out["diverged"] = "both" if math.isnan(diff.mean) else "this method" if diff.mean > 0 else "reference"
+    return out
 
 
 def summary_json(rows: Sequence[MethodSummary]) -> list[dict[str, Any]]:

@@ -1,0 +1,62 @@
+"""The sweep's report: sweep.json read back as the results it was written from, and the wording of
+non-finite differences."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from fira_train.sweep.grid import RunKey, RunResult
+from fira_train.sweep.report import _difference, read_runs, write_json, write_markdown
+from fira_train.sweep.stats import paired_difference
+from fira_train.sweep.summary import summarize
+
+
+def _run(spec: str, seed: int, val: float, test: float | None, diverged: bool = False) -> tuple[RunKey, RunResult]:
+    key = RunKey(spec, 0.01, seed)
+    return key, RunResult(key, val, test, diverged=diverged)
+
+
+def _summaries(results: dict[RunKey, RunResult]) -> list:
+    return summarize(["fira", "galore"], {"fira": [0.01], "galore": [0.01]}, results, reference="fira",
+                     grid_seeds=[0])
+
+
+def test_sweep_json_reads_back_a_finished_runs_overflowed_test_perplexity(tmp_path: Path) -> None:
+    # Fira's seed 1 finished, but its test perplexity overflowed (inf): it must stay in the mean.
+    results = dict([_run("fira", 0, 110.0, 104.0), _run("fira", 1, 111.0, math.inf), _run("fira", 2, 109.0, 103.0),
+                    _run("galore", 0, 108.0, 102.0), _run("galore", 1, 108.0, 101.0),
+                    _run("galore", 2, 107.0, 101.0),
+                    _run("adamw", 0, 200.0, None)])  # a run without a test set stays without one
+    path = write_json(tmp_path / "sweep.json", {}, results, _summaries(results))
+    saved = json.loads(path.read_text())
+    assert [r["test_set"] for r in saved["runs"]] == [False, True, True, True, True, True, True]
+    again = read_runs(saved)
+    assert again == results
+    live, reread = _summaries(results), _summaries(again)
+    assert reread[0].test_by_seed == live[0].test_by_seed == {0: 104.0, 1: math.inf, 2: 103.0}
+    assert math.isinf(reread[1].vs_reference.mean) and reread[1].vs_reference.mean < 0
+    # A file written before runs recorded test_set: a finished run's null reads as no test set.
+    for run in saved["runs"]:
+        del run["test_set"]
+    assert read_runs(saved)[RunKey("fira", 0.01, 1)].test_ppl is None
+
+
+def test_non_finite_differences_say_which_side_diverged(tmp_path: Path) -> None:
+    ours = {0: math.inf, 1: 100.0, 2: 101.0}
+    assert _difference(paired_difference(ours, {0: 100.0, 1: 99.0, 2: 99.0})).startswith(
+        "+inf: this method diverged (n=3")
+    assert _difference(paired_difference({0: 100.0, 1: 99.0, 2: 99.0}, ours)).startswith(
+        "-inf: the reference diverged (n=3")
+    # each side diverged at another seed: no order, and not "both diverged"
+    assert _difference(paired_difference(ours, {0: 100.0, 1: math.inf, 2: 99.0})).startswith(
+        "no order: runs diverged on both sides")
+    results = dict([_run("fira", 0, math.inf, None, diverged=True), _run("galore", 0, 108.0, 102.0)])
+    rows = _summaries(results)
+    saved = json.loads(write_json(tmp_path / "sweep.json", {}, results, rows).read_text())
+    galore = saved["methods"][1]["test_ppl_minus_reference"]
+    assert galore["mean"] is None and galore["diverged"] == "reference"
+    settings = {"reference": "fira", "seeds": [0], "all_seeds": False, "recipe": "micro"}
+    text = write_markdown(tmp_path / "report.md", settings, rows).read_text()
+    assert "-inf: the reference diverged" in text and "| galore | 0.01 (one lr: not chosen) |" in text
