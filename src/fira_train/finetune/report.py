@@ -16,6 +16,7 @@ from typing import Any
 
 from fira_train.finetune.paired import Paired, compare, pool
 from fira_train.finetune.stats import wilson_interval
+from fira_train.run.peak_memory import env_prefix
 
 #: How each scoring is described in a report.
 PROTOCOL = {
@@ -155,7 +156,8 @@ def render_report(results: dict[str, Any]) -> str:
         f"- optimizer state: {memory['optimizer_state_numel']:,} elements "
         f"({memory['optimizer_state_mib']:.1f} MiB {_state_storage(config)})",
         f"- trainable parameters: {results['model']['trainable_parameters']:,} of {results['model']['parameters']:,}",
-        f"- peak RSS during training: {rss} MiB; process peak {memory['process_peak_rss_mib']:.0f} MiB",
+        f"- peak RSS during training: {rss} MiB; process peak {memory['process_peak_rss_mib']:.0f} MiB"
+        + (f" (with {env_prefix(memory['malloc_env']).strip()})" if memory.get("malloc_env") else ""),
         f"- time: load {timing['load_s']:.1f}s, train {train_s}{resumed}, eval {timing['eval_s']:.1f}s"
         + (" (validation included)" if results.get("validation") else ""),
     ]

@@ -22,7 +22,7 @@ from fira_train.finetune.report import render_report
 from fira_train.finetune.train import checkpoint_dir, prepare_model, remove_checkpoints, resume_point, train_model
 from fira_train.files import dumps, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
-from fira_train.run.peak_memory import process_peak_rss_bytes
+from fira_train.run.peak_memory import malloc_env, process_peak_rss_bytes
 from fira_train.run.run_lock import locked_run_directory
 
 
@@ -163,6 +163,8 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
             "train_peak_rss_mib": training["train_peak_rss_mib"] if training else None,
             "train_peak_cuda_mib": training["train_peak_cuda_mib"] if training else None,
             "process_peak_rss_mib": process_peak_rss_bytes() / 2**20,
+            # glibc's MALLOC_* settings decide how much freed memory stays resident
+            "malloc_env": malloc_env(),
         },
         "time": {"load_s": load_seconds, "train_s": training["seconds"] if training else 0.0,
                  "eval_s": eval_seconds},

@@ -44,6 +44,10 @@ def test_single_run_report_names_protocol_and_intervals():
     assert f"| boolq | {accuracy_cell(7, 10)} | 7 / 10 | {accuracy_cell(7, 10)} |" in text
     old = render_report(results({"boolq": 7}, scoring=None))  # a run made before --scoring: generated, case-sensitive
     assert "case-sensitive" in old and "| unparsed |" in old
+    assert "process peak 100 MiB\n" in text  # glibc's defaults
+    returned = results({"boolq": 7})
+    returned["memory"]["malloc_env"] = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+    assert "process peak 100 MiB (with MALLOC_MMAP_THRESHOLD_=131072)\n" in render_report(returned)
 
 
 def test_title_names_a_local_model_by_its_folder_and_a_hub_model_by_its_id():

@@ -119,9 +119,10 @@ def test_tokenize_for_training_appends_eos_and_masks_prompt_when_asked(tiny_mode
 
 @pytest.mark.parametrize("method, scoring", [pytest.param("fira", "loglik", marks=needs_lm_eval),
                                              ("fira-lora", "generate")])
-def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, method, scoring):
+def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, method, scoring, monkeypatch):
     model_dir, data = tiny_model_dir
     out = tmp_path / method
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # recorded beside the peak it changes
     results = run_cli(["--model", str(model_dir), "--tasks", "boolq,piqa", "--method", method,
                        "--data-dir", str(data), "--steps", "8", "--batch-size", "8", "--lr", "1e-2",
                        "--rank", "4", "--lora-r", "8", "--update-proj-gap", "5", "--max-new-tokens", "8",
@@ -140,6 +141,7 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
     assert training["align_signs"] is False  # recorded: raw SVD signs, the library's default
     assert training["loss_tail_mean"] < training["loss_first"]  # it learns the answer format
     assert results["memory"]["optimizer_state_numel"] > 0
+    assert results["memory"]["malloc_env"] == {"MALLOC_ARENA_MAX": "2"}
     lines = [json.loads(line) for line in (out / "predictions" / "boolq.jsonl").read_text().splitlines()]
     assert len(lines) == 8 and [p["index"] for p in lines] == list(range(8))
     assert sum(p["correct"] for p in lines) == results["tasks"]["boolq"]["correct"]
