@@ -460,3 +460,16 @@ def test_the_finetune_memory_table_is_what_its_runs_recorded() -> None:
         assert peak == f"{results['memory']['train_peak_rss_mib']:.0f}"
         assert state == f"{results['memory']['optimizer_state_mib']:.1f}"
         assert seconds == f"{results['training']['seconds']:.1f}"
+    # the batch-1 repetitions: each peak and the int8 saving from the runs' results.json
+    reruns = [[c.strip() for c in line.split("|")[1:-1]] for line in (folder / "README.md").read_text().splitlines()
+              if re.match(r"\| [12] \| (default|mmap128k) \|", line)]
+    assert len(reruns) == 4
+    for repetition, allocator, *peaks, saving in reruns:
+        runs = [json.loads((folder / "batch1-rerun" / f"rep{repetition}-{allocator}" / run / "results.json").read_text())
+                for run in ("fira", "fira-in-backward", "fira-in-backward-int8")]
+        assert all(r["config"]["batch_size"] == 1 for r in runs)
+        mib = [r["memory"]["train_peak_rss_mib"] for r in runs]
+        assert peaks == [f"{m:.0f}" for m in mib] and saving == f"{mib[1] - mib[2]:.0f}"
+        if repetition == "2":  # recorded since then
+            assert all(r["memory"]["malloc_env"] == ({"MALLOC_MMAP_THRESHOLD_": "131072"} if allocator == "mmap128k"
+                                                      else {}) for r in runs)
