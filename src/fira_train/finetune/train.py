@@ -71,7 +71,8 @@ def peer_optimizer(model: torch.nn.Module, config: FinetuneConfig) -> torch.opti
                                [p for n, p in trainable if n not in projected_names],
                                rank=rank, scale_type="channel", scale=model.config.hidden_size / rank,
                                update_proj_gap=config.update_proj_gap)
-        return apollo_optimizer(groups, lr=lr, betas=BETAS, eps=EPS, weight_decay=wd, scale_front=False)
+        return apollo_optimizer(groups, lr=lr, betas=BETAS, eps=EPS, weight_decay=wd, scale_front=False,
+                                seed=config.seed)
     if method == "flora":
         return build_flora_optimizer(model, lr=lr, rank=config.effective_rank, kappa=config.update_proj_gap,
                                      beta1=BETAS[0], weight_decay=wd, seed=config.seed)

@@ -90,7 +90,15 @@ def weights_only_class() -> type[torch.optim.Optimizer]:
     base, projector_class = _import_package()
 
     class WeightsOnlyAPOLLO(with_deferred_seeds(base)):  # type: ignore[misc]
-        """``apollo_torch.APOLLOAdamW``; its projectors are saved as dictionaries of their attributes."""
+        """``apollo_torch.APOLLOAdamW``; its projectors are saved as dictionaries of their attributes.
+        ``seed`` (the run's) shifts the package's projection seeds: it seeds parameter ``i`` with
+        ``i`` alone, so every run seed drew the same random matrices. With ``seed`` they are
+        ``i + seed * n`` (``n`` parameters): the package's own at seed 0, distinct per seed."""
+
+        def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            count = len(self._initial_seeds)
+            self._initial_seeds = {p: s + seed * count for p, s in self._initial_seeds.items()}
 
         def state_dict(self) -> dict[str, Any]:
             saved = super().state_dict()
@@ -133,10 +141,11 @@ def apollo_groups(projected: list[torch.Tensor], regular: list[torch.Tensor], *,
 
 
 def apollo_optimizer(groups: list[dict[str, Any]], *, lr: float, betas: tuple[float, float], eps: float,
-                     weight_decay: float, scale_front: bool) -> torch.optim.Optimizer:
-    """The package's ``APOLLOAdamW`` over ``groups`` (from :func:`apollo_groups`), weights-only state."""
+                     weight_decay: float, scale_front: bool, seed: int = 0) -> torch.optim.Optimizer:
+    """The package's ``APOLLOAdamW`` over ``groups`` (from :func:`apollo_groups`), weights-only
+    state, its random projections drawn from the run's ``seed``."""
     return weights_only_class()(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                correct_bias=True, scale_front=scale_front, disable_nl=False)
+                                correct_bias=True, scale_front=scale_front, disable_nl=False, seed=seed)
 
 
 def split_matrices(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -151,7 +160,7 @@ def split_matrices(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Ten
 
 def build_apollo_optimizer(model: nn.Module, variant: str, *, lr: float, rank: int, update_proj_gap: int,
                            betas: tuple[float, float], eps: float, weight_decay: float,
-                           scale: float | None = None) -> torch.optim.Optimizer:
+                           scale: float | None = None, seed: int = 0) -> torch.optim.Optimizer:
     """APOLLO (``variant="apollo"``, at ``rank``) or APOLLO-Mini (``"apollo-mini"``, rank 1) over
     ``model``'s attention / MLP matrices, AdamW on the rest; ``scale`` overrides the setting's."""
     settings = SETTINGS[variant]
@@ -160,7 +169,7 @@ def build_apollo_optimizer(model: nn.Module, variant: str, *, lr: float, rank: i
                            scale=settings["scale"] if scale is None else scale,
                            update_proj_gap=update_proj_gap)
     return apollo_optimizer(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                            scale_front=settings["scale_front"])
+                            scale_front=settings["scale_front"], seed=seed)
 
 
 __all__ = [

@@ -80,9 +80,13 @@ def flora_optimizer(params: Any, *, lr: float, rank: int, kappa: int, beta1: flo
 
 def build_flora_optimizer(model: nn.Module, *, lr: float, rank: int, kappa: int, beta1: float,
                           weight_decay: float, seed: int = 0) -> torch.optim.Optimizer:
-    """Flora over every trainable parameter of ``model``."""
-    return flora_optimizer(trainable_parameters(model), lr=lr, rank=rank, kappa=kappa, beta1=beta1,
-                           weight_decay=weight_decay, seed=seed)
+    """Flora over every trainable parameter of ``model``, its projections drawn from the run's
+    ``seed``. The package seeds parameter ``i`` (from 1) with ``seed + i``, so run seed 1's
+    first parameter drew run seed 0's second one's matrices; it is given ``seed * (n + 1)`` for
+    ``n`` parameters instead, the package's own at seed 0 and disjoint between run seeds."""
+    params = trainable_parameters(model)
+    return flora_optimizer(params, lr=lr, rank=rank, kappa=kappa, beta1=beta1,
+                           weight_decay=weight_decay, seed=seed * (len(params) + 1))
 
 
 def compresses_momentum(shape: tuple[int, ...], rank: int) -> bool:

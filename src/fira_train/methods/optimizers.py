@@ -98,7 +98,7 @@ def _apollo(model: nn.Module, config: "RunConfig", lr: float, variant: str) -> M
     _refuse_fsdp2(config, variant, FSDP2_REASON)
     o = config.optim
     optimizer = build_apollo_optimizer(model, variant, lr=lr, rank=o.rank, update_proj_gap=o.update_proj_gap,
-                                       betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+                                       betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, seed=config.train.seed)
     return MethodSetup(model, optimizer)
 
 

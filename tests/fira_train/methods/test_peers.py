@@ -192,8 +192,26 @@ def test_a_fresh_package_optimizer_has_an_empty_state_until_its_first_step(metho
     assert len(setup.optimizer.state) == 0
     train_step(setup, learnable_batch())
     seeds = [setup.optimizer.state[p]["seed"] for g in setup.optimizer.param_groups for p in g["params"]]
-    first = 1 + (config.train.seed if method == "flora" else 0)  # the packages number the parameters
+    # the packages number the parameters; the run's seed shifts them by a multiple of their count
+    first = 1 + config.train.seed * (len(seeds) + (method == "flora"))
     assert seeds == list(range(first, first + len(seeds)))
+    # the run's seed moves every projection seed, as train.seed moves every other draw
+    again = method_config(method, "train.seed=3")
+    moved = build_method(method_model(again), again)
+    train_step(moved, learnable_batch())
+    shifted = [moved.optimizer.state[p]["seed"] for g in moved.optimizer.param_groups for p in g["params"]]
+    assert not set(shifted) & set(seeds) and len(set(shifted)) == len(shifted)
+
+
+def test_apollo_draws_its_random_projections_from_the_runs_seed() -> None:
+    def projection(seed: int) -> torch.Tensor:
+        config = method_config("apollo", f"train.seed={seed}")
+        setup = build_method(method_model(config), config)
+        train_step(setup, learnable_batch())
+        matrix = next(p for g in setup.optimizer.param_groups if "rank" in g for p in g["params"])
+        return setup.optimizer.state[matrix]["projector"].ortho_matrix.clone()
+
+    assert torch.equal(projection(0), projection(0)) and not torch.equal(projection(0), projection(1))
 
 
 # --- SlimAdam (written here) -------------------------------------------------------------------
