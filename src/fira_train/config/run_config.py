@@ -155,7 +155,8 @@ class OptimConfig:
     1.0 resets them completely."""
     relora_rewarmup: int | None = None
     """ReLoRA: steps of linear learning-rate re-warm-up after each restart; None means 2% of a
-    cycle (ReLoRA's 100 steps per 5000), at least 1."""
+    cycle (ReLoRA's 100 steps per 5000), but at least 10 steps or a quarter of a cycle, whichever
+    is less (2% of a short cycle is one step, no ramp at all)."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.method, str) and self.method != "", "optim.method", self.method,

@@ -81,11 +81,19 @@ def prune_moments(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], 
                 value.masked_fill_(value.abs() <= threshold, 0.0)
 
 
+def default_rewarmup(every: int) -> int:
+    """ReLoRA's re-warm-up for cycles of ``every`` steps: 2% of a cycle (its 100 steps per 5000),
+    but at least 10 steps, or a quarter of a cycle where that is less. Right after a restart the
+    moments are pruned, so Adam's first steps are many times their usual size; on short cycles
+    2% is a single step, which ramps nothing (``tiny``'s cycles are 75 steps)."""
+    return max(1, every // 50, min(10, every // 4))
+
+
 def build_relora(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
     """ReLoRA: LoRA merged and restarted every ``optim.relora_every`` steps, moments pruned, LR re-warmed."""
     o, steps = config.optim, config.train.steps
     every = o.relora_every or max(1, steps // 4)
-    rewarmup = o.relora_rewarmup or max(1, every // 50)
+    rewarmup = o.relora_rewarmup or default_rewarmup(every)
     wrapped = wrap_lora(model, config)
     optimizer = build_adamw(wrapped, config, lr).optimizer
 

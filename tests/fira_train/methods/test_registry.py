@@ -219,6 +219,22 @@ def test_relora_restarts_on_schedule() -> None:
     assert torch.count_nonzero(setup.optimizer.state[b]["exp_avg"]) == 0  # relora_prune=1: reset
 
 
+def test_relora_default_rewarmup_ramps_after_every_restart() -> None:
+    """2% of a cycle (ReLoRA's 100 of 5000), but a ramp of at least 10 steps where a quarter of a
+    cycle allows one: at tiny's 300 steps 2% of a 75-step cycle was one step, no ramp at all."""
+    from fira_train.methods.lora import default_rewarmup
+    from fira_train.run.schedule import WarmupCosine
+
+    assert [default_rewarmup(e) for e in (5000, 1000, 75, 20, 5, 1)] == [100, 20, 10, 5, 1, 1]
+    config = method_config("relora", "train.steps=300")
+    setup = build_method(method_model(config), config)
+    assert (setup.restart_every, setup.rewarmup) == (75, 10)
+    jagged = WarmupCosine(300, config.train.warmup_fraction, config.train.min_lr_ratio, 75, setup.rewarmup)
+    plain = WarmupCosine(300, config.train.warmup_fraction, config.train.min_lr_ratio)
+    assert jagged(75) == pytest.approx(plain(75) / 10)  # the first step after the first restart
+    assert jagged(85) == plain(85)  # ramped back
+
+
 def test_prune_moments_zeroes_the_smallest_magnitudes() -> None:
     param = torch.nn.Parameter(torch.zeros(10))
     opt = torch.optim.AdamW([param])
