@@ -12,7 +12,8 @@ says exactly what it trained with:
   variant's own setting, else :class:`fira_optim.FiraAdamW`'s default (raw SVD signs).
 
 :func:`saved_config` reads a recorded config as the version that wrote it ran: a config saved
-before the held-out test split existed reads as ``data.test_fraction=0``; configs saved
+before the held-out test split existed reads as ``data.test_fraction=0``, one saved before each
+epoch's order was seeded from (seed, epoch) as ``data.epoch_order=1`` (``seed + epoch``); configs saved
 while aligned signs were the library's default (before the value was recorded) read as
 ``align_signs=true``, so such a run is neither reused nor resumed under today's default. Configs
 from the versions before sign alignment existed at all (raw signs) cannot be told apart from
@@ -72,7 +73,11 @@ def saved_config(values: Any) -> RunConfig:
     data = values.get("data") if isinstance(values, dict) else None
     if isinstance(data, dict) and "test_fraction" not in data:
         # saved before the test split existed: those runs trained on every non-validation document
-        values = {**values, "data": {**data, "test_fraction": 0.0}}
+        data = {**data, "test_fraction": 0.0}
+        values = {**values, "data": data}
+    if isinstance(data, dict) and "epoch_order" not in data:
+        # saved before the rule was recorded: those runs seeded epoch e with seed + e
+        values = {**values, "data": {**data, "epoch_order": 1}}
     optim = values.get("optim") if isinstance(values, dict) else None
     if isinstance(optim, dict) and optim.get("align_signs") is None:
         variant = fira_optim.VARIANTS.get(optim.get("method", "fira"))

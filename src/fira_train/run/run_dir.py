@@ -60,6 +60,9 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
             hint = ""
             if "data.test_fraction" in changes and saved.data.test_fraction == 0:
                 hint = "; a run made before the held-out test split resumes with data.test_fraction=0"
+            if "data.epoch_order" in changes and saved.data.epoch_order == 1:
+                hint += ("; a run made before each epoch's order was seeded from (seed, epoch) resumes with "
+                         "data.epoch_order=1")
             if "optim.method" in changes:  # its lr (a method's tuned one) differs for that reason alone
                 hint += f"; the run was made with --method {saved.optim.method}"
             elif "optim.lr" in changes:

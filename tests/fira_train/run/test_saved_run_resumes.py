@@ -18,7 +18,7 @@ COMMAND = ["pretrain", "--recipe", "micro", "--method", "fira", "--steps", "6", 
            "data.val_fraction=0.1", "train.progress=false", "train.tensorboard=false",
            "train.num_threads=1", "train.keep_last=2"]
 #: The defaults of the version that wrote it, where they have changed since.
-THEN = ["data.test_fraction=0", "optim.align_signs=true"]
+THEN = ["data.test_fraction=0", "optim.align_signs=true", "data.epoch_order=1"]
 
 
 def test_a_checkpoint_of_an_earlier_version_resumes_the_same_run(tmp_path: Path, monkeypatch, caplog,
@@ -28,12 +28,13 @@ def test_a_checkpoint_of_an_earlier_version_resumes_the_same_run(tmp_path: Path,
     recorded = read_metrics("run")  # the earlier version's uninterrupted run: steps 1 to 6
     assert [r["step"] for r in recorded] == [1, 2, 3, 4, 5, 6]
 
-    # It predates the held-out test split and the raw-sign default: today's defaults (2% of the
-    # documents held out, raw SVD signs) would train another run, so resuming needs the settings
-    # it was made with, and the refusal names both.
+    # It predates the held-out test split, the raw-sign default and the epoch seeds drawn from
+    # (seed, epoch): today's defaults would train another run, so resuming needs the settings it
+    # was made with, and the refusal names all three.
     assert main([*COMMAND, "--out", "run", "--resume"]) == 1
     err = capsys.readouterr().err
     assert "resumes with data.test_fraction=0" in err and "resumes with optim.align_signs=true" in err
+    assert "resumes with data.epoch_order=1" in err
     with caplog.at_level(logging.INFO):
         assert main([*COMMAND, *THEN, "--out", "run", "--resume"]) == 0
     assert any("from step 3" in message for message in caplog.messages)
