@@ -412,7 +412,8 @@ class Fira(Optimizer):
         matrices, plain = planned
         stats: list[MatrixStats] | None = [] if self._stats_hooks else None
         self._update(matrices, stats)
-        unprojected.step_groups(plain, self.state)
+        # each parameter's place among all groups' (the layout _plan_step built): its rounding seed
+        unprojected.step_groups(plain, self.state, self.__dict__["_layout"][2])
         if stats is not None:
             for hook in list(self._stats_hooks.values()):
                 hook(self, stats)
@@ -645,7 +646,8 @@ class Fira(Optimizer):
         strategy = self._strategy(hyper, p, grad)
         rounding = None
         if group["stochastic_rounding"] and p.dtype == torch.bfloat16:
-            rounding = precision.rounding_generator(group["seed"], order, step, p.device)
+            first_row = sharding.rows(p.shape[0])[0] if sharding is not None else 0
+            rounding = precision.rounding_generator(group["seed"], order, step, p.device, first_row)
         low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
         dim = reduce_dim(side)
         low_norm = strategy.column_norms(low, dim)

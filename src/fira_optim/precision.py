@@ -55,6 +55,7 @@ parameter), so a CUDA run draws other bits than a CPU run with the same seed.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 
 import torch
@@ -338,9 +339,15 @@ def round_into(param: torch.Tensor, value: torch.Tensor, generator: torch.Genera
 
 
 def rounding_generator(seed: int, order: int, step: int,
-                       device: torch.device | str = "cpu") -> torch.Generator:
+                       device: torch.device | str = "cpu", first_row: int = 0) -> torch.Generator:
     """The generator of one matrix's stochastic rounding at one step (resume-exact), on
     ``device``, the parameter's: the CPU's Mersenne twister or CUDA's Philox, so the same seed
-    draws different bits on the two, and each resumes exactly."""
-    generator = torch.Generator(device=device)
-    return generator.manual_seed((seed * 1_000_003 + order * 7919 + step * 104_729 + 17) % (2**63))
+    draws different bits on the two, and each resumes exactly. ``first_row``: where this
+    process's rows of a row-sharded parameter (FSDP2) start. Each shard draws from the start of
+    its stream, so without it every shard rounded with the same bits; the block starting at row 0
+    (and an unsharded parameter) keeps the stream it always had."""
+    seed = (seed * 1_000_003 + order * 7919 + step * 104_729 + 17) % (2**63)
+    if first_row:
+        mixed = hashlib.blake2b(f"{seed},{first_row}".encode(), digest_size=8).digest()
+        seed = int.from_bytes(mixed, "little") % (2**63)
+    return torch.Generator(device=device).manual_seed(seed)

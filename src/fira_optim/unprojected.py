@@ -27,12 +27,14 @@ AdamW does that). bf16 has fp32's range: its moments stay bf16, as in ``torch.op
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch.optim import adagrad as torch_adagrad
 from torch.optim import adam as torch_adam
 from torch.optim import rmsprop as torch_rmsprop
 
-from . import precision
+from . import distributed, precision
 from .options import Arithmetic, Base, StateDtype
 from .subspace import STATE_KEYS, adam_bias_correction
 
@@ -54,8 +56,13 @@ def init_state(state: dict, p: torch.Tensor, group: dict) -> None:
 _ROUNDING_OFFSET = 1 << 20
 
 
-def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> None:
-    """Update each ``(group, params)`` pair; ``states`` is the optimizer's ``self.state``.
+def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict,
+                position: Mapping[torch.Tensor, int]) -> None:
+    """Update each ``(group, params)`` pair; ``states`` is the optimizer's ``self.state``,
+    ``position`` each parameter's index among all groups' parameters, in group order: it seeds
+    the parameter's stochastic rounding, so two parameters never share a stream (an index within
+    its group did: the first parameter of every group drew the same bits). The first group's
+    indices are the same either way.
 
     A parameter stepped through fp32 copies (low-precision states, fp16, bf16 with stochastic
     rounding) goes :data:`precision.CHUNK` elements at a time if it is larger
@@ -78,7 +85,6 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> 
             _step(group, given, states)
             continue
         keys = STATE_KEYS[group["base"]]
-        index = {p: i for i, p in enumerate(group["params"])} if rounding else {}
         chosen = set(copied)
         plain = [p for p in given if p not in chosen]
         if plain:
@@ -89,8 +95,10 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> 
             state = states[p]
             generator = None
             if rounding and p.dtype == torch.bfloat16:
+                sharding = distributed.row_sharding(p)  # FSDP2: this rank's rows draw their own bits
                 generator = precision.rounding_generator(
-                    group["seed"], _ROUNDING_OFFSET + index[p], int(state["step"]), p.device)
+                    group["seed"], _ROUNDING_OFFSET + position[p], int(state["step"]), p.device,
+                    sharding.rows(p.shape[0])[0] if sharding is not None else 0)
             if p.numel() > precision.CHUNK and _chunkable(p, state, keys):
                 _step_in_chunks(group, p, state, keys, generator)
                 continue
@@ -100,8 +108,11 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict) -> 
             _step(group, [work], {work: working})
             precision.encode(state, working, keys)
             state["step"] = working["step"]
-            if work.data_ptr() != p.data_ptr():
-                precision.round_into(p, work, generator)
+            # Written back where work is a copy. Compared on the local blocks: a DTensor's own
+            # data_ptr() is 0, so FSDP2's copies were never written back (no update at all).
+            local, local_work = distributed.to_local(p.detach()), distributed.to_local(work)
+            if local_work.data_ptr() != local.data_ptr():
+                precision.round_into(local, local_work, generator)
 
 
 def _chunkable(p: torch.Tensor, state: dict, keys) -> bool:

@@ -412,3 +412,71 @@ def test_hsdp_two_dimensional_mesh_equals_one_process(tmp_path):
         for name, full in ref_params.items():
             expected = full.chunk(2)[result["shard_index"]]
             torch.testing.assert_close(result["local"][name], expected, rtol=1e-9, atol=1e-11, msg=name)
+
+
+def _rounding_worker(rank: int, world: int) -> dict:
+    """bf16 weights, updated with stochastic rounding, whose two row blocks (one per rank) hold
+    the same values and gradients: a matrix projected at rank 4, and a plain vector."""
+    g = torch.Generator().manual_seed(7)
+    halves = {"matrix": (16, 24), "vector": (16,)}
+    values = {k: torch.randn(s, generator=g) for k, s in halves.items()}
+    grads = {k: torch.randn(s, generator=g) for k, s in halves.items()}
+    twice = {k: torch.cat([v, v]).bfloat16() for k, v in values.items()}
+    params = {k: torch.nn.Parameter(_shard(v)) for k, v in twice.items()}
+    opt = FiraAdamW([{"params": [params["matrix"]], "rank": 4, "update_proj_gap": 100},
+                     {"params": [params["vector"]]}], lr=1e-3, stochastic_rounding=True)
+    for _ in range(3):
+        for k, p in params.items():
+            p.grad = _shard(torch.cat([grads[k], grads[k]]).bfloat16())
+        opt.step()
+    return {k: p.to_local().detach().float() for k, p in params.items()}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_shards_round_with_their_own_bits(tmp_path):
+    """Each rank's rows draw their own rounding noise (they drew the same: the first numbers of
+    one stream), as the rows of one process's parameter do."""
+    first, second = run_ranks(_rounding_worker, 2, tmp_path, timeout=100)
+    for name in ("matrix", "vector"):
+        assert first[name].shape == second[name].shape
+        assert (first[name] != second[name]).float().mean() > 0.1, name  # was 0: identical bits
+
+
+def _copied_plain_worker(rank: int, world: int) -> dict:
+    """A plain (unprojected) parameter stepped through an fp32 copy, three steps, per config."""
+    out = {}
+    for name, dtype, options in COPIED_PLAIN:
+        param = torch.nn.Parameter(_shard(torch.linspace(-1, 1, 9).to(dtype)))
+        opt = FiraAdamW([{"params": [param]}], lr=1e-2, **options)
+        for step in range(3):
+            param.grad = _shard(_gradient("bias", (9,), step, dtype))
+            opt.step()
+        out[name] = param.to_local().detach().clone()
+    return out
+
+
+#: Plain parameters whose update goes through an fp32 copy written back to the parameter.
+COPIED_PLAIN = [("bf16-states", torch.bfloat16, {"state_dtype": "bfloat16"}),
+                ("fp16", torch.float16, {}),
+                ("bf16-rounding", torch.bfloat16, {"stochastic_rounding": True})]
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_plain_parameters_stepped_through_fp32_copies_are_updated(tmp_path):
+    """Each rank's rows of a bf16 or fp16 plain parameter are what one process gives (they were
+    never written back: a DTensor's data_ptr() is 0, so the copy looked like the parameter);
+    with stochastic rounding the first rank's block draws the one-process stream's bits."""
+    results = run_ranks(_copied_plain_worker, 2, tmp_path, timeout=100)
+    for name, dtype, options in COPIED_PLAIN:
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 9).to(dtype))
+        opt = FiraAdamW([{"params": [param]}], lr=1e-2, **options)
+        for step in range(3):
+            param.grad = _gradient("bias", (9,), step, dtype)
+            opt.step()
+        first, second = param.detach().chunk(2)
+        assert not torch.equal(param.detach(), torch.linspace(-1, 1, 9).to(dtype)), name
+        assert torch.equal(results[0][name], first), name
+        if name != "bf16-rounding":  # rank 1 rounds with its own bits (other test)
+            assert torch.equal(results[1][name], second), name
+        else:
+            assert not torch.equal(results[1][name], torch.linspace(-1, 1, 9).to(dtype).chunk(2)[1])

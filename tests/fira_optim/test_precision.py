@@ -132,6 +132,27 @@ def test_bf16_weights_with_stochastic_rounding_resume_exactly():
         assert p.dtype == torch.bfloat16 and torch.equal(p, q)
 
 
+def test_unprojected_parameters_of_different_groups_round_with_different_bits():
+    """Equal bf16 weights with equal gradients, first in two groups (as the Trainer's decay and
+    no-decay groups): each rounds with its own stream, as two parameters of one group do."""
+    def updated(groups: int) -> list[torch.Tensor]:
+        twins = [torch.nn.Parameter(torch.full((4096,), 1.0, dtype=torch.bfloat16)) for _ in range(2)]
+        opt = FiraAdamW([{"params": [q]} for q in twins] if groups == 2 else [{"params": twins}], lr=1e-3,
+                        stochastic_rounding=True)
+        for step in range(3):
+            grad = torch.randn(4096, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            for q in twins:
+                q.grad = grad.clone()
+            opt.step()
+        return twins
+
+    for groups in (1, 2):
+        a, b = updated(groups)
+        assert (a != b).sum() > 1000, groups  # was 0 with two groups: the same bits
+    one, two = updated(1), updated(2)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])  # a parameter's stream: its place
+
+
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])
 
