@@ -98,7 +98,7 @@ class DataSpec:
                                  "data.test_fraction=0 holds none out")
         if self.max_train_tokens is not None:
             require_int("data.max_train_tokens", self.max_train_tokens, 1)
-        if isinstance(self.epoch_order, bool) or self.epoch_order not in (1, 2):
+        if type(self.epoch_order) is not int or self.epoch_order not in (1, 2):
             raise ValueError(f"data.epoch_order must be 1 or 2, got {self.epoch_order!r}")
         if isinstance(self.cache_dir, os.PathLike):
             self.cache_dir = os.fspath(self.cache_dir)

@@ -68,7 +68,8 @@ def order_rule(state: Mapping[str, object], owner: str) -> tuple[int, dict[str, 
     rest = {k: v for k, v in state.items() if k != "order"} if isinstance(state, Mapping) else state
     rule = state.get("order", 1) if isinstance(state, Mapping) else 1
     if type(rule) is not int or rule not in (1, 2):
-        raise ValueError(f"{owner} state['order']={rule!r}: expected 1 or 2 (the epoch order rule)")
+        raise ValueError(f"{owner} state['order']={rule!r}: expected 1 or 2 (the epoch order rule; "
+                         "a state written by a newer fira-train?)")
     return rule, rest
 
 

@@ -43,6 +43,7 @@ def test_dataspec_defaults_match_the_contract() -> None:
         ("epoch_order", 3),
         ("epoch_order", True),
         ("epoch_order", "2"),
+        ("epoch_order", 1.0),
         ("cache_dir", ""),
     ],
 )
