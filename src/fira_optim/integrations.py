@@ -290,6 +290,10 @@ def _resolve(
             "eps": args.adam_epsilon,
             "weight_decay": args.weight_decay,
         }
+        # The run's seed draws the random projectors and the stochastic rounding, as it draws
+        # everything else of the run (every TrainingArguments.seed drew the same bits).
+        if isinstance(getattr(args, "seed", None), int) and "seed" not in options:
+            options["seed"] = args.seed
     lr = defaults["lr"] if lr is None else lr
     betas = defaults["betas"] if betas is None else betas
     eps = defaults["eps"] if eps is None else eps
@@ -331,7 +335,9 @@ def create_fira_optimizer(
         optim_args: overrides ``args.optim_args``: ``"rank=64,update_proj_gap=100,alpha=0.25"``.
         variant: a name of :data:`fira_optim.VARIANTS` (``"fira"``, ``"galore"``, ablations...)
             whose overrides are applied first.
-        lr, betas, eps, weight_decay: override the values read from ``args``.
+        lr, betas, eps, weight_decay: override the values read from ``args``. ``seed`` (random
+            projectors, stochastic rounding) is ``args.seed`` unless ``optim_args`` or a keyword
+            gives one.
         decay_parameter_names: parameters that receive weight decay (default: the >= 2-D ones).
         **fira_options: any other FiraAdamW keyword (``rank=16``, ``alpha=1.0``, ...) for the
             projected group; they win over ``optim_args``.

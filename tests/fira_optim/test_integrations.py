@@ -171,6 +171,11 @@ def test_create_fira_optimizer_reads_training_arguments_and_keywords_win(tmp_pat
     assert [g["residual"] for g in galore.param_groups if g["rank"] is not None] == ["drop"]
     with pytest.raises(ValueError, match="variant='fira-typo'"):
         create_fira_optimizer(model, args, variant="fira-typo")
+    # the run's seed draws the random projectors and stochastic rounding; optim_args or a keyword win
+    assert {g["seed"] for g in create_fira_optimizer(model, training_args(tmp_path, seed=5)).param_groups} == {5}
+    assert {g["seed"] for g in create_fira_optimizer(model, training_args(tmp_path, seed=5),
+                                                     optim_args="rank=4,seed=9").param_groups} == {9}
+    assert {g["seed"] for g in create_fira_optimizer(model, training_args(tmp_path, seed=5), seed=3).param_groups} == {3}
 
 
 def test_importing_fira_optim_does_not_import_transformers():
