@@ -16,6 +16,7 @@ be sent to a worker process (``--jobs``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,21 @@ from fira_train.analysis.runs import JsonlWriter
 from fira_train.run.callbacks import TrainCallback
 
 
+def noise_seed(seed: int) -> int:
+    """The seed of :class:`GradientNoise`'s generator for a run seeded ``seed``: 63 bits of a hash
+    of it, apart from the streams ``torch.manual_seed(seed)`` gives the rest of the run."""
+    digest = hashlib.blake2b(f"{seed},gradient-noise".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**63)
+
+
 class GradientNoise(TrainCallback):
     r"""Add :math:`s\,\mathcal{N}(0, 1)` noise to every gradient entry before the optimizer step.
 
-    The noise comes from a generator of its own (``seed``), so the data order and every other
-    random draw of the run are those of the noise-free run.
+    The noise comes from a generator of its own, so the data order and every other random draw
+    of the run are those of the noise-free run. Its seed is derived from ``seed``
+    (:func:`noise_seed`), not ``seed`` itself: the model is initialised from ``seed``'s stream, so
+    the first steps' noise repeated the initial weights (divided by their init scale) on other
+    tensors.
     """
 
     def __init__(self, scale: float, seed: int = 0) -> None:
@@ -38,7 +49,7 @@ class GradientNoise(TrainCallback):
             raise ValueError(f"noise scale must be a finite number >= 0, got scale={scale!r}")
         self.scale = float(scale)
         self.seed = seed
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator().manual_seed(noise_seed(seed))
 
     def before_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     loss: float) -> None:

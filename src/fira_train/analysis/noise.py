@@ -47,7 +47,8 @@ def noise_runs(methods: Sequence[str], scale: float, seed: int) -> list[Analysis
                                 describe="NormRecorder"))
         runs.append(AnalysisRun(
             noisy_name(m), m, callbacks=partial(record_norms_with_noise, scale=scale, seed=seed),
-            describe=f"NormRecorder, GradientNoise(scale={scale!r}, seed={seed})"))
+            # "noise seed derived": not the runs drawn from the seed itself, before noise_seed
+            describe=f"NormRecorder, GradientNoise(scale={scale!r}, seed={seed}, noise seed derived)"))
     return runs
 
 

@@ -23,7 +23,7 @@ def test_noise_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
         # noise enters at the first update, not before: the first loss is the same
         assert read_metrics(out / method)[0]["loss"] == read_metrics(out / f"{method}-noise")[0]["loss"]
     spec = json.loads((out / "adamw-noise" / "analysis_run.json").read_text())
-    assert spec["callbacks"] == "NormRecorder, GradientNoise(scale=0.001, seed=0)"
+    assert spec["callbacks"] == "NormRecorder, GradientNoise(scale=0.001, seed=0, noise seed derived)"
     assert "noise / gradient = " in result["report"].read_text()
     text = result["report"].read_text()
     assert "445.5" in text and "| adamw |" in text
