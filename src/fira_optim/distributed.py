@@ -116,6 +116,16 @@ class RowSharding:
         return partial
 
 
+def block_offset(p: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's block of a DTensor starts in the whole tensor (all zeros for a plain
+    tensor and for a replica): what tells one shard's random draws from another's."""
+    if not is_dtensor(p):
+        return (0,) * p.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1])
+
+
 def row_sharding(p: torch.Tensor) -> RowSharding | None:
     """The :class:`RowSharding` of a DTensor parameter, ``None`` for a plain tensor.
 

@@ -339,13 +339,14 @@ def round_into(param: torch.Tensor, value: torch.Tensor, generator: torch.Genera
 
 
 def rounding_generator(seed: int, order: int, step: int,
-                       device: torch.device | str = "cpu", first_row: int = 0) -> torch.Generator:
+                       device: torch.device | str = "cpu", first_row: int | tuple[int, ...] = 0) -> torch.Generator:
     """The generator of one matrix's stochastic rounding at one step (resume-exact), on
     ``device``, the parameter's: the CPU's Mersenne twister or CUDA's Philox, so the same seed
     draws different bits on the two, and each resumes exactly. ``first_row``: where this
-    process's rows of a row-sharded parameter (FSDP2) start. Each shard draws from the start of
-    its stream, so without it every shard rounded with the same bits; the block starting at row 0
-    (and an unsharded parameter) keeps the stream it always had."""
+    process's rows of a row-sharded parameter (FSDP2) start (for another placement, the whole
+    offset of its block). Each shard draws from the start of its stream, so without it every
+    shard rounded with the same bits; the block starting at row 0 (and an unsharded parameter,
+    and every replica) keeps the stream it always had."""
     seed = (seed * 1_000_003 + order * 7919 + step * 104_729 + 17) % (2**63)
     if first_row:
         mixed = hashlib.blake2b(f"{seed},{first_row}".encode(), digest_size=8).digest()

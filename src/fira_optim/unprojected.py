@@ -95,10 +95,11 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict,
             state = states[p]
             generator = None
             if rounding and p.dtype == torch.bfloat16:
-                sharding = distributed.row_sharding(p)  # FSDP2: this rank's rows draw their own bits
+                # a shard (FSDP2's rows, or any other placement) draws its own bits; replicas the same
+                offset = distributed.block_offset(p)
                 generator = precision.rounding_generator(
                     group["seed"], _ROUNDING_OFFSET + position[p], int(state["step"]), p.device,
-                    sharding.rows(p.shape[0])[0] if sharding is not None else 0)
+                    0 if not any(offset) else offset[0] if not any(offset[1:]) else offset)
             if p.numel() > precision.CHUNK and _chunkable(p, state, keys):
                 _step_in_chunks(group, p, state, keys, generator)
                 continue

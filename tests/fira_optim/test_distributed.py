@@ -429,17 +429,39 @@ def _rounding_worker(rank: int, world: int) -> dict:
         for k, p in params.items():
             p.grad = _shard(torch.cat([grads[k], grads[k]]).bfloat16())
         opt.step()
-    return {k: p.to_local().detach().float() for k, p in params.items()}
+    out = {k: p.to_local().detach().float() for k, p in params.items()}
+    # Plain parameters of other placements: a replica rounds as every other replica (they stay
+    # equal), a column shard with its own bits.
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    columns = torch.randn(4, 8, generator=g)
+    others = {"replicated": (torch.randn(16, generator=g).bfloat16(), [Replicate()]),
+              "columns": (torch.cat([columns, columns], dim=1).bfloat16(), [Shard(1)])}
+    placed = {k: torch.nn.Parameter(distribute_tensor(v.clone(), _mesh(), pl, src_data_rank=None))
+              for k, (v, pl) in others.items()}
+    opt = FiraAdamW([{"params": list(placed.values())}], lr=1e-3, stochastic_rounding=True)
+    for step in range(3):
+        for k, param in placed.items():
+            grad = torch.randn(others[k][0].shape, generator=torch.Generator().manual_seed(step)).bfloat16()
+            if k == "columns":
+                grad = torch.cat([grad[:, :8], grad[:, :8]], dim=1)
+            param.grad = distribute_tensor(grad, _mesh(), others[k][1], src_data_rank=None)
+        opt.step()
+    out.update({k: p.to_local().detach().float() for k, p in placed.items()})
+    out["replicated moved"] = not torch.equal(placed["replicated"].to_local(), others["replicated"][0])
+    return out
 
 
 @pytest.mark.timeout(120)
 def test_fsdp2_shards_round_with_their_own_bits(tmp_path):
     """Each rank's rows draw their own rounding noise (they drew the same: the first numbers of
-    one stream), as the rows of one process's parameter do."""
+    one stream), as the rows of one process's parameter do; so do column shards, and replicas
+    draw the same bits (they stay equal)."""
     first, second = run_ranks(_rounding_worker, 2, tmp_path, timeout=100)
-    for name in ("matrix", "vector"):
+    for name in ("matrix", "vector", "columns"):
         assert first[name].shape == second[name].shape
         assert (first[name] != second[name]).float().mean() > 0.1, name  # was 0: identical bits
+    assert torch.equal(first["replicated"], second["replicated"]) and first["replicated moved"]
 
 
 def _copied_plain_worker(rank: int, world: int) -> dict:
