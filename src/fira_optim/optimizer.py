@@ -278,6 +278,13 @@ class Fira(Optimizer):
                 _check_projectable(p, index, gi)
             _warn_if_nothing_projected(group, gi)
         for index, p in enumerate(group["params"]):
+            if not (p.is_floating_point() or p.is_complex()):  # a projected int matrix was truncated
+                raise ValueError(f"param_groups[{gi}]['params'][{index}] has dtype {p.dtype}: only "
+                                 "floating-point (and, with rank=None, complex) parameters can be optimized")
+            if group["stochastic_rounding"] and p.dtype == torch.float16:
+                warnings.warn(f"param_groups[{gi}]['params'][{index}] is float16: stochastic_rounding "
+                              "applies to bfloat16 parameters only, this one is rounded to nearest",
+                              UserWarning, stacklevel=3)
             # A rank=None group with fp32 states takes complex parameters, as torch.optim.AdamW
             # does (real views of them); a subspace of a complex matrix is not defined here.
             if p.dtype == torch.complex32:  # fp16 halves: its moments would underflow (fp16 keeps fp32 ones)
@@ -502,10 +509,11 @@ class Fira(Optimizer):
         is a new layout, whose building re-takes the states in the dtypes kept for the
         parameters' dtypes now, as a load would (also after a load, a copy or a pickle, which
         leave no cached layout)."""
-        key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"]) for g in self.param_groups)
+        key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"], g["state_dtype"])
+                    for g in self.param_groups)
         cached = self.__dict__.get("_layout")
         if cached is not None and cached[0] != key:
-            self._check_rank_changes(cached[0], key)
+            self._check_group_changes(cached[0], key)
         if cached is None or cached[0] != key or not self._layout_holds(cached, only):
             self._follow_casts()
             entries, order = [], 0
@@ -535,19 +543,19 @@ class Fira(Optimizer):
             entries = [entries[i] for i in sorted(position[p] for p in only)]
         return entries, total
 
-    def _check_rank_changes(self, before: tuple, after: tuple) -> None:
-        """A ``rank`` set in ``param_groups`` since the last step is refused once the group's
-        matrices have states (built for the old rank: the step failed midway, some matrices
-        updated and others not)."""
+    def _check_group_changes(self, before: tuple, after: tuple) -> None:
+        """A ``rank`` or ``state_dtype`` set in ``param_groups`` since the last step is refused
+        once the group has states (built for the old one: a new rank failed the step midway, some
+        matrices updated and others not; a new state_dtype failed inside torch after the weight
+        decay, or kept the old states without a word)."""
         for gi, (old, new) in enumerate(zip(before, after)):  # groups added since: add_param_group checked them
-            if old[2] == new[2]:
-                continue
             group = self.param_groups[gi]
-            if any(self.state.get(p) for p in group["params"]):
-                raise ValueError(
-                    f"param_groups[{gi}]['rank'] changed from {old[2]!r} to {new[2]!r} after the group's "
-                    "states were built for the old rank; a rank cannot change during training (set it "
-                    "back, or build a new optimizer)")
+            for position, name in ((2, "rank"), (4, "state_dtype")):
+                if old[position] != new[position] and any(self.state.get(p) for p in group["params"]):
+                    raise ValueError(
+                        f"param_groups[{gi}]['{name}'] changed from {old[position]!r} to {new[position]!r} after "
+                        f"the group's states were built for the old {name}; it cannot change during training "
+                        "(set it back, or build a new optimizer)")
 
     def _layout_holds(self, cached: tuple, only: set | None) -> bool:
         """Whether the cached layout still names the tensors of the groups' lists (a parameter

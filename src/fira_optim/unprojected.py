@@ -77,10 +77,11 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict,
                 init_state(states[p], p, group)
         kind = StateDtype(group["state_dtype"])
         rounding = group["stochastic_rounding"]
-        # Through fp32 copies: fp16 parameters (module docstring), low-precision states, and bf16
-        # parameters written by stochastic rounding.
+        # Through fp32 copies: fp16 parameters (module docstring), low-precision states, bf16
+        # parameters written by stochastic rounding, and gradients in another dtype than their
+        # parameter's (p.grad_dtype: fp32 gradients of bf16 weights), which torch's step refuses.
         copied = [p for p in given if p.dtype == torch.float16 or kind is not StateDtype.FLOAT32
-                  or (rounding and p.dtype == torch.bfloat16)]
+                  or (rounding and p.dtype == torch.bfloat16) or p.grad.dtype != p.dtype]
         if not copied:
             _step(group, given, states)
             continue
@@ -103,9 +104,10 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict,
             if p.numel() > precision.CHUNK and _chunkable(p, state, keys):
                 _step_in_chunks(group, p, state, keys, generator)
                 continue
-            work = p.detach().float()  # an fp32 parameter: a view of it, updated in place
-            work.grad = p.grad.float()
-            working = precision.decode(state, keys, torch.float32)
+            work_dtype = torch.promote_types(p.dtype, torch.float32)  # fp64 stays fp64
+            work = p.detach().to(work_dtype)  # an fp32 (fp64) parameter: a view of it, updated in place
+            work.grad = p.grad.to(work_dtype)
+            working = precision.decode(state, keys, work_dtype)
             _step(group, [work], {work: working})
             precision.encode(state, working, keys)
             state["step"] = working["step"]
@@ -136,13 +138,14 @@ def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator) 
     if size % precision.BLOCK:
         raise ValueError(f"precision.CHUNK ({size}) must be a multiple of precision.BLOCK")
     flat, grad, counter = p.detach().view(-1), p.grad.view(-1), state["step"]
+    work_dtype = torch.promote_types(p.dtype, torch.float32)  # fp64 stays fp64
     stepped = counter
     for start in range(0, flat.numel(), size):
         stop = min(start + size, flat.numel())
         part = flat[start:stop]
-        work = part.float()  # an fp32 parameter: a view of it, updated in place
-        work.grad = grad[start:stop].float()
-        working = precision.decode_slice(state, keys, torch.float32, start, stop)
+        work = part.to(work_dtype)  # an fp32 (fp64) parameter: a view of it, updated in place
+        work.grad = grad[start:stop].to(work_dtype)
+        working = precision.decode_slice(state, keys, work_dtype, start, stop)
         working["step"] = stepped = counter.clone()
         _step(group, [work], {work: working})
         precision.encode_slice(state, working, keys, start, stop)

@@ -153,6 +153,37 @@ def test_unprojected_parameters_of_different_groups_round_with_different_bits():
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])  # a parameter's stream: its place
 
 
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_float64_plain_parameters_are_stepped_in_float64_with_low_precision_states(state_dtype):
+    """They went through an fp32 copy and were rounded to fp32 at every step."""
+    bias = torch.nn.Parameter(torch.linspace(-1, 1, 4096, dtype=torch.float64) / 3)
+    start = bias.detach().clone()
+    opt = FiraAdamW([{"params": [bias]}], lr=1e-12, state_dtype=state_dtype)
+    bias.grad = torch.ones_like(bias)
+    opt.step()
+    moved = (bias.detach() - start).abs()
+    assert moved.max().item() == pytest.approx(1e-12, rel=1e-3)  # lr * sign-sized first Adam step
+    assert not torch.equal(bias.detach(), start.float().double())
+
+
+def test_gradients_in_another_dtype_than_their_parameter_are_stepped():
+    """torch's p.grad_dtype (fp32 gradients of bf16 weights): the projected matrix was updated,
+    then torch's step of the bias failed, its step counted and the bias not updated."""
+    layer = torch.nn.Linear(32, 32).to(torch.bfloat16)
+    start = [p.detach().clone() for p in layer.parameters()]
+    for i, p in enumerate(layer.parameters()):
+        p.grad_dtype = torch.float32
+        p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+    opt = FiraAdamW(layer.parameters(), rank=4, lr=1e-2)
+    opt.step()
+    for p, before in zip(layer.parameters(), start):
+        assert p.dtype == torch.bfloat16 and (p != before).float().mean() > 0.5
+        assert float(opt.state[p]["step"]) == 1.0
+    # the bias's step is Adam's first step on its fp32 gradient: -lr * sign(g), rounded to bf16
+    expected = (start[1].float() - 1e-2 * torch.sign(layer.bias.grad)).to(torch.bfloat16)
+    assert torch.equal(layer.bias.detach(), expected)
+
+
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])
 

@@ -227,6 +227,42 @@ def test_a_rank_changed_in_param_groups_during_training_is_refused_before_anythi
         opt.step()
 
 
+def test_a_state_dtype_set_in_param_groups_after_states_exist_is_refused_before_anything_changes() -> None:
+    """Back to float32 it failed inside torch after the weight decay; to int8 it kept fp32 states
+    without a word."""
+    pytest.importorskip("torchao")
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((64, 256), (4096,))]
+    for first, then in (("int8", "float32"), ("bfloat16", "float32"), ("float32", "int8")):
+        opt = FiraAdamW([{"params": params[:1], "rank": 4}, {"params": params[1:]}], state_dtype=first,
+                        weight_decay=0.1)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        before = [p.detach().clone() for p in params]
+        for group in opt.param_groups:
+            group["state_dtype"] = then
+        with pytest.raises(ValueError, match=rf"param_groups\[0\]\['state_dtype'\] changed from '{first}' to "
+                                             rf"'{then}' after"):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert [float(opt.state[p]["step"]) for p in params] == [1.0, 1.0]
+        for group in opt.param_groups:
+            group["state_dtype"] = first
+        opt.step()  # set back: trains on
+
+
+def test_integer_parameters_are_refused_and_stochastic_rounding_of_fp16_warns() -> None:
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] has dtype torch.int64"):
+        FiraAdamW([torch.nn.Parameter(torch.zeros(4, 4)), torch.zeros(8, 8, dtype=torch.int64)], rank=2)
+    opt = FiraAdamW([torch.nn.Parameter(torch.zeros(4))])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] has dtype torch.bool"):
+        opt.add_param_group({"params": [torch.zeros(3, dtype=torch.bool)]})
+    assert len(opt.param_groups) == 1
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['params'\]\[0\] is float16: stochastic_rounding"):
+        FiraAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))], stochastic_rounding=True)
+
+
 def test_a_step_on_meta_parameters_names_the_parameter_and_the_fix() -> None:
     """An optimizer built on a meta-device model, before ``to_empty``, holds parameters that
     model no longer trains; its step failed with "Tensor.item() cannot be called on meta tensors"."""
