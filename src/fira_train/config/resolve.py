@@ -13,11 +13,14 @@ says exactly what it trained with:
 
 :func:`saved_config` reads a recorded config as the version that wrote it ran: a config saved
 before the held-out test split existed reads as ``data.test_fraction=0``, one saved before each
-epoch's order was seeded from (seed, epoch) as ``data.epoch_order=1`` (``seed + epoch``); configs saved
+epoch's order was seeded from (seed, epoch) as ``data.epoch_order=1`` (``seed + epoch``), a ReLoRA
+run recorded without its cycle and re-warm-up with the ones it ran (a quarter of the run, 2% of a
+cycle); configs saved
 while aligned signs were the library's default (before the value was recorded) read as
 ``align_signs=true``, so such a run is neither reused nor resumed under today's default. Configs
-from the versions before sign alignment existed at all (raw signs) cannot be told apart from
-those and read as aligned too: resume such a run with ``optim.align_signs=false``.
+from the versions before sign alignment existed at all (raw signs) record no ``train.parallel``
+either (it came one commit later) and read as raw signs; a run made at that one commit, aligned,
+resumes with ``optim.align_signs=true``.
 """
 
 from __future__ import annotations
@@ -62,9 +65,15 @@ def resolved_align_signs(config: RunConfig) -> bool | None:
 
 
 def resolved(config: RunConfig) -> RunConfig:
-    """``config`` with its learning rate and sign alignment filled in (what a run records)."""
-    return replace(config, optim=replace(config.optim, lr=resolved_lr(config),
-                                         align_signs=resolved_align_signs(config)))
+    """``config`` with its learning rate and sign alignment filled in, and ReLoRA's cycle and
+    re-warm-up (what a run records: a default that changes later does not change its meaning)."""
+    optim = replace(config.optim, lr=resolved_lr(config), align_signs=resolved_align_signs(config))
+    if config.optim.method == "relora":
+        from fira_train.methods.lora import relora_schedule
+
+        every, rewarmup = relora_schedule(config)
+        optim = replace(optim, relora_every=every, relora_rewarmup=rewarmup)
+    return replace(config, optim=optim)
 
 
 def saved_config(values: Any) -> RunConfig:
@@ -79,8 +88,19 @@ def saved_config(values: Any) -> RunConfig:
         # saved before the rule was recorded: those runs seeded epoch e with seed + e
         values = {**values, "data": {**data, "epoch_order": 1}}
     optim = values.get("optim") if isinstance(values, dict) else None
+    train = values.get("train") if isinstance(values, dict) else None
+    if isinstance(optim, dict) and optim.get("method") == "relora" and optim.get("relora_rewarmup") is None:
+        # recorded unresolved, before 2026-11-28: a quarter of the run, 2% of a cycle then
+        steps = train.get("steps") if isinstance(train, dict) else None
+        every = optim.get("relora_every") or (max(1, steps // 4) if isinstance(steps, int) else None)
+        if every is not None:
+            optim = {**optim, "relora_every": every, "relora_rewarmup": max(1, every // 50)}
+            values = {**values, "optim": optim}
     if isinstance(optim, dict) and optim.get("align_signs") is None:
         variant = fira_optim.VARIANTS.get(optim.get("method", "fira"))
         if variant is not None:
-            values = {**values, "optim": {**optim, "align_signs": variant.get("align_signs", LEGACY_ALIGN_SIGNS)}}
+            # train.parallel came one commit after sign alignment: a config without it predates
+            # alignment (raw signs), but for runs made at that one commit
+            legacy = LEGACY_ALIGN_SIGNS if not isinstance(train, dict) or "parallel" in train else False
+            values = {**values, "optim": {**optim, "align_signs": variant.get("align_signs", legacy)}}
     return config_from_dict(values)

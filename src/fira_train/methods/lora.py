@@ -89,11 +89,17 @@ def default_rewarmup(every: int) -> int:
     return max(1, every // 50, min(10, every // 4))
 
 
+def relora_schedule(config: "RunConfig") -> tuple[int, int]:
+    """``(relora_every, relora_rewarmup)`` as a run trains them: the settings, or where None a
+    quarter of the run and :func:`default_rewarmup` (a run records these numbers)."""
+    every = config.optim.relora_every or max(1, config.train.steps // 4)
+    return every, config.optim.relora_rewarmup or default_rewarmup(every)
+
+
 def build_relora(model: nn.Module, config: "RunConfig", lr: float) -> MethodSetup:
     """ReLoRA: LoRA merged and restarted every ``optim.relora_every`` steps, moments pruned, LR re-warmed."""
     o, steps = config.optim, config.train.steps
-    every = o.relora_every or max(1, steps // 4)
-    rewarmup = o.relora_rewarmup or default_rewarmup(every)
+    every, rewarmup = relora_schedule(config)
     wrapped = wrap_lora(model, config)
     optimizer = build_adamw(wrapped, config, lr).optimizer
 

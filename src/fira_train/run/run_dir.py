@@ -20,6 +20,8 @@ from fira_train.run.checkpoint import CHECKPOINT_DIR
 RESUMABLE_CHANGES = frozenset({
     "train.save_every", "train.keep_last", "train.eval_every", "train.progress",
     "train.tensorboard", "train.out_dir",
+    # where tokenizers and tokens are cached: the data's own record (its token digest) is checked
+    "data.cache_dir",
     # the same global batches at any world size or thread count: equal to round-off
     "train.parallel", "train.num_threads",
 })
@@ -68,6 +70,9 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
             elif "optim.lr" in changes:
                 hint += (f"; a run made before the recipe's tuned learning rates (or at another lr) "
                          f"resumes with optim.lr={saved.optim.lr:g}")
+            if "optim.relora_rewarmup" in changes:
+                hint += (f"; a ReLoRA run made before the re-warm-up's default of 10 steps resumes with "
+                         f"optim.relora_rewarmup={saved.optim.relora_rewarmup}")
             if "optim.align_signs" in changes and saved.optim.align_signs is LEGACY_ALIGN_SIGNS:
                 hint += ("; a run made while aligned SVD signs were the default resumes with "
                          "optim.align_signs=true")

@@ -57,6 +57,27 @@ def test_a_config_saved_while_aligned_signs_were_the_default_reads_as_aligned(re
     assert saved_config(values).optim.align_signs is False
     values["optim"]["method"] = "adamw"
     assert saved_config(values).optim.align_signs is None
+    # without train.parallel too: saved before sign alignment existed, by raw signs
+    values["optim"]["method"] = "fira"
+    del values["train"]["parallel"]
+    assert saved_config(values).optim.align_signs is False
+
+
+def test_a_relora_config_recorded_unresolved_reads_as_the_schedule_it_ran() -> None:
+    """Before 2026-11-28 a ReLoRA run recorded relora_every / relora_rewarmup as None, meaning a
+    quarter of the run and 2% of a cycle; the default re-warm-up is 10 steps since, so such a
+    run is not reused (or resumed) as one of today's default."""
+    config = _tiny("optim.method=relora")
+    today = resolved(config)
+    assert (today.optim.relora_every, today.optim.relora_rewarmup) == (75, 10)  # recorded resolved
+    assert config.optim.relora_rewarmup is None
+    old = config_to_dict(today)  # as such a run recorded it: lr resolved, the schedule not
+    old["optim"].update(relora_every=None, relora_rewarmup=None)
+    then = saved_config(old)
+    assert (then.optim.relora_every, then.optim.relora_rewarmup) == (75, 1)
+    assert saved_config(config_to_dict(today)) == today
+    assert then != today and saved_config(config_to_dict(resolved(_tiny("optim.method=relora",
+                                                                        "optim.relora_rewarmup=1")))) == then
 
 
 def test_a_recorded_choice_is_read_as_recorded() -> None:

@@ -217,6 +217,35 @@ def test_resuming_a_run_of_the_former_tiny_defaults_names_each_setting_to_give(t
     prepare_out_dir(given, out, "latest", overwrite=False)  # no error
 
 
+def test_a_relora_run_recorded_before_the_default_rewarmup_changed_says_how_it_resumes(tmp_path: Path) -> None:
+    from fira_train.config.overrides import apply_overrides, config_to_dict
+    from fira_train.config.recipes import tiny
+    from fira_train.config.resolve import resolved
+    from fira_train.run.run_dir import prepare_out_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    old = config_to_dict(resolved(apply_overrides(tiny(), ["optim.method=relora"])))
+    old["optim"].update(relora_every=None, relora_rewarmup=None)  # recorded unresolved, 2% of a cycle then
+    (out / "config.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=r"optim.relora_rewarmup=1 \(now 10\).*resumes with optim.relora_rewarmup=1"):
+        prepare_out_dir(resolved(apply_overrides(tiny(), ["optim.method=relora"])), out, "latest", overwrite=False)
+    prepare_out_dir(resolved(apply_overrides(tiny(), ["optim.method=relora", "optim.relora_rewarmup=1"])), out,
+                    "latest", overwrite=False)  # no error
+
+
+def test_a_moved_cache_does_not_block_a_resume_or_a_reuse() -> None:
+    """Where the tokens are cached changes no token: the data record (token digest) is what a
+    resume and a reuse compare."""
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import tiny
+    from fira_train.run.run_dir import config_changes
+
+    here, there = tiny(), apply_overrides(tiny(), ["data.cache_dir=/elsewhere"])
+    assert config_changes(here, there) == []
+    assert config_changes(here, apply_overrides(tiny(), ["data.vocab_size=1024"])) == ["data.vocab_size"]
+
+
 def test_resuming_with_another_method_names_the_method_not_the_lr(tmp_path: Path) -> None:
     from fira_train.config.overrides import apply_overrides, config_to_dict
     from fira_train.config.recipes import tiny
