@@ -277,14 +277,12 @@ class Fira(Optimizer):
             for index, p in enumerate(group["params"]):
                 _check_projectable(p, index, gi)
             _warn_if_nothing_projected(group, gi)
+        halves = [index for index, p in enumerate(group["params"]) if p.dtype == torch.float16]
+        if group["stochastic_rounding"] and halves:
+            warnings.warn(f"param_groups[{gi}] holds {len(halves)} float16 parameters (the first: ['params']"
+                          f"[{halves[0]}]): stochastic_rounding applies to bfloat16 parameters only, these are "
+                          "rounded to nearest", UserWarning, stacklevel=3)
         for index, p in enumerate(group["params"]):
-            if not (p.is_floating_point() or p.is_complex()):  # a projected int matrix was truncated
-                raise ValueError(f"param_groups[{gi}]['params'][{index}] has dtype {p.dtype}: only "
-                                 "floating-point (and, with rank=None, complex) parameters can be optimized")
-            if group["stochastic_rounding"] and p.dtype == torch.float16:
-                warnings.warn(f"param_groups[{gi}]['params'][{index}] is float16: stochastic_rounding "
-                              "applies to bfloat16 parameters only, this one is rounded to nearest",
-                              UserWarning, stacklevel=3)
             # A rank=None group with fp32 states takes complex parameters, as torch.optim.AdamW
             # does (real views of them); a subspace of a complex matrix is not defined here.
             if p.dtype == torch.complex32:  # fp16 halves: its moments would underflow (fp16 keeps fp32 ones)
@@ -431,6 +429,10 @@ class Fira(Optimizer):
         matrices: list[tuple[MatrixStep, Hyper]] = []
         checks: list[tuple[torch.Tensor, int, int]] = []
         entries, total = self._entries(only)
+        for gi, pi, p, _ in entries:  # before anything is computed (a frozen int8 weight is fine)
+            if p.grad is not None and not (p.is_floating_point() or p.is_complex()):
+                raise ValueError(f"{param_name(gi, pi, p)} has dtype {p.dtype} and a gradient: only floating-point "
+                                 "(and, with rank=None, complex) parameters can be optimized")
         # FSDP2 shards, or DDP with split_refresh: the refresh bases are computed across ranks
         # first (one rank per matrix, broadcast to all); None in one process and plain DDP.
         shard_group = distributed.shard_group(

@@ -252,15 +252,24 @@ def test_a_state_dtype_set_in_param_groups_after_states_exist_is_refused_before_
         opt.step()  # set back: trains on
 
 
-def test_integer_parameters_are_refused_and_stochastic_rounding_of_fp16_warns() -> None:
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] has dtype torch.int64"):
-        FiraAdamW([torch.nn.Parameter(torch.zeros(4, 4)), torch.zeros(8, 8, dtype=torch.int64)], rank=2)
-    opt = FiraAdamW([torch.nn.Parameter(torch.zeros(4))])
-    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] has dtype torch.bool"):
-        opt.add_param_group({"params": [torch.zeros(3, dtype=torch.bool)]})
-    assert len(opt.param_groups) == 1
-    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['params'\]\[0\] is float16: stochastic_rounding"):
-        FiraAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))], stochastic_rounding=True)
+def test_integer_parameters_with_a_gradient_are_refused_and_stochastic_rounding_of_fp16_warns() -> None:
+    """A projected int matrix was "trained" by truncating the update; a frozen one (a quantized
+    layer's int8 weight, as torch.optim.AdamW takes) is left alone."""
+    weight, codes = torch.nn.Parameter(torch.ones(8, 8)), torch.zeros(8, 8, dtype=torch.int64)
+    opt = FiraAdamW([{"params": [weight, codes], "rank": 2}])
+    weight.grad = torch.ones(8, 8)
+    opt.step()  # no gradient for the codes: nothing to do with them
+    before = weight.detach().clone()
+    codes.grad = torch.ones(8, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(8, 8\)\) has dtype "
+                                         r"torch.int64 and a gradient"):
+        opt.step()
+    assert torch.equal(weight, before) and torch.equal(codes, torch.zeros(8, 8, dtype=torch.int64))
+    with pytest.warns(UserWarning, match=r"param_groups\[0\] holds 2 float16 parameters \(the first: \['params'\]"
+                                         r"\[1\]\): stochastic_rounding applies to bfloat16"):
+        FiraAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)),
+                   *[torch.nn.Parameter(torch.zeros(4, dtype=torch.float16)) for _ in range(2)]],
+                  stochastic_rounding=True)
 
 
 def test_a_step_on_meta_parameters_names_the_parameter_and_the_fix() -> None:

@@ -15,7 +15,8 @@ says exactly what it trained with:
 before the held-out test split existed reads as ``data.test_fraction=0``, one saved before each
 epoch's order was seeded from (seed, epoch) as ``data.epoch_order=1`` (``seed + epoch``), a ReLoRA
 run recorded without its cycle and re-warm-up with the ones it ran (a quarter of the run, 2% of a
-cycle); configs saved
+cycle; a run made in the 34 minutes between commits 14fe035 and f1409db ran the 10-step
+re-warm-up of today and resumes with ``optim.relora_rewarmup=10``); configs saved
 while aligned signs were the library's default (before the value was recorded) read as
 ``align_signs=true``, so such a run is neither reused nor resumed under today's default. Configs
 from the versions before sign alignment existed at all (raw signs) record no ``train.parallel``
@@ -89,12 +90,14 @@ def saved_config(values: Any) -> RunConfig:
         values = {**values, "data": {**data, "epoch_order": 1}}
     optim = values.get("optim") if isinstance(values, dict) else None
     train = values.get("train") if isinstance(values, dict) else None
-    if isinstance(optim, dict) and optim.get("method") == "relora" and optim.get("relora_rewarmup") is None:
-        # recorded unresolved, before 2026-11-28: a quarter of the run, 2% of a cycle then
+    if isinstance(optim, dict) and optim.get("method") == "relora" and (
+            optim.get("relora_every") is None or optim.get("relora_rewarmup") is None):
+        # recorded unresolved (before commit f1409db): a quarter of the run, and 2% of a cycle,
+        # the default until commit 14fe035 (runs of the 34 minutes between ran 10 steps)
         steps = train.get("steps") if isinstance(train, dict) else None
         every = optim.get("relora_every") or (max(1, steps // 4) if isinstance(steps, int) else None)
         if every is not None:
-            optim = {**optim, "relora_every": every, "relora_rewarmup": max(1, every // 50)}
+            optim = {**optim, "relora_every": every, "relora_rewarmup": optim.get("relora_rewarmup") or max(1, every // 50)}
             values = {**values, "optim": optim}
     if isinstance(optim, dict) and optim.get("align_signs") is None:
         variant = fira_optim.VARIANTS.get(optim.get("method", "fira"))

@@ -70,7 +70,8 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
             elif "optim.lr" in changes:
                 hint += (f"; a run made before the recipe's tuned learning rates (or at another lr) "
                          f"resumes with optim.lr={saved.optim.lr:g}")
-            if "optim.relora_rewarmup" in changes:
+            if ("optim.relora_rewarmup" in changes and saved.optim.relora_every
+                    and saved.optim.relora_rewarmup == max(1, saved.optim.relora_every // 50)):
                 hint += (f"; a ReLoRA run made before the re-warm-up's default of 10 steps resumes with "
                          f"optim.relora_rewarmup={saved.optim.relora_rewarmup}")
             if "optim.align_signs" in changes and saved.optim.align_signs is LEGACY_ALIGN_SIGNS:

@@ -78,6 +78,11 @@ def test_a_relora_config_recorded_unresolved_reads_as_the_schedule_it_ran() -> N
     assert saved_config(config_to_dict(today)) == today
     assert then != today and saved_config(config_to_dict(resolved(_tiny("optim.method=relora",
                                                                         "optim.relora_rewarmup=1")))) == then
+    # a re-warm-up that was given, with the default cycle: only the cycle is filled in
+    old["optim"].update(relora_every=None, relora_rewarmup=5)
+    given = resolved(_tiny("optim.method=relora", "optim.relora_rewarmup=5"))
+    assert (given.optim.relora_every, given.optim.relora_rewarmup) == (75, 5)
+    assert saved_config(old) == given
 
 
 def test_a_recorded_choice_is_read_as_recorded() -> None:
