@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from collections.abc import Mapping
@@ -96,9 +97,35 @@ def finished_with(config: RunConfig, run_dir: Path, data: Mapping[str, Any] | No
                                        "to train it again"))
     if config_changes(saved, resolved(config)):
         return False
+    summary = None
     if data is not None:
-        check_same_data(run_dir, read_json(run_dir / "summary.json", hint="delete it to train the run again"), data)
+        summary = read_json(run_dir / "summary.json", hint="delete it to train the run again")
+        check_same_data(run_dir, summary, data)
+    elif config.train.device == "auto":
+        try:  # a damaged summary is the caller's to report (with its own way out)
+            summary = json.loads((run_dir / "summary.json").read_text())
+        except (OSError, ValueError):
+            summary = None
+    check_same_device(run_dir, summary, config)
     return True
+
+
+def check_same_device(run_dir: Path, summary: Any, config: RunConfig) -> None:
+    """ValueError if ``config`` leaves the device to the machine (``train.device=auto``) and it
+    would train on another kind than the finished run in ``run_dir`` did (its ``summary.json``
+    records the device): a CPU run trains in fp32, a GPU run with ``train.precision=auto`` in
+    bf16 autocast, and the config records "auto" for both."""
+    recorded = summary.get("device") if isinstance(summary, dict) else None
+    if config.train.device != "auto" or not isinstance(recorded, str):
+        return
+    from fira_train.run.training import resolve_device  # the model and methods: imported when needed
+
+    now = resolve_device(config).type
+    if recorded.split(":")[0] != now:
+        raise ValueError(f"{str(run_dir)!r} holds a run of this config trained on {recorded!r}, and "
+                         f"train.device='auto' trains on {now!r} here (another precision under "
+                         "train.precision='auto'); reuse it on a machine of its kind, or train it again "
+                         "with --overwrite, or choose another --out")
 
 
 def check_same_data(run_dir: Path, summary: Any, data: Mapping[str, Any]) -> None:

@@ -183,6 +183,25 @@ def test_reuse_refuses_a_finished_run_trained_on_other_data(tmp_path: Path, in_p
     assert in_process == []
 
 
+def test_reuse_refuses_a_finished_run_of_another_device_kind_under_device_auto(tmp_path: Path, in_process: list,
+                                                                               monkeypatch) -> None:
+    """train.device=auto is recorded as "auto" whether a run trained on a GPU (bf16 autocast
+    under precision=auto) or here (fp32): the summary's device tells them apart."""
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0")
+    assert config.train.device == "auto"
+    out = tmp_path / "sweep"
+    sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out)
+    summary_path = RunKey("adamw", 0.01, 0).folder(out) / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    assert summary["device"] == "cpu"
+    sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out, reuse=True)  # the same kind: reused
+    summary_path.write_text(json.dumps({**summary, "device": "cuda:0"}))
+    in_process.clear()
+    with pytest.raises(ValueError, match=r"trained on 'cuda:0', and train.device='auto' trains on 'cpu' here"):
+        sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out, reuse=True)
+    assert in_process == []
+
+
 def test_a_diverged_run_is_an_outcome_kept_on_reuse(tmp_path: Path, in_process: list) -> None:
     config = micro_config(tmp_path, "train.steps=3", "train.eval_every=0", "train.warmup_fraction=0")
     out = tmp_path / "sweep"
