@@ -96,7 +96,8 @@ def run_noise(config: RunConfig, out_dir: str | Path, *, methods: Sequence[str] 
     low_rank = any(m in fira_optim.VARIANTS for m in methods)
     rank_text = f"; rank {config.optim.rank} for the low-rank methods" if low_rank else ""
     lines += [f"Final validation perplexity without and with Gaussian noise {scale:g} * N(0, 1) added to every "
-              f"gradient entry before each step (noise seed {config.train.seed}); learning rates: "
+              f"gradient entry before each step (its seed derived from the run's, {config.train.seed}); "
+              "learning rates: "
               + ", ".join(f"{m} {summaries[m]['lr']:g}" for m in methods) + rank_text + ".", ""]
     rows = []
     for m in methods:

@@ -15,6 +15,7 @@ from typing import Any
 
 from fira_train.analysis.rank_defaults import RANK_SWEEP_FRACTIONS, ranks_for_width
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
+from fira_train.config.resolve import tuned_lr
 from fira_train.config.run_config import RunConfig
 from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
@@ -91,7 +92,10 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     header = ["method"] + [f"r = {r}" for r in ranks] + ["adamw (full rank)"]
     rows = [[m] + [table[m][r] for r in ranks] + [baseline] for m in methods]
     rates = ", ".join(f"{m} {summaries[run_name(m, ranks[0])]['lr']:g}" for m in methods)
-    chosen = "optim.lr as given" if config.optim.lr is not None else "each method's default"
+    tuned = [m for m in [*methods, BASELINE] if tuned_lr(config.recipe, m) is not None]
+    chosen = ("optim.lr as given" if config.optim.lr is not None else
+              "each method's tuned rate for the recipe (a sweep's choice on validation), else its default"
+              if tuned else "each method's default")
     lines += [f"Final validation perplexity; d_model {d_model}; learning rate: {chosen} "
               f"({rates}, adamw {summaries[BASELINE]['lr']:g}).", "", markdown_table(header, rows), ""]
     lines += ["## Paper vs measured", "",
@@ -121,9 +125,11 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
         findings.append(f"- fira below galore at {better} of {len(ranks)} ranks in one seed, not separated from "
                         "seed-to-seed variation (the paper: at every rank).")
     if all(v < baseline for row in table.values() for v in row.values()):
-        findings.append(f"- adamw (lr {summaries[BASELINE]['lr']:g}) is behind every low-rank run: each method runs at "
-                        "its default learning rate, untuned, and over a budget this short the step size "
-                        "dominates the comparison with the full-rank line.")
+        how = ("at its default learning rate, untuned," if config.optim.lr is None and not tuned else
+               "at the learning rate above")
+        findings.append(f"- adamw (lr {summaries[BASELINE]['lr']:g}) is behind every low-rank run: each method runs "
+                        f"{how} and over a budget this short the step size dominates the comparison with the "
+                        "full-rank line.")
     decreasing = [m for m in methods if table[m][ranks[0]] < table[m][ranks[-1]]]
     if decreasing:
         findings.append(f"- Lower rank gave lower perplexity for {', '.join(decreasing)}, the opposite of the "

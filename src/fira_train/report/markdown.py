@@ -64,7 +64,10 @@ def report_table(summaries: list[dict[str, Any]], labels: list[str] | None = Non
     column follows "Val. PPL" when a run was evaluated on a held-out test set.
     """
     labels = labels or [s["method"] for s in summaries]
-    baseline = next((s["tokens_per_s"] for s in summaries if s["method"] == "adamw"), None)
+    # the run labelled plain "adamw" where there is one, else the first AdamW run (a spec)
+    runs = list(zip(labels, summaries))
+    baseline = next((s["tokens_per_s"] for label, s in runs if label == "adamw"),
+                    next((s["tokens_per_s"] for _, s in runs if s["method"] == "adamw"), None))
     with_test = any(s.get("test_ppl") is not None for s in summaries)
     header = (f"| Method | Rank | T | LR | Val. loss | Val. PPL |{' Test PPL |' * with_test} Tokens/s | vs AdamW "
               "| Optimizer state | Peak memory | Train time |")
@@ -110,11 +113,14 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
            "(held out from training and validation), evaluated once after the last step."
            if first.get("test_ppl") is not None else ""),
         "- Tokens/s: training tokens divided by the time spent in training steps (evaluation and "
-        "checkpoints excluded); `vs AdamW` is the ratio to the `adamw` run.",
+        "checkpoints excluded); `vs AdamW` is the ratio to the `adamw` run (the first AdamW spec where "
+        "none is plain `adamw`).",
         "- Optimizer state: elements held in the optimizer's state (step counters excluded) and "
         "the bytes of its tensors (step counters included).",
         f"- Peak memory: {memory_kind.get(first['peak_memory_kind'], first['peak_memory_kind'])}"
-        " (each run in a fresh process).",
+        + (f" on rank 0 of {first['world_size']} processes (`--parallel {first['parallel']}`), which train the runs "
+           "one after another, the peak reset for each run." if first.get("parallel") else
+           " (each run in a fresh process)."),
         "- T: subspace update gap (Fira/GaLore family).",
         "",
         "![training loss and validation perplexity](loss.png)",

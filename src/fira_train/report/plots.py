@@ -51,14 +51,14 @@ def plain_log_ticks(*axes) -> None:
 
 
 def smooth(values: list[float], window: int) -> list[float]:
-    """Trailing moving average (the first points average what is available)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
+    """Centred moving average over ``window`` points (fewer at the ends: what is available), so
+    a change shows at its own step (a trailing average drew it (window - 1) / 2 steps late)."""
+    before, after = (window - 1) // 2, window // 2
+    prefix = [0.0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    return [(prefix[min(i + after + 1, len(values))] - prefix[max(i - before, 0)])
+            / (min(i + after + 1, len(values)) - max(i - before, 0)) for i in range(len(values))]
 
 
 def plot_curves(out_dir: str | Path, methods: Sequence[str], path: str | Path | None = None) -> Path:
@@ -77,7 +77,7 @@ def plot_curves(out_dir: str | Path, methods: Sequence[str], path: str | Path | 
                  if r.get("val_ppl") is not None and math.isfinite(r["val_ppl"])]
         if evals:
             ax_ppl.plot(*zip(*evals), marker="o", markersize=3, label=method)
-    ax_loss.set(xlabel="step", ylabel="training loss (moving average)", title="Training loss")
+    ax_loss.set(xlabel="step", ylabel="training loss (centred moving average)", title="Training loss")
     ax_ppl.set(xlabel="step", ylabel="validation perplexity", title="Validation perplexity", yscale="log")
     plain_log_ticks(ax_ppl.yaxis)
     for ax in (ax_loss, ax_ppl):

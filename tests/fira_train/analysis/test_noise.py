@@ -28,6 +28,7 @@ def test_noise_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     text = result["report"].read_text()
     assert "445.5" in text and "| adamw |" in text
     assert "rank 16 for the low-rank methods" in text  # micro's rank: the report says what ran
+    assert "(its seed derived from the run's, 0)" in text
     assert "| paper: with noise 1e-05 |" in text and "| measured: with noise 0.001 |" in text
     assert "The paper's columns are at its noise 1e-05, these runs at 0.001" in text
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"

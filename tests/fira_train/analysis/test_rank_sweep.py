@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fira_train.analysis.rank_sweep import rank_sweep_runs, run_rank_sweep
+from fira_train.config.recipes import TUNED_LR
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
 
 
@@ -27,12 +28,18 @@ def test_rank_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
     assert "Measured at d_model 64: rank r keeps r/64 of the width where the paper's keeps r/256" in text
     assert "| paper: fira-only-scaling | 35.91 | 32.9 |" in text  # its numbers at the ranks run here
+    assert "learning rate: each method's default (fira 0.01, galore 0.01, adamw 0.001)" in text  # micro: none tuned
 
 
-def test_rank_sweep_at_ranks_the_paper_did_not_run_shows_the_paper_s_own(tmp_path: Path, corpus_root: Path) -> None:
+def test_rank_sweep_at_ranks_the_paper_did_not_run_shows_the_paper_s_own(tmp_path: Path, corpus_root: Path,
+                                                                         monkeypatch) -> None:
     """The paper's table had no rank column left (only Adam) when no rank was one of its."""
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
+    # a recipe whose sweep chose fira's rate: the report says so (it said "default, untuned")
+    monkeypatch.setitem(TUNED_LR, config.recipe, {"fira": 0.02})
     text = run_rank_sweep(config, tmp_path / "ranks", ranks=(2, 8), methods=("fira",))["report"].read_text()
+    assert "learning rate: each method's tuned rate for the recipe (a sweep's choice on validation), else its " \
+           "default (fira 0.02, adamw 0.001)" in text
     assert "|  | r = 4 | r = 16 | r = 64 | r = 128 | r = 256 | Adam |" in text
     assert "None of the ranks run here (2, 8) is one of the paper's" in text
 

@@ -45,6 +45,14 @@ def test_table_has_a_row_per_method_and_relative_throughput() -> None:
     assert "Test PPL" not in lines[0]  # runs without a test set
 
 
+def test_vs_adamw_is_against_the_plain_adamw_run_where_there_is_one() -> None:
+    runs = [_summary("adamw", None, 120.0, 200.0), _summary("adamw", None, 110.0, 1000.0)]
+    lines = report_table(runs, ["adamw@optim.lr=0.003", "adamw"]).splitlines()
+    assert lines[2].split("|")[8].strip() == "20.0%" and lines[3].split("|")[8].strip() == "100.0%"
+    only_specs = report_table(runs, ["adamw@optim.lr=0.003", "adamw@optim.lr=0.01"]).splitlines()
+    assert only_specs[2].split("|")[8].strip() == "100.0%"  # the first AdamW spec
+
+
 def test_a_test_perplexity_column_follows_validation_when_runs_have_one() -> None:
     with_test = {**_summary("fira", 32, 100.0, 970.0), "test_ppl": 104.5}
     lines = report_table([with_test, _summary("adamw", None, 110.0, 1000.0)]).splitlines()
@@ -60,7 +68,7 @@ def test_write_report_and_plot(tmp_path: Path) -> None:
     assert report == tmp_path / "report.md"
     assert "| fira | 32 |" in text and "| galore | 32 |" in text
     assert "recipe `micro`" in text and "fira-train compare --recipe micro" in text
-    assert "loss.png" in text
+    assert "loss.png" in text and "(each run in a fresh process)" in text
     plot = plot_curves(tmp_path, ["fira", "galore"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
@@ -98,3 +106,11 @@ def test_a_streamed_corpus_of_unknown_length_is_reported(tmp_path: Path) -> None
         _write_run(tmp_path, summary)
     text = write_report(tmp_path, ["fira", "adamw"], command="fira-train compare").read_text()
     assert "data `c4` (streamed, tokenizer `bpe`)" in text
+
+
+def test_under_torchrun_the_peak_memory_note_says_whose_peak_it_is(tmp_path: Path) -> None:
+    for method in ("fira", "adamw"):
+        _write_run(tmp_path, {**_summary(method, 32, 100.0, 970.0), "parallel": "ddp", "world_size": 2})
+    text = write_report(tmp_path, ["fira", "adamw"]).read_text()
+    assert "peak resident memory of the run's process on rank 0 of 2 processes (`--parallel ddp`)" in text
+    assert "each run in a fresh process" not in text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fira_train.report.plots import plain_log_ticks, pyplot
 
 
@@ -55,3 +57,13 @@ def test_plain_log_ticks_keep_only_1_2_5_on_a_learning_rate_axis():
     assert {"0.001", "0.002", "0.005", "0.01", "0.02", "0.05"} <= set(labels)
     assert "0.0003" not in labels and "0.003" not in labels and "0.004" not in labels
     assert labels and all(label.rstrip("0").rstrip(".")[-1] in "125" for label in labels), labels
+
+
+def test_smoothing_is_centred_so_a_change_shows_at_its_own_step():
+    from fira_train.report.plots import smooth
+
+    steps = [0.0] * 10 + [1.0] * 10
+    smoothed = smooth(steps, 6)
+    assert smoothed[9] == pytest.approx(0.5) and smoothed[10] == pytest.approx(4 / 6)  # half way at the jump
+    assert smoothed[:7] == [0.0] * 7 and smoothed[-6:] == [1.0] * 6
+    assert smooth([3.0, 5.0], 1) == [3.0, 5.0] and smooth([1.0, 2.0, 3.0], 9) == [2.0] * 3
