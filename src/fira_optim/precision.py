@@ -47,8 +47,9 @@ torchao.
 Stochastic rounding (``stochastic_rounding=True``) writes an update formed in fp32 into a bf16
 parameter by rounding up or down with probabilities proportional to the distances, so small
 updates are not lost to round-to-nearest on average. The random bits come from a generator
-seeded by the optimizer's ``seed``, the matrix and the step, so a resumed run rounds as the
-uninterrupted one did. The generator lives on the parameter's device (CUDA's Philox for a CUDA
+seeded by the optimizer's ``seed``, the parameter (a projected matrix's index, a plain
+parameter's place among all groups'), the step and, for a shard of a DTensor parameter (FSDP2),
+where its block starts, so a resumed run rounds as the uninterrupted one did. The generator lives on the parameter's device (CUDA's Philox for a CUDA
 parameter), so a CUDA run draws other bits than a CPU run with the same seed.
 """
 
@@ -339,16 +340,16 @@ def round_into(param: torch.Tensor, value: torch.Tensor, generator: torch.Genera
 
 
 def rounding_generator(seed: int, order: int, step: int,
-                       device: torch.device | str = "cpu", first_row: int | tuple[int, ...] = 0) -> torch.Generator:
+                       device: torch.device | str = "cpu", offset: int | tuple[int, ...] = 0) -> torch.Generator:
     """The generator of one matrix's stochastic rounding at one step (resume-exact), on
     ``device``, the parameter's: the CPU's Mersenne twister or CUDA's Philox, so the same seed
-    draws different bits on the two, and each resumes exactly. ``first_row``: where this
-    process's rows of a row-sharded parameter (FSDP2) start (for another placement, the whole
-    offset of its block). Each shard draws from the start of its stream, so without it every
+    draws different bits on the two, and each resumes exactly. ``offset``: where this process's
+    block of a sharded parameter starts: its first row for FSDP2's row shards, the whole offset
+    for another placement. Each shard draws from the start of its stream, so without it every
     shard rounded with the same bits; the block starting at row 0 (and an unsharded parameter,
     and every replica) keeps the stream it always had."""
     seed = (seed * 1_000_003 + order * 7919 + step * 104_729 + 17) % (2**63)
-    if first_row:
-        mixed = hashlib.blake2b(f"{seed},{first_row}".encode(), digest_size=8).digest()
+    if offset:
+        mixed = hashlib.blake2b(f"{seed},{offset}".encode(), digest_size=8).digest()
         seed = int.from_bytes(mixed, "little") % (2**63)
     return torch.Generator(device=device).manual_seed(seed)

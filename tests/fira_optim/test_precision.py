@@ -197,8 +197,8 @@ def test_stochastic_rounding_draws_on_the_parameters_device_and_resumes_exactly(
 
     drawn_on, made = [], precision.rounding_generator
 
-    def recording(*args):
-        generator = made(*args)
+    def recording(*args, **kwargs):
+        generator = made(*args, **kwargs)
         drawn_on.append(generator.device.type)
         return generator
 

@@ -89,6 +89,12 @@ def default_rewarmup(every: int) -> int:
     return max(1, every // 50, min(10, every // 4))
 
 
+def legacy_rewarmup(every: int) -> int:
+    """The re-warm-up the versions before :func:`default_rewarmup` gave cycles of ``every``
+    steps: 2% of a cycle, at least 1 (runs that recorded no re-warm-up ran it)."""
+    return max(1, every // 50)
+
+
 def relora_schedule(config: "RunConfig") -> tuple[int, int]:
     """``(relora_every, relora_rewarmup)`` as a run trains them: the settings, or where None a
     quarter of the run and :func:`default_rewarmup` (a run records these numbers)."""

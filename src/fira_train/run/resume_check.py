@@ -69,11 +69,15 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
 ENVIRONMENT_KEY = "environment"
 
 
-def environment_record(config: RunConfig, world_size: int) -> dict[str, int]:
-    """``{"threads", "world_size"}`` of a run of ``config`` in this process: its threads are
-    ``train.num_threads``, else torch's default count here (it depends on the machine and on
-    ``OMP_NUM_THREADS``)."""
-    return {"threads": config.train.num_threads or torch.get_num_threads(), "world_size": world_size}
+def environment_record(config: RunConfig, world_size: int) -> dict[str, int | str]:
+    """``{"threads", "world_size", "device"}`` of a run of ``config`` in this process: its
+    threads are ``train.num_threads``, else torch's default count here (it depends on the machine
+    and on ``OMP_NUM_THREADS``); its device kind (``cpu``, ``cuda``), which ``train.device=auto``
+    leaves to the machine."""
+    from fira_train.run.training import resolve_device  # the model and methods: imported when needed
+
+    return {"threads": config.train.num_threads or torch.get_num_threads(), "world_size": world_size,
+            "device": resolve_device(config).type}
 
 
 def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: Any = None,
@@ -94,6 +98,13 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: An
                     if isinstance(environment.get(name), int) and environment[name] != now[name]
                     and not (name == "threads" and "train.num_threads" in rounded)
                     and not (name == "world_size" and "train.parallel" in rounded)]
+    if isinstance(environment, dict) and isinstance(environment.get("device"), str):
+        kind = environment_record(config, world_size)["device"]
+        if environment["device"] != kind:
+            log.warning("resuming from %s on %s, where the checkpoint trained on %s%s: the run goes on, but not "
+                        "as it would have there", path.name, kind, environment["device"],
+                        " (under train.precision=auto another precision too: bf16 autocast on CUDA, fp32 on the "
+                        "CPU)" if config.train.precision == "auto" else "")
     if changes:
         log.warning("resuming from %s with %s: the run goes on equal to round-off, not bit for bit (another "
                     "summation order); with raw SVD signs (align_signs=false, the default) round-off can flip "

@@ -13,6 +13,7 @@ from fira_train.config.resolve import LEGACY_ALIGN_SIGNS, resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.corpus import data_change
 from fira_train.files import read_json
+from fira_train.methods.lora import legacy_rewarmup
 from fira_train.run import run_files
 from fira_train.run.checkpoint import CHECKPOINT_DIR
 
@@ -72,9 +73,9 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
                 hint += (f"; a run made before the recipe's tuned learning rates (or at another lr) "
                          f"resumes with optim.lr={saved.optim.lr:g}")
             if ("optim.relora_rewarmup" in changes and saved.optim.relora_every
-                    and saved.optim.relora_rewarmup == max(1, saved.optim.relora_every // 50)):
-                hint += (f"; a ReLoRA run made before the re-warm-up's default of 10 steps resumes with "
-                         f"optim.relora_rewarmup={saved.optim.relora_rewarmup}")
+                    and saved.optim.relora_rewarmup == legacy_rewarmup(saved.optim.relora_every)):
+                hint += (f"; a ReLoRA run made before the re-warm-up's default of at least 10 steps (a quarter "
+                         f"of a shorter cycle) resumes with optim.relora_rewarmup={saved.optim.relora_rewarmup}")
             if "optim.align_signs" in changes and saved.optim.align_signs is LEGACY_ALIGN_SIGNS:
                 hint += ("; a run made while aligned SVD signs were the default resumes with "
                          "optim.align_signs=true")

@@ -39,8 +39,8 @@ def test_gradient_noise_has_the_requested_scale_and_is_reproducible() -> None:
     GradientNoise(1e-3, seed=8).before_step(1, c, None, 1.0)
     assert not torch.equal(next(c.parameters()).grad, next(a.parameters()).grad)
     # not the stream the model's initialisation draws from the same seed
-    torch.manual_seed(7)
-    initial = torch.cat([torch.randn(p.shape).flatten() for p in a.parameters()])
+    init = torch.Generator().manual_seed(7)  # the stream torch.manual_seed(7) gives the model's init
+    initial = torch.cat([torch.randn(p.shape, generator=init).flatten() for p in a.parameters()])
     assert not torch.allclose(noise / 1e-3, initial, rtol=1e-3, atol=1e-5)
     # scale 0 leaves the gradients alone
     first = next(a.parameters()).grad.clone()

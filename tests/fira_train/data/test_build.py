@@ -153,6 +153,11 @@ def test_a_stream_state_saved_without_its_order_rule_resumes_with_the_former_rul
     for bad in (3, "2", True):
         with pytest.raises(ValueError, match=r"state\['order'\]"):
             corpus.train_batches(2, seed=3).load_state_dict({**state, "order": bad})
+    # loaded into a stream that has drawn epoch 1's order already: the rule's own order is drawn
+    busy = corpus.train_batches(2, seed=3)
+    take(busy, n + 1)
+    busy.load_state_dict({**{k: v for k, v in state.items() if k != "order"}, "epoch": 1, "index": 0})
+    assert torch.equal(torch.cat(take(busy, n)), torch.cat(take(corpus.train_batches(2, seed=4), n)))
 
 
 def test_data_epoch_order_1_reruns_the_former_order(jsonl_corpus, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from fira_train.cli import main
 from fira_train.config.overrides import config_to_dict
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.metrics import read_metrics
+from fira_train.run.training import resolve_device
 from fira_train.run.train import train
 from tests.fira_train.harness_fixtures import micro_config
 
@@ -97,7 +98,7 @@ def test_a_resume_with_other_default_threads_warns_too(tmp_path: Path, caplog) -
         torch.set_num_threads(1)
         train(config)
         state = torch.load(ckpt.find_checkpoint(tmp_path / "run", 2) / "state.pt", weights_only=True)
-        assert state["environment"] == {"threads": 1, "world_size": 1}
+        assert state["environment"] == {"threads": 1, "world_size": 1, "device": resolve_device(config).type}
         (tmp_path / "run" / "summary.json").unlink()
         with caplog.at_level(logging.WARNING):
             train(config, resume=2)
@@ -109,6 +110,24 @@ def test_a_resume_with_other_default_threads_warns_too(tmp_path: Path, caplog) -
         assert "with threads 2 (the checkpoint's: 1): the run goes on equal to round-off" in caplog.text
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_resume_on_another_device_kind_than_the_checkpoints_warns(tmp_path: Path, caplog) -> None:
+    """train.device=auto records "auto" for a GPU and a CPU run alike; the checkpoint's environment
+    record says which it was (a CPU fp32 run went on in bf16 on a GPU without a word)."""
+    from fira_train.run.resume_check import environment_record, warn_round_off
+
+    config = micro_config(tmp_path, *COMMON)
+    here = environment_record(config, 1)
+    other = "cuda" if here["device"] == "cpu" else "cpu"
+    with caplog.at_level(logging.WARNING):
+        warn_round_off(config_to_dict(config), config, Path("step_00000002"), {**here, "device": other}, 1)
+    assert (f"resuming from step_00000002 on {here['device']}, where the checkpoint trained on {other} (under "
+            "train.precision=auto another precision too") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        warn_round_off(config_to_dict(config), config, Path("step_00000002"), here, 1)
+    assert caplog.text == ""
 
 
 def test_no_intact_checkpoint_names_them_all(tmp_path: Path, capsys) -> None:

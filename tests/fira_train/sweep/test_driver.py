@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import isolated
@@ -187,6 +188,7 @@ def test_reuse_refuses_a_finished_run_of_another_device_kind_under_device_auto(t
                                                                                monkeypatch) -> None:
     """train.device=auto is recorded as "auto" whether a run trained on a GPU (bf16 autocast
     under precision=auto) or here (fp32): the summary's device tells them apart."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "auto" is the CPU here, on any machine
     config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0")
     assert config.train.device == "auto"
     out = tmp_path / "sweep"
