@@ -49,8 +49,9 @@ parameter by rounding up or down with probabilities proportional to the distance
 updates are not lost to round-to-nearest on average. The random bits come from a generator
 seeded by the optimizer's ``seed``, the parameter (a projected matrix's index, a plain
 parameter's place among all groups'), the step and, for a shard of a DTensor parameter (FSDP2),
-where its block starts, so a resumed run rounds as the uninterrupted one did. The generator lives on the parameter's device (CUDA's Philox for a CUDA
-parameter), so a CUDA run draws other bits than a CPU run with the same seed.
+where its block starts, so a resumed run rounds as the uninterrupted one did. The generator
+lives on the parameter's device (CUDA's Philox for a CUDA parameter), so a CUDA run draws other
+bits than a CPU run with the same seed.
 """
 
 from __future__ import annotations
