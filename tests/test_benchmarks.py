@@ -473,3 +473,24 @@ def test_the_finetune_memory_table_is_what_its_runs_recorded() -> None:
         if repetition == "2":  # recorded since then
             assert all(r["memory"]["malloc_env"] == ({"MALLOC_MMAP_THRESHOLD_": "131072"} if allocator == "mmap128k"
                                                       else {}) for r in runs)
+
+
+def test_the_relora_rewarmup_table_is_what_its_runs_recorded() -> None:
+    """docs/results/relora-rewarmup/README.md: each seed's perplexities from the runs' summary.json,
+    each run's recorded re-warm-up, and the paired test difference from sweep.json."""
+    folder = ROOT / "docs" / "results" / "relora-rewarmup"
+    text = (folder / "README.md").read_text()
+    for spec, label, rewarmup in (("relora", "10 steps (today's default)", 10),
+                                  ("relora@optim.relora_rewarmup=1", "1 step (the former default on `tiny`)", 1)):
+        runs = [json.loads((folder / spec / "lr=0.001" / f"seed={seed}" / "summary.json").read_text()) for seed in (0, 1)]
+        configs = [json.loads((folder / spec / "lr=0.001" / f"seed={seed}" / "config.json").read_text()) for seed in (0, 1)]
+        assert all(c["optim"]["relora_rewarmup"] == rewarmup and c["optim"]["relora_every"] == 75 for c in configs)
+        tests = [r["test_ppl"] for r in runs]
+        mean, sd = sum(tests) / 2, abs(tests[0] - tests[1]) / math.sqrt(2)
+        row = (f"| {label} | {runs[0]['val_ppl']:.2f} / {tests[0]:.2f} | {runs[1]['val_ppl']:.2f} / {tests[1]:.2f} "
+               f"| {mean:.2f} ± {sd:.2f} |")
+        assert row in text, row
+    saved = json.loads((folder / "sweep.json").read_text())
+    diff = next(m for m in saved["methods"] if m["spec"] != "relora")["test_ppl_minus_reference"]
+    low, high = diff["ci95"]
+    assert f"higher by {diff['mean']:.2f} (paired, 95%\n  interval [{low:+.2f}, {high:+.2f}])" in text
