@@ -63,7 +63,6 @@ What changes:
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import warnings
 import weakref
@@ -72,7 +71,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from . import distributed
-from .loss_scale import _FP16_GRADIENTS, _SCALE_RANGE, LossScale
+from .loss_scale import _FP16_GRADIENTS, LossScale, check_scale
 
 if TYPE_CHECKING:
     from .optimizer import Fira
@@ -324,10 +323,7 @@ def _loss_scale(value: Any, optimizer: "Fira") -> LossScale | None:
     elif value == "dynamic":
         scale = LossScale()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        low, high = _SCALE_RANGE
-        if not (math.isfinite(value) and low <= value <= high):
-            raise ValueError(f"loss_scale: a static scale must be a finite number in [{low:.3g}, {high:.3g}] "
-                             f"(float32's range), got loss_scale={value!r}")
+        check_scale("loss_scale", value)  # named as given (LossScale would name its init_scale)
         scale = LossScale(init_scale=value, dynamic=False)
     else:
         raise ValueError(f"loss_scale must be None, 'dynamic', a number (a static scale, in float32's range) "

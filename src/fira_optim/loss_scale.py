@@ -238,17 +238,25 @@ _FP16_GRADIENTS = ("loss_scale needs fp32 gradients (fp32 weights under fp16 aut
                    "keep the weights in fp32, or use bf16, which needs no scaling")
 
 
+def check_scale(name: str, value: Any) -> None:
+    """ValueError naming ``name`` unless ``value`` is a scale float32 holds (neither 0 nor Inf)."""
+    tiny, largest = _SCALE_RANGE
+    if not (_finite_number(value) and tiny <= value <= largest):
+        raise ValueError(f"{name} must be a finite number in [{tiny:.3g}, {largest:.3g}] (float32's range), "
+                         f"got {name}={value!r}")
+
+
+def _finite_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _check_settings(init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any,
                     dynamic: Any) -> None:
     """ValueError naming the first setting out of its range."""
-    tiny, largest = _SCALE_RANGE
-    checks = (("init_scale", init_scale, tiny, largest, f"in [{tiny:.3g}, {largest:.3g}] (float32's range)"),
-              ("growth_factor", growth_factor, 1.0, math.inf, "> 1"),
-              ("backoff_factor", backoff_factor, 0.0, 1.0, "in (0, 1)"))
-    for name, value, low, high, bounds in checks:
-        number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-        inside = number and (low <= value <= high if name == "init_scale" else low < value < high)
-        if not inside:
+    check_scale("init_scale", init_scale)
+    for name, value, low, high, bounds in (("growth_factor", growth_factor, 1.0, math.inf, "> 1"),
+                                           ("backoff_factor", backoff_factor, 0.0, 1.0, "in (0, 1)")):
+        if not (_finite_number(value) and low < value < high):
             raise ValueError(f"{name} must be a finite number {bounds}, got {name}={value!r}")
     if _integer(growth_interval) is None or growth_interval < 1:
         raise ValueError(f"growth_interval must be an int >= 1, got growth_interval={growth_interval!r}")
