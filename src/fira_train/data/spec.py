@@ -14,6 +14,17 @@ C4 = "c4"
 C4_LOCAL_PREFIX = "c4:"
 
 
+#: The rules by which an epoch's training order is seeded (:func:`fira_train.data.streams.epoch_seed`).
+EPOCH_ORDERS = (1, 2)
+
+
+def require_epoch_order(name: str, value: object) -> None:
+    """ValueError naming ``name`` unless ``value`` is one of :data:`EPOCH_ORDERS` (an int: not
+    True, nor 1.0)."""
+    if type(value) is not int or value not in EPOCH_ORDERS:
+        raise ValueError(f"{name} must be 1 (seed + epoch) or 2 (seeds drawn from (seed, epoch)), got {value!r}")
+
+
 def require_int(name: str, value: object, minimum: int) -> None:
     """ValueError naming ``name`` unless ``value`` is an int (not a bool) ``>= minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -98,8 +109,7 @@ class DataSpec:
                                  "data.test_fraction=0 holds none out")
         if self.max_train_tokens is not None:
             require_int("data.max_train_tokens", self.max_train_tokens, 1)
-        if type(self.epoch_order) is not int or self.epoch_order not in (1, 2):
-            raise ValueError(f"data.epoch_order must be 1 or 2, got {self.epoch_order!r}")
+        require_epoch_order("data.epoch_order", self.epoch_order)
         if isinstance(self.cache_dir, os.PathLike):
             self.cache_dir = os.fspath(self.cache_dir)
         if self.cache_dir is not None and (not isinstance(self.cache_dir, str) or not self.cache_dir.strip()):

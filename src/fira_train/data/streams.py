@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from fira_train.data.spec import require_int
+from fira_train.data.spec import require_epoch_order, require_int
 
 
 class BatchStream(ABC):
@@ -55,8 +55,6 @@ def epoch_seed(seed: int, epoch: int, rule: int = ORDER_RULE) -> int:
     """
     if rule == 1:
         return seed + epoch
-    if rule != 2:
-        raise ValueError(f"order={rule!r}: expected 1 (seed + epoch) or 2 (see epoch_seed)")
     if epoch == 0:
         return seed
     return int(np.random.SeedSequence([seed, epoch]).generate_state(1, dtype=np.uint64)[0])
@@ -65,12 +63,14 @@ def epoch_seed(seed: int, epoch: int, rule: int = ORDER_RULE) -> int:
 def order_rule(state: Mapping[str, object], owner: str) -> tuple[int, dict[str, object]]:
     """``(rule, the state without its "order" key)``: rule 1 for a state saved before streams
     recorded their rule. ValueError naming the key unless the rule is 1 or 2."""
-    rest = {k: v for k, v in state.items() if k != "order"} if isinstance(state, Mapping) else state
-    rule = state.get("order", 1) if isinstance(state, Mapping) else 1
-    if type(rule) is not int or rule not in (1, 2):
-        raise ValueError(f"{owner} state['order']={rule!r}: expected 1 or 2 (the epoch order rule; "
-                         "a state written by a newer fira-train?)")
-    return rule, rest
+    if not isinstance(state, Mapping):
+        return 1, state  # check_stream_state names what it is
+    rule = state.get("order", 1)
+    try:
+        require_epoch_order(f"{owner} state['order']", rule)
+    except ValueError as err:
+        raise ValueError(f"{err} (a state written by a newer fira-train?)") from None
+    return rule, {k: v for k, v in state.items() if k != "order"}
 
 
 def check_stream_args(batch_size: object, seed: object, order: object = ORDER_RULE) -> None:
@@ -78,8 +78,7 @@ def check_stream_args(batch_size: object, seed: object, order: object = ORDER_RU
     ``order`` is a rule of :func:`epoch_seed` (1 or 2)."""
     require_int("batch_size", batch_size, 1)
     require_int("seed", seed, 0)
-    if type(order) is not int or order not in (1, 2):
-        raise ValueError(f"order={order!r}: expected 1 (seed + epoch) or 2 (see epoch_seed)")
+    require_epoch_order("order", order)
 
 
 def check_stream_state(
