@@ -5,6 +5,7 @@ Built from the run directories alone (``metrics.jsonl`` of each method).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,11 +55,12 @@ def smooth(values: list[float], window: int) -> list[float]:
     """Centred moving average over ``window`` points (fewer at the ends: what is available), so
     a change shows at its own step (a trailing average drew it (window - 1) / 2 steps late)."""
     before, after = (window - 1) // 2, window // 2
-    prefix = [0.0]
-    for v in values:
-        prefix.append(prefix[-1] + v)
-    return [(prefix[min(i + after + 1, len(values))] - prefix[max(i - before, 0)])
-            / (min(i + after + 1, len(values)) - max(i - before, 0)) for i in range(len(values))]
+    prefix = [0.0, *itertools.accumulate(values)]
+    out = []
+    for i in range(len(values)):
+        low, high = max(i - before, 0), min(i + after + 1, len(values))
+        out.append((prefix[high] - prefix[low]) / (high - low))
+    return out
 
 
 def plot_curves(out_dir: str | Path, methods: Sequence[str], path: str | Path | None = None) -> Path:

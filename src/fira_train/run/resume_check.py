@@ -98,11 +98,9 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: An
                     if isinstance(environment.get(name), int) and environment[name] != now[name]
                     and not (name == "threads" and "train.num_threads" in rounded)
                     and not (name == "world_size" and "train.parallel" in rounded)]
-    if isinstance(environment, dict) and isinstance(environment.get("device"), str):
-        kind = environment_record(config, world_size)["device"]
-        if environment["device"] != kind:
+        if isinstance(environment.get("device"), str) and environment["device"] != now["device"]:
             log.warning("resuming from %s on %s, where the checkpoint trained on %s%s: the run goes on, but not "
-                        "as it would have there", path.name, kind, environment["device"],
+                        "as it would have there", path.name, now["device"], environment["device"],
                         " (under train.precision=auto another precision too: bf16 autocast on CUDA, fp32 on the "
                         "CPU)" if config.train.precision == "auto" else "")
     if changes:

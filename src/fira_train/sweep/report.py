@@ -43,7 +43,7 @@ def _difference(d: PairedDifference | None) -> str:
         return f"no order: runs diverged on both sides (n={d.n}, no interval)"
     if math.isinf(d.mean):  # the direction survives, the size does not
         side = "this method diverged" if d.mean > 0 else "the reference diverged"
-        return f"{'+' if d.mean > 0 else '-'}inf: {side} (n={d.n}, no interval)"
+        return f"{d.mean:+}: {side} (n={d.n}, no interval)"
     if d.low is None:
         return f"{d.mean:+.2f} (n={d.n}, no interval)"
     return f"{d.mean:+.2f} [{d.low:+.2f}, {d.high:+.2f}] (n={d.n})" + (" *" if d.excludes_zero else "")
