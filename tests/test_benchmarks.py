@@ -494,3 +494,29 @@ def test_the_relora_rewarmup_table_is_what_its_runs_recorded() -> None:
     diff = next(m for m in saved["methods"] if m["spec"] != "relora")["test_ppl_minus_reference"]
     low, high = diff["ci95"]
     assert f"higher by {diff['mean']:.2f} (paired, 95%\n  interval [{low:+.2f}, {high:+.2f}])" in text
+
+
+def test_the_peers_readme_counts_apollos_cached_projection_as_held() -> None:
+    """docs/results/peers/README.md: APOLLO holds 10.43M elements on tiny, as Fira (its report,
+    made before the projector object's matrix was counted, says 9.97M)."""
+    import torch
+
+    from fira_optim import optimizer_state_numel
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import tiny
+    from fira_train.methods.model import build_model
+    from fira_train.methods.registry import build_method
+
+    held = {}
+    for method in ("apollo", "fira"):
+        config = apply_overrides(tiny(), [f"optim.method={method}"])
+        setup = build_method(build_model(config.model, config.data.vocab_size, config.data.seq_len, seed=0), config)
+        ids = torch.randint(0, config.data.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        setup.model(input_ids=ids, labels=ids).loss.backward()
+        setup.optimizer.step()
+        held[method] = optimizer_state_numel(setup.optimizer)
+    assert held["apollo"] == held["fira"]
+    assert f"APOLLO held\n  {held['apollo'] / 1e6:.2f}M elements on `tiny`, as many as Fira, not 9.97M" in (
+        ROOT / "docs" / "results" / "peers" / "README.md").read_text()
+    assert "| apollo | 64 | 6 | 0.01 | 5.0370 | 154.01 | 2,456 | 69.9% | 9.97M (38.0 MiB)" in (
+        ROOT / "docs" / "results" / "peers" / "report.md").read_text()
