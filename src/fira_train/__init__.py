@@ -12,7 +12,8 @@ Its subpackages are layers, each importing only the ones below it (``lint-import
 - :mod:`fira_train.config`: what a run is (config dataclasses, recipes, overrides);
 - :mod:`fira_train.data`, :mod:`fira_train.memory`, :mod:`fira_train.methods`: corpora and
   tokenizers, memory estimates, the method registry and the models;
-- :mod:`fira_train.files`: file helpers (digests, fsync, the run's JSON files).
+- :mod:`fira_train.files`, :mod:`fira_train.provenance`: file helpers (digests, fsync, the run's
+  JSON files), and the code version a run records.
 
 Submodules are imported on demand (``from fira_train.data.build import build_corpus``), so that
 ``import fira_train`` stays cheap and does not pull in transformers.

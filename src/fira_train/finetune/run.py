@@ -22,6 +22,7 @@ from fira_train.finetune.report import render_report
 from fira_train.finetune.train import checkpoint_dir, prepare_model, remove_checkpoints, resume_point, train_model
 from fira_train.files import dumps, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
+from fira_train.provenance import code_version
 from fira_train.run.peak_memory import malloc_env, process_peak_rss_bytes
 from fira_train.run.run_lock import locked_run_directory
 
@@ -171,7 +172,8 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
         "training": training,
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "device": str(device),
-                        "threads": torch.get_num_threads(), "machine": platform.platform()},
+                        "threads": torch.get_num_threads(), "machine": platform.platform(),
+                        "code": code_version()},
     }
     # results.json last: it marks the run finished (a start stopped before it evaluates again from
     # the last checkpoint and writes both)

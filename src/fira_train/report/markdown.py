@@ -7,11 +7,13 @@ of :mod:`fira_train.report.plots`, so a report can be regenerated without re-tra
 from __future__ import annotations
 
 import shlex
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fira_train.files import read_json, write_text_atomic
+from fira_train.provenance import source_of
 from fira_train.run.metrics import read_metrics
 
 MiB = 1024 ** 2
@@ -54,6 +56,21 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     summary = read_json(summary_path, hint="delete it and rerun the run with --resume (it is rewritten "
                                            "from the last checkpoint)")
     return summary, read_metrics(run_dir)
+
+
+def code_line(codes: Sequence[str | None]) -> str:
+    """Which code made the runs (their ``source`` digests, None: not recorded), in one sentence."""
+    counts = Counter(codes)
+    if not counts:
+        return "Code: no run yet."
+    if len(counts) == 1:
+        (source, n), = counts.items()
+        return (f"Code: every run ({n}) was made by source `{source}`." if source else
+                f"Code: no run ({n}) recorded the code that made it (made before runs recorded it).")
+    parts = [f"source `{source}` {n}" if source else f"not recorded {n}"
+             for source, n in sorted(counts.items(), key=lambda item: (item[0] is None, -item[1], item[0] or ""))]
+    return (f"Code: the runs were made by {len(counts)} versions of the code (runs of each: {', '.join(parts)}); "
+            "a fix made between them may change the numbers, and each run's `summary.json` names its code.")
 
 
 def report_table(summaries: list[dict[str, Any]], labels: list[str] | None = None) -> str:
@@ -125,6 +142,7 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
         "",
         "![training loss and validation perplexity](loss.png)",
     ]
+    parts += ["", code_line([source_of(s) for s in summaries])]
     if command:
         parts += ["", "Command:", "", "```bash", command, "```"]
     path = out_dir / "report.md"

@@ -33,6 +33,7 @@ import torch
 
 from fira_train.config.resolve import saved_config
 from fira_train.config.run_config import RunConfig
+from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
 from fira_train.run.run_dir import config_changes, describe_changes
@@ -69,15 +70,15 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
 ENVIRONMENT_KEY = "environment"
 
 
-def environment_record(config: RunConfig, world_size: int) -> dict[str, int | str]:
-    """``{"threads", "world_size", "device"}`` of a run of ``config`` in this process: its
+def environment_record(config: RunConfig, world_size: int) -> dict[str, Any]:
+    """``{"threads", "world_size", "device", "code"}`` of a run of ``config`` in this process: its
     threads are ``train.num_threads``, else torch's default count here (it depends on the machine
     and on ``OMP_NUM_THREADS``); its device kind (``cpu``, ``cuda``), which ``train.device=auto``
-    leaves to the machine."""
+    leaves to the machine; the code that runs (:func:`fira_train.provenance.code_version`)."""
     from fira_train.run.training import resolve_device  # the model and methods: imported when needed
 
     return {"threads": config.train.num_threads or torch.get_num_threads(), "world_size": world_size,
-            "device": resolve_device(config).type}
+            "device": resolve_device(config).type, "code": code_version()}
 
 
 def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: Any = None,
@@ -85,7 +86,8 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: An
     """A warning where ``config`` changes a setting of :data:`ROUND_OFF_CHANGES` against the
     checkpoint's record (checked by :func:`check_recorded_config` first), or where the same
     settings give other threads or another world size than the checkpoint's ``environment``
-    record (absent in checkpoints written before it was kept)."""
+    record (absent in checkpoints written before it was kept). Another device kind, or other code
+    than the checkpoint's, is a warning of its own."""
     if recorded is None:
         return
     saved = saved_config(recorded)
@@ -103,6 +105,11 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: An
                         "as it would have there", path.name, now["device"], environment["device"],
                         " (under train.precision=auto another precision too: bf16 autocast on CUDA, fp32 on the "
                         "CPU)" if config.train.precision == "auto" else "")
+        if "code" in environment:  # checkpoints written before the record: nothing to compare
+            code_change = describe_change(environment["code"])
+            if code_change:
+                log.warning("resuming from %s, written by other code (%s): a fix made since may change "
+                            "the run from here on", path.name, code_change)
     if changes:
         log.warning("resuming from %s with %s: the run goes on equal to round-off, not bit for bit (another "
                     "summation order); with raw SVD signs (align_signs=false, the default) round-off can flip "

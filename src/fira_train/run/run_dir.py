@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from collections.abc import Mapping
@@ -14,8 +15,11 @@ from fira_train.config.run_config import RunConfig
 from fira_train.data.corpus import data_change
 from fira_train.files import read_json
 from fira_train.methods.lora import legacy_rewarmup
+from fira_train.provenance import describe_change
 from fira_train.run import run_files
 from fira_train.run.checkpoint import CHECKPOINT_DIR
+
+log = logging.getLogger(__name__)
 
 #: Config keys that may differ between a run and its resumption (they do not change the
 #: trajectory of the weights).
@@ -98,17 +102,30 @@ def finished_with(config: RunConfig, run_dir: Path, data: Mapping[str, Any] | No
                                        "to train it again"))
     if config_changes(saved, resolved(config)):
         return False
-    summary = None
     if data is not None:
         summary = read_json(run_dir / "summary.json", hint="delete it to train the run again")
         check_same_data(run_dir, summary, data)
-    elif config.train.device == "auto":
+    else:
         try:  # a damaged summary is the caller's to report (with its own way out)
             summary = json.loads((run_dir / "summary.json").read_text())
         except (OSError, ValueError):
             summary = None
     check_same_device(run_dir, summary, config)
+    warn_other_code(run_dir, summary)
     return True
+
+
+def warn_other_code(run_dir: Path, record: Any) -> None:
+    """A warning if the finished (or diverged) run in ``run_dir``, whose ``summary.json`` (or
+    marker) holds ``record``, was made by other code than this process runs: it is reused all the
+    same (its config and data match), but a fix made since may have changed its numbers. A run
+    made before runs recorded their code is reused without a word, as before."""
+    recorded = record.get("code") if isinstance(record, dict) else None
+    change = describe_change(recorded) if recorded is not None else None
+    if change:
+        log.warning("reusing %s, a run made by other code (%s): a fix made since may change its numbers; "
+                    "delete its folder and run again to have them from this code",
+                    run_dir, change)
 
 
 def check_same_device(run_dir: Path, summary: Any, config: RunConfig) -> None:

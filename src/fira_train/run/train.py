@@ -55,6 +55,7 @@ from fira_train.data.build import build_corpus
 from fira_train.files import dumps as json_dumps, read_json, write_text_atomic
 from fira_train.methods.model import count_parameters
 from fira_train.methods.registry import get_method
+from fira_train.provenance import code_version
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import resume_check, run_files, train_parallel
 from fira_train.run.callbacks import TrainCallback, stateful
@@ -390,6 +391,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),  # step counters included
         "device": str(device),
         "data": corpus.describe(),
+        "code": code_version(),
     }
     if distributed:  # peak memory is rank 0's
         summary.update(parallel=t.parallel, world_size=env.world_size)

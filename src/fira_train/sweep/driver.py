@@ -133,7 +133,7 @@ def _write_files(out: Path, settings: dict, results: dict[RunKey, RunResult]) ->
     grid_seeds = list(settings["seeds"]) if settings["all_seeds"] else list(settings["seeds"][:1])
     rows = summarize(settings["methods"], settings["lrs"], results, settings["reference"], grid_seeds)
     write_json(out / "sweep.json", settings, results, rows)
-    write_markdown(out / "report.md", settings, rows)
+    write_markdown(out / "report.md", settings, rows, [r.code for r in results.values()])
     plot_lr(out / "lr.png", rows)
     return rows
 

@@ -29,8 +29,10 @@ from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.files import dumps, read_json, write_text_atomic
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import check_same_data, config_changes, finished_with
+from fira_train.provenance import code_version, source_of
+from fira_train.run.run_dir import check_same_data, check_same_device, config_changes, finished_with, warn_other_code
 from fira_train.run.train import train
+from fira_train.run.training import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,9 @@ class RunResult:
     test_ppl: float | None
     diverged: bool = False
     detail: str = ""
+    #: the ``source`` digest of the code that made the run (:mod:`fira_train.provenance`);
+    #: None for a run made before runs recorded it
+    code: str | None = None
 
 
 def run_config(base: RunConfig, key: RunKey, out_dir: Path, jobs: int = 1) -> RunConfig:
@@ -93,8 +98,12 @@ def _saved_result(key: RunKey, config: RunConfig, folder: Path, data: dict[str, 
     if marker.exists():
         saved = read_json(marker, hint="delete it to train the run again")
         if not config_changes(saved_config(saved["config"]), resolved(config)):
-            check_same_data(folder, saved, data)  # a marker written before it recorded data: not compared
-            return RunResult(key, math.inf, None, diverged=True, detail=saved.get("error", ""))
+            # a marker written before it recorded data, the device or the code: not compared
+            check_same_data(folder, saved, data)
+            check_same_device(folder, saved, config)
+            warn_other_code(folder, saved)
+            return RunResult(key, math.inf, None, diverged=True, detail=saved.get("error", ""),
+                             code=source_of(saved))
     return None
 
 
@@ -103,7 +112,8 @@ def _result(key: RunKey, summary: dict[str, Any]) -> RunResult:
     test = summary.get("test_ppl")
     if test is None and summary.get("test_tokens"):
         test = math.inf
-    return RunResult(key, math.inf if summary.get("val_ppl") is None else float(summary["val_ppl"]), test)
+    return RunResult(key, math.inf if summary.get("val_ppl") is None else float(summary["val_ppl"]), test,
+                     code=source_of(summary))
 
 
 def _train_one(config: RunConfig, resume: str | None) -> dict[str, Any]:
@@ -172,9 +182,12 @@ def _record(key: RunKey, outcome: dict[str, Any], config: RunConfig, out_dir: Pa
     if "diverged" in outcome:
         folder = key.folder(out_dir)
         folder.mkdir(parents=True, exist_ok=True)
+        # the device and code of this process: the run's own (its process ran here, on this code)
         write_text_atomic(folder / DIVERGED_FILE, dumps({"error": outcome["diverged"],
                                                          "config": config_to_dict(resolved(config)),
-                                                         "data": data}, indent=1) + "\n")
+                                                         "data": data, "device": str(resolve_device(config)),
+                                                         "code": code_version()}, indent=1) + "\n")
         log.warning("sweep: %s at lr %g, seed %d diverged (%s)", key.spec, key.lr, key.seed, outcome["diverged"])
-        return RunResult(key, math.inf, None, diverged=True, detail=outcome["diverged"])
+        return RunResult(key, math.inf, None, diverged=True, detail=outcome["diverged"],
+                         code=code_version()["source"])
     return _result(key, outcome)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fira_train.files import dumps, write_text_atomic
+from fira_train.report.markdown import code_line
 from fira_train.report.plots import plain_log_ticks, pyplot
 from fira_train.sweep.grid import RunKey, RunResult
 from fira_train.sweep.stats import PairedDifference
@@ -70,7 +71,8 @@ def write_json(path: Path, settings: dict[str, Any], results: dict[RunKey, RunRe
     # "test_set": whether the run had a test set, so that a null test_ppl reads back as a
     # non-finite perplexity (inf), not as "no test set", even for a run that finished
     runs = [{"spec": k.spec, "lr": k.lr, "seed": k.seed, "val_ppl": r.val_ppl, "test_ppl": r.test_ppl,
-             "test_set": r.test_ppl is not None, "diverged": r.diverged, **({"error": r.detail} if r.detail else {})}
+             "test_set": r.test_ppl is not None, "diverged": r.diverged, **({"error": r.detail} if r.detail else {}),
+             "code": r.code}
             for k, r in sorted(results.items(), key=lambda kr: (kr[0].spec, kr[0].lr, kr[0].seed))]
     payload = {**settings, "runs": runs, "methods": summary_json(rows)}
     return write_text_atomic(path, dumps(payload, indent=1) + "\n")
@@ -87,7 +89,8 @@ def read_runs(saved: dict[str, Any]) -> dict[RunKey, RunResult]:
         val = math.inf if run["val_ppl"] is None else float(run["val_ppl"])
         had_test = run.get("test_set", False) or run["diverged"]
         test = (math.inf if had_test else None) if run["test_ppl"] is None else float(run["test_ppl"])
-        results[key] = RunResult(key, val, test, diverged=bool(run["diverged"]), detail=run.get("error", ""))
+        results[key] = RunResult(key, val, test, diverged=bool(run["diverged"]), detail=run.get("error", ""),
+                                 code=run.get("code"))
     return results
 
 
@@ -118,7 +121,10 @@ def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
     return path
 
 
-def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSummary]) -> Path:
+def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSummary],
+                   codes: Sequence[str | None] = ()) -> Path:
+    """``report.md``; ``codes``: the code each run was made by, one entry per run (see
+    :func:`code_line`)."""
     reference = settings["reference"]
     seeds = settings["seeds"]
     lrs_union = sorted({lr for row in rows for lr in row.grid})
@@ -178,7 +184,8 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
                 cell = _spread(s.mean, s.sd, s.n)
                 cells.append(f"**{cell}**" if lr == row.chosen_lr else cell)
         lines.append(f"| {row.spec} | " + " | ".join(cells) + " |")
-    lines += ["", "![validation perplexity against learning rate](lr.png)", "", *_seed_table(rows, seeds)]
+    lines += ["", "![validation perplexity against learning rate](lr.png)", "", *_seed_table(rows, seeds),
+              "", code_line(codes)]
     if settings.get("command"):
         lines += ["", "Command:", "", "```bash", settings["command"], "```"]
     return write_text_atomic(path, "\n".join(lines) + "\n")

@@ -19,6 +19,7 @@ from fira_train.finetune.commonsense import default_data_dir, format_prompt  # n
 from fira_train.finetune.config import FinetuneConfig, FinetuneError  # noqa: E402
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training  # noqa: E402
 from fira_train.finetune.run import run_finetune  # noqa: E402
+from fira_train.provenance import code_version  # noqa: E402
 
 needs_lm_eval = pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-eval is not installed")
 
@@ -142,6 +143,7 @@ def test_cli_trains_evaluates_and_writes_results(tiny_model_dir, tmp_path, metho
     assert training["loss_tail_mean"] < training["loss_first"]  # it learns the answer format
     assert results["memory"]["optimizer_state_numel"] > 0
     assert results["memory"]["malloc_env"] == {"MALLOC_ARENA_MAX": "2"}
+    assert results["environment"]["code"] == code_version()
     lines = [json.loads(line) for line in (out / "predictions" / "boolq.jsonl").read_text().splitlines()]
     assert len(lines) == 8 and [p["index"] for p in lines] == list(range(8))
     assert sum(p["correct"] for p in lines) == results["tasks"]["boolq"]["correct"]

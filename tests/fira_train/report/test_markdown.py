@@ -62,9 +62,10 @@ def test_a_test_perplexity_column_follows_validation_when_runs_have_one() -> Non
 
 def test_write_report_and_plot(tmp_path: Path) -> None:
     for summary in (_summary("fira", 32, 100.0, 970.0), _summary("galore", 32, 120.0, 990.0)):
-        _write_run(tmp_path, summary)
+        _write_run(tmp_path, {**summary, "code": {"source": "ab" * 8, "commit": None}})
     report = write_report(tmp_path, ["fira", "galore"], command="fira-train compare --recipe micro")
     text = report.read_text()
+    assert f"Code: every run (2) was made by source `{'ab' * 8}`." in text
     assert report == tmp_path / "report.md"
     assert "| fira | 32 |" in text and "| galore | 32 |" in text
     assert "recipe `micro`" in text and "fira-train compare --recipe micro" in text

@@ -14,6 +14,7 @@ import torch
 
 from fira_train.cli import main
 from fira_train.config.overrides import config_to_dict
+from fira_train.provenance import code_version
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.metrics import read_metrics
 from fira_train.run.training import resolve_device
@@ -98,7 +99,8 @@ def test_a_resume_with_other_default_threads_warns_too(tmp_path: Path, caplog) -
         torch.set_num_threads(1)
         train(config)
         state = torch.load(ckpt.find_checkpoint(tmp_path / "run", 2) / "state.pt", weights_only=True)
-        assert state["environment"] == {"threads": 1, "world_size": 1, "device": resolve_device(config).type}
+        assert state["environment"] == {"threads": 1, "world_size": 1, "device": resolve_device(config).type,
+                                        "code": code_version()}
         (tmp_path / "run" / "summary.json").unlink()
         with caplog.at_level(logging.WARNING):
             train(config, resume=2)
@@ -127,6 +129,23 @@ def test_a_resume_on_another_device_kind_than_the_checkpoints_warns(tmp_path: Pa
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         warn_round_off(config_to_dict(config), config, Path("step_00000002"), here, 1)
+    assert caplog.text == ""
+
+
+def test_a_resume_from_a_checkpoint_of_other_code_warns_naming_both(tmp_path: Path, caplog) -> None:
+    from fira_train.run.resume_check import environment_record, warn_round_off
+
+    config = micro_config(tmp_path, *COMMON)
+    here = environment_record(config, 1)
+    older = {**here["code"], "source": "0123456789abcdef", "commit": "f" * 40, "modified": True}
+    with caplog.at_level(logging.WARNING):
+        warn_round_off(config_to_dict(config), config, Path("step_00000002"), {**here, "code": older}, 1)
+    assert (f"resuming from step_00000002, written by other code (source 0123456789abcdef (git ffffffffff, "
+            f"modified) against this code's source {code_version()['source']}") in caplog.text
+    caplog.clear()
+    no_record = {name: value for name, value in here.items() if name != "code"}  # an older checkpoint
+    with caplog.at_level(logging.WARNING):
+        warn_round_off(config_to_dict(config), config, Path("step_00000002"), no_record, 1)
     assert caplog.text == ""
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import isolated
 from fira_train.run.metrics import read_metrics
@@ -197,6 +198,8 @@ def test_reuse_refuses_a_finished_run_of_another_device_kind_under_device_auto(t
     summary = json.loads(summary_path.read_text())
     assert summary["device"] == "cpu"
     sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out, reuse=True)  # the same kind: reused
+    assert summary["code"] == code_version()
+    assert f"every run (1) was made by source `{code_version()['source']}`" in (out / "report.md").read_text()
     summary_path.write_text(json.dumps({**summary, "device": "cuda:0"}))
     in_process.clear()
     with pytest.raises(ValueError, match=r"trained on 'cuda:0', and train.device='auto' trains on 'cpu' here"):
@@ -224,6 +227,33 @@ def test_a_diverged_run_is_an_outcome_kept_on_reuse(tmp_path: Path, in_process: 
     marker_path.write_text(json.dumps({**marker, "data": {**marker["data"], "token_digest": "f" * 32}}))
     with pytest.raises(ValueError, match="holds a run of this config trained on other data"):
         sweep(config, ["adamw"], {"adamw": [0.001, 10.0]}, [0], out, reuse=True)
+
+
+def test_a_diverged_marker_records_its_device_and_code_and_is_checked_as_a_finished_run(
+        tmp_path: Path, in_process: list, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "auto" is the CPU here
+    config = micro_config(tmp_path, "train.steps=3", "train.eval_every=0", "train.warmup_fraction=0")
+    out = tmp_path / "sweep"
+    sweep(config, ["adamw"], {"adamw": [10.0]}, [0], out)
+    marker_path = RunKey("adamw", 10.0, 0).folder(out) / grid.DIVERGED_FILE
+    marker = json.loads(marker_path.read_text())
+    assert marker["device"] == "cpu" and marker["code"] == code_version()
+    assert json.loads((out / "sweep.json").read_text())["runs"][0]["code"] == code_version()["source"]
+    # made by other code: reused (its config and data match), with a warning naming both
+    marker_path.write_text(json.dumps({**marker, "code": {**marker["code"], "source": "0" * 16}}))
+    in_process.clear()
+    with caplog.at_level("WARNING", logger="fira_train.run.run_dir"):
+        _, (row,) = sweep(config, ["adamw"], {"adamw": [10.0]}, [0], out, reuse=True)
+    assert in_process == [] and row.diverged[10.0] == 1
+    assert describe_change({**marker["code"], "source": "0" * 16}) in caplog.text
+    assert f"source {'0' * 16}" in caplog.text and f"this code's source {code_version()['source']}" in caplog.text
+    assert "2 versions of the code" not in (out / "report.md").read_text()  # one run, one version
+    assert f"every run (1) was made by source `{'0' * 16}`" in (out / "report.md").read_text()
+    # trained on a GPU: not reused where train.device=auto is the CPU
+    marker_path.write_text(json.dumps({**marker, "device": "cuda:0"}))
+    with pytest.raises(ValueError, match=r"trained on 'cuda:0', and train.device='auto' trains on 'cpu' here"):
+        sweep(config, ["adamw"], {"adamw": [10.0]}, [0], out, reuse=True)
+    assert in_process == []
 
 
 def test_sweep_refuses_torchrun_parallelism_and_bad_jobs(tmp_path: Path) -> None:
