@@ -95,7 +95,7 @@ def _fira_keyword_defaults() -> dict[str, Any]:
 
 
 def _convert(key: str, text: str, default: Any) -> Any:
-    # The type of the default decides; None-defaulted options take an int, a float or a string.
+    # The type of the default decides; None-defaulted options take true / false, an int, a float or a string.
     if text.lower() in ("none", "null"):
         return None
     if isinstance(default, bool):
@@ -117,6 +117,9 @@ def _convert(key: str, text: str, default: Any) -> Any:
     if isinstance(default, (tuple, list)):
         raise ValueError(f"optim_args: {key} takes a tuple; pass it as a keyword, not in optim_args")
     if default is None:
+        # foreach / fused: None (torch's choice), True or False; only the words, as "1" is a number
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
         for cast in (int, float):
             try:
                 return cast(text)
@@ -233,27 +236,32 @@ def trainer_param_groups(
     decay_parameter_names: Iterable[str] | None = None,
     **fira_options: Any,
 ) -> list[dict[str, Any]]:
-    """Param groups for :class:`FiraAdamW`: the projected weights, then the rest split by decay.
+    """Param groups for :class:`FiraAdamW`: the projected weights and the rest, each split by decay.
 
-    ``[{"params": projected, "weight_decay": wd, **fira_options}, {"params": other decayed,
-    "rank": None, "weight_decay": wd}, {"params": not decayed, "rank": None, "weight_decay": 0}]``
-    (empty groups dropped). ``decay_parameter_names`` defaults to every parameter with two or more
-    dimensions (biases and norm gains are not decayed); ``FiraTrainer`` passes the Trainer's own
-    list. Frozen parameters are left out.
+    ``[{"params": projected decayed, "weight_decay": wd, **fira_options}, {"params": other decayed,
+    "rank": None, "weight_decay": wd}, {"params": other not decayed, "rank": None, "weight_decay": 0},
+    {"params": projected not decayed, "weight_decay": 0, **fira_options}]`` (empty groups dropped:
+    the last one is there only for a decay list that leaves out a projected weight).
+    ``decay_parameter_names`` defaults to every parameter with two or more dimensions (biases and
+    norm gains are not decayed); ``FiraTrainer`` passes the Trainer's own list. Frozen parameters
+    are left out.
     """
     projected = set(target_parameter_names(model, optim_target_modules))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = (
         {n for n, p in trainable if p.ndim >= 2} if decay_parameter_names is None else set(decay_parameter_names)
     )
-    projected_group = {"params": [p for n, p in trainable if n in projected], "weight_decay": weight_decay}
-    projected_group.update(fira_options)
     groups = [
-        projected_group,
+        {"params": [p for n, p in trainable if n in projected and n in decay], "weight_decay": weight_decay,
+         **fira_options},
+        # after the plain groups: a decay list that leaves every projected weight in has none here,
+        # and the groups (and the checkpoints' group indices) are those they always were
         {"params": [p for n, p in trainable if n not in projected and n in decay], "rank": None,
          "weight_decay": weight_decay},
         {"params": [p for n, p in trainable if n not in projected and n not in decay], "rank": None,
          "weight_decay": 0.0},
+        {"params": [p for n, p in trainable if n in projected and n not in decay], "weight_decay": 0.0,
+         **fira_options},
     ]
     return [g for g in groups if g["params"]]
 
@@ -410,7 +418,8 @@ class FiraTrainer(Trainer):
     Trainer's gradient accumulation then runs the backward passes of the non-final micro-batches
     under the handle's ``accumulate()`` (the weights equal those of the usual step). It needs
     ``max_grad_norm=0`` (global-norm clipping cannot work when each gradient is freed as it is
-    used; Fira's limiter bounds each matrix's update instead; refused otherwise). Where the
+    used; Fira's limiter bounds each matrix's update instead; refused otherwise), and the logs
+    then have no ``grad_norm`` (the norm of freed gradients would read 0). Where the
     Trainer would scale the loss (fp16 mixed precision, ``fp16=True`` or accelerate's
     ``--mixed_precision fp16``, on a GPU) the handle's own
     :class:`~fira_optim.loss_scale.LossScale` takes the place of its GradScaler:
@@ -452,6 +461,14 @@ class FiraTrainer(Trainer):
         """The scale the handle takes under fp16 mixed precision (None: no loss scaling)."""
         scaler = getattr(getattr(self, "accelerator", None), "scaler", None)
         return scaler.loss_scale if isinstance(scaler, _ScalerInBackward) else None
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        """None while the updates run in the backward pass: the gradients were used and freed by
+        then, so the Trainer's norm of them would read 0 (with ``max_grad_norm=0``, transformers
+        5 measures it after the backward pass); the log then has no ``grad_norm``."""
+        if self.in_backward is not None and grad_norm is None:
+            return None
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:

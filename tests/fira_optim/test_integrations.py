@@ -90,6 +90,8 @@ def test_parse_optim_args_types_aliases_and_errors():
         parse_optim_args("rank")
     with pytest.raises(ValueError, match="'lr' comes from the TrainingArguments"):
         parse_optim_args("lr=0.1")
+    # options whose default is None (torch's choice) take the words true / false; a number stays one
+    assert parse_optim_args("foreach=true,fused=False,seed=1") == {"foreach": True, "fused": False, "seed": 1}
 
 
 @pytest.mark.parametrize(
@@ -153,6 +155,27 @@ def test_trainer_param_groups_cover_every_trainable_parameter_once():
     assert decayed["rank"] is None and decayed["weight_decay"] == 0.1
     assert all(p.ndim >= 2 for p in decayed["params"])
     assert plain["weight_decay"] == 0.0 and all(p.ndim == 1 for p in plain["params"])
+
+
+def test_a_projected_weight_left_out_of_the_decay_list_is_projected_without_decay():
+    """The Trainer's decay list decides for the projected weights too (a subclass's
+    get_decay_parameter_names may leave some out); the groups of a list that leaves none out
+    are unchanged (their indices are in every checkpoint)."""
+    model = tiny_llama()
+    names = [n for n, _ in model.named_parameters()]
+    kept = "model.layers.0.self_attn.q_proj.weight"
+    decay = [n for n in names if n != kept and not n.endswith("norm.weight")]
+    groups = trainer_param_groups(model, ["q_proj"], weight_decay=0.1, decay_parameter_names=decay, rank=4)
+    assert [(g["rank"], g["weight_decay"], len(g["params"])) for g in groups] == [
+        (4, 0.1, 1), (None, 0.1, len(decay) - 1), (None, 0.0, len(names) - len(decay) - 1), (4, 0.0, 1)]
+    assert groups[-1]["params"][0] is model.get_parameter(kept)
+    optimizer = create_fira_optimizer(model, SimpleNamespace(weight_decay=0.1, optim_target_modules=["q_proj"],
+                                                             optim_args="rank=4", learning_rate=1e-3,
+                                                             adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8),
+                                      decay_parameter_names=decay)
+    by_param = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    assert by_param[id(model.get_parameter(kept))] == 0.0
+    assert by_param[id(model.get_parameter("model.layers.1.self_attn.q_proj.weight"))] == 0.1
 
 
 def test_create_fira_optimizer_reads_training_arguments_and_keywords_win(tmp_path):
@@ -253,6 +276,9 @@ def test_step_in_backward_through_the_trainer_equals_its_usual_step(tmp_path):
             trainer.train()
         assert (trainer.in_backward is not None) == in_backward
         assert all(int(s["step"]) == 3 for s in _fira(trainer).state.values())
+        # the gradients are freed by the time the Trainer would measure them: no norm, not a 0
+        norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+        assert norms == [] if in_backward else (len(norms) == 3 and all(n > 0 for n in norms))
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.equal(weights[0], weights[1])
 
