@@ -460,6 +460,16 @@ def test_the_finetune_memory_table_is_what_its_runs_recorded() -> None:
         assert peak == f"{results['memory']['train_peak_rss_mib']:.0f}"
         assert state == f"{results['memory']['optimizer_state_mib']:.1f}"
         assert seconds == f"{results['training']['seconds']:.1f}"
+    # the drops the text gives, from the runs' own peaks (not from the table's rounded ones)
+    peak = {(batch, run): json.loads((folder / f"batch{batch}" / run / "results.json").read_text())
+            ["memory"]["train_peak_rss_mib"] for batch in (1, 8)
+            for run in ("fira", "fira-in-backward", "fira-in-backward-int8")}
+    text = " ".join((folder / "README.md").read_text().split())
+    in_backward = [peak[b, "fira"] - peak[b, "fira-in-backward"] for b in (1, 8)]
+    int8 = [peak[b, "fira-in-backward"] - peak[b, "fira-in-backward-int8"] for b in (8, 1)]
+    assert f"at one sequence per batch the peak drops by {in_backward[0]:.0f} MiB" in text
+    assert f"At 8 sequences it drops by {in_backward[1]:.0f} MiB only" in text
+    assert f"The peak at 8 sequences drops by another {int8[0]:.0f} MiB; at one sequence by {int8[1]:.0f} MiB" in text
     # the batch-1 repetitions: each peak and the int8 saving from the runs' results.json
     reruns = [[c.strip() for c in line.split("|")[1:-1]] for line in (folder / "README.md").read_text().splitlines()
               if re.match(r"\| [12] \| (default|mmap128k) \|", line)]
