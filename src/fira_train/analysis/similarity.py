@@ -48,7 +48,8 @@ import torch
 from scipy import stats
 
 import fira_optim
-from fira_optim.projection import project, projection_side, reduce_dim
+from fira_optim import precision
+from fira_optim.projection import is_projected, project, projection_side, reduce_dim
 from fira_optim.subspace import adam_bias_correction
 from fira_train.analysis.rank_defaults import SIMILARITY_FRACTIONS, ranks_for_width
 from fira_train.analysis.runs import (
@@ -119,16 +120,22 @@ def scaling_factors(name: str, p: torch.Tensor, state: dict[str, Any], group: di
 
     Fira state (a ``basis``): :math:`R = P^\\top G` (or :math:`G Q`) and
     :math:`N = \\frac{\\sqrt{1-\\beta_2^t}}{1-\\beta_1^t} \\frac{M}{\\sqrt{V} + \\epsilon}`
-    (Algorithm 1). Full-rank Adam state: :func:`adam_factors`. None where the matrix has no such
-    state or no gradient.
+    (Algorithm 1), the moments decoded as the optimizer decodes them (int8, bf16). Full-rank
+    Adam state: :func:`adam_factors`. None where the matrix has no such state, no gradient, or
+    no update yet. A column whose ``R`` (or ``G``) is zero has no factor (0 / 0: NaN).
     """
     if p.grad is None or "exp_avg" not in state or "exp_avg_sq" not in state:
         return None
     beta1, beta2 = group["betas"]
     eps = group["eps"]
     step = float(state["step"])
+    if step == 0:  # no update yet (a first gradient that was all zero): the moments are zeros
+        return None
     grad = p.grad.float()
-    m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
+    # int8 moments are codes with per-block scales (bf16 ones a cast): read through the
+    # optimizer's own decoding, the values its update used
+    moments = precision.decode(state, ("exp_avg", "exp_avg_sq"), torch.float32)
+    m, v = moments["exp_avg"], moments["exp_avg_sq"]
     if "basis" not in state:
         side = projection_side(tuple(p.shape), "std")
         matrix, column = adam_factors(grad, m, v, step, (beta1, beta2), eps, side)
@@ -232,7 +239,10 @@ class ScalingFactorRecorder(TrainCallback):
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                    loss: float) -> None:
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        matrices = {name: p for name, p in projected_matrices(model).items() if id(p) in group_of}
+        # those the run projects: at a rank >= min(m, n) (a GQA k_proj / v_proj at a high rank) Fira
+        # trains a matrix as plain Adam, whose factors would equal the shadow's exactly
+        matrices = {name: p for name, p in projected_matrices(model).items()
+                    if id(p) in group_of and ("rank" not in group_of[id(p)] or is_projected(p, group_of[id(p)]))}
         if self.shadow is not None:  # every step, recorded or not: the moments see every gradient
             for name, p in matrices.items():
                 if p.grad is not None:
@@ -329,12 +339,11 @@ def compare_factors(records: list[dict[str, Any]], *, seed: int = 0) -> dict[str
         if "full_matrix" not in record:
             raise ValueError("the records hold no full-rank factors: they were written without the shadow "
                              "Adam moments (ScalingFactorRecorder(shadow=True)); rerun the analysis")
-        names = sorted(set(record["matrix"]) & set(record["full_matrix"]))
+        low, full = _defined(record)
+        names = sorted(set(low["matrix"]) & set(full["matrix"]))
         if len(names) < 2:
             continue
         step = record["step"]
-        low = {"matrix": record["matrix"], "column": record["column"]}
-        full = {"matrix": record["full_matrix"], "column": record["full_column"]}
         out["matrix"].append({"step": step, **similarity(
             np.array([low["matrix"][n] for n in names]), np.array([full["matrix"][n] for n in names]))})
         a = np.concatenate([low["column"][n] for n in names])
@@ -346,9 +355,30 @@ def compare_factors(records: list[dict[str, Any]], *, seed: int = 0) -> dict[str
     return out
 
 
+def _defined(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One record's low- and full-rank factors (``{"matrix": {name: phi}, "column": {name:
+    [phi_i]}}``) where both are defined: a matrix or column with a zero gradient has none (0 / 0,
+    recorded as null), and is left out of the step's comparison on both sides."""
+    def finite(value: Any) -> bool:
+        return value is not None and math.isfinite(value)
+
+    low: dict[str, Any] = {"matrix": {}, "column": {}}
+    full: dict[str, Any] = {"matrix": {}, "column": {}}
+    for name in set(record["matrix"]) & set(record["full_matrix"]):
+        if not (finite(record["matrix"][name]) and finite(record["full_matrix"][name])):
+            continue
+        pairs = [(a, b) for a, b in zip(record["column"][name], record["full_column"][name])
+                 if finite(a) and finite(b)]
+        if not pairs:
+            continue
+        low["matrix"][name], full["matrix"][name] = record["matrix"][name], record["full_matrix"][name]
+        low["column"][name], full["column"][name] = [a for a, _ in pairs], [b for _, b in pairs]
+    return low, full
+
+
 def average(per_step: list[dict[str, float]]) -> dict[str, float]:
     """Mean of every metric over the steps (NaNs, e.g. from constant vectors, left out), and the
-    fraction of steps at which each coefficient had p < 0.05."""
+    fraction of steps at which each coefficient had p < 0.05 (of the steps where it had a p-value)."""
     out: dict[str, float] = {"steps": float(len(per_step))}
     if not per_step:
         return out
@@ -358,7 +388,8 @@ def average(per_step: list[dict[str, float]]) -> dict[str, float]:
         values = np.array([s[key] for s in per_step], dtype=np.float64)
         out[key] = float(np.nanmean(values)) if np.isfinite(values).any() else math.nan
         if key.endswith("_p"):
-            out[key.replace("_p", "_significant")] = float(np.mean(values < 0.05))
+            tested = values[np.isfinite(values)]
+            out[key.replace("_p", "_significant")] = float(np.mean(tested < 0.05)) if tested.size else math.nan
     return out
 
 

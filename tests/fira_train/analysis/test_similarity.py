@@ -255,3 +255,87 @@ def test_shadow_moments_loaded_from_a_checkpoint_follow_the_gradients_device() -
     shadow.load_state_dict(saved.state_dict())
     shadow.update("w", torch.ones(3, 2, device="meta"), (0.9, 0.999))
     assert shadow.state["w"]["exp_avg"].device.type == "meta" and shadow.state["w"]["step"] == 2
+
+
+def _fira_factors(state_dtype: str) -> tuple[float, torch.Tensor]:
+    """The factors of a 64 x 256 matrix (rank 16: R has 4096 entries, quantized in int8) after
+    three Fira steps on fixed data."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 64, bias=False))
+    optimizer = fira_optim.FiraAdamW(fira_optim.param_groups(model, rank=16, update_proj_gap=50), lr=1e-3,
+                                     state_dtype=state_dtype)
+    for step in range(3):
+        x = torch.randn(32, 256, generator=torch.Generator().manual_seed(100 + step))
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    p = model[0].weight
+    group = next(g for g in optimizer.param_groups if g["rank"] is not None)
+    matrix, column, _ = scaling_factors("0.weight", p, optimizer.state[p], group)
+    return matrix, column
+
+
+def test_factors_of_int8_states_are_read_from_the_decoded_moments() -> None:
+    """int8 moments are codes and per-block scales: the factors are those of the moments the
+    codes stand for (within int8's rounding of fp32's), not of the codes (4x too large)."""
+    exact, exact_column = _fira_factors("float32")
+    coded, coded_column = _fira_factors("int8")
+    assert coded == pytest.approx(exact, rel=0.05)
+    torch.testing.assert_close(coded_column, exact_column, rtol=0.1, atol=0)
+    assert _fira_factors("bfloat16")[0] == pytest.approx(exact, rel=0.05)
+
+
+def test_the_recorder_leaves_out_matrices_the_run_trains_as_plain_adam(tmp_path: Path) -> None:
+    """At a rank >= min(m, n) (a grouped-query k_proj / v_proj) Fira steps a matrix as Adam:
+    its factor and the shadow's are the same number, and would inflate the similarity."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 30),
+                                torch.nn.Tanh(), torch.nn.Linear(30, 4))  # 4 x 30: min side 4 < rank 5
+    optimizer = fira_optim.FiraAdamW(fira_optim.param_groups(model, rank=5), lr=LR)
+    recorder = ScalingFactorRecorder(tmp_path / FACTORS_FILE, every=1, columns=3, shadow=True)
+    x, y = torch.randn(16, 24), torch.randn(16, 4)
+    for step in (1, 2):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        recorder.after_step(step, model, optimizer, 0.0)
+    assert "4.weight" in projected_matrices(model)  # 2-D: a projection candidate by its shape
+    for record in read_jsonl(tmp_path / FACTORS_FILE):
+        assert set(record["matrix"]) == set(record["full_matrix"]) == {"0.weight", "2.weight"}
+
+
+def test_a_matrix_whose_first_gradient_is_zero_has_no_factor_yet(tmp_path: Path) -> None:
+    model = _model()
+    optimizer = fira_optim.FiraAdamW(fira_optim.param_groups(model, rank=5), lr=LR)
+    recorder = ScalingFactorRecorder(tmp_path / FACTORS_FILE, every=1, columns=3, shadow=True)
+    x, y = torch.randn(16, 24), torch.randn(16, 12)
+    for step in (1, 2):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if step == 1:
+            model[0].weight.grad.zero_()  # Fira takes no step from it: its state stays at step 0
+        optimizer.step()
+        recorder.after_step(step, model, optimizer, 0.0)
+    first, second = read_jsonl(tmp_path / FACTORS_FILE)
+    assert set(first["matrix"]) == {"2.weight"} and set(second["matrix"]) == {"0.weight", "2.weight"}
+
+
+def test_a_column_with_a_zero_gradient_is_left_out_of_its_step(tmp_path: Path) -> None:
+    """0 / 0 has no factor (recorded as null): the other columns are compared without it, and a
+    step without a p-value does not count as one without significance."""
+    rng = np.random.default_rng(0)
+    low = {f"m{i}": rng.uniform(1, 2, 6).tolist() for i in range(3)}
+    full = {name: [2 * v for v in values] for name, values in low.items()}
+    record = {"step": 1, "matrix": {n: float(np.mean(v)) for n, v in low.items()}, "column": low,
+              "full_matrix": {n: 2 * float(np.mean(v)) for n, v in low.items()}, "full_column": full}
+    holed = copy.deepcopy(record)
+    holed["column"]["m0"][2] = holed["full_column"]["m0"][2] = None
+    holed["full_column"]["m1"][0] = None  # undefined on one side only
+    (clean,), (gap,) = compare_factors([record])["column"], compare_factors([holed])["column"]
+    assert gap["cosine"] == pytest.approx(1.0) and gap["spearman"] == pytest.approx(1.0)
+    assert clean["spearman"] == pytest.approx(1.0)
+    kept = [v for n in sorted(low) for i, v in enumerate(low[n]) if (n, i) not in {("m0", 2), ("m1", 0)}]
+    assert gap["distance"] == pytest.approx(float(np.linalg.norm(kept)))  # |low - 2 low| over the kept ones
+    summary = average([{"step": 1, "spearman": 0.9, "spearman_p": 0.01},
+                       {"step": 2, "spearman": float("nan"), "spearman_p": float("nan")}])
+    assert summary["spearman_significant"] == 1.0 and summary["steps"] == 2.0
