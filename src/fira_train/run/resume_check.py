@@ -10,7 +10,8 @@
 
 Either way the checkpoint's own record of the run's config (``config`` in a single-file
 checkpoint's ``state.pt``, in a DCP checkpoint's ``COMPLETE``) must match the config being
-resumed, up to the keys that do not change the run (``run_dir.RESUMABLE_CHANGES``): a mismatch
+resumed, up to the keys that do not change the run (``run_dir.resume_ignores``: those of
+``run_dir.RESUMABLE_CHANGES``, and the memory levers ``run_dir.MEMORY_LEVERS``): a mismatch
 is a ``ValueError`` naming the keys, whether or not ``OUT/config.json`` is there. Checkpoints
 written before the record existed are checked against ``config.json`` alone.
 
@@ -36,7 +37,7 @@ from fira_train.config.run_config import RunConfig
 from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
-from fira_train.run.run_dir import config_changes, describe_changes
+from fira_train.run.run_dir import MEMORY_LEVERS, config_changes, describe_changes, resume_ignores
 from fira_train.run.safe_load import UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
         saved = saved_config(recorded)
     except (ValueError, TypeError) as err:
         raise ckpt.CheckpointError(f"checkpoint {str(path)!r} has an unreadable config record: {err}") from None
-    changes = config_changes(saved, config)
+    changes = config_changes(saved, config, resume_ignores(config))
     if changes:
         details = describe_changes(saved, config, changes)
         raise ValueError(f"cannot resume from {str(path)!r}: it was written with a different config: "
@@ -115,6 +116,31 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: An
                     "summation order); with raw SVD signs (align_signs=false, the default) round-off can flip "
                     "a basis vector, and the runs then agree in distribution only. Resume with the "
                     "checkpoint's setting for an exact continuation", path.name, ", ".join(changes))
+
+
+def recorded_config(path: Path | None, state: dict | None) -> Any:
+    """The config a checkpoint recorded (a dict; None without the record, or without a
+    checkpoint): ``state``'s for a loaded single-file checkpoint, else the DCP marker's."""
+    if state is not None:
+        return state.get(CONFIG_KEY)
+    if path is None or not dist_checkpoint.is_dcp_checkpoint(path):
+        return None
+    return checkpoint_integrity.read_marker(path).get(CONFIG_KEY)
+
+
+def lever_changes(recorded: Any, config: RunConfig, path: Path) -> list[str]:
+    """The :data:`~fira_train.run.run_dir.MEMORY_LEVERS` that ``config`` changes against the
+    checkpoint's record (already checked: the other keys are the same), each warned of: the
+    weights go on as before, and the run's peak memory counts from this sitting on (the caller
+    starts it afresh)."""
+    if recorded is None:
+        return []
+    saved = saved_config(recorded)
+    changed = [key for key in config_changes(saved, config, ignore=frozenset()) if key in MEMORY_LEVERS]
+    if changed:
+        log.warning("resuming from %s with %s: the weights go on as they would have (bit for bit in one "
+                    "process); the run's peak memory (summary.json) counts from this sitting on", path.name, describe_changes(saved, config, changed))
+    return changed
 
 
 #: Settings a resume may change at the price of round-off (the same batches, summed in another order).

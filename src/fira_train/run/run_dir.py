@@ -33,6 +33,21 @@ RESUMABLE_CHANGES = frozenset({
 })
 
 
+#: What a run may change on resume without changing its weights (bit for bit in one process):
+#: how much memory it takes. Not :data:`RESUMABLE_CHANGES`: a finished run is not reused for the
+#: other setting, as its summary reports the memory it took.
+MEMORY_LEVERS = ("train.activation_checkpointing", "optim.step_in_backward")
+
+
+def resume_ignores(config: RunConfig) -> frozenset[str]:
+    """The keys a resume of ``config`` may change: :data:`RESUMABLE_CHANGES` and the
+    :data:`MEMORY_LEVERS`, but ``optim.step_in_backward`` under ``train.precision=fp16``, where
+    the checkpoint's loss scale is GradScaler's with a plain step and the handle's with updates in
+    the backward pass."""
+    levers = [key for key in MEMORY_LEVERS if key != "optim.step_in_backward" or config.train.precision != "fp16"]
+    return RESUMABLE_CHANGES | frozenset(levers)
+
+
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
     """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``."""
     return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore]
@@ -63,7 +78,7 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
     if resume is not None and (out / "config.json").exists():
         saved = saved_config(read_json(out / "config.json", hint="restore it, or delete it and resume "
                                            "with the command line that started the run"))
-        changes = config_changes(saved, config)
+        changes = config_changes(saved, config, resume_ignores(config))
         if changes:
             hint = ""
             if "data.test_fraction" in changes and saved.data.test_fraction == 0:

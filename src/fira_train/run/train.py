@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from fira_optim import optimizer_state_numel
 from fira_optim.state import optimizer_state_bytes
 from fira_train.config.overrides import config_to_dict
-from fira_train.config.resolve import resolved
+from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import dumps as json_dumps, read_json, write_text_atomic
@@ -65,7 +65,8 @@ from fira_train.run.metrics import MetricsLog, perplexity
 from fira_train.run.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, shard_batch
 from fira_train.run.peak_memory import PeakMemory
 from fira_train.run.rng import seed_everything
-from fira_train.run.run_dir import check_same_data, finished_with, prepare_out_dir
+from fira_train.run.run_dir import (MEMORY_LEVERS, check_same_data, config_changes, describe_changes,
+                                   finished_with, prepare_out_dir, resume_ignores)
 from fira_train.run.run_lock import locked_run_directory
 from fira_train.run.state import capture_state, restore_state
 from fira_train.run.training import Training, autocast_for, build_training, resolve_device
@@ -246,11 +247,15 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if distributed:
         dist.barrier()  # every rank has checked OUT before rank 0 rewrites config.json
 
-    state, resume_path = None, None
+    state, resume_path, levers_changed = None, None, False
     if resume is not None:
         # the newest intact checkpoint (or the one asked for), verified, of this config: chosen
         # before config.json is rewritten, so that a refused resume leaves the run as it was
         path, state = resume_check.choose_checkpoint(out, resume, config, env)
+        # a memory lever changed (activation checkpointing, updates in the backward pass): the
+        # peak of the sittings before is another setting's
+        levers_changed = bool(path is not None and resume_check.lever_changes(
+            resume_check.recorded_config(path, state), config, path))
         if path is None:
             log.info("no complete checkpoint in %s: starting from step 0", out)
         elif state is None:
@@ -293,6 +298,8 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     earlier = {"wall_time_s": progress.get("wall_time_s", 0.0), "sittings": progress.get("sittings"),
                "peak_memory_bytes": progress.get("peak_memory_bytes", 0),
                "peak_memory_kind": progress.get("peak_memory_kind")}
+    if levers_changed:
+        earlier.update(peak_memory_bytes=0, peak_memory_kind=None)
     metrics = MetricsLog(out, tensorboard=config.train.tensorboard and main,
                          resume_step=step if resume is not None else None) if main else None
 
@@ -414,6 +421,23 @@ def _sitting_totals(earlier: dict[str, Any], run_start: float, memory: PeakMemor
             "sittings": None if earlier["sittings"] is None else earlier["sittings"] + 1}
 
 
+def _refuse_other_levers(config: RunConfig, out: Path) -> None:
+    """ValueError if ``out`` holds this run finished (summary and final checkpoint) with other
+    memory levers (:data:`~fira_train.run.run_dir.MEMORY_LEVERS`) alone: a resume would train
+    nothing, and its summary would report the memory of loading and evaluating the run."""
+    if not (out / "summary.json").exists() or not (out / "config.json").exists():
+        return
+    saved = saved_config(read_json(out / "config.json", hint="restore it, or delete it and resume with the "
+                                                             "command line that started the run"))
+    if config_changes(saved, config, resume_ignores(config)):
+        return  # another run: the resume check names what differs
+    changed = config_changes(saved, config)
+    if changed and all(key in MEMORY_LEVERS for key in changed):
+        raise ValueError(f"{str(out)!r} holds this run finished with {describe_changes(saved, config, changed)}: "
+                         "a resume would train nothing (only a run that has steps left may change these); "
+                         "to measure the run with them, train it again (--overwrite, or another --out)")
+
+
 def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, env: DistributedEnv | None,
                       main: bool, corpus: Any) -> dict[str, Any] | None:
     """The summary of the finished run of ``config`` in ``out`` (its summary and its final
@@ -426,9 +450,10 @@ def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, en
         return None
 
     def decide() -> dict[str, Any] | None:
-        done = finished_with(config, out) and any(
-            step >= config.train.steps for step, _ in ckpt.complete_checkpoints(out))  # its last one kept
-        if not done:
+        if not any(step >= config.train.steps for step, _ in ckpt.complete_checkpoints(out)):  # its last one kept
+            return None
+        if not finished_with(config, out):
+            _refuse_other_levers(config, out)
             return None
         summary = read_json(out / "summary.json", hint="delete summary.json and run with --resume again: the "
                                                        "final checkpoint is evaluated again, nothing retrained")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -391,3 +392,64 @@ def test_what_rank_zero_decides_reaches_every_rank_errors_included(tmp_path: Pat
 
     assert run_ranks(_decided_worker, 2, tmp_path, False, timeout=50) == ["{'val_loss': 1.5}"] * 2
     assert run_ranks(_decided_worker, 2, tmp_path / "fail", True, timeout=50) == ["raised: summary.json is damaged"] * 2
+
+
+@pytest.mark.parametrize("lever", ["train.activation_checkpointing=true", "optim.step_in_backward=true"])
+def test_a_resume_may_change_a_memory_lever_and_goes_on_bit_for_bit(tmp_path: Path, caplog, lever: str) -> None:
+    """A run that ran out of memory resumes with activation checkpointing or updates in the
+    backward pass: the same weights step by step, and the peak memory of the new setting alone."""
+    common = ("optim.method=fira", "optim.update_proj_gap=2", "train.steps=5", "train.save_every=1",
+              "train.eval_every=0", "train.keep_last=5", "train.grad_clip=0")
+    straight = train(micro_config(tmp_path, *common, out="straight"))
+    train(micro_config(tmp_path, *common))
+    run = tmp_path / "run"
+    (run / "summary.json").unlink()  # stopped after step 3's checkpoint (steps 4 and 5 cross a refresh)
+    for step in (4, 5):
+        shutil.rmtree(ckpt.find_checkpoint(run, step))
+    path = ckpt.find_checkpoint(run, 3)
+    state = ckpt.load_checkpoint(run, path)
+    state["progress"]["peak_memory_bytes"] = 10 ** 15  # the earlier setting's peak: not this one's
+    shutil.rmtree(path)
+    ckpt.save_checkpoint(run, 3, state)
+    changed = micro_config(tmp_path, *common, lever)
+    with caplog.at_level(logging.WARNING):
+        resumed = train(changed, resume="latest")
+    key = lever.split("=")[0]
+    assert f"resuming from step_00000003 with {key}=False (now True): the weights go on" in caplog.text
+    assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(tmp_path / "straight")]
+    assert resumed["val_loss"] == straight["val_loss"] and resumed["sittings"] == 2
+    assert 0 < resumed["peak_memory_bytes"] < 10 ** 15
+    section, name = key.split(".")
+    assert json.loads((run / "config.json").read_text())[section][name] is True
+    # finished: nothing left to train with the new setting, so the old one's summary is not it
+    with pytest.raises(ValueError, match=rf"holds this run finished with {re.escape(key)}=True \(now False\): "
+                                         "a resume would train nothing"):
+        train(micro_config(tmp_path, *common), resume="latest")
+    assert train(changed, resume="latest") == json.loads((run / "summary.json").read_text())
+
+
+def test_the_same_checkpoint_without_a_lever_change_keeps_the_earlier_peak(tmp_path: Path) -> None:
+    config = micro_config(tmp_path, *COMMON)
+    train(config)
+    run = tmp_path / "run"
+    (run / "summary.json").unlink()
+    for step in (3, 4):
+        shutil.rmtree(ckpt.find_checkpoint(run, step))
+    path = ckpt.find_checkpoint(run, 2)
+    state = ckpt.load_checkpoint(run, path)
+    state["progress"]["peak_memory_bytes"] = 10 ** 15
+    shutil.rmtree(path)
+    ckpt.save_checkpoint(run, 2, state)
+    assert train(config, resume="latest")["peak_memory_bytes"] == 10 ** 15
+
+
+def test_updates_in_the_backward_pass_do_not_change_on_resume_under_fp16(tmp_path: Path) -> None:
+    """Under fp16 the checkpoint's loss scale is GradScaler's with a plain step and the handle's
+    with step_in_backward: the two do not resume each other."""
+    from fira_train.run.run_dir import resume_ignores
+
+    assert "optim.step_in_backward" in resume_ignores(micro_config(tmp_path))
+    assert "train.activation_checkpointing" in resume_ignores(micro_config(tmp_path))
+    fp16 = micro_config(tmp_path, "train.precision=fp16")
+    assert "optim.step_in_backward" not in resume_ignores(fp16)
+    assert "train.activation_checkpointing" in resume_ignores(fp16)
