@@ -5,8 +5,8 @@ the union of the tasks' training sets in the LLM-Adapters format (of the commons
 ARC-Challenge, BoolQ and OpenBookQA have one), then evaluate 500 seeded examples of every task's
 test set (``--max-eval``). ``--scoring loglik`` (default) picks the option of largest
 log-likelihood, scored by lm-eval (:mod:`.choices` poses the question, :mod:`.loglik` scores it);
-``--scoring generate`` is the paper's protocol, generating and extracting the answer
-(:mod:`.commonsense`, :mod:`.evaluate`). Methods, compared at equal steps, batch and
+``--scoring generate`` is the paper's protocol, generating and extracting the answer, but
+greedy where the released script decodes with 4 beams (:mod:`.commonsense`, :mod:`.evaluate`). Methods, compared at equal steps, batch and
 learning-rate schedule (linear, warm-up):
 
 ============  ==========================================================================

@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "LoRA r=32 adapters, lr 1e-4); options that contradict it are refused")
     p.add_argument("--scoring", default="loglik", choices=SCORINGS,
                    help="loglik: the option of largest log-likelihood, scored by lm-eval (default); "
-                        "generate: generate and extract the answer label (the paper's protocol)")
+                        "generate: generate greedily and extract the answer label (the paper's protocol, which "
+                        "decodes with 4 beams)")
     p.add_argument("--data-dir", required=True, help="folder with <task>/train.json and <task>/test.json")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps; 0 = zero-shot (default 100)")
     p.add_argument("--max-eval", type=_optional_int, default=500,

@@ -47,8 +47,8 @@ DEFAULT_RANK = {"galore": 32, "fira": 32, "fira-lora": 16, "apollo": 32, "flora"
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 
 #: ``--scoring``: ``loglik`` (default) picks the option of largest log-likelihood, as lm-eval does
-#: (:mod:`fira_train.finetune.loglik`); ``generate`` is the paper's protocol: generate, then extract
-#: the answer label (:mod:`fira_train.finetune.evaluate`).
+#: (:mod:`fira_train.finetune.loglik`); ``generate`` is the paper's protocol: generate (greedily; the
+#: released script uses 4 beams), then extract the answer label (:mod:`fira_train.finetune.evaluate`).
 SCORINGS = ("loglik", "generate")
 
 #: ``--recipe``: named settings, the option values each one fixes. ``released`` is the Fira

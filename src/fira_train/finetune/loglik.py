@@ -13,10 +13,13 @@ and its task code turns the scores into per-example accuracies. For option i of 
     \qquad \mathrm{acc\_norm} = [\arg\max_i \ell_i / \mathrm{len}(c_i) = \mathrm{gold}],
 
 with :math:`x_i` the context tokens, :math:`c_i` the continuation tokens (natural log, ties to the
-first option) and :math:`\mathrm{len}(c_i)` the continuation's length in characters, as lm-eval
-defines ``acc_norm``. lm-eval tokenises context + continuation as one string and takes as the
-continuation the tokens after the context's own tokens (trailing spaces of the context move to
-the continuation). WinoGrande's options share their continuation, so its ``acc_norm`` equals its
+first option) and :math:`\mathrm{len}(c_i)` the option's length in characters without the space
+before it, as lm-eval's own tasks (ARC, PIQA, HellaSwag) count it: the space is their
+``target_delimiter``, and so it is here. lm-eval tokenises context + continuation as one string
+and takes as the continuation the tokens after the context's own tokens (trailing spaces of the
+context move to the continuation, so the space is scored with the option). Runs made before
+2026-11-29 (their ``results.json`` records no ``code``) divided by the length with the space:
+their ``acc_norm`` differs, their log-likelihoods and ``acc`` do not. WinoGrande's options share their continuation, so its ``acc_norm`` equals its
 ``acc`` (lm-eval's own ``winogrande`` reports ``acc`` only; asked for ``acc_norm`` with several
 contexts it would divide by the contexts' lengths, which is not the definition above), and it is
 recorded as such.
@@ -59,17 +62,25 @@ def questions_of(task: TaskSpec, records: Sequence[dict[str, Any]]) -> list[Mult
 
 
 def _task_config(task: TaskSpec, questions: Sequence[MultipleChoice]) -> dict[str, Any]:
-    """An lm-eval ``multiple_choice`` task over ``questions`` (the continuations carry their own leading space)."""
+    """An lm-eval ``multiple_choice`` task over ``questions``, posed as lm-eval's own tasks are:
+    the space before each continuation is the ``target_delimiter``, not part of the option, so that
+    ``acc_norm`` divides by the option's own characters (the scored text is the same)."""
     import datasets
 
-    docs = [{"contexts": list(q.contexts), "continuations": list(q.continuations), "gold": q.gold} for q in questions]
+    def option(continuation: str) -> str:
+        if not continuation.startswith(" "):
+            raise ValueError(f"continuation {continuation!r:.80} does not start with the space before an answer")
+        return continuation[1:]
+
+    docs = [{"contexts": list(q.contexts), "continuations": [option(c) for c in q.continuations], "gold": q.gold}
+            for q in questions]
     partial = bool(questions) and questions[0].partial
     config: dict[str, Any] = {
         "task": f"fira_train_{task.name}",
         "custom_dataset": lambda **_: {"test": datasets.Dataset.from_list(docs)},
         "test_split": "test",
         "output_type": "multiple_choice",
-        "target_delimiter": "",
+        "target_delimiter": " ",
         "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]
         + ([] if partial else [{"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]),
     }

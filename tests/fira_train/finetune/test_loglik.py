@@ -88,7 +88,7 @@ def first_argmax(values: list[float]) -> int:
 @pytest.mark.parametrize("task, make", [("ARC-Easy", arc_record), ("winogrande", wino_record)])
 def test_lm_eval_logliks_and_accuracies_match_the_float64_reference(tiny64, task, make):
     model, tokenizer = tiny64
-    rng = random.Random(1)
+    rng = random.Random(5)  # ARC: a record whose acc_norm the two length rules (with the space or not) decide apart
     records = [make(rng, i) for i in range(12)]
     spec = resolve_task(task)
     model.train()
@@ -99,24 +99,28 @@ def test_lm_eval_logliks_and_accuracies_match_the_float64_reference(tiny64, task
     assert model.training  # given back in its mode
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # scoring changes no weight
     model.eval()
-    correct = correct_norm = 0
+    correct = correct_norm = told_apart = 0
     for record, prediction in zip(records, predictions):
         question = multiple_choice(spec, record)
         reference = reference_logliks(model, tokenizer, question.requests)
         assert prediction["logliks"] == pytest.approx(reference, rel=1e-9, abs=1e-9)
-        lengths = [len(c) for _, c in question.requests]
+        lengths = [len(c) - 1 for _, c in question.requests]  # the option without the space before it
         best, best_norm = first_argmax(reference), first_argmax([ll / n for ll, n in zip(reference, lengths)])
         assert prediction["correct"] == (best == question.gold)
         assert prediction["correct_norm"] == (best_norm == question.gold)
         assert prediction["prediction"] == question.labels[best] and prediction["index"] == record["index"]
         correct += best == question.gold
         correct_norm += best_norm == question.gold
+        # dividing by the length with the space before the option (the rule before lm-eval's tasks' own)
+        with_space = first_argmax([ll / (n + 1) for ll, n in zip(reference, lengths)])
+        told_apart += (best_norm == question.gold) != (with_space == question.gold)
     assert metrics["n"] == 12 and metrics["correct"] == correct and metrics["correct_norm"] == correct_norm
     assert metrics["accuracy"] == correct / 12 and metrics["accuracy_norm"] == correct_norm / 12
     if task == "winogrande":  # one shared continuation: dividing by its length changes no argmax
         assert metrics["correct_norm"] == metrics["correct"]
     else:  # the case is not degenerate: the two rules disagree somewhere, and not every answer is right
         assert any(p["correct"] != p["correct_norm"] for p in predictions) and 0 < correct < 12
+        assert told_apart > 0  # nor is the length the norm divides by
 
 
 @needs_lm_eval
