@@ -206,6 +206,30 @@ def shard_group(param_groups: list[dict]) -> Any | None:
     return None
 
 
+def nonzero_gradients(params: list[torch.Tensor]) -> list[bool]:
+    """Whether each of ``params`` has a gradient with a nonzero entry anywhere: over every shard
+    of a row-sharded DTensor (one all-reduce per process group for all of them), as in one process.
+    ``bool(grad.any())`` on such a DTensor reads this rank's rows alone (its ``any`` is a partial
+    result), so ranks would decide apart."""
+    found = [bool(to_local(p.grad).any()) for p in params]
+    by_group: dict[Any, list[int]] = {}
+    for i, p in enumerate(params):
+        if is_dtensor(p.grad):
+            try:
+                sharding = row_sharding(p)
+            except ValueError:  # replicated: every rank holds the whole gradient
+                continue
+            if sharding is not None:
+                by_group.setdefault(sharding.group, []).append(i)
+    for group, indices in by_group.items():
+        device = to_local(params[indices[0]].grad).device
+        flags = torch.tensor([float(found[i]) for i in indices], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        for i, flag in zip(indices, flags.tolist()):
+            found[i] = flag > 0
+    return found
+
+
 def process_group_or_world(process_group: Any) -> Any | None:
     """``process_group``, the default group when ``None``, or ``None`` outside torch.distributed
     (so ``split_refresh=True`` is harmless in a one-process run)."""

@@ -445,6 +445,11 @@ class Fira(Optimizer):
             refreshed = refresh.refresh_in_threads(self, total, only)
         hypers: dict[int, Hyper] = {}
         plain_of: dict[int, list[torch.Tensor]] = {}
+        # the plain parameters before their first real step: is their gradient all zero? (decided
+        # over every shard of an FSDP2 parameter, the same on every rank)
+        first = [p for _, _, p, order in entries if order is None and p.grad is not None and p.numel()
+                 and not p.grad.is_sparse and not (self.state.get(p) and float(self.state[p]["step"]) > 0)]
+        signal = dict(zip(map(id, first), distributed.nonzero_gradients(first)))
         for gi, pi, p, order in entries:
             group = self.param_groups[gi]
             projected = order is not None
@@ -459,7 +464,7 @@ class Fira(Optimizer):
                 # step ahead of the projected matrices (which stay at step 0) and of a
                 # fresh optimizer.
                 state = self.state.get(p)
-                if (state and float(state["step"]) > 0) or bool(p.grad.any()):
+                if (state and float(state["step"]) > 0) or signal[id(p)]:
                     plain_of.setdefault(gi, []).append(p)
                 elif not state:  # build the state, change nothing
                     unprojected.init_state(self.state[p], p, group)

@@ -281,7 +281,8 @@ def test_fsdp2_ordinary_step_communicates_only_small_reductions(tmp_path):
     finiteness flag per gradient, the left matrix's n column norms, and ||S||^2 and
     ||phi G||^2 (the check of the subtraction's precision) of the right and square matrices:
     three all-reduces whatever the number of matrices; no gather, no broadcast. A refresh step
-    adds one gather and one broadcast per rank."""
+    adds one gather and one broadcast per rank. The first step adds one flag per plain parameter
+    (is its gradient all zero on every shard?)."""
     results = run_ranks(_communication_worker, 2, tmp_path, timeout=50)
     n_left = SHAPES["left"][1]
     n_checks = len(SHAPES) + len(PLAIN_SHAPES)
@@ -289,7 +290,8 @@ def test_fsdp2_ordinary_step_communicates_only_small_reductions(tmp_path):
     for result in results:
         for step, calls in enumerate(result["calls"]):
             refresh = step % GAP == 0
-            assert sorted(calls["all_reduce"]) == expected_all_reduce, (step, calls)
+            first = [len(PLAIN_SHAPES)] if step == 0 else []
+            assert sorted(calls["all_reduce"]) == sorted(expected_all_reduce + first), (step, calls)
             assert calls["all_gather"] == [] and calls["all_gather_into_tensor"] == []
             assert len(calls["gather"]) == (2 if refresh else 0), (step, calls)
             assert len(calls["broadcast"]) == (2 if refresh else 0), (step, calls)
@@ -502,3 +504,37 @@ def test_fsdp2_plain_parameters_stepped_through_fp32_copies_are_updated(tmp_path
             assert torch.equal(results[1][name], second), name
         else:
             assert not torch.equal(results[1][name], torch.linspace(-1, 1, 9).to(dtype).chunk(2)[1])
+
+
+def _zero_rows_first(step: int) -> torch.Tensor:
+    """A 9-row embedding's gradient whose rows 0-4 (rank 0's shard of two) are zero at step 0:
+    a table whose first batch uses only tokens 5-8."""
+    grad = _gradient("embedding", (9, 4), step, torch.float64)
+    if step == 0:
+        grad[:5] = 0
+    return grad
+
+
+def _zero_shard_worker(rank: int, world: int) -> dict:
+    param = torch.nn.Parameter(_shard(torch.linspace(-1, 1, 36, dtype=torch.float64).view(9, 4)))
+    opt = FiraAdamW([{"params": [param], "rank": None}], lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        param.grad = _shard(_zero_rows_first(step))
+        opt.step()
+    return {"rows": param.to_local().detach().clone(), "step": float(opt.state[param]["step"])}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_plain_parameter_zero_on_one_shard_steps_on_every_rank(tmp_path):
+    """Whether a plain parameter's gradient is all zero (before its first real step) is decided
+    over every shard: a rank whose rows were zero stepped nothing and fell a step behind."""
+    results = run_ranks(_zero_shard_worker, 2, tmp_path, timeout=100)
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 36, dtype=torch.float64).view(9, 4))
+    opt = FiraAdamW([{"params": [param], "rank": None}], lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        param.grad = _zero_rows_first(step)
+        opt.step()
+    assert float(opt.state[param]["step"]) == 3.0
+    for result, rows in zip(results, param.detach().chunk(2)):
+        assert result["step"] == 3.0
+        torch.testing.assert_close(result["rows"], rows, rtol=1e-12, atol=1e-12)
