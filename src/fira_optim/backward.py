@@ -95,6 +95,12 @@ class StepInBackward:
         self._updated: set = set()  # those a hook updated since the last optimizer.step()
         self._warned = False
         self._ddp = _is_ddp(model)
+        if self._ddp and optimizer.split_refresh:
+            # its gathers and broadcasts would run inside DDP's communication hook, between the
+            # bucket all-reduces, in an order the ranks need not share: they hung at the first refresh
+            raise ValueError("step_in_backward under DDP cannot share the refresh SVDs: the optimizer has "
+                             "split_refresh=True; build it with split_refresh=False (each rank then computes "
+                             "its own bases, the same ones, from the same all-reduced gradients)")
         if self._ddp:
             reduced = _ddp_reduced(model)
             _claim(self, reduced)
@@ -227,6 +233,7 @@ class StepInBackward:
         future = default_hooks.allreduce_hook(state, bucket)
         if not self._active or self._accumulating or self.optimizer._in_backward is not self:  # or paused
             return future  # the averaged gradients stay for optimizer.step()
+        used = _used_anywhere(self.model, state, list(bucket.parameters()))
 
         def update(done: torch.futures.Future) -> torch.Tensor:
             params = list(bucket.parameters())
@@ -234,10 +241,14 @@ class StepInBackward:
             # registered (DDP reduces what required a gradient when it was built)
             self._covered.update(params)
             local = [p.grad for p in params]
+            # Unused on every rank (find_unused_parameters=True): its slice of the bucket is zeros, and
+            # DDP leaves its .grad None, so optimizer.step() would not update it; nor is it updated here
+            kept = params if used is None else [p for p, flag in zip(params, used.wait()) if flag]
             for p, grad in zip(params, bucket.gradients()):
                 p.grad = grad  # the averaged gradient, a view of the reduced bucket
             try:
-                self._update(set(params))
+                if kept:
+                    self._update(set(kept))
             finally:  # DDP then finishes its own bookkeeping of .grad as usual
                 for p, grad in zip(params, local):
                     p.grad = grad
@@ -377,6 +388,31 @@ def _ddp_dispatch(model: Any) -> list:
         model.register_comm_hook(state=None, hook=hook)
         model.__dict__["_fira_in_backward"] = target
     return target
+
+
+class _UsedFlags:
+    """Which parameters of a bucket some rank used (an all-reduce of each rank's flags, started
+    beside the bucket's)."""
+
+    def __init__(self, flags: torch.Tensor, work: Any) -> None:
+        self._flags, self._work = flags, work
+
+    def wait(self) -> list[bool]:
+        self._work.wait()
+        return [flag > 0 for flag in self._flags.tolist()]
+
+
+def _used_anywhere(model: Any, process_group: Any, params: list) -> _UsedFlags | None:
+    """Under ``find_unused_parameters=True``, an all-reduce (MAX) of whether each of ``params``
+    has a gradient on this rank (it was used in this backward); None where DDP reduces only used
+    parameters (its default), so every one of them is."""
+    if not getattr(model, "find_unused_parameters", False):
+        return None
+    import torch.distributed as dist
+
+    device = params[0].device if params else torch.device("cpu")
+    flags = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    return _UsedFlags(flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=process_group, async_op=True))
 
 
 def _ddp_reduced(model: Any) -> list:

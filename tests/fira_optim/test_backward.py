@@ -388,3 +388,73 @@ def test_two_processes_equal_one(mode, tmp_path):
     for result in results:
         for name, p in model.named_parameters():
             torch.testing.assert_close(result[name], p.detach(), rtol=1e-9, atol=1e-11)
+
+
+class _SometimesSide(torch.nn.Module):
+    """A weight ``side`` that the forward pass uses at some steps only (on some ranks only)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(6, 5, bias=False).double()
+        self.side = torch.nn.Linear(6, 5, bias=False).double()
+        self.use_side = True
+
+    def forward(self, x):
+        return self.a(x) + (self.side(x) if self.use_side else 0)
+
+
+def _unused_worker(rank, world_size, in_backward, bucket_view):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _SometimesSide()
+    wrapped = DistributedDataParallel(model, find_unused_parameters=True, gradient_as_bucket_view=bucket_view)
+    opt = FiraAdamW([{"params": [model.a.weight, model.side.weight], "rank": 2, "update_proj_gap": 2}],
+                    lr=0.02, weight_decay=0.1)
+    if in_backward:
+        step_in_backward(opt, wrapped)
+    for step in range(4):
+        # side: used by both ranks at step 0, by rank 0 only at step 2, by none at steps 1 and 3
+        model.use_side = step == 0 or (step == 2 and rank == 0)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank), dtype=torch.float64)
+        (wrapped(x) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"side": model.side.weight.detach().clone(), "a": model.a.weight.detach().clone(),
+            "side_steps": int(opt.state[model.side.weight]["step"])}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bucket_view", [False, True])
+def test_under_ddp_a_weight_no_rank_used_is_not_updated_in_the_backward_pass(tmp_path, bucket_view):
+    """find_unused_parameters=True: the bucket holds zeros for a weight that no rank used, and
+    DDP leaves its gradient None, so a plain step leaves it alone; in the backward pass it was
+    updated (weight decay and momentum moved it, its step count ran ahead). Used by one rank only,
+    it is updated with the averaged gradient, as by a plain step."""
+    plain = run_ranks(_unused_worker, 2, tmp_path / "plain", False, bucket_view, timeout=100)
+    hooked = run_ranks(_unused_worker, 2, tmp_path / "hooked", True, bucket_view, timeout=100)
+    for p, h in zip(plain, hooked):
+        assert p["side_steps"] == h["side_steps"] == 2  # steps 0 and 2
+        torch.testing.assert_close(h["side"], p["side"], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(h["a"], p["a"], rtol=1e-12, atol=1e-12)
+
+
+def _split_refresh_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _net()
+    wrapped = DistributedDataParallel(model)
+    opt = FiraAdamW([{"params": [model.a.weight, model.b.weight], "rank": 3}], lr=0.02, split_refresh=True)
+    try:
+        step_in_backward(opt, wrapped)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_updates_in_the_backward_pass_refuse_split_refresh(tmp_path):
+    """Its gathers and broadcasts, run inside DDP's communication hook between the buckets'
+    all-reduces, hung every rank at the first refresh of a model with several buckets."""
+    for message in run_ranks(_split_refresh_worker, 2, tmp_path, timeout=100):
+        assert "split_refresh=True" in message and "build it with split_refresh=False" in message
