@@ -32,7 +32,7 @@ from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, cut_back_json_lines, read_json, write_text_atomic
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import check_same_data, config_changes, describe_changes, finished_with
+from fira_train.run.run_dir import check_same_data, config_changes, describe_changes, finished_with, resume_ignores
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
 
@@ -258,7 +258,7 @@ def _resume_refusal(config: RunConfig, run: AnalysisRun) -> str | None:
         if read_json(spec) != run.spec():
             return f"it was started with other callbacks or overrides ({RUN_SPEC_FILE})"
         saved_cfg = saved_config(read_json(saved))
-        changes = config_changes(saved_cfg, resolved(config))
+        changes = config_changes(saved_cfg, resolved(config), resume_ignores(config))
     except ValueError as err:  # DamagedFileError, or a config record this version cannot read
         return f"its records cannot be read: {err}"
     if changes:

@@ -46,6 +46,14 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step of the checkpoint directory ``path`` (``step_XXXXXXXX``); ValueError for another name."""
+    match = _NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint directory (step_XXXXXXXX)")
+    return int(match.group(1))
+
+
 def _root(run_dir: str | Path) -> Path:
     return Path(run_dir).resolve() / CHECKPOINT_DIR
 

@@ -118,28 +118,26 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: An
                     "checkpoint's setting for an exact continuation", path.name, ", ".join(changes))
 
 
-def recorded_config(path: Path | None, state: dict | None) -> Any:
-    """The config a checkpoint recorded (a dict; None without the record, or without a
-    checkpoint): ``state``'s for a loaded single-file checkpoint, else the DCP marker's."""
-    if state is not None:
-        return state.get(CONFIG_KEY)
-    if path is None or not dist_checkpoint.is_dcp_checkpoint(path):
-        return None
-    return checkpoint_integrity.read_marker(path).get(CONFIG_KEY)
-
-
 def lever_changes(recorded: Any, config: RunConfig, path: Path) -> list[str]:
     """The :data:`~fira_train.run.run_dir.MEMORY_LEVERS` that ``config`` changes against the
     checkpoint's record (already checked: the other keys are the same), each warned of: the
     weights go on as before, and the run's peak memory counts from this sitting on (the caller
-    starts it afresh)."""
+    starts it afresh). A ValueError where the checkpoint is the run's last step: the resume would
+    train nothing, and the summary would give the memory of loading and evaluating the run."""
     if recorded is None:
         return []
     saved = saved_config(recorded)
     changed = [key for key in config_changes(saved, config, ignore=frozenset()) if key in MEMORY_LEVERS]
-    if changed:
-        log.warning("resuming from %s with %s: the weights go on as they would have (bit for bit in one "
-                    "process); the run's peak memory (summary.json) counts from this sitting on", path.name, describe_changes(saved, config, changed))
+    if not changed:
+        return []
+    described = describe_changes(saved, config, changed)
+    if ckpt.checkpoint_step(path) >= config.train.steps:
+        raise ValueError(f"cannot resume from {path.name} with {described}: it is the run's last step "
+                         f"(train.steps={config.train.steps}), so nothing would train with them and the summary "
+                         "would give the memory of loading and evaluating the run; to measure the run with these "
+                         "settings, train it again (--overwrite, or another --out)")
+    log.warning("resuming from %s with %s: the weights go on as they would have (bit for bit in one "
+                "process); the run's peak memory (summary.json) counts from this sitting on", path.name, described)
     return changed
 
 
@@ -148,33 +146,34 @@ ROUND_OFF_CHANGES = ("train.num_threads", "train.parallel")
 
 
 def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bool = True,
-                     world_size: int = 1) -> dict | None:
+                     world_size: int = 1) -> tuple[dict | None, list[str]]:
     """Verify the checkpoint at ``path`` and its config record; returns the single-file
-    checkpoint's loaded state (if ``keep_state``), None for a DCP checkpoint (loaded later, in
-    place). Raises CheckpointError if it is damaged, UnsafeCheckpointError if it would run
-    code, ValueError if it belongs to another config."""
+    checkpoint's loaded state (if ``keep_state``; None for a DCP checkpoint, loaded later, in
+    place) and the memory levers the resume changes (:func:`lever_changes`). Raises
+    CheckpointError if it is damaged, UnsafeCheckpointError if it would run code, ValueError if
+    it belongs to another config."""
     if dist_checkpoint.is_dcp_checkpoint(path):
         marker = checkpoint_integrity.read_marker(path)
         check_recorded_config(marker.get(CONFIG_KEY), config, path)
         checkpoint_integrity.verify_dcp_checkpoint(path, marker)
         # once intact: not for a damaged one skipped
         warn_round_off(marker.get(CONFIG_KEY), config, path, marker.get(ENVIRONMENT_KEY), world_size)
-        return None
+        return None, lever_changes(marker.get(CONFIG_KEY), config, path)
     state = ckpt.load_checkpoint(out, path)  # size, SHA-256, weights_only
     check_recorded_config(state.get(CONFIG_KEY), config, path)
     warn_round_off(state.get(CONFIG_KEY), config, path, state.get(ENVIRONMENT_KEY), world_size)
-    return state if keep_state else None
+    return (state if keep_state else None), lever_changes(state.get(CONFIG_KEY), config, path)
 
 
 def _choose(out: Path, resume: str | int, config: RunConfig, keep_state: bool,
-            world_size: int = 1) -> tuple[Path | None, dict | None]:
+            world_size: int = 1) -> tuple[Path | None, dict | None, list[str]]:
     if resume != "latest":
         path = ckpt.find_checkpoint(out, int(resume))
-        return path, check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size)
+        return (path, *check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size))
     damaged: list[tuple[Path, ckpt.CheckpointError]] = []
     for _, path in reversed(ckpt.complete_checkpoints(out)):
         try:
-            state = check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size)
+            state, levers = check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size)
         except UnsafeCheckpointError:
             raise
         except ckpt.CheckpointError as err:
@@ -185,13 +184,13 @@ def _choose(out: Path, resume: str | int, config: RunConfig, keep_state: bool,
             log.warning("%s: %s; resuming from %s instead, the newest intact checkpoint (the steps after "
                         "it are trained again; --resume-step STEP picks another one)",
                         names, "; ".join(str(err) for _, err in damaged), path.name)
-        return path, state
+        return path, state, levers
     if damaged:
         reasons = "; ".join(f"{p.name}: {err}" for p, err in damaged)
         raise ckpt.CheckpointError(f"no intact checkpoint in {str(Path(out) / ckpt.CHECKPOINT_DIR)!r} to "
                                    f"resume from ({reasons}); restore one and pick it with --resume-step, "
                                    "or start over with --overwrite")
-    return None, None
+    return None, None, []
 
 
 _ERRORS = {cls.__name__: cls for cls in (ValueError, FileNotFoundError, ckpt.CheckpointError,
@@ -199,19 +198,24 @@ _ERRORS = {cls.__name__: cls for cls in (ValueError, FileNotFoundError, ckpt.Che
 
 
 def choose_checkpoint(out: str | Path, resume: str | int, config: RunConfig,
-                      env: DistributedEnv | None = None) -> tuple[Path | None, dict | None]:
-    """``(checkpoint directory or None, its loaded state or None)`` for ``resume`` in ``out``.
+                      env: DistributedEnv | None = None) -> tuple[Path | None, dict | None, list[str]]:
+    """``(checkpoint directory or None, its loaded state or None, the memory levers the resume
+    changes)`` for ``resume`` in ``out``.
 
     The state comes back for a single-file checkpoint in a one-process run (already verified
     and read); None for a DCP checkpoint or under ``torchrun``, where the checkpoint is loaded
-    later by every rank. ``(None, None)``: ``"latest"`` and no checkpoint at all.
+    later by every rank. ``(None, None, [])``: ``"latest"`` and no checkpoint at all.
     """
     out = Path(out)
     if env is None or not env.distributed:
         return _choose(out, resume, config, keep_state=True)
-    path = decided_on_rank_zero(env, lambda: _choose(out, resume, config, keep_state=False,
-                                                     world_size=env.world_size)[0])
-    return (None if path is None else Path(path)), None
+
+    def decide() -> tuple[str | None, list[str]]:
+        path, _, levers = _choose(out, resume, config, keep_state=False, world_size=env.world_size)
+        return (None if path is None else str(path)), levers
+
+    path, levers = decided_on_rank_zero(env, decide)
+    return (None if path is None else Path(path)), None, list(levers)
 
 
 def decided_on_rank_zero(env: DistributedEnv, decide: Callable[[], Any]) -> Any:

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from fira_optim import optimizer_state_numel
 from fira_optim.state import optimizer_state_bytes
 from fira_train.config.overrides import config_to_dict
-from fira_train.config.resolve import resolved, saved_config
+from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import dumps as json_dumps, read_json, write_text_atomic
@@ -65,8 +65,7 @@ from fira_train.run.metrics import MetricsLog, perplexity
 from fira_train.run.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, shard_batch
 from fira_train.run.peak_memory import PeakMemory
 from fira_train.run.rng import seed_everything
-from fira_train.run.run_dir import (MEMORY_LEVERS, check_same_data, config_changes, describe_changes,
-                                   finished_with, prepare_out_dir, resume_ignores)
+from fira_train.run.run_dir import check_same_data, finished_with, prepare_out_dir
 from fira_train.run.run_lock import locked_run_directory
 from fira_train.run.state import capture_state, restore_state
 from fira_train.run.training import Training, autocast_for, build_training, resolve_device
@@ -251,11 +250,10 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if resume is not None:
         # the newest intact checkpoint (or the one asked for), verified, of this config: chosen
         # before config.json is rewritten, so that a refused resume leaves the run as it was
-        path, state = resume_check.choose_checkpoint(out, resume, config, env)
+        path, state, levers = resume_check.choose_checkpoint(out, resume, config, env)
         # a memory lever changed (activation checkpointing, updates in the backward pass): the
         # peak of the sittings before is another setting's
-        levers_changed = bool(path is not None and resume_check.lever_changes(
-            resume_check.recorded_config(path, state), config, path))
+        levers_changed = bool(levers)
         if path is None:
             log.info("no complete checkpoint in %s: starting from step 0", out)
         elif state is None:
@@ -421,23 +419,6 @@ def _sitting_totals(earlier: dict[str, Any], run_start: float, memory: PeakMemor
             "sittings": None if earlier["sittings"] is None else earlier["sittings"] + 1}
 
 
-def _refuse_other_levers(config: RunConfig, out: Path) -> None:
-    """ValueError if ``out`` holds this run finished (summary and final checkpoint) with other
-    memory levers (:data:`~fira_train.run.run_dir.MEMORY_LEVERS`) alone: a resume would train
-    nothing, and its summary would report the memory of loading and evaluating the run."""
-    if not (out / "summary.json").exists() or not (out / "config.json").exists():
-        return
-    saved = saved_config(read_json(out / "config.json", hint="restore it, or delete it and resume with the "
-                                                             "command line that started the run"))
-    if config_changes(saved, config, resume_ignores(config)):
-        return  # another run: the resume check names what differs
-    changed = config_changes(saved, config)
-    if changed and all(key in MEMORY_LEVERS for key in changed):
-        raise ValueError(f"{str(out)!r} holds this run finished with {describe_changes(saved, config, changed)}: "
-                         "a resume would train nothing (only a run that has steps left may change these); "
-                         "to measure the run with them, train it again (--overwrite, or another --out)")
-
-
 def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, env: DistributedEnv | None,
                       main: bool, corpus: Any) -> dict[str, Any] | None:
     """The summary of the finished run of ``config`` in ``out`` (its summary and its final
@@ -450,10 +431,9 @@ def _finished_summary(config: RunConfig, out: Path, resume: str | int | None, en
         return None
 
     def decide() -> dict[str, Any] | None:
-        if not any(step >= config.train.steps for step, _ in ckpt.complete_checkpoints(out)):  # its last one kept
-            return None
-        if not finished_with(config, out):
-            _refuse_other_levers(config, out)
+        done = finished_with(config, out) and any(
+            step >= config.train.steps for step, _ in ckpt.complete_checkpoints(out))  # its last one kept
+        if not done:
             return None
         summary = read_json(out / "summary.json", hint="delete summary.json and run with --resume again: the "
                                                        "final checkpoint is evaluated again, nothing retrained")

@@ -118,13 +118,21 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
     assert json.loads(spec.read_text()) == runs[0].spec()
     assert "holds an unfinished run that --reuse cannot continue (it was started with other callbacks" in caplog.text
     # stopped again, then asked for more steps: the config changed, and the warning says how
-    stop_at_checkpoint(monkeypatch, 4, saved=False)
+    go_on = stop_at_checkpoint(monkeypatch, 4, saved=False)
     (tmp_path / "out" / "fira" / "summary.json").unlink()
     longer = analysis_config(corpus_root, tmp_path / "run", "train.steps=6", "train.save_every=2")
     caplog.clear()
     with pytest.raises(StopRun), caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
         train_runs(longer, runs, tmp_path / "out", reuse=True, title=TITLE)
     assert "it was started with train.steps=4 (now 6)" in caplog.text
+    # a memory lever is what a resume may change: continued from its checkpoint, not from its start
+    go_on()
+    lever = analysis_config(corpus_root, tmp_path / "run", "train.steps=6", "train.save_every=2",
+                            "train.activation_checkpointing=true")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fira_train.analysis.runs"):
+        summary = train_runs(lever, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
+    assert "cannot continue" not in caplog.text and summary["sittings"] == 2
 
 
 def test_a_second_analysis_into_a_busy_run_folder_leaves_its_spec_alone(tmp_path: Path, corpus_root: Path) -> None:

@@ -210,11 +210,14 @@ def test_dcp_checkpoints_fall_back_and_check_their_config_record(tmp_path: Path,
     config = micro_config(tmp_path, "optim.method=adamw")
     out = tmp_path / "dcp"
     root = _dcp_checkpoints(out, config, (1, 2, 3))
-    assert choose_checkpoint(out, "latest", config) == (root / "step_00000003", None)
+    assert choose_checkpoint(out, "latest", config) == (root / "step_00000003", None, [])
+    # a memory lever changed: read off the DCP marker's config record
+    levers = micro_config(tmp_path, "optim.method=adamw", "train.activation_checkpointing=true")
+    assert choose_checkpoint(out, "latest", levers) == (root / "step_00000003", None, ["train.activation_checkpointing"])
     _flip_a_byte(root / "step_00000003" / "__0_0.distcp")
     (root / "step_00000002" / ".metadata").write_bytes(b"")
     with caplog.at_level(logging.WARNING):
-        assert choose_checkpoint(out, "latest", config) == (root / "step_00000001", None)
+        assert choose_checkpoint(out, "latest", config) == (root / "step_00000001", None, [])
     warning = caplog.records[-1].getMessage()
     assert "__0_0.distcp' is corrupted" in warning and ".metadata' is truncated" in warning
     with pytest.raises(ckpt.CheckpointError, match="corrupted"):
@@ -421,11 +424,19 @@ def test_a_resume_may_change_a_memory_lever_and_goes_on_bit_for_bit(tmp_path: Pa
     assert 0 < resumed["peak_memory_bytes"] < 10 ** 15
     section, name = key.split(".")
     assert json.loads((run / "config.json").read_text())[section][name] is True
-    # finished: nothing left to train with the new setting, so the old one's summary is not it
-    with pytest.raises(ValueError, match=rf"holds this run finished with {re.escape(key)}=True \(now False\): "
-                                         "a resume would train nothing"):
+    # finished: nothing left to train with the other setting, whose summary it would then be, with
+    # the memory of loading and evaluating the run: refused from the last checkpoint however asked
+    refusal = rf"cannot resume from step_00000005 with {re.escape(key)}=True \(now False\): it is the run's last step"
+    with pytest.raises(ValueError, match=refusal):
         train(micro_config(tmp_path, *common), resume="latest")
-    assert train(changed, resume="latest") == json.loads((run / "summary.json").read_text())
+    with pytest.raises(ValueError, match=refusal):
+        train(micro_config(tmp_path, *common), resume=5)
+    kept = (run / "summary.json").read_text()
+    (run / "summary.json").unlink()  # as a run stopped while evaluating: unfinished
+    with pytest.raises(ValueError, match=refusal):
+        train(micro_config(tmp_path, *common), resume="latest")
+    (run / "summary.json").write_text(kept)
+    assert train(changed, resume="latest") == json.loads(kept)
 
 
 def test_the_same_checkpoint_without_a_lever_change_keeps_the_earlier_peak(tmp_path: Path) -> None:
