@@ -475,9 +475,19 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
 
     figure = out / "similarity.png"
     _plot(results, d_model, figure)
-    first = records[ranks[0]]
-    matrices = len(first[0]["matrix"]) if first else 0
-    sampled = sum(len(v) for v in first[0]["column"].values()) if first else 0
+    # what each run compared: every matrix it recorded (at a rank >= a matrix's smaller side Fira
+    # trains it as plain Adam, and it is left out), with its sampled columns
+    counts = {}
+    for r in ranks:
+        columns_of = {name: len(values) for record in records[r] for name, values in record["column"].items()}
+        counts[r] = (len(columns_of), sum(columns_of.values()))
+    left_out = "a matrix whose smaller side is at most the rank is trained as plain Adam and left out"
+    if len(set(counts.values())) == 1:
+        matrices = f"the {counts[ranks[0]][0]} projected matrices ({left_out})"
+        sampled = f"{counts[ranks[0]][1]} columns in all"
+    else:
+        matrices = f"the projected matrices ({', '.join(f'{counts[r][0]} at r = {r}' for r in ranks)}; {left_out})"
+        sampled = f"columns in all: {', '.join(f'{counts[r][1]} at r = {r}' for r in ranks)}"
     lr = summaries[f"fira-r{ranks[0]}"]["lr"]
     lines = report_header(TITLE, config, command=command)
     lines += [
@@ -485,9 +495,8 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
         "full-rank factors come from Adam moments kept beside Fira's state and fed the gradients Fira used "
         "(a shadow Adam with the same betas and eps, which never updates the weights): the low-rank and "
         "full-rank factors are computed at the same weights, gradients and step, and differ only in rank. "
-        f"Factors recorded after the optimizer step every {every} steps (and at step 1) for the {matrices} "
-        f"projected matrices; column level: {columns} columns sampled per matrix with seed {seed} "
-        f"({sampled} columns in all). Values are averages over the recorded steps; p-values are averaged too, "
+        f"Factors recorded after the optimizer step every {every} steps (and at step 1) for {matrices}; "
+        f"column level: {columns} columns sampled per matrix with seed {seed} ({sampled}). Values are averages over the recorded steps; p-values are averaged too, "
         "with the fraction of steps at which p < 0.05 in brackets.",
         "",
         "Null baselines (rows marked *null*): the same statistics between factors that should not agree: "

@@ -231,9 +231,22 @@ def test_similarity_analysis_end_to_end(tmp_path: Path, corpus_root: Path) -> No
     assert "r/d_model = 8/64" in text and "0.9922" in text and "Kendall" in text
     assert "null, 8/64: matrices / columns shuffled" in text and "shadow Adam" in text
     assert "columns shuffled within each matrix" in text and "different learning rates" not in text
+    assert "for the 14 projected matrices (a matrix whose smaller side" in text and "(140 columns in all)" in text
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="step_in_backward"):
         run_similarity(analysis_config(corpus_root, tmp_path / "run", "optim.step_in_backward=true"), out)
+
+
+def test_a_rank_at_a_matrix_s_smaller_side_compares_fewer_matrices_and_says_so(tmp_path: Path,
+                                                                               corpus_root: Path) -> None:
+    """One key/value head: k_proj and v_proj are 32 x 64, trained as plain Adam at rank 32."""
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2", "model.num_key_value_heads=1")
+    result = run_similarity(config, tmp_path / "similarity", ranks=(8, 32), every=1, columns=10)
+    names = {r: set(read_jsonl(tmp_path / "similarity" / f"fira-r{r}" / FACTORS_FILE)[0]["matrix"]) for r in (8, 32)}
+    assert len(names[8]) == 14 and names[32] == {n for n in names[8] if "k_proj" not in n and "v_proj" not in n}
+    text = result["report"].read_text()
+    assert "for the projected matrices (14 at r = 8, 10 at r = 32; a matrix whose smaller side" in text
+    assert "(columns in all: 140 at r = 8, 100 at r = 32)" in text
 
 
 @pytest.mark.parametrize(("every", "columns", "flag"), [(0, 10, "--every"), (-1, 10, "--every"), (2, 0, "--columns")])
