@@ -39,9 +39,12 @@ def source_digest(roots: Mapping[str, Path]) -> str:
 
 
 def _git(cwd: Path, *args: str) -> str | None:
-    """``git args`` in ``cwd``: its output stripped, None if git is missing, fails or hangs."""
+    """``git args`` in ``cwd``: its output stripped, None if git is missing, fails or hangs.
+    Without optional locks: ``git status`` would otherwise refresh the user's index (taking
+    ``index.lock``) from every process that asks, racing their own ``git add``."""
     try:
-        done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False)
+        done = subprocess.run(["git", "--no-optional-locks", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -65,7 +68,10 @@ def git_checkout(package_root: Path) -> tuple[str | None, bool | None]:
 
 @functools.lru_cache(maxsize=1)
 def code_version() -> dict[str, Any]:
-    """This process's code (see the module's docstring); computed once per process."""
+    """This process's code (see the module's docstring); computed once per process, from the
+    files on disk at the first call: :func:`fira_train.run.train.train` and the fine-tuning run
+    call it as they start, so that an edit of the checkout while a run trains is not recorded
+    as the code that ran."""
     import fira_optim
 
     roots = {"fira_optim": Path(fira_optim.__file__).parent, "fira_train": Path(__file__).parent}

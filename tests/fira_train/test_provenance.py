@@ -104,3 +104,38 @@ def test_a_report_names_the_code_of_its_runs() -> None:
     mixed = code_line(["b2", None, "a1", "a1"])
     assert mixed.startswith("Code: the runs were made by 3 versions of the code (runs of each: source `a1` 2, "
                             "source `b2` 1, not recorded 1); a fix made between them")
+
+
+def test_the_version_is_read_when_a_run_starts_not_when_it_is_recorded(tmp_path: Path, monkeypatch) -> None:
+    """A checkout edited (or committed) while a run trains: the record names the code loaded."""
+    from fira_train.run import train as train_module
+    from tests.fira_train.harness_fixtures import micro_config
+
+    calls = []
+    monkeypatch.setattr(train_module, "code_version", lambda: calls.append("read") or {"source": "x"})
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0")
+    monkeypatch.setattr(train_module, "_train", lambda *args: calls.append("trained") or {})
+    train_module.train(config)
+    assert calls == ["read", "trained"]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_asking_git_does_not_touch_the_user_s_index(tmp_path: Path) -> None:
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    package = tmp_path / "src" / "fira_train"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "first")
+    index = tmp_path / ".git" / "index"
+    before = index.stat().st_mtime_ns
+    import os
+    import time
+    time.sleep(0.05)
+    os.utime(package / "__init__.py")  # stat data changed: a status with optional locks rewrites the index
+    assert git_checkout(package)[1] is False
+    assert index.stat().st_mtime_ns == before

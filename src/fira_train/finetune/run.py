@@ -42,6 +42,7 @@ def run_finetune(
     :class:`~fira_train.run.run_lock.RunDirectoryBusy` after its data checks, before it loads the
     model.
     """
+    code_version()  # read now, as the code that runs was loaded: results.json records it
     if config.threads:
         torch.set_num_threads(config.threads)
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "").strip()  # `accelerate launch --mixed_precision`

@@ -134,6 +134,7 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     (:mod:`fira_train.run.train_parallel`); every rank returns the summary, rank 0 writes it.
     """
     get_method(config.optim.method)
+    code_version()  # read now, as the code that runs was loaded: the summary records it
     config = resolved(config)
     # before the lock file is created: nothing is added to a folder the run may not use
     run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)

@@ -21,6 +21,7 @@ from fira_train.config.method_spec import SHARED, parse_method_specs, refuse_spe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, read_json
+from fira_train.provenance import code_version
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
 from fira_train.sweep.report import REPORT_TITLE, plot_lr, read_runs, write_json, write_markdown
 from fira_train.sweep.summary import MethodSummary, summarize
@@ -86,6 +87,7 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
           reference: str | None = None, command: str | None = None) -> tuple[Path, list[MethodSummary]]:
     """Train the sweep (grid, then seeds at each chosen lr) and write its files; the report's path
     and the summary rows."""
+    code_version()  # read now: a diverged run's marker records the code this process loaded
     if config.train.parallel != "none":
         raise ValueError(f"sweep runs each training in its own process (--jobs); train.parallel="
                          f"{config.train.parallel!r} is not supported: launch pretrain under torchrun instead")
