@@ -403,10 +403,11 @@ class _UsedFlags:
 
 
 def _used_anywhere(model: Any, process_group: Any, params: list) -> _UsedFlags | None:
-    """Under ``find_unused_parameters=True``, an all-reduce (MAX) of whether each of ``params``
-    has a gradient on this rank (it was used in this backward); None where DDP reduces only used
-    parameters (its default), so every one of them is."""
-    if not getattr(model, "find_unused_parameters", False):
+    """Under ``find_unused_parameters=True`` or ``static_graph=True`` (where DDP also reduces a
+    weight the forward pass did not use, as zeros, and leaves its gradient None), an all-reduce
+    (MAX) of whether each of ``params`` has a gradient on this rank (it was used in this
+    backward); None where DDP reduces only used parameters (its default), so every one of them is."""
+    if not (getattr(model, "find_unused_parameters", False) or getattr(model, "static_graph", False)):
         return None
     import torch.distributed as dist
 

@@ -212,19 +212,20 @@ def nonzero_gradients(params: list[torch.Tensor]) -> list[bool]:
     ``bool(grad.any())`` on such a DTensor reads this rank's rows alone (its ``any`` is a partial
     result), so ranks would decide apart."""
     found = [bool(to_local(p.grad).any()) for p in params]
-    by_group: dict[Any, list[int]] = {}
+    # by mesh and the mesh dimensions that shard (rows, or any other dimension: FSDP2's
+    # shard_placement_fn, tensor parallelism); a replicated dimension holds the same entries
+    by_mesh: dict[tuple, tuple[Any, list[int]]] = {}
     for i, p in enumerate(params):
         if is_dtensor(p.grad):
-            try:
-                sharding = row_sharding(p)
-            except ValueError:  # replicated: every rank holds the whole gradient
-                continue
-            if sharding is not None:
-                by_group.setdefault(sharding.group, []).append(i)
-    for group, indices in by_group.items():
+            mesh = p.grad.device_mesh
+            dims = tuple(d for d, placement in enumerate(p.grad.placements) if placement.is_shard())
+            if dims:
+                by_mesh.setdefault((id(mesh), dims), (mesh, []))[1].append(i)
+    for (_, dims), (mesh, indices) in by_mesh.items():
         device = to_local(params[indices[0]].grad).device
         flags = torch.tensor([float(found[i]) for i in indices], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        for d in dims:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
         for i, flag in zip(indices, flags.tolist()):
             found[i] = flag > 0
     return found

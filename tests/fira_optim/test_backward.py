@@ -439,6 +439,41 @@ def test_under_ddp_a_weight_no_rank_used_is_not_updated_in_the_backward_pass(tmp
         torch.testing.assert_close(h["a"], p["a"], rtol=1e-12, atol=1e-12)
 
 
+def _static_worker(rank, world_size, in_backward):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _SometimesSide()
+    opt = FiraAdamW([{"params": [model.a.weight, model.side.weight], "rank": 2, "update_proj_gap": 2}],
+                    lr=0.02, weight_decay=0.1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+    (model(x) ** 2).mean().backward()  # one step with side, the same on both ranks, before DDP
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.use_side = False  # then never again: a static graph without it
+    wrapped = DistributedDataParallel(model, static_graph=True)
+    if in_backward:
+        step_in_backward(opt, wrapped)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank), dtype=torch.float64)
+        (wrapped(x) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"side": model.side.weight.detach().clone(), "a": model.a.weight.detach().clone(),
+            "side_steps": int(opt.state[model.side.weight]["step"])}
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_static_graph_an_unused_weight_is_not_updated_in_the_backward_pass(tmp_path):
+    """static_graph=True reduces a weight the graph does not use, as zeros, and leaves its gradient
+    None, as find_unused_parameters=True does."""
+    plain = run_ranks(_static_worker, 2, tmp_path / "plain", False, timeout=100)
+    hooked = run_ranks(_static_worker, 2, tmp_path / "hooked", True, timeout=100)
+    for p, h in zip(plain, hooked):
+        assert p["side_steps"] == h["side_steps"] == 1
+        torch.testing.assert_close(h["side"], p["side"], rtol=0, atol=0)
+        torch.testing.assert_close(h["a"], p["a"], rtol=1e-12, atol=1e-12)
+
+
 def _split_refresh_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel
 

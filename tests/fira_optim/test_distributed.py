@@ -515,20 +515,28 @@ def _zero_rows_first(step: int) -> torch.Tensor:
     return grad
 
 
-def _zero_shard_worker(rank: int, world: int) -> dict:
-    param = torch.nn.Parameter(_shard(torch.linspace(-1, 1, 36, dtype=torch.float64).view(9, 4)))
+def _zero_shard_worker(rank: int, world: int, dim: int) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def shard(t):  # rows (FSDP2's layout) or columns (a shard_placement_fn, tensor parallelism)
+        t = t if dim == 0 else t.T.contiguous()
+        return distribute_tensor(t, _mesh(), [Shard(dim)], src_data_rank=None)
+
+    param = torch.nn.Parameter(shard(torch.linspace(-1, 1, 36, dtype=torch.float64).view(9, 4)))
     opt = FiraAdamW([{"params": [param], "rank": None}], lr=1e-2, weight_decay=0.1)
     for step in range(3):
-        param.grad = _shard(_zero_rows_first(step))
+        param.grad = shard(_zero_rows_first(step))
         opt.step()
-    return {"rows": param.to_local().detach().clone(), "step": float(opt.state[param]["step"])}
+    block = param.to_local().detach().clone()
+    return {"rows": block if dim == 0 else block.T, "step": float(opt.state[param]["step"])}
 
 
 @pytest.mark.timeout(120)
-def test_fsdp2_plain_parameter_zero_on_one_shard_steps_on_every_rank(tmp_path):
+@pytest.mark.parametrize("dim", [0, 1])
+def test_fsdp2_plain_parameter_zero_on_one_shard_steps_on_every_rank(tmp_path, dim):
     """Whether a plain parameter's gradient is all zero (before its first real step) is decided
     over every shard: a rank whose rows were zero stepped nothing and fell a step behind."""
-    results = run_ranks(_zero_shard_worker, 2, tmp_path, timeout=100)
+    results = run_ranks(_zero_shard_worker, 2, tmp_path, dim, timeout=100)
     param = torch.nn.Parameter(torch.linspace(-1, 1, 36, dtype=torch.float64).view(9, 4))
     opt = FiraAdamW([{"params": [param], "rank": None}], lr=1e-2, weight_decay=0.1)
     for step in range(3):

@@ -175,8 +175,9 @@ def multiple_choice(task: str | TaskSpec, record: dict[str, str]) -> MultipleCho
 
     Raises :class:`~fira_train.finetune.commonsense.CommonsenseDataError` when the options cannot
     be read (:func:`parse_question`), the answer is not one of them, the record has an ``input``
-    (the commonsense records have none; the option text could not say where it belongs), or a
-    WinoGrande sentence has no blank ``_`` or nothing after it.
+    (the commonsense records have none; the option text could not say where it belongs), an
+    option has no text (HellaSwag's, once cleaned), or a WinoGrande sentence has no blank ``_`` or
+    nothing after it.
     """
     spec = task if isinstance(task, TaskSpec) else resolve_task(task)
     where = f" (record {record['index']})" if "index" in record else ""
@@ -205,5 +206,9 @@ def multiple_choice(task: str | TaskSpec, record: dict[str, str]) -> MultipleCho
         options = tuple(_BOOLQ_WORDS[label] for label in question.labels)
     if spec.name == "hellaswag":
         stem, options = _clean_hellaswag(stem), tuple(_clean_hellaswag(o) for o in options)
+    empty = [label for label, option in zip(question.labels, options) if not option.strip()]
+    if empty:  # nothing to score (lm-eval fails on it, and its acc_norm would divide by 0)
+        raise CommonsenseDataError(f"task {spec.name!r}{where}: option {empty[0]} has no text to score "
+                                   f"(after cleaning)")
     return MultipleChoice(contexts=(_CONTEXT[spec.name].format(stem),),
                           continuations=tuple(f" {option}" for option in options), gold=gold, labels=question.labels)

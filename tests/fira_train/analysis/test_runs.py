@@ -133,6 +133,14 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
     with caplog.at_level(logging.INFO, logger="fira_train.analysis.runs"):
         summary = train_runs(lever, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
     assert "cannot continue" not in caplog.text and summary["sittings"] == 2
+    # stopped after its last checkpoint (while evaluating): nothing would train with the other
+    # setting, so the run is trained again from its start, not refused
+    (tmp_path / "out" / "fira" / "summary.json").unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
+        summary = train_runs(longer, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
+    assert "stopped after its last step with train.activation_checkpointing=True (now False)" in caplog.text
+    assert summary["sittings"] == 1
 
 
 def test_a_second_analysis_into_a_busy_run_folder_leaves_its_spec_alone(tmp_path: Path, corpus_root: Path) -> None:

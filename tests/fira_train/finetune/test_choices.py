@@ -130,6 +130,10 @@ def test_record_errors_name_the_record():
         multiple_choice("ARC-Easy", {**record(ARC, "answer1", index=3), "input": "context"})
     with pytest.raises(CommonsenseDataError, match=r"no option marker.*\(record 2\)"):
         multiple_choice("ARC-Easy", record(ARC.replace("Answer2:", "Answer two:"), "answer1", index=2))
+    # an ending that lm-eval's clean-up empties: nothing to score (lm-eval failed on it)
+    with pytest.raises(CommonsenseDataError, match=r"task 'hellaswag' \(record 5\): option ending2 has no text"):
+        multiple_choice("hellaswag", record(HELLA.replace("starts to play around the drums.", "[step]"), "ending1",
+                                            index=5))
 
 
 def test_multiple_choice_shape_is_checked():
