@@ -25,7 +25,7 @@ from pathlib import Path
 from fira_train.config.method_spec import SHARED, parse_method_spec, parse_method_specs, refuse_spec_keys
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import check_report_owner
+from fira_train.files import check_report_owner, refuse_links
 from fira_train.report.markdown import REPORT_TITLE, write_report
 from fira_train.report.plots import plot_curves
 from fira_train.run.isolated import run_isolated
@@ -55,6 +55,7 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
     rank 0 writes the report.
     """
     out_dir = Path(out_dir)
+    refuse_links(out_dir)
     refuse_spec_keys([parse_method_spec(m) for m in methods], SHARED,
                      "compare trains every method on the same data, tokens and seed (its report says so); "
                      "set it for all of them with key=value")

@@ -31,7 +31,7 @@ except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["DamagedFileError", "check_report_owner", "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir",
-           "locked", "read_json", "read_json_lines", "write_text_atomic"]
+           "locked", "read_json", "read_json_lines", "refuse_links", "write_text_atomic"]
 
 
 def measure_out_dir(out: str | None, recipe: str) -> str:
@@ -83,6 +83,26 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: ``os.O_NOFOLLOW`` where the platform has it: an open that fails on a symbolic link.
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def refuse_links(root: str | Path) -> None:
+    """ValueError naming the symbolic links below ``root`` (``root`` itself may be one: the
+    user's own ``--out``). fira-train writes none; one in a run folder from elsewhere (a download,
+    a shared drive) could point the run's writes, or its clean-ups, outside the folder."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    found = [Path(folder, name) for folder, folders, files in os.walk(root) for name in folders + files
+             if Path(folder, name).is_symlink()]  # os.walk descends into no linked folder
+    if found:
+        shown = ", ".join(repr(str(p)) for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ValueError(f"{str(root)!r} holds symbolic links ({shown}): fira-train makes none, and in a folder "
+                         "from elsewhere one could send the run's writes or deletions outside it; remove them, or "
+                         "copy the folder without them")
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """Replace ``path``'s content with ``text``: written to ``<name>.tmp`` beside it, flushed to
     disk, then renamed over it, so a reader (or a run resumed after a crash) sees the old file or
@@ -90,7 +110,11 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     path = Path(path)
     temp = path.with_name(path.name + ".tmp")
     try:
-        with open(temp, "w", encoding="utf-8") as handle:
+        # a temp file left there (or a symbolic link planted as one) is removed, never written
+        # through; the rename then replaces ``path`` itself, a link there included
+        temp.unlink(missing_ok=True)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o666)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())

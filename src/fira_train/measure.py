@@ -29,7 +29,7 @@ from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse
 from fira_train.config.overrides import changed_keys, describe_changed, flat_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import locked, read_json, write_text_atomic
+from fira_train.files import locked, read_json, refuse_links, write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes, is_estimated
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
@@ -106,6 +106,7 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     side by side (on CUDA, ``max_memory_allocated`` is per process).
     """
     out_dir = Path(out_dir)
+    refuse_links(out_dir)
     refuse_spec_keys(specs, ("train.steps",), f"memory --measure trains {steps} steps of every method (--steps)")
     if not append and (out_dir / "memory.json").exists():
         raise FileExistsError(f"--out {str(out_dir)!r} already holds a measurement (memory.json): pass "

@@ -84,3 +84,77 @@ def test_cut_back_json_lines_keeps_steps_up_to_the_checkpoint_and_drops_a_cut_li
     log.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
     with pytest.raises(DamagedFileError, match="line 2 is not valid JSON"):
         cut_back_json_lines(log, 3, hint="delete it")
+
+
+# ---------------------------------------------------------------- a run folder from elsewhere
+
+
+def test_symbolic_links_below_a_folder_are_refused_by_name(tmp_path: Path) -> None:
+    from fira_train.files import refuse_links
+
+    out = tmp_path / "out"
+    (out / "tb").mkdir(parents=True)
+    refuse_links(out)
+    refuse_links(tmp_path / "missing")  # nothing there yet: nothing to refuse
+    linked = tmp_path / "linked-out"
+    linked.symlink_to(out)
+    refuse_links(linked)  # the --out itself may be a link (the user's choice)
+    (out / "tb" / "events").symlink_to(tmp_path / "victim")
+    with pytest.raises(ValueError, match=r"holds symbolic links \('.*tb/events'\): fira-train makes none"):
+        refuse_links(out)
+    for i in range(4):
+        (out / f"link{i}").symlink_to(tmp_path)
+    with pytest.raises(ValueError, match="and 2 more"):
+        refuse_links(out)
+
+
+def test_an_atomic_write_replaces_a_link_planted_as_its_temp_file(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("SECRET")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json.tmp").symlink_to(victim)
+    write_text_atomic(out / "summary.json", "{}\n")
+    assert victim.read_text() == "SECRET"
+    assert (out / "summary.json").read_text() == "{}\n" and not (out / "summary.json").is_symlink()
+
+
+def test_the_lock_and_the_metrics_never_open_through_a_link(tmp_path: Path) -> None:
+    from fira_train.run.run_lock import LOCK_FILE, locked_run_directory
+
+    victim = tmp_path / "victim"
+    victim.write_text("SECRET")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_FILE).symlink_to(victim)
+    with pytest.raises(OSError):
+        with locked_run_directory(out):
+            pass
+    (out / "metrics.jsonl").symlink_to(tmp_path / "created-outside")
+    with pytest.raises(OSError):
+        MetricsLog(out, tensorboard=False)
+    assert victim.read_text() == "SECRET" and not (tmp_path / "created-outside").exists()
+
+
+def test_every_command_refuses_an_out_holding_links_before_it_trains(tmp_path: Path) -> None:
+    from fira_train.analysis.runs import AnalysisRun, train_runs
+    from fira_train.compare import compare
+    from fira_train.config.method_spec import parse_method_specs
+    from fira_train.measure import measure
+    from fira_train.sweep.driver import sweep
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config = micro_config(tmp_path, "train.steps=1")
+    out = tmp_path / "out"
+    (out / "adamw").mkdir(parents=True)
+    (out / "adamw" / "summary.json").symlink_to(tmp_path / "victim")
+    calls = {
+        "compare": lambda: compare(config, ["adamw"], out),
+        "sweep": lambda: sweep(config, ["adamw"], {"adamw": [0.01]}, [0], out),
+        "measure": lambda: measure(config, parse_method_specs("adamw"), 1, out),
+        "analyze": lambda: train_runs(config, [AnalysisRun("adamw", "adamw")], out, title="# T"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="holds symbolic links"):
+            call()
+        assert not (tmp_path / "victim").exists() and not (out / "report.md").exists(), name

@@ -29,7 +29,7 @@ from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import check_report_owner, cut_back_json_lines, read_json, write_text_atomic
+from fira_train.files import check_report_owner, cut_back_json_lines, read_json, refuse_links, write_text_atomic
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
@@ -124,6 +124,7 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
         raise ValueError(f"jobs must be an int >= 1, got jobs={jobs!r}")
     if reuse and overwrite:
         raise ValueError("--reuse keeps finished runs and --overwrite redoes them: pass one of them")
+    refuse_links(out_dir)  # a folder from elsewhere: no link sends a write or deletion outside it
     names = [r.name for r in runs]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

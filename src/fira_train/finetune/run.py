@@ -20,7 +20,7 @@ from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
 from fira_train.finetune.report import render_report
 from fira_train.finetune.train import checkpoint_dir, prepare_model, remove_checkpoints, resume_point, train_model
-from fira_train.files import dumps, write_text_atomic
+from fira_train.files import dumps, refuse_links, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.provenance import code_version
 from fira_train.run.peak_memory import malloc_env, process_peak_rss_bytes
@@ -43,6 +43,7 @@ def run_finetune(
     model.
     """
     code_version()  # read now, as the code that runs was loaded: results.json records it
+    refuse_links(config.out_dir)  # a run folder from elsewhere: no link sends a write or deletion outside it
     if config.threads:
         torch.set_num_threads(config.threads)
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "").strip()  # `accelerate launch --mixed_precision`

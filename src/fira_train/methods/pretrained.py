@@ -106,8 +106,9 @@ def load_causal_lm(name_or_path: str | None = None) -> tuple[torch.nn.Module, An
         raise ModelLoadError(f"model={name_or_path!r}: the folder has no config.json (not a save_pretrained folder)")
     source = str(path) if path.is_dir() else name_or_path
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        # a folder from elsewhere may name its own code (auto_map): never run it, nor ask whether to
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     except (OSError, ValueError) as err:
         where = "the folder" if path.is_dir() else "the Hugging Face hub (is the network reachable?)"
         reason = " ".join(str(err).split())  # transformers' messages span lines: one line here

@@ -52,7 +52,7 @@ from fira_train.config.overrides import config_to_dict
 from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import dumps as json_dumps, read_json, write_text_atomic
+from fira_train.files import dumps as json_dumps, read_json, refuse_links, write_text_atomic
 from fira_train.methods.model import count_parameters
 from fira_train.methods.registry import get_method
 from fira_train.provenance import code_version
@@ -136,6 +136,7 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     get_method(config.optim.method)
     code_version()  # read now, as the code that runs was loaded: the summary records it
     config = resolved(config)
+    refuse_links(config.train.out_dir)  # a run folder from elsewhere: no link sends a write outside it
     # before the lock file is created: nothing is added to a folder the run may not use
     run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
     keeping = stateful(callbacks)

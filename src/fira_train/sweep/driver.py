@@ -20,7 +20,7 @@ from fira_train.config.comma_list import comma_list, distinct
 from fira_train.config.method_spec import SHARED, parse_method_specs, refuse_spec_keys
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import check_report_owner, read_json
+from fira_train.files import check_report_owner, read_json, refuse_links
 from fira_train.provenance import code_version
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
 from fira_train.sweep.report import REPORT_TITLE, plot_lr, read_runs, write_json, write_markdown
@@ -100,6 +100,7 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
     if reference not in specs:
         raise ValueError(f"--reference {reference!r} is not among --methods ({', '.join(specs)})")
     out = Path(out_dir)
+    refuse_links(out)
     check_report_owner(out, (REPORT_TITLE,), "sweep")
     out.mkdir(parents=True, exist_ok=True)
     settings = {"recipe": config.recipe, "methods": list(specs), "lrs": lr_grids, "seeds": list(seeds),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import random
 import shutil
@@ -744,3 +745,43 @@ def test_a_settings_record_from_before_the_memory_options_resumes_only_without_t
     with pytest.raises(ValueError, match="other settings"):
         resume_point(FinetuneConfig(**common, step_in_backward=True))
     assert (tmp_path / "o" / "trainer" / "checkpoint-4").is_dir()
+
+
+def test_a_run_folder_holding_links_is_refused_before_anything_is_written_or_deleted(tiny_model_dir, tmp_path,
+                                                                                     capsys):
+    """OUT/predictions (or OUT/trainer) as a link to a folder outside: the stale predictions were
+    deleted there and the new ones written there."""
+    model_dir, data = tiny_model_dir
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "important.jsonl").write_text("keep me\n")
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "predictions").symlink_to(elsewhere)
+    err = _one_line_error(capsys, _zero_shot(model_dir, data, out, "--overwrite"))
+    assert "holds symbolic links" in err and "predictions" in err
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["important.jsonl"]
+
+
+def test_a_model_folder_naming_its_own_code_is_refused_without_running_or_asking(tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    """A --model folder from elsewhere whose config.json maps its model to a file of its own:
+    transformers asked on stdin whether to run it (and ran it on "y")."""
+    import shutil
+
+    from fira_train.methods.pretrained import ModelLoadError, load_causal_lm
+
+    model_dir, _ = tiny_model_dir
+    hostile = tmp_path / "hostile"
+    shutil.copytree(model_dir, hostile)
+    sentinel = tmp_path / "ran"
+    (hostile / "evil.py").write_text(f"open({str(sentinel)!r}, 'w').write('code ran')\n"
+                                     "from transformers import LlamaConfig as EvilConfig\n")
+    config = json.loads((hostile / "config.json").read_text())
+    config.update(model_type="evilllama", auto_map={"AutoConfig": "evil.EvilConfig"})
+    (hostile / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr("builtins.input", lambda *_: "y")  # a prompt answered yes would run it
+    monkeypatch.setattr("sys.stdin", io.StringIO("y\n"))
+    with pytest.raises(ModelLoadError, match="trust_remote_code"):
+        load_causal_lm(str(hostile))
+    assert not sentinel.exists()

@@ -464,3 +464,24 @@ def test_updates_in_the_backward_pass_do_not_change_on_resume_under_fp16(tmp_pat
     fp16 = micro_config(tmp_path, "train.precision=fp16")
     assert "optim.step_in_backward" not in resume_ignores(fp16)
     assert "train.activation_checkpointing" in resume_ignores(fp16)
+
+
+def test_a_resume_refuses_a_run_folder_holding_links_before_writing_anything(tmp_path: Path, capsys) -> None:
+    """A run folder from elsewhere: its lock file, a temp file or tb/ as a link to a file outside
+    had the resume truncate or write that file."""
+    config = micro_config(tmp_path, *COMMON)
+    train(config)
+    run = tmp_path / "run"
+    victim = tmp_path / "victim"
+    victim.write_text("SECRET")
+    (run / ".fira-train.lock").unlink()
+    (run / ".fira-train.lock").symlink_to(victim)
+    (run / "summary.json.tmp").symlink_to(victim)
+    args = ["pretrain", "--recipe", "micro", "--method", "adamw", "--steps", "4", "--out", str(run), "--resume",
+            "--data", config.data.source, f"data.cache_dir={config.data.cache_dir}", "data.vocab_size=300",
+            "data.val_fraction=0.1", "train.progress=false", "train.tensorboard=false", "train.save_every=1",
+            "train.keep_last=5", "train.eval_every=0"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds symbolic links" in err and ".fira-train.lock" in err
+    assert victim.read_text() == "SECRET"
