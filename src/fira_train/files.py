@@ -88,19 +88,30 @@ NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def refuse_links(root: str | Path) -> None:
-    """ValueError naming the symbolic links below ``root`` (``root`` itself may be one: the
-    user's own ``--out``). fira-train writes none; one in a run folder from elsewhere (a download,
-    a shared drive) could point the run's writes, or its clean-ups, outside the folder."""
+    """ValueError naming what below ``root`` is a link: a symbolic link (``root`` itself may be
+    one: the user's own ``--out``), or a file with other hard links; PermissionError naming a
+    folder below it that cannot be listed. fira-train makes none of these; in a run folder from
+    elsewhere (a download, a shared drive, an archive) one could point the run's writes, or its
+    clean-ups, at a file outside the folder."""
     root = Path(root)
     if not root.is_dir():
         return
-    found = [Path(folder, name) for folder, folders, files in os.walk(root) for name in folders + files
-             if Path(folder, name).is_symlink()]  # os.walk descends into no linked folder
+
+    def unreadable(err: OSError) -> None:  # os.walk would skip the folder, and what it holds
+        raise PermissionError(f"{str(root)!r} holds a folder fira-train cannot list ({err.filename!r}: "
+                              f"{err.strerror}): make it readable, or remove it") from None
+
+    found = []
+    for folder, folders, files in os.walk(root, onerror=unreadable):  # into no linked folder
+        for name in folders + files:
+            path = Path(folder, name)
+            if path.is_symlink() or (name in files and path.stat().st_nlink > 1):
+                found.append(path)
     if found:
         shown = ", ".join(repr(str(p)) for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        raise ValueError(f"{str(root)!r} holds symbolic links ({shown}): fira-train makes none, and in a folder "
-                         "from elsewhere one could send the run's writes or deletions outside it; remove them, or "
-                         "copy the folder without them")
+        raise ValueError(f"{str(root)!r} holds links ({shown}: symbolic, or files with other hard links): "
+                         "fira-train makes none, and in a folder from elsewhere one could send the run's writes "
+                         "or deletions to a file outside it; remove them, or copy the folder without them")
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
@@ -110,11 +121,11 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     path = Path(path)
     temp = path.with_name(path.name + ".tmp")
     try:
-        # a temp file left there (or a symbolic link planted as one) is removed, never written
-        # through; the rename then replaces ``path`` itself, a link there included
+        # a temp file left there (or a link planted as one) is removed, never written through
+        # ("x": O_CREAT | O_EXCL, which fails on any link); the rename then replaces ``path``
+        # itself, a link there included
         temp.unlink(missing_ok=True)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o666)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        with open(temp, "x", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())

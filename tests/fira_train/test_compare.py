@@ -79,7 +79,7 @@ def test_a_full_disk_while_the_report_is_written_leaves_the_old_one_and_resume_w
 
     def full_disk_open(file, mode="r", *args, **kwargs):
         handle = real_open(file, mode, *args, **kwargs)
-        if "w" in mode and Path(file).name.startswith("report.md"):
+        if ("w" in mode or "x" in mode) and Path(file).name.startswith("report.md"):
             def write(text, _write=handle.write):
                 _write(text[: len(text) // 2])
                 handle.flush()

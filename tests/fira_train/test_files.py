@@ -100,7 +100,7 @@ def test_symbolic_links_below_a_folder_are_refused_by_name(tmp_path: Path) -> No
     linked.symlink_to(out)
     refuse_links(linked)  # the --out itself may be a link (the user's choice)
     (out / "tb" / "events").symlink_to(tmp_path / "victim")
-    with pytest.raises(ValueError, match=r"holds symbolic links \('.*tb/events'\): fira-train makes none"):
+    with pytest.raises(ValueError, match=r"holds links \('.*tb/events': symbolic, or files with other hard links\)"):
         refuse_links(out)
     for i in range(4):
         (out / f"link{i}").symlink_to(tmp_path)
@@ -155,6 +155,56 @@ def test_every_command_refuses_an_out_holding_links_before_it_trains(tmp_path: P
         "analyze": lambda: train_runs(config, [AnalysisRun("adamw", "adamw")], out, title="# T"),
     }
     for name, call in calls.items():
-        with pytest.raises(ValueError, match="holds symbolic links"):
+        with pytest.raises(ValueError, match="holds links"):
             call()
         assert not (tmp_path / "victim").exists() and not (out / "report.md").exists(), name
+
+
+def test_hard_links_and_unlisted_folders_below_a_folder_are_refused(tmp_path: Path) -> None:
+    """An archive can hold a hard link to a file beside the folder it is unpacked into, and a
+    folder that cannot be listed: os.walk skipped it, with the links it holds."""
+    from fira_train.files import refuse_links
+    from fira_train.run.run_lock import LOCK_FILE, locked_run_directory
+
+    victim = tmp_path / "thesis.txt"
+    victim.write_text("My thesis")
+    out = tmp_path / "out"
+    (out / "predictions").mkdir(parents=True)
+    os.link(victim, out / "predictions" / "boolq.jsonl")
+    with pytest.raises(ValueError, match=r"holds links \('.*predictions/boolq.jsonl'"):
+        refuse_links(out)
+    (out / "predictions" / "boolq.jsonl").unlink()
+    os.link(victim, out / LOCK_FILE)
+    with pytest.raises(ValueError, match="has other hard links"):
+        with locked_run_directory(out):
+            pass
+    assert victim.read_text() == "My thesis"
+    (out / LOCK_FILE).unlink()
+    refuse_links(out)
+    hidden = out / "trainer"
+    (hidden / "checkpoint-2").mkdir(parents=True)
+    real_scandir = os.scandir
+
+    def scandir(path="."):  # a folder of mode 0100 (enter, not list), as root cannot make one
+        if Path(path) == hidden:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "scandir", scandir)
+        with pytest.raises(PermissionError, match=r"cannot list \('.*trainer': Permission denied\)"):
+            refuse_links(out)
+
+
+def test_the_commands_that_write_a_report_from_records_refuse_links_too(tmp_path: Path) -> None:
+    from fira_train.analysis.variance import run_variance_analysis
+    from fira_train.sweep.driver import rewrite_report
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "lr.png").symlink_to(tmp_path / "victim")
+    with pytest.raises(ValueError, match="holds links"):
+        rewrite_report(out)
+    with pytest.raises(ValueError, match="holds links"):
+        run_variance_analysis(out)
+    assert not (tmp_path / "victim").exists()

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from fira_train.files import check_report_owner, write_text_atomic
+from fira_train.files import check_report_owner, refuse_links, write_text_atomic
 from fira_train.report.plots import pyplot
 
 #: The heading of this analysis's report (a folder whose report.md has another is refused).
@@ -499,6 +499,7 @@ def run_variance_analysis(
     "seconds"}``.
     """
     out = Path(out_dir)
+    refuse_links(out)  # a folder from elsewhere: no link sends a write outside it
     check_report_owner(out, (f"# {TITLE}",), "analyze variance")
     _seed(seed)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < SHOWN_FROM:

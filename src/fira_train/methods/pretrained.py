@@ -77,8 +77,10 @@ def load_gguf(path: str | Path) -> tuple[torch.nn.Module, Any]:
         import gguf  # noqa: F401  (optional: transformers needs it to read the file; checked here)
     except ImportError:
         raise ModelLoadError("loading a GGUF file needs the `gguf` package (pip install gguf)") from None
-    quantized = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # the folder beside the file may name its own code (auto_map): never run it, nor ask whether to
+    quantized = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
     return _plain_copy(quantized), tokenizer
 
 

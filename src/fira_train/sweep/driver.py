@@ -145,6 +145,7 @@ def rewrite_report(out_dir: str | Path) -> tuple[Path, list[MethodSummary]]:
     """Write ``OUT``'s ``sweep.json``, ``report.md`` and ``lr.png`` again from the runs that
     ``OUT/sweep.json`` records (training nothing, reading no run folder); the report's path and rows."""
     out = Path(out_dir)
+    refuse_links(out)  # its plot is written in place
     saved = read_json(out / "sweep.json", hint="a sweep's report is rebuilt from it: run the sweep with --reuse")
     settings = dict(saved)  # the keys in the order sweep() writes them
     del settings["runs"]

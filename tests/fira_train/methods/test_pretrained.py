@@ -51,3 +51,24 @@ def test_packaged_smollm2_gguf_is_found_and_is_a_llama():
     assert head[:4] == b"GGUF"
     key = head.index(b"general.architecture")
     assert b"llama" in head[key : key + 64]
+
+
+def test_a_gguf_file_s_folder_is_loaded_without_its_own_code(tmp_path, monkeypatch):
+    """The folder beside a .gguf file may name its own code (auto_map): transformers asked on
+    stdin whether to run it, and ran it on "y"."""
+    pytest.importorskip("gguf")
+    import transformers
+
+    asked = []
+
+    def record(name):
+        def from_pretrained(*args, **kwargs):
+            asked.append((name, kwargs.get("trust_remote_code")))
+            raise OSError("stop here")
+        return from_pretrained
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", record("model"))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(Exception, match="stop here"):
+        pretrained.load_gguf(tmp_path / "m.gguf")
+    assert asked == [("model", False)]

@@ -483,5 +483,5 @@ def test_a_resume_refuses_a_run_folder_holding_links_before_writing_anything(tmp
             "train.keep_last=5", "train.eval_every=0"]
     assert main(args) == 1
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "holds symbolic links" in err and ".fira-train.lock" in err
+    assert len(err.splitlines()) == 1 and "holds links" in err and ".fira-train.lock" in err
     assert victim.read_text() == "SECRET"
