@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import precision
-from .options import param_name
+from .options import TORCH_ONLY, param_name
 from .projection import LEFT, projection_side
 
 #: Group options that fix the layout of a projected matrix's state.
@@ -55,6 +55,12 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
                     f"optimizer's group {gi} has {key}={group[key]!r}; build the optimizer with "
                     f"{key}={old[key]!r} to resume it"
                 )
+        # the loaded group's options replace this one's: one Fira does not implement would be
+        # dropped without a word (a maximize=True run turned into descent)
+        for key in TORCH_ONLY:
+            if old.get(key):
+                raise ValueError(f"{first}: the state dict's param group {gi} has {key}={old[key]!r}, which Fira "
+                                 f"does not implement (torch.optim.AdamW's {key}); it cannot be resumed as it ran")
 
 
 def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:

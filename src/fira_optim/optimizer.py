@@ -365,6 +365,11 @@ class Fira(Optimizer):
                 state = self.state.get(p)
                 if state and "basis" in state:
                     _check_loaded_state(p, state, group, gi, pi)
+                elif state:  # a plain parameter's moments have its shape (else the step fails midway)
+                    for key, value in state.items():
+                        if key in precision.SIGNED and tuple(value.shape) != tuple(p.shape):
+                            raise ValueError(f"loaded state {key!r} of param_groups[{gi}]['params'][{pi}] has shape "
+                                             f"{tuple(value.shape)}, expected the parameter's {tuple(p.shape)}")
 
     @property
     def in_backward(self) -> Any:
@@ -516,8 +521,8 @@ class Fira(Optimizer):
         is a new layout, whose building re-takes the states in the dtypes kept for the
         parameters' dtypes now, as a load would (also after a load, a copy or a pickle, which
         leave no cached layout)."""
-        key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"], g["state_dtype"])
-                    for g in self.param_groups)
+        key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"], g["state_dtype"], g["proj_type"],
+                     g["base"], g["residual"]) for g in self.param_groups)
         cached = self.__dict__.get("_layout")
         if cached is not None and cached[0] != key:
             self._check_group_changes(cached[0], key)
@@ -551,13 +556,15 @@ class Fira(Optimizer):
         return entries, total
 
     def _check_group_changes(self, before: tuple, after: tuple) -> None:
-        """A ``rank`` or ``state_dtype`` set in ``param_groups`` since the last step is refused
-        once the group has states (built for the old one: a new rank failed the step midway, some
-        matrices updated and others not; a new state_dtype failed inside torch after the weight
-        decay, or kept the old states without a word)."""
+        """A ``rank``, ``state_dtype``, ``proj_type``, ``base`` or ``residual`` set in
+        ``param_groups`` since the last step is refused once the group has states (built for the
+        old one: a new rank failed the step midway, some matrices updated and others not; a new
+        state_dtype failed inside torch after the weight decay, or kept the old states without a
+        word; a new side, base or residual rule looked for states the old one does not keep,
+        after the step counters or the weight decay had moved)."""
         for gi, (old, new) in enumerate(zip(before, after)):  # groups added since: add_param_group checked them
             group = self.param_groups[gi]
-            for position, name in ((2, "rank"), (4, "state_dtype")):
+            for position, name in ((2, "rank"), (4, "state_dtype"), (5, "proj_type"), (6, "base"), (7, "residual")):
                 if old[position] != new[position] and any(self.state.get(p) for p in group["params"]):
                     raise ValueError(
                         f"param_groups[{gi}]['{name}'] changed from {old[position]!r} to {new[position]!r} after "

@@ -252,6 +252,53 @@ def test_a_state_dtype_set_in_param_groups_after_states_exist_is_refused_before_
         opt.step()  # set back: trains on
 
 
+@pytest.mark.parametrize(("key", "first", "then"), [("proj_type", "std", "left"), ("base", "adam", "adagrad"),
+                                                    ("residual", "drop", "add")])
+def test_a_side_base_or_residual_rule_set_after_states_exist_is_refused_before_anything_changes(key, first,
+                                                                                               then) -> None:
+    """They looked for states the old rule does not keep (KeyError, a shape error), after the step
+    counters (or a plain parameter's weight decay) had moved: a step set back then drifted."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((8, 12), (12, 8), (6,))]
+    opt = FiraAdamW([{"params": params[:2], "rank": 3, key: first}, {"params": params[2:], "rank": None, key: first}],
+                    weight_decay=0.1)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    for group in opt.param_groups:
+        group[key] = then
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]\['{key}'\] changed from '{first}' to '{then}' after"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert [float(opt.state[p]["step"]) for p in params] == [1.0] * 3
+    for group in opt.param_groups:
+        group[key] = first
+    opt.step()  # set back: trains on, as if never changed
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0] * 3
+
+
+def test_a_loaded_state_dict_with_an_option_fira_lacks_or_a_plain_state_of_another_shape_is_refused() -> None:
+    """amsgrad / maximize of a torch.optim.AdamW state were dropped without a word (a maximize
+    run then descended); a plain state of another shape loaded, and the next step failed midway."""
+    weight, bias = torch.nn.Parameter(torch.randn(8, 12)), torch.nn.Parameter(torch.randn(7))
+    for key in ("maximize", "amsgrad"):
+        adamw = torch.optim.AdamW([bias], **{key: True})
+        bias.grad = torch.ones(7)
+        adamw.step()
+        fira = FiraAdamW([{"params": [bias], "rank": None}])
+        with pytest.raises(ValueError, match=rf"param group 0 has {key}=True, which Fira does not implement"):
+            fira.load_state_dict(adamw.state_dict())
+    other = torch.nn.Parameter(torch.randn(6))
+    saved = FiraAdamW([{"params": [weight], "rank": 3}, {"params": [other], "rank": None}])
+    weight.grad, other.grad = torch.randn(8, 12), torch.randn(6)
+    saved.step()
+    fira = FiraAdamW([{"params": [weight], "rank": 3}, {"params": [bias], "rank": None}])
+    with pytest.raises(ValueError, match=r"loaded state 'exp_avg' of param_groups\[1\]\['params'\]\[0\] has shape "
+                                         r"\(6,\), expected the parameter's \(7,\)"):
+        fira.load_state_dict(saved.state_dict())
+
+
 def test_integer_parameters_with_a_gradient_are_refused_and_stochastic_rounding_of_fp16_warns() -> None:
     """A projected int matrix was "trained" by truncating the update; a frozen one (a quantized
     layer's int8 weight, as torch.optim.AdamW takes) is left alone."""
