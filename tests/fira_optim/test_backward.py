@@ -413,9 +413,14 @@ def _unused_worker(rank, world_size, in_backward, bucket_view):
                     lr=0.02, weight_decay=0.1)
     if in_backward:
         step_in_backward(opt, wrapped)
-    for step in range(4):
-        # side: used by both ranks at step 0, by rank 0 only at step 2, by none at steps 1 and 3
-        model.use_side = step == 0 or (step == 2 and rank == 0)
+    # side: used by both ranks at step 0, by rank 0 only at step 2, by none at steps 1 and 3
+    return _train_side(model, wrapped, opt, rank, 4, lambda step: step == 0 or (step == 2 and rank == 0))
+
+
+def _train_side(model, wrapped, opt, rank, steps, uses_side) -> dict:
+    """``steps`` steps of ``wrapped`` on each rank's own batch, ``side`` used where ``uses_side(step)``."""
+    for step in range(steps):
+        model.use_side = uses_side(step)
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank), dtype=torch.float64)
         (wrapped(x) ** 2).mean().backward()
         opt.step()
@@ -453,13 +458,7 @@ def _static_worker(rank, world_size, in_backward):
     wrapped = DistributedDataParallel(model, static_graph=True)
     if in_backward:
         step_in_backward(opt, wrapped)
-    for step in range(3):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank), dtype=torch.float64)
-        (wrapped(x) ** 2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {"side": model.side.weight.detach().clone(), "a": model.a.weight.detach().clone(),
-            "side_steps": int(opt.state[model.side.weight]["step"])}
+    return _train_side(model, wrapped, opt, rank, 3, lambda step: False)
 
 
 @pytest.mark.timeout(120)

@@ -239,17 +239,7 @@ def test_a_state_dtype_set_in_param_groups_after_states_exist_is_refused_before_
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
         opt.step()
-        before = [p.detach().clone() for p in params]
-        for group in opt.param_groups:
-            group["state_dtype"] = then
-        with pytest.raises(ValueError, match=rf"param_groups\[0\]\['state_dtype'\] changed from '{first}' to "
-                                             rf"'{then}' after"):
-            opt.step()
-        assert all(torch.equal(p, b) for p, b in zip(params, before))
-        assert [float(opt.state[p]["step"]) for p in params] == [1.0, 1.0]
-        for group in opt.param_groups:
-            group["state_dtype"] = first
-        opt.step()  # set back: trains on
+        _refused_then_set_back(opt, params, "state_dtype", first, then)
 
 
 @pytest.mark.parametrize(("key", "first", "then"), [("proj_type", "std", "left"), ("base", "adam", "adagrad"),
@@ -265,17 +255,23 @@ def test_a_side_base_or_residual_rule_set_after_states_exist_is_refused_before_a
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
     opt.step()
+    _refused_then_set_back(opt, params, key, first, then)
+
+
+def _refused_then_set_back(opt, params, key: str, first: str, then: str) -> None:
+    """After one step: ``key`` set to ``then`` in every group is refused with nothing changed,
+    and set back to ``first`` the optimizer trains on."""
     before = [p.detach().clone() for p in params]
     for group in opt.param_groups:
         group[key] = then
     with pytest.raises(ValueError, match=rf"param_groups\[0\]\['{key}'\] changed from '{first}' to '{then}' after"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
-    assert [float(opt.state[p]["step"]) for p in params] == [1.0] * 3
+    assert [float(opt.state[p]["step"]) for p in params] == [1.0] * len(params)
     for group in opt.param_groups:
         group[key] = first
     opt.step()  # set back: trains on, as if never changed
-    assert [float(opt.state[p]["step"]) for p in params] == [2.0] * 3
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0] * len(params)
 
 
 def test_a_loaded_state_dict_with_an_option_fira_lacks_or_a_plain_state_of_another_shape_is_refused() -> None:

@@ -8,6 +8,7 @@ import logging
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -331,19 +332,24 @@ def test_a_resumed_run_reports_its_wall_time_and_peak_over_every_sitting(tmp_pat
     assert first["peak_memory_kind"] == resumed["peak_memory_kind"]
 
 
+def _stopped_at(run: Path, step: int, progress: Callable[[dict], dict]) -> None:
+    """``run`` (finished) as if stopped right after step ``step``'s checkpoint (its summary and
+    later checkpoints gone), that checkpoint's progress record replaced by ``progress(record)``."""
+    (run / "summary.json").unlink()
+    for path in [p for s, p in ckpt.complete_checkpoints(run) if s > step]:
+        shutil.rmtree(path)
+    path = ckpt.find_checkpoint(run, step)
+    state = ckpt.load_checkpoint(run, path)
+    state["progress"] = progress(state["progress"])
+    shutil.rmtree(path)
+    ckpt.save_checkpoint(run, step, state)
+
+
 def test_a_checkpoint_without_the_totals_resumes_with_the_sittings_unknown(tmp_path: Path) -> None:
     """One written before the totals were kept: its earlier sittings cannot be counted."""
     config = micro_config(tmp_path, *COMMON)
     train(config)
-    run = tmp_path / "run"
-    (run / "summary.json").unlink()
-    for step in (3, 4):
-        shutil.rmtree(ckpt.find_checkpoint(run, step))
-    path = ckpt.find_checkpoint(run, 2)
-    state = ckpt.load_checkpoint(run, path)
-    state["progress"] = {k: state["progress"][k] for k in ("tokens", "train_time_s")}
-    shutil.rmtree(path)
-    ckpt.save_checkpoint(run, 2, state)
+    _stopped_at(tmp_path / "run", 2, lambda progress: {k: progress[k] for k in ("tokens", "train_time_s")})
     assert train(config, resume="latest")["sittings"] is None
 
 
@@ -406,14 +412,9 @@ def test_a_resume_may_change_a_memory_lever_and_goes_on_bit_for_bit(tmp_path: Pa
     straight = train(micro_config(tmp_path, *common, out="straight"))
     train(micro_config(tmp_path, *common))
     run = tmp_path / "run"
-    (run / "summary.json").unlink()  # stopped after step 3's checkpoint (steps 4 and 5 cross a refresh)
-    for step in (4, 5):
-        shutil.rmtree(ckpt.find_checkpoint(run, step))
-    path = ckpt.find_checkpoint(run, 3)
-    state = ckpt.load_checkpoint(run, path)
-    state["progress"]["peak_memory_bytes"] = 10 ** 15  # the earlier setting's peak: not this one's
-    shutil.rmtree(path)
-    ckpt.save_checkpoint(run, 3, state)
+    # stopped after step 3's checkpoint (steps 4 and 5 cross a refresh); the earlier setting's
+    # peak, not this one's
+    _stopped_at(run, 3, lambda progress: {**progress, "peak_memory_bytes": 10 ** 15})
     changed = micro_config(tmp_path, *common, lever)
     with caplog.at_level(logging.WARNING):
         resumed = train(changed, resume="latest")
@@ -442,15 +443,7 @@ def test_a_resume_may_change_a_memory_lever_and_goes_on_bit_for_bit(tmp_path: Pa
 def test_the_same_checkpoint_without_a_lever_change_keeps_the_earlier_peak(tmp_path: Path) -> None:
     config = micro_config(tmp_path, *COMMON)
     train(config)
-    run = tmp_path / "run"
-    (run / "summary.json").unlink()
-    for step in (3, 4):
-        shutil.rmtree(ckpt.find_checkpoint(run, step))
-    path = ckpt.find_checkpoint(run, 2)
-    state = ckpt.load_checkpoint(run, path)
-    state["progress"]["peak_memory_bytes"] = 10 ** 15
-    shutil.rmtree(path)
-    ckpt.save_checkpoint(run, 2, state)
+    _stopped_at(tmp_path / "run", 2, lambda progress: {**progress, "peak_memory_bytes": 10 ** 15})
     assert train(config, resume="latest")["peak_memory_bytes"] == 10 ** 15
 
 
