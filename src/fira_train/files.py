@@ -21,7 +21,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,31 +87,45 @@ def fsync_dir(path: Path) -> None:
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def refuse_links(root: str | Path) -> None:
+def refuse_links(root: str | Path, names: Collection[str] | None = None) -> None:
     """ValueError naming what below ``root`` is a link: a symbolic link (``root`` itself may be
     one: the user's own ``--out``), or a file with other hard links; PermissionError naming a
     folder below it that cannot be listed. fira-train makes none of these; in a run folder from
     elsewhere (a download, a shared drive, an archive) one could point the run's writes, or its
-    clean-ups, at a file outside the folder."""
+    clean-ups, at a file outside the folder. ``names``: only the entries of ``root`` so named (or
+    named so plus ``.tmp``, a write interrupted) and what they hold: those a command writes, where
+    ``root`` may hold the user's own files too. What vanishes while it is looked at (another
+    process's temp file) is passed over."""
     root = Path(root)
     if not root.is_dir():
         return
 
     def unreadable(err: OSError) -> None:  # os.walk would skip the folder, and what it holds
+        if isinstance(err, FileNotFoundError):
+            return
         raise PermissionError(f"{str(root)!r} holds a folder fira-train cannot list ({err.filename!r}: "
-                              f"{err.strerror}): make it readable, or remove it") from None
+                              f"{err.strerror}): make it readable, or choose another --out") from None
+
+    def linked(path: Path, is_file: bool) -> bool:
+        try:
+            return path.is_symlink() or (is_file and path.stat().st_nlink > 1)
+        except FileNotFoundError:
+            return False
 
     found = []
     for folder, folders, files in os.walk(root, onerror=unreadable):  # into no linked folder
-        for name in folders + files:
-            path = Path(folder, name)
-            if path.is_symlink() or (name in files and path.stat().st_nlink > 1):
-                found.append(path)
+        if names is not None and Path(folder) == root:
+            ours = {n for n in names} | {f"{n}.tmp" for n in names}
+            folders[:] = [n for n in folders if n in ours]
+            files = [n for n in files if n in ours]
+        found += [Path(folder, n) for n in folders if linked(Path(folder, n), False)]
+        found += [Path(folder, n) for n in files if linked(Path(folder, n), True)]
     if found:
         shown = ", ".join(repr(str(p)) for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise ValueError(f"{str(root)!r} holds links ({shown}: symbolic, or files with other hard links): "
                          "fira-train makes none, and in a folder from elsewhere one could send the run's writes "
-                         "or deletions to a file outside it; remove them, or copy the folder without them")
+                         "or deletions to a file outside it; choose another --out (a run folder from elsewhere: "
+                         "copy it without them)")
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

@@ -175,7 +175,7 @@ def test_hard_links_and_unlisted_folders_below_a_folder_are_refused(tmp_path: Pa
         refuse_links(out)
     (out / "predictions" / "boolq.jsonl").unlink()
     os.link(victim, out / LOCK_FILE)
-    with pytest.raises(ValueError, match="has other hard links"):
+    with pytest.raises(OSError, match="has other hard links"):
         with locked_run_directory(out):
             pass
     assert victim.read_text() == "My thesis"
@@ -208,3 +208,53 @@ def test_the_commands_that_write_a_report_from_records_refuse_links_too(tmp_path
     with pytest.raises(ValueError, match="holds links"):
         run_variance_analysis(out)
     assert not (tmp_path / "victim").exists()
+
+
+def test_only_what_a_run_writes_must_be_free_of_links_where_the_user_keeps_files_beside(tmp_path: Path) -> None:
+    """A folder of the user's (a checkout with hard-linked objects, a data link) given as --out
+    with --overwrite keeps their files: only the names the run writes are looked at."""
+    from fira_train.files import refuse_links
+    from fira_train.run.run_files import WRITTEN
+
+    out = tmp_path / "out"
+    (out / ".git" / "objects").mkdir(parents=True)
+    (tmp_path / "blob").write_text("x")
+    os.link(tmp_path / "blob", out / ".git" / "objects" / "ab")
+    (out / "data_link").symlink_to(tmp_path)
+    refuse_links(out, WRITTEN)
+    with pytest.raises(ValueError, match="holds links"):
+        refuse_links(out)
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "step_00000001").symlink_to(tmp_path)
+    with pytest.raises(ValueError, match=r"holds links \('.*checkpoints/step_00000001'"):
+        refuse_links(out, WRITTEN)
+    (out / "checkpoints" / "step_00000001").unlink()
+    (out / "summary.json.tmp").symlink_to(tmp_path / "blob")  # a write interrupted is the run's too
+    with pytest.raises(ValueError, match="summary.json.tmp"):
+        refuse_links(out, WRITTEN)
+
+
+def test_what_vanishes_while_a_folder_is_looked_at_is_passed_over(tmp_path: Path, monkeypatch) -> None:
+    """Another process's temp file or checkpoint folder, gone between the listing and the look
+    (memory --measure --append side by side; a second run into a busy folder, which the lock then
+    refuses with its own message)."""
+    from fira_train.files import refuse_links
+
+    out = tmp_path / "out"
+    (out / "checkpoints" / ".tmp-step_00000002-7").mkdir(parents=True)
+    (out / "memory.json.tmp").write_text("{}")
+    real_scandir, real_stat = os.scandir, Path.stat
+
+    def scandir(path="."):
+        if Path(path).name.startswith(".tmp-step"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_scandir(path)
+
+    def stat(self, *args, **kwargs):
+        if self.name == "memory.json.tmp":
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    monkeypatch.setattr(Path, "stat", stat)
+    refuse_links(out)

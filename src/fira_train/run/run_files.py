@@ -38,6 +38,8 @@ RUN_DIRS = frozenset({"tb", "checkpoints"})
 #: Files the analyses write into their runs' folders (``fira_train.analysis``: the run spec,
 #: :data:`~fira_train.analysis.callbacks.NORMS_FILE`, :data:`~fira_train.analysis.similarity.FACTORS_FILE`).
 ANALYSIS_FILES = frozenset({"analysis_run.json", "norms.jsonl", "scaling_factors.jsonl"})
+#: Every name a run (an analysis's included) writes in its folder: what must hold no link.
+WRITTEN = RUN_FILES | RUN_DIRS | ANALYSIS_FILES
 #: What a run writes under ``checkpoints/``: complete, temporary and replaced checkpoints.
 _CHECKPOINT_ENTRY = re.compile(r"^(\.tmp-|\.old-)?step_\d{8,}(-\d+)?$")
 _CONFIG_KEYS = frozenset({"recipe", "model", "optim", "data", "train"})

@@ -61,10 +61,10 @@ class RunLock:
         # never through a link planted as the lock: it would truncate the file it names (a
         # symbolic link fails to open; a file with other hard links is refused before it is written)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        if os.fstat(fd).st_nlink > 1:
+        if os.fstat(fd).st_nlink > 1:  # an OSError: under torchrun every rank raises it (locked_run_directory)
             os.close(fd)
-            raise ValueError(f"{str(self.path)!r} has other hard links: a run folder from elsewhere may name a file "
-                             "outside it so; remove it")
+            raise OSError(f"{str(self.path)!r} has other hard links: a run folder from elsewhere may name a file "
+                          "outside it so; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

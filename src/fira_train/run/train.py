@@ -136,9 +136,10 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     get_method(config.optim.method)
     code_version()  # read now, as the code that runs was loaded: the summary records it
     config = resolved(config)
-    refuse_links(config.train.out_dir)  # a run folder from elsewhere: no link sends a write outside it
     # before the lock file is created: nothing is added to a folder the run may not use
     run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
+    # a run folder from elsewhere: no link among what the run writes sends a write outside it
+    refuse_links(config.train.out_dir, run_files.WRITTEN)
     keeping = stateful(callbacks)
     if keeping and config.train.parallel != "none":
         raise ValueError(f"callbacks that keep state ({', '.join(keeping)}) run in one process only: "
