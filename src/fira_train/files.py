@@ -37,7 +37,7 @@ __all__ = ["DamagedFileError", "check_report_owner", "cut_back_json_lines", "dum
 def measure_out_dir(out: str | None, recipe: str) -> str:
     """Where ``fira-train memory --measure`` writes: ``--out``, else ``runs/<recipe>-memory`` (the
     recipe's name in lower case, as recipes are looked up)."""
-    return str(out) if out else f"runs/{recipe.lower()}-memory"
+    return str(out) if out else f"runs/{(recipe or 'recipe').lower()}-memory"  # no recipe: memory without --measure
 
 
 def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,

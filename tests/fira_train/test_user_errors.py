@@ -299,3 +299,18 @@ def test_a_full_disk_names_the_next_command_of_sweep_and_memory(tmp_path: Path) 
         f"(the methods measured so far stay in {tmp_path / 'mem' / 'memory.json'})")
     # without --out: the folder of the recipe as it is looked up, in lower case
     assert _memory_json(Namespace(command="memory", out=None, recipe="MICRO")) == Path("runs/micro-memory/memory.json")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_memory_without_measure_into_a_full_stdout_is_one_line_not_a_crash_of_the_handler() -> None:
+    """The full-disk message looked for memory --measure's folder, from a recipe memory without
+    --measure does not have (AttributeError inside the error handler, 38 lines)."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "fira_train", "memory"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120, check=False)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("fira-train")]
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert len(lines) == 1 and "no space left" in lines[0]

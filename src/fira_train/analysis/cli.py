@@ -93,7 +93,7 @@ def _run(target: str, **extra: Callable[[argparse.Namespace], Any]):
     def command(args: argparse.Namespace) -> int:
         analysis = getattr(importlib.import_module(module_name), function)
         config, given = _config(args)
-        out = args.out or f"runs/analysis/{args.analysis}"
+        out = _out(args, f"runs/analysis/{args.analysis}")
         options = {key: get(args) for key, get in extra.items()}
         options = {k: v for k, v in options.items() if v is not None}
         result = analysis(config, out, reuse=args.reuse, overwrite=args.overwrite, jobs=args.jobs,
@@ -124,8 +124,15 @@ def _common(parser: argparse.ArgumentParser, name: str) -> None:
     parser.set_defaults(analysis=name)
 
 
+def _out(args: argparse.Namespace, default: str) -> str:
+    """``--out``, else ``default``; ValueError for an empty one (it fell back to ``default``)."""
+    if args.out == "":
+        raise ValueError(f"--out '' names no folder: give a path, or leave --out out for {default}")
+    return args.out or default
+
+
 def _variance(args: argparse.Namespace) -> int:
-    out = args.out or "runs/analysis/variance"
+    out = _out(args, "runs/analysis/variance")
     result = run_variance_analysis(out, samples=args.samples, steps=args.steps, seed=args.seed,
                                    command=_command_line(args), machine=_machine())
     print(Path(result["report"]).read_text())

@@ -31,6 +31,10 @@ PARAM_DTYPES = ("float32", "bfloat16")
 PARALLEL_MODES = ("none", "ddp", "fsdp2")
 
 
+#: The largest seed: numpy's ``random.seed`` takes ``[0, 2**32 - 1]``.
+MAX_SEED = 2**32 - 1
+
+
 def _check(condition: bool, name: str, value: Any, requirement: str) -> None:
     if not condition:
         raise ValueError(f"{name} must be {requirement}, got {value!r}")
@@ -263,9 +267,13 @@ class TrainConfig:
                "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         _check(_is_number(self.grad_clip) and self.grad_clip >= 0,
                "train.grad_clip", self.grad_clip, "a number >= 0 (0 disables clipping)")
-        for name in ("eval_every", "save_every", "seed", "num_threads"):
+        for name in ("eval_every", "save_every", "num_threads"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 0, f"train.{name}", value, "an integer >= 0")
+        # numpy's generators take no more (checked here: numpy's own error named no argument, and
+        # came after the run folder was made)
+        _check(_is_int(self.seed) and 0 <= self.seed <= MAX_SEED, "train.seed", self.seed,
+               f"an integer in [0, {MAX_SEED}]")
         _check(_is_int(self.keep_last) and self.keep_last >= 1,
                "train.keep_last", self.keep_last, "an integer >= 1")
         _check(isinstance(self.out_dir, str) and self.out_dir != "", "train.out_dir", self.out_dir,

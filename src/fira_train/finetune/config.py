@@ -189,6 +189,11 @@ class FinetuneConfig:
             raise FinetuneError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
         if self.threads is not None and self.threads <= 0:
             raise FinetuneError(f"threads={self.threads!r} must be a positive integer")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 2**32 - 1:
+            # numpy's generators take no more: its own error named no argument, after the model loaded
+            raise FinetuneError(f"seed={self.seed!r} must be an integer in [0, {2**32 - 1}]")
+        if self.out == "":
+            raise FinetuneError("out='' names no folder: give a path, or leave --out out for runs/finetune/<method>")
         if self.state_dtype not in STATE_DTYPES:
             raise FinetuneError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
         if self.precision not in PRECISIONS:

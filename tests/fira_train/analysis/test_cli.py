@@ -96,6 +96,9 @@ def test_analyze_variance_leaves_another_report_alone(tmp_path: Path, capsys: py
     assert "seed must be an int >= 0, got seed=-1" in capsys.readouterr().err
     assert main(["analyze", "variance", "--steps", "3", "--out", str(tmp_path / "v")]) == 1  # was matplotlib's
     assert "steps must be an int >= 5 (--steps)" in capsys.readouterr().err
+    # an empty --out fell back to the default folder under the working directory
+    assert main(["analyze", "variance", "--out", ""]) == 1
+    assert "--out '' names no folder" in capsys.readouterr().err
 
 
 def test_default_ranks_follow_the_recipes_width() -> None:

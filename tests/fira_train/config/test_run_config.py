@@ -95,3 +95,15 @@ def test_optim_fira_options_reach_the_optimizer():
     only = apply_overrides(config, ["optim.method=fira-only-scaling-random"])
     assert all(g["projector"] == "random" for g in build_method(model, only).optimizer.param_groups
                if g["rank"] is not None)
+
+
+def test_a_seed_numpy_cannot_take_is_refused_with_the_key() -> None:
+    """numpy's own error ("Seed must be between 0 and 2**32 - 1") named no argument, and came once
+    the run folder was made."""
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import micro
+
+    assert apply_overrides(micro(), [f"train.seed={2**32 - 1}"]).train.seed == 2**32 - 1
+    for value in (2**32, -1):
+        with pytest.raises(ValueError, match=rf"train.seed must be an integer in \[0, 4294967295\], got {value}"):
+            apply_overrides(micro(), [f"train.seed={value}"])

@@ -785,3 +785,11 @@ def test_a_model_folder_naming_its_own_code_is_refused_without_running_or_asking
     with pytest.raises(ModelLoadError, match="trust_remote_code"):
         load_causal_lm(str(hostile))
     assert not sentinel.exists()
+
+
+def test_config_rejects_a_seed_numpy_cannot_take_and_an_empty_out():
+    for seed in (-1, 2**32):
+        with pytest.raises(FinetuneError, match=rf"seed={seed} must be an integer in \[0, 4294967295\]"):
+            FinetuneConfig(tasks=["boolq"], data_dir=".", seed=seed)
+    with pytest.raises(FinetuneError, match="out='' names no folder"):
+        FinetuneConfig(tasks=["boolq"], data_dir=".", out="")
