@@ -20,7 +20,7 @@ from fira_train.config.comma_list import comma_list, distinct
 from fira_train.config.method_spec import SHARED, parse_method_specs, refuse_spec_keys
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import check_report_owner, read_json, refuse_links
+from fira_train.files import DamagedFileError, check_report_owner, read_json, refuse_links
 from fira_train.provenance import code_version
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
 from fira_train.sweep.report import REPORT_TITLE, plot_lr, read_runs, write_json, write_markdown
@@ -146,9 +146,23 @@ def rewrite_report(out_dir: str | Path) -> tuple[Path, list[MethodSummary]]:
     ``OUT/sweep.json`` records (training nothing, reading no run folder); the report's path and rows."""
     out = Path(out_dir)
     refuse_links(out)  # its plot is written in place
-    saved = read_json(out / "sweep.json", hint="a sweep's report is rebuilt from it: run the sweep with --reuse")
-    settings = dict(saved)  # the keys in the order sweep() writes them
-    del settings["runs"]
-    settings["methods"] = [m["spec"] for m in saved["methods"]]  # the summary rows, in --methods order
-    settings["lrs"] = {spec: [float(lr) for lr in lrs] for spec, lrs in saved["lrs"].items()}
-    return out / "report.md", _write_files(out, settings, read_runs(saved))
+    hint = "a sweep's report is rebuilt from it: run the sweep with --reuse"
+    saved = read_json(out / "sweep.json", hint=hint)
+    try:  # valid JSON of another shape (edited, another tool's): named, not a traceback
+        missing = [key for key in SWEEP_KEYS if key not in saved]
+        if missing:
+            raise KeyError(", ".join(missing))
+        settings = dict(saved)  # the keys in the order sweep() writes them
+        del settings["runs"]
+        settings["methods"] = [m["spec"] for m in saved["methods"]]  # the summary rows, in --methods order
+        settings["lrs"] = {spec: [float(lr) for lr in lrs] for spec, lrs in saved["lrs"].items()}
+        settings["seeds"] = [int(seed) for seed in saved["seeds"]]
+        runs = read_runs(saved)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        what = f"no {err.args[0]}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        raise DamagedFileError(out / "sweep.json", f"not a sweep's record: {what}", hint) from None
+    return out / "report.md", _write_files(out, settings, runs)
+
+
+#: What ``sweep.json`` holds that :func:`rewrite_report` reads.
+SWEEP_KEYS = ("recipe", "methods", "lrs", "seeds", "all_seeds", "reference", "runs")

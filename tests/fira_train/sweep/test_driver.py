@@ -266,3 +266,20 @@ def test_sweep_refuses_torchrun_parallelism_and_bad_jobs(tmp_path: Path) -> None
         sweep(micro_config(tmp_path, "optim.state_dtype=int8"), ["fira", "adamw"],
               {"fira": [0.01], "adamw": [0.001]}, [0], tmp_path / "out")
     assert not (tmp_path / "out").exists()  # refused before the first run
+
+
+@pytest.mark.parametrize("saved", [[], {"version": 999},
+                                   {"recipe": "micro", "methods": [1], "lrs": {}, "seeds": [0], "all_seeds": False,
+                                    "reference": "a", "runs": []},
+                                   {"recipe": "micro", "methods": [], "lrs": {"a": ["abc"]}, "seeds": [0],
+                                    "all_seeds": False, "reference": "a", "runs": []},
+                                   {"recipe": "micro", "methods": [], "lrs": {}, "seeds": [0], "all_seeds": False,
+                                    "reference": "a", "runs": "x"}])
+def test_report_only_names_a_sweep_json_of_another_shape(tmp_path: Path, saved) -> None:
+    """Valid JSON that is not a sweep's record was a traceback (KeyError 'runs', TypeError ...)."""
+    from fira_train.files import DamagedFileError
+
+    (tmp_path / "sweep.json").write_text(json.dumps(saved))
+    with pytest.raises(DamagedFileError, match=r"sweep.json is damaged \(not a sweep's record: .*--reuse"):
+        rewrite_report(tmp_path)
+    assert not (tmp_path / "report.md").exists()
