@@ -469,7 +469,7 @@ class Fira(Optimizer):
                 # step ahead of the projected matrices (which stay at step 0) and of a
                 # fresh optimizer.
                 state = self.state.get(p)
-                if (state and float(state["step"]) > 0) or signal[id(p)]:
+                if signal.get(id(p), True):  # not in ``signal``: past its first real step
                     plain_of.setdefault(gi, []).append(p)
                 elif not state:  # build the state, change nothing
                     unprojected.init_state(self.state[p], p, group)

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fira_train.files import NOFOLLOW
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX
@@ -60,7 +62,7 @@ class RunLock:
         self.out.mkdir(parents=True, exist_ok=True)
         # never through a link planted as the lock: it would truncate the file it names (a
         # symbolic link fails to open; a file with other hard links is refused before it is written)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
         if os.fstat(fd).st_nlink > 1:  # an OSError: under torchrun every rank raises it (locked_run_directory)
             os.close(fd)
             raise OSError(f"{str(self.path)!r} has other hard links: a run folder from elsewhere may name a file "

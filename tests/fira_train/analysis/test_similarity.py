@@ -304,14 +304,7 @@ def test_the_recorder_leaves_out_matrices_the_run_trains_as_plain_adam(tmp_path:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 30),
                                 torch.nn.Tanh(), torch.nn.Linear(30, 4))  # 4 x 30: min side 4 < rank 5
-    optimizer = fira_optim.FiraAdamW(fira_optim.param_groups(model, rank=5), lr=LR)
-    recorder = ScalingFactorRecorder(tmp_path / FACTORS_FILE, every=1, columns=3, shadow=True)
-    x, y = torch.randn(16, 24), torch.randn(16, 4)
-    for step in (1, 2):
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        recorder.after_step(step, model, optimizer, 0.0)
+    _record_two_steps(model, tmp_path, torch.randn(16, 24), torch.randn(16, 4))
     assert "4.weight" in projected_matrices(model)  # 2-D: a projection candidate by its shape
     for record in read_jsonl(tmp_path / FACTORS_FILE):
         assert set(record["matrix"]) == set(record["full_matrix"]) == {"0.weight", "2.weight"}
@@ -319,18 +312,26 @@ def test_the_recorder_leaves_out_matrices_the_run_trains_as_plain_adam(tmp_path:
 
 def test_a_matrix_whose_first_gradient_is_zero_has_no_factor_yet(tmp_path: Path) -> None:
     model = _model()
+
+    def zero_first(step: int) -> None:  # Fira takes no step from it: its state stays at step 0
+        if step == 1:
+            model[0].weight.grad.zero_()
+
+    _record_two_steps(model, tmp_path, torch.randn(16, 24), torch.randn(16, 12), before_step=zero_first)
+    first, second = read_jsonl(tmp_path / FACTORS_FILE)
+    assert set(first["matrix"]) == {"2.weight"} and set(second["matrix"]) == {"0.weight", "2.weight"}
+
+
+def _record_two_steps(model, tmp_path: Path, x, y, before_step=lambda step: None) -> None:
+    """Two Fira steps at rank 5 on (x, y), each recorded with the shadow moments to FACTORS_FILE."""
     optimizer = fira_optim.FiraAdamW(fira_optim.param_groups(model, rank=5), lr=LR)
     recorder = ScalingFactorRecorder(tmp_path / FACTORS_FILE, every=1, columns=3, shadow=True)
-    x, y = torch.randn(16, 24), torch.randn(16, 12)
     for step in (1, 2):
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
-        if step == 1:
-            model[0].weight.grad.zero_()  # Fira takes no step from it: its state stays at step 0
+        before_step(step)
         optimizer.step()
         recorder.after_step(step, model, optimizer, 0.0)
-    first, second = read_jsonl(tmp_path / FACTORS_FILE)
-    assert set(first["matrix"]) == {"2.weight"} and set(second["matrix"]) == {"0.weight", "2.weight"}
 
 
 def test_a_column_with_a_zero_gradient_is_left_out_of_its_step(tmp_path: Path) -> None:
