@@ -208,9 +208,10 @@ def shard_group(param_groups: list[dict]) -> Any | None:
 
 def nonzero_gradients(params: list[torch.Tensor]) -> list[bool]:
     """Whether each of ``params`` has a gradient with a nonzero entry anywhere: over every shard
-    of a row-sharded DTensor (one all-reduce per process group for all of them), as in one process.
-    ``bool(grad.any())`` on such a DTensor reads this rank's rows alone (its ``any`` is a partial
-    result), so ranks would decide apart."""
+    of a sharded DTensor (one all-reduce per sharding mesh dimension for all of them), as in one
+    process. ``bool(grad.any())`` on such a DTensor reads this rank's block alone (its ``any`` is
+    a partial result), so ranks would decide apart. Called for the plain parameters before their
+    first real step only: its host syncs (one per parameter) end there."""
     found = [bool(to_local(p.grad).any()) for p in params]
     # by mesh and the mesh dimensions that shard (rows, or any other dimension: FSDP2's
     # shard_placement_fn, tensor parallelism); a replicated dimension holds the same entries
