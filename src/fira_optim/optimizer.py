@@ -305,6 +305,8 @@ class Fira(Optimizer):
         state["implementation"] = self.implementation
         state["host_refresh"] = self.host_refresh
         state["split_refresh"] = self.split_refresh
+        if "_built" in self.__dict__:  # a copy refuses the same option changes as the original
+            state["_built"] = self.__dict__["_built"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -344,14 +346,23 @@ class Fira(Optimizer):
 
         pre = self.register_load_state_dict_pre_hook(capture)
         post = self.register_load_state_dict_post_hook(retake, prepend=True)
+        # torch replaces the state and the groups before the post-hooks check the loaded states:
+        # a refused load puts the ones it replaced back (a caller that catches the error trains on
+        # as before, not on a half-loaded state)
+        before = {name: self.__dict__[name] for name in ("state", "param_groups", "defaults")}
         try:
             super().load_state_dict(state_dict)
+        except BaseException:
+            self.__dict__.update(before)
+            raise
         finally:
             pre.remove()
             post.remove()
         # The loaded groups, states and ranks replace the ones the cached layout was built for
-        # (a rank the load set is not a rank changed during training).
+        # (a rank the load set is not a rank changed during training); the loaded states are
+        # built for the loaded groups' options.
         self.__dict__.pop("_layout", None)
+        self._record_built()
 
     def _retake_loaded(self, loaded: dict[str, Any]) -> None:
         """The loaded state tensors by this optimizer's dtype policy (see load_state_dict), then
@@ -520,12 +531,14 @@ class Fira(Optimizer):
         with it each parameter's dtype: a parameter cast since (``model.to(dtype)`` mid-training)
         is a new layout, whose building re-takes the states in the dtypes kept for the
         parameters' dtypes now, as a load would (also after a load, a copy or a pickle, which
-        leave no cached layout)."""
-        key = tuple((id(g["params"]), len(g["params"]), g["rank"], g["stagger"], g["state_dtype"], g["proj_type"],
-                     g["base"], g["residual"]) for g in self.param_groups)
+        leave no cached layout). An option that the states are built for is checked against the
+        record that survives those (:meth:`_record_built`)."""
+        options = [tuple(g[name] for name in _BUILT_OPTIONS) for g in self.param_groups]
+        built = self.__dict__.get("_built")
+        if built is not None and built != options:
+            self._check_group_changes(built, options)
+        key = tuple((id(g["params"]), len(g["params"]), g["stagger"], *opts) for g, opts in zip(self.param_groups, options))
         cached = self.__dict__.get("_layout")
-        if cached is not None and cached[0] != key:
-            self._check_group_changes(cached[0], key)
         if cached is None or cached[0] != key or not self._layout_holds(cached, only):
             self._follow_casts()
             entries, order = [], 0
@@ -550,26 +563,33 @@ class Fira(Optimizer):
             dtypes = {p: p.dtype for _, _, p, _ in entries}
             cached = (key, entries, position, order if stagger else None, dtypes)
             self.__dict__["_layout"] = cached
+            self._record_built()  # after the ranks' normalization above
         _, entries, position, total, _ = cached
         if only is not None:
             entries = [entries[i] for i in sorted(position[p] for p in only)]
         return entries, total
 
-    def _check_group_changes(self, before: tuple, after: tuple) -> None:
+    def _check_group_changes(self, before: list[tuple], after: list[tuple]) -> None:
         """A ``rank``, ``state_dtype``, ``proj_type``, ``base`` or ``residual`` set in
-        ``param_groups`` since the last step is refused once the group has states (built for the
-        old one: a new rank failed the step midway, some matrices updated and others not; a new
-        state_dtype failed inside torch after the weight decay, or kept the old states without a
-        word; a new side, base or residual rule looked for states the old one does not keep,
-        after the step counters or the weight decay had moved)."""
+        ``param_groups`` since the states were built (the last step, or the load) is refused
+        once the group has states (built for the old one: a new rank failed the step midway,
+        some matrices updated and others not; a new state_dtype failed inside torch after the
+        weight decay, or kept the old states without a word; a new side, base or residual rule
+        looked for states the old one does not keep, after the step counters or the weight
+        decay had moved)."""
         for gi, (old, new) in enumerate(zip(before, after)):  # groups added since: add_param_group checked them
             group = self.param_groups[gi]
-            for position, name in ((2, "rank"), (4, "state_dtype"), (5, "proj_type"), (6, "base"), (7, "residual")):
+            for position, name in enumerate(_BUILT_OPTIONS):
                 if old[position] != new[position] and any(self.state.get(p) for p in group["params"]):
                     raise ValueError(
                         f"param_groups[{gi}]['{name}'] changed from {old[position]!r} to {new[position]!r} after "
                         f"the group's states were built for the old {name}; it cannot change during training "
                         "(set it back, or build a new optimizer)")
+
+    def _record_built(self) -> None:
+        """Record each group's options that its states are built for (:data:`_BUILT_OPTIONS`),
+        which a copy, a pickle and a load keep (the cached layout they drop names tensors)."""
+        self.__dict__["_built"] = [tuple(g[name] for name in _BUILT_OPTIONS) for g in self.param_groups]
 
     def _layout_holds(self, cached: tuple, only: set | None) -> bool:
         """Whether the cached layout still names the tensors of the groups' lists (a parameter
@@ -746,6 +766,9 @@ class GaLoreAdamW(Fira):
 
 
 _SKIP_STEP = object()
+
+#: The group options a group's states are built for: one changed once it has states is refused.
+_BUILT_OPTIONS = ("rank", "state_dtype", "proj_type", "base", "residual")
 
 
 def _largest_if_finite(grad: torch.Tensor, shard_group: Any) -> float | None:

@@ -1,6 +1,9 @@
 """Bad input at construction (RELIABILITY.md section E): every error names the argument and the
 value, for constructor arguments and for the same options given per param group."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -293,6 +296,60 @@ def test_a_loaded_state_dict_with_an_option_fira_lacks_or_a_plain_state_of_anoth
     with pytest.raises(ValueError, match=r"loaded state 'exp_avg' of param_groups\[1\]\['params'\]\[0\] has shape "
                                          r"\(6,\), expected the parameter's \(7,\)"):
         fira.load_state_dict(saved.state_dict())
+
+
+def test_a_refused_load_leaves_the_optimizer_as_it_was() -> None:
+    """torch had already replaced the states and groups when the loaded shapes were checked: a
+    caller that caught the error trained on a half-loaded optimizer (another parameter's states,
+    the saved learning rate)."""
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(8, 12, generator=gen)), torch.nn.Parameter(torch.randn(7, generator=gen))
+    opt = FiraAdamW([{"params": [weight], "rank": 3}, {"params": [bias], "rank": None}], lr=1e-3)
+    weight.grad, bias.grad = torch.randn(8, 12, generator=gen), torch.randn(7, generator=gen)
+    opt.step()
+    kept = copy.deepcopy(opt.state_dict())
+    state, groups = opt.state, opt.param_groups
+    other = torch.nn.Parameter(torch.randn(6))
+    saved = FiraAdamW([{"params": [torch.nn.Parameter(torch.randn(8, 12))], "rank": 3}, {"params": [other], "rank": None}],
+                      lr=0.5)
+    other.grad = torch.randn(6)
+    saved.step()
+    with pytest.raises(ValueError, match="expected the parameter's"):
+        opt.load_state_dict(saved.state_dict())
+    assert opt.state is state and opt.param_groups is groups
+    after = opt.state_dict()
+    assert [g["lr"] for g in after["param_groups"]] == [1e-3, 1e-3]
+    assert after["state"].keys() == kept["state"].keys()
+    for index, entry in kept["state"].items():
+        assert all(torch.equal(value, after["state"][index][key]) for key, value in entry.items())
+    opt.step()  # trains on as before
+    assert [float(opt.state[p]["step"]) for p in (weight, bias)] == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "load"])
+def test_an_option_changed_after_a_copy_or_a_load_is_refused_as_on_the_original(how: str) -> None:
+    """The refusal compared against a cache that a copy, a pickle and a load dropped: a rank set
+    right after one of them was not caught, and the copy stepped at the old rank."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in ((8, 12), (12, 8))]
+    opt = FiraAdamW([{"params": params, "rank": 3}])
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    if how == "load":
+        other = FiraAdamW([{"params": params, "rank": 3}])
+        other.load_state_dict(opt.state_dict())
+    else:
+        other = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    mine = [p for g in other.param_groups for p in g["params"]]
+    for p in mine:
+        p.grad = torch.randn(p.shape, generator=gen)
+    other.param_groups[0]["rank"] = 5
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['rank'\] changed from 3 to 5 after"):
+        other.step()
+    other.param_groups[0]["rank"] = 3
+    other.step()
+    assert [float(other.state[p]["step"]) for p in mine] == [2.0, 2.0]
 
 
 def test_integer_parameters_with_a_gradient_are_refused_and_stochastic_rounding_of_fp16_warns() -> None:
