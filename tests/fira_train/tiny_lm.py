@@ -79,12 +79,13 @@ def make_optimizer(model: nn.Module, kind: str, **options):
 
 def train_worker(rank: int, world: int, mode: str, steps: int, kind: str = "fira",
                  options: dict | None = None, run_dir: str | None = None,
-                 save_at: int | None = None, load_from: str | None = None) -> dict:
+                 save_at: int | None = None, load_from: str | None = None, idle_until: int = 0) -> dict:
     """Train the tiny LM under ``mode`` ("none", "ddp", "fsdp2") for global steps up to
     ``steps``, optionally saving a checkpoint after ``save_at`` steps or starting from one.
+    ``blocks.1.up`` has no gradient before step ``idle_until`` (a layer not used so far).
     Returns the global mean loss of each step run and the full parameters at the end."""
     from fira_train.run.dist_checkpoint import load_checkpoint, save_checkpoint
-    from fira_train.run.parallel import all_reduce_mean, current_env, parallelize, shard_batch
+    from fira_train.run.parallel import all_reduce_mean, current_env, parallelize, shard_batch, unwrap
 
     env = current_env()
     model = parallelize(build_model(), mode, env)
@@ -100,6 +101,9 @@ def train_worker(rank: int, world: int, mode: str, steps: int, kind: str = "fira
         draws[step] = (float(torch.rand(())), random.random(), float(np.random.rand()))
         loss = loss_fn(model, shard_batch(global_batch(step), env))
         loss.backward()
+        if step < idle_until:
+            for p in unwrap(model).blocks[1].up.parameters():
+                p.grad = None
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -36,7 +36,12 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from fira_train.files import fsync_dir
 from fira_train.run import checkpoint as ckpt
@@ -182,26 +187,40 @@ def _state(model, optimizer, scheduler, extra, *, save: bool, saved_keys: set[st
     """The DCP state dict: Stateful objects that DCP asks for their state when saving and
     hands the loaded values to when loading."""
     return {
-        "app": _ModelAndOptimizer(model, optimizer),
+        "app": _ModelAndOptimizer(model, optimizer, saved_keys),
         "run": _RunState(scheduler, extra, saved_keys),
     }
 
 
 class _ModelAndOptimizer:
-    """Model and optimizer through DCP's state-dict helpers (FQN keys, DTensors resharded)."""
+    """Model and optimizer through DCP's state-dict helpers (FQN keys, DTensors resharded).
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
+    Loading, DCP's helper first gives every parameter an optimizer state (a step on zero
+    gradients) and then asks the checkpoint for all of them. A parameter that had no state when
+    the checkpoint was saved (no gradient in any step before it) is left out of that request,
+    so it loads with no state, as it was saved (torch's own request failed: a missing key)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_keys: set[str] | None = None):
+        self.model, self.optimizer, self.saved_keys = model, optimizer, saved_keys
+        self.stateless: set[str] = set()  # loading: the parameters saved without a state
 
     def state_dict(self) -> dict[str, Any]:
         with self._step_outside_backward():
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        if self.saved_keys is not None:
+            saved = {name: entry for name, entry in optim_state["state"].items()
+                     if any(f"app.optimizer.state.{name}.{key}" in self.saved_keys for key in entry)}
+            self.stateless = set(optim_state["state"]) - set(saved)
+            optim_state["state"] = saved
         return {"model": model_state, "optimizer": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._step_outside_backward():
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"])
+            set_model_state_dict(self.model, state["model"])
+            # torch refuses a parameter without a state unless told; only those saved stateless
+            # lack one (DCP loaded every other requested key, or failed)
+            options = StateDictOptions(strict=False) if self.stateless else None
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
 
     def _step_outside_backward(self) -> contextlib.AbstractContextManager:
         """DCP builds missing optimizer state by a step on zero gradients: with updates in the

@@ -77,6 +77,26 @@ def test_save_at_one_world_size_load_at_another_continues_identically(
         _assert_continues(straight[rank if rank < len(straight) else 0], result)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode, world", [("none", 1), ("fsdp2", 2)])
+def test_a_parameter_without_state_when_saved_loads_without_one_and_the_run_continues(tmp_path, mode, world):
+    """A layer with no gradient in any step before the save has no optimizer state in the
+    checkpoint; torch's loader asked for one anyway (``Missing key ... step``), so the run could
+    not resume. It now loads without one and trains on as the run that never stopped."""
+    run_dir = str(tmp_path / "run")
+    idle = SAVE_AT + 1  # first used after the save
+    straight = run_ranks(train_worker, world, tmp_path / "a", mode, STEPS, "fira", None, run_dir, SAVE_AT,
+                         None, idle, timeout=50)
+    path = checkpoint_dir(run_dir, SAVE_AT)
+    keys = _saved_keys(path)
+    assert not any(key.startswith("app.optimizer.state.blocks.1.up.") for key in keys)
+    assert "app.optimizer.state.blocks.0.up.weight.step" in keys
+    resumed = run_ranks(train_worker, world, tmp_path / "b", mode, STEPS, "fira", None, None, None, str(path),
+                        idle, timeout=60)
+    for rank, result in enumerate(resumed):
+        _assert_continues(straight[rank], result)
+
+
 def _kill_during_save_worker(rank: int, world: int, run_dir: str, where: str) -> None:
     """Save a checkpoint at step 2, then die (SIGKILL) in the middle of writing step 4."""
     import torch.distributed.checkpoint as dcp
