@@ -15,6 +15,7 @@ module decides that rule once (:func:`refresh_outcome`) and runs it in one of th
 from __future__ import annotations
 
 import functools
+import hashlib
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional
@@ -55,9 +56,7 @@ def refresh_outcome(grad, previous, *, rank, side, group, order, step, name):
 def new_basis(grad, rank, side, group, previous, order, step, name):
     """The group's projector on ``grad``; on failure a warning, then the previous basis
     (None) or, before any basis exists, a random one."""
-    generator = torch.Generator().manual_seed(
-        (group["seed"] * 1_000_003 + order * 7919 + step) % (2**63)
-    )
+    generator = torch.Generator().manual_seed(refresh_seed(group["seed"], order, step))
     try:
         return compute_basis(grad, rank, side, group["projector"], previous, generator,
                              align_signs=group["align_signs"])
@@ -67,6 +66,15 @@ def new_basis(grad, rank, side, group, previous, order, step, name):
         if previous is None:
             return compute_basis(grad, rank, side, Projector.RANDOM, None, generator)
         return None
+
+
+def refresh_seed(seed: int, order: int, step: int) -> int:
+    """The random projector's seed for matrix number ``order`` refreshing at ``step``: a hash of
+    the three, so no two (matrix, step) pairs of a run share one. A linear mix of them repeated
+    under ``stagger``, where matrices refresh at steps offset from each other (the second
+    matrix at step 39600 drew the seventh's basis of step 5)."""
+    digest = hashlib.blake2b(f"{seed}:{order}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # below 2**63
 
 
 def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None) -> list[tuple]:
