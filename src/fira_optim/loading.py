@@ -13,7 +13,10 @@ projection rule or with another base optimizer (its tensors would not fit), one 
 projected or not, were saved with another ``state_dtype`` (their states are stored otherwise;
 loading took the saved dtype for the unprojected groups, whatever the optimizer was built with),
 and one not saved by Fira at all (``torch.optim.AdamW``'s has the same layout, and loading it
-would silently train every matrix with plain AdamW).
+would silently train every matrix with plain AdamW). A group saved without ``state_dtype``
+(fira-optim before the option, the released ``fira`` package, ``galore-torch``) holds float32
+states and is compared as ``state_dtype='float32'`` (loading it into an int8 optimizer kept its
+float32 moments under an int8 group, silently).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from .projection import LEFT, projection_side
 LAYOUT_KEYS = ("rank", "proj_type", "base", "state_dtype")
 #: Those that fix the layout of an unprojected parameter's state.
 UNPROJECTED_LAYOUT_KEYS = ("state_dtype",)
+#: What a group saved before a layout key existed was built with (every state was float32).
+SAVED_BEFORE_THE_KEY = {"state_dtype": "float32"}
 
 
 def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
@@ -49,11 +54,13 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
                 "without this optimizer state instead"
             )
         for key in LAYOUT_KEYS if projected else UNPROJECTED_LAYOUT_KEYS:
-            if key in old and old[key] != group[key]:
+            was = old.get(key, SAVED_BEFORE_THE_KEY.get(key))
+            if was is not None and was != group[key]:
+                when = "" if key in old else f" (its group has no {key!r}: saved before the option existed)"
                 raise ValueError(
-                    f"{first}: the state dict was saved with {key}={old[key]!r} but this "
+                    f"{first}: the state dict was saved with {key}={was!r}{when} but this "
                     f"optimizer's group {gi} has {key}={group[key]!r}; build the optimizer with "
-                    f"{key}={old[key]!r} to resume it"
+                    f"{key}={was!r} to resume it"
                 )
         # the loaded group's options replace this one's: one Fira does not implement would be
         # dropped without a word (a maximize=True run turned into descent)

@@ -431,3 +431,31 @@ def test_a_state_dict_saved_by_0_1_0_resumes_bit_for_bit():
             assert torch.equal(p.detach(), want)
         else:
             torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "bfloat16"])
+def test_a_state_dict_saved_before_state_dtype_is_refused_by_a_low_precision_optimizer(state_dtype):
+    """0.1.0's groups have no ``state_dtype``: their states are float32. Loaded into an int8
+    optimizer they were kept as float32 moments under an int8 group (no memory saved, the next
+    state dict labelled int8), into a bf16 one rounded silently; a float32 optimizer still
+    takes them, as a state dict that names its dtype."""
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "data", "saved_state_0_1_0.pt")
+    saved = torch.load(path, weights_only=True)
+    assert all("state_dtype" not in g for g in saved["optimizer"]["param_groups"])
+
+    def build(**options):  # as the generator
+        params = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
+        return FiraAdamW([{"params": params[:2], "rank": 3, "update_proj_gap": 3}, {"params": params[2:]}],
+                         lr=1e-2, weight_decay=0.01, **options)
+
+    low = build(state_dtype=state_dtype)
+    with pytest.raises(ValueError, match=r"saved with state_dtype='float32' \(its group has no 'state_dtype': "
+                                         rf"saved before the option existed\) but this optimizer's group 0 has "
+                                         rf"state_dtype='{state_dtype}'; build the optimizer with state_dtype='float32'"):
+        low.load_state_dict(saved["optimizer"])
+    assert not low.state and low.param_groups[0]["state_dtype"] == state_dtype  # nothing loaded
+    fp32 = build()
+    fp32.load_state_dict(saved["optimizer"])
+    assert fp32.param_groups[0]["state_dtype"] == "float32" and len(fp32.state) == len(saved["optimizer"]["state"])
