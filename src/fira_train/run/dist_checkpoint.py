@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from fira_optim import precision
 from fira_train.files import fsync_dir
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity
@@ -198,7 +199,10 @@ class _ModelAndOptimizer:
     Loading, DCP's helper first gives every parameter an optimizer state (a step on zero
     gradients) and then asks the checkpoint for all of them. A parameter that had no state when
     the checkpoint was saved (no gradient in any step before it) is left out of that request,
-    so it loads with no state, as it was saved (torch's own request failed: a missing key)."""
+    so it loads with no state, as it was saved (torch's own request failed: a missing key).
+
+    An int8 second moment saved in the value coding of earlier versions is asked for under its
+    saved scale's name; the optimizer's load converts it, as it does a single-file checkpoint's."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_keys: set[str] | None = None):
         self.model, self.optimizer, self.saved_keys = model, optimizer, saved_keys
@@ -208,6 +212,7 @@ class _ModelAndOptimizer:
         with self._step_outside_backward():
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
         if self.saved_keys is not None:
+            _ask_for_value_coded(optim_state, self.saved_keys)
             saved = {name: entry for name, entry in optim_state["state"].items()
                      if any(f"app.optimizer.state.{name}.{key}" in self.saved_keys for key in entry)}
             self.stateless = set(optim_state["state"]) - set(saved)
@@ -227,6 +232,20 @@ class _ModelAndOptimizer:
         backward pass that step must update every parameter (``StepInBackward.paused``)."""
         handle = getattr(self.optimizer, "in_backward", None)
         return handle.paused() if handle is not None else contextlib.nullcontext()
+
+
+def _ask_for_value_coded(optim_state: dict[str, Any], saved_keys: set[str]) -> None:
+    """Rename, in the state DCP loads into, each int8 second moment's scale that the checkpoint
+    holds under the value coding's name (``exp_avg_sq_scale``, fira-optim before square-root
+    coding) instead of today's (``exp_avg_sq_root_scale``): DCP then reads it (the two have one
+    shape) and :meth:`fira_optim.Fira.load_state_dict` converts the moment. Without it DCP
+    refused the checkpoint for a missing key."""
+    for fqn, entry in optim_state.get("state", {}).items():
+        for key in precision.ROOT:
+            root, value = f"{key}_root_scale", f"{key}_scale"
+            prefix = f"app.optimizer.state.{fqn}."
+            if root in entry and prefix + root not in saved_keys and prefix + value in saved_keys:
+                entry[value] = entry.pop(root)
 
 
 class _RunState:

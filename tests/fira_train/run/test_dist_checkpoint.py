@@ -303,3 +303,51 @@ def test_checkpoints_without_the_record_still_load(tmp_path):
     del marker["files"]
     (path / MARKER).write_text(json.dumps(marker))
     assert _load_one_process(path) == {"step": 1}
+
+
+def test_an_int8_checkpoint_of_the_value_coding_loads_as_a_single_file_one_does(tmp_path):
+    """Before square-root coding, an int8 second moment was stored as values under the scale
+    name ``exp_avg_sq_scale``. A single-file checkpoint of that coding is converted on load; a
+    DCP one was refused (DCP asked for ``exp_avg_sq_root_scale``: 'Missing key in checkpoint
+    state_dict'). It now loads to the states the single-file load gives."""
+    import copy
+    import warnings
+
+    import fira_optim
+    import fira_train.run.dist_checkpoint as dcp_ckpt
+    from fira_optim import precision
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False))
+        return model, fira_optim.FiraAdamW([{"params": list(model.parameters())}], lr=1e-2, state_dtype="int8")
+
+    model, optimizer = build()
+    weight = model[0].weight
+    weight.grad = torch.randn(weight.shape, generator=torch.Generator().manual_seed(1))
+    optimizer.step()
+    entry = optimizer.state[weight]
+    assert "exp_avg_sq_root_scale" in entry  # a quantized moment
+    # the same state in the value coding of earlier versions
+    value = precision._decode_moment("exp_avg_sq", entry["exp_avg_sq"], entry.pop("exp_avg_sq_root_scale"))
+    codes, entry["exp_avg_sq_scale"] = precision._quantize(value, signed=False)
+    entry["exp_avg_sq"] = codes.view(value.shape)
+    saved = copy.deepcopy(optimizer.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = dcp_ckpt.save_checkpoint(tmp_path / "run", 1, model, optimizer, extra={"step": 1})
+
+    single_model, single = build()
+    single.load_state_dict(saved)  # the single-file checkpoint's load
+    want = single.state[single_model[0].weight]
+    assert "exp_avg_sq_root_scale" in want and "exp_avg_sq_scale" not in want
+
+    loaded_model, loaded = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert dcp_ckpt.load_checkpoint(path, loaded_model, loaded) == {"step": 1}
+    got = loaded.state[loaded_model[0].weight]
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert torch.equal(loaded_model[0].weight, weight)
