@@ -163,9 +163,10 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
     """
     old = (read_json(json_path, hint="delete it, or measure into another --out without --append")
            if json_path.exists() else {**record, "command": None, "rows": []})
-    if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
-        raise ValueError(f"--append: {json_path} is not a measurement written by memory --measure (no list of "
-                         "rows); delete it, or measure into another --out")
+    wrong = _other_shape(old)
+    if wrong:
+        raise ValueError(f"--append: {json_path} is not a measurement written by memory --measure ({wrong}); "
+                         "delete it, or measure into another --out")
     for key, what in (("recipe", "recipe"), ("steps", "number of steps"), ("machine", "machine"),
                       ("malloc_env", "allocator settings")):
         if old.get(key) != record[key]:
@@ -195,6 +196,55 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
     return {**record, "command": "\n".join(commands.values()) or None, "rows": list(merged.values()),
             "complete": complete, **({"missing": missing} if missing else {}),
             "date": max([r["date"] for r in merged.values()], default=record["date"])}
+
+
+#: What :func:`_merged` and :func:`format_measurement` read of an earlier record, of each of its
+#: rows and of a row's ``measured``: key -> (the types it may have, whether it may be absent).
+RECORD_SHAPE = {"rows": ((list,), False), "command": ((str, type(None)), True), "date": ((str,), True),
+                "settings": ((dict,), True), "complete": ((bool,), True)}
+ROW_SHAPE = {"method": ((str,), False), "measured_peak_bytes": ((int,), False),
+             "estimated_bytes": ((int, float, type(None)), False), "date": ((str,), True),
+             "measured": ((dict,), False)}
+MEASURED_SHAPE = {"parameters": ((int,), False), "device": ((str,), False), "weights_bytes": ((int,), False),
+                  "optimizer_state_bytes": ((int,), False)}
+
+
+def _other_shape(old: Any) -> str | None:
+    """What in an earlier ``memory.json`` (valid JSON) is not as ``memory --measure`` writes it,
+    else None. Checked at ``--append``'s first write, before anything is measured: a value of
+    another type (an edited file, another tool's) failed in the middle of a merge, a row's date
+    only once the first new row was measured."""
+    if not isinstance(old, dict):
+        return f"a JSON {type(old).__name__}, not an object"
+    wrong = _wrong_keys(old, RECORD_SHAPE, "")
+    if wrong:
+        return wrong
+    if old["rows"] and "date" not in old:
+        return "no date"
+    for number, row in enumerate(old["rows"], start=1):
+        if not isinstance(row, dict):
+            return f"row {number} is a JSON {type(row).__name__}, not an object"
+        wrong = _wrong_keys(row, ROW_SHAPE, f"row {number}: ") or _wrong_keys(
+            row["measured"], MEASURED_SHAPE, f"row {number}: measured.")
+        if wrong:
+            return wrong
+    return None
+
+
+def _wrong_keys(value: dict[str, Any], shape: dict[str, tuple[tuple[type, ...], bool]], where: str) -> str | None:
+    """The first key of ``shape`` that ``value`` lacks or holds with another type, said in words."""
+    for key, (types, optional) in shape.items():
+        if key not in value:
+            if not optional:
+                return f"{where}no {key}" if key != "rows" else "no list of rows"
+        elif not isinstance(value[key], types):
+            return f"{where}{key} is {json.dumps(value[key])[:40]}, not {' or '.join(_json_type(t) for t in types)}"
+    return None
+
+
+def _json_type(kind: type) -> str:
+    return {list: "a list", str: "a string", dict: "an object", bool: "true or false", int: "an integer",
+            float: "a number", type(None): "null"}[kind]
 
 
 #: What ``measure`` sets itself, what the record holds elsewhere (``steps``, ``machine``), and what

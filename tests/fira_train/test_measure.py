@@ -224,6 +224,38 @@ def test_append_refuses_a_table_of_another_setting_before_training(tmp_path: Pat
             measure.measure(config, parse_method_specs("adamw"), 1, out, "third", append=True)
 
 
+@pytest.mark.parametrize(("change", "said"), [
+    (lambda record: record["rows"][0].update(date=5), "row 1: date is 5, not a string"),
+    (lambda record: record["rows"][0].pop("measured"), "row 1: no measured"),
+    (lambda record: record["rows"][0].update(method=["adamw"]), 'row 1: method is ["adamw"], not a string'),
+    (lambda record: record["rows"][0]["measured"].update(parameters="10"),
+     'row 1: measured.parameters is "10", not an integer'),
+    (lambda record: record.update(rows=[1]), "row 1 is a JSON int, not an object"),
+    (lambda record: record.update(command=5), "command is 5, not a string or null"),
+    (lambda record: record.update(settings=[]), "settings is [], not an object"),
+])
+def test_append_refuses_a_record_of_another_shape_before_measuring(change, said: str, tmp_path: Path, monkeypatch,
+                                                                    capsys) -> None:
+    """Valid JSON holding other types (edited, another tool's) was a traceback, a row's date of
+    another type only after the first method was measured: one line naming the file, first."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config, out = micro_config(tmp_path), tmp_path / "m"
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000}))
+    measure.measure(config, parse_method_specs("adamw"), 1, out, "first")
+    record = json.loads((out / "memory.json").read_text())
+    change(record)
+    (out / "memory.json").write_text(json.dumps(record))
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({}, stop_at="fira"))  # must not be reached
+    monkeypatch.setattr(measure, "build_corpus", lambda data: pytest.fail("tokenised before the check"))
+    with pytest.raises(ValueError) as raised:
+        measure.measure(config, parse_method_specs("fira"), 1, out, "second", append=True)
+    assert str(raised.value) == (f"--append: {out / 'memory.json'} is not a measurement written by memory --measure "
+                                 f"({said}); delete it, or measure into another --out")
+
+
 def test_side_by_side_appends_lose_no_row(tmp_path: Path) -> None:
     """Two processes appending into one folder at once: every row of both ends up in the table.
 
