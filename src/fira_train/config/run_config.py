@@ -34,6 +34,15 @@ PARALLEL_MODES = ("none", "ddp", "fsdp2")
 #: The largest seed: numpy's ``random.seed`` takes ``[0, 2**32 - 1]``.
 MAX_SEED = 2**32 - 1
 
+#: The most torch threads ``train.num_threads`` may ask for. ``torch.set_num_threads`` takes any
+#: positive count, but the first parallel kernel then starts that many OpenMP threads, and a count
+#: the process cannot start (100000: past ``ulimit -u``, or the memory for their stacks) crashes
+#: the interpreter (a segmentation fault, no message). A fixed cap, not one from this machine's
+#: ``os.cpu_count()``: a run's config.json is read back on other machines. 1024 is above the
+#: logical CPUs of today's largest two-socket servers (768), and more threads than CPUs only
+#: oversubscribe them.
+MAX_THREADS = 1024
+
 
 def _check(condition: bool, name: str, value: Any, requirement: str) -> None:
     if not condition:
@@ -267,9 +276,11 @@ class TrainConfig:
                "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         _check(_is_number(self.grad_clip) and self.grad_clip >= 0,
                "train.grad_clip", self.grad_clip, "a number >= 0 (0 disables clipping)")
-        for name in ("eval_every", "save_every", "num_threads"):
+        for name in ("eval_every", "save_every"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 0, f"train.{name}", value, "an integer >= 0")
+        _check(_is_int(self.num_threads) and 0 <= self.num_threads <= MAX_THREADS, "train.num_threads",
+               self.num_threads, f"an integer in [0, {MAX_THREADS}] (0: torch's default count)")
         # numpy's generators take no more (checked here: numpy's own error named no argument, and
         # came after the run folder was made)
         _check(_is_int(self.seed) and 0 <= self.seed <= MAX_SEED, "train.seed", self.seed,

@@ -46,6 +46,10 @@ DEFAULT_RANK = {"galore": 32, "fira": 32, "fira-lora": 16, "apollo": 32, "flora"
 #: ``FiraAdamW(state_dtype=...)`` values; kept here, where torch is not imported).
 STATE_DTYPES = ("float32", "bfloat16", "int8")
 
+#: ``--threads`` at most: :data:`fira_train.config.run_config.MAX_THREADS` (``train.num_threads``'s
+#: cap, kept here, where torch is not imported): a count the process cannot start crashed it.
+MAX_THREADS = 1024
+
 #: ``--scoring``: ``loglik`` (default) picks the option of largest log-likelihood, as lm-eval does
 #: (:mod:`fira_train.finetune.loglik`); ``generate`` is the paper's protocol: generate (greedily; the
 #: released script uses 4 beams), then extract the answer label (:mod:`fira_train.finetune.evaluate`).
@@ -187,8 +191,8 @@ class FinetuneConfig:
                 raise FinetuneError(f"{name}={value!r} must be a positive number")
         if not (0.0 <= self.lora_dropout < 1.0):
             raise FinetuneError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
-        if self.threads is not None and self.threads <= 0:
-            raise FinetuneError(f"threads={self.threads!r} must be a positive integer")
+        if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:
+            raise FinetuneError(f"threads={self.threads!r} must be an integer in [1, {MAX_THREADS}]")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 2**32 - 1:
             # numpy's generators take no more: its own error named no argument, after the model loaded
             raise FinetuneError(f"seed={self.seed!r} must be an integer in [0, {2**32 - 1}]")

@@ -107,3 +107,18 @@ def test_a_seed_numpy_cannot_take_is_refused_with_the_key() -> None:
     for value in (2**32, -1):
         with pytest.raises(ValueError, match=rf"train.seed must be an integer in \[0, 4294967295\], got {value}"):
             apply_overrides(micro(), [f"train.seed={value}"])
+
+
+def test_a_thread_count_the_process_cannot_start_is_refused_with_the_key() -> None:
+    """train.num_threads=100000 crashed the interpreter in the first parallel kernel (a segmentation
+    fault, no message)."""
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import micro
+    from fira_train.config.run_config import MAX_THREADS
+
+    assert apply_overrides(micro(), [f"train.num_threads={MAX_THREADS}"]).train.num_threads == MAX_THREADS
+    assert apply_overrides(micro(), ["train.num_threads=0"]).train.num_threads == 0  # torch's default
+    for value in (100000, MAX_THREADS + 1, -1):
+        with pytest.raises(ValueError, match=rf"^train.num_threads must be an integer in \[0, 1024\] \(0: torch's "
+                                             rf"default count\), got {value}$"):
+            apply_overrides(micro(), [f"train.num_threads={value}"])

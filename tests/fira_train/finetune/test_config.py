@@ -90,3 +90,17 @@ def test_the_fira_memory_options_are_checked_before_anything_loads() -> None:
                           state_dtype="bfloat16").used_options()
     assert used["step_in_backward"] is True and used["state_dtype"] == "bfloat16"
     assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="adamw").used_options()["state_dtype"] is None
+
+
+def test_a_thread_count_the_process_cannot_start_is_refused() -> None:
+    """--threads 100000 crashed the interpreter (a segmentation fault); the cap is train.num_threads's."""
+    import pytest
+
+    from fira_train.config.run_config import MAX_THREADS as RUN_MAX_THREADS
+    from fira_train.finetune.config import MAX_THREADS, FinetuneError
+
+    assert MAX_THREADS == RUN_MAX_THREADS
+    assert FinetuneConfig(tasks=["boolq"], data_dir=".", threads=MAX_THREADS).threads == MAX_THREADS
+    for value in (100000, 0):
+        with pytest.raises(FinetuneError, match=rf"^threads={value} must be an integer in \[1, 1024\]$"):
+            FinetuneConfig(tasks=["boolq"], data_dir=".", threads=value)
