@@ -104,11 +104,11 @@ def test_a_spec_cannot_change_what_the_methods_share(argv: list[str], spec: str,
 
 def test_overrides_may_stand_anywhere_among_the_flags() -> None:
     parser = build_parser()
-    args = parser.parse_args(["pretrain", "train.steps=3", "--recipe", "micro", "train.batch_size=4", "--method",
+    args = parser.parse_args(["pretrain", "train.eval_every=3", "--recipe", "micro", "train.batch_size=4", "--method",
                               "galore", "--rank", "8", "train.steps=5", "--out", "runs/x"])
-    assert args.overrides == ["train.steps=3", "train.batch_size=4", "train.steps=5"]  # command-line order
+    assert args.overrides == ["train.eval_every=3", "train.batch_size=4", "train.steps=5"]  # command-line order
     config = config_from_args(args)
-    assert (config.train.steps, config.train.batch_size, config.optim.rank) == (5, 4, 8)  # the last one wins
+    assert (config.train.steps, config.train.batch_size, config.optim.rank, config.train.eval_every) == (5, 4, 8, 3)
     assert config.optim.method == "galore" and config.train.out_dir == "runs/x"
     args = parser.parse_args(["compare", "--recipe", "micro", "optim.alpha=0.5", "--methods", "fira,adamw"])
     assert args.methods == "fira,adamw" and args.overrides == ["optim.alpha=0.5"]
@@ -131,7 +131,7 @@ def test_methods_given_twice_is_refused(command, again, capsys) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args([*command, "--methods", "fira", again, "adamw"])
     err = capsys.readouterr().err
-    assert "argument --methods: given twice ('fira', then " in err and "'adamw'" in err
+    assert "argument --methods: given twice (--methods 'fira', then --method" in err and "'adamw'" in err
 
 
 def test_resume_flag_values() -> None:

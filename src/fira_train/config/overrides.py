@@ -172,7 +172,9 @@ def apply_command_line(config: RunConfig, flags: dict[str, tuple[str, Any]], ove
     """``config`` with a command line's settings: the flags given (``flags``: key -> ``(flag,
     value)``, from :func:`flags_given`), then the ``key=value`` overrides. An override of a key a
     flag gives too is a ValueError: which one won would depend on nothing written, as argparse
-    keeps no order between the two."""
+    keeps no order between the two. So are two overrides of one key with different values (the
+    later one replaced the other silently; the same value twice changes nothing)."""
+    refuse_repeated_overrides(overrides)
     for item in overrides:
         key = override_key(item)
         if key in flags:
@@ -181,6 +183,30 @@ def apply_command_line(config: RunConfig, flags: dict[str, tuple[str, Any]], ove
                              "give it once")
     config = apply_overrides(config, {key: str(value) for key, (_, value) in flags.items()})
     return apply_overrides(config, list(overrides))
+
+
+def refuse_repeated_overrides(overrides: Sequence[str]) -> None:
+    """ValueError for a key that two of ``overrides`` give different values (as parsed:
+    ``train.steps=5`` and ``train.steps=05`` agree), naming both."""
+    first: dict[str, str] = {}
+    for item in overrides:
+        key = override_key(item)
+        if key in first and _parsed(key, first[key]) != _parsed(key, item):
+            raise ValueError(f"{key} is given twice, by the overrides {first[key].strip()!r} and {item.strip()!r}: "
+                             "give it once")
+        first.setdefault(key, item)
+
+
+def _parsed(key: str, item: str) -> Any:
+    """The value of the override ``item`` of ``key`` as its field's type reads it; the text where
+    it does not parse (:func:`apply_overrides` names that error)."""
+    text = item.partition("=")[2]
+    section, _, name = key.partition(".")
+    hint = typing.get_type_hints(KINDS[section]).get(name) if section in KINDS else None
+    try:
+        return text.strip() if hint is None else parse_value(key, text, hint)
+    except (ValueError, TypeError):
+        return text.strip()
 
 
 def refuse_overrides(overrides: Sequence[str], keys: Sequence[str], setter: str) -> None:

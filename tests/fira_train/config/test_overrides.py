@@ -112,3 +112,21 @@ def test_override_keys_cover_every_section() -> None:
     for key in ("model.hidden_size", "optim.rank", "optim.update_proj_gap", "data.seq_len",
                 "train.steps", "train.batch_size", "train.micro_batch_size", "train.seed"):
         assert key in keys
+
+
+def test_an_override_given_twice_with_two_values_is_refused_naming_both() -> None:
+    """The later one replaced the earlier silently: `... train.steps=1000 ... train.steps=10` trained 10."""
+    from fira_train.config.overrides import apply_command_line
+    from fira_train.config.recipes import micro
+
+    with pytest.raises(ValueError, match=r"^train.steps is given twice, by the overrides 'train.steps=1000' and "
+                                         r"'train.steps=10': give it once$"):
+        apply_command_line(micro(), {}, ["train.steps=1000", "optim.lr=0.1", "train.steps=10"])
+    with pytest.raises(ValueError, match="optim.betas is given twice"):
+        apply_command_line(micro(), {}, ["optim.betas=0.9,0.95", "optim.betas=0.9,0.99"])
+    # the same value twice (as the field reads it) changes nothing: taken
+    config = apply_command_line(micro(), {}, ["train.steps=5", "optim.betas=0.9,0.95", "train.steps=05",
+                                              "optim.betas=0.9, 0.950", "data.cache_dir=none", "data.cache_dir=None"])
+    assert config.train.steps == 5 and config.optim.betas == (0.9, 0.95) and config.data.cache_dir is None
+    with pytest.raises(ValueError, match="cannot parse train.steps='x'"):  # a bad value: apply_overrides says so
+        apply_command_line(micro(), {}, ["train.steps=x", "train.steps=x"])
