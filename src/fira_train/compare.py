@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from fira_train.config.method_spec import SHARED, parse_method_spec, parse_method_specs, refuse_spec_keys
+from fira_train.config.method_spec import (SHARED, parse_method_spec, parse_method_specs, refuse_same_runs,
+                                          refuse_spec_keys)
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, refuse_links
@@ -60,6 +61,7 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
                      "compare trains every method on the same data, tokens and seed (its report says so); "
                      "set it for all of them with key=value")
     configs = [method_config(config, m, out_dir) for m in methods]  # validates every name first
+    refuse_same_runs([parse_method_spec(m) for m in methods], config)
     check_report_owner(out_dir, (REPORT_TITLE,), "compare", overwrite=overwrite)
     if config.train.parallel != "none":
         # One process group for all the runs (each train() then reuses it); rank 0 reports.

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fira_optim.state import optimizer_state_bytes
-from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse_spec_keys
+from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse_same_runs, refuse_spec_keys
 from fira_train.config.overrides import changed_keys, describe_changed, flat_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
@@ -114,6 +114,7 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     base = replace(config, train=replace(config.train, steps=max(steps, 1), progress=False,
                                          tensorboard=False))
     configs = [spec.config(base, out_dir / "runs") for spec in specs]  # every spec checked before a run
+    refuse_same_runs(specs, base)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {"recipe": config.recipe, "steps": steps, "command": command,
               # the threads each measured process runs with (train.num_threads, else this process's)

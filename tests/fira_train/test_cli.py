@@ -102,6 +102,20 @@ def test_a_spec_cannot_change_what_the_methods_share(argv: list[str], spec: str,
     assert not (tmp_path / "o" / "memory.json").exists() and not (tmp_path / "o" / "report.md").exists()
 
 
+@pytest.mark.parametrize("argv", [
+    ["compare", "--methods", "{specs}"],
+    ["sweep", "--methods", "{specs}", "--lrs", "0.01"],
+    ["memory", "--measure", "--methods", "{specs}"],
+])
+def test_specs_spelling_one_run_two_ways_are_refused_before_a_run(argv: list[str], tmp_path: Path, capsys) -> None:
+    """`fira@optim.rank=4,fira@optim.rank=04` trained (or measured) the same run twice."""
+    argv = [a.replace("{specs}", "fira@optim.rank=4,adamw,fira@optim.rank=04") for a in argv]
+    assert main([*argv, "--recipe", "micro", "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "--methods: 'fira@optim.rank=4' and 'fira@optim.rank=04' are the same run" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
 def test_overrides_may_stand_anywhere_among_the_flags() -> None:
     parser = build_parser()
     args = parser.parse_args(["pretrain", "train.eval_every=3", "--recipe", "micro", "train.batch_size=4", "--method",

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fira_train.config.comma_list import comma_list, distinct
-from fira_train.config.method_spec import SHARED, parse_method_specs, refuse_spec_keys
+from fira_train.config.method_spec import SHARED, parse_method_specs, refuse_same_runs, refuse_spec_keys
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import DamagedFileError, check_report_owner, read_json, refuse_links
@@ -96,6 +96,7 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
     check_specs(specs)
     for spec in parse_method_specs(",".join(specs)):  # each method's config checked before a run
         spec.config(config, out_dir)
+    refuse_same_runs(parse_method_specs(",".join(specs)), config)
     reference = reference or ("fira" if "fira" in specs else specs[0])
     if reference not in specs:
         raise ValueError(f"--reference {reference!r} is not among --methods ({', '.join(specs)})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,29 @@ def test_lists_refuse_duplicates_and_emptiness() -> None:
     for text in ("fira,,adamw", "fira,", " , "):  # a method may have been lost
         with pytest.raises(ValueError, match="empty entry"):
             parse_method_specs(text)
+
+
+@pytest.mark.parametrize(("methods", "first", "second"), [
+    ("fira@optim.rank=4,adamw,fira@optim.rank=04", "fira@optim.rank=4", "fira@optim.rank=04"),
+    ("fira@optim.rank=4@optim.alpha=0.5,fira@optim.alpha=0.50@optim.rank=4", "fira@optim.rank=4@optim.alpha=0.5",
+     "fira@optim.alpha=0.50@optim.rank=4"),
+    ("galore,galore@optim.rank={rank}", "galore", "galore@optim.rank={rank}"),  # the value the command has
+    ("adamw,adamw@optim.rank=3", "adamw", "adamw@optim.rank=3"),  # a setting adamw does not read
+])
+def test_specs_that_train_the_same_run_are_refused_naming_both(methods: str, first: str, second: str,
+                                                               tmp_path: Path) -> None:
+    """Each was trained (or measured) once per spelling, under two labels."""
+    from fira_train.config.method_spec import refuse_same_runs
+
+    base = micro_config(tmp_path)
+    methods, first, second = (text.replace("{rank}", str(base.optim.rank)) for text in (methods, first, second))
+    with pytest.raises(ValueError, match="^" + re.escape(f"--methods: {first!r} and {second!r} are the same run")):
+        refuse_same_runs(parse_method_specs(methods), base)
+
+
+def test_specs_that_train_different_runs_are_taken(tmp_path: Path) -> None:
+    from fira_train.config.method_spec import refuse_same_runs
+
+    base = micro_config(tmp_path)
+    refuse_same_runs(parse_method_specs(f"fira,fira@optim.rank={base.optim.rank + 1},galore,adamw@optim.lr=0.1,"
+                                        "adamw@train.eval_every=2"), base)
