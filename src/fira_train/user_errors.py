@@ -19,7 +19,11 @@ Known, with what the message says:
   writer raises a ``RuntimeError`` for it), and for a file-size limit (``EFBIG``) raise it;
   other ``OSError`` (a tokenizer that cannot be loaded): their message;
 - divergence (:class:`fira_train.run.divergence.DivergedError`, ``NonFiniteLossError``,
-  ``fira_optim.NonFiniteGradientError``): that the run diverged, and what to change.
+  ``fira_optim.NonFiniteGradientError``): that the run diverged, and what to change;
+- an allocation that failed (``MemoryError``, numpy's included; torch's "DefaultCPUAllocator:
+  can't allocate memory" / "not enough memory" ``RuntimeError``; ``torch.OutOfMemoryError``):
+  how much, where in fira-train, and the settings given on the command line that size it
+  (``model.hidden_size=...``, ``--samples``, ...) to lower.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
 
     if isinstance(err, OSError) and err.errno is not None:
         return _os_error(err, args)
+    if _out_of_memory(err):
+        return _no_memory(err, args)
     wrapped = f"{NonFiniteGradientError.__name__}: "
     if isinstance(err, RuntimeError) and wrapped in str(err):
         # raised in a DDP communication hook (optim.step_in_backward under DDP), which torch
@@ -75,6 +81,76 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     if behind is not None:
         return _os_error(behind, args)
     return _short_write(err, args)
+
+
+#: What an allocator that found no memory says: torch on the CPU ("DefaultCPUAllocator: can't
+#: allocate memory" / "not enough memory"), CUDA and MPS ("out of memory"), numpy ("Unable to
+#: allocate"), also as the text of an error that came back from a child process.
+_NO_MEMORY = re.compile(r"DefaultCPUAllocator|not enough memory|can't allocate memory|out of memory|"
+                        r"Unable to allocate|MemoryError")
+#: How much it wanted, in the words of each: bytes (torch, CPU), a size with its unit (CUDA, numpy).
+_WANTED = (re.compile(r"tried to allocate (\d+) bytes"), re.compile(r"[Tt]ried to allocate ([\d.]+ ?[KMGTPE]i?B)"),
+           re.compile(r"Unable to allocate ([\d.]+ ?[KMGTPE]i?B for an array with shape \([^)]*\))"))
+#: Keys of ``key=value`` overrides that size what a run allocates (a section ends in ``.``).
+_SIZE_KEYS = ("model.", "train.batch_size", "train.micro_batch_size", "data.seq_len")
+#: Flags that size what a command allocates.
+_SIZE_FLAGS = ("--samples", "--batch-size", "--eval-batch-size", "--cutoff-len", "--max-new-tokens", "--columns",
+               "--model", "--rank", "--lora-r")
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation that found no memory (not a bug: a size asked for)."""
+    return (isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError"
+            or isinstance(err, RuntimeError) and _NO_MEMORY.search(str(err)) is not None)
+
+
+def _no_memory(err: BaseException, args: argparse.Namespace) -> str:
+    """Out of memory: how much was asked for, where, and the settings given that size it."""
+    text = str(err)
+    wanted = next((found.group(1) for pattern in _WANTED for found in [pattern.search(text)] if found), None)
+    if wanted is not None and wanted.isdigit():
+        wanted = _binary_size(int(wanted))
+    where, given = _allocated_in(err), _sizes_given(args)
+    lower = (f"lower {', '.join(given)}" if given else
+             "lower what sizes it (the model: model.*; the batch: train.micro_batch_size; data.seq_len; the "
+             "command's size flags)")
+    return (f"out of memory: {'allocating ' + wanted if wanted else 'an allocation failed'}"
+            f"{' in ' + where if where else ''} ({type(err).__name__}); {lower}, or run it where more memory is free")
+
+
+def _sizes_given(args: argparse.Namespace) -> list[str]:
+    """The overrides (:data:`_SIZE_KEYS`) and flags (:data:`_SIZE_FLAGS`) on the command line that
+    size what it allocates, as written."""
+    overrides = [item.strip() for item in getattr(args, "overrides", None) or []]
+    given = [item for item in overrides for key in [item.partition("=")[0].strip()]
+             if any(key.startswith(k) if k.endswith(".") else key == k for k in _SIZE_KEYS)]
+    argv = list(getattr(args, "argv", None) or [])
+    for word, after in zip(argv, argv[1:] + [""]):
+        if word in _SIZE_FLAGS:
+            given.append(f"{word} {after}")
+        elif word.partition("=")[0] in _SIZE_FLAGS and "=" in word:
+            given.append(word)
+    return given
+
+
+def _binary_size(n: int) -> str:
+    """``n`` bytes in the largest binary unit from GiB on that keeps it >= 1 (as numpy says it)."""
+    for power, unit in ((5, "PiB"), (4, "TiB")):
+        if n >= 1024**power:
+            return f"{n / 1024**power:.2f} {unit}"
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _allocated_in(err: BaseException) -> str | None:
+    """The innermost fira-train function the failed allocation was made in (none for an error that
+    came back from a child process: its traceback stayed there)."""
+    where, trace = None, err.__traceback__
+    while trace is not None:
+        name = trace.tb_frame.f_globals.get("__name__", "")
+        if name.startswith("fira_train.") and name not in ("fira_train.cli", "fira_train.run.isolated"):
+            where = f"{name}.{trace.tb_frame.f_code.co_name}"
+        trace = trace.tb_next
+    return where
 
 
 #: A Rust library's I/O error (safetensors: "I/O error: No space left on device (os error 28)").

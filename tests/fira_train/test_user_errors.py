@@ -314,3 +314,44 @@ def test_memory_without_measure_into_a_full_stdout_is_one_line_not_a_crash_of_th
     lines = [line for line in done.stderr.splitlines() if line.startswith("fira-train")]
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert len(lines) == 1 and "no space left" in lines[0]
+
+
+def test_a_model_too_large_for_memory_is_one_line_naming_the_setting(root: Path, tmp_path: Path, capsys) -> None:
+    """model.hidden_size=10000000 ended in torch's DefaultCPUAllocator traceback. (2**40: larger
+    than any address space, so the allocation fails however the system overcommits.)"""
+    assert _pretrain(root, tmp_path / "run", f"model.hidden_size={2**40}", steps=1) == 1
+    line = _error_line(capsys)
+    assert line.startswith("fira-train pretrain: error: out of memory: allocating "), line
+    assert f"; lower model.hidden_size={2**40}, or run it where more memory is free" in line
+
+
+def test_an_analysis_too_large_for_memory_is_one_line_naming_the_flag(tmp_path: Path, capsys) -> None:
+    """analyze variance --samples 100000000000 ended in numpy's _ArrayMemoryError traceback."""
+    samples = str(2**50 // 800)  # a (samples, 100) float64 array of 1 PiB: no address space holds it
+    assert main(["analyze", "variance", "--samples", samples, "--steps", "5", "--out", str(tmp_path / "v")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("fira-train analyze: error: out of memory: allocating 1.00 PiB for an array with shape (")
+    assert "in fira_train.analysis.variance." in err and f"lower --samples {samples}, or run it where" in err
+
+
+def test_out_of_memory_from_cuda_or_a_child_process_is_one_line() -> None:
+    """torch.OutOfMemoryError, and the text of one that came back from a run in its own process."""
+    from argparse import Namespace
+
+    import torch
+
+    from fira_train.user_errors import describe
+
+    finetune = Namespace(command="finetune", argv=["--tasks", "boolq", "--batch-size", "64", "--cutoff-len=512"])
+    line = describe(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                           "capacity of 23.6 GiB"), finetune)
+    assert line == ("out of memory: allocating 20.00 GiB (OutOfMemoryError); lower --batch-size 64, --cutoff-len=512, "
+                    "or run it where more memory is free")
+    child = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                         "you tried to allocate 2147483648 bytes. Error code 12 (Cannot allocate memory)")
+    line = describe(child, Namespace(command="memory", argv=[], overrides=["train.micro_batch_size=64", "optim.lr=1"]))
+    assert line == ("out of memory: allocating 2.00 GiB (RuntimeError); lower train.micro_batch_size=64, or run it "
+                    "where more memory is free")
+    assert describe(MemoryError(), Namespace(command="pretrain")).startswith(
+        "out of memory: an allocation failed (MemoryError); lower what sizes it (the model: model.*")
