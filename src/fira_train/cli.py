@@ -33,12 +33,13 @@ diverged, ...) is one line on stderr and exit status 1 (:mod:`fira_train.user_er
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
 import select
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -463,6 +464,35 @@ def _stdout_gone() -> bool:
     return gone
 
 
+class _Stdout:
+    """``sys.stdout`` while a command runs: an ``OSError`` raised writing it (a full disk behind a
+    redirection, ``> /dev/full``) carries ``stream`` = "standard output", which no file name says
+    (:mod:`fira_train.user_errors` blamed the run folder)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        with _marked():
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        with _marked():
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _marked() -> Iterator[None]:
+    try:
+        yield
+    except OSError as err:
+        err.stream = "standard output"
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fira-train`` and ``python -m fira_train``; returns the exit status."""
     parser = build_parser()
@@ -471,8 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv  # recorded in reports
     # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
     configure_logging(logging.INFO if is_rank_zero() else logging.WARNING)
+    stdout = sys.stdout
+    sys.stdout = _Stdout(stdout)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a failed write is one line, not at the interpreter's exit
+        return status
     except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
         hint = interrupted_hint(args)
         print(f"{PROG} {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
@@ -485,3 +519,5 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
         return 1
+    finally:
+        sys.stdout = stdout

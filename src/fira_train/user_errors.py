@@ -12,9 +12,10 @@ Known, with what the message says:
   own message, which names the value or file;
 - an ``OSError`` from the operating system (it has an ``errno``): a full disk (``ENOSPC``),
   a folder that cannot be written (``EACCES``, ``EPERM``, ``EROFS``), a file where a folder is
-  needed (``ENOTDIR``, ``EEXIST``), ...: the file, and what to do -- for the cache
+  needed (``ENOTDIR``, ``EEXIST``), ...: the file (standard output where that was written:
+  :func:`fira_train.cli.main` marks its errors), and what to do -- for the cache
   (``$FIRA_CACHE`` or ``data.cache_dir``) set another folder, for the run folder pass another
-  ``--out``, for a full disk free space and run the command again (with ``--resume``: the
+  ``--out`` (for a temporary file: ``TMPDIR``), for a full disk free space and run the command again (with ``--resume``: the
   checkpoints already written stay), also where it stands behind another error (torch.save's
   writer raises a ``RuntimeError`` for it), and for a file-size limit (``EFBIG``) raise it;
   other ``OSError`` (a tokenizer that cannot be loaded): their message;
@@ -32,6 +33,7 @@ import argparse
 import errno
 import os
 import re
+import tempfile
 from pathlib import Path
 
 __all__ = ["TRACEBACK_ENV", "describe"]
@@ -194,8 +196,8 @@ _AGAIN = {"pretrain": " with --resume", "compare": " with --resume", "analyze": 
 def _no_room(problem: str, fix: str, args: argparse.Namespace) -> str:
     """The one line for a write that found no room: what happened, what to do, how to go on."""
     command = getattr(args, "command", "")
-    if command == "memory" and not _memory_json(args).is_file():  # nothing measured: nothing to append to
-        return f"{problem}: {fix} and run the same command again"
+    if command == "methods" or command == "memory" and not _memory_json(args).is_file():
+        return f"{problem}: {fix} and run the same command again"  # nothing made, or measured: nothing kept
     return f"{problem}: {fix} and run the same command again{_AGAIN.get(command, '')}{_work_kept(args)}"
 
 
@@ -239,6 +241,24 @@ def _inside(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> boo
     return path == folder or folder in path.parents
 
 
+def _room_elsewhere(path: str | None, out: str | None, in_cache: bool, stream: str | None) -> str | None:
+    """How to put what could not be written where there is room: the setting that chose its
+    place. A file name says which (the cache, the run folder, the temporary folder; None: no
+    setting of fira-train's); a library's error names none: the run folder or the cache may be
+    the full one."""
+    if stream is not None:
+        return f"send {stream} to another disk"
+    if path is None:
+        return "point --out or FIRA_CACHE at another disk"
+    if in_cache:
+        return "point FIRA_CACHE at another disk"
+    if _inside(path, out or os.getcwd()):  # without --out the run folders are under the current one
+        return "point --out at another disk"
+    if _inside(path, tempfile.gettempdir()):
+        return "point TMPDIR at another disk"
+    return None
+
+
 def _os_error(err: OSError, args: argparse.Namespace) -> str:
     path = err.filename if err.filename is not None else None
     reason = err.strerror or os.strerror(err.errno)
@@ -246,14 +266,15 @@ def _os_error(err: OSError, args: argparse.Namespace) -> str:
     out = _run_dir(args)
     in_cache = path is not None and _inside(path, cache)
     if err.errno in _NO_ROOM:
-        where = path or out or "the output folder"
-        # a library's error names no file: the output folder or a cache may be the full one
-        target = "FIRA_CACHE" if in_cache else "--out" if path is not None else "--out or FIRA_CACHE"
+        stream = getattr(err, "stream", None)  # set by fira_train.cli.main: standard output
+        where = stream or path or out or "the output folder"
+        target = _room_elsewhere(path, out, in_cache, stream)
+        elsewhere = f" (or {target})" if target else ""
         if err.errno in _FULL:
             return _no_room(f"no space left on the device holding {where} ({reason})",
-                            f"free some space (or point {target} at another disk)", args)
+                            f"free some space{elsewhere}", args)
         return _no_room(f"a file in {where} grew past the largest this process may write ({reason}; `ulimit -f`, or "
-                        "the file system's limit)", f"raise that limit (or point {target} at another file system)", args)
+                        "the file system's limit)", f"raise that limit{elsewhere}", args)
     if path is None:
         return f"{reason} (in {out or 'the output folder'})"
     if in_cache:

@@ -355,3 +355,63 @@ def test_out_of_memory_from_cuda_or_a_child_process_is_one_line() -> None:
                     "where more memory is free")
     assert describe(MemoryError(), Namespace(command="pretrain")).startswith(
         "out of memory: an allocation failed (MemoryError); lower what sizes it (the model: model.*")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_stdout_is_named_as_standard_output_not_the_run_folder() -> None:
+    """It said "no space left on the device holding the output folder": the run folder was blamed,
+    and a short output failed only at the interpreter's exit (a traceback after the command)."""
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "fira_train", "methods"], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120, check=False)
+    assert done.returncode == 1 and done.stderr == (
+        "fira-train methods: error: no space left on the device holding standard output (No space left on device): "
+        "free some space (or send standard output to another disk) and run the same command again\n")
+
+
+def test_a_full_stdout_of_a_run_is_not_blamed_on_its_folder(tmp_path: Path, monkeypatch, capsys) -> None:
+    import sys
+
+    from fira_train import cli
+
+    class Full:
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(cli, "_pretrain", lambda args: print("validation perplexity ..."))
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert main(["pretrain", "--recipe", "micro", "--method", "adamw", "--out", str(tmp_path / "run")]) == 1
+    line = _error_line(capsys)
+    assert "no space left on the device holding standard output" in line and "send standard output" in line
+    assert str(tmp_path / "run") + " " not in line.split("(the checkpoints")[0]
+
+
+def test_a_full_disk_names_the_file_written_and_what_moves_it() -> None:
+    """Any file's ENOSPC advised pointing --out at another disk (a temporary file, another folder)."""
+    import tempfile
+    from argparse import Namespace
+
+    from fira_train.user_errors import describe
+
+    args = Namespace(command="pretrain", out="/nonexistent-out/run", overrides=["data.cache_dir=/nonexistent-cache"])
+
+    def full(path: str) -> str:
+        return describe(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path), args)
+
+    assert full("/nonexistent-out/run/metrics.jsonl").startswith(
+        "no space left on the device holding /nonexistent-out/run/metrics.jsonl (No space left on device): "
+        "free some space (or point --out at another disk) and run the same command again with --resume")
+    assert "(or point FIRA_CACHE at another disk)" in full("/nonexistent-cache/tokens.npy")
+    temporary = os.path.join(tempfile.gettempdir(), "tmpx.safetensors")
+    assert f"holding {temporary} (No space left on device): free some space (or point TMPDIR" in full(temporary)
+    assert full("/nonexistent-root/other/file").startswith(
+        "no space left on the device holding /nonexistent-root/other/file (No space left on device): free some "
+        "space and run the same command again")
+    assert "(or point --out or FIRA_CACHE at another disk)" in describe(  # no file named: either
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), args)
