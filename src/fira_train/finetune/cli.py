@@ -109,7 +109,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     """The sub-command: errors in options, data or model are one line on stderr and exit status 1,
     as for every fira-train command (2 stays argparse's, for a malformed command line)."""
     # imported when the command runs: they load torch and transformers
-    from fira_train.finetune.run import run_finetune
+    from fira_train.methods.packages import quiet_import_logs
+
+    with quiet_import_logs():  # transformers' Trainer imports peft, which imports bitsandbytes (never used here)
+        from fira_train.finetune.run import run_finetune
     from fira_train.methods.pretrained import ModelLoadError
     from fira_train.run.run_lock import RunDirectoryBusy
 

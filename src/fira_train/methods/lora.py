@@ -21,7 +21,10 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def wrap_lora(model: nn.Module, config: "RunConfig") -> nn.Module:
     """``model`` with ``peft`` LoRA adapters of rank ``optim.rank`` on :data:`LORA_TARGETS`; the
     rest of the model trains in full."""
-    from peft import LoraConfig, get_peft_model  # only the LoRA methods need peft: seconds to import
+    from fira_train.methods.packages import quiet_import_logs
+
+    with quiet_import_logs():  # peft imports bitsandbytes, whose 4-bit kernels LoRA does not use
+        from peft import LoraConfig, get_peft_model  # only the LoRA methods need peft: seconds to import
 
     o = config.optim
     lora = LoraConfig(r=o.rank, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 #: Loggers that report, at import, on optional parts the harness does not use: bitsandbytes
-#: (a dependency of apollo-torch and flora-opt) warns that its CPU 4-bit kernels are missing,
-#: flora-opt that JAX is not installed.
+#: (a dependency of apollo-torch and flora-opt, and imported by peft, so by transformers' Trainer)
+#: warns that its CPU 4-bit kernels are missing, flora-opt that JAX is not installed.
 IMPORT_LOGGERS = ("bitsandbytes", "flora_opt")
 
 
