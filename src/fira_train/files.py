@@ -17,10 +17,12 @@ for every non-finite float instead, so readers of ``metrics.jsonl``, ``summary.j
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["DamagedFileError", "check_report_owner", "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir",
-           "locked", "read_json", "read_json_lines", "refuse_links", "write_text_atomic"]
+           "locked", "open_regular", "read_json", "read_json_lines", "refuse_links", "write_text_atomic"]
 
 
 def measure_out_dir(out: str | None, recipe: str) -> str:
@@ -112,7 +114,13 @@ def refuse_links(root: str | Path, names: Collection[str] | None = None) -> None
         except FileNotFoundError:
             return False
 
-    found = []
+    def special(path: Path) -> bool:  # os.walk lists what is not a folder among the files
+        try:
+            return not stat.S_ISREG(path.lstat().st_mode) and not path.is_symlink()
+        except FileNotFoundError:
+            return False
+
+    found, specials = [], []
     for folder, folders, files in os.walk(root, onerror=unreadable):  # into no linked folder
         if names is not None and Path(folder) == root:
             ours = {n for n in names} | {f"{n}.tmp" for n in names}
@@ -120,12 +128,50 @@ def refuse_links(root: str | Path, names: Collection[str] | None = None) -> None
             files = [n for n in files if n in ours]
         found += [Path(folder, n) for n in folders if linked(Path(folder, n), False)]
         found += [Path(folder, n) for n in files if linked(Path(folder, n), True)]
+        specials += [Path(folder, n) for n in files if special(Path(folder, n))]
     if found:
-        shown = ", ".join(repr(str(p)) for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        raise ValueError(f"{str(root)!r} holds links ({shown}: symbolic, or files with other hard links): "
+        raise ValueError(f"{str(root)!r} holds links ({_shown(found)}: symbolic, or files with other hard links): "
                          "fira-train makes none, and in a folder from elsewhere one could send the run's writes "
                          "or deletions to a file outside it; choose another --out (a run folder from elsewhere: "
                          "copy it without them)")
+    if specials:
+        raise ValueError(f"{str(root)!r} holds entries that are neither files nor folders ({_shown(specials)}: a "
+                         "FIFO, a socket or a device): fira-train makes none, and in a folder from elsewhere one "
+                         "could hang the run (a FIFO is read or written only with another process at its other end) "
+                         "or send its writes to a device; choose another --out (a run folder from elsewhere: copy "
+                         "it without them)")
+
+
+def _shown(paths: list[Path]) -> str:
+    return ", ".join(repr(str(p)) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def open_regular(path: str | Path, flags: int, mode: int = 0o666) -> int:
+    """``os.open(path, flags | O_NOFOLLOW)``, refused (ValueError naming it) unless it is a regular
+    file: a FIFO planted after :func:`refuse_links` looked would block the open (for writing, until
+    a reader comes) or the writes, a device take them. Opened without blocking, checked, and set
+    blocking again."""
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | NOFOLLOW | nonblock, mode)
+    except OSError as err:
+        if err.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
+            raise ValueError(_not_regular(path)) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(_not_regular(path))
+        if nonblock:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _not_regular(path: str | Path) -> str:
+    return (f"{str(path)!r} is not a file (a FIFO, a socket or a device): fira-train makes none, and one could "
+            "hang the run or send its writes to a device; remove it, or choose another --out")
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
@@ -160,7 +206,7 @@ def locked(lock_file: str | Path) -> Iterator[None]:
     if fcntl is None:
         yield
         return
-    with open(lock_file, "a") as handle:
+    with os.fdopen(open_regular(lock_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

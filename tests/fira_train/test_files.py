@@ -258,3 +258,75 @@ def test_what_vanishes_while_a_folder_is_looked_at_is_passed_over(tmp_path: Path
     monkeypatch.setattr(os, "scandir", scandir)
     monkeypatch.setattr(Path, "stat", stat)
     refuse_links(out)
+
+
+@pytest.fixture
+def no_hang():
+    """A test that would block forever (a FIFO opened or read with nobody at its other end) fails
+    after 20 seconds instead."""
+    import signal
+
+    def stuck(signum, frame):
+        raise TimeoutError("blocked on a FIFO")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifos_sockets_and_devices_below_a_folder_are_refused(tmp_path: Path, no_hang) -> None:
+    """A FIFO planted as metrics.jsonl hung `pretrain --resume` forever: refuse_links let it through."""
+    import socket
+
+    from fira_train.files import refuse_links
+
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    refuse_links(out)
+    os.mkfifo(out / "metrics.jsonl")
+    with pytest.raises(ValueError, match=rf"^'{out}' holds entries that are neither files nor folders "
+                                         rf"\('{out / 'metrics.jsonl'}': a FIFO, a socket or a device\): fira-train "
+                                         "makes none"):
+        refuse_links(out)
+    refuse_links(out, names=["config.json"])  # only what a command writes, where the user keeps files beside
+    os.remove(out / "metrics.jsonl")
+    server = socket.socket(socket.AF_UNIX)
+    try:
+        server.bind(str(out / "checkpoints" / "s"))
+        with pytest.raises(ValueError, match="neither files nor folders"):
+            refuse_links(out)
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_the_lock_and_the_metrics_never_open_a_fifo_that_appears_later(tmp_path: Path, no_hang) -> None:
+    """After refuse_links looked: the open for writing waited for a reader, forever."""
+    from fira_train.files import locked
+    from fira_train.run.run_lock import LOCK_FILE, locked_run_directory
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("metrics.jsonl", LOCK_FILE, ".memory.lock"):
+        os.mkfifo(out / name)
+    with pytest.raises(ValueError, match=rf"^'{out / 'metrics.jsonl'}' is not a file \(a FIFO, a socket or a device\)"):
+        MetricsLog(out, tensorboard=False)
+    with pytest.raises(ValueError, match="is not a file"):
+        with locked_run_directory(out):
+            pass
+    with pytest.raises(ValueError, match="is not a file"):
+        with locked(out / ".memory.lock"):
+            pass
+    from fira_train.files import open_regular
+
+    with pytest.raises(ValueError, match="'/dev/null' is not a file"):
+        open_regular("/dev/null", os.O_WRONLY)
+    fd = open_regular(tmp_path / "regular", os.O_WRONLY | os.O_CREAT)  # a file: opened, and blocking as usual
+    try:
+        assert os.get_blocking(fd)
+    finally:
+        os.close(fd)

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import NOFOLLOW, cut_back_json_lines, dumps, read_json_lines
+from fira_train.files import cut_back_json_lines, dumps, open_regular, read_json_lines
 
 
 class MetricsLog:
@@ -31,8 +31,8 @@ class MetricsLog:
         self.path = Path(out_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             cut_back_json_lines(self.path, resume_step, hint=_DAMAGED_HINT)
-        # appended to, never through a symbolic link planted in its place
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | NOFOLLOW, 0o666)
+        # appended to, never through a symbolic link planted in its place, nor into a FIFO or a device
+        fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         self._file = os.fdopen(fd, "a", encoding="utf-8")
         self._tb = None
         if tensorboard:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fira_train.files import NOFOLLOW
+from fira_train.files import open_regular
 
 try:
     import fcntl
@@ -62,7 +62,7 @@ class RunLock:
         self.out.mkdir(parents=True, exist_ok=True)
         # never through a link planted as the lock: it would truncate the file it names (a
         # symbolic link fails to open; a file with other hard links is refused before it is written)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o644)
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # nor into a FIFO or a device
         if os.fstat(fd).st_nlink > 1:  # an OSError: under torchrun every rank raises it (locked_run_directory)
             os.close(fd)
             raise OSError(f"{str(self.path)!r} has other hard links: a run folder from elsewhere may name a file "
@@ -106,7 +106,7 @@ def locked_run_directory(out: str | Path, env: DistributedEnv | None = None) -> 
     if not distributed or env.is_main:
         try:
             lock.acquire()
-        except (RunDirectoryBusy, OSError) as err:
+        except (RunDirectoryBusy, OSError, ValueError) as err:  # ValueError: a lock that is not a file
             error = err
     if distributed:
         import torch.distributed as dist
@@ -115,7 +115,8 @@ def locked_run_directory(out: str | Path, env: DistributedEnv | None = None) -> 
         dist.broadcast_object_list(message, src=0, device=env.device)  # plain strings, from rank 0
         if error is None and message[0] is not None:
             kind, text = message[0]
-            raise (RunDirectoryBusy if kind == RunDirectoryBusy.__name__ else OSError)(text)
+            kinds = {RunDirectoryBusy.__name__: RunDirectoryBusy, ValueError.__name__: ValueError}
+            raise kinds.get(kind, OSError)(text)
     if error is not None:
         raise error
     try:
