@@ -495,11 +495,19 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
 
     model_dir, data = tiny_model_dir
 
-    def argv(out: Path, lr: str = "1e-2") -> list[str]:
-        return ["--model", str(model_dir), "--tasks", "boolq", "--method", method, "--data-dir", str(data),
+    def argv(out: Path, lr: str = "1e-2", data_dir: Path = data, changed: tuple[str, ...] = ()) -> list[str]:
+        """The command; ``changed``: flags and values that replace the ones it has, or add to them
+        (a flag is given once)."""
+        args = ["--model", str(model_dir), "--tasks", "boolq", "--method", method, "--data-dir", str(data_dir),
                 "--steps", "6", "--batch-size", "2", "--lr", lr, "--rank", "4", "--lora-r", "4",
                 "--update-proj-gap", "3", "--scoring", "generate", "--max-new-tokens", "4", "--save-steps", "2",
                 "--out", str(out)]
+        for flag, value in zip(changed[::2], changed[1::2]):
+            if flag in args:
+                args[args.index(flag) + 1] = value
+            else:
+                args += [flag, value]
+        return args
 
     whole = run_cli(argv(tmp_path / "whole"))
     assert whole["training"]["resumed_from_step"] is None
@@ -527,7 +535,7 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     other_data = tmp_path / "other-data"
     shutil.copytree(data, other_data)
     with pytest.raises(SystemExit):  # other data: it would have continued, mixing two runs
-        main([*argv(out), "--data-dir", str(other_data)])
+        main(argv(out, data_dir=other_data))
     assert "other settings (data_dir=" in capsys.readouterr().err
 
     sittings = json.loads((out / "trainer" / "sittings.json").read_text())
@@ -544,7 +552,7 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"the first bytes")
     capsys.readouterr()
-    resumed = run_cli([*argv(out), "--warmup-steps", "0", "--max-train", "12", "--save-steps", "0", *unused])
+    resumed = run_cli(argv(out, changed=("--warmup-steps", "0", "--max-train", "12", "--save-steps", "0", *unused)))
     assert resumed["training"]["resumed_from_step"] == 4 and resumed["training"]["steps"] == 6
     assert f"warning: {partial} is incomplete (it has no trainer_state.json" in capsys.readouterr().out
     both = resumed["training"]["sittings"]
