@@ -300,9 +300,10 @@ def test_example_script_trains_full_and_lora_with_fira_trainer(tiny_model_dir, t
         assert (tmp_path / ("ex" + "".join(extra)) / "checkpoint-2" / "optimizer.pt").is_file()
 
 
-def _zero_shot(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--tasks", "boolq", "--data-dir", str(data), "--steps", "0",
-            "--max-eval", "2", "--max-new-tokens", "2", "--scoring", "generate", "--out", str(out), *extra]
+def _zero_shot(model_dir: Path, data: Path, out: Path, *extra: str, tasks: str = "boolq",
+               max_eval: int = 2) -> list[str]:
+    return ["--model", str(model_dir), "--tasks", tasks, "--data-dir", str(data), "--steps", "0",
+            "--max-eval", str(max_eval), "--max-new-tokens", "2", "--scoring", "generate", "--out", str(out), *extra]
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:
@@ -666,7 +667,7 @@ def test_an_overwrite_stopped_while_evaluating_leaves_no_earlier_results_beside_
 
     model_dir, data = tiny_model_dir
     out = tmp_path / "o"
-    run_cli([*_zero_shot(model_dir, data, out), "--tasks", "boolq,piqa", "--max-eval", "4"])
+    run_cli(_zero_shot(model_dir, data, out, tasks="boolq,piqa", max_eval=4))
     real, calls = run_module.evaluate_task, []
 
     def stopped_at_the_second_task(*args, **kwargs):
@@ -677,7 +678,7 @@ def test_an_overwrite_stopped_while_evaluating_leaves_no_earlier_results_beside_
 
     monkeypatch.setattr(run_module, "evaluate_task", stopped_at_the_second_task)
     with pytest.raises(SystemExit):  # the CLI's status 130
-        main([*_zero_shot(model_dir, data, out, "--overwrite"), "--tasks", "boolq,piqa", "--max-eval", "3"])
+        main(_zero_shot(model_dir, data, out, "--overwrite", tasks="boolq,piqa", max_eval=3))
     assert len((out / "predictions" / "boolq.jsonl").read_text().splitlines()) == 3  # this run's
     assert not (out / "results.json").exists() and not (out / "report.md").exists()
 
