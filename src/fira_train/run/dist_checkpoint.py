@@ -206,25 +206,39 @@ class _ModelAndOptimizer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, saved_keys: set[str] | None = None):
         self.model, self.optimizer, self.saved_keys = model, optimizer, saved_keys
-        self.stateless: set[str] = set()  # loading: the parameters saved without a state
+        self.stateless: set[str] = set()  # loading: the parameters (names) saved without a state
 
     def state_dict(self) -> dict[str, Any]:
         with self._step_outside_backward():
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
         if self.saved_keys is not None:
             _ask_for_value_coded(optim_state, self.saved_keys)
-            saved = {name: entry for name, entry in optim_state["state"].items()
-                     if any(f"app.optimizer.state.{name}.{key}" in self.saved_keys for key in entry)}
-            self.stateless = set(optim_state["state"]) - set(saved)
-            optim_state["state"] = saved
+            saved = {key[len(_STATE):].rpartition(".")[0] for key in self.saved_keys if key.startswith(_STATE)}
+            unasked = sorted(saved - set(optim_state["state"]))
+            if unasked:  # DCP would leave them out without a word
+                raise ValueError(
+                    f"the checkpoint holds an optimizer state for {unasked[0]!r}"
+                    f"{f' (and {len(unasked) - 1} more)' if len(unasked) > 1 else ''} that this optimizer has no "
+                    "place for: it does not hold that parameter, or it has stepped or holds gradients (load into "
+                    "an optimizer that has not stepped, before the first backward pass)")
+            self.stateless = {name for name in optim_state["state"] if name not in saved}
+            optim_state["state"] = {name: entry for name, entry in optim_state["state"].items() if name in saved}
         return {"model": model_state, "optimizer": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._step_outside_backward():
             set_model_state_dict(self.model, state["model"])
-            # torch refuses a parameter without a state unless told; only those saved stateless
-            # lack one (DCP loaded every other requested key, or failed)
-            options = StateDictOptions(strict=False) if self.stateless else None
+            options = None
+            if self.stateless:
+                # a parameter of the saved optimizer that had no state yet loads without one; torch
+                # refuses that unless told, and then would not refuse one the saved optimizer lacked
+                held = {name for group in state["optimizer"]["param_groups"] for name in group["params"]}
+                outside = sorted(self.stateless - held)
+                if outside:
+                    raise ValueError(f"the checkpoint's optimizer does not hold {outside[0]!r}"
+                                     f"{f' (and {len(outside) - 1} more)' if len(outside) > 1 else ''}: it was "
+                                     "saved by an optimizer over other parameters")
+                options = StateDictOptions(strict=False)
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
 
     def _step_outside_backward(self) -> contextlib.AbstractContextManager:
@@ -234,6 +248,10 @@ class _ModelAndOptimizer:
         return handle.paused() if handle is not None else contextlib.nullcontext()
 
 
+#: What the optimizer's state keys in a checkpoint begin with: ``app.optimizer.state.FQN.KEY``.
+_STATE = "app.optimizer.state."
+
+
 def _ask_for_value_coded(optim_state: dict[str, Any], saved_keys: set[str]) -> None:
     """Rename, in the state DCP loads into, each int8 second moment's scale that the checkpoint
     holds under the value coding's name (``exp_avg_sq_scale``, fira-optim before square-root
@@ -241,9 +259,9 @@ def _ask_for_value_coded(optim_state: dict[str, Any], saved_keys: set[str]) -> N
     shape) and :meth:`fira_optim.Fira.load_state_dict` converts the moment. Without it DCP
     refused the checkpoint for a missing key."""
     for fqn, entry in optim_state.get("state", {}).items():
+        prefix = f"{_STATE}{fqn}."
         for key in precision.ROOT:
             root, value = f"{key}_root_scale", f"{key}_scale"
-            prefix = f"app.optimizer.state.{fqn}."
             if root in entry and prefix + root not in saved_keys and prefix + value in saved_keys:
                 entry[value] = entry.pop(root)
 

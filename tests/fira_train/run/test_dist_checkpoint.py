@@ -97,6 +97,47 @@ def test_a_parameter_without_state_when_saved_loads_without_one_and_the_run_cont
         _assert_continues(straight[rank], result)
 
 
+def test_a_saved_optimizer_state_is_never_left_out_of_a_load_without_a_word(tmp_path):
+    """A parameter loads without a state only where the saved optimizer held it without one:
+    one the saved optimizer did not hold, and a saved state the loading optimizer does not ask
+    for (it has stepped: torch then asks only for the states it has), are refused by name."""
+    import warnings
+
+    from torch import nn
+
+    from fira_optim import FiraAdamW
+    from fira_train.run.dist_checkpoint import load_checkpoint, save_checkpoint
+
+    def model():
+        torch.manual_seed(0)
+        return nn.ModuleDict({name: nn.Linear(8, 8, bias=False) for name in "ab"})
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    saved = model()
+    over_a = FiraAdamW([{"params": [saved["a"].weight], "rank": 2}], lr=0.5)
+    saved["a"].weight.grad = torch.randn(8, 8)
+    over_a.step()
+    path = save_checkpoint(tmp_path / "a", 1, saved, over_a)
+    loading = model()
+    both = FiraAdamW([{"params": [loading["a"].weight, loading["b"].weight], "rank": 2}], lr=1e-3)
+    with pytest.raises(ValueError, match=r"the checkpoint's optimizer does not hold 'b.weight': it was saved by "
+                                         r"an optimizer over other parameters"):
+        load_checkpoint(path, loading, both)
+
+    saved_both = FiraAdamW([{"params": [saved["a"].weight, saved["b"].weight], "rank": 2}])
+    saved["b"].weight.grad = torch.randn(8, 8)
+    saved_both.step()
+    path = save_checkpoint(tmp_path / "both", 1, saved, saved_both)
+    stepped = model()
+    live = FiraAdamW([{"params": [stepped["a"].weight, stepped["b"].weight], "rank": 2}])
+    stepped["a"].weight.grad = torch.randn(8, 8)
+    live.step()  # a has a state, b none: torch's request leaves b's saved state out
+    stepped["a"].weight.grad = None
+    with pytest.raises(ValueError, match=r"the checkpoint holds an optimizer state for 'b.weight' that this "
+                                         r"optimizer has no place for"):
+        load_checkpoint(path, stepped, live)
+
+
 def _kill_during_save_worker(rank: int, world: int, run_dir: str, where: str) -> None:
     """Save a checkpoint at step 2, then die (SIGKILL) in the middle of writing step 4."""
     import torch.distributed.checkpoint as dcp
