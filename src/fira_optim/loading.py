@@ -77,9 +77,8 @@ def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any
     coded as square roots (:func:`fira_optim.precision.root_coded`); ``saved`` itself is not
     modified."""
     groups = saved.get("param_groups", [])
-    if any("scale" in g and "alpha" not in g for g in groups):
-        saved = {**saved, "param_groups": [{**g, "alpha": g["scale"]} if "scale" in g and "alpha" not in g
-                                           else g for g in groups]}
+    if any(("scale" in g and "alpha" not in g) or not SAVED_BEFORE_THE_KEY.keys() <= g.keys() for g in groups):
+        saved = {**saved, "param_groups": [_filled(g) for g in groups]}
     state = saved.get("state", {})
     if not any(_needs_upgrade(s) for s in state.values()):
         return saved
@@ -95,6 +94,15 @@ def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any
             entry = _from_released(entry, param_of.get(key))
         new_state[key] = precision.root_coded(entry)
     return {**saved, "state": new_state}
+
+
+def _filled(group: dict) -> dict:
+    """A saved group with galore-torch's ``scale`` as ``alpha``, and the keys it was saved before
+    (:data:`SAVED_BEFORE_THE_KEY`) at the values its states have: torch's load takes the saved
+    group, and the optimizer would fill a missing key from its constructor's default (an int8
+    default put float32 states under an int8 group that :func:`check_layout` had compared as float32)."""
+    renamed = {"alpha": group["scale"]} if "scale" in group and "alpha" not in group else {}
+    return {**{key: value for key, value in SAVED_BEFORE_THE_KEY.items() if key not in group}, **group, **renamed}
 
 
 def _needs_upgrade(entry: dict) -> bool:

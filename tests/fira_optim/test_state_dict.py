@@ -459,3 +459,11 @@ def test_a_state_dict_saved_before_state_dtype_is_refused_by_a_low_precision_opt
     fp32 = build()
     fp32.load_state_dict(saved["optimizer"])
     assert fp32.param_groups[0]["state_dtype"] == "float32" and len(fp32.state) == len(saved["optimizer"]["state"])
+    # float32 groups under a low-precision default: the loaded groups stay float32 (torch's load
+    # takes the saved groups, and the optimizer filled their missing key from its default)
+    params = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
+    mixed = FiraAdamW([{"params": params[:2], "rank": 3, "update_proj_gap": 3, "state_dtype": "float32"},
+                       {"params": params[2:], "state_dtype": "float32"}], lr=1e-2, weight_decay=0.01,
+                      state_dtype=state_dtype)
+    mixed.load_state_dict(saved["optimizer"])
+    assert [g["state_dtype"] for g in mixed.param_groups] == ["float32", "float32"]
