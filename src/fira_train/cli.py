@@ -495,7 +495,14 @@ def _marked() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fira-train`` and ``python -m fira_train``; returns the exit status."""
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ModuleNotFoundError as err:  # installed without the [train] extra: what to install
+        message = describe(err)
+        if message is None:
+            raise
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 1
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv  # recorded in reports

@@ -7,6 +7,9 @@ exception when the environment variable ``FIRA_TRACEBACK=1`` is set (for debuggi
 
 Known, with what the message says:
 
+- a ``ModuleNotFoundError`` for a package of fira-optim's ``train`` extra
+  (:data:`TRAIN_EXTRA_MODULES`; ``pip install fira-optim`` installs the library alone): that
+  the harness needs ``pip install 'fira-optim[train]'``;
 - ``ValueError`` (bad options, overrides, data, damaged JSON files: :mod:`fira_train.files`),
   ``FileNotFoundError`` / ``FileExistsError`` raised by the harness, ``CheckpointError``: their
   own message, which names the value or file;
@@ -36,10 +39,18 @@ import re
 import tempfile
 from pathlib import Path
 
-__all__ = ["TRACEBACK_ENV", "describe"]
+__all__ = ["TRACEBACK_ENV", "TRAIN_EXTRA_MODULES", "describe", "missing_extra"]
 
 #: Set to 1 to get the traceback of every error instead of one line.
 TRACEBACK_ENV = "FIRA_TRACEBACK"
+
+#: The top-level modules of the ``train`` extra's packages that fira_train imports (torch, the
+#: library's own dependency, aside); tests/test_packaging.py checks them against the imports
+#: and pyproject.toml.
+TRAIN_EXTRA_MODULES = frozenset({
+    "accelerate", "adam_mini", "apollo_torch", "datasets", "flora_opt", "gguf", "lm_eval", "matplotlib", "numpy",
+    "peft", "scipy", "tensorboard", "tokenizers", "tqdm", "transformers",
+})
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 #: A full disk, or a file-size limit (``ulimit -f``, the file system's largest file).
@@ -52,8 +63,22 @@ def describe(err: BaseException, args: argparse.Namespace | None = None) -> str 
     """The one-line message for ``err`` raised by the command ``args``; None for a bug."""
     if os.environ.get(TRACEBACK_ENV, "").strip() not in ("", "0"):
         return None
-    message = _describe(err, args or argparse.Namespace())
+    message = missing_extra(err)
+    if message is None:
+        message = _describe(err, args or argparse.Namespace())
     return None if message is None else " ".join(message.split())  # one line
+
+
+def missing_extra(err: BaseException) -> str | None:
+    """What to install when ``err`` is the import of a package of the ``train`` extra that is not
+    installed (the wheel always holds fira_train, its dependencies come with the extra); None
+    for any other error."""
+    name = err.name if isinstance(err, ModuleNotFoundError) else None
+    top = (name or "").split(".")[0]
+    if top not in TRAIN_EXTRA_MODULES:
+        return None
+    return (f"the package {top!r} is not installed: fira-train needs fira-optim's [train] extra "
+            "(pip install 'fira-optim[train]'); `import fira_optim` alone needs torch only")
 
 
 def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
