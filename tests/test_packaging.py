@@ -1,14 +1,24 @@
 """What ``pip install fira-optim`` and ``pip install "fira-optim[train]"`` give, not what an editable
-install of this checkout gives: the harness's imports are declared in the ``train`` extra, and the
-command line installed without that extra says what to install instead of a traceback."""
+install of this checkout gives: the wheel and sdist hold the packages' files and nothing else, the
+harness's imports are declared in the ``train`` extra, and the command line installed without that
+extra says what to install instead of a traceback.
+
+The archives are built by setuptools' own backend (no ``build`` package, no isolated environment)
+from a copy of the project's files, so that the checkout's egg-info is left alone; skipped where the
+installed setuptools is older than the one pyproject.toml asks for."""
 
 from __future__ import annotations
 
 import ast
+import email.parser
+import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -29,6 +39,74 @@ def _requirement_name(requirement: str) -> str:
     match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
     assert match, requirement
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
+
+
+def _version() -> str:
+    tree = ast.parse((SRC / "fira_optim" / "__init__.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__version__" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("fira_optim/__init__.py sets no __version__")
+
+
+def _package_files() -> set[str]:
+    """Every file of the two packages in this checkout (modules and data files), relative to src/."""
+    return {str(path.relative_to(SRC)) for package in ("fira_optim", "fira_train")
+            for path in (SRC / package).rglob("*")
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo")}
+
+
+@pytest.fixture(scope="module")
+def archives(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The sdist and the wheel, built from a copy of the project's top-level files, src/ and tests/."""
+    wanted = next(r for r in _pyproject()["build-system"]["requires"] if _requirement_name(r) == "setuptools")
+    minimum = re.search(r">=\s*([\d.]+)", wanted)
+    have = importlib.metadata.version("setuptools")
+    as_tuple = lambda v: tuple(int(x) for x in re.findall(r"\d+", v)[:3])  # noqa: E731
+    if minimum and as_tuple(have) < as_tuple(minimum.group(1)):
+        pytest.skip(f"setuptools {have} is older than the build's {wanted}")
+    root = tmp_path_factory.mktemp("packaging")
+    project, dist = root / "project", root / "dist"
+    junk = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.egg-info", "build")
+    project.mkdir()
+    for path in ROOT.iterdir():
+        if path.is_file() and path.name != ".git":  # a worktree's link to its repository: no git in the copy
+            shutil.copy2(path, project / path.name)
+    for folder in ("src", "tests"):
+        shutil.copytree(ROOT / folder, project / folder, ignore=junk)
+    for hook in ("build_sdist", "build_wheel"):  # one process per hook, as build frontends call them
+        code = f"import sys; from setuptools import build_meta; build_meta.{hook}(sys.argv[1])"
+        proc = subprocess.run([sys.executable, "-c", code, str(dist)], cwd=project, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (sdist,), (wheel,) = dist.glob("*.tar.gz"), dist.glob("*.whl")
+    return {"sdist": sdist, "wheel": wheel}
+
+
+def test_the_wheel_holds_every_file_of_the_packages_and_nothing_else(archives: dict[str, Path]) -> None:
+    with zipfile.ZipFile(archives["wheel"]) as wheel:
+        names = wheel.namelist()
+        info = f"fira_optim-{_version()}.dist-info"
+        assert archives["wheel"].name == f"fira_optim-{_version()}-py3-none-any.whl"
+        assert {n for n in names if not n.startswith(info + "/")} == _package_files()
+        metadata = email.parser.Parser().parsestr(wheel.read(f"{info}/METADATA").decode())
+        entry_points = wheel.read(f"{info}/entry_points.txt").decode()
+    assert metadata["Name"] == "fira-optim" and metadata["Version"] == _version()
+    assert [r for r in metadata.get_all("Requires-Dist") if "extra ==" not in r] == ["torch>=2.6"]
+    assert set(metadata.get_all("Provides-Extra")) >= {"train", "hf", "lowbit"}
+    assert metadata["Description-Content-Type"] == "text/markdown"
+    assert metadata.get_payload().startswith("# fira-optim")  # README.md
+    assert re.search(r"^fira-train = fira_train\.cli:main$", entry_points, re.M), entry_points
+
+
+def test_the_sdist_holds_what_builds_the_wheel_and_no_partial_test_suite(archives: dict[str, Path]) -> None:
+    top = f"fira_optim-{_version()}/"
+    with tarfile.open(archives["sdist"]) as sdist:
+        names = {n[len(top):] for n in sdist.getnames() if n.startswith(top)}
+    assert {"pyproject.toml", "README.md", "PKG-INFO", "MANIFEST.in"} <= names
+    assert {f"src/{name}" for name in _package_files()} <= names
+    shipped = {n.split("/")[0] for n in names if n}
+    assert shipped <= {"src", "pyproject.toml", "README.md", "PKG-INFO", "MANIFEST.in", "setup.cfg", "LICENSE"}, shipped
 
 
 def _third_party_imports(package: Path) -> dict[str, set[str]]:
