@@ -91,10 +91,13 @@ def test_the_wheel_holds_every_file_of_the_packages_and_nothing_else(archives: d
         assert {n for n in names if not n.startswith(info + "/")} == _package_files()
         metadata = email.parser.Parser().parsestr(wheel.read(f"{info}/METADATA").decode())
         entry_points = wheel.read(f"{info}/entry_points.txt").decode()
+        licence = wheel.read(f"{info}/licenses/LICENSE").decode()
     assert metadata["Name"] == "fira-optim" and metadata["Version"] == _version()
     assert [r for r in metadata.get_all("Requires-Dist") if "extra ==" not in r] == ["torch>=2.6"]
     assert set(metadata.get_all("Provides-Extra")) >= {"train", "hf", "lowbit"}
     assert metadata["Description-Content-Type"] == "text/markdown"
+    assert metadata["License-Expression"] == "Apache-2.0" and metadata.get_all("License-File") == ["LICENSE"]
+    assert "Apache License" in licence and "Version 2.0" in licence
     assert metadata.get_payload().startswith("# fira-optim")  # README.md
     assert re.search(r"^fira-train = fira_train\.cli:main$", entry_points, re.M), entry_points
 
@@ -103,7 +106,7 @@ def test_the_sdist_holds_what_builds_the_wheel_and_no_partial_test_suite(archive
     top = f"fira_optim-{_version()}/"
     with tarfile.open(archives["sdist"]) as sdist:
         names = {n[len(top):] for n in sdist.getnames() if n.startswith(top)}
-    assert {"pyproject.toml", "README.md", "PKG-INFO", "MANIFEST.in"} <= names
+    assert {"pyproject.toml", "README.md", "PKG-INFO", "MANIFEST.in", "LICENSE"} <= names
     assert {f"src/{name}" for name in _package_files()} <= names
     shipped = {n.split("/")[0] for n in names if n}
     assert shipped <= {"src", "pyproject.toml", "README.md", "PKG-INFO", "MANIFEST.in", "setup.cfg", "LICENSE"}, shipped
