@@ -89,6 +89,7 @@ def test_the_wheel_holds_every_file_of_the_packages_and_nothing_else(archives: d
         info = f"fira_optim-{_version()}.dist-info"
         assert archives["wheel"].name == f"fira_optim-{_version()}-py3-none-any.whl"
         assert {n for n in names if not n.startswith(info + "/")} == _package_files()
+        assert "fira_optim/py.typed" in names  # PEP 561: type checkers read the library's annotations
         metadata = email.parser.Parser().parsestr(wheel.read(f"{info}/METADATA").decode())
         entry_points = wheel.read(f"{info}/entry_points.txt").decode()
         licence = wheel.read(f"{info}/licenses/LICENSE").decode()
