@@ -305,8 +305,8 @@ class Fira(Optimizer):
         state["implementation"] = self.implementation
         state["host_refresh"] = self.host_refresh
         state["split_refresh"] = self.split_refresh
-        if "_built" in self.__dict__:  # a copy refuses the same option changes as the original
-            state["_built"] = self.__dict__["_built"]
+        if "_built_options" in self.__dict__:  # a copy refuses the same option changes as the original
+            state["_built_options"] = self.__dict__["_built_options"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -346,10 +346,10 @@ class Fira(Optimizer):
 
         pre = self.register_load_state_dict_pre_hook(capture)
         post = self.register_load_state_dict_post_hook(retake, prepend=True)
-        # torch replaces the state and the groups before the post-hooks check the loaded states:
-        # a refused load puts the ones it replaced back (a caller that catches the error trains on
-        # as before, not on a half-loaded state)
-        before = {name: self.__dict__[name] for name in ("state", "param_groups", "defaults")}
+        # torch replaces the state and the groups (new objects) before the post-hooks check the
+        # loaded states: a refused load puts the ones it replaced back (a caller that catches the
+        # error trains on as before, not on a half-loaded state)
+        before = {name: self.__dict__[name] for name in ("state", "param_groups")}
         try:
             super().load_state_dict(state_dict)
         except BaseException:
@@ -366,21 +366,12 @@ class Fira(Optimizer):
 
     def _retake_loaded(self, loaded: dict[str, Any]) -> None:
         """The loaded state tensors by this optimizer's dtype policy (see load_state_dict), then
-        the projected states' shapes checked against each group's rank and side rule."""
+        checked against each group's options (:meth:`_check_states`)."""
         saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
         params = [(p, g) for g in self.param_groups for p in g["params"]]
         for saved_id, (p, group) in zip(saved_ids, params):
             self._retake(p, group, loaded["state"].get(saved_id, {}))
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                state = self.state.get(p)
-                if state and "basis" in state:
-                    _check_loaded_state(p, state, group, gi, pi)
-                elif state:  # a plain parameter's moments have its shape (else the step fails midway)
-                    for key, value in state.items():
-                        if key in precision.SIGNED and tuple(value.shape) != tuple(p.shape):
-                            raise ValueError(f"loaded state {key!r} of param_groups[{gi}]['params'][{pi}] has shape "
-                                             f"{tuple(value.shape)}, expected the parameter's {tuple(p.shape)}")
+        self._check_states("loaded state")
 
     @property
     def in_backward(self) -> Any:
@@ -531,23 +522,29 @@ class Fira(Optimizer):
         with it each parameter's dtype: a parameter cast since (``model.to(dtype)`` mid-training)
         is a new layout, whose building re-takes the states in the dtypes kept for the
         parameters' dtypes now, as a load would (also after a load, a copy or a pickle, which
-        leave no cached layout). An option that the states are built for is checked against the
-        record that survives those (:meth:`_record_built`)."""
-        options = [tuple(g[name] for name in _BUILT_OPTIONS) for g in self.param_groups]
-        built = self.__dict__.get("_built")
-        if built is not None and built != options:
-            self._check_group_changes(built, options)
-        key = tuple((id(g["params"]), len(g["params"]), g["stagger"], *opts) for g, opts in zip(self.param_groups, options))
+        leave no cached layout). Building it checks the options the states are built for against
+        the record of them that survives those (:meth:`_record_built`), and the states themselves
+        against the groups (:meth:`_check_states`)."""
+        options = self._group_options()
+        # the rank's type too: 3.0 equals 3, and would step on unchecked
+        key = tuple((id(g["params"]), len(g["params"]), g["stagger"], type(g["rank"]), *opts)
+                    for g, opts in zip(self.param_groups, options))
         cached = self.__dict__.get("_layout")
         if cached is None or cached[0] != key or not self._layout_holds(cached, only):
-            self._follow_casts()
-            entries, order = [], 0
+            built = self.__dict__.get("_built_options")
+            # groups removed since: they cannot be paired by place (the states' check below stands)
+            if built is not None and len(built) <= len(options) and built != options:
+                self._check_group_changes(built, options)
             for gi, group in enumerate(self.param_groups):
                 if group["rank"] is not None:  # a rank set in param_groups: as the constructor checks it
                     try:
                         group["rank"] = check_rank(group["rank"])
                     except ValueError as err:
                         raise ValueError(f"param_groups[{gi}]: {err}") from None
+            self._check_states("state")  # also where no record of the options is left to compare
+            self._follow_casts()
+            entries, order = [], 0
+            for gi, group in enumerate(self.param_groups):
                 for pi, p in enumerate(group["params"]):
                     if p.is_meta:  # the update would fail deep inside on .item(): say what went wrong
                         raise ValueError(
@@ -586,10 +583,24 @@ class Fira(Optimizer):
                         f"the group's states were built for the old {name}; it cannot change during training "
                         "(set it back, or build a new optimizer)")
 
+    def _group_options(self) -> list[tuple]:
+        """Each group's options that its states are built for (:data:`_BUILT_OPTIONS`)."""
+        return [tuple(g[name] for name in _BUILT_OPTIONS) for g in self.param_groups]
+
     def _record_built(self) -> None:
-        """Record each group's options that its states are built for (:data:`_BUILT_OPTIONS`),
-        which a copy, a pickle and a load keep (the cached layout they drop names tensors)."""
-        self.__dict__["_built"] = [tuple(g[name] for name in _BUILT_OPTIONS) for g in self.param_groups]
+        """Record :meth:`_group_options`, which a copy, a pickle and a load keep (the cached
+        layout they drop names tensors)."""
+        self.__dict__["_built_options"] = self._group_options()
+
+    def _check_states(self, what: str) -> None:
+        """ValueError naming the first parameter whose state does not fit its group now
+        (:func:`_check_state`): a load of another layout, or an option changed after the states
+        were built where no record of it was left to compare (a group removed before it)."""
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                state = self.state.get(p)
+                if state:
+                    _check_state(p, state, group, what, f"param_groups[{gi}]['params'][{pi}]")
 
     def _layout_holds(self, cached: tuple, only: set | None) -> bool:
         """Whether the cached layout still names the tensors of the groups' lists (a parameter
@@ -923,18 +934,46 @@ def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:
     distributed.row_sharding(p)  # a DTensor must be row-sharded (FSDP2): ValueError otherwise
 
 
-def _check_loaded_state(p, state, group, gi, pi) -> None:
-    name = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+def _check_state(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], what: str, where: str) -> None:
+    """ValueError unless ``state`` is what ``group`` keeps for ``p``: a projected matrix's basis
+    and low-rank moments of its rank and side, a plain parameter's moments of its shape, and int8
+    codes (with their scales) where the group stores them, floats where it does not (a state
+    built under another ``state_dtype`` was kept as it was, under the new one's name). The
+    message names ``what`` (``"loaded state"``) ``of where`` (the parameter's place)."""
+    shape = tuple(p.shape)
+    if is_projected(p, group):
+        if "basis" not in state:
+            raise ValueError(f"{what} of {where} (shape {shape}) has no projection basis: it was built for a "
+                             f"parameter its group does not project, and the group now has rank={group['rank']!r}")
+        _check_projected_state(p, state, group, what, f"{where} (shape {shape})")
+    elif "basis" in state:
+        raise ValueError(f"{what} of {where} (shape {shape}) holds a projection basis: it was built for a projected "
+                         f"matrix, and its group now has rank={group['rank']!r}")
+    else:  # a plain parameter's moments have its shape (else the step fails midway)
+        for key, value in state.items():
+            if key in precision.SIGNED and tuple(value.shape) != shape:
+                raise ValueError(f"{what} {key!r} of {where} has shape {tuple(value.shape)}, expected the "
+                                 f"parameter's {shape}")
+    for key, dtype in _state_dtypes(p, group).items():
+        value, coded = state.get(key), not (dtype.is_floating_point or dtype.is_complex)
+        if value is None and (coded or key.endswith("_scale")):
+            raise ValueError(f"{what} of {where} has no {key!r}, which state_dtype={group['state_dtype']!r} keeps")
+        if isinstance(value, torch.Tensor) and coded != (not (value.is_floating_point() or value.is_complex())):
+            raise ValueError(f"{what} {key!r} of {where} is {value.dtype}, where state_dtype="
+                             f"{group['state_dtype']!r} keeps {dtype}: it was built under another state_dtype")
+
+
+def _check_projected_state(p, state, group, what: str, where: str) -> None:
     side = projection_side(p.shape, group["proj_type"])
     rank = group["rank"]
     want = basis_shape(tuple(p.shape), rank, side)
     if tuple(state["basis"].shape) != want:
         raise ValueError(
-            f"loaded projection basis of {name} has shape {tuple(state['basis'].shape)}, "
+            f"{what} 'basis' of {where} has shape {tuple(state['basis'].shape)}, "
             f"expected {want} for rank={rank}, proj_type={group['proj_type']!r}"
         )
     low = low_rank_shape(tuple(p.shape), rank, side)
     for key in STATE_KEYS[group["base"]]:
         if key not in state or tuple(state[key].shape) != low:
             got = tuple(state[key].shape) if key in state else "missing"
-            raise ValueError(f"loaded state {key!r} of {name} is {got}, expected shape {low}")
+            raise ValueError(f"{what} {key!r} of {where} is {got}, expected shape {low}")

@@ -326,6 +326,63 @@ def test_a_refused_load_leaves_the_optimizer_as_it_was() -> None:
     assert [float(opt.state[p]["step"]) for p in (weight, bias)] == [2.0, 2.0]
 
 
+def test_states_that_do_not_fit_their_group_are_refused_where_no_record_of_the_options_is_left() -> None:
+    """Groups removed from param_groups cannot be paired with the record by place: the removal
+    alone was refused ("changed from 3 to None"), and a rank set on a remaining group stepped on
+    its states of the old rank; a rank of another type (3.0, equal to 3) stepped on unchecked and
+    failed in the next refresh; a state_dtype set, then taken through a state dict, kept float32
+    moments under an int8 group. The states themselves are checked against their groups now."""
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(8, 12, generator=gen)) for _ in range(3))
+
+    def stepped(groups):
+        opt = FiraAdamW(groups)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn(8, 12, generator=gen)
+        opt.step()
+        return opt
+
+    opt = stepped([{"params": [a], "rank": 3}, {"params": [b], "rank": 5}])
+    del opt.param_groups[0]
+    opt.param_groups[0]["rank"] = 3  # b's states are rank 5
+    with pytest.raises(ValueError, match=r"state 'basis' of param_groups\[0\]\['params'\]\[0\] \(shape \(8, 12\)\) has "
+                                         r"shape \(8, 5\), expected \(8, 3\) for rank=3"):
+        opt.step()
+    opt.param_groups[0]["rank"] = 5.0  # equal to 5, of another type: checked as the constructor checks it
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: Invalid rank: 5.0"):
+        opt.step()
+    opt.param_groups[0]["rank"] = 5  # a group removed: trains on
+    opt.step()
+    assert float(opt.state[b]["step"]) == 2.0
+
+    opt = stepped([{"params": [a], "rank": 3}, {"params": [c], "rank": None}])
+    del opt.param_groups[0]
+    opt.param_groups[0]["rank"] = 3  # c was trained unprojected
+    with pytest.raises(ValueError, match=r"state of param_groups\[0\]\['params'\]\[0\] \(shape \(8, 12\)\) has no "
+                                         r"projection basis"):
+        opt.step()
+    opt.param_groups[0]["rank"] = None
+    opt.step()
+    assert float(opt.state[c]["step"]) == 2.0
+
+
+def test_a_state_dtype_set_then_taken_through_a_state_dict_is_refused() -> None:
+    pytest.importorskip("torchao")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, 256, generator=gen))
+    opt = FiraAdamW([{"params": [weight], "rank": 16}])
+    weight.grad = torch.randn(64, 256, generator=gen)
+    opt.step()
+    opt.param_groups[0]["state_dtype"] = "int8"
+    with pytest.raises(ValueError, match=r"loaded state 'exp_avg' of param_groups\[0\]\['params'\]\[0\] is "
+                                         r"torch.float32, where state_dtype='int8' keeps torch.uint8"):
+        opt.load_state_dict(opt.state_dict())
+    opt.param_groups[0]["state_dtype"] = "float32"  # nothing was loaded: trains on
+    opt.step()
+    assert float(opt.state[weight]["step"]) == 2.0
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "load"])
 def test_an_option_changed_after_a_copy_or_a_load_is_refused_as_on_the_original(how: str) -> None:
     """The refusal compared against a cache that a copy, a pickle and a load dropped: a rank set
