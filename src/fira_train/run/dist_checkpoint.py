@@ -213,7 +213,8 @@ class _ModelAndOptimizer:
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
         if self.saved_keys is not None:
             _ask_for_value_coded(optim_state, self.saved_keys)
-            saved = {key[len(_STATE):].rpartition(".")[0] for key in self.saved_keys if key.startswith(_STATE)}
+            held = [name for group in optim_state["param_groups"] for name in group["params"]]
+            saved = _saved_state_owners(self.saved_keys, held)
             unasked = sorted(saved - set(optim_state["state"]))
             if unasked:  # DCP would leave them out without a word
                 raise ValueError(
@@ -250,6 +251,22 @@ class _ModelAndOptimizer:
 
 #: What the optimizer's state keys in a checkpoint begin with: ``app.optimizer.state.FQN.KEY``.
 _STATE = "app.optimizer.state."
+
+
+def _saved_state_owners(saved_keys: set[str], held: list[str]) -> set[str]:
+    """The parameters whose optimizer states the checkpoint holds. A state key is
+    ``app.optimizer.state.FQN.KEY`` (``...FQN.KEY.INNER`` for the nested states of some
+    optimizers, apollo's projector): its owner is the longest parameter name of ``held`` that it
+    continues, else its name without the last part (a parameter the loading optimizer does not hold)."""
+    names = set(held)
+    owners = set()
+    for key in saved_keys:
+        if not key.startswith(_STATE):
+            continue
+        parts = key[len(_STATE):].split(".")
+        prefixes = (".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1))
+        owners.add(next((name for name in prefixes if name in names), ".".join(parts[:-1])))
+    return owners
 
 
 def _ask_for_value_coded(optim_state: dict[str, Any], saved_keys: set[str]) -> None:

@@ -138,6 +138,18 @@ def test_a_saved_optimizer_state_is_never_left_out_of_a_load_without_a_word(tmp_
         load_checkpoint(path, stepped, live)
 
 
+def test_the_owner_of_a_nested_optimizer_state_is_its_parameter():
+    """apollo keeps a projector dict in its state (``...down_proj.weight.projector.ortho``): the
+    owner was read as ``down_proj.weight.projector``, and its resume refused."""
+    from fira_train.run.dist_checkpoint import _saved_state_owners
+
+    keys = {"app.optimizer.state.layers.0.down.weight.step", "app.optimizer.state.layers.0.down.weight.projector.ortho",
+            "app.optimizer.state.layers.0.down.weight.projector.step", "app.optimizer.state.gone.weight.exp_avg",
+            "app.optimizer.param_groups.0.lr", "app.model.layers.0.down.weight"}
+    assert _saved_state_owners(keys, ["layers.0.down.weight", "layers.0.up.weight"]) == {"layers.0.down.weight",
+                                                                                         "gone.weight"}
+
+
 def _kill_during_save_worker(rank: int, world: int, run_dir: str, where: str) -> None:
     """Save a checkpoint at step 2, then die (SIGKILL) in the middle of writing step 4."""
     import torch.distributed.checkpoint as dcp
