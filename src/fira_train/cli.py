@@ -509,10 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
     configure_logging(logging.INFO if is_rank_zero() else logging.WARNING)
     stdout = sys.stdout
-    sys.stdout = _Stdout(stdout)
+    if stdout is not None:  # None: no file descriptor 1 (`>&-`, pythonw), where print writes nothing
+        sys.stdout = _Stdout(stdout)
     try:
         status = int(args.func(args) or 0)
-        sys.stdout.flush()  # here, where a failed write is one line, not at the interpreter's exit
+        if sys.stdout is not None:
+            sys.stdout.flush()  # here, where a failed write is one line, not at the interpreter's exit
         return status
     except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
         hint = interrupted_hint(args)
