@@ -113,8 +113,8 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
 #: What an allocator that found no memory says: torch on the CPU ("DefaultCPUAllocator: can't
 #: allocate memory" / "not enough memory"), CUDA and MPS ("out of memory"), numpy ("Unable to
 #: allocate"), also as the text of an error that came back from a child process.
-_NO_MEMORY = re.compile(r"DefaultCPUAllocator|not enough memory|can't allocate memory|out of memory|"
-                        r"Unable to allocate|MemoryError")
+_NO_MEMORY = re.compile(r"DefaultCPUAllocator|not enough memory|can't allocate memory|out of memory(?!\?)|"
+                        r"Unable to allocate|(?<![\w.(])MemoryError\b")
 #: How much it wanted, in the words of each: bytes (torch, CPU), a size with its unit (CUDA, numpy).
 _WANTED = (re.compile(r"tried to allocate (\d+) bytes"), re.compile(r"[Tt]ried to allocate ([\d.]+ ?[KMGTPE]i?B)"),
            re.compile(r"Unable to allocate ([\d.]+ ?[KMGTPE]i?B for an array with shape \([^)]*\))"))
@@ -126,9 +126,12 @@ _SIZE_FLAGS = ("--samples", "--batch-size", "--eval-batch-size", "--cutoff-len",
 
 
 def _out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is an allocation that found no memory (not a bug: a size asked for)."""
+    """Whether ``err`` is an allocation that found no memory (not a bug: a size asked for). The
+    text is read only in a plain ``RuntimeError`` (torch's allocators, an error from a run's own
+    process): the harness's own errors (a checkpoint whose metadata failed to unpickle with a
+    MemoryError, a run killed by SIGKILL that may have been out of memory) say what they are."""
     return (isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError"
-            or isinstance(err, RuntimeError) and _NO_MEMORY.search(str(err)) is not None)
+            or type(err) is RuntimeError and _NO_MEMORY.search(str(err)) is not None)
 
 
 def _no_memory(err: BaseException, args: argparse.Namespace) -> str:
@@ -277,10 +280,12 @@ def _room_elsewhere(path: str | None, out: str | None, in_cache: bool, stream: s
         return "point --out or FIRA_CACHE at another disk"
     if in_cache:
         return "point FIRA_CACHE at another disk"
-    if _inside(path, out or os.getcwd()):  # without --out the run folders are under the current one
+    if out is not None and _inside(path, out):
         return "point --out at another disk"
-    if _inside(path, tempfile.gettempdir()):
+    if _inside(path, tempfile.gettempdir()):  # before the current folder, which may hold it (/tmp, /)
         return "point TMPDIR at another disk"
+    if out is None and _inside(path, os.getcwd()):  # without --out the run folders are under the current one
+        return "point --out at another disk"
     return None
 
 

@@ -372,6 +372,31 @@ def test_a_full_stdout_is_named_as_standard_output_not_the_run_folder() -> None:
         "free some space (or send standard output to another disk) and run the same command again\n")
 
 
+def test_a_command_with_standard_output_closed_runs_as_before(tmp_path: Path) -> None:
+    """Closed (`>&-`, some launchers), sys.stdout is None: print writes nothing, and the wrapper
+    that names standard output in a full-disk error crashed every command on its first write
+    (and pretrain on its progress bar)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(f"{sys.executable} -m fira_train methods >&-", shell=True, stderr=subprocess.PIPE,
+                          text=True, timeout=120, check=False, cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+
+
+def test_the_harness_own_errors_that_mention_memory_keep_their_message() -> None:
+    """A checkpoint whose metadata failed to unpickle with a MemoryError, and a run killed by
+    SIGKILL ("out of memory?"), were told as allocations that failed."""
+    from fira_train.run.checkpoint import CheckpointError
+    from fira_train.user_errors import describe
+
+    damaged = "checkpoint metadata 'r/.metadata' is truncated or damaged (MemoryError: )"
+    assert describe(CheckpointError(damaged)) == damaged
+    killed = describe(RuntimeError("the isolated run of train ended without a result: killed by SIGKILL (out of memory?)"))
+    assert killed is None or not killed.startswith("out of memory")
+    assert describe(RuntimeError("the run failed: MemoryError")).startswith("out of memory: an allocation failed")
+
+
 def test_a_full_stdout_of_a_run_is_not_blamed_on_its_folder(tmp_path: Path, monkeypatch, capsys) -> None:
     import sys
 
@@ -415,3 +440,12 @@ def test_a_full_disk_names_the_file_written_and_what_moves_it() -> None:
         "space and run the same command again")
     assert "(or point --out or FIRA_CACHE at another disk)" in describe(  # no file named: either
         OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), args)
+    # without --out, from a current folder that holds the temporary one: still the temporary file
+    old_cwd = os.getcwd()
+    try:
+        os.chdir(tempfile.gettempdir())
+        no_out = Namespace(command="pretrain", overrides=[])
+        assert "(or point TMPDIR at another disk)" in describe(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                                                                       temporary), no_out)
+    finally:
+        os.chdir(old_cwd)
