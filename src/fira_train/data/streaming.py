@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fira_train.data.corpus import Corpus, digest_ids
 from fira_train.data.disk_cache import fingerprint
-from fira_train.data.spec import C4, C4_LOCAL_PREFIX, DataSpec
+from fira_train.data.spec import C4, C4_LOCAL_PREFIX, DataSpec, require_int
 from fira_train.data.streams import (ORDER_RULE, BatchStream, check_stream_args, check_stream_state, epoch_seed,
                                      order_rule)
 from fira_train.data.tokenizer import build_tokenizer, encode_texts, token_dtype
@@ -176,6 +176,9 @@ class StreamingBatchStream(BatchStream):
         self._eos = tokenizer.eos_token_id
         self._dtype = token_dtype(len(tokenizer))
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        # an epoch ends where fewer than cut * seq_len tokens are left: a state's batch_size, which a
+        # resume at another batch size keeps (see __next__)
+        self.cut = batch_size
         self.max_train_tokens = max_train_tokens
         self.shuffle_buffer = shuffle_buffer
         self.epoch = 0
@@ -239,14 +242,16 @@ class StreamingBatchStream(BatchStream):
         if self.tokens == 0:  # a whole epoch without one batch: looping would never end
             raise ValueError(
                 f"one epoch of the training stream holds fewer than batch_size * seq_len = "
-                f"{self.batch_size} * {self.seq_len} = {needed} tokens (max_train_tokens="
+                f"{self.cut} * {self.seq_len} = {needed} tokens (max_train_tokens="
                 f"{self.max_train_tokens}); lower batch_size or seq_len, or use more data"
             )
         self.epoch, self.documents, self.offset, self.tokens = self.epoch + 1, 0, 0, 0
         self._close_reader()
 
-    def __next__(self) -> torch.Tensor:
-        needed = self.batch_size * self.seq_len
+    def _ready(self) -> None:
+        """At the start of a batch of :attr:`cut` rows: into the next epoch unless this one holds
+        a whole such batch more (within ``max_train_tokens``)."""
+        needed = self.cut * self.seq_len
         while True:
             if self.max_train_tokens is not None and self.tokens + needed > self.max_train_tokens:
                 self._next_epoch(needed)
@@ -258,24 +263,46 @@ class StreamingBatchStream(BatchStream):
             if self._pending_tokens < needed:
                 self._next_epoch(needed)
                 continue
-            return torch.from_numpy(self._take(needed)).view(self.batch_size, self.seq_len)  # (B, T)
+            return
+
+    def __next__(self) -> torch.Tensor:
+        """``batch_size`` rows, in batches of :attr:`cut` rows (the state's ``batch_size``): the
+        epochs end where they did for the size the stream was saved at, a batch running on into
+        the next epoch where the two differ."""
+        rows, parts = self.batch_size, []
+        while rows:
+            into = (self.tokens // self.seq_len) % self.cut  # rows of the current cut-batch taken
+            if into == 0:
+                self._ready()
+            taken = min(rows, self.cut - into)
+            parts.append(self._take(taken * self.seq_len))
+            rows -= taken
+        ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return torch.from_numpy(ids).view(self.batch_size, self.seq_len)  # (B, T)
 
     def state_dict(self) -> dict[str, int]:
+        into = (self.tokens // self.seq_len) % self.cut
+        if into:
+            raise ValueError(f"{type(self).__name__}: a state is saved where a batch of the saved size "
+                             f"{self.cut} ends; this one is {into} rows into one")
         return {
             "epoch": self.epoch,
             "documents": self.documents,
             "offset": self.offset,
             "tokens": self.tokens,
             "seed": self.seed,
-            "batch_size": self.batch_size,
+            "batch_size": self.cut,
             "seq_len": self.seq_len,
             "order": self.order,
         }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        fixed = {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len}
+        fixed = {"seed": self.seed, "seq_len": self.seq_len}
         rule, state = order_rule(state, type(self).__name__)
-        checked = check_stream_state(state, fixed, ("epoch", "documents", "offset", "tokens"), type(self).__name__)
+        checked = check_stream_state(state, fixed, ("epoch", "documents", "offset", "tokens", "batch_size"),
+                                     type(self).__name__)
+        require_int(f"{type(self).__name__} state['batch_size']", checked["batch_size"], 1)
+        self.cut = checked["batch_size"]  # a state of another batch size: its epochs, this size's batches
         self.epoch, self.documents = checked["epoch"], checked["documents"]
         self.offset, self.tokens = checked["offset"], checked["tokens"]
         self.order = rule

@@ -111,6 +111,13 @@ class PackedBatchStream(BatchStream):
     ``torch.randperm(n, generator=manual_seed(epoch_seed(seed, e)))``, ``batch_size`` at a time; the last
     ``n mod batch_size`` blocks of each order are skipped, so every batch has the same shape.
     The position is ``(epoch, index)``: the next batch is number ``index`` of epoch ``epoch``.
+
+    A state saved at another ``batch_size`` (a run resumed with another micro-batch size) is
+    continued in this one: the same blocks in the same order, the epochs still cut in the saved
+    size (:attr:`cut`, which the state keeps as its ``batch_size``), a batch running on into the
+    next epoch where this size does not divide the saved one's epoch. Such a stream saves its
+    state only where a batch of the saved size would end (between the steps of a run whose batch
+    both sizes divide).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
@@ -120,17 +127,29 @@ class PackedBatchStream(BatchStream):
         n_blocks = len(tokens) // seq_len
         self._blocks = tokens[: n_blocks * seq_len].reshape(n_blocks, seq_len)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        self.batches_per_epoch = n_blocks // batch_size
-        if self.batches_per_epoch == 0:
-            raise ValueError(
-                f"batch_size={batch_size} exceeds the {n_blocks} training sequences of seq_len={seq_len} "
-                f"({len(tokens)} tokens); lower batch_size or seq_len, or use more data"
-            )
+        self._cut_at(batch_size, f"batch_size={batch_size}")
         self.epoch = 0
-        self.index = 0
+        self.row = 0  # blocks of this epoch's order served
         self.order = order  # epoch_seed's rule; a resumed stream keeps the rule its state was saved with
         self._order_epoch = -1
         self._order = np.empty(0, dtype=np.int64)
+
+    def _cut_at(self, cut: int, what: str) -> None:
+        """Epochs of whole batches of ``cut`` blocks (``what`` names it in the error)."""
+        n_blocks = len(self._blocks)
+        if n_blocks // cut == 0:
+            raise ValueError(
+                f"{what} exceeds the {n_blocks} training sequences of seq_len={self.seq_len} "
+                f"({n_blocks * self.seq_len}+ tokens); lower batch_size or seq_len, or use more data"
+            )
+        self.cut = cut
+        self.batches_per_epoch = n_blocks // cut  # of the cut's size
+        self._rows_per_epoch = self.batches_per_epoch * cut
+
+    @property
+    def index(self) -> int:
+        """The next batch's number in its epoch (in batches of :attr:`cut` blocks)."""
+        return self.row // self.cut
 
     def _epoch_order(self) -> np.ndarray:
         if self._order_epoch != self.epoch:
@@ -140,32 +159,42 @@ class PackedBatchStream(BatchStream):
         return self._order
 
     def __next__(self) -> torch.Tensor:
-        if self.index >= self.batches_per_epoch:
-            self.epoch, self.index = self.epoch + 1, 0
-        rows = self._epoch_order()[self.index * self.batch_size : (self.index + 1) * self.batch_size]
-        self.index += 1
+        parts, wanted = [], self.batch_size
+        while wanted:
+            if self.row >= self._rows_per_epoch:
+                self.epoch, self.row = self.epoch + 1, 0
+            taken = min(wanted, self._rows_per_epoch - self.row)
+            parts.append(self._epoch_order()[self.row : self.row + taken])
+            self.row, wanted = self.row + taken, wanted - taken
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return torch.from_numpy(np.asarray(self._blocks[rows], dtype=np.int64))  # (B, T)
 
     def state_dict(self) -> dict[str, int]:
+        if self.row % self.cut:
+            raise ValueError(f"{type(self).__name__}: a state is saved where a batch of the saved size "
+                             f"{self.cut} ends; this one is {self.row % self.cut} blocks into one")
         return {
             "epoch": self.epoch,
             "index": self.index,
             "seed": self.seed,
-            "batch_size": self.batch_size,
+            "batch_size": self.cut,
             "seq_len": self.seq_len,
             "sequences": len(self._blocks),
             "order": self.order,
         }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        fixed = {"seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
-                 "sequences": len(self._blocks)}
-        rule, state = order_rule(state, type(self).__name__)
-        checked = check_stream_state(state, fixed, ("epoch", "index"), type(self).__name__)
-        if checked["index"] > self.batches_per_epoch:
+        owner = type(self).__name__
+        fixed = {"seed": self.seed, "seq_len": self.seq_len, "sequences": len(self._blocks)}
+        rule, state = order_rule(state, owner)
+        checked = check_stream_state(state, fixed, ("epoch", "index", "batch_size"), owner)
+        cut = checked["batch_size"]
+        require_int(f"{owner} state['batch_size']", cut, 1)
+        if checked["index"] > len(self._blocks) // cut:
             raise ValueError(
-                f"{type(self).__name__} state['index']={checked['index']} exceeds the "
-                f"{self.batches_per_epoch} batches of an epoch"
+                f"{owner} state['index']={checked['index']} exceeds the "
+                f"{len(self._blocks) // cut} batches of an epoch"
             )
-        self.epoch, self.index, self.order = checked["epoch"], checked["index"], rule
+        self._cut_at(cut, f"{owner} state['batch_size']={cut}")
+        self.epoch, self.row, self.order = checked["epoch"], checked["index"] * cut, rule
         self._order_epoch = -1

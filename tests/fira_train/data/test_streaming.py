@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-
+import math
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -139,6 +139,31 @@ def test_c4_stream_resumes_exactly(c4_corpus) -> None:
         resumed.load_state_dict(dict(state))
         for expected, got in zip(straight[resume_after:], take(resumed, total - resume_after)):
             assert torch.equal(expected, got), f"resumed after {resume_after} batches"
+
+
+@pytest.mark.parametrize(("cut", "size"), [(8, 4), (4, 20)])
+def test_a_c4_stream_state_of_another_batch_size_is_continued_row_for_row(c4_corpus, cut: int, size: int) -> None:
+    """A run resumed with another micro-batch size: the same rows in the same order, across the
+    epochs' ends as the saved size cut them (a batch of 8 runs on into the next epoch where the
+    saved epoch's 4-row batches are not a multiple of 5); it was refused."""
+    starts = first_batch_of_each_epoch(c4_corpus.train_batches(cut, seed=4), 60 * 8 // cut)
+    step = math.lcm(cut, size)  # a global batch both divide
+    assert size < cut or starts[1] % (step // cut)  # a batch of 20 runs on into the next epoch
+    saved = c4_corpus.train_batches(cut, seed=4)
+    take(saved, step // cut)
+    state = saved.state_dict()
+    batches = (starts[2] * cut // step + 1) * step // cut  # on across two epochs' ends
+    expected = torch.cat(take(saved, batches - step // cut))
+    resumed = c4_corpus.train_batches(size, seed=4)
+    resumed.load_state_dict(dict(state))
+    got = take(resumed, len(expected) // size)
+    assert all(batch.shape[0] == size for batch in got)
+    assert torch.equal(torch.cat(got), expected)
+    assert resumed.state_dict() == saved.state_dict()
+    if size < cut:
+        next(resumed)
+        with pytest.raises(ValueError, match=f"{size} rows into one"):
+            resumed.state_dict()
 
 
 def test_c4_stream_resume_mid_document_and_state_checks(c4_corpus) -> None:
