@@ -37,7 +37,8 @@ from fira_train.config.run_config import RunConfig
 from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
-from fira_train.run.run_dir import MEMORY_LEVERS, config_changes, describe_changes, resume_ignores
+from fira_train.run.run_dir import (MEMORY_LEVERS, ROUND_OFF_LEVERS, config_changes, describe_changes,
+                                   resume_ignores)
 from fira_train.run.safe_load import UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -136,8 +137,11 @@ def lever_changes(recorded: Any, config: RunConfig, path: Path) -> list[str]:
                          f"(train.steps={config.train.steps}), so nothing would train with them and the summary "
                          "would give the memory of loading and evaluating the run; to measure the run with these "
                          "settings, train it again (--overwrite, or another --out)")
-    log.warning("resuming from %s with %s: the weights go on as they would have (bit for bit in one "
-                "process); the run's peak memory (summary.json) counts from this sitting on", path.name, described)
+    exact = ("the same sequences go through each step in other micro-batches: the weights go on equal to "
+             "round-off, not bit for bit" if any(key in ROUND_OFF_LEVERS for key in changed)
+             else "the weights go on as they would have (bit for bit in one process)")
+    log.warning("resuming from %s with %s: %s; the run's peak memory (summary.json) counts from this sitting on",
+                path.name, described, exact)
     return changed
 
 

@@ -33,10 +33,14 @@ RESUMABLE_CHANGES = frozenset({
 })
 
 
-#: What a run may change on resume without changing its weights (bit for bit in one process):
-#: how much memory it takes. Not :data:`RESUMABLE_CHANGES`: a finished run is not reused for the
-#: other setting, as its summary reports the memory it took.
-MEMORY_LEVERS = ("train.activation_checkpointing", "optim.step_in_backward")
+#: What a run may change on resume to take another amount of memory: its weights go on as they
+#: would have (bit for bit in one process; another micro-batch size trains the same sequences
+#: of each step in other micro-batches, equal to round-off: :data:`ROUND_OFF_LEVERS`). Not
+#: :data:`RESUMABLE_CHANGES`: a finished run is not reused for the other setting, as its summary
+#: reports the memory it took.
+MEMORY_LEVERS = ("train.activation_checkpointing", "optim.step_in_backward", "train.micro_batch_size")
+#: The :data:`MEMORY_LEVERS` whose change sums the same gradients in another order.
+ROUND_OFF_LEVERS = ("train.micro_batch_size",)
 
 
 def resume_ignores(config: RunConfig) -> frozenset[str]:

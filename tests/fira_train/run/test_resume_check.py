@@ -440,6 +440,31 @@ def test_a_resume_may_change_a_memory_lever_and_goes_on_bit_for_bit(tmp_path: Pa
     assert train(changed, resume="latest") == json.loads(kept)
 
 
+@pytest.mark.parametrize("micro", [2, 8])
+def test_a_resume_may_change_the_micro_batch_size_and_trains_the_same_sequences(tmp_path: Path, caplog,
+                                                                               micro: int) -> None:
+    """A run that ran out of memory resumes with smaller micro-batches (or one that has room,
+    with larger): the same sequences in every step, the weights equal to round-off, the data
+    stream cut as the first sitting cut it (across epochs: the stream's own tests). It was
+    refused as another config."""
+    common = ("optim.method=fira", "optim.update_proj_gap=2", "train.steps=6", "train.save_every=1",
+              "train.eval_every=0", "train.keep_last=6", "train.batch_size=8", "train.micro_batch_size=4")
+    straight = train(micro_config(tmp_path, *common, out="straight"))
+    train(micro_config(tmp_path, *common))
+    run = tmp_path / "run"
+    _stopped_at(run, 3, lambda progress: progress)
+    with caplog.at_level(logging.WARNING):
+        resumed = train(micro_config(tmp_path, *common, f"train.micro_batch_size={micro}"), resume="latest")
+    assert (f"resuming from step_00000003 with train.micro_batch_size=4 (now {micro}): the same sequences go "
+            "through each step in other micro-batches: the weights go on equal to round-off") in caplog.text
+    losses = [r["loss"] for r in read_metrics(run)]
+    assert losses[:3] == [r["loss"] for r in read_metrics(tmp_path / "straight")][:3]
+    assert losses[3:] == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "straight")][3:], rel=1e-4)
+    assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-4) and resumed["sittings"] == 2
+    stream = ckpt.load_checkpoint(run, ckpt.find_checkpoint(run, 6))["data"]
+    assert stream["batch_size"] == 4  # the first sitting's cut, kept
+
+
 def test_the_same_checkpoint_without_a_lever_change_keeps_the_earlier_peak(tmp_path: Path) -> None:
     config = micro_config(tmp_path, *COMMON)
     train(config)
