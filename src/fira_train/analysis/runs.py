@@ -33,7 +33,7 @@ from fira_train.files import check_report_owner, cut_back_json_lines, read_json,
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import (MEMORY_LEVERS, check_same_data, config_changes, describe_changes, finished_with,
+from fira_train.run.run_dir import (changed_levers, check_same_data, config_changes, describe_changes, finished_with,
                                    resume_ignores)
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
@@ -266,7 +266,7 @@ def _resume_refusal(config: RunConfig, run: AnalysisRun) -> str | None:
         return f"its records cannot be read: {err}"
     if changes:
         return f"it was started with {describe_changes(saved_cfg, resolved(config), changes)}"
-    levers = [key for key in config_changes(saved_cfg, resolved(config), frozenset()) if key in MEMORY_LEVERS]
+    levers = changed_levers(saved_cfg, resolved(config))
     last = ckpt.latest_checkpoint(run_dir)
     if levers and last is not None and ckpt.checkpoint_step(last) >= config.train.steps:
         # nothing would train with the new setting (a resume from there is refused)

@@ -124,8 +124,10 @@ class Corpus(ABC):
         return self.spec.seq_len
 
     @abstractmethod
-    def train_batches(self, batch_size: int, seed: int) -> BatchStream:
-        """A fresh training stream positioned at its start (load a state to resume)."""
+    def train_batches(self, batch_size: int, seed: int, cut: int | None = None) -> BatchStream:
+        """A fresh training stream of ``batch_size`` sequences a batch, its epochs cut in batches of
+        ``cut`` (default ``batch_size``: a run's whole step), positioned at its start (load a state
+        to resume)."""
 
     def val_batches(self, batch_size: int) -> list[torch.Tensor]:
         """The fixed validation set, ``val_sequences`` sequences in ``LongTensor[B, seq_len]`` batches.
@@ -197,10 +199,10 @@ class PackedCorpus(Corpus):
         cap = self.spec.max_train_tokens
         return "" if cap is None else f" (capped by data.max_train_tokens={cap})"
 
-    def train_batches(self, batch_size: int, seed: int) -> PackedBatchStream:
+    def train_batches(self, batch_size: int, seed: int, cut: int | None = None) -> PackedBatchStream:
         try:
             return PackedBatchStream(self.train_tokens, self.seq_len, batch_size, seed, corpus=self.identity,
-                                     token_digest=self.token_digest, order=self.spec.epoch_order)
+                                     token_digest=self.token_digest, order=self.spec.epoch_order, cut=cut)
         except ValueError as err:  # too few sequences for a batch: say what capped them
             raise ValueError(f"{err}{self._capped()}") from None
 

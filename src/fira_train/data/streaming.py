@@ -8,9 +8,11 @@
 Training stream, epoch ``e``: the train split shuffled by ``datasets`` (shard order and a
 ``SHUFFLE_BUFFER_DOCS``-document buffer) with seed ``epoch_seed(seed, e)`` (``seed`` itself for
 epoch 0; see :func:`fira_train.data.streams.epoch_seed`); each document's ids followed
-by EOS; consecutive ``batch_size * seq_len`` token chunks become ``[batch_size, seq_len]``
-batches. An epoch ends when the split is exhausted or ``max_train_tokens`` tokens were used in
-it; the incomplete tail chunk is dropped. The position is (epoch, documents fully consumed in
+by EOS; consecutive ``cut * seq_len`` token chunks (``cut``: a run's whole step, default the
+batch size) are its batches, served ``batch_size`` rows at a time as ``[batch_size, seq_len]``.
+An epoch ends when the split is exhausted or ``max_train_tokens`` tokens were used in it; the
+incomplete tail chunk is dropped (a batch of another size than ``cut`` runs on into the next
+epoch). A state keeps ``cut`` as its ``batch_size``, and a stream that loads it takes it. The position is (epoch, documents fully consumed in
 that epoch, tokens consumed of the next document, tokens consumed in the epoch): resuming
 re-opens the epoch's stream, skips that many documents without tokenizing them, and drops the
 consumed tokens of the partly used document, which restores the packing exactly.
@@ -167,8 +169,11 @@ class StreamingBatchStream(BatchStream):
         corpus: str | None = None,
         order: int = ORDER_RULE,
         files: Sequence[str] = (),
+        cut: int | None = None,
     ) -> None:
         check_stream_args(batch_size, seed, order)
+        cut = batch_size if cut is None else cut
+        require_int("cut", cut, 1)
         self.corpus = corpus
         self._open_train = open_train
         self._files = tuple(files)  # the split's local files, named if one cannot be read
@@ -176,9 +181,9 @@ class StreamingBatchStream(BatchStream):
         self._eos = tokenizer.eos_token_id
         self._dtype = token_dtype(len(tokenizer))
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        # an epoch ends where fewer than cut * seq_len tokens are left: a state's batch_size, which a
-        # resume at another batch size keeps (see __next__)
-        self.cut = batch_size
+        # an epoch ends where fewer than cut * seq_len tokens are left (a run's whole step): a state's
+        # batch_size, which a stream that loads the state takes (see __next__)
+        self.cut = cut
         self.max_train_tokens = max_train_tokens
         self.shuffle_buffer = shuffle_buffer
         self.epoch = 0
@@ -335,7 +340,7 @@ class StreamingCorpus(Corpus):
         """A fingerprint of the files (names and sizes) or the hub dataset, the packing and the
         held-out ids (a stream's training ids are not read up front); None when not given."""
 
-    def train_batches(self, batch_size: int, seed: int) -> StreamingBatchStream:
+    def train_batches(self, batch_size: int, seed: int, cut: int | None = None) -> StreamingBatchStream:
         return StreamingBatchStream(
             lambda: self._open_split("train"),
             self.tokenizer,
@@ -347,6 +352,7 @@ class StreamingCorpus(Corpus):
             corpus=self.identity,
             order=self.spec.epoch_order,
             files=split_files(self._open_split, "train"),
+            cut=cut,
         )
 
     def describe(self) -> dict[str, Any]:

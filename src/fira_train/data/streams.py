@@ -15,8 +15,9 @@ from fira_train.data.spec import require_epoch_order, require_int
 class BatchStream(ABC):
     """Infinite, deterministic iterator of ``LongTensor[batch_size, seq_len]`` training batches.
 
-    ``state_dict()`` holds plain ints; a fresh stream of the same corpus, batch size and seed that
-    loads it yields exactly the batches the saved stream would have yielded next. ``corpus``
+    ``state_dict()`` holds plain ints; a fresh stream of the same corpus and seed that loads it
+    yields exactly the sequences the saved stream would have yielded next, in batches of its own
+    size (the epochs as the saved stream cut them). ``corpus``
     identifies the corpus it reads (a fingerprint of its text, split and tokenizer) and ``token_digest``
     the ids it reads (their digest); each None where it is not known. A checkpoint records both,
     to tell other data from its own.
@@ -86,8 +87,8 @@ def check_stream_state(
 ) -> dict[str, int]:
     """Validate a saved stream state: exact keys, non-negative ints, ``fixed`` values unchanged.
 
-    Raises ValueError naming the offending key (e.g. resuming with another batch size or seed,
-    which would silently change the data order).
+    Raises ValueError naming the offending key (e.g. resuming with another seed or sequence
+    length, which would silently change the data).
     """
     keys = sorted({*fixed, *position})
     if not isinstance(state, Mapping) or sorted(state) != keys:
@@ -108,26 +109,27 @@ class PackedBatchStream(BatchStream):
     """Batches of an in-memory token stream cut into ``seq_len`` blocks.
 
     Epoch ``e`` visits the ``n = len(tokens) // seq_len`` blocks in the order
-    ``torch.randperm(n, generator=manual_seed(epoch_seed(seed, e)))``, ``batch_size`` at a time; the last
-    ``n mod batch_size`` blocks of each order are skipped, so every batch has the same shape.
-    The position is ``(epoch, index)``: the next batch is number ``index`` of epoch ``epoch``.
-
-    A state saved at another ``batch_size`` (a run resumed with another micro-batch size) is
-    continued in this one: the same blocks in the same order, the epochs still cut in the saved
-    size (:attr:`cut`, which the state keeps as its ``batch_size``), a batch running on into the
-    next epoch where this size does not divide the saved one's epoch. Such a stream saves its
-    state only where a batch of the saved size would end (between the steps of a run whose batch
-    both sizes divide).
+    ``torch.randperm(n, generator=manual_seed(epoch_seed(seed, e)))``, ``cut`` at a time (default
+    ``batch_size``; a run's whole step, ``train.batch_size``, so that its micro-batch size does not
+    change its data); the last ``n mod cut`` blocks of each order are skipped. The batches yielded
+    hold ``batch_size`` blocks each, one running on into the next epoch where ``batch_size`` does
+    not divide the epoch. The position is ``(epoch, index)``: the next batch of ``cut`` blocks is
+    number ``index`` of epoch ``epoch``; a state keeps ``cut`` as its ``batch_size``, is saved only
+    where such a batch ends, and a stream that loads one takes its cut (a run resumed with another
+    micro-batch size, or saved before the cut was the step's).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
-                 corpus: str | None = None, token_digest: str | None = None, order: int = ORDER_RULE) -> None:
+                 corpus: str | None = None, token_digest: str | None = None, order: int = ORDER_RULE,
+                 cut: int | None = None) -> None:
         check_stream_args(batch_size, seed, order)
+        cut = batch_size if cut is None else cut
+        require_int("cut", cut, 1)
         self.corpus, self.token_digest = corpus, token_digest
         n_blocks = len(tokens) // seq_len
         self._blocks = tokens[: n_blocks * seq_len].reshape(n_blocks, seq_len)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        self._cut_at(batch_size, f"batch_size={batch_size}")
+        self._cut_at(cut, f"batch_size={cut}")
         self.epoch = 0
         self.row = 0  # blocks of this epoch's order served
         self.order = order  # epoch_seed's rule; a resumed stream keeps the rule its state was saved with

@@ -37,7 +37,7 @@ from fira_train.config.run_config import RunConfig
 from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
-from fira_train.run.run_dir import (MEMORY_LEVERS, ROUND_OFF_LEVERS, config_changes, describe_changes,
+from fira_train.run.run_dir import (ROUND_OFF_LEVERS, changed_levers, config_changes, describe_changes,
                                    resume_ignores)
 from fira_train.run.safe_load import UnsafeCheckpointError
 
@@ -128,7 +128,7 @@ def lever_changes(recorded: Any, config: RunConfig, path: Path) -> list[str]:
     if recorded is None:
         return []
     saved = saved_config(recorded)
-    changed = [key for key in config_changes(saved, config, ignore=frozenset()) if key in MEMORY_LEVERS]
+    changed = changed_levers(saved, config)
     if not changed:
         return []
     described = describe_changes(saved, config, changed)
@@ -149,6 +149,19 @@ def lever_changes(recorded: Any, config: RunConfig, path: Path) -> list[str]:
 ROUND_OFF_CHANGES = ("train.num_threads", "train.parallel")
 
 
+def check_stream_cut(stream: Any, config: RunConfig, path: Path) -> None:
+    """ValueError unless ``train.batch_size`` is made of whole batches of the checkpoint's data
+    stream state ``stream`` (its ``batch_size``: the step it cut its epochs in, or the first
+    sitting's micro-batch size in runs saved before). The stream takes the saved cut, so only a
+    checkpoint without a config record (older ones) could resume at another step size: it
+    stopped only at its next save, steps later."""
+    cut = stream.get("batch_size") if isinstance(stream, dict) else None
+    if isinstance(cut, int) and cut > 0 and config.train.batch_size % cut:
+        raise ValueError(f"cannot resume from {str(path)!r}: its data stream was cut in batches of {cut} "
+                         f"sequences, which train.batch_size={config.train.batch_size} cannot continue; resume with "
+                         "the train.batch_size it was trained with")
+
+
 def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bool = True,
                      world_size: int = 1) -> tuple[dict | None, list[str]]:
     """Verify the checkpoint at ``path`` and its config record; returns the single-file
@@ -165,6 +178,7 @@ def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bo
         return None, lever_changes(marker.get(CONFIG_KEY), config, path)
     state = ckpt.load_checkpoint(out, path)  # size, SHA-256, weights_only
     check_recorded_config(state.get(CONFIG_KEY), config, path)
+    check_stream_cut(state.get("data"), config, path)
     warn_round_off(state.get(CONFIG_KEY), config, path, state.get(ENVIRONMENT_KEY), world_size)
     return (state if keep_state else None), lever_changes(state.get(CONFIG_KEY), config, path)
 

@@ -36,8 +36,8 @@ RESUMABLE_CHANGES = frozenset({
 #: What a run may change on resume to take another amount of memory: its weights go on as they
 #: would have (bit for bit in one process; another micro-batch size trains the same sequences
 #: of each step in other micro-batches, equal to round-off: :data:`ROUND_OFF_LEVERS`). Not
-#: :data:`RESUMABLE_CHANGES`: a finished run is not reused for the other setting, as its summary
-#: reports the memory it took.
+#: :data:`RESUMABLE_CHANGES`: a finished run is not reused for a setting other than the one it
+#: finished with, as its summary reports the memory it took.
 MEMORY_LEVERS = ("train.activation_checkpointing", "optim.step_in_backward", "train.micro_batch_size")
 #: The :data:`MEMORY_LEVERS` whose change sums the same gradients in another order.
 ROUND_OFF_LEVERS = ("train.micro_batch_size",)
@@ -50,6 +50,16 @@ def resume_ignores(config: RunConfig) -> frozenset[str]:
     the backward pass."""
     levers = [key for key in MEMORY_LEVERS if key != "optim.step_in_backward" or config.train.precision != "fp16"]
     return RESUMABLE_CHANGES | frozenset(levers)
+
+
+def changed_levers(old: RunConfig, new: RunConfig) -> list[str]:
+    """The :data:`MEMORY_LEVERS` that ``new`` changes against ``old``; the micro-batch size by the
+    size it gives (None is the whole batch: no change from ``train.batch_size`` itself)."""
+    def micro(config: RunConfig) -> int:
+        return config.train.micro_batch_size or config.train.batch_size
+
+    return [key for key in config_changes(old, new, ignore=frozenset()) if key in MEMORY_LEVERS
+            and (key != "train.micro_batch_size" or micro(old) != micro(new))]
 
 
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:

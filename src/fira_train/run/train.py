@@ -281,7 +281,8 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if distributed and micro_batch % env.world_size:
         raise ValueError(f"train.micro_batch_size={micro_batch} (the sequences of one forward pass) "
                          f"must divide by the {env.world_size} processes: each trains on its rows")
-    stream = corpus.train_batches(micro_batch, config.train.seed)
+    # the epochs cut in whole steps: the micro-batch size (a memory lever) does not change the data
+    stream = corpus.train_batches(micro_batch, config.train.seed, cut=config.train.batch_size)
     val_batches = corpus.val_batches(micro_batch)
 
     step, progress = 0, {"tokens": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "peak_memory_bytes": 0, "sittings": 0}

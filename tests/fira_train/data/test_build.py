@@ -241,6 +241,18 @@ def test_a_state_of_another_batch_size_is_continued_block_for_block(jsonl_corpus
         corpus.train_batches(4, seed=5).load_state_dict({**state, "batch_size": 100_000, "index": 0})
 
 
+def test_a_stream_cut_in_whole_steps_serves_the_same_sequences_at_any_batch_size(jsonl_corpus, tmp_path: Path) -> None:
+    """A run's micro-batch size does not change its data: the epochs are cut in its steps."""
+    path, _ = jsonl_corpus
+    corpus = build_corpus(spec_for(path, tmp_path / "cache"))
+    whole = corpus.train_batches(12, seed=3)
+    expected = torch.cat(take(whole, 3 * whole.batches_per_epoch))
+    for micro in (1, 4, 6):
+        stream = corpus.train_batches(micro, seed=3, cut=12)
+        assert torch.equal(torch.cat(take(stream, len(expected) // micro)), expected), micro
+        assert stream.state_dict() == whole.state_dict()
+
+
 def test_validation_set_is_fixed_across_runs_and_batch_sizes(jsonl_corpus, tmp_path: Path) -> None:
     path, _ = jsonl_corpus
     spec = spec_for(path, tmp_path / "cache")

@@ -462,7 +462,36 @@ def test_a_resume_may_change_the_micro_batch_size_and_trains_the_same_sequences(
     assert losses[3:] == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "straight")][3:], rel=1e-4)
     assert resumed["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-4) and resumed["sittings"] == 2
     stream = ckpt.load_checkpoint(run, ckpt.find_checkpoint(run, 6))["data"]
-    assert stream["batch_size"] == 4  # the first sitting's cut, kept
+    assert stream["batch_size"] == 8  # the epochs are cut in whole steps, whatever the micro-batch size
+    # so a run at that micro-batch size from the start trains the same sequences (it is the run
+    # that compare or sweep would reuse this one for)
+    fresh = train(micro_config(tmp_path, *common, f"train.micro_batch_size={micro}", out="fresh"))
+    assert [r["loss"] for r in read_metrics(tmp_path / "fresh")] == pytest.approx(losses, rel=1e-4)
+    assert fresh["val_loss"] == pytest.approx(resumed["val_loss"], rel=1e-4)
+
+
+def test_a_micro_batch_size_given_as_the_whole_batch_is_no_lever_change(tmp_path: Path, caplog) -> None:
+    """train.micro_batch_size=None and =train.batch_size are one setting: a resume between them
+    warned of round-off and dropped the earlier sittings' peak memory."""
+    common = (*COMMON, "train.batch_size=8")
+    train(micro_config(tmp_path, *common, "train.micro_batch_size=8"))
+    (tmp_path / "run" / "summary.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        train(micro_config(tmp_path, *common, "train.micro_batch_size=none"), resume=2)
+    assert "train.micro_batch_size" not in caplog.text
+
+
+def test_a_checkpoint_whose_stream_steps_do_not_divide_the_batch_is_refused_before_training(tmp_path: Path) -> None:
+    """A checkpoint without a config record resumed at another train.batch_size trained on and
+    failed only at its next save ("a state is saved where a batch of the saved size ends")."""
+    from fira_train.run.resume_check import check_stream_cut
+
+    config = micro_config(tmp_path, *COMMON, "train.batch_size=6", "train.micro_batch_size=6")
+    with pytest.raises(ValueError, match=r"its data stream was cut in batches of 4 sequences, which "
+                                         r"train.batch_size=6 cannot continue"):
+        check_stream_cut({"batch_size": 4, "epoch": 0}, config, Path("step_00000002"))
+    check_stream_cut({"batch_size": 3}, config, Path("step_00000002"))  # whole steps of it: continued
+    check_stream_cut(None, config, Path("step_00000002"))  # nothing recorded: nothing to check
 
 
 def test_the_same_checkpoint_without_a_lever_change_keeps_the_earlier_peak(tmp_path: Path) -> None:
