@@ -84,6 +84,7 @@ def missing_extra(err: BaseException) -> str | None:
 def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     from fira_optim import NonFiniteGradientError
     from fira_train.run.checkpoint import CheckpointError
+    from fira_train.run.isolated import IsolatedRunDied
 
     if isinstance(err, OSError) and err.errno is not None:
         return _os_error(err, args)
@@ -102,7 +103,7 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     if isinstance(err, FloatingPointError):  # DivergedError, NonFiniteLossError
         text = str(err)
         return (text if "diverged" in text else f"the run diverged: {text}") + _work_kept(args)
-    if isinstance(err, (ValueError, OSError, CheckpointError)):
+    if isinstance(err, (ValueError, OSError, CheckpointError, IsolatedRunDied)):
         return str(err)
     behind = _disk_error_behind(err)
     if behind is not None:
@@ -127,11 +128,19 @@ _SIZE_FLAGS = ("--samples", "--batch-size", "--eval-batch-size", "--cutoff-len",
 
 def _out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` is an allocation that found no memory (not a bug: a size asked for). The
-    text is read only in a plain ``RuntimeError`` (torch's allocators, an error from a run's own
-    process): the harness's own errors (a checkpoint whose metadata failed to unpickle with a
-    MemoryError, a run killed by SIGKILL that may have been out of memory) say what they are."""
-    return (isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError"
-            or type(err) is RuntimeError and _NO_MEMORY.search(str(err)) is not None)
+    text is read in torch's and Python's ``RuntimeError`` s (the allocators', CUDA's
+    ``AcceleratorError``, an error from a run's own process), not in the harness's own errors,
+    which say what they are (a checkpoint whose metadata failed to unpickle with a MemoryError)."""
+    import torch
+
+    from fira_optim import NonFiniteGradientError
+    from fira_train.run.checkpoint import CheckpointError
+    from fira_train.run.isolated import IsolatedRunDied
+
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    ours = (CheckpointError, IsolatedRunDied, NonFiniteGradientError)
+    return isinstance(err, RuntimeError) and not isinstance(err, ours) and _NO_MEMORY.search(str(err)) is not None
 
 
 def _no_memory(err: BaseException, args: argparse.Namespace) -> str:
@@ -280,11 +289,12 @@ def _room_elsewhere(path: str | None, out: str | None, in_cache: bool, stream: s
         return "point --out or FIRA_CACHE at another disk"
     if in_cache:
         return "point FIRA_CACHE at another disk"
-    if out is not None and _inside(path, out):
+    # without --out the run folders are under the current one's runs/ (recipes' out_dir)
+    if _inside(path, out if out is not None else os.path.join(os.getcwd(), "runs")):
         return "point --out at another disk"
     if _inside(path, tempfile.gettempdir()):  # before the current folder, which may hold it (/tmp, /)
         return "point TMPDIR at another disk"
-    if out is None and _inside(path, os.getcwd()):  # without --out the run folders are under the current one
+    if out is None and _inside(path, os.getcwd()):
         return "point --out at another disk"
     return None
 

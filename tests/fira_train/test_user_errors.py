@@ -390,11 +390,19 @@ def test_the_harness_own_errors_that_mention_memory_keep_their_message() -> None
     from fira_train.run.checkpoint import CheckpointError
     from fira_train.user_errors import describe
 
+    import torch
+
+    from fira_train.run.isolated import IsolatedRunDied
+
     damaged = "checkpoint metadata 'r/.metadata' is truncated or damaged (MemoryError: )"
     assert describe(CheckpointError(damaged)) == damaged
-    killed = describe(RuntimeError("the isolated run of train ended without a result: killed by SIGKILL (out of memory?)"))
-    assert killed is None or not killed.startswith("out of memory")
+    killed = "the isolated run of train ended without a result: killed by SIGKILL (out of memory?)"
+    assert describe(IsolatedRunDied(killed)) == killed  # one line, as it was: not a traceback
     assert describe(RuntimeError("the run failed: MemoryError")).startswith("out of memory: an allocation failed")
+    # torch's own RuntimeErrors still are: CUDA's AcceleratorError, OutOfMemoryError's subclasses
+    cuda = describe(torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be reported later"))
+    assert cuda.startswith("out of memory: an allocation failed (AcceleratorError)")
+    assert describe(type("Sub", (torch.OutOfMemoryError,), {})("x")).startswith("out of memory")
 
 
 def test_a_full_stdout_of_a_run_is_not_blamed_on_its_folder(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -440,12 +448,16 @@ def test_a_full_disk_names_the_file_written_and_what_moves_it() -> None:
         "space and run the same command again")
     assert "(or point --out or FIRA_CACHE at another disk)" in describe(  # no file named: either
         OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), args)
-    # without --out, from a current folder that holds the temporary one: still the temporary file
+    # without --out, from a current folder that holds the temporary one: still the temporary file,
+    # and a run folder under the current one's runs/ (the recipes' out_dir) still --out
     old_cwd = os.getcwd()
     try:
         os.chdir(tempfile.gettempdir())
         no_out = Namespace(command="pretrain", overrides=[])
         assert "(or point TMPDIR at another disk)" in describe(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
                                                                        temporary), no_out)
+        run_file = os.path.join(tempfile.gettempdir(), "runs", "tiny", "metrics.jsonl")
+        assert "(or point --out at another disk)" in describe(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC),
+                                                                      run_file), no_out)
     finally:
         os.chdir(old_cwd)

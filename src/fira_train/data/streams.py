@@ -129,7 +129,8 @@ class PackedBatchStream(BatchStream):
         n_blocks = len(tokens) // seq_len
         self._blocks = tokens[: n_blocks * seq_len].reshape(n_blocks, seq_len)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        self._cut_at(cut, f"batch_size={cut}")
+        self._cut_at(cut, f"batch_size={cut}" if cut == batch_size else
+                     f"a step of {cut} sequences (the epochs are cut in whole steps, at any micro-batch size)")
         self.epoch = 0
         self.row = 0  # blocks of this epoch's order served
         self.order = order  # epoch_seed's rule; a resumed stream keeps the rule its state was saved with

@@ -62,8 +62,8 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             status, payload = receive.recv()
         except EOFError:  # the child died without a word
             process.join()
-            raise RuntimeError(f"the isolated run of {getattr(fn, '__name__', fn)} ended without a result: "
-                               f"{_how_it_ended(process.exitcode)}") from None
+            raise IsolatedRunDied(f"the isolated run of {getattr(fn, '__name__', fn)} ended without a result: "
+                                  f"{_how_it_ended(process.exitcode)}") from None
         finally:
             receive.close()
         process.join()
@@ -74,6 +74,11 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if status == "error":
         raise payload
     return payload
+
+
+class IsolatedRunDied(RuntimeError):
+    """The child process of :func:`run_isolated` ended without an answer (killed, or its
+    interpreter failed): the message says how, for the user (no traceback of ours helps)."""
 
 
 def _how_it_ended(exitcode: int | None) -> str:

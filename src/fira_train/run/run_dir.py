@@ -53,18 +53,18 @@ def resume_ignores(config: RunConfig) -> frozenset[str]:
 
 
 def changed_levers(old: RunConfig, new: RunConfig) -> list[str]:
-    """The :data:`MEMORY_LEVERS` that ``new`` changes against ``old``; the micro-batch size by the
-    size it gives (None is the whole batch: no change from ``train.batch_size`` itself)."""
-    def micro(config: RunConfig) -> int:
-        return config.train.micro_batch_size or config.train.batch_size
-
-    return [key for key in config_changes(old, new, ignore=frozenset()) if key in MEMORY_LEVERS
-            and (key != "train.micro_batch_size" or micro(old) != micro(new))]
+    """The :data:`MEMORY_LEVERS` that ``new`` changes against ``old``."""
+    return [key for key in config_changes(old, new, ignore=frozenset()) if key in MEMORY_LEVERS]
 
 
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
-    """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``."""
-    return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore]
+    """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``; the
+    micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself)."""
+    def micro(config: RunConfig) -> int:
+        return config.train.micro_batch_size or config.train.batch_size
+
+    return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore
+            and (key != "train.micro_batch_size" or micro(old) != micro(new))]
 
 
 def describe_changes(old: RunConfig, new: RunConfig, changes: list[str]) -> str:

@@ -282,7 +282,10 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         raise ValueError(f"train.micro_batch_size={micro_batch} (the sequences of one forward pass) "
                          f"must divide by the {env.world_size} processes: each trains on its rows")
     # the epochs cut in whole steps: the micro-batch size (a memory lever) does not change the data
-    stream = corpus.train_batches(micro_batch, config.train.seed, cut=config.train.batch_size)
+    try:
+        stream = corpus.train_batches(micro_batch, config.train.seed, cut=config.train.batch_size)
+    except ValueError as err:  # a step of more sequences than the corpus holds: name the setting
+        raise ValueError(f"train.batch_size={config.train.batch_size}: {err}") from None
     val_batches = corpus.val_batches(micro_batch)
 
     step, progress = 0, {"tokens": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "peak_memory_bytes": 0, "sittings": 0}

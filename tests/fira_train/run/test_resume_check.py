@@ -19,6 +19,7 @@ from fira_train.config.overrides import config_to_dict
 from fira_train.provenance import code_version
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.metrics import read_metrics
+from fira_train.run.run_dir import finished_with
 from fira_train.run.training import resolve_device
 from fira_train.run.train import train
 from tests.fira_train.harness_fixtures import micro_config
@@ -479,6 +480,19 @@ def test_a_micro_batch_size_given_as_the_whole_batch_is_no_lever_change(tmp_path
     with caplog.at_level(logging.WARNING):
         train(micro_config(tmp_path, *common, "train.micro_batch_size=none"), resume=2)
     assert "train.micro_batch_size" not in caplog.text
+    # finished: the same run (reused, and its summary kept on a resume), not one to train again
+    kept = (tmp_path / "run" / "summary.json").read_text()
+    assert finished_with(micro_config(tmp_path, *common, "train.micro_batch_size=8"), tmp_path / "run")
+    train(micro_config(tmp_path, *common, "train.micro_batch_size=8"), resume="latest")
+    assert (tmp_path / "run" / "summary.json").read_text() == kept
+
+
+def test_a_step_of_more_sequences_than_the_corpus_names_train_batch_size(tmp_path: Path) -> None:
+    """The epochs are cut in whole steps: a micro-batch that fits does not make such a step fit."""
+    config = micro_config(tmp_path, *COMMON, "train.batch_size=100000", "train.micro_batch_size=4")
+    with pytest.raises(ValueError, match=r"train.batch_size=100000: a step of 100000 sequences \(the epochs are "
+                                         r"cut in whole steps, at any micro-batch size\) exceeds the \d+ training"):
+        train(config)
 
 
 def test_a_checkpoint_whose_stream_steps_do_not_divide_the_batch_is_refused_before_training(tmp_path: Path) -> None:
