@@ -365,13 +365,11 @@ class Fira(Optimizer):
         self._record_built()
 
     def _retake_loaded(self, loaded: dict[str, Any]) -> None:
-        """The loaded state tensors by this optimizer's dtype policy (see load_state_dict), then
-        checked against each group's options (:meth:`_check_states`)."""
+        """The loaded states checked against each group's options and taken by this optimizer's
+        dtype policy (see load_state_dict; :meth:`_settle_states`)."""
         saved_ids = [i for g in loaded["param_groups"] for i in g["params"]]
-        params = [(p, g) for g in self.param_groups for p in g["params"]]
-        for saved_id, (p, group) in zip(saved_ids, params):
-            self._retake(p, group, loaded["state"].get(saved_id, {}))
-        self._check_states("loaded state")
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._settle_states("loaded state", {p: loaded["state"].get(i, {}) for i, p in zip(saved_ids, params)})
 
     @property
     def in_backward(self) -> Any:
@@ -524,7 +522,7 @@ class Fira(Optimizer):
         parameters' dtypes now, as a load would (also after a load, a copy or a pickle, which
         leave no cached layout). Building it checks the options the states are built for against
         the record of them that survives those (:meth:`_record_built`), and the states themselves
-        against the groups (:meth:`_check_states`)."""
+        against the groups (:meth:`_settle_states`)."""
         options = self._group_options()
         # the rank's type too: 3.0 equals 3, and would step on unchecked
         key = tuple((id(g["params"]), len(g["params"]), g["stagger"], type(g["rank"]), *opts)
@@ -541,8 +539,8 @@ class Fira(Optimizer):
                         group["rank"] = check_rank(group["rank"])
                     except ValueError as err:
                         raise ValueError(f"param_groups[{gi}]: {err}") from None
-            self._check_states("state")  # also where no record of the options is left to compare
-            self._follow_casts()
+            # also where no record of the options is left to compare; states cast with their parameters
+            self._settle_states("state")
             entries, order = [], 0
             for gi, group in enumerate(self.param_groups):
                 for pi, p in enumerate(group["params"]):
@@ -592,15 +590,25 @@ class Fira(Optimizer):
         layout they drop names tensors)."""
         self.__dict__["_built_options"] = self._group_options()
 
-    def _check_states(self, what: str) -> None:
-        """ValueError naming the first parameter whose state does not fit its group now
-        (:func:`_check_state`): a load of another layout, or an option changed after the states
-        were built where no record of it was left to compare (a group removed before it)."""
+    def _settle_states(self, what: str, sources: dict | None = None) -> None:
+        """Each parameter's state checked against its group now (:func:`_check_state`: a load of
+        another layout, or an option changed after the states were built where no record of it
+        was left to compare, a group removed before it), then re-taken in the dtypes this
+        optimizer keeps for the parameter's dtype now (:func:`_loaded_value`: int8 codes stay
+        codes, the fp32 states of a bf16 matrix stay fp32, the others follow the parameter): from
+        ``sources`` (``{param: values}``, a load's) or from the held state (a ``model.to(dtype)``
+        since). One probe of the kept dtypes per parameter; run when the layout is built and on a
+        load: rarely. ``what`` names the state in an error."""
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                state = self.state.get(p)
-                if state:
-                    _check_state(p, state, group, what, f"param_groups[{gi}]['params'][{pi}]")
+                values = self.state.get(p) if sources is None else sources.get(p)
+                if not values:
+                    continue
+                kept = _state_dtypes(p, group)
+                _check_state(p, values, group, kept, what, f"param_groups[{gi}]['params'][{pi}]")
+                for key, value in dict(values).items():
+                    if isinstance(value, torch.Tensor):
+                        self.state[p][key] = _loaded_value(p, value, key, kept.get(key), self.state[p][key])
 
     def _layout_holds(self, cached: tuple, only: set | None) -> bool:
         """Whether the cached layout still names the tensors of the groups' lists (a parameter
@@ -612,24 +620,6 @@ class Fira(Optimizer):
                 return False
             entries = [entries[position[p]] for p in only]
         return all(self.param_groups[gi]["params"][pi] is p and p.dtype == dtypes[p] for gi, pi, p, _ in entries)
-
-    def _follow_casts(self) -> None:
-        """Every parameter's states in the dtypes this optimizer keeps for its dtype now, as
-        :meth:`load_state_dict` takes a state saved before a cast: int8 codes stay codes, the
-        fp32 states of a bf16 matrix stay fp32, the others follow the parameter (a state already
-        in its dtype is left as it is). Run when the layout is built: rarely."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if self.state.get(p):
-                    self._retake(p, group, dict(self.state[p]))
-
-    def _retake(self, p: torch.Tensor, group: dict[str, Any], values: dict[str, Any]) -> None:
-        """``values`` (a loaded or held state of ``p``) into ``self.state[p]``, each tensor by
-        :func:`_loaded_value` in the dtype this optimizer keeps for ``p`` as it is now."""
-        kept = _state_dtypes(p, group)
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                self.state[p][key] = _loaded_value(p, value, key, kept.get(key), self.state[p][key])
 
     def _split_refresh_group(self) -> Any:
         """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""
@@ -934,7 +924,8 @@ def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:
     distributed.row_sharding(p)  # a DTensor must be row-sharded (FSDP2): ValueError otherwise
 
 
-def _check_state(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], what: str, where: str) -> None:
+def _check_state(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], kept: dict[str, torch.dtype],
+                 what: str, where: str) -> None:
     """ValueError unless ``state`` is what ``group`` keeps for ``p``: a projected matrix's basis
     and low-rank moments of its rank and side, a plain parameter's moments of its shape, and int8
     codes (with their scales) where the group stores them, floats where it does not (a state
@@ -954,7 +945,7 @@ def _check_state(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], 
             if key in precision.SIGNED and tuple(value.shape) != shape:
                 raise ValueError(f"{what} {key!r} of {where} has shape {tuple(value.shape)}, expected the "
                                  f"parameter's {shape}")
-    for key, dtype in _state_dtypes(p, group).items():
+    for key, dtype in kept.items():  # _state_dtypes(p, group)
         value, coded = state.get(key), not (dtype.is_floating_point or dtype.is_complex)
         if value is None and (coded or key.endswith("_scale")):
             raise ValueError(f"{what} of {where} has no {key!r}, which state_dtype={group['state_dtype']!r} keeps")
