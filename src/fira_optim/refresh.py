@@ -70,10 +70,10 @@ def new_basis(grad, rank, side, group, previous, order, step, name):
 
 def refresh_seed(seed: int, order: int, step: int) -> int:
     """The random projector's seed for matrix number ``order`` refreshing at ``step``: a 63-bit
-    hash of the three, so two (matrix, step) pairs of a run practically never share one (the
-    chance is about pairs / 2**63). A linear mix of them repeated
-    under ``stagger``, where matrices refresh at steps offset from each other (the second
-    matrix at step 39600 drew the seventh's basis of step 5)."""
+    hash of the three, so two (matrix, step) pairs of a run practically never share one (for
+    ``n`` pairs the chance is about ``n**2 / 2**64``). A linear mix of them repeated under
+    ``stagger``, where matrices refresh at steps offset from each other (the second matrix at
+    step 39600 drew the seventh's basis of step 5)."""
     digest = hashlib.blake2b(f"{seed}:{order}:{step}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # below 2**63
 
