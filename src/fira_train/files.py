@@ -108,29 +108,31 @@ def refuse_links(root: str | Path, names: Collection[str] | None = None) -> None
         raise PermissionError(f"{str(root)!r} holds a folder fira-train cannot list ({err.filename!r}: "
                               f"{err.strerror}): make it readable, or choose another --out") from None
 
-    def linked(path: Path, is_file: bool) -> bool:
+    def kind(path: Path) -> str | None:
+        """"link" (symbolic, or a file with other hard links), "special" (neither a file, a folder
+        nor a link: os.walk lists it among the files), else None; from one lstat."""
         try:
-            return path.is_symlink() or (is_file and path.stat().st_nlink > 1)
+            info = path.lstat()
         except FileNotFoundError:
-            return False
+            return None
+        if stat.S_ISLNK(info.st_mode) or (stat.S_ISREG(info.st_mode) and info.st_nlink > 1):
+            return "link"
+        return None if stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode) else "special"
 
-    def special(path: Path) -> bool:  # os.walk lists what is not a folder among the files
-        try:
-            return not stat.S_ISREG(path.lstat().st_mode) and not path.is_symlink()
-        except FileNotFoundError:
-            return False
-
-    found, specials = [], []
+    found: dict[str, list[Path]] = {"link": [], "special": []}
     for folder, folders, files in os.walk(root, onerror=unreadable):  # into no linked folder
         if names is not None and Path(folder) == root:
             ours = {n for n in names} | {f"{n}.tmp" for n in names}
             folders[:] = [n for n in folders if n in ours]
             files = [n for n in files if n in ours]
-        found += [Path(folder, n) for n in folders if linked(Path(folder, n), False)]
-        found += [Path(folder, n) for n in files if linked(Path(folder, n), True)]
-        specials += [Path(folder, n) for n in files if special(Path(folder, n))]
-    if found:
-        raise ValueError(f"{str(root)!r} holds links ({_shown(found)}: symbolic, or files with other hard links): "
+        for name in folders + files:
+            path = Path(folder, name)
+            what = kind(path)
+            if what is not None:
+                found[what].append(path)
+    links, specials = found["link"], found["special"]
+    if links:
+        raise ValueError(f"{str(root)!r} holds links ({_shown(links)}: symbolic, or files with other hard links): "
                          "fira-train makes none, and in a folder from elsewhere one could send the run's writes "
                          "or deletions to a file outside it; choose another --out (a run folder from elsewhere: "
                          "copy it without them)")
