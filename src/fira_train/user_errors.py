@@ -18,8 +18,8 @@ Known, with what the message says:
   needed (``ENOTDIR``, ``EEXIST``), ...: the file (standard output where that was written:
   :func:`fira_train.cli.main` marks its errors), and what to do -- for the cache
   (``$FIRA_CACHE`` or ``data.cache_dir``) set another folder, for the run folder pass another
-  ``--out`` (for a temporary file: ``TMPDIR``), for a full disk free space and run the command again (with ``--resume``: the
-  checkpoints already written stay), also where it stands behind another error (torch.save's
+  ``--out`` (for a temporary file: ``TMPDIR``), for a full disk free space and run the command
+  again (with ``--resume``: the checkpoints already written stay), also where it stands behind another error (torch.save's
   writer raises a ``RuntimeError`` for it), and for a file-size limit (``EFBIG``) raise it;
   other ``OSError`` (a tokenizer that cannot be loaded): their message;
 - divergence (:class:`fira_train.run.divergence.DivergedError`, ``NonFiniteLossError``,
@@ -88,7 +88,8 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
 
     if isinstance(err, OSError) and err.errno is not None:
         return _os_error(err, args)
-    if _out_of_memory(err):
+    # the harness's own errors say what they are, also where their text mentions memory
+    if _out_of_memory(err, ours=(CheckpointError, IsolatedRunDied, NonFiniteGradientError)):
         return _no_memory(err, args)
     wrapped = f"{NonFiniteGradientError.__name__}: "
     if isinstance(err, RuntimeError) and wrapped in str(err):
@@ -126,20 +127,15 @@ _SIZE_FLAGS = ("--samples", "--batch-size", "--eval-batch-size", "--cutoff-len",
                "--model", "--rank", "--lora-r")
 
 
-def _out_of_memory(err: BaseException) -> bool:
+def _out_of_memory(err: BaseException, ours: tuple[type, ...]) -> bool:
     """Whether ``err`` is an allocation that found no memory (not a bug: a size asked for). The
     text is read in torch's and Python's ``RuntimeError`` s (the allocators', CUDA's
-    ``AcceleratorError``, an error from a run's own process), not in the harness's own errors,
-    which say what they are (a checkpoint whose metadata failed to unpickle with a MemoryError)."""
+    ``AcceleratorError``, an error from a run's own process), not in ``ours`` (the harness's own
+    errors: a checkpoint whose metadata failed to unpickle with a MemoryError)."""
     import torch
-
-    from fira_optim import NonFiniteGradientError
-    from fira_train.run.checkpoint import CheckpointError
-    from fira_train.run.isolated import IsolatedRunDied
 
     if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
         return True
-    ours = (CheckpointError, IsolatedRunDied, NonFiniteGradientError)
     return isinstance(err, RuntimeError) and not isinstance(err, ours) and _NO_MEMORY.search(str(err)) is not None
 
 
