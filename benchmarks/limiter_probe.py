@@ -41,7 +41,7 @@ def main() -> None:
     device = resolve_device(config)
     training = build_training(config, corpus.vocab_size, device)
     training.optimizer.register_step_stats_hook(recording)
-    stream = corpus.train_batches(config.train.micro_batch_size or config.train.batch_size, config.train.seed)
+    stream = corpus.train_batches(config.train.micro_batch, config.train.seed)
     autocast = autocast_for(config, device)
     out = []
     for step in range(1, args.steps + 1):

@@ -87,7 +87,7 @@ def measure_phases(config: RunConfig, steps: int) -> dict[str, Any]:
     corpus, _, baseline, training = build_measured(config)  # on the CPU: main() sets train.device
     built = (rss_peak_bytes() or 0) - baseline
     model, optimizer = training.model, training.optimizer
-    stream = corpus.train_batches(config.train.micro_batch_size or config.train.batch_size,
+    stream = corpus.train_batches(config.train.micro_batch,
                                   config.train.seed)
     autocast = autocast_for(config, training.device)
     phase = _Phase(baseline)

@@ -49,7 +49,7 @@ def gradients(recipe: str, steps: int, overrides: list[str]) -> tuple[list[torch
     corpus = build_corpus(config.data)
     device = resolve_device(config)
     training = build_training(config, corpus.vocab_size, device)
-    micro = config.train.micro_batch_size or config.train.batch_size
+    micro = config.train.micro_batch
     stream = corpus.train_batches(micro, config.train.seed)
     autocast = autocast_for(config, device)
     for step in range(1, steps + 1):

@@ -63,7 +63,7 @@ def main() -> None:
         config = apply_overrides(base, [f"optim.method={name}", *extra])
         device = resolve_device(config)
         training = build_training(config, corpus.vocab_size, device)
-        micro = config.train.micro_batch_size or config.train.batch_size
+        micro = config.train.micro_batch
         runs[method] = dict(config=config, training=training, device=device,
                             autocast=autocast_for(config, device),
                             stream=corpus.train_batches(micro, config.train.seed), step=0)

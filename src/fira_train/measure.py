@@ -73,7 +73,7 @@ def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
     """Train ``steps`` steps of ``config`` in this process and report its memory (run it in a
     fresh process: :func:`measure`)."""
     corpus, device, baseline, training = build_measured(config)
-    micro = config.train.micro_batch_size or config.train.batch_size
+    micro = config.train.micro_batch
     stream = corpus.train_batches(micro, config.train.seed, cut=config.train.batch_size)  # as pretrain's
     autocast = autocast_for(config, device)
     losses = [train_step(training, config, stream, autocast, step)[0] for step in range(1, steps + 1)]

@@ -298,9 +298,14 @@ class TrainConfig:
                f"one of {PARAM_DTYPES}")
 
     @property
+    def micro_batch(self) -> int:
+        """Sequences per forward/backward pass: ``micro_batch_size``, or the whole batch (None)."""
+        return self.micro_batch_size or self.batch_size
+
+    @property
     def grad_accum(self) -> int:
         """Micro-batches accumulated into one optimizer step."""
-        return self.batch_size // (self.micro_batch_size or self.batch_size)
+        return self.batch_size // self.micro_batch
 
 
 @dataclass

@@ -124,7 +124,7 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
                        + 4 * scalars)
         else:
             states += whole(a * b)
-    s, b = config.data.seq_len, t.micro_batch_size or t.batch_size
+    s, b = config.data.seq_len, t.micro_batch
     act_bytes = 2 if t.precision in ("bf16", "fp16") or t.param_dtype == "bfloat16" else 4
     per_layer = s * b * h * (34 + 5 * m.num_attention_heads * s / h) * act_bytes / 2
     if t.activation_checkpointing:

@@ -60,11 +60,8 @@ def changed_levers(old: RunConfig, new: RunConfig) -> list[str]:
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
     """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``; the
     micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself)."""
-    def micro(config: RunConfig) -> int:
-        return config.train.micro_batch_size or config.train.batch_size
-
     return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore
-            and (key != "train.micro_batch_size" or micro(old) != micro(new))]
+            and (key != "train.micro_batch_size" or old.train.micro_batch != new.train.micro_batch)]
 
 
 def describe_changes(old: RunConfig, new: RunConfig, changes: list[str]) -> str:

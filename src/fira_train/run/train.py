@@ -277,7 +277,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     training = build_training(config, corpus.vocab_size, device, env)
     model, optimizer = training.model, training.optimizer
     net = training.forward_model  # the DDP wrapper, else the model
-    micro_batch = config.train.micro_batch_size or config.train.batch_size
+    micro_batch = config.train.micro_batch
     if distributed and micro_batch % env.world_size:
         raise ValueError(f"train.micro_batch_size={micro_batch} (the sequences of one forward pass) "
                          f"must divide by the {env.world_size} processes: each trains on its rows")
