@@ -12,9 +12,9 @@ by EOS; consecutive ``cut * seq_len`` token chunks (``cut``: a run's whole step,
 batch size) are its batches, served ``batch_size`` rows at a time as ``[batch_size, seq_len]``.
 An epoch ends when the split is exhausted or ``max_train_tokens`` tokens were used in it; the
 incomplete tail chunk is dropped (a batch of another size than ``cut`` runs on into the next
-epoch). A state keeps ``cut`` as its ``batch_size``, and a stream that loads it takes it. The position is (epoch, documents fully consumed in
-that epoch, tokens consumed of the next document, tokens consumed in the epoch): resuming
-re-opens the epoch's stream, skips that many documents without tokenizing them, and drops the
+epoch). A state keeps ``cut`` as its ``batch_size``, and a stream that loads it takes it. The
+position is (epoch, documents fully consumed in that epoch, tokens consumed of the next
+document, tokens consumed in the epoch): resuming re-opens the epoch's stream, skips that many documents without tokenizing them, and drops the
 consumed tokens of the partly used document, which restores the packing exactly.
 """
 
@@ -35,9 +35,9 @@ from transformers import PreTrainedTokenizerBase
 
 from fira_train.data.corpus import Corpus, digest_ids
 from fira_train.data.disk_cache import fingerprint
-from fira_train.data.spec import C4, C4_LOCAL_PREFIX, DataSpec, require_int
-from fira_train.data.streams import (ORDER_RULE, BatchStream, check_stream_args, check_stream_state, epoch_seed,
-                                     order_rule)
+from fira_train.data.spec import C4, C4_LOCAL_PREFIX, DataSpec
+from fira_train.data.streams import (ORDER_RULE, BatchStream, check_batch_end, check_stream_args, check_stream_state,
+                                     epoch_seed, order_rule)
 from fira_train.data.tokenizer import build_tokenizer, encode_texts, token_dtype
 
 logger = logging.getLogger(__name__)
@@ -171,9 +171,7 @@ class StreamingBatchStream(BatchStream):
         files: Sequence[str] = (),
         cut: int | None = None,
     ) -> None:
-        check_stream_args(batch_size, seed, order)
-        cut = batch_size if cut is None else cut
-        require_int("cut", cut, 1)
+        cut = check_stream_args(batch_size, seed, order, cut)
         self.corpus = corpus
         self._open_train = open_train
         self._files = tuple(files)  # the split's local files, named if one cannot be read
@@ -286,10 +284,7 @@ class StreamingBatchStream(BatchStream):
         return torch.from_numpy(ids).view(self.batch_size, self.seq_len)  # (B, T)
 
     def state_dict(self) -> dict[str, int]:
-        into = (self.tokens // self.seq_len) % self.cut
-        if into:
-            raise ValueError(f"{type(self).__name__}: a state is saved where a batch of the saved size "
-                             f"{self.cut} ends; this one is {into} rows into one")
+        check_batch_end(type(self).__name__, self.cut, (self.tokens // self.seq_len) % self.cut, "rows")
         return {
             "epoch": self.epoch,
             "documents": self.documents,
@@ -306,7 +301,6 @@ class StreamingBatchStream(BatchStream):
         rule, state = order_rule(state, type(self).__name__)
         checked = check_stream_state(state, fixed, ("epoch", "documents", "offset", "tokens", "batch_size"),
                                      type(self).__name__)
-        require_int(f"{type(self).__name__} state['batch_size']", checked["batch_size"], 1)
         self.cut = checked["batch_size"]  # a state of another batch size: its epochs, this size's batches
         self.epoch, self.documents = checked["epoch"], checked["documents"]
         self.offset, self.tokens = checked["offset"], checked["tokens"]

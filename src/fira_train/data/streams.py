@@ -74,12 +74,24 @@ def order_rule(state: Mapping[str, object], owner: str) -> tuple[int, dict[str, 
     return rule, {k: v for k, v in state.items() if k != "order"}
 
 
-def check_stream_args(batch_size: object, seed: object, order: object = ORDER_RULE) -> None:
-    """ValueError naming the argument unless ``batch_size >= 1`` and ``seed >= 0`` are ints and
-    ``order`` is a rule of :func:`epoch_seed` (1 or 2)."""
+def check_stream_args(batch_size: object, seed: object, order: object = ORDER_RULE, cut: object = None) -> int:
+    """The batches that cut a stream's epochs (``cut``, else ``batch_size``); ValueError naming the
+    argument unless ``batch_size >= 1``, ``cut >= 1`` and ``seed >= 0`` are ints and ``order`` is
+    a rule of :func:`epoch_seed` (1 or 2)."""
     require_int("batch_size", batch_size, 1)
     require_int("seed", seed, 0)
     require_epoch_order("order", order)
+    cut = batch_size if cut is None else cut
+    require_int("cut", cut, 1)
+    return cut
+
+
+def check_batch_end(owner: str, cut: int, into: int, unit: str) -> None:
+    """ValueError unless a stream about to save its state is ``into = 0`` ``unit`` into its current
+    batch of ``cut`` (a state records no position inside one)."""
+    if into:
+        raise ValueError(f"{owner}: a state is saved where a batch of the saved size {cut} ends; this one is "
+                         f"{into} {unit} into one")
 
 
 def check_stream_state(
@@ -94,8 +106,8 @@ def check_stream_state(
     if not isinstance(state, Mapping) or sorted(state) != keys:
         got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(f"{owner} state must have exactly the keys {keys}, got {got}")
-    for key in keys:
-        require_int(f"{owner} state[{key!r}]", state[key], 0)
+    for key in keys:  # a batch size (the cut of a state) of at least one
+        require_int(f"{owner} state[{key!r}]", state[key], 1 if key == "batch_size" else 0)
     for key, value in fixed.items():
         if state[key] != value:
             raise ValueError(
@@ -122,9 +134,7 @@ class PackedBatchStream(BatchStream):
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int,
                  corpus: str | None = None, token_digest: str | None = None, order: int = ORDER_RULE,
                  cut: int | None = None) -> None:
-        check_stream_args(batch_size, seed, order)
-        cut = batch_size if cut is None else cut
-        require_int("cut", cut, 1)
+        cut = check_stream_args(batch_size, seed, order, cut)
         self.corpus, self.token_digest = corpus, token_digest
         n_blocks = len(tokens) // seq_len
         self._blocks = tokens[: n_blocks * seq_len].reshape(n_blocks, seq_len)
@@ -173,9 +183,7 @@ class PackedBatchStream(BatchStream):
         return torch.from_numpy(np.asarray(self._blocks[rows], dtype=np.int64))  # (B, T)
 
     def state_dict(self) -> dict[str, int]:
-        if self.row % self.cut:
-            raise ValueError(f"{type(self).__name__}: a state is saved where a batch of the saved size "
-                             f"{self.cut} ends; this one is {self.row % self.cut} blocks into one")
+        check_batch_end(type(self).__name__, self.cut, self.row % self.cut, "blocks")
         return {
             "epoch": self.epoch,
             "index": self.index,
@@ -192,7 +200,6 @@ class PackedBatchStream(BatchStream):
         rule, state = order_rule(state, owner)
         checked = check_stream_state(state, fixed, ("epoch", "index", "batch_size"), owner)
         cut = checked["batch_size"]
-        require_int(f"{owner} state['batch_size']", cut, 1)
         if checked["index"] > len(self._blocks) // cut:
             raise ValueError(
                 f"{owner} state['index']={checked['index']} exceeds the "
