@@ -59,9 +59,24 @@ def changed_levers(old: RunConfig, new: RunConfig) -> list[str]:
 
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
     """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``; the
-    micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself)."""
+    micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself),
+    and the device by its kind on this machine (``auto`` is ``cpu`` where there is no GPU). A run
+    recorded as ``auto`` that trained on another kind is refused by the record of its device:
+    :func:`check_same_device` for a finished run, the checkpoint's environment on a resume."""
     return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore
-            and (key != "train.micro_batch_size" or old.train.micro_batch != new.train.micro_batch)]
+            and (key != "train.micro_batch_size" or old.train.micro_batch != new.train.micro_batch)
+            and (key != "train.device" or device_kind(old.train.device) != device_kind(new.train.device))]
+
+
+def device_kind(device: str) -> str:
+    """The kind of device ``train.device=device`` trains on here: ``auto`` is ``cuda`` where CUDA
+    is available and ``cpu`` otherwise (as :func:`fira_train.run.training.resolve_device`, without
+    its error for a ``cuda`` that is not there: the run itself reports that)."""
+    if device != "auto":
+        return device
+    import torch  # the harness's runs import it anyway; the config modules do not
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def describe_changes(old: RunConfig, new: RunConfig, changes: list[str]) -> str:
@@ -155,19 +170,17 @@ def warn_other_code(run_dir: Path, record: Any) -> None:
 
 
 def check_same_device(run_dir: Path, summary: Any, config: RunConfig) -> None:
-    """ValueError if ``config`` leaves the device to the machine (``train.device=auto``) and it
-    would train on another kind than the finished run in ``run_dir`` did (its ``summary.json``
-    records the device): a CPU run trains in fp32, a GPU run with ``train.precision=auto`` in
-    bf16 autocast, and the config records "auto" for both."""
+    """ValueError if ``config`` would train on another kind of device than the finished run in
+    ``run_dir`` did (its ``summary.json`` records the device): a CPU run trains in fp32, a GPU run
+    with ``train.precision=auto`` in bf16 autocast, and a config records "auto" for both (and
+    ``cpu`` finds a run recorded as ``auto``: :func:`config_changes`)."""
     recorded = summary.get("device") if isinstance(summary, dict) else None
-    if config.train.device != "auto" or not isinstance(recorded, str):
+    if not isinstance(recorded, str):
         return
-    from fira_train.run.training import resolve_device  # the model and methods: imported when needed
-
-    now = resolve_device(config).type
+    now = device_kind(config.train.device)
     if recorded.split(":")[0] != now:
         raise ValueError(f"{str(run_dir)!r} holds a run of this config trained on {recorded!r}, and "
-                         f"train.device='auto' trains on {now!r} here (another precision under "
+                         f"train.device={config.train.device!r} trains on {now!r} here (another precision under "
                          "train.precision='auto'); reuse it on a machine of its kind, or train it again "
                          "with --overwrite, or choose another --out")
 
