@@ -65,9 +65,10 @@ def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], com
 
 
 def file_digest(path: str | os.PathLike[str], chunk_bytes: int = 1 << 20) -> str:
-    """SHA-256 of a file's bytes (hex), read in chunks so large files need no extra memory."""
+    """SHA-256 of a file's bytes (hex), read in chunks so large files need no extra memory;
+    ValueError naming ``path`` if it is not a regular file (:func:`open_regular`)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open(open_regular(path, os.O_RDONLY, follow=True), "rb") as handle:
         while chunk := handle.read(chunk_bytes):
             digest.update(chunk)
     return digest.hexdigest()
@@ -148,14 +149,15 @@ def _shown(paths: list[Path]) -> str:
     return ", ".join(repr(str(p)) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
-def open_regular(path: str | Path, flags: int, mode: int = 0o666) -> int:
+def open_regular(path: str | Path, flags: int, mode: int = 0o666, follow: bool = False) -> int:
     """``os.open(path, flags | O_NOFOLLOW)``, refused (ValueError naming it) unless it is a regular
     file: a FIFO planted after :func:`refuse_links` looked would block the open (for writing, until
-    a reader comes) or the writes, a device take them. Opened without blocking, checked, and set
-    blocking again."""
+    a reader comes) or the writes, or the reads (until a writer comes), a device take the writes or
+    give endless reads. Opened without blocking, checked, and set blocking again. ``follow``: a
+    symbolic link is followed (for reads: a link sends no write anywhere)."""
     nonblock = getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags | NOFOLLOW | nonblock, mode)
+        fd = os.open(path, flags | (0 if follow else NOFOLLOW) | nonblock, mode)
     except OSError as err:
         if err.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
             raise ValueError(_not_regular(path)) from None
@@ -253,9 +255,10 @@ def _reason(err: ValueError) -> str:
 
 def read_json(path: str | Path, hint: str = "") -> Any:
     """The JSON value in ``path``; :class:`DamagedFileError` (with ``hint``) if it cannot be parsed."""
+    text = _read_text(path, hint)
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        return json.loads(text)
+    except ValueError as err:  # JSONDecodeError
         raise DamagedFileError(path, _reason(err), hint) from None
 
 
@@ -284,9 +287,22 @@ def read_json_lines(path: str | Path, hint: str = "") -> list[Any]:
     return [record for _, _, record in _parsed_lines(path, _read_text(path, hint).splitlines(), hint)]
 
 
+def read_regular_text(path: str | Path) -> str:
+    """``path``'s UTF-8 text; ValueError naming it if it is not a regular file (a FIFO planted in
+    a run folder while the run trains would block the read for good, a device give endless bytes)."""
+    with open(open_regular(path, os.O_RDONLY, follow=True), encoding="utf-8") as handle:
+        return handle.read()
+
+
+def read_regular_bytes(path: str | Path) -> bytes:
+    """``path``'s bytes; ValueError naming it if it is not a regular file (:func:`read_regular_text`)."""
+    with open(open_regular(path, os.O_RDONLY, follow=True), "rb") as handle:
+        return handle.read()
+
+
 def _read_text(path: str | Path, hint: str) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return read_regular_text(path)
     except UnicodeDecodeError as err:
         raise DamagedFileError(path, _reason(err), hint) from None
 

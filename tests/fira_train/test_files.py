@@ -330,3 +330,44 @@ def test_the_lock_and_the_metrics_never_open_a_fifo_that_appears_later(tmp_path:
         assert os.get_blocking(fd)
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_the_run_files_are_never_read_from_a_fifo_that_appears_later(tmp_path: Path, no_hang) -> None:
+    """A FIFO planted as summary.json or metrics.jsonl while a run trains (after refuse_links
+    looked) blocked the read that resumes or reports the run until a writer came: forever."""
+    from fira_train.files import read_json_lines
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("summary.json", "metrics.jsonl"):
+        os.mkfifo(out / name)
+    with pytest.raises(ValueError, match=rf"^'{out / 'summary.json'}' is not a file \(a FIFO, a socket or a device\)"):
+        read_json(out / "summary.json")
+    with pytest.raises(ValueError, match="is not a file"):
+        read_json_lines(out / "metrics.jsonl")
+    with pytest.raises(ValueError, match="is not a file"):
+        cut_back_json_lines(out / "metrics.jsonl", 3)
+    with pytest.raises(ValueError, match="'/dev/zero' is not a file"):  # a device: endless bytes
+        read_json("/dev/zero")
+    # a checkpoint's state (hashed before it is loaded) and markers
+    from fira_train.files import file_digest
+    from fira_train.run.checkpoint import CheckpointError
+    from fira_train.run.checkpoint_integrity import read_marker
+    from fira_train.run.safe_load import load_dcp_metadata
+
+    (out / "step").mkdir()
+    for name in ("state.pt", "COMPLETE", ".metadata"):
+        os.mkfifo(out / "step" / name)
+    with pytest.raises(ValueError, match="is not a file"):
+        file_digest(out / "step" / "state.pt")
+    with pytest.raises(CheckpointError, match="is not a file"):
+        read_marker(out / "step")
+    with pytest.raises(ValueError, match="is not a file"):
+        load_dcp_metadata(out / "step" / ".metadata")
+    (tmp_path / "real.json").write_text('{"a": 1}')
+    (out / "linked.json").symlink_to(tmp_path / "real.json")  # a read through a link writes nothing: followed
+    assert read_json(out / "linked.json") == {"a": 1}
+    (out / "bad.json").write_bytes(b"\xff")
+    with pytest.raises(DamagedFileError, match="not UTF-8 text: byte 0xff at offset 0"):
+        read_json(out / "bad.json")

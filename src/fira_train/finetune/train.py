@@ -21,7 +21,7 @@ from fira_optim.integrations import FiraTrainer, target_parameter_names
 from fira_train.config.overrides import describe_changed
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training, train_limit
-from fira_train.files import read_json, write_text_atomic
+from fira_train.files import read_json, read_regular_text, write_text_atomic
 from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes
 
 
@@ -155,7 +155,7 @@ def _incomplete(checkpoint: Path, step: int) -> str | None:
     """Why the Trainer checkpoint ``checkpoint`` of ``step`` is incomplete, or None."""
     state = checkpoint / "trainer_state.json"
     try:
-        saved = json.loads(state.read_text())
+        saved = json.loads(read_regular_text(state))
     except FileNotFoundError:
         return "it has no trainer_state.json"
     except ValueError as err:  # not JSON (cut short) or not text; another OSError (EIO, EACCES) is raised:
@@ -192,7 +192,7 @@ def earlier_sittings(config: FinetuneConfig, resume: str | None) -> list[dict[st
     if resume is None:
         return []
     try:
-        recorded = json.loads((checkpoint_dir(config) / SITTINGS_FILE).read_text())
+        recorded = json.loads(read_regular_text(checkpoint_dir(config) / SITTINGS_FILE))
     except (OSError, ValueError):
         return None
     if not isinstance(recorded, list) or not all(isinstance(s, dict) for s in recorded):

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fira_train.files import read_regular_text
 from fira_train.run.checkpoint import MARKER, CheckpointError
 
 #: The marker's key for the files' sizes and hashes.
@@ -67,7 +68,7 @@ def read_marker(path: Path) -> dict[str, Any]:
     """The marker of the checkpoint directory ``path`` as a dict; CheckpointError if it is not one."""
     marker_path = Path(path) / MARKER
     try:
-        marker = json.loads(marker_path.read_text())
+        marker = json.loads(read_regular_text(marker_path))
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint marker {str(marker_path)!r} is unreadable ({err}): the "
                               "checkpoint is damaged") from None

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import cut_back_json_lines, dumps, open_regular, read_json_lines
+from fira_train.files import cut_back_json_lines, dumps, open_regular, read_json_lines, read_regular_text
 
 
 class MetricsLog:
@@ -59,7 +59,7 @@ class MetricsLog:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The records of a JSON-lines file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in read_regular_text(path).splitlines() if line.strip()]
 
 
 def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:

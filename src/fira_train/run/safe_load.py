@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from fira_train.files import read_regular_bytes
 from fira_train.run.checkpoint import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -233,7 +234,7 @@ def load_dcp_metadata(path: str | Path) -> Any:
     """
     path = Path(path)
     source = str(path)
-    data = path.read_bytes()
+    data = read_regular_bytes(path)
     if not data:
         raise CheckpointError(f"checkpoint metadata {source!r} is empty (0 bytes): the checkpoint is "
                               "damaged")
