@@ -1,6 +1,6 @@
 """How often, and how badly, the fast path's column-norm ||S|| loses precision in pre-training.
 
-    python benchmarks/residual_precision.py [--steps 8]
+    python benchmarks/residual_precision.py [--steps 8] [--out docs/benchmarks/residual_precision.json]
 
 Trains ``tiny`` (its recipe: rank 64, T = 6) with Fira for ``--steps`` steps and, at every step,
 records for each projected matrix ``||S|| / ||phi G||`` and, where
@@ -12,18 +12,24 @@ against the explicit norm that replaces it. Prints one line per step. The number
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import tempfile
+
+import torch
 
 import fira_optim.pipeline as pipeline
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.recipes import get_recipe
 from fira_train.run.train import train
+from record import provenance, save
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", help="write the per-step records as JSON here")
     args = parser.parse_args()
     steps: list[tuple[list[float], list[float]]] = []
     exact_where_cancelled = pipeline.exact_where_cancelled
@@ -43,12 +49,20 @@ def main() -> None:
         train(config, overwrite=True)
     total = sum(len(errors) for _, errors in steps)
     print(f"{total} of {sum(len(r) for r, _ in steps)} matrix steps formed S explicitly")
+    records = []
     for step, (ratios, errors) in enumerate(steps, start=1):
-        line = (f"step {step}: {len(ratios)} matrices, ||S||/||phi G|| median {statistics.median(ratios):.4f} "
-                f"min {min(ratios):.4f}; explicit {len(errors)}")
+        record = {"step": step, "matrices": len(ratios), "ratio_median": statistics.median(ratios),
+                  "ratio_min": min(ratios), "explicit": len(errors),
+                  "error_median": statistics.median(errors) if errors else None,
+                  "error_max": max(errors) if errors else None}
+        records.append(record)
+        line = (f"step {step}: {len(ratios)} matrices, ||S||/||phi G|| median {record['ratio_median']:.4f} "
+                f"min {record['ratio_min']:.4f}; explicit {len(errors)}")
         if errors:
-            line += f", subtraction's error median {statistics.median(errors):.2e} max {max(errors):.2e}"
+            line += f", subtraction's error median {record['error_median']:.2e} max {record['error_max']:.2e}"
         print(line)
+    save({**provenance(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+          "recipe": "tiny", "steps": records}, args.out)
 
 
 if __name__ == "__main__":

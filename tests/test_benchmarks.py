@@ -177,6 +177,24 @@ def test_readme_quotes_the_committed_compile_times() -> None:
         assert text == f"{measured:.1f}", name
 
 
+def test_the_optimizer_docs_quote_the_committed_precision_checks() -> None:
+    """The int8 embedding and residual-precision numbers in docs/optimizer.md are the committed
+    JSON's (they were quoted from printouts that nothing kept)."""
+    docs = " ".join((ROOT / "docs" / "optimizer.md").read_text().split())
+    largest = json.loads((ROOT / "docs" / "benchmarks" / "int8_embedding_rows.json").read_text())
+    largest = largest["largest_embedding_entry"]
+    assert (f"{largest['int8, second moments as values']:.1f} with values, {largest['int8']:.4f} with the "
+            f"square roots, {largest['float32']:.4f} with fp32 states") in docs
+    steps = json.loads((ROOT / "docs" / "benchmarks" / "residual_precision.json").read_text())["steps"]
+    explicit = [step for step in steps if step["explicit"]]
+    first, second, after = explicit  # the first refresh, the second, and the step after it
+    assert first["step"] == 1 and after["step"] == second["step"] + 1
+    assert (f"{first['explicit']} of {first['matrices']} matrices at the first refresh, {second['explicit']} at the "
+            f"second (median `||S|| / ||phi G||` {second['ratio_median']:.3f}, the smallest "
+            f"{second['ratio_min']:.4f}; the subtraction's error there: median {100 * second['error_median']:.2f}% "
+            f"of `||S||`, largest {100 * second['error_max']:.0f}%), {after['explicit']} the step after") in docs
+
+
 @pytest.mark.parametrize(("folder", "spec", "earlier", "lr", "table"), [
     ("tiny-exact-norm", "fira", "tiny-sweep-galore-raw", 0.02, "rerun-fira.md"),
     ("tiny-exact-norm", "galore", "tiny-sweep-galore-raw", 0.02, "rerun-galore.md"),
