@@ -71,6 +71,27 @@ def test_memory_phases_script_splits_each_step_and_counts_what_is_alive(tmp_path
 
 
 @pytest.mark.timeout(300)
+def test_int8_quantize_script_times_and_checks_every_quantizer(tmp_path: Path) -> None:
+    """Why fira_optim quantizes with its own kernel (the docs' stated reason): the script times it
+    against torchao's (and bitsandbytes', where installed) and checks every code against the
+    nearest map value. Ours must be exact on both maps; bitsandbytes' is not on the unsigned one."""
+    out = tmp_path / "int8.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "int8_quantize.py"), "--sizes", "4096", "65536",
+               "--repeats", "1", "--out", str(out)]
+    subprocess.run(command, check=True, cwd=ROOT, timeout=280, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["map"], row["elements"]) for row in rows] == [
+        ("signed", 4096), ("signed", 65536), ("unsigned", 4096), ("unsigned", 65536)]
+    for row in rows:
+        assert row["exactness"]["fira_optim"] == {"share_of_codes_not_nearest": 0.0, "max_code_difference": 0}
+        assert row["exactness"]["torchao"]["max_code_difference"] <= 1
+        assert all(ns > 0 for ns in row["ns_per_element"].values())
+        if "bitsandbytes" in row["exactness"] and row["map"] == "unsigned":
+            assert row["exactness"]["bitsandbytes"]["share_of_codes_not_nearest"] > 0.01
+    result = subprocess.run([*command[:2], "--sizes", "100"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and "--sizes: 100 is not a positive multiple of the block size 256" in result.stderr
+
+
 def test_refresh_threads_script_times_every_configuration(tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "corpus")
     out = tmp_path / "refresh.json"
