@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fira_train.config.comma_list import comma_list
 from fira_train.config.overrides import apply_overrides, flat_config, override_key, refuse_overrides
+from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
 
@@ -99,7 +100,8 @@ def refuse_same_runs(specs: Sequence[MethodSpec], base: RunConfig) -> None:
     """ValueError naming two specs that train the same run on ``base``: the same method with the
     same settings, however written (``fira@optim.rank=4`` and ``fira@optim.rank=04``, the same
     overrides in another order, an override of the value ``base`` has, or of an ``optim`` setting
-    the method does not read). Refused, not merged: each spec as written labels its row and names
+    the method does not read, or of the value a default resolves to: ``fira@optim.lr=0.01`` where
+    0.01 is the recipe's tuned rate for ``fira``). Refused, not merged: each spec as written labels its row and names
     its folder (and a sweep's ``--lrs SPEC:...``), so dropping one would lose what it names."""
     seen: dict[str, MethodSpec] = {}
     for spec in specs:
@@ -111,10 +113,12 @@ def refuse_same_runs(specs: Sequence[MethodSpec], base: RunConfig) -> None:
 
 
 def _resolved(spec: MethodSpec, base: RunConfig) -> str:
-    """What a spec's run depends on: its config on ``base`` without its folder and without the
-    ``optim`` settings its method does not read, as text (values may be lists)."""
+    """What a spec's run depends on: its config on ``base`` with its defaults resolved (the
+    learning rate, the sign alignment: :func:`~fira_train.config.resolve.resolved`), without its
+    folder and without the ``optim`` settings its method does not read, as text (values may be
+    lists)."""
     uses = get_method(spec.name).uses | {"method", "lr"}
-    flat = flat_config(spec.config(base, "."))
+    flat = flat_config(resolved(spec.config(base, ".")))
     kept = {key: value for key, value in flat.items() if key != "train.out_dir"
             and not (key.startswith("optim.") and key.removeprefix("optim.") not in uses)}
     return repr(sorted(kept.items()))

@@ -56,6 +56,8 @@ def test_lists_refuse_duplicates_and_emptiness() -> None:
      "fira@optim.alpha=0.50@optim.rank=4"),
     ("galore,galore@optim.rank={rank}", "galore", "galore@optim.rank={rank}"),  # the value the command has
     ("adamw,adamw@optim.rank=3", "adamw", "adamw@optim.rank=3"),  # a setting adamw does not read
+    ("fira,fira@optim.lr=0.01", "fira", "fira@optim.lr=0.01"),  # micro's tuned lr for fira
+    ("galore@optim.align_signs=false,galore", "galore@optim.align_signs=false", "galore"),  # the default
 ])
 def test_specs_that_train_the_same_run_are_refused_naming_both(methods: str, first: str, second: str,
                                                                tmp_path: Path) -> None:
