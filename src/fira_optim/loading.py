@@ -73,12 +73,16 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
 def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:
     """``saved`` with plain-number steps as tensors, the released package's per-matrix state in
     this optimizer's form, galore-torch's group key ``scale`` as ``alpha`` (the optimizer's
-    default ``alpha`` would replace it otherwise), and int8 second moments of earlier versions
-    coded as square roots (:func:`fira_optim.precision.root_coded`); ``saved`` itself is not
+    default ``alpha`` would replace it otherwise), the options a saved group lacks (the released
+    packages', an earlier version's) at the values of the group it loads into (:func:`_filled`),
+    and int8 second moments of earlier versions coded as square roots (:func:`fira_optim.precision.root_coded`); ``saved`` itself is not
     modified."""
     groups = saved.get("param_groups", [])
-    if any(("scale" in g and "alpha" not in g) or not SAVED_BEFORE_THE_KEY.keys() <= g.keys() for g in groups):
-        saved = {**saved, "param_groups": [_filled(g) for g in groups]}
+    # group counts that differ are left to torch's own check
+    currents = [*current_groups, *[{}] * (len(groups) - len(current_groups))]
+    if any(("scale" in g and "alpha" not in g) or not _options(current).keys() <= g.keys()
+           or not SAVED_BEFORE_THE_KEY.keys() <= g.keys() for g, current in zip(groups, currents)):
+        saved = {**saved, "param_groups": [_filled(g, current) for g, current in zip(groups, currents)]}
     state = saved.get("state", {})
     if not any(_needs_upgrade(s) for s in state.values()):
         return saved
@@ -96,13 +100,24 @@ def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any
     return {**saved, "state": new_state}
 
 
-def _filled(group: dict) -> dict:
-    """A saved group with galore-torch's ``scale`` as ``alpha``, and the keys it was saved before
-    (:data:`SAVED_BEFORE_THE_KEY`) at the values its states have: torch's load takes the saved
-    group, and the optimizer would fill a missing key from its constructor's default (an int8
-    default put float32 states under an int8 group that :func:`check_layout` had compared as float32)."""
+def _options(group: dict) -> dict:
+    """A param group's options: all but its tensors and their names."""
+    return {key: value for key, value in group.items() if key not in ("params", "param_names")}
+
+
+def _filled(group: dict, current: dict) -> dict:
+    """A saved group with galore-torch's ``scale`` as ``alpha``, the keys it was saved before
+    (:data:`SAVED_BEFORE_THE_KEY`) at the values its states have, and every other option it
+    lacks at the value of ``current``, the group it loads into. torch's load takes the saved
+    group, and the optimizer would fill a missing key from its constructor's default: an int8
+    default put float32 states under an int8 group that :func:`check_layout` had compared as
+    float32, and the options a group sets itself that the saving package does not know (the
+    released ``fira``'s and galore-torch's groups have no ``arithmetic``, ``gamma``, ...: what
+    ``param_groups(model, arithmetic="released")`` sets on the projected group) fell back to
+    the constructor's, so a migrated run went on with Algorithm 1's arithmetic, silently."""
     renamed = {"alpha": group["scale"]} if "scale" in group and "alpha" not in group else {}
-    return {**{key: value for key, value in SAVED_BEFORE_THE_KEY.items() if key not in group}, **group, **renamed}
+    before = {key: value for key, value in SAVED_BEFORE_THE_KEY.items() if key not in group}
+    return {**_options(current), **before, **group, **renamed}
 
 
 def _needs_upgrade(entry: dict) -> bool:

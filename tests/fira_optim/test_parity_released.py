@@ -200,3 +200,22 @@ def test_a_run_of_galore_torch_continues_under_galore_adamw():
         _galore_groups(our_model, scale=scale), lr=LR, eps=1e-8, weight_decay=0.1,
         arithmetic="released", align_signs=False))
     assert ours.param_groups[1]["alpha"] == scale
+
+
+def test_a_released_run_continues_with_the_options_its_groups_set():
+    """The released package's groups have no ``arithmetic`` (nor any other option of Fira's):
+    options a group sets itself (``param_groups(model, arithmetic="released")`` sets them on the
+    projected group) stay on it through the load. They were filled from the constructor's
+    defaults, so the run went on with Algorithm 1's arithmetic, silently."""
+    ref_model, our_model = _models(torch.float32)
+    groups = dict(target_modules_list=TARGETS, rank=RANK, update_proj_gap=GAP, alpha=ALPHA)
+    ref = fira.FiraAdamW(quiet_fira_divide_params(ref_model, **groups), lr=LR, eps=1e-8,
+                         weight_decay=0.1, no_deprecation_warning=True)
+
+    def ours_for():
+        released = [{**g, "arithmetic": "released", "gamma": 1.01} for g in quiet_fira_divide_params(our_model, **groups)]
+        return FiraAdamW(released, lr=LR, eps=1e-8, weight_decay=0.1, gamma=2.0)
+
+    ours = _continued(ref_model, our_model, ref, ours_for)
+    assert [g["arithmetic"] for g in ours.param_groups] == ["released", "released"]
+    assert [g["gamma"] for g in ours.param_groups] == [1.01, 1.01]
