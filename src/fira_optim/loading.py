@@ -16,7 +16,10 @@ and one not saved by Fira at all (``torch.optim.AdamW``'s has the same layout, a
 would silently train every matrix with plain AdamW). A group saved without ``state_dtype``
 (fira-optim before the option, the released ``fira`` package, ``galore-torch``) holds float32
 states and is compared as ``state_dtype='float32'`` (loading it into an int8 optimizer kept its
-float32 moments under an int8 group, silently).
+float32 moments under an int8 group, silently). Refused too: a group that turned on an option of
+``torch.optim.AdamW`` that Fira does not implement, and ``torch.optim.Adam``'s with weight decay
+(``decoupled_weight_decay=False``: an L2 term of the gradient, which Fira's decoupled decay
+replaced silently).
 """
 
 from __future__ import annotations
@@ -68,20 +71,29 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
             if old.get(key):
                 raise ValueError(f"{first}: the state dict's param group {gi} has {key}={old[key]!r}, which Fira "
                                  f"does not implement (torch.optim.AdamW's {key}); it cannot be resumed as it ran")
+        # torch.optim.Adam's groups say decoupled_weight_decay=False: its weight decay is an L2 term
+        # added to the gradient, which Fira (decoupled, as torch.optim.AdamW) would have replaced
+        # without a word. Without weight decay the two are the same step (see _filled).
+        if old.get("decoupled_weight_decay", True) is False and old.get("weight_decay", 0) != 0:
+            raise ValueError(f"{first}: the state dict's param group {gi} has decoupled_weight_decay=False with "
+                             f"weight_decay={old['weight_decay']!r} (torch.optim.Adam's L2 weight decay); Fira's "
+                             "weight decay is decoupled, as torch.optim.AdamW's: it cannot be resumed as it ran")
 
 
 def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:
     """``saved`` with plain-number steps as tensors, the released package's per-matrix state in
     this optimizer's form, galore-torch's group key ``scale`` as ``alpha`` (the optimizer's
     default ``alpha`` would replace it otherwise), the options a saved group lacks (the released
-    packages', an earlier version's) at the values of the group it loads into (:func:`_filled`),
-    and int8 second moments of earlier versions coded as square roots (:func:`fira_optim.precision.root_coded`); ``saved`` itself is not
+    packages', an earlier version's) at the values of the group it loads into, and
+    ``decoupled_weight_decay`` True (:func:`_filled`), and int8 second moments of earlier versions
+    coded as square roots (:func:`fira_optim.precision.root_coded`); ``saved`` itself is not
     modified."""
     groups = saved.get("param_groups", [])
     # group counts that differ are left to torch's own check
     currents = [*current_groups, *[{}] * (len(groups) - len(current_groups))]
     if any(("scale" in g and "alpha" not in g) or not _options(current).keys() <= g.keys()
-           or not SAVED_BEFORE_THE_KEY.keys() <= g.keys() for g, current in zip(groups, currents)):
+           or not SAVED_BEFORE_THE_KEY.keys() <= g.keys() or g.get("decoupled_weight_decay", True) is not True
+           for g, current in zip(groups, currents)):
         saved = {**saved, "param_groups": [_filled(g, current) for g, current in zip(groups, currents)]}
     state = saved.get("state", {})
     if not any(_needs_upgrade(s) for s in state.values()):
@@ -114,8 +126,12 @@ def _filled(group: dict, current: dict) -> dict:
     float32, and the options a group sets itself that the saving package does not know (the
     released ``fira``'s and galore-torch's groups have no ``arithmetic``, ``gamma``, ...: what
     ``param_groups(model, arithmetic="released")`` sets on the projected group) fell back to
-    the constructor's, so a migrated run went on with Algorithm 1's arithmetic, silently."""
+    the constructor's, so a migrated run went on with Algorithm 1's arithmetic, silently.
+    ``decoupled_weight_decay`` is set True: the weight decay Fira applies (torch.optim.Adam's
+    groups, with ``False``, load only without weight decay: :func:`check_layout`)."""
     renamed = {"alpha": group["scale"]} if "scale" in group and "alpha" not in group else {}
+    if "decoupled_weight_decay" in group:
+        renamed["decoupled_weight_decay"] = True
     before = {key: value for key, value in SAVED_BEFORE_THE_KEY.items() if key not in group}
     return {**_options(current), **before, **group, **renamed}
 

@@ -136,6 +136,36 @@ def test_loading_torch_adamw_state_is_refused():
         FiraAdamW(model.parameters(), rank=3).load_state_dict(adamw.state_dict())
 
 
+def test_torch_adam_state_with_l2_weight_decay_is_refused_and_without_it_loads():
+    """torch.optim.Adam's groups hold decoupled_weight_decay=False: its weight decay is an L2
+    term of the gradient. Such a state loaded into a plain group, which then stepped with
+    decoupled decay while its group said False. Without weight decay the steps are the same:
+    it loads, and then steps as Adam does."""
+    model, twin = _model(), _model()
+    adam = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    _grads(model)
+    adam.step()
+    fira = FiraAdamW([{"params": list(twin.parameters())}], lr=0.01, weight_decay=0.1)
+    before = copy.deepcopy(fira.param_groups[0])
+    with pytest.raises(ValueError, match=r"decoupled_weight_decay=False with weight_decay=0.1"):
+        fira.load_state_dict(copy.deepcopy(adam.state_dict()))
+    assert fira.param_groups[0].keys() == before.keys()  # a refused load leaves the groups as they were
+
+    for group in adam.param_groups:
+        group["weight_decay"] = 0.0
+    fira.load_state_dict(copy.deepcopy(adam.state_dict()))
+    assert fira.param_groups[0]["decoupled_weight_decay"] is True  # what it does
+    with torch.no_grad():
+        for p, q in zip(twin.parameters(), model.parameters()):
+            p.copy_(q)
+    _grads(model, seed=1)
+    _grads(twin, seed=1)
+    adam.step()
+    fira.step()
+    for p, q in zip(twin.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def test_a_projected_dict_group_with_1d_params_says_how_to_split():
     model = _model()
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*rank=None.*param_groups\(model"):
