@@ -213,7 +213,8 @@ def test_a_released_run_continues_with_the_options_its_groups_set():
                          weight_decay=0.1, no_deprecation_warning=True)
 
     def ours_for():
-        released = [{**g, "arithmetic": "released", "gamma": 1.01} for g in quiet_fira_divide_params(our_model, **groups)]
+        own = {"arithmetic": "released", "gamma": 1.01}  # set by each group, not the constructor
+        released = [{**g, **own} for g in quiet_fira_divide_params(our_model, **groups)]
         return FiraAdamW(released, lr=LR, eps=1e-8, weight_decay=0.1, gamma=2.0)
 
     ours = _continued(ref_model, our_model, ref, ours_for)
