@@ -167,12 +167,23 @@ def _incomplete(checkpoint: Path, step: int) -> str | None:
 def _settings(config: FinetuneConfig, effective: bool = True) -> dict[str, Any]:
     """The :data:`RESUME_KEYS` of ``config`` as JSON values: as in effect (defaults resolved:
     the learning rate, warm-up, training records and rank a run trains with; None for an option
-    the method does not use), or as given."""
+    the method does not use; the data folder and a local model as absolute paths), or as given."""
     values = {k: v for k, v in asdict(config).items() if k in RESUME_KEYS}
     if effective:
         values.update(config.used_options(), lr=config.effective_lr, warmup_steps=config.effective_warmup,
-                      max_train=train_limit(config))
+                      max_train=train_limit(config), data_dir=_local_path(config.data_dir),
+                      model=_local_path(config.model))
     return json.loads(json.dumps(values, default=str))
+
+
+def _local_path(name: str | None) -> str | None:
+    """``name`` as an absolute path where it names a file or folder here (a hub id, or None for the
+    packaged model, as it is): ``data/``, ``data`` and ``/work/data`` are one folder, and the
+    same ``data`` typed in another working directory is another (compared as typed, the first
+    two were refused as another run's settings and the last was continued, mixing two runs)."""
+    if name is None or not Path(name).exists():
+        return name
+    return str(Path(name).resolve())
 
 
 #: Beside the checkpoints: each start (sitting) of the run, up to its newest checkpoint.

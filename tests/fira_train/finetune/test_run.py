@@ -756,6 +756,30 @@ def test_a_settings_record_from_before_the_memory_options_resumes_only_without_t
     assert (tmp_path / "o" / "trainer" / "checkpoint-4").is_dir()
 
 
+def test_the_data_and_model_folders_are_compared_as_folders_not_as_typed(tmp_path, monkeypatch):
+    """``--data-dir data/`` (a shell's completion) continuing ``--data-dir data`` was refused as
+    another run's settings, and the same ``data`` typed in another working directory (other
+    records) was continued, mixing two runs."""
+    from fira_train.finetune.train import _settings, resume_point
+
+    for where in ("a", "b"):
+        write_data(tmp_path / where)
+        (tmp_path / where / "model").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    out = tmp_path / "o"
+    common = dict(tasks=["boolq"], steps=4, batch_size=2, out=str(out))
+    first = FinetuneConfig(**common, data_dir="commonsense", model="model")
+    _checkpoint(out / "trainer", 2)
+    (out / "trainer" / "run_settings.json").write_text(json.dumps(_settings(first)))  # as train_model writes it
+    for data_dir, model in (("commonsense/", "./model"), (str(tmp_path / "a" / "commonsense"), "model/")):
+        assert resume_point(FinetuneConfig(**common, data_dir=data_dir, model=model)).endswith("checkpoint-2")
+    hub = _settings(FinetuneConfig(**common, data_dir="commonsense", model="HuggingFaceTB/SmolLM2-135M"))
+    assert hub["model"] == "HuggingFaceTB/SmolLM2-135M"  # no such folder here: a hub id, as typed
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(FinetuneError, match="other settings .*data_dir=.*model="):
+        resume_point(FinetuneConfig(**common, data_dir="commonsense", model="model"))
+
+
 def test_a_run_folder_holding_links_is_refused_before_anything_is_written_or_deleted(tiny_model_dir, tmp_path,
                                                                                      capsys):
     """OUT/predictions (or OUT/trainer) as a link to a folder outside: the stale predictions were
