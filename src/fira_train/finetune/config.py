@@ -82,7 +82,7 @@ class FinetuneConfig:
     """One fine-tuning run. Every field is a CLI option (``--max-eval`` for ``max_eval``, ...)."""
 
     tasks: list[str]
-    """Task names (folder names under ``data_dir``); those with ``train.json`` are trained on."""
+    """Task names (folder names under ``data_dir``); those with records in ``train.json`` are trained on."""
     data_dir: str
     """Folder holding ``<task>/train.json`` and ``<task>/test.json`` in the LLM-Adapters format."""
     method: str | None = None

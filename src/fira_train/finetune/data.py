@@ -59,16 +59,20 @@ def load_validation(config: FinetuneConfig) -> dict[str, list[dict]]:
 
 def _training_pool(config: FinetuneConfig) -> tuple[list[tuple[str, int, dict]], list[str]]:
     """The union of the tasks' training sets as ``(task, index in its file, record)``, in the
-    run's seeded order, and the tasks it comes from."""
+    run's seeded order, and the tasks it comes from (a ``train.json`` holding no records is no
+    training set: the report listed its task as trained on)."""
     pool: list[tuple[str, int, dict]] = []
     trained_on: list[str] = []
+    empty: list[str] = []
     for spec in config.task_specs:
         if has_split(config.data_dir, spec, "train"):
-            pool.extend((spec.name, i, r) for i, r in enumerate(load_split(config.data_dir, spec, "train")))
-            trained_on.append(spec.name)
+            records = load_split(config.data_dir, spec, "train")
+            pool.extend((spec.name, i, r) for i, r in enumerate(records))
+            (trained_on if records else empty).append(spec.name)
     if not pool:
+        held = f" ({', '.join(f'{name}/train.json' for name in empty)} hold no records)" if empty else ""
         raise CommonsenseDataError(
-            f"none of the tasks {config.tasks} has a train.json under {config.data_dir}; "
+            f"none of the tasks {config.tasks} has a train.json with records under {config.data_dir}{held}; "
             f"add a task with a training set or run zero-shot (--method none or --steps 0)"
         )
     random.Random(config.seed).shuffle(pool)  # the permutation depends on the length alone

@@ -468,6 +468,24 @@ def test_validation_records_are_held_out_of_training_and_leave_it_unchanged(tmp_
         FinetuneConfig(tasks=["boolq"], data_dir=str(data), max_val=-1)
 
 
+def test_a_task_whose_train_file_holds_no_records_is_not_trained_on(tmp_path):
+    """An empty piqa/train.json put piqa among the tasks trained on (the report said "Trained on
+    boolq, piqa"), and with --max-val its validation set was empty: refused."""
+    from fira_train.finetune.commonsense import CommonsenseDataError
+    from fira_train.finetune.data import load_records, load_validation
+
+    data = write_data(tmp_path)
+    (data / "piqa" / "train.json").write_text("[]")
+    config = FinetuneConfig(tasks=["boolq", "piqa"], data_dir=str(data), method="fira", steps=2, batch_size=2,
+                            max_val=3)
+    train, _, trained_on = load_records(config)
+    assert trained_on == ["boolq"] and len(train) == 4
+    assert list(load_validation(config)) == ["boolq"]
+    (data / "boolq" / "train.json").write_text("[]")
+    with pytest.raises(CommonsenseDataError, match=r"with records .*\(boolq/train.json, piqa/train.json hold no"):
+        load_records(config)
+
+
 REAL = default_data_dir()
 
 
