@@ -365,6 +365,9 @@ def test_the_run_files_are_never_read_from_a_fifo_that_appears_later(tmp_path: P
         read_marker(out / "step")
     with pytest.raises(ValueError, match="is not a file"):
         load_dcp_metadata(out / "step" / ".metadata")
+    (out / "folder.json").mkdir()
+    with pytest.raises(IsADirectoryError):  # as a plain read says it (callers tell it from damage)
+        read_json(out / "folder.json")
     (tmp_path / "real.json").write_text('{"a": 1}')
     (out / "linked.json").symlink_to(tmp_path / "real.json")  # a read through a link writes nothing: followed
     assert read_json(out / "linked.json") == {"a": 1}
