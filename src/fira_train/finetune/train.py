@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -254,6 +255,24 @@ def remove_checkpoints(config: FinetuneConfig) -> None:
     shutil.rmtree(checkpoint_dir(config), ignore_errors=True)
 
 
+def check_answer_tokens(features: list[dict], cutoff_len: int) -> str | None:
+    """FinetuneError if no tokenized record keeps a label to train on (the prompt alone fills
+    ``cutoff_len`` and ``train_on_inputs`` is off: the run trained on nothing and reported a loss
+    of 0); a warning's text if some records keep none: each trains nothing, and a batch made of
+    them only has a loss of 0 and a zero gradient, on which the optimizer still steps (its
+    momentum and weight decay move the weights)."""
+    answerless = sum(1 for f in features if all(label == -100 for label in f["labels"]))
+    if answerless == len(features):
+        raise FinetuneError(f"cutoff_len={cutoff_len} leaves no answer token to train on in any of the "
+                            f"{len(features)} records (the prompt alone fills it, and train_on_inputs is off): "
+                            "raise --cutoff-len")
+    if not answerless:
+        return None
+    return (f"cutoff_len={cutoff_len} leaves no answer token in {answerless} of the {len(features)} training records "
+            "(the prompt alone fills it, and train_on_inputs is off): they train nothing, and a batch of only such "
+            "records steps on the optimizer's momentum alone; raise --cutoff-len to train on them")
+
+
 def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], config: FinetuneConfig,
                 resume: str | None = None) -> dict[str, Any]:
     """Train ``model`` (prepared by :func:`prepare_model`) on the ``train`` records with
@@ -267,10 +286,9 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     method = config.effective_method
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     features = [tokenize_for_training(tokenizer, r, config.cutoff_len, config.train_on_inputs) for r in train]
-    if not any(label != -100 for f in features for label in f["labels"]):  # a loss of 0 over nothing
-        raise FinetuneError(f"cutoff_len={config.cutoff_len} leaves no answer token to train on in any of the "
-                            f"{len(features)} records (the prompt alone fills it, and train_on_inputs is off): "
-                            "raise --cutoff-len")
+    warning = check_answer_tokens(features, config.cutoff_len)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     args = transformers.TrainingArguments(
         output_dir=str(checkpoint_dir(config)),
         per_device_train_batch_size=config.batch_size,

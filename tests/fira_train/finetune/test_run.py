@@ -844,3 +844,17 @@ def test_config_rejects_a_seed_numpy_cannot_take_and_an_empty_out():
             FinetuneConfig(tasks=["boolq"], data_dir=".", seed=seed)
     with pytest.raises(FinetuneError, match="out='' names no folder"):
         FinetuneConfig(tasks=["boolq"], data_dir=".", out="")
+
+
+def test_records_whose_answer_the_cutoff_removes_are_counted_in_a_warning() -> None:
+    """With --no-train-on-inputs, a record whose prompt fills cutoff_len trains nothing, and a
+    batch of only such records logged a loss of 0.0 and stepped on momentum: said, not silent."""
+    from fira_train.finetune.config import FinetuneError
+    from fira_train.finetune.train import check_answer_tokens
+
+    kept, cut = {"labels": [-100, -100, 7, 2]}, {"labels": [-100, -100, -100]}
+    assert check_answer_tokens([kept, kept], 4) is None
+    said = check_answer_tokens([kept, cut, cut], 4)
+    assert said.startswith("cutoff_len=4 leaves no answer token in 2 of the 3 training records") and "--cutoff-len" in said
+    with pytest.raises(FinetuneError, match="cutoff_len=4 leaves no answer token to train on in any of the 2 records"):
+        check_answer_tokens([cut, cut], 4)
