@@ -186,13 +186,23 @@ def _real_views(params: list[torch.Tensor], states: dict) -> tuple[list[torch.Te
 
 def _torch_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:
     beta1, beta2 = group["betas"]
+    steps = [states[p]["step"] for p in params]
+    fused_on_device = bool(group.get("fused")) and bool(params) and params[0].device.type != "cpu"
+    counted = steps
+    if fused_on_device:
+        # torch's fused kernel reads each step count through a device pointer (torch.optim.AdamW
+        # keeps them on the device under fused=True); this optimizer keeps them on the host,
+        # where its step plan reads them without a device sync. The kernel gets device copies
+        # (one copy for the group), which it counts, and the host counts are advanced alongside.
+        values = torch.tensor([float(s) for s in steps], dtype=torch.float32)
+        counted = list(values.to(params[0].device, non_blocking=True).unbind())
     torch_adam.adam(
         params,
         [p.grad for p in params],
         [states[p]["exp_avg"] for p in params],
         [states[p]["exp_avg_sq"] for p in params],
         [],
-        [states[p]["step"] for p in params],
+        counted,
         foreach=group.get("foreach"),
         fused=group.get("fused"),
         has_complex=False,
@@ -205,6 +215,9 @@ def _torch_adamw(group: dict, params: list[torch.Tensor], states: dict) -> None:
         eps=group["eps"],
         maximize=False,
     )
+    if fused_on_device:
+        for step in steps:
+            step.add_(1)
 
 
 def _lr(group: dict) -> float:

@@ -121,3 +121,26 @@ def test_fp16_loss_scaling_in_backward_matches_gradscaler_on_cuda():
     assert s1 == s2
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p, q)
+
+
+def test_fused_adamw_for_the_plain_parameters_matches_torchs_on_cuda():
+    """torch's fused CUDA kernel reads the step counts on the device; this optimizer keeps them on
+    the host (it passes device copies). Bitwise torch.optim.AdamW(fused=True), through a
+    state_dict round trip too."""
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 32, device="cuda"), torch.randn(32, device="cuda")]
+    ours = [torch.nn.Parameter(w.clone()) for w in weights]
+    theirs = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = FiraAdamW([{"params": ours, "rank": None}], lr=1e-2, weight_decay=0.1, fused=True)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(4):
+        if step == 2:
+            opt.load_state_dict(opt.state_dict())
+        grads = [torch.randn_like(w) for w in weights]
+        for p, q, g in zip(ours, theirs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+        assert float(opt.state[p]["step"]) == float(ref.state[q]["step"]) == 4
