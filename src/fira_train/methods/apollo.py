@@ -14,8 +14,9 @@ The published settings (the package README, "Hyperparameter choices" and "Benchm
 :data:`SETTINGS`:
 
 - ``apollo``: ``scale_type="channel"``, ``scale=1`` ("Default value for APOLLO"), rank "1/4 of
-  the original dim ... (same as Galore)" -- the harness's ``optim.rank``, which every recipe sets
-  to d/4 (and the paper sizes to GaLore's 128 / 256 / 256 / 512, APOLLO's pre-training ranks);
+  the original dim ... (same as Galore)" -- the harness's ``optim.rank``, which the recipes set
+  to d/4 (``tiny``, ``micro``, ``60m``, ``350m``, ``1b``), except ``130m`` (256 / 768 = d/3) and
+  ``7b`` (64 / 4096): the paper's GaLore ranks 128 / 256 / 256 / 512, APOLLO's pre-training ranks;
   ``scale_front=False`` (the limiter acts before the scale, the package default);
 - ``apollo-mini``: rank 1, ``scale_type="tensor"``, ``scale=128`` ("Default value for
   APOLLO-Mini"), ``scale_front=True`` (the README recommends it "when training involves fewer
@@ -24,6 +25,26 @@ The published settings (the package README, "Hyperparameter choices" and "Benchm
   = ``optim.update_proj_gap`` (the README's 200, as the paper recipes), learning rate 0.01 (the
   README's usage example ``APOLLO(param_groups, lr=0.01)``; its long-context benchmark keeps
   "the learning rate fixed at 1e-2" for both).
+
+Where the package's arithmetic differs from a bias-corrected Adam (kept: the harness runs the
+authors' package, whose arithmetic produced their numbers), and what the harness passes it:
+
+- Adam's bias correction is folded into the step size: ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)``
+  multiplies the whole update, so the channel factor ``||Adam(R)|| / ||R||`` and the norm-growth
+  limiter see *un-corrected* moments ``M / (sqrt(V) + eps)``. Their size grows over the first
+  steps (for a steady gradient, 3.2 at t = 1 and 4.3 at t = 2 with the default betas, where the
+  corrected moments give 1 at every step), which the limiter, allowing 1.01x per step, cuts back: the early updates are smaller than those of a limiter
+  on corrected moments (the placement of Fira's Algorithm 1 and of ``fira_optim``'s Fira). Measured
+  on ``micro``-shaped matrices in float64, 7 steps at lr 0.01 (each step moves a weight by about
+  0.01): up to 1.9e-3 (APOLLO) and 7.8e-3 (APOLLO-Mini) from a transcription with corrected
+  moments; the harness's build matches a transcription of the package's arithmetic to 1e-11.
+- Weight decay comes after the update, at the uncorrected ``lr`` (``p -= lr * wd * p``), on every
+  parameter; the AdamW group (embeddings, norms, head) adds ``eps`` before the bias correction
+  (Hugging Face's AdamW), as ``fira`` 1.0.2 and galore-torch do.
+- ``eps`` is ``optim.eps``, 1e-8 by default (torch's AdamW, shared by every method of the harness);
+  the package defaults to 1e-6 and the README's usage example keeps that default. It matters at
+  small gradients (``micro``, 5 steps: weights apart by up to 3.4e-2 for APOLLO, 1.1e-1 for
+  APOLLO-Mini); give ``optim.eps=1e-6`` to run the package as its authors did.
 
 What the package cannot do here, refused with a clear error: FSDP2 (the README's to-do list
 says "Support APOLLO with FSDP"; the step multiplies plain random matrices with the sharded

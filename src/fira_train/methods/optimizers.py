@@ -34,6 +34,12 @@ def build_adamw_grouped(model: nn.Module, config: "RunConfig", lr: float) -> Met
     weights) train at ``optim.alpha * lr``, the rest (embeddings, norms, head) at ``lr`` -- the
     step sizes a Fira run gives them (its projected update is scaled by alpha). With the
     schedulers' per-group ``initial_lr`` the ratio holds at every step.
+
+    Not read: ``optim.rank``. Fira trains a matrix with ``rank >= min(m, n)`` unprojected, with
+    plain Adam at ``lr``; here it still steps at ``alpha * lr`` (``1 / alpha`` times smaller than
+    Fira's: on ``micro`` at rank 64, every matrix). No recipe has such a matrix; reading the rank
+    would make ``adamw-grouped`` a method that uses ``optim.rank`` (its runs' records and
+    identities would then carry one).
     """
     o = config.optim
     groups = fira_optim.param_groups(model, rank=1, update_proj_gap=1, alpha=o.alpha)

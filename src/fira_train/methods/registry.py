@@ -37,6 +37,29 @@ Every training method of the paper's comparison and ablations is a :class:`Metho
 ``apollo``, ``apollo-mini``, ``flora`` and ``slimadam`` refuse ``train.parallel=fsdp2``
 (:attr:`Method.fsdp2`).
 
+Where a baseline is not its reference's arithmetic, deliberately:
+
+- ``eps``: every method takes ``optim.eps``, 1e-8 by default (``torch.optim.AdamW``'s), while
+  ``fira`` 1.0.2, galore-torch 1.0 and apollo-torch 1.0.3 default to 1e-6, which their authors'
+  pre-training scripts keep. At small gradients the two differ by much more than round-off
+  (``micro``, 5 steps: weights apart by up to 4e-2 for ``galore``, ``fira-released`` and
+  ``apollo``, each step moving a weight by at most 1e-2); ``optim.eps=1e-6`` reproduces theirs.
+- ``galore`` is Algorithm 1's arithmetic with the residual dropped (fira_optim's default), not
+  galore-torch's: the projected matrices take the same steps, but the unprojected parameters are
+  ``torch.optim.AdamW`` (``eps`` after the bias correction) where galore-torch adds ``eps`` before
+  it, and weight decay comes before the update instead of after (float64, 7 steps at lr 0.01:
+  up to 1.5e-4 apart, on rarely-seen rows of the head). ``fira-released`` is ``fira`` 1.0.2's
+  arithmetic (to 2e-16 against the package).
+- ``adamw-grouped`` puts every attention / MLP matrix at ``alpha * lr``; a Fira run trains a
+  matrix whose smaller side is at most ``optim.rank`` with plain Adam at ``lr`` (there is no
+  residual to project), so at such ranks (``rank >= min(m, n)``, e.g. the k / v projections of a
+  grouped-query model) the control's step on those matrices is ``alpha`` times Fira's. No recipe
+  has such a matrix.
+- ``apollo``, ``apollo-mini`` and ``flora`` are the authors' packages' arithmetic, which differs
+  from the papers' bias-corrected Adam in places (:mod:`fira_train.methods.apollo`,
+  :mod:`fira_train.methods.flora`); ``slimadam`` decays every parameter where the authors' code
+  decays only tensors of two or more dimensions (:mod:`fira_train.methods.slimadam`).
+
 Default learning rates (``optim.lr=None`` where the recipe has no tuned rate for the method,
 :data:`fira_train.config.recipes.TUNED_LR`; ``tiny`` has one for Fira, GaLore, fira-released,
 AdamW and adamw-grouped): 0.01 for every Fira/GaLore-family name (the paper
