@@ -322,3 +322,88 @@ def test_pretrain_cli_runs_each_peer_and_resumes_exactly(method: str, tmp_path: 
         assert main([*argv, "--resume"]) == 0  # from the optimizer state saved at step 2
     assert "from step 2" in caplog.text
     assert result in capsys.readouterr().out.splitlines()  # the same perplexity as without a stop
+
+
+# --- the peers' arithmetic, transcribed ----------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["apollo", "apollo-mini"])
+def test_apollo_build_is_the_package_arithmetic_transcribed(method: str) -> None:
+    """float64, weight decay on, T = 2 (projections drawn at steps 0, 2, 4), a 10x gradient at
+    step 3 (the limiter engages): the package's arithmetic, written out -- Adam on the projected
+    gradient with the bias correction folded into the step size (so the channel / tensor factor
+    and the limiter see un-corrected moments), sqrt(scale) before (Mini) or after the limiter,
+    weight decay after the update; Hugging Face AdamW on the embeddings, norms and head."""
+    from apollo_torch.random_projector import next_seed
+
+    config = method_config(method, "optim.weight_decay=0.1")
+    model = method_model(config).double()
+    reference = copy.deepcopy(model)
+    optimizer = build_method(model, config).optimizer
+    regular, projected = optimizer.param_groups
+    rank, scale, front = projected["rank"], projected["scale"], optimizer.scale_front
+    (b1, b2), eps, lr, wd, gap = config.optim.betas, config.optim.eps, 0.01, 0.1, 2
+    seeds = {id(p): s for p, s in optimizer._initial_seeds.items()}
+    matrices = {id(p) for p in projected["params"]}
+    states: dict = {}
+    g = torch.Generator().manual_seed(2)
+    for t in range(6):
+        grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) * (10 if t == 3 else 1)
+                 for p in model.parameters()]
+        for p, grad in zip(model.parameters(), grads):
+            p.grad = grad.clone()
+        optimizer.step()
+        step_size = lr * (1 - b2 ** (t + 1)) ** 0.5 / (1 - b1 ** (t + 1))
+        with torch.no_grad():
+            for p, q, grad in zip(model.parameters(), reference.parameters(), grads):
+                s = states.setdefault(id(p), {"seed": seeds.get(id(p)), "m": 0.0, "v": 0.0})
+                right = p.dim() == 2 and p.shape[0] >= p.shape[1]
+                if id(p) in matrices:
+                    if t % gap == 0:  # a new random projection from the next seed
+                        shape = (rank, p.shape[1]) if right else (p.shape[0], rank)
+                        draw = torch.randn(shape, generator=torch.Generator().manual_seed(s["seed"]))
+                        # drawn and scaled in float32, as the package does for any gradient dtype
+                        s["P"], s["seed"] = (draw / rank ** 0.5).double(), next_seed(s["seed"])
+                    low = grad @ s["P"].T if right else s["P"].T @ grad
+                else:
+                    low = grad
+                s["m"] = b1 * s["m"] + (1 - b1) * low
+                s["v"] = b2 * s["v"] + (1 - b2) * low * low
+                normed = s["m"] / (s["v"].sqrt() + eps)  # un-corrected
+                if id(p) in matrices:
+                    if projected["scale_type"] == "channel":
+                        dim = 1 if right else 0
+                        phi = normed.norm(dim=dim, keepdim=True) / (low.norm(dim=dim, keepdim=True) + 1e-8)
+                    else:
+                        phi = normed.norm() / (low.norm() + 1e-8)
+                    normed = grad * phi * (scale ** 0.5 if front else 1.0)
+                    norm = normed.norm()
+                    if "prev" in s and norm > 1.01 * (s["prev"] + 1e-8):
+                        normed = normed * (1.01 * (s["prev"] + 1e-8) / norm)
+                        norm = normed.norm()
+                    s["prev"] = norm
+                    normed = normed * (1.0 if front else scale ** 0.5)
+                q -= step_size * normed
+                q -= lr * wd * q
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-10, msg=lambda m: f"step {t} {name}: {m}")
+
+
+def test_flora_build_is_the_package_s_flora_at_seed_0() -> None:
+    """The harness's Flora is the package's ``Flora`` with its defaults over every trainable
+    parameter, across two resamplings (kappa = 3), bit for bit."""
+    from flora_opt.optimizers.torch.flora import Flora
+
+    config = method_config("flora", "optim.update_proj_gap=3", "optim.weight_decay=0.1")
+    model = method_model(config).double()
+    reference = copy.deepcopy(model)
+    ours = build_method(model, config).optimizer
+    theirs = Flora(list(reference.parameters()), lr=0.01, rank=8, kappa=3, beta1=0.9, weight_decay=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(7):
+        for p, q in zip(model.parameters(), reference.parameters()):
+            p.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            q.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name
