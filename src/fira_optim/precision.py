@@ -16,24 +16,25 @@ or 1 + 4/256.
 The quantization map is torchao's (``torchao.optim.quant_utils.create_dynamic_map``, the same
 256 values as bitsandbytes'; ``pip install torchao``, needed for ``"int8"`` only). The kernels
 are this module's, plain torch ops (CPU and CUDA), because the libraries' were measured too slow
-or inexact (one thread, median time per element of a quantize, on a loaded 2-core CPU, tensors of
-64K to 4M elements; at 4096 elements the dozen op calls dominate: 13 ns here, 110 torchao):
+or inexact (``python benchmarks/int8_quantize.py --out docs/benchmarks/int8_quantize.json``,
+2026-11-29, one run on the project's 2-core CPU under a load average of 4, torch on one thread,
+median time per element of a block-wise quantize with its scales; tensors of 64K to 4M elements
+on both maps, normal values on the signed one and four decades of positive values on the
+unsigned one; at 4096 elements the dozen op calls dominate: 8-13 ns here, 65-66 torchao):
 
 - torchao's ``quantize_8bit_with_qmap`` (an 8-round binary search with gathers on int64 codes)
-  takes 70-90 ns per element: at ``tiny``'s 8M moment elements per step (embedding and head),
-  0.7 s of a 1.3-2 s step (int8 training ran at 69% of AdamW's tokens/s).
-- bitsandbytes 0.50.2 ``quantize_blockwise`` on the CPU takes 7.5-10 ns per element with its own
-  threads, and is not exact: 11-14% of the codes of random data differ from the nearest map
-  value, by up to 7 codes (1.8e-8 of the block's absmax becomes code 7 of the unsigned map,
-  not 0).
+  takes 49-238 ns per element: at ``tiny``'s 8M moment elements (embedding and head), 0.4-1.9 s
+  per pass over them, beside a step of about 2 s.
+- bitsandbytes 0.50.2 ``quantize_blockwise`` on the CPU takes 6.9-14 ns per element with its
+  own threads, and is not exact: 11.8-12.9% of the codes on the unsigned map differ from the
+  nearest map value, by up to 7 codes (0.15% on the signed map, by up to 4).
 - Here: a lookup table indexed by the top 16 bits of the scaled float32 (sign, exponent and 7
   mantissa bits: 65536 buckets), giving the bucket's lowest code and the one rounding threshold
   inside it (:func:`_build_tables` checks that no bucket holds two), so the code is
-  ``lo[b] + (x >= mid[b])``: 2.9-3.5 ns per element (up to 8 where the temporaries are fresh
-  pages), 20-30 times torchao's. Decoding gathers the map with int32 indices
-  (``index_select``): 0.9-1.1 ns per element, torchao's 3.6-7.6 (bitsandbytes' 0.6-0.9, threaded).
-  One step of AdamW on two 8192 x 256 matrices with int8 moments: 49-57 ms, was 680-840 ms
-  (fp32 moments: 10-14 ms).
+  ``lo[b] + (x >= mid[b])``: 1.7-3.8 ns per element, 26-62 times faster than torchao's, and every
+  code the nearest (the script checks each against a float64 search of the map). Decoding
+  gathers the map with int32 indices (``index_select``): 0.6-1.6 ns per element, torchao's
+  1.7-17 (bitsandbytes' 0.3-0.7, threaded).
 
 The codes are the nearest map value's, exactly (ties go to the larger value; tested for every
 float32 but NaN), and the scales are torchao's, bit for bit: codes written by torchao's kernel
