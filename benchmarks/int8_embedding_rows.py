@@ -14,13 +14,11 @@ former coding (second moments as values), side by side.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 
 import torch
 
 import fira_optim.precision
-from record import provenance, save
+from record import machine, provenance, save
 
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.recipes import micro
@@ -58,7 +56,7 @@ def main() -> None:
         fira_optim.precision.ROOT = root
     for name, value in largest.items():
         print(f"{name}: largest embedding entry {value:.4g} after {args.steps} steps")
-    save({**provenance(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+    save({**provenance(), "machine": machine(),
           "steps": args.steps, "largest_embedding_entry": largest}, args.out)
 
 

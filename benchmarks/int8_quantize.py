@@ -26,15 +26,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
-import platform
 import statistics
 import time
 
 import torch
 
 from fira_optim import precision
-from record import provenance, save
+from record import machine, provenance, save
 
 
 def _median_ns_per_element(call, numel: int, repeats: int) -> float:
@@ -119,8 +117,7 @@ def main() -> None:
             exact = ", ".join(f"{name} {e['share_of_codes_not_nearest']:.2%} (up to {e['max_code_difference']})"
                               for name, e in row["exactness"].items())
             print(f"{row['map']} map, {size} elements: ns per element: {times}; codes not the nearest: {exact}")
-    save({**provenance(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          "torch on 1 thread", "rows": rows}, args.out)
+    save({**provenance(), "machine": machine("torch on 1 thread"), "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,22 @@ def provenance() -> dict[str, str]:
     }
 
 
+def machine(extra: str = "") -> str:
+    """``"x86_64, 2 CPUs (<CPU model>), torch <version>"`` (plus ``extra``): what the timings ran on."""
+    import platform
+
+    import torch
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            model = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "")
+    except OSError:  # not Linux
+        model = platform.processor()
+    cpus = f"{os.cpu_count()} CPUs" + (f" ({model})" if model else "")
+    return f"{platform.machine()}, {cpus}, torch {torch.__version__}" + (f", {extra}" if extra else "")
+
+
 def save(result: dict[str, Any], out: str | None) -> None:
     """Write ``result`` as indented JSON to ``out`` (nothing if ``out`` is None)."""
     if out:

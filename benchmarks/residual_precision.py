@@ -12,18 +12,14 @@ against the explicit norm that replaces it. Prints one line per step. The number
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import tempfile
-
-import torch
 
 import fira_optim.pipeline as pipeline
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.recipes import get_recipe
 from fira_train.run.train import train
-from record import provenance, save
+from record import machine, provenance, save
 
 
 def main() -> None:
@@ -61,7 +57,7 @@ def main() -> None:
         if errors:
             line += f", subtraction's error median {record['error_median']:.2e} max {record['error_max']:.2e}"
         print(line)
-    save({**provenance(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+    save({**provenance(), "machine": machine(),
           "recipe": "tiny", "steps": records}, args.out)
 
 
