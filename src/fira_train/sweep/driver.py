@@ -69,6 +69,21 @@ def parse_lr_grids(entries: Sequence[str], specs: Sequence[str]) -> dict[str, li
     return {spec: sorted(own.get(spec, default or [])) for spec in specs}
 
 
+def check_run_folders(lr_grids: dict[str, list[float]]) -> None:
+    """ValueError naming ``--lrs`` if two learning rates of a spec's grid would train into one
+    run folder: :meth:`RunKey.folder` names an lr to 6 significant digits (``lr=0.001``), so
+    0.001 and 0.0010000001, distinct numbers, would share ``OUT/<spec>/lr=0.001/seed=S/`` (the
+    second run found the first's folder and stopped the sweep after training it)."""
+    for spec, lrs in lr_grids.items():
+        folders: dict[str, float] = {}
+        for lr in lrs:
+            name = RunKey(spec, lr, 0).folder(Path()).parent.name
+            if name in folders:
+                raise ValueError(f"--lrs {spec}: {folders[name]!r} and {lr!r} would share the run folder {name} "
+                                 "(runs are named by the lr to 6 significant digits): give lrs that differ there")
+            folders[name] = lr
+
+
 #: What the sweep sets for each run itself (--lrs, --seeds, --out): overrides of them are refused.
 SWEEP_SETS = ("optim.method", "optim.lr", "train.seed", "train.out_dir")
 
@@ -100,6 +115,7 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
     reference = reference or ("fira" if "fira" in specs else specs[0])
     if reference not in specs:
         raise ValueError(f"--reference {reference!r} is not among --methods ({', '.join(specs)})")
+    check_run_folders(lr_grids)
     out = Path(out_dir)
     refuse_links(out)
     check_report_owner(out, (REPORT_TITLE,), "sweep")

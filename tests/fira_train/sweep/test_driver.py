@@ -268,6 +268,19 @@ def test_sweep_refuses_torchrun_parallelism_and_bad_jobs(tmp_path: Path) -> None
     assert not (tmp_path / "out").exists()  # refused before the first run
 
 
+def test_two_lrs_that_name_one_run_folder_are_refused_before_anything_trains(tmp_path: Path,
+                                                                               in_process: list) -> None:
+    """Run folders name the lr to 6 significant digits: 0.01 and 0.0100000001 shared
+    lr=0.01/seed=0, and the second run stopped the sweep (naming --resume, not a sweep flag)
+    after the first had trained."""
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"--lrs adamw: 0\.01 and 0\.0100000001 would share the run folder lr=0\.01"):
+        sweep(micro_config(tmp_path, "train.steps=2"), ["adamw"], {"adamw": [0.01, 0.0100000001]}, [0], out)
+    assert in_process == [] and not out.exists()
+    sweep(micro_config(tmp_path, "train.steps=2"), ["adamw"], {"adamw": [0.01, 0.010001]}, [0], out)  # lr=0.010001
+    assert sorted(p.name for p in (out / "adamw").iterdir()) == ["lr=0.01", "lr=0.010001"]
+
+
 @pytest.mark.parametrize("saved", [[], {"version": 999},
                                    {"recipe": "micro", "methods": [1], "lrs": {}, "seeds": [0], "all_seeds": False,
                                     "reference": "a", "runs": []},
