@@ -29,7 +29,8 @@ from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import check_report_owner, cut_back_json_lines, read_json, refuse_links, write_text_atomic
+from fira_train.files import (DamagedFileError, check_report_owner, cut_back_json_lines, read_json,
+                               read_json_lines, refuse_links, write_text_atomic)
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
@@ -391,6 +392,40 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records a callback wrote to ``path`` (JSON lines) in a finished run's folder; a file
+    that is missing or cannot be parsed is named, with what to do (a bare ``json`` error named
+    neither the file nor the run)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} is missing: the analysis reads what its run recorded there; "
+                                f"{_REDO_HINT}")
+    records = read_json_lines(path, hint=_REDO_HINT)
+    for number, record in enumerate(records, start=1):
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise DamagedFileError(path, f"record {number} is not a step's record", _REDO_HINT)
+    return records
+
+
+def read_step_records(path: str | Path, summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The records a per-step callback (:class:`~fira_train.analysis.callbacks.NormRecorder`)
+    wrote to ``path`` for the finished run of ``summary``: one for each step that updated the
+    weights, steps ``1..S`` (``S = summary["steps"]``) in order, but the ``skipped_steps`` of
+    ``train.precision=fp16``. Anything else (a file cut or edited by hand) is
+    :class:`~fira_train.files.DamagedFileError`: the report would give the numbers of fewer steps
+    (a "final loss" of step 3 of 8) as the run's."""
+    records = read_records(path)
+    steps = [r["step"] for r in records]
+    total = int(summary["steps"])
+    expected = total - int(summary.get("skipped_steps") or 0)
+    in_order = all(1 <= s <= total for s in steps) and all(a < b for a, b in zip(steps, steps[1:]))
+    if not in_order or len(steps) != expected:
+        held = f"steps {steps[0]}..{steps[-1]}" if steps else "no step"
+        raise DamagedFileError(path, f"{len(steps)} records ({held}) where the finished run updated at "
+                                     f"{expected} of its {total} steps", _REDO_HINT)
+    return records
 
 
 class JsonlWriter:

@@ -56,6 +56,7 @@ from fira_train.analysis.runs import (
     AnalysisRun,
     JsonlWriter,
     markdown_table,
+    read_records,
     refuse_step_in_backward,
     report_header,
     train_runs,
@@ -64,7 +65,6 @@ from fira_train.config.run_config import RunConfig
 from fira_train.files import write_text_atomic
 from fira_train.report.plots import pyplot
 from fira_train.run.callbacks import TrainCallback
-from fira_train.run.metrics import read_jsonl
 
 #: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
 TITLE = "Similarity of low-rank and full-rank scaling factors"
@@ -468,7 +468,7 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     seed = config.train.seed
     runs = similarity_runs(ranks, every=every, columns=columns, seed=seed)
     summaries = train_runs(config, runs, out, reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given)
-    records = {r: read_jsonl(out / f"fira-r{r}" / FACTORS_FILE) for r in ranks}
+    records = {r: read_records(out / f"fira-r{r}" / FACTORS_FILE) for r in ranks}
     results = {r: compare_factors(records[r], seed=seed) for r in ranks}
     keys = ("matrix", "column", *NULL_LABELS)
     averages = {r: {key: average(res[key]) for key in keys} for r, res in results.items()}

@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 
 from fira_train.analysis.callbacks import NORMS_FILE, record_norms
-from fira_train.analysis.runs import AnalysisRun, markdown_table, refuse_step_in_backward, report_header, train_runs
+from fira_train.analysis.runs import (AnalysisRun, markdown_table, read_step_records, refuse_step_in_backward,
+                                      report_header, train_runs)
 from fira_train.config.run_config import RunConfig
 from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
 from fira_train.report.plots import pyplot
-from fira_train.run.metrics import read_jsonl
 
 #: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
 TITLE = "Loss spikes: the norm-growth limiter and GaLore-add"
@@ -87,7 +87,8 @@ def _peak_ratio(values: Sequence[float]) -> float:
     return float(v.max() / np.median(v)) if v.size else math.nan
 
 
-def _plot(out: Path, limiter: Sequence[str], galore: Sequence[str], gap: int, steps: int, path: Path) -> None:
+def _plot(records: Mapping[str, Sequence[dict[str, Any]]], limiter: Sequence[str], galore: Sequence[str], gap: int,
+          steps: int, path: Path) -> None:
     plt = pyplot()
     panels = (1 if limiter else 0) * 2 + (1 if galore else 0)
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
@@ -101,7 +102,7 @@ def _plot(out: Path, limiter: Sequence[str], galore: Sequence[str], gap: int, st
     if limiter:
         ax_loss, ax_norm = axes.pop(0), axes.pop(0)
         for index, name in enumerate(limiter):
-            rec = read_jsonl(out / name / NORMS_FILE)
+            rec = records[name]
             x = [r["step"] for r in rec]
             color = f"C{index}"  # one colour per run in both panels
             ax_loss.plot(x, [r["loss"] for r in rec], label=name, linewidth=1, color=color)
@@ -118,7 +119,7 @@ def _plot(out: Path, limiter: Sequence[str], galore: Sequence[str], gap: int, st
     if galore:
         ax = axes.pop(0)
         for name in galore:
-            rec = read_jsonl(out / name / NORMS_FILE)
+            rec = records[name]
             ax.plot([r["step"] for r in rec], [r["loss"] for r in rec], label=name, linewidth=1)
         mark(ax)
         ax.set(title=f"GaLore vs GaLore-add (grey: refresh steps kT+1, T = {gap})", xlabel="step", ylabel="loss")
@@ -151,14 +152,15 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
         raise ValueError(f"galore_rank must be an int in [1, d_model={config.model.hidden_size}), got {galore_rank!r}")
     rank_of = {n: galore_rank for n in galore_runs if galore_rank is not None and n not in limiter_runs}
     # The Fira runs take optim.rank from the config, the GaLore runs --galore-rank.
-    train_runs(config, spike_runs(names, rank_of), out,
-               reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given,
-               partly_set=("optim.rank",))
+    summaries = train_runs(config, spike_runs(names, rank_of), out,
+                           reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given,
+                           partly_set=("optim.rank",))
     gap, steps = config.optim.update_proj_gap, config.train.steps
-    records = {n: read_jsonl(out / n / NORMS_FILE) for n in names}
+    # a step's record for every step of each run (checked: the table's last loss is the final one)
+    records = {n: read_step_records(out / n / NORMS_FILE, summaries[n]) for n in names}
     stats = {n: spike_statistics([r["loss"] for r in rec], gap) for n, rec in records.items()}
     figure = out / "spikes.png"
-    _plot(out, limiter_runs, galore_runs, gap, steps, figure)
+    _plot(records, limiter_runs, galore_runs, gap, steps, figure)
 
     lines = report_header(TITLE, config, command=command)
     # each run at the rank it trained with (a GaLore run among the limiter runs takes the config's)

@@ -232,3 +232,22 @@ def test_an_analysis_leaves_a_report_it_did_not_write_alone(tmp_path: Path, corp
                                                         "(it begins '# Learning-rate sweep") + ".*--overwrite"):
         train_runs(config, ablation_runs(["fira"], []), out, reuse=True, title=TITLE)
     assert not (out / "fira").exists()
+
+
+def test_step_records_must_cover_every_step_that_updated(tmp_path: Path) -> None:
+    """One record per step 1..S, but those an fp16 run skipped (summary.json's skipped_steps)."""
+    from fira_train.analysis.runs import read_step_records
+    from fira_train.files import DamagedFileError
+
+    path = tmp_path / "norms.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 4)))
+    assert len(read_step_records(path, {"steps": 4, "skipped_steps": 1})) == 3
+    for summary in ({"steps": 4}, {"steps": 3, "skipped_steps": 0}):
+        with pytest.raises(DamagedFileError, match=r"norms.jsonl is damaged \(3 records \(steps 1\.\.4\)"):
+            read_step_records(path, summary)
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (2, 1)))
+    with pytest.raises(DamagedFileError, match="2 records"):
+        read_step_records(path, {"steps": 2})
+    path.write_text("[1, 2]\n")
+    with pytest.raises(DamagedFileError, match="record 1 is not a step's record"):
+        read_step_records(path, {"steps": 1})

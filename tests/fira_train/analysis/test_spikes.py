@@ -48,3 +48,27 @@ def test_spikes_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert json.loads((out / "galore" / "config.json").read_text())["optim"]["rank"] == 8
     assert json.loads((out / "fira" / "config.json").read_text())["optim"]["rank"] == 16
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_reused_runs_with_cut_or_damaged_records_are_named_not_reported(tmp_path: Path, corpus_root: Path) -> None:
+    """A finished run's norms.jsonl cut by hand gave a report of its first steps as the run's (a
+    "final loss" of step 3 of 8), and a damaged line a bare json error naming no file."""
+    from fira_train.files import DamagedFileError
+
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=4")
+    out = tmp_path / "spikes"
+    run_spikes(config, out, limiter_runs=("fira",), galore_runs=())
+    norms = out / "fira" / NORMS_FILE
+    whole = norms.read_text()
+    lines = whole.splitlines(keepends=True)
+    for text, match in [("".join(lines[:2]), r"2 records \(steps 1\.\.2\) where the finished run updated at 4 of its 4"),
+                        ("".join(lines[:3]) + lines[3][:20], "line 4 is not valid JSON"),
+                        ("", r"0 records \(no step\)")]:
+        norms.write_text(text)
+        with pytest.raises(DamagedFileError, match=f"fira/{NORMS_FILE} is damaged .*{match}.*--overwrite"):
+            run_spikes(config, out, limiter_runs=("fira",), galore_runs=(), reuse=True)
+    norms.unlink()
+    with pytest.raises(FileNotFoundError, match=f"fira/{NORMS_FILE}' is missing.*--overwrite"):
+        run_spikes(config, out, limiter_runs=("fira",), galore_runs=(), reuse=True)
+    norms.write_text(whole)
+    assert "| fira |" in run_spikes(config, out, limiter_runs=("fira",), galore_runs=(), reuse=True)["report"].read_text()
