@@ -178,7 +178,8 @@ def register(subparsers: Any) -> None:
     _common(p, "gap-sweep")
     p.set_defaults(func=_run("fira_train.analysis.gap_sweep:run_gap_sweep", gaps=lambda a: _ints(a.gaps, "--gaps"),
                              methods=lambda a: _names(a.methods, "--methods"),
-                             seeds=lambda a: _ints(a.seeds, "--seeds") if a.seeds else None))
+                             # "--seeds ''" is refused as an empty list, not taken for no --seeds
+                             seeds=lambda a: _ints(a.seeds, "--seeds") if a.seeds is not None else None))
 
     p = sub.add_parser("ablation", help="scaling / limiter ablations, stabilisers and gamma")
     p.add_argument("--variants", help="ablation methods",

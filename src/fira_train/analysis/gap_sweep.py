@@ -56,7 +56,7 @@ def _check(config: RunConfig, gaps: Sequence[int], methods: Sequence[str], seeds
             raise ValueError(f"gaps (--gaps) must be ints in [1, steps={steps}] (--steps), got {g!r}")
     for s in seeds:
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-            raise ValueError(f"seeds must be ints >= 0, got {s!r}")
+            raise ValueError(f"seeds (--seeds) must be ints >= 0, got {s!r}")
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must be distinct, got {list(seeds)!r}")
     for m in methods:

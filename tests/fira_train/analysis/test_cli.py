@@ -71,6 +71,9 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     (["analyze", "spikes", "--steps", "1"], "spikes needs at least 2 steps per run (--steps)"),  # before training
     (["analyze", "gap-sweep", "--steps", "5", "--gaps", "6"], "gaps (--gaps) must be ints in [1, steps=5] (--steps)"),
     (["analyze", "spikes", "--jobs", "0"], "jobs must be an int >= 1, got jobs=0"),
+    # an empty --seeds was taken for none given: the recipe's seed trained, without a word
+    (["analyze", "gap-sweep", "--gaps", "3", "--seeds", ""], "--seeds must list at least one entry, got ''"),
+    (["analyze", "gap-sweep", "--gaps", "3", "--seeds=-1"], "seeds (--seeds) must be ints >= 0, got -1"),
 ])
 def test_bad_lists_name_the_flag(argv: list[str], message: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture) -> None:

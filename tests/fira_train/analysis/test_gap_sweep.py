@@ -61,7 +61,7 @@ def test_gap_sweep_one_seed_names_runs_without_it() -> None:
     ({"gaps": (21,)}, "steps=20] (--steps), got 21"),
     ({"gaps": (2,), "methods": ("adamw",)}, "'adamw' refreshes no projection"),
     ({"gaps": (2,), "seeds": (1, 1)}, "seeds must be distinct"),
-    ({"gaps": (2,), "seeds": (-1,)}, "seeds must be ints >= 0, got -1"),
+    ({"gaps": (2,), "seeds": (-1,)}, "seeds (--seeds) must be ints >= 0, got -1"),
 ])
 def test_gap_sweep_rejects_bad_input(kwargs: dict, message: str, tmp_path: Path, corpus_root: Path) -> None:
     config = analysis_config(corpus_root, tmp_path / "run")
