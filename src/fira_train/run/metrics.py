@@ -10,13 +10,12 @@ lines of evaluation steps add ``val_loss`` (mean over every validation token) an
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import cut_back_json_lines, dumps, open_regular, read_json_lines, read_regular_text
+from fira_train.files import cut_back_json_lines, dumps, open_regular, read_json_lines
 
 
 class MetricsLog:
@@ -55,11 +54,6 @@ class MetricsLog:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file."""
-    return [json.loads(line) for line in read_regular_text(path).splitlines() if line.strip()]
 
 
 def read_metrics(out_dir: str | Path) -> list[dict[str, Any]]:

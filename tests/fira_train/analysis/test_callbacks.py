@@ -17,7 +17,7 @@ from fira_train.analysis.callbacks import (
     global_grad_norm,
     residual_norm,
 )
-from fira_train.run.metrics import read_jsonl
+from fira_train.files import read_json_lines
 
 
 def _model_with_grads(value: float = 0.0) -> torch.nn.Module:
@@ -79,7 +79,7 @@ def test_norms_match_their_definitions(tmp_path: Path) -> None:
     recorder.before_step(1, model, optimizer, 2.0)
     optimizer.step()
     recorder.after_step(1, model, optimizer, 2.0)
-    (record,) = read_jsonl(tmp_path / "norms.jsonl")
+    (record,) = read_json_lines(tmp_path / "norms.jsonl")
     # ||S|| with phi from Fira's state, recomputed from the definitions
     squares = 0.0
     for p in model.parameters():

@@ -23,7 +23,7 @@ from fira_train.analysis.similarity import (
     scaling_factors,
     similarity,
 )
-from fira_train.run.metrics import read_jsonl
+from fira_train.files import read_json_lines
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
 
 LR, ALPHA = 0.01, 0.25
@@ -143,7 +143,7 @@ def test_recorder_shadow_factors_are_full_rank_adams_on_the_fira_runs_gradients(
         if step in (1, 2, 4):
             expected[step] = {name: scaling_factors(name, q, adam.state[q], adam.param_groups[0])
                               for name, q in projected_matrices(twin).items()}
-    records = read_jsonl(path)
+    records = read_json_lines(path)
     assert [r["step"] for r in records] == [1, 2, 4]
     group = next(g for g in fira.param_groups if g["rank"] is not None)
     for record in records:
@@ -213,7 +213,7 @@ def test_similarity_analysis_end_to_end(tmp_path: Path, corpus_root: Path) -> No
     out = tmp_path / "similarity"
     result = run_similarity(config, out, ranks=(8, 32), every=2, columns=10)
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["fira-r32", "fira-r8"]  # no separate AdamW run
-    low = read_jsonl(out / "fira-r8" / FACTORS_FILE)
+    low = read_json_lines(out / "fira-r8" / FACTORS_FILE)
     assert [r["step"] for r in low] == [1, 2, 4]
     assert len(low[0]["matrix"]) == len(low[0]["full_matrix"]) == 14  # 2 layers x (q, k, v, o, gate, up, down)
     assert all(len(v) == 10 for v in low[0]["full_column"].values())
@@ -242,7 +242,7 @@ def test_a_rank_at_a_matrix_s_smaller_side_compares_fewer_matrices_and_says_so(t
     """One key/value head: k_proj and v_proj are 32 x 64, trained as plain Adam at rank 32."""
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2", "model.num_key_value_heads=1")
     result = run_similarity(config, tmp_path / "similarity", ranks=(8, 32), every=1, columns=10)
-    names = {r: set(read_jsonl(tmp_path / "similarity" / f"fira-r{r}" / FACTORS_FILE)[0]["matrix"]) for r in (8, 32)}
+    names = {r: set(read_json_lines(tmp_path / "similarity" / f"fira-r{r}" / FACTORS_FILE)[0]["matrix"]) for r in (8, 32)}
     assert len(names[8]) == 14 and names[32] == {n for n in names[8] if "k_proj" not in n and "v_proj" not in n}
     text = result["report"].read_text()
     assert "for the projected matrices (14 at r = 8, 10 at r = 32; a matrix whose smaller side" in text
@@ -306,7 +306,7 @@ def test_the_recorder_leaves_out_matrices_the_run_trains_as_plain_adam(tmp_path:
                                 torch.nn.Tanh(), torch.nn.Linear(30, 4))  # 4 x 30: min side 4 < rank 5
     _record_two_steps(model, tmp_path, torch.randn(16, 24), torch.randn(16, 4))
     assert "4.weight" in projected_matrices(model)  # 2-D: a projection candidate by its shape
-    for record in read_jsonl(tmp_path / FACTORS_FILE):
+    for record in read_json_lines(tmp_path / FACTORS_FILE):
         assert set(record["matrix"]) == set(record["full_matrix"]) == {"0.weight", "2.weight"}
 
 
@@ -318,7 +318,7 @@ def test_a_matrix_whose_first_gradient_is_zero_has_no_factor_yet(tmp_path: Path)
             model[0].weight.grad.zero_()
 
     _record_two_steps(model, tmp_path, torch.randn(16, 24), torch.randn(16, 12), before_step=zero_first)
-    first, second = read_jsonl(tmp_path / FACTORS_FILE)
+    first, second = read_json_lines(tmp_path / FACTORS_FILE)
     assert set(first["matrix"]) == {"2.weight"} and set(second["matrix"]) == {"0.weight", "2.weight"}
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from fira_train.analysis.callbacks import NORMS_FILE
 from fira_train.analysis.spikes import run_spikes, spike_statistics
-from fira_train.run.metrics import read_jsonl
+from fira_train.files import read_json_lines
 from tests.fira_train.analysis.analysis_fixtures import analysis_config, corpus_root  # noqa: F401
 
 
@@ -31,15 +31,15 @@ def test_spikes_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     out = tmp_path / "spikes"
     result = run_spikes(config, out, galore_rank=8)
     for name in ("fira", "fira-no-limiter", "fira-clip", "galore", "galore-add"):
-        records = read_jsonl(out / name / NORMS_FILE)
+        records = read_json_lines(out / name / NORMS_FILE)
         assert [r["step"] for r in records] == list(range(1, 9))
         assert all(r["grad_norm"] > 0 for r in records)
         assert ("residual_norm" in records[0]) == (name != "galore")
     # the limiter: ||S_t|| of every matrix grows at most by gamma = 1.01 per step, so the global
     # norm does too; without it the growth is unbounded
-    fira = [r["residual_norm"] for r in read_jsonl(out / "fira" / NORMS_FILE)]
+    fira = [r["residual_norm"] for r in read_json_lines(out / "fira" / NORMS_FILE)]
     assert all(b <= 1.01 * a * (1 + 1e-5) for a, b in zip(fira, fira[1:]))
-    free = [r["residual_norm"] for r in read_jsonl(out / "fira-no-limiter" / NORMS_FILE)]
+    free = [r["residual_norm"] for r in read_json_lines(out / "fira-no-limiter" / NORMS_FILE)]
     assert max(b / a for a, b in zip(free, free[1:])) > 1.01
     assert set(result["stats"]) == {"fira", "fira-no-limiter", "fira-clip", "galore", "galore-add"}
     assert all(math.isfinite(s["max_rise"]) for s in result["stats"].values())
