@@ -99,8 +99,8 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     if isinstance(err, NonFiniteGradientError):
         where = str(err).split(";")[0]  # "non-finite gradient in NAME"
         return (f"the run diverged: {where}, nothing was updated; lower optim.lr or set train.grad_clip "
-                "(e.g. 1.0), then start over with --overwrite or continue from an earlier checkpoint with "
-                f"--resume-step{_work_kept(args)}")
+                "(e.g. 1.0) and start over with --overwrite (a resume keeps the run's settings: it would train "
+                f"the same steps again){_work_kept(args)}")
     if isinstance(err, FloatingPointError):  # DivergedError, NonFiniteLossError
         text = str(err)
         return (text if "diverged" in text else f"the run diverged: {text}") + _work_kept(args)
