@@ -57,7 +57,7 @@ def gamma_run_name(gamma: float) -> str:
 
 def _check_gamma(gamma: Any) -> float:
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or math.isnan(gamma) or gamma < 1:
-        raise ValueError(f"gammas must be numbers >= 1 (inf for no limiter), got {gamma!r}")
+        raise ValueError(f"gammas (--gammas) must be numbers >= 1 (inf for no limiter), got {gamma!r}")
     return float(gamma)
 
 

@@ -46,7 +46,7 @@ class GradientNoise(TrainCallback):
 
     def __init__(self, scale: float, seed: int = 0) -> None:
         if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale >= 0):
-            raise ValueError(f"noise scale must be a finite number >= 0, got scale={scale!r}")
+            raise ValueError(f"noise scale (--scale) must be a finite number >= 0, got scale={scale!r}")
         self.scale = float(scale)
         self.seed = seed
         self._generator = torch.Generator().manual_seed(noise_seed(seed))

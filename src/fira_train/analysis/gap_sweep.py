@@ -58,7 +58,7 @@ def _check(config: RunConfig, gaps: Sequence[int], methods: Sequence[str], seeds
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise ValueError(f"seeds (--seeds) must be ints >= 0, got {s!r}")
     if len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds must be distinct, got {list(seeds)!r}")
+        raise ValueError(f"seeds (--seeds) must be distinct, got {list(seeds)!r}")
     for m in methods:
         get_method(m)  # an unknown name gets the registry's error, with the valid names
         if m not in fira_optim.VARIANTS:  # the FiraAdamW family: the methods with an update gap

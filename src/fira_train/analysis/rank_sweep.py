@@ -76,7 +76,7 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     ranks = sorted(set(ranks))
     for r in ranks:
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < d_model:
-            raise ValueError(f"ranks must be ints in [1, d_model={d_model}), got {r!r}")
+            raise ValueError(f"ranks (--ranks) must be ints in [1, d_model={d_model}), got {r!r}")
     for m in methods:
         if not get_method(m).uses_rank:
             raise ValueError(f"method {m!r} has no rank; the sweep takes rank-dependent methods")

@@ -122,7 +122,7 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     raised.
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be an int >= 1, got jobs={jobs!r}")
+        raise ValueError(f"jobs (--jobs) must be an int >= 1, got jobs={jobs!r}")
     if reuse and overwrite:
         raise ValueError("--reuse keeps finished runs and --overwrite redoes them: pass one of them")
     refuse_links(out_dir)  # a folder from elsewhere: no link sends a write or deletion outside it

@@ -458,7 +458,7 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     ranks = sorted(set(ranks))
     for r in ranks:
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < d_model:
-            raise ValueError(f"ranks must be ints in [1, d_model={d_model}) to be projected, got {r!r}")
+            raise ValueError(f"ranks (--ranks) must be ints in [1, d_model={d_model}) to be projected, got {r!r}")
     refuse_step_in_backward(config, "reads each step's gradients after the step")
     every = every if every is not None else max(1, config.train.steps // 100)
     for flag, value in (("--every", every), ("--columns", columns)):  # before any run folder is made

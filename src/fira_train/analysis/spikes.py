@@ -149,7 +149,7 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
         get_method(n)
     out = Path(out_dir)
     if galore_rank is not None and not (isinstance(galore_rank, int) and 1 <= galore_rank < config.model.hidden_size):
-        raise ValueError(f"galore_rank must be an int in [1, d_model={config.model.hidden_size}), got {galore_rank!r}")
+        raise ValueError(f"galore_rank (--galore-rank) must be an int in [1, d_model={config.model.hidden_size}), got {galore_rank!r}")
     rank_of = {n: galore_rank for n in galore_runs if galore_rank is not None and n not in limiter_runs}
     # The Fira runs take optim.rank from the config, the GaLore runs --galore-rank.
     summaries = train_runs(config, spike_runs(names, rank_of), out,

@@ -70,7 +70,7 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     (["analyze", "spikes", "optim.step_in_backward=true"], "records each step's gradient norm, which optim.step"),
     (["analyze", "spikes", "--steps", "1"], "spikes needs at least 2 steps per run (--steps)"),  # before training
     (["analyze", "gap-sweep", "--steps", "5", "--gaps", "6"], "gaps (--gaps) must be ints in [1, steps=5] (--steps)"),
-    (["analyze", "spikes", "--jobs", "0"], "jobs must be an int >= 1, got jobs=0"),
+    (["analyze", "spikes", "--jobs", "0"], "jobs (--jobs) must be an int >= 1, got jobs=0"),
     # an empty --seeds was taken for none given: the recipe's seed trained, without a word
     (["analyze", "gap-sweep", "--gaps", "3", "--seeds", ""], "--seeds must list at least one entry, got ''"),
     (["analyze", "gap-sweep", "--gaps", "3", "--seeds=-1"], "seeds (--seeds) must be ints >= 0, got -1"),
@@ -134,4 +134,4 @@ def test_rank_analyses_run_on_micro_without_a_ranks_flag(analysis: str, ranks: t
 
 def test_explicit_ranks_are_checked_as_before(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["analyze", "rank-sweep", "--recipe", "micro", "--ranks", "4,64", "--out", str(tmp_path / "x")]) == 1
-    assert "ranks must be ints in [1, d_model=64)" in capsys.readouterr().err
+    assert "ranks (--ranks) must be ints in [1, d_model=64)" in capsys.readouterr().err

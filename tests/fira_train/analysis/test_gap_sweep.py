@@ -60,7 +60,7 @@ def test_gap_sweep_one_seed_names_runs_without_it() -> None:
     ({"gaps": (0,)}, "gaps (--gaps) must be ints in [1, steps=20] (--steps), got 0"),
     ({"gaps": (21,)}, "steps=20] (--steps), got 21"),
     ({"gaps": (2,), "methods": ("adamw",)}, "'adamw' refreshes no projection"),
-    ({"gaps": (2,), "seeds": (1, 1)}, "seeds must be distinct"),
+    ({"gaps": (2,), "seeds": (1, 1)}, "seeds (--seeds) must be distinct"),
     ({"gaps": (2,), "seeds": (-1,)}, "seeds (--seeds) must be ints >= 0, got -1"),
 ])
 def test_gap_sweep_rejects_bad_input(kwargs: dict, message: str, tmp_path: Path, corpus_root: Path) -> None:
