@@ -66,6 +66,9 @@ def parse_lr_grids(entries: Sequence[str], specs: Sequence[str]) -> dict[str, li
     missing = [s for s in specs if s not in own and default is None]
     if missing:
         raise ValueError(f"--lrs gives no grid for {', '.join(missing)}: add LR,LR,... for every method")
+    if default is not None and all(s in own for s in specs):  # a grid given for nothing: a slip
+        raise ValueError(f"--lrs: the grid for every method ({','.join(map(str, default))}) applies to none: each "
+                         f"of --methods has its own (SPEC:LR,...); drop it, or a method's own grid")
     return {spec: sorted(own.get(spec, default or [])) for spec in specs}
 
 

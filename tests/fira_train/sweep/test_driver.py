@@ -42,6 +42,9 @@ def test_numbers_and_grids_are_checked_with_the_flag_and_value() -> None:
         parse_lr_grids(["galore:0.1"], specs)
     with pytest.raises(ValueError, match="two grids for every method"):
         parse_lr_grids(["0.1", "0.2"], specs)
+    # every method has its own: the shared grid trained nothing, without a word
+    with pytest.raises(ValueError, match=r"--lrs: the grid for every method \(0.1\) applies to none"):
+        parse_lr_grids(["0.1", "adamw:0.2", "fira@optim.alpha=0.5:0.3"], specs)
     with pytest.raises(ValueError, match="method spec .* sets optim.lr: the sweep sets it itself"):
         check_specs(["fira@optim.lr=0.1"])
 
