@@ -117,9 +117,9 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     findings = []
     for m in methods:
         lo, hi = table[m][ranks[0]], table[m][ranks[-1]]
-        findings.append(f"- {m}: {lo:.2f} at r = {ranks[0]} vs {hi:.2f} at r = {ranks[-1]} "
-                        f"({100 * (lo / hi - 1):+.1f}%); gap to adamw at r = {ranks[0]}: "
-                        f"{100 * (lo / baseline - 1):+.1f}%.")
+        across = (f"{lo:.2f} at r = {ranks[0]} vs {hi:.2f} at r = {ranks[-1]} ({100 * (lo / hi - 1):+.1f}%)"
+                  if len(ranks) > 1 else f"{lo:.2f} at r = {ranks[0]} (one rank: no trend)")
+        findings.append(f"- {m}: {across}; gap to adamw at r = {ranks[0]}: {100 * (lo / baseline - 1):+.1f}%.")
     if "fira" in table and "galore" in table:
         better = sum(table["fira"][r] < table["galore"][r] for r in ranks)
         findings.append(f"- fira below galore at {better} of {len(ranks)} ranks in one seed, not separated from "

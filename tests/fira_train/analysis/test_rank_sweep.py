@@ -51,3 +51,11 @@ def test_rank_sweep_rejects_bad_ranks_and_rankless_methods(tmp_path: Path, corpu
     with pytest.raises(ValueError, match="'adamw' has no rank"):
         run_rank_sweep(config, tmp_path / "x", ranks=(4,), methods=("adamw",))
     assert [r.name for r in rank_sweep_runs(["fira"], [4, 8])] == ["adamw", "fira-r4", "fira-r8"]
+
+
+def test_a_rank_sweep_of_one_rank_says_so_instead_of_comparing_it_with_itself(tmp_path: Path,
+                                                                              corpus_root: Path) -> None:
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
+    text = run_rank_sweep(config, tmp_path / "ranks", ranks=(4,), methods=("fira",))["report"].read_text()
+    assert "at r = 4 (one rank: no trend); gap to adamw at r = 4:" in text
+    assert " vs " not in text.split("Measured:")[1].split("![")[0]  # it read "318.22 at r = 4 vs 318.22 at r = 4 (+0.0%)"
