@@ -19,3 +19,5 @@ def test_divergence_rule() -> None:
     for err in (DivergedError(3, 150.0, "validation loss"), train_module.NonFiniteLossError(2, float("nan"))):
         copy = pickle.loads(pickle.dumps(err))
         assert type(copy) is type(err) and str(copy) == str(err)
+        # a resume refuses a lowered optim.lr or a grad_clip: the way on is to start over
+        assert "with --overwrite" in str(err) and "--resume-step" not in str(err) and "resume from" not in str(err)
