@@ -586,3 +586,18 @@ def test_the_peers_readme_counts_apollos_cached_projection_as_held() -> None:
         ROOT / "docs" / "results" / "peers" / "README.md").read_text()
     assert "| apollo | 64 | 6 | 0.01 | 5.0370 | 154.01 | 2,456 | 69.9% | 9.97M (38.0 MiB)" in (
         ROOT / "docs" / "results" / "peers" / "report.md").read_text()
+
+
+def test_the_flora_default_lr_advice_quotes_its_committed_sweep() -> None:
+    """The registry's Flora numbers are the committed sweep's (they were quoted from runs nothing kept)."""
+    sweep = json.loads((ROOT / "docs" / "results" / "flora-micro" / "sweep.json").read_text())
+    doc = " ".join((ROOT / "src" / "fira_train" / "methods" / "registry.py").read_text().split())
+    flora = {float(lr): value for lr, value in _validation_by_lr(sweep, "flora").items()}
+    quoted = " / ".join(f"{flora[lr]:.0f}" for lr in (0.001, 0.01, 0.03, 0.1, 0.3, 1.0))
+    assert f"validation perplexity {quoted} (3 diverged;" in doc
+    assert f"AdamW {min(_validation_by_lr(sweep, 'adamw').values()):.0f} at its best lr" in doc
+
+
+def _validation_by_lr(sweep: dict, spec: str) -> dict:
+    (row,) = [row for row in sweep["methods"] if row["spec"] == spec]
+    return {entry["lr"]: entry["val_ppl"]["mean"] for entry in row["val_ppl_by_lr"] if entry["val_ppl"]["mean"]}
