@@ -156,11 +156,17 @@ def _incomplete(checkpoint: Path, step: int) -> str | None:
     """Why the Trainer checkpoint ``checkpoint`` of ``step`` is incomplete, or None."""
     state = checkpoint / "trainer_state.json"
     try:
-        saved = json.loads(read_regular_text(state))
+        # a FIFO or a device there (ValueError: not a file) is raised, as another OSError (EIO,
+        # EACCES) is: the Trainer writes no such thing, and a good checkpoint is not removed for it
+        text = read_regular_text(state)
     except FileNotFoundError:
         return "it has no trainer_state.json"
-    except ValueError as err:  # not JSON (cut short) or not text; another OSError (EIO, EACCES) is raised:
-        return f"its trainer_state.json does not parse: {err}"  # a good checkpoint is not removed for it
+    except UnicodeDecodeError as err:  # not text
+        return f"its trainer_state.json does not parse: {err}"
+    try:
+        saved = json.loads(text)
+    except ValueError as err:  # not JSON (cut short)
+        return f"its trainer_state.json does not parse: {err}"
     recorded = saved.get("global_step") if isinstance(saved, dict) else None
     return None if recorded == step else f"its trainer_state.json records global_step={recorded!r}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -734,6 +735,15 @@ def test_the_newest_complete_checkpoint_is_continued_and_incomplete_ones_are_rem
     with pytest.raises(IsADirectoryError):
         newest_complete_checkpoint(folder, said.append)
     assert unreadable.is_dir()
+    shutil.rmtree(unreadable)
+    # nor a FIFO there (a Trainer writes none): it was 'not a file', taken for a trainer_state.json
+    # that does not parse, and the checkpoint (its weights) was removed
+    planted = _checkpoint(folder, 22)
+    (planted / "trainer_state.json").unlink()
+    os.mkfifo(planted / "trainer_state.json")
+    with pytest.raises(ValueError, match="is not a file"):
+        newest_complete_checkpoint(folder, said.append)
+    assert planted.is_dir()
 
 
 @pytest.mark.parametrize(("text", "message"), [("{bad", "is damaged"), ("[1]", "is not a record of a run's settings")])
