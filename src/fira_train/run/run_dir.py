@@ -61,8 +61,9 @@ def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESU
     """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``; the
     micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself),
     and the device by its kind on this machine (``auto`` is ``cpu`` where there is no GPU). A run
-    recorded as ``auto`` that trained on another kind is refused by the record of its device:
-    :func:`check_same_device` for a finished run, the checkpoint's environment on a resume."""
+    recorded as ``auto`` that trained on another kind is told by the record of its device: refused
+    for a finished run (:func:`check_same_device`), warned of on a resume (the checkpoint's
+    environment: :func:`fira_train.run.resume_check.warn_round_off`), which goes on."""
     return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore
             and (key != "train.micro_batch_size" or old.train.micro_batch != new.train.micro_batch)
             and (key != "train.device" or device_kind(old.train.device) != device_kind(new.train.device))]
