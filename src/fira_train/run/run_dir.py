@@ -60,13 +60,15 @@ def changed_levers(old: RunConfig, new: RunConfig) -> list[str]:
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
     """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``; the
     micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself),
-    and the device by its kind on this machine (``auto`` is ``cpu`` where there is no GPU). A run
-    recorded as ``auto`` that trained on another kind is told by the record of its device: refused
-    for a finished run (:func:`check_same_device`), warned of on a resume (the checkpoint's
-    environment: :func:`fira_train.run.resume_check.warn_round_off`), which goes on."""
+    and ``train.device`` only between two named kinds (``cpu`` against ``cuda``): ``auto`` names
+    none (a config records it for a CPU and a GPU run alike), so against it the record of the
+    device the run trained on decides: :func:`check_same_device` refuses a finished run of another
+    kind, and a resume on another kind than the checkpoint's goes on with a warning
+    (:func:`fira_train.run.resume_check.warn_round_off`). Read as the kind ``auto`` is here, a CPU
+    run recorded as ``auto`` could not go on, or be reused, with ``cpu`` on a GPU machine."""
     return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore
             and (key != "train.micro_batch_size" or old.train.micro_batch != new.train.micro_batch)
-            and (key != "train.device" or device_kind(old.train.device) != device_kind(new.train.device))]
+            and (key != "train.device" or "auto" not in (old.train.device, new.train.device))]
 
 
 def device_kind(device: str) -> str:

@@ -262,47 +262,30 @@ def test_resuming_with_another_method_names_the_method_not_the_lr(tmp_path: Path
 
 
 @pytest.mark.parametrize("cuda", [False, True])
-def test_the_device_is_compared_by_the_kind_it_trains_on_here(tmp_path: Path, monkeypatch, cuda: bool) -> None:
-    """A run recorded as train.device=auto resumes (and is reused) with train.device=cpu on a
-    machine where auto is the CPU, and the other way round; where auto is a GPU, cpu is another
-    run (fp32 against bf16 autocast). Before, any change of the word was refused."""
+def test_auto_is_no_change_of_device_and_the_runs_record_decides(tmp_path: Path, monkeypatch, cuda: bool) -> None:
+    """A run recorded as train.device=auto resumes (and is reused) with train.device=cpu, and the
+    other way round, on any machine: auto names no kind, so the device the run trained on (its
+    summary, its checkpoint's environment) decides. Before, any change of the word was refused;
+    then auto was read as what it means here, so a CPU run recorded as auto could not go on with
+    cpu on a GPU machine. cpu against cuda stays a change."""
     import torch
 
     from fira_train.config.overrides import apply_overrides, config_to_dict
     from fira_train.config.recipes import tiny
     from fira_train.config.resolve import resolved
-    from fira_train.run.run_dir import config_changes, prepare_out_dir
+    from fira_train.run.run_dir import config_changes, finished_with, prepare_out_dir
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    auto, cpu = tiny(), apply_overrides(tiny(), ["train.device=cpu"])
+    auto, cpu, gpu = tiny(), apply_overrides(tiny(), ["train.device=cpu"]), apply_overrides(tiny(), ["train.device=cuda"])
     assert auto.train.device == "auto"
-    assert config_changes(auto, cpu) == config_changes(cpu, auto) == (["train.device"] if cuda else [])
-    assert config_changes(auto, apply_overrides(tiny(), ["train.device=cuda"])) == ([] if cuda else ["train.device"])
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(config_to_dict(resolved(auto))))
-    if cuda:
-        with pytest.raises(ValueError, match=r"train.device='auto' \(now 'cpu'\)"):
-            prepare_out_dir(resolved(cpu), out, "latest", overwrite=False)
-    else:
-        prepare_out_dir(resolved(cpu), out, "latest", overwrite=False)  # no error
-
-
-def test_a_finished_auto_run_is_reused_by_cpu_only_if_it_trained_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
-    import torch
-
-    from fira_train.config.overrides import apply_overrides, config_to_dict
-    from fira_train.config.recipes import tiny
-    from fira_train.config.resolve import resolved
-    from fira_train.run.run_dir import finished_with
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert config_changes(auto, cpu) == config_changes(cpu, auto) == config_changes(auto, gpu) == []
+    assert config_changes(cpu, gpu) == ["train.device"]
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps(config_to_dict(resolved(tiny()))))
-    (run / "summary.json").write_text(json.dumps({"device": "cpu"}))
-    cpu = apply_overrides(tiny(), ["train.device=cpu"])
+    (run / "config.json").write_text(json.dumps(config_to_dict(resolved(auto))))
+    prepare_out_dir(resolved(cpu), run, "latest", overwrite=False)  # no error
+    (run / "summary.json").write_text(json.dumps({"device": "cpu"}))  # an auto run that trained on the CPU
     assert finished_with(cpu, run)
-    (run / "summary.json").write_text(json.dumps({"device": "cuda:0"}))  # an auto run made on a GPU
+    (run / "summary.json").write_text(json.dumps({"device": "cuda:0"}))  # one that trained on a GPU
     with pytest.raises(ValueError, match=r"trained on 'cuda:0', and train.device='cpu' trains on 'cpu' here"):
         finished_with(cpu, run)
