@@ -98,12 +98,14 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
         err = NonFiniteGradientError(str(err).split(wrapped, 1)[1])
     if isinstance(err, NonFiniteGradientError):
         where = str(err).split(";")[0]  # "non-finite gradient in NAME"
-        return (f"the run diverged: {where}, nothing was updated; lower optim.lr or set train.grad_clip "
-                "(e.g. 1.0) and start over with --overwrite (a resume keeps the run's settings: it would train "
-                f"the same steps again){_work_kept(args)}")
+        levers = ("lower --lr" if getattr(args, "command", None) == "finetune"
+                  else "lower optim.lr or set train.grad_clip (e.g. 1.0)")
+        return (f"the run diverged: {where}, nothing was updated; {levers} and train the run again (a resume "
+                f"keeps the run's settings: it would train the same steps again){_start_over(args)}"
+                f"{_work_kept(args)}")
     if isinstance(err, FloatingPointError):  # DivergedError, NonFiniteLossError
         text = str(err)
-        return (text if "diverged" in text else f"the run diverged: {text}") + _work_kept(args)
+        return (text if "diverged" in text else f"the run diverged: {text}") + _start_over(args) + _work_kept(args)
     if isinstance(err, (ValueError, OSError, CheckpointError, IsolatedRunDied)):
         return str(err)
     behind = _disk_error_behind(err)
@@ -219,6 +221,12 @@ def _short_write(err: BaseException, args: argparse.Namespace) -> str | None:
     return _no_room(f"a file in {where} could not be written whole (torch.save: {text.strip()}): the disk is full, "
                     "a file-size limit (`ulimit -f`) was reached or the device failed",
                     "free some space or raise the limit", args)
+
+
+def _start_over(args: argparse.Namespace) -> str:
+    """How the command trains a diverged run again: ``--overwrite`` where it has the flag
+    (``memory --measure`` measures each method afresh anyway)."""
+    return "; --overwrite starts it over" if hasattr(args, "overwrite") else ""
 
 
 #: How each command continues after it stopped for want of room.

@@ -187,8 +187,12 @@ def test_a_non_finite_gradient_raised_in_a_ddp_hook_is_the_same_one_line() -> No
     line = describe(wrapped, argparse.Namespace(out="runs/x"))
     assert line.startswith("the run diverged: non-finite gradient in model.layers.0.mlp.up_proj.weight, nothing")
     # a resume must keep optim.lr and train.grad_clip: it offered --resume-step, which then refused
-    # the changed settings (and only pretrain has that flag)
-    assert "start over with --overwrite" in line and "--resume-step" not in line
+    # the changed settings (and only pretrain has that flag); --overwrite only where the command has it
+    assert "train the run again" in line and "--resume-step" not in line and "--overwrite" not in line
+    line = describe(wrapped, argparse.Namespace(out="runs/x", overwrite=False, command="compare"))
+    assert "optim.lr or set train.grad_clip" in line and "; --overwrite starts it over" in line
+    line = describe(wrapped, argparse.Namespace(out="runs/x", overwrite=False, command="finetune"))
+    assert "; lower --lr and train the run again" in line and "optim.lr" not in line
     assert describe(RuntimeError("some other failure"), argparse.Namespace()) is None  # a bug: its traceback
 
 
@@ -219,7 +223,7 @@ def test_a_diverging_run_exits_non_zero_and_writes_no_infinity(root: Path, tmp_p
     assert _pretrain(root, out, "--lr", "10", "--save-every", "1", "train.warmup_fraction=0", steps=4) == 1
     line = _error_line(capsys)
     assert "the run diverged at step 2: training loss" in line and "optim.lr" in line
-    assert "start over with --overwrite" in line and "--resume-step" not in line
+    assert "train the run again" in line and "; --overwrite starts it over" in line and "--resume-step" not in line
     assert not (out / "summary.json").exists()  # never mistaken for a finished run
     assert _checkpoints(out) == ["step_00000001"]  # the step before the divergence stays
     text = (out / "metrics.jsonl").read_text()

@@ -31,8 +31,8 @@ class DivergedError(FloatingPointError):
         value = f"{loss:.4g}" if math.isfinite(loss) else str(loss)
         super().__init__(
             f"the run diverged at step {step}: {what} {value} (a run diverges when a loss is not finite "
-            f"or above {DIVERGENCE_LOSS:g}); lower optim.lr or set train.grad_clip (e.g. 1.0) and start "
-            "over with --overwrite (a resume keeps the run's settings: it would train the same steps again)")
+            f"or above {DIVERGENCE_LOSS:g}); lower optim.lr or set train.grad_clip (e.g. 1.0) and train "
+            "the run again (a resume keeps the run's settings: it would train the same steps again)")
         self.step, self.loss, self.what = step, loss, what
 
     def __reduce__(self) -> tuple:  # crosses process boundaries (analysis workers)

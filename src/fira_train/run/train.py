@@ -78,8 +78,8 @@ class NonFiniteLossError(FloatingPointError):
 
     def __init__(self, step: int, loss: float) -> None:
         super().__init__(f"non-finite training loss {loss} at step {step}; the run stopped before "
-                         "applying that step's update (lower optim.lr or enable train.grad_clip, and start over "
-                         "with --overwrite: a resume keeps the run's settings and would train the same steps again)")
+                         "applying that step's update (lower optim.lr or enable train.grad_clip and train the run "
+                         "again: a resume keeps the run's settings and would train the same steps again)")
         self.step = step
         self.loss = loss
 

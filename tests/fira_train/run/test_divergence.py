@@ -20,4 +20,5 @@ def test_divergence_rule() -> None:
         copy = pickle.loads(pickle.dumps(err))
         assert type(copy) is type(err) and str(copy) == str(err)
         # a resume refuses a lowered optim.lr or a grad_clip: the way on is to start over
-        assert "with --overwrite" in str(err) and "--resume-step" not in str(err) and "resume from" not in str(err)
+        # (each command then says how it trains a run again: user_errors)
+        assert "train the run again" in str(err) and "--resume-step" not in str(err) and "resume from" not in str(err)
