@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import re
 from dataclasses import replace
@@ -251,3 +252,26 @@ def test_step_records_must_cover_every_step_that_updated(tmp_path: Path) -> None
     path.write_text("[1, 2]\n")
     with pytest.raises(DamagedFileError, match="record 1 is not a step's record"):
         read_step_records(path, {"steps": 1})
+
+
+@pytest.mark.timeout(60)  # a FIFO opened for writing blocks until a reader comes
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_an_analysis_record_file_is_appended_to_only_as_a_regular_file(tmp_path: Path) -> None:
+    """As metrics.jsonl: a link or a FIFO put in its place while the run trains is refused, not
+    written through (a FIFO blocked the write until a reader came)."""
+    from fira_train.analysis.runs import JsonlWriter
+
+    path = tmp_path / "norms.jsonl"
+    writer = JsonlWriter(path)
+    writer.write({"step": 1})
+    assert path.read_text() == '{"step": 1}\n'
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(ValueError, match="is not a file"):
+        writer.write({"step": 2})
+    path.unlink()
+    (tmp_path / "elsewhere").write_text("")
+    path.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):
+        writer.write({"step": 2})
+    assert (tmp_path / "elsewhere").read_text() == ""
