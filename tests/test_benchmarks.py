@@ -594,7 +594,11 @@ def test_the_flora_default_lr_advice_quotes_its_committed_sweep() -> None:
     doc = " ".join((ROOT / "src" / "fira_train" / "methods" / "registry.py").read_text().split())
     flora = {float(lr): value for lr, value in _validation_by_lr(sweep, "flora").items()}
     quoted = " / ".join(f"{flora[lr]:.0f}" for lr in (0.001, 0.01, 0.03, 0.1, 0.3, 1.0))
-    assert f"validation perplexity {quoted} (3 diverged;" in doc
+    assert f"validation perplexity {quoted} (lr 3 diverged;" in doc
+    walls = [json.loads(path.read_text())["wall_time_s"]
+             for path in (ROOT / "docs" / "results" / "flora-micro").glob("*/lr=*/seed=0/summary.json")]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"`wall_time_s` {min(walls):.1f}-{max(walls):.1f} s in its summaries" in readme
     assert f"AdamW {min(_validation_by_lr(sweep, 'adamw').values()):.0f} at its best lr" in doc
 
 

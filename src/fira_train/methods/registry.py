@@ -82,7 +82,7 @@ for pre-training (Shazeer & Stern 2018, min(1e-2, 1/sqrt(t)); T5 pre-trains with
 authors' only from-scratch run (T5-small, ``replicate.sh`` of github.com/BorealisAI/flora-opt)
 reuses Adafactor's 1e-3 there; on ``micro`` (20 steps, one seed: ``docs/results/flora-micro/``)
 1e-3 / 1e-2 / 3e-2 / 1e-1 / 0.3 / 1 reached validation perplexity 515 / 508 / 478 / 317 / 247 /
-308 (3 diverged; AdamW 247 at its best lr, 3e-3), so tune it before reading a comparison.
+308 (lr 3 diverged; AdamW 247 at its best lr, 3e-3), so tune it before reading a comparison.
 """
 
 from __future__ import annotations
