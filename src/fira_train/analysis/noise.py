@@ -19,7 +19,7 @@ from typing import Any
 
 import fira_optim
 from fira_train.analysis.callbacks import NORMS_FILE, GradientNoise, record_norms, record_norms_with_noise
-from fira_train.analysis.runs import (AnalysisRun, markdown_table, read_records, read_step_records,
+from fira_train.analysis.runs import (AnalysisRun, markdown_table, read_step_records,
                                       refuse_step_in_backward, report_header, train_runs)
 from fira_train.config.run_config import RunConfig
 from fira_train.files import write_text_atomic
@@ -53,13 +53,13 @@ def noise_runs(methods: Sequence[str], scale: float, seed: int) -> list[Analysis
     return runs
 
 
-def gradient_rms(run_dir: Path, parameters: int, summary: Mapping[str, Any] | None = None) -> float:
-    """Root-mean-square gradient entry of a run, averaged over its steps (from ``norms.jsonl``):
-    mean over the steps t of ||G_t|| / sqrt(parameters). With the run's ``summary``, the file must
-    hold a record for every step of that finished run (:func:`~fira_train.analysis.runs.read_step_records`)."""
-    path = run_dir / NORMS_FILE
-    records = read_step_records(path, summary) if summary is not None else read_records(path)
-    norms = [r["grad_norm"] for r in records]
+def gradient_rms(run_dir: Path, summary: Mapping[str, Any]) -> float:
+    """Root-mean-square gradient entry of the finished run in ``run_dir`` (its ``summary``),
+    averaged over its steps: the mean over the steps t of ``||G_t|| / sqrt(P)``, ``P`` its
+    trainable parameters. ``norms.jsonl`` must hold a record for every step that updated
+    (:func:`~fira_train.analysis.runs.read_step_records`)."""
+    parameters = summary["trainable_parameters"]
+    norms = [r["grad_norm"] for r in read_step_records(run_dir / NORMS_FILE, summary)]
     return float(sum(norms) / len(norms)) / math.sqrt(parameters)
 
 
@@ -116,7 +116,7 @@ def run_noise(config: RunConfig, out_dir: str | Path, *, methods: Sequence[str] 
     if scale != DEFAULT_SCALE:
         lines += [f"The paper's columns are at its noise {DEFAULT_SCALE:g}, these runs at {scale:g}: compare the "
                   "direction of the changes, not their size.", ""]
-    rms = {m: gradient_rms(out / m, summaries[m]["trainable_parameters"], summaries[m]) for m in methods}
+    rms = {m: gradient_rms(out / m, summaries[m]) for m in methods}
     lines += ["Size of the noise against the gradient: root-mean-square gradient entry of the noise-free "
               "runs, averaged over the steps: "
               + ", ".join(f"{m} {rms[m]:.3g} (noise / gradient = {scale / rms[m]:.3g})" for m in methods)
