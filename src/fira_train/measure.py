@@ -174,7 +174,9 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
             raise ValueError(f"--append: {json_path} was measured with {what} {old.get(key)!r}, this command "
                              f"with {record[key]!r}; one table holds one setting (measure into another --out)")
     if "settings" in old:  # (tables written before it was recorded: their commands say it)
-        changed = changed_keys(old["settings"], record["settings"])
+        # train.device=auto names no kind (as on a resume): each row records the device it ran on
+        changed = [key for key in changed_keys(old["settings"], record["settings"])
+                   if key != "train.device" or "auto" not in (old["settings"].get(key), record["settings"].get(key))]
         if changed:
             raise ValueError(f"--append: {json_path} was measured with other settings for every method: "
                              f"{describe_changed(old['settings'], record['settings'], changed)}; one table holds "

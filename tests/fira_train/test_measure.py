@@ -218,6 +218,12 @@ def test_append_refuses_a_table_of_another_setting_before_training(tmp_path: Pat
     measure.measure(micro_config(tmp_path, "train.seed=3", "train.save_every=7"), parse_method_specs("fira"), 1, out,
                     "same settings but what does not change a peak", append=True)
     assert [row["method"] for row in json.loads((out / "memory.json").read_text())["rows"]] == ["adamw", "fira"]
+    # train.device=auto names no device kind (each row records the one it ran on): cpu joins the table
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"galore": 950}))
+    measure.measure(micro_config(tmp_path, "train.device=cpu"), parse_method_specs("galore"), 1, out,
+                    "the device named", append=True)
+    assert [row["method"] for row in json.loads((out / "memory.json").read_text())["rows"]] == ["adamw", "fira",
+                                                                                                "galore"]
     for wrong in ("[]", '{"recipe": "micro"}'):  # JSON, but not a measurement: one line, not a KeyError
         (out / "memory.json").write_text(wrong)
         with pytest.raises(ValueError, match="is not a measurement written by memory --measure"):
