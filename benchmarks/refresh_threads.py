@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +38,7 @@ from fira_train.config.recipes import get_recipe
 from fira_train.data.build import build_corpus
 from fira_train.run.train import train_step
 from fira_train.run.training import autocast_for, build_training, resolve_device
-from record import provenance, save
+from record import machine, provenance, save
 
 
 def gradients(recipe: str, steps: int, overrides: list[str]) -> tuple[list[torch.Tensor], int, str]:
@@ -121,7 +119,7 @@ def main() -> None:
     shapes = sorted({tuple(g.shape) for g in grads})
     result = {
         **provenance(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {threads} threads",
+        "machine": machine(f"{threads} threads"),
         "recipe": args.recipe,
         "matrices": len(grads),
         "shapes": {str(list(s)): sum(tuple(g.shape) == s for g in grads) for s in shapes},

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 
@@ -34,7 +32,7 @@ from fira_train.config.recipes import get_recipe
 from fira_train.data.build import build_corpus
 from fira_train.run.train import train_step
 from fira_train.run.training import autocast_for, build_training, resolve_device
-from record import provenance, save
+from record import machine, provenance, save
 
 
 def main() -> None:
@@ -117,8 +115,7 @@ def main() -> None:
     steady_step = {m: statistics.median(t for r in v for t in sorted(r)[:-1]) for m, v in step_seconds.items()}
     result = {
         **provenance(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads",
+        "machine": machine(f"{torch.get_num_threads()} threads"),
         "recipe": args.recipe,
         "rank": base.optim.rank,
         "update_proj_gap": base.optim.update_proj_gap,
