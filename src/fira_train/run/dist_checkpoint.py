@@ -114,7 +114,10 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     state = _state(model, optimizer, scheduler, extra, save=True)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+    except CheckpointException as err:
+        raise _save_failure(err) from err
     _barrier()  # every rank's shards are on disk
     files = checkpoint_integrity.collect_records(tmp, rank, world_size())  # every rank hashes its own
     if rank == 0:
@@ -341,6 +344,19 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _save_failure(err: CheckpointException) -> BaseException:
+    """What a failed ``dcp.save`` raises on every rank: the failure of the lowest rank that
+    failed (an ``OSError`` for a full disk, with its errno and file), not DCP's wrapper.
+
+    DCP gathers each rank's failure and raises the same ``CheckpointException`` on every rank;
+    it derives from ``BaseException``, so ``except Exception`` (the command line's one-line
+    errors, :mod:`fira_train.user_errors`) let it through as a traceback on every rank, also
+    for a full disk. The ranks all raise the same error, so none is left in a collective."""
+    failures = [err.failures[rank][0] for rank in sorted(err.failures)]
+    ordinary = [exc for exc in failures if isinstance(exc, Exception)]
+    return ordinary[0] if ordinary else err
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -203,6 +203,55 @@ def test_kill_during_write_leaves_previous_checkpoint_usable(tmp_path, where):
         run_ranks(_load_worker, 1, tmp_path / "l3", str(run_dir / "step_00000009"), timeout=40)
 
 
+def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: str) -> dict:
+    """Save step 2, then save step 4 with a full disk on rank ``failing``: its shards (``where``
+    "shards") or, on rank 0, DCP's ``.metadata`` ("metadata"). What each rank raised, and the
+    command line's message for it."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    import fira_train.run.dist_checkpoint as ckpt
+    from fira_train.user_errors import describe
+    from tests.fira_train.tiny_lm import build_model, make_optimizer
+
+    model = build_model()
+    optimizer = make_optimizer(model, "fira")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    ckpt.save_checkpoint(run_dir, 2, model, optimizer, extra={"step": 2})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(run_dir) / ".tmp-step_00000004" / "x"))
+
+    if rank == failing:
+        setattr(dcp.FileSystemWriter, "write_data" if where == "shards" else "finish", full)
+    optimizer.step()
+    try:
+        ckpt.save_checkpoint(run_dir, 4, model, optimizer, extra={"step": 4})
+    except Exception as err:  # noqa: BLE001 -- reported to the test
+        return {"type": type(err).__name__, "errno": getattr(err, "errno", None), "message": describe(err)}
+    return {"type": None}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failing, where", [(1, "shards"), (0, "metadata")])
+def test_a_full_disk_during_a_save_is_an_oserror_on_every_rank(tmp_path, failing, where):
+    """DCP wraps a rank's failure in a ``CheckpointException`` (a ``BaseException``) raised on
+    every rank: a full disk while writing shards was a torch traceback on every rank instead of
+    the command line's one-line message. Now every rank raises the failing rank's ``OSError``
+    (no rank waits for another), and the previous checkpoint stays."""
+    run_dir = tmp_path / "run"
+    results = run_ranks(_full_disk_worker, 2, tmp_path / "w", str(run_dir), failing, where, timeout=50)
+    for result in results:
+        assert result["type"] == "OSError" and result["errno"] == 28, result
+        assert "no space left" in result["message"] and "the checkpoints already written stay" in result["message"], result
+        assert "\n" not in result["message"]
+    assert latest_checkpoint(run_dir) == checkpoint_dir(run_dir, 2)
+    assert not is_complete(run_dir / ".tmp-step_00000004")
+
+
 class _Exploit:
     """A pickle that creates a file when unpickled."""
 
