@@ -11,6 +11,9 @@ Atomic: everything is written into ``RUN/.tmp-step_00000100/``; only after every
 finished and the files are synced does rank 0 write the marker and rename the directory into
 place. A kill at any moment leaves either the complete new checkpoint or none, and the
 previous ones untouched; :func:`latest_checkpoint` ignores temporary and unmarked folders.
+Every rank writes into that one folder, so on several machines it must be on a file system they
+share: rank 0 checks that it sees every rank's files before it marks the folder, and a failure
+there (or a full disk as it writes the marker) is raised on every rank, none left waiting.
 
 Non-tensor values are read back with ``torch.load(weights_only=True)`` (DCP's default
 planner would unpickle arbitrary objects), and ``.metadata`` with a restricted unpickler
@@ -24,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -109,10 +113,14 @@ def save_checkpoint(
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(".tmp-" + final.name)
     rank = _rank()
+    error: Exception | None = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over by a killed write
-        tmp.mkdir(parents=True)
-    _barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # left over by a killed write
+            tmp.mkdir(parents=True)
+        except Exception as err:  # noqa: BLE001 -- a full disk: raised on every rank below
+            error = err
+    _raise_on_every_rank(error)
     state = _state(model, optimizer, scheduler, extra, save=True)
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
@@ -121,15 +129,19 @@ def save_checkpoint(
     _barrier()  # every rank's shards are on disk
     files = checkpoint_integrity.collect_records(tmp, rank, world_size())  # every rank hashes its own
     if rank == 0:
-        info = {**(record or {}), "format": FORMAT, "step": step, "world_size": world_size(),
-                "time": time.time(), checkpoint_integrity.FILES_KEY: files}
-        _write_synced(tmp / MARKER, json.dumps(info))
-        fsync_dir(tmp)
-        ckpt.install_dir(tmp, final)
-        fsync_dir(final.parent)
-        if keep_last is not None:
-            prune_checkpoints(run_dir, keep_last)
-    _barrier()
+        try:
+            _check_all_shards_here(tmp, files)
+            info = {**(record or {}), "format": FORMAT, "step": step, "world_size": world_size(),
+                    "time": time.time(), checkpoint_integrity.FILES_KEY: files}
+            _write_synced(tmp / MARKER, json.dumps(info))
+            fsync_dir(tmp)
+            ckpt.install_dir(tmp, final)
+            fsync_dir(final.parent)
+            if keep_last is not None:
+                prune_checkpoints(run_dir, keep_last)
+        except Exception as err:  # noqa: BLE001 -- raised on every rank below
+            error = err
+    _raise_on_every_rank(error)  # in place of a barrier: no rank is left waiting for rank 0
     return final
 
 
@@ -344,6 +356,48 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _check_all_shards_here(tmp: Path, files: dict[str, Any]) -> None:
+    """ValueError unless rank 0 sees every file the ranks wrote into ``tmp``.
+
+    Every rank writes its shards into the same folder, so ``OUT`` must be on a file system that
+    every machine of the launch shares. On a disk of each machine's own (``--out runs/x`` on
+    each) the other machines' shards land in their own ``.tmp-step_*`` folders, and rank 0
+    marked its own folder complete without them: the run went on, and every checkpoint failed
+    its check only at ``--resume``, missing files. Each name is looked up (a stat, which a
+    network file system answers from the server for a name not looked up before), not read
+    off a listing that may be cached."""
+    unseen = sorted(name for name in files if not (tmp / name).is_file())
+    if unseen:
+        raise ValueError(
+            f"rank 0 does not see {len(unseen)} checkpoint file(s) that other ranks wrote into {str(tmp)!r} "
+            f"(e.g. {unseen[0]!r}): train.out_dir must be a folder that every machine of the torchrun "
+            "launch shares (a network or cluster file system), not a disk of each machine's own")
+
+
+def _raise_on_every_rank(error: Exception | None) -> None:
+    """Raise rank 0's ``error`` (None: none) on every rank; a barrier otherwise.
+
+    Rank 0 alone writes the marker, renames the folder and prunes: had it raised alone (a full
+    disk, the check above), the others would wait in a barrier for it (until the process group's
+    timeout where no launcher ends them). The exception travels pickled, from rank 0 of this job."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    sent = error
+    if error is not None:
+        try:  # one that cannot be pickled would fail on rank 0 alone, the others left waiting
+            pickle.dumps(error)
+        except Exception:  # noqa: BLE001
+            sent = RuntimeError(f"{type(error).__name__}: {error}")
+    message: list[Any] = [sent]
+    dist.broadcast_object_list(message, src=0)
+    if error is not None:
+        raise error
+    if message[0] is not None:
+        raise message[0]
 
 
 def _save_failure(err: CheckpointException) -> BaseException:

@@ -205,8 +205,8 @@ def test_kill_during_write_leaves_previous_checkpoint_usable(tmp_path, where):
 
 def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: str) -> dict:
     """Save step 2, then save step 4 with a full disk on rank ``failing``: its shards (``where``
-    "shards") or, on rank 0, DCP's ``.metadata`` ("metadata"). What each rank raised, and the
-    command line's message for it."""
+    "shards") or, on rank 0, DCP's ``.metadata`` ("metadata"), the marker ("marker") or the
+    checkpoint's folder ("folder"). What each rank raised, and the command line's message for it."""
     import errno
 
     import torch.distributed.checkpoint as dcp
@@ -225,7 +225,12 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(run_dir) / ".tmp-step_00000004" / "x"))
 
-    if rank == failing:
+    if rank == failing and where == "marker":  # rank 0 alone writes it, the others wait
+        ckpt._write_synced = full
+    elif rank == failing and where == "folder":  # rank 0 alone makes it, the others wait
+        make = Path.mkdir
+        Path.mkdir = lambda path, *a, **k: full() if path.name == ".tmp-step_00000004" else make(path, *a, **k)
+    elif rank == failing:
         setattr(dcp.FileSystemWriter, "write_data" if where == "shards" else "finish", full)
     optimizer.step()
     try:
@@ -236,12 +241,13 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("failing, where", [(1, "shards"), (0, "metadata")])
+@pytest.mark.parametrize("failing, where", [(1, "shards"), (0, "metadata"), (0, "marker"), (0, "folder")])
 def test_a_full_disk_during_a_save_is_an_oserror_on_every_rank(tmp_path, failing, where):
     """DCP wraps a rank's failure in a ``CheckpointException`` (a ``BaseException``) raised on
     every rank: a full disk while writing shards was a torch traceback on every rank instead of
     the command line's one-line message. Now every rank raises the failing rank's ``OSError``
-    (no rank waits for another), and the previous checkpoint stays."""
+    (no rank waits for another), and the previous checkpoint stays. A full disk as rank 0 alone
+    made the folder or wrote the marker was raised by rank 0 alone, the others left in a barrier."""
     run_dir = tmp_path / "run"
     results = run_ranks(_full_disk_worker, 2, tmp_path / "w", str(run_dir), failing, where, timeout=50)
     for result in results:
@@ -250,6 +256,36 @@ def test_a_full_disk_during_a_save_is_an_oserror_on_every_rank(tmp_path, failing
         assert "\n" not in result["message"]
     assert latest_checkpoint(run_dir) == checkpoint_dir(run_dir, 2)
     assert not is_complete(run_dir / ".tmp-step_00000004")
+
+
+def _machine_disk_worker(rank: int, world: int, root: str) -> str:
+    """Save a checkpoint into ``train.out_dir`` when each rank sees its own disk there: the
+    same path on two machines without a shared file system (here one folder per rank)."""
+    import fira_train.run.dist_checkpoint as ckpt
+    from tests.fira_train.tiny_lm import build_model, make_optimizer
+
+    model = build_model()
+    optimizer = make_optimizer(model, "fira")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    try:
+        ckpt.save_checkpoint(Path(root) / f"machine{rank}" / "run", 2, model, optimizer, extra={"step": 2})
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.timeout(60)
+def test_a_run_folder_that_the_machines_do_not_share_is_refused_at_the_first_checkpoint(tmp_path):
+    """Two machines with ``--out`` on disks of their own: each rank's shards landed on its own
+    machine, and rank 0 marked its folder complete without the others'. The run trained on,
+    and every checkpoint was found damaged (files missing) only at ``--resume``. Now the first
+    save stops every rank, naming the setting."""
+    messages = run_ranks(_machine_disk_worker, 2, tmp_path / "w", str(tmp_path), timeout=50)
+    for message in messages:
+        assert "train.out_dir must be a folder that every machine" in message and "__1_0.distcp" in message
+    assert latest_checkpoint(tmp_path / "machine0" / "run") is None
 
 
 class _Exploit:
