@@ -346,6 +346,11 @@ class RunConfig:
         _check(self.train.precision != "fp16" or self.train.parallel != "fsdp2", "train.precision",
                self.train.precision, "'bf16' or 'fp32' with train.parallel='fsdp2' (fp16 loss scaling "
                "would find overflows in each rank's shard only; bf16 needs no scaling)")
+        # refused by the optimizer too, but only once every rank has built its data and model,
+        # and in the optimizer's terms (param_groups[0]['params'][0] is a DTensor)
+        _check(self.optim.state_dtype != "int8" or self.train.parallel != "fsdp2", "optim.state_dtype",
+               self.optim.state_dtype, "'float32' or 'bfloat16' with train.parallel='fsdp2' (int8 blocks of "
+               "256 elements do not follow FSDP2's row shards; or train.parallel=ddp)")
         # peft wraps the model after it is built; DDP / FSDP2 must wrap it before the optimizer
         # sees the parameters, and the two orders do not compose yet.
         _check(self.train.parallel == "none" or not METHODS[self.optim.method].wraps_model,

@@ -285,6 +285,10 @@ def test_bad_parallel_mode_is_a_config_error(tmp_path):
         micro_config(tmp_path, "train.parallel=pipeline")
     with pytest.raises(ValueError, match=r"train\.parallel .*optim\.method='lora'"):
         micro_config(tmp_path, "optim.method=lora", "train.parallel=ddp")
+    # the optimizer refuses it too, but after every rank built its data and model, and not by its flag
+    with pytest.raises(ValueError, match=r"optim\.state_dtype must be .*train\.parallel='fsdp2'.*got 'int8'"):
+        micro_config(tmp_path, "optim.state_dtype=int8", "train.parallel=fsdp2")
+    micro_config(tmp_path, "optim.state_dtype=int8", "train.parallel=ddp")  # DDP steps plain tensors
 
 
 def test_parallel_without_torchrun_or_with_world_size_and_none_is_refused(tmp_path, monkeypatch):
