@@ -22,6 +22,8 @@ Known, with what the message says:
   again (with ``--resume``: the checkpoints already written stay), also where it stands behind another error (torch.save's
   writer raises a ``RuntimeError`` for it), and for a file-size limit (``EFBIG``) raise it;
   other ``OSError`` (a tokenizer that cannot be loaded): their message;
+- under ``torchrun``, a collective whose peer is gone (gloo's "Connection closed by peer", NCCL's
+  "remote process exited"): that another process stopped, and that its own error says why;
 - divergence (:class:`fira_train.run.divergence.DivergedError`, ``NonFiniteLossError``,
   ``fira_optim.NonFiniteGradientError``): that the run diverged, and what to change;
 - an allocation that failed (``MemoryError``, numpy's included; torch's "DefaultCPUAllocator:
@@ -111,7 +113,26 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     behind = _disk_error_behind(err)
     if behind is not None:
         return _os_error(behind, args)
+    peer = _peer_gone(err)
+    if peer is not None:
+        return (f"another process of this torchrun launch stopped ({peer}): its own error, printed by "
+                f"that process, says why; fix that and run the same command again with --resume{_work_kept(args)}")
     return _short_write(err, args)
+
+
+#: What a collective says when the process at the other end is gone: gloo's TCP pair, NCCL.
+_PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|remote process exited or there was a network error")
+
+
+def _peer_gone(err: BaseException) -> str | None:
+    """Under torchrun, the collective of a rank whose peer stopped (an error of that rank's own,
+    one line there; a kill) fails with torch's traceback on every other rank, which buried
+    the one line that says why; the words that say the peer went, or None."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or not ("gloo" in text or "NCCL" in text):  # not a network read's
+        return None
+    found = _PEER_GONE.search(text)
+    return None if found is None else found.group(0)
 
 
 #: What an allocator that found no memory says: torch on the CPU ("DefaultCPUAllocator: can't

@@ -196,6 +196,27 @@ def test_a_non_finite_gradient_raised_in_a_ddp_hook_is_the_same_one_line() -> No
     assert describe(RuntimeError("some other failure"), argparse.Namespace()) is None  # a bug: its traceback
 
 
+def test_a_rank_whose_peer_stopped_says_so_in_one_line() -> None:
+    """Under torchrun, the other ranks of a rank that stopped (a full disk there, one line) failed in
+    their next collective with torch's traceback, which buried that line; now they say that another
+    process stopped and that its error says why. The gloo text is a 2-process DDP run's, NCCL's its
+    documented one."""
+    import argparse
+
+    from fira_train.user_errors import describe
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                        "closed by peer [127.0.0.1]:3509. This is typically caused by a remote worker crashing. "
+                        "Check the logs of the remote worker before reporting an error. GLHF!")
+    line = describe(gloo, argparse.Namespace(out="runs/x"))
+    assert line.startswith("another process of this torchrun launch stopped (Connection closed by peer)")
+    assert "--resume (the checkpoints already written in runs/x stay)" in line and "\n" not in line
+    nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network error")
+    assert "another process of this torchrun launch stopped" in describe(nccl, argparse.Namespace())
+    # the same words from elsewhere (streaming C4) are not a peer's
+    assert describe(RuntimeError("Connection reset by peer while reading allenai/c4"), argparse.Namespace()) is None
+
+
 def test_a_damaged_config_json_on_resume_names_the_file(root: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     assert _pretrain(root, out, steps=2) == 0
