@@ -402,14 +402,15 @@ def _raise_on_every_rank(error: Exception | None) -> None:
 
 def _save_failure(err: CheckpointException) -> BaseException:
     """What a failed ``dcp.save`` raises on every rank: the failure of the lowest rank that
-    failed (an ``OSError`` for a full disk, with its errno and file), not DCP's wrapper.
+    failed (an ``OSError`` for a full disk, with its errno and file; a ``KeyboardInterrupt`` for
+    Ctrl-C), not DCP's wrapper.
 
     DCP gathers each rank's failure and raises the same ``CheckpointException`` on every rank;
     it derives from ``BaseException``, so ``except Exception`` (the command line's one-line
     errors, :mod:`fira_train.user_errors`) let it through as a traceback on every rank, also
     for a full disk. The ranks all raise the same error, so none is left in a collective."""
     failures = [err.failures[rank][0] for rank in sorted(err.failures)]
-    ordinary = [exc for exc in failures if isinstance(exc, Exception)]
+    ordinary = [exc for exc in failures if isinstance(exc, (Exception, KeyboardInterrupt))]
     return ordinary[0] if ordinary else err
 
 

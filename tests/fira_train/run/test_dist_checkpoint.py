@@ -206,7 +206,8 @@ def test_kill_during_write_leaves_previous_checkpoint_usable(tmp_path, where):
 def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: str) -> dict:
     """Save step 2, then save step 4 with a full disk on rank ``failing``: its shards (``where``
     "shards") or, on rank 0, DCP's ``.metadata`` ("metadata"), the marker ("marker") or the
-    checkpoint's folder ("folder"). What each rank raised, and the command line's message for it."""
+    checkpoint's folder ("folder"); or Ctrl-C as rank ``failing`` writes its shards ("interrupt").
+    What each rank raised, and the command line's message for it."""
     import errno
 
     import torch.distributed.checkpoint as dcp
@@ -223,6 +224,8 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
     ckpt.save_checkpoint(run_dir, 2, model, optimizer, extra={"step": 2})
 
     def full(*args, **kwargs):
+        if where == "interrupt":  # Ctrl-C as this rank writes its shards
+            raise KeyboardInterrupt
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(run_dir) / ".tmp-step_00000004" / "x"))
 
     if rank == failing and where == "marker":  # rank 0 alone writes it, the others wait
@@ -231,18 +234,21 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
         make = Path.mkdir
         Path.mkdir = lambda path, *a, **k: full() if path.name == ".tmp-step_00000004" else make(path, *a, **k)
     elif rank == failing:
-        setattr(dcp.FileSystemWriter, "write_data" if where == "shards" else "finish", full)
+        setattr(dcp.FileSystemWriter, "finish" if where == "metadata" else "write_data", full)
     optimizer.step()
     try:
         ckpt.save_checkpoint(run_dir, 4, model, optimizer, extra={"step": 4})
+    except KeyboardInterrupt:  # the command line says "interrupted" for it
+        return {"type": "KeyboardInterrupt"}
     except Exception as err:  # noqa: BLE001 -- reported to the test
         return {"type": type(err).__name__, "errno": getattr(err, "errno", None), "message": describe(err)}
     return {"type": None}
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("failing, where", [(1, "shards"), (0, "metadata"), (0, "marker"), (0, "folder")])
-def test_a_full_disk_during_a_save_is_an_oserror_on_every_rank(tmp_path, failing, where):
+@pytest.mark.parametrize("failing, where", [(1, "shards"), (0, "metadata"), (0, "marker"), (0, "folder"),
+                                                (1, "interrupt")])
+def test_a_full_disk_or_ctrl_c_during_a_save_is_the_same_error_on_every_rank(tmp_path, failing, where):
     """DCP wraps a rank's failure in a ``CheckpointException`` (a ``BaseException``) raised on
     every rank: a full disk while writing shards was a torch traceback on every rank instead of
     the command line's one-line message. Now every rank raises the failing rank's ``OSError``
@@ -251,6 +257,9 @@ def test_a_full_disk_during_a_save_is_an_oserror_on_every_rank(tmp_path, failing
     run_dir = tmp_path / "run"
     results = run_ranks(_full_disk_worker, 2, tmp_path / "w", str(run_dir), failing, where, timeout=50)
     for result in results:
+        if where == "interrupt":  # Ctrl-C, not DCP's CheckpointException (a traceback)
+            assert result["type"] == "KeyboardInterrupt", result
+            continue
         assert result["type"] == "OSError" and result["errno"] == 28, result
         assert "no space left" in result["message"] and "the checkpoints already written stay" in result["message"], result
         assert "\n" not in result["message"]
