@@ -180,6 +180,9 @@ def load_checkpoint(
         dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner())
     except CheckpointException as err:  # a BaseException in DCP: make it an ordinary error
         failures = [exc for exc, _ in err.failures.values()]
+        for exc in failures:  # Ctrl-C, or no memory for the state: not a damaged checkpoint
+            if isinstance(exc, (KeyboardInterrupt, MemoryError)):
+                raise exc from None
         for exc in failures:  # a value that would run code: say so, in one line
             unsafe = exc if isinstance(exc, UnsafeCheckpointError) else unsafe_pickle_error(exc, path)
             if unsafe is not None:

@@ -297,6 +297,33 @@ def test_a_run_folder_that_the_machines_do_not_share_is_refused_at_the_first_che
     assert latest_checkpoint(tmp_path / "machine0" / "run") is None
 
 
+def _interrupted_load_worker(rank: int, world: int, path: str, kind: str) -> str:
+    """Load ``path`` while DCP reads its tensors and ``kind`` ("interrupt", "memory") happens."""
+    import torch.distributed.checkpoint as dcp
+
+    def fail(*args, **kwargs):
+        raise KeyboardInterrupt if kind == "interrupt" else MemoryError
+
+    dcp.FileSystemReader.read_data = fail
+    try:
+        _load_worker(rank, world, path)
+    except (KeyboardInterrupt, MemoryError) as err:
+        return type(err).__name__
+    except Exception as err:  # noqa: BLE001 -- reported to the test
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_or_no_memory_while_loading_is_not_called_a_damaged_checkpoint(tmp_path):
+    """DCP wraps both in its CheckpointException, which the load turned into "could not be loaded
+    (corrupt, unsafe or from a different model)": the run stopped as if the checkpoint were damaged."""
+    path = _save_one_process(tmp_path / "run")
+    assert run_ranks(_interrupted_load_worker, 1, tmp_path / "w", str(path), "interrupt", timeout=40) == [
+        "KeyboardInterrupt"]
+    assert run_ranks(_interrupted_load_worker, 1, tmp_path / "w2", str(path), "memory", timeout=40) == ["MemoryError"]
+
+
 class _Exploit:
     """A pickle that creates a file when unpickled."""
 
