@@ -156,7 +156,27 @@ def load_pretrained_tokenizer(name: str) -> PreTrainedTokenizerBase:
         tokenizer.eos_token = tokenizer.sep_token  # BERT-style vocabularies end sequences with [SEP]
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # GPT-2 convention: packed data never pads anyway
+    # before tokenizer_fingerprint: the cache key is that of the tokenizer that encodes the corpus
+    disable_truncation_and_padding(tokenizer)
     return tokenizer
+
+
+def disable_truncation_and_padding(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Turn off the truncation and padding a fast tokenizer's ``tokenizer.json`` may carry.
+
+    ``transformers`` enables both on the backend from the file (some hub tokenizers ship
+    ``"truncation": {"max_length": 512, ...}`` or a ``"padding"`` strategy) and turns them off only
+    inside its own ``__call__``. :func:`encode_texts` calls the backend directly, so without this
+    every document beyond ``max_length`` tokens lost its tail, and every shorter one was padded
+    with pad ids, in the training stream and the held-out sets alike, silently.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow tokenizer: its __call__ pads and truncates only when asked to
+        return
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -175,10 +195,12 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each text, without special tokens (no BOS/EOS added by the tokenizer)."""
+    """Token ids of each text, whole: without special tokens (no BOS/EOS added by the tokenizer),
+    truncation or padding (see :func:`disable_truncation_and_padding`)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return list(tokenizer(list(texts), add_special_tokens=False)["input_ids"])
+    disable_truncation_and_padding(tokenizer)  # a tokenizer not loaded here may truncate or pad on the backend
     # encode_batch_fast skips the offsets bookkeeping we do not need (tokenizers >= 0.21).
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
     return [encoding.ids for encoding in encode(list(texts), add_special_tokens=False)]

@@ -113,6 +113,27 @@ def test_pretrained_tokenizer_from_local_folder(bpe, tmp_path: Path) -> None:
     assert name == str(tmp_path / "tok") and len(built) == len(bpe)
 
 
+def test_a_tokenizer_file_that_truncates_or_pads_encodes_documents_whole(bpe, tmp_path: Path) -> None:
+    # some hub tokenizer.json files carry a truncation length or a padding strategy, which
+    # transformers enables on the backend at load time; the corpus is encoded by the backend
+    import json
+
+    bpe.save_pretrained(str(tmp_path / "tok"))
+    config = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    config["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    config["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                         "pad_id": bpe.pad_token_id, "pad_type_id": 0, "pad_token": tok.PAD_TOKEN}
+    (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps(config))
+    texts = ["the queen of the empire and the king of the river", "a war"]
+    loaded = tok.load_pretrained_tokenizer(str(tmp_path / "tok"))
+    assert tok.encode_documents(loaded, texts).tolist() == tok.encode_documents(bpe, texts).tolist()
+    assert tok.tokenizer_fingerprint(loaded) == tok.tokenizer_fingerprint(bpe)  # the same cache entry
+    # a tokenizer made elsewhere that truncates and pads on its backend is encoded whole too
+    other = tok.wrap_bpe(bpe.backend_tokenizer.from_str(json.dumps(config)))
+    assert other.backend_tokenizer.truncation is not None and other.backend_tokenizer.padding is not None
+    assert tok.encode_texts(other, texts) == tok.encode_texts(bpe, texts)
+
+
 def test_pretrained_tokenizer_without_pad_pads_with_eos(bpe, tmp_path: Path) -> None:
     from transformers import PreTrainedTokenizerFast
 
