@@ -79,6 +79,7 @@ def read_wiki_documents(path: Path) -> list[str]:
         text = entry.get("extract") if isinstance(entry, dict) else None
         if not isinstance(text, str):
             raise ValueError(f"{path}: article {title!r} has no string 'extract' field")
+        _unicode_text(text, f"{path}: article {title!r}")
         if text.strip():
             documents.append(text)
     return documents
@@ -138,7 +139,23 @@ def _open_text(path: Path) -> IO[str]:
 def _text_field(record: object, where: str) -> str:
     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
         raise ValueError(f"{where}: expected a JSON object with a string 'text' field")
-    return record["text"]
+    return _unicode_text(record["text"], where)
+
+
+#: UTF-16 surrogates: JSON's ``\\uD800``-``\\uDFFF`` escapes, when not a pair, decode to these.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unicode_text(text: str, where: str) -> str:
+    """``text``, or ValueError naming ``where`` if it holds a lone surrogate: JSON (not UTF-8 bytes,
+    which the reader decodes strictly) can escape one, as scraped text sometimes does, and no
+    tokenizer encodes it. The document split failed on it later, naming neither file nor line and
+    suggesting ``data.test_fraction=0``, which does not help."""
+    found = _SURROGATE.search(text)
+    if found:
+        raise ValueError(f"{where}: its text holds a lone UTF-16 surrogate {found.group()!r} at character "
+                         f"{found.start()} (a JSON \\u escape that is not Unicode text); remove or replace it")
+    return text
 
 
 def _iter_json_lines(handle: IO[str], path: Path) -> Iterator[str]:

@@ -74,6 +74,12 @@ def _flipped(data: bytes) -> bytes:
         pytest.param("deep.json", b"[" * 100_000, r"deep\.json: JSON nested too deeply",  # a RecursionError
                      id="deeply-nested-json"),
         ("bad.txt", b"caf\xe9 latin-1", r"bad\.txt: not valid UTF-8"),
+        # JSON can escape a lone surrogate, which no tokenizer encodes: named where it is read
+        pytest.param("lone.jsonl", b'{"text": "fine"}\n{"text": "cut \\ud83d pair"}\n',
+                     r"lone\.jsonl: line 2: its text holds a lone UTF-16 surrogate '\\ud83d' at character 4",
+                     id="lone-surrogate-jsonl"),
+        pytest.param("lone.json", b'[{"text": "fine"}, {"text": "\\udc00"}]', r"lone\.json: element 1: .*surrogate",
+                     id="lone-surrogate-json"),
         ("bad.csv", b"a,b", r"bad\.csv.*unsupported type"),
     ],
 )
