@@ -243,10 +243,12 @@ class StreamingBatchStream(BatchStream):
 
     def _next_epoch(self, needed: int) -> None:
         if self.tokens == 0:  # a whole epoch without one batch: looping would never end
+            # raised by the first batch, inside the training loop, which names no setting for it
+            # (a packed corpus's error is named train.batch_size there): the keys of the config
             raise ValueError(
-                f"one epoch of the training stream holds fewer than batch_size * seq_len = "
-                f"{self.cut} * {self.seq_len} = {needed} tokens (max_train_tokens="
-                f"{self.max_train_tokens}); lower batch_size or seq_len, or use more data"
+                f"one epoch of the training stream holds fewer than a step's train.batch_size * data.seq_len = "
+                f"{self.cut} * {self.seq_len} = {needed} tokens (data.max_train_tokens="
+                f"{self.max_train_tokens}); lower train.batch_size or data.seq_len, or use more data"
             )
         self.epoch, self.documents, self.offset, self.tokens = self.epoch + 1, 0, 0, 0
         self._close_reader()

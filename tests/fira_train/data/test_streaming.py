@@ -207,7 +207,8 @@ def test_c4_max_train_tokens_ends_the_epoch(c4_folder: Path, tmp_path: Path) -> 
     next(stream)
     assert stream.state_dict()["epoch"] == 1 and stream.state_dict()["tokens"] == 32
     too_big = build_corpus(spec_for(f"c4:{c4_folder}", tmp_path, val_sequences=3, max_train_tokens=20))
-    with pytest.raises(ValueError, match="fewer than batch_size"):
+    with pytest.raises(ValueError, match=r"train\.batch_size \* data\.seq_len = 2 \* 16 = 32 tokens "
+                                         r"\(data\.max_train_tokens=20\)"):
         next(too_big.train_batches(2, seed=0))
 
 
