@@ -116,7 +116,8 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     peer = _peer_gone(err)
     if peer is not None:
         return (f"another process of this torchrun launch stopped ({peer}): its own error, printed by "
-                f"that process, says why; fix that and run the same command again with --resume{_work_kept(args)}")
+                f"that process, says why; fix that and run the same command again"
+                f"{_AGAIN.get(getattr(args, 'command', ''), '')}{_work_kept(args)}")
     return _short_write(err, args)
 
 

@@ -208,9 +208,11 @@ def test_a_rank_whose_peer_stopped_says_so_in_one_line() -> None:
     gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
                         "closed by peer [127.0.0.1]:3509. This is typically caused by a remote worker crashing. "
                         "Check the logs of the remote worker before reporting an error. GLHF!")
-    line = describe(gloo, argparse.Namespace(out="runs/x"))
+    line = describe(gloo, argparse.Namespace(out="runs/x", command="pretrain"))
     assert line.startswith("another process of this torchrun launch stopped (Connection closed by peer)")
-    assert "--resume (the checkpoints already written in runs/x stay)" in line and "\n" not in line
+    assert "again with --resume (the checkpoints already written in runs/x stay)" in line and "\n" not in line
+    # each command's own way on (compare --parallel ddp resumes too; analyze, which has no --resume, reuses)
+    assert "again with --reuse" in describe(gloo, argparse.Namespace(out="runs/x", command="analyze"))
     nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network error")
     assert "another process of this torchrun launch stopped" in describe(nccl, argparse.Namespace())
     # the same words from elsewhere (streaming C4) are not a peer's
