@@ -67,6 +67,11 @@ SPLIT_VERSION = 3
 PACKING_VERSION = 1
 #: The arrays of a token cache entry; meta.json records their SHA-256 under "sha256".
 TOKEN_FILES = ("train.npy", "val.npy", "test.npy")
+#: How a cache entry's documents were encoded (its meta.json's "encoding"). An entry without it
+#: predates special-token text encoded as text (:func:`fira_train.data.tokenizer.encode_texts`) and
+#: is built again. Not in the cache key, which is the corpus's identity: a corpus without such
+#: text encodes to the same ids, so runs recorded by that identity still match it.
+ENCODING = "special-token text as text"
 
 
 def split_documents(
@@ -128,8 +133,12 @@ def _load_token_cache(entry: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         test = np.load(entry / "test.npy", mmap_mode="r", allow_pickle=False)
         if (len(train), len(val), len(test)) != (meta["train_tokens"], meta["val_tokens"], meta["test_tokens"]):
             raise ValueError("array lengths differ from meta.json")
-    except (OSError, ValueError, KeyError, AttributeError) as exc:  # damaged entry: rebuild it
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # damaged entry: rebuild it
         logger.warning("token cache %s is damaged (%s); rebuilding it", entry, exc)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    if meta.get("encoding") != ENCODING:
+        logger.info("token cache %s was encoded with special-token text as special tokens; encoding it again", entry)
         shutil.rmtree(entry, ignore_errors=True)
         return None
     return train, val, test, meta
@@ -191,6 +200,7 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
             "test_tokens": len(test),
             "max_train_tokens": cap,
             "vocab_size": len(tokenizer),
+            "encoding": ENCODING,
         }
         with atomic_directory(entry) as temp:
             np.save(temp / "train.npy", train)

@@ -196,14 +196,22 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text, whole: without special tokens (no BOS/EOS added by the tokenizer),
-    truncation or padding (see :func:`disable_truncation_and_padding`)."""
+    truncation or padding (see :func:`disable_truncation_and_padding`), and with the text of a
+    special token encoded as text: a web page that writes ``<|endoftext|>`` (C4 has such pages)
+    got the EOS id in the middle of the document, a false document end, and ``<|pad|>`` the pad
+    id. Texts that hold no special token's text encode as before."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return list(tokenizer(list(texts), add_special_tokens=False)["input_ids"])
+        return list(tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"])
     disable_truncation_and_padding(tokenizer)  # a tokenizer not loaded here may truncate or pad on the backend
     # encode_batch_fast skips the offsets bookkeeping we do not need (tokenizers >= 0.21).
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return [encoding.ids for encoding in encode(list(texts), add_special_tokens=False)]
+    as_text = backend.encode_special_tokens
+    backend.encode_special_tokens = True
+    try:
+        return [encoding.ids for encoding in encode(list(texts), add_special_tokens=False)]
+    finally:
+        backend.encode_special_tokens = as_text
 
 
 def encode_documents(

@@ -13,7 +13,7 @@ import torch
 
 from fira_train.data import build
 from fira_train.data import tokenizer as tok
-from fira_train.data.build import build_corpus
+from fira_train.data.build import ENCODING, build_corpus
 from fira_train.files import file_digest
 from tests.fira_train.data.data_fixtures import make_docs, spec_for, split_on_eos, take, write_jsonl
 
@@ -479,3 +479,22 @@ def test_a_file_in_place_of_the_cache_folder_fails_before_the_tokenizer_is_train
     with pytest.raises(OSError) as caught:
         build_corpus(spec_for(source, in_the_way))
     assert caught.value.filename == str(in_the_way)
+
+
+def test_a_token_cache_encoded_before_special_token_text_was_text_is_encoded_again(jsonl_corpus, tmp_path: Path,
+                                                                                  caplog) -> None:
+    """An entry without the "encoding" record (its documents' <|endoftext|> text may hold EOS ids)
+    is built again, under the same key: a corpus without such text gets the same ids."""
+    path, _ = jsonl_corpus
+    spec = spec_for(path, tmp_path / "cache")
+    corpus = build_corpus(spec)
+    cold, identity = np.asarray(corpus.train_tokens).copy(), corpus.describe()["corpus"]
+    (entry,) = (tmp_path / "cache" / "tokens").iterdir()
+    meta = json.loads((entry / "meta.json").read_text())
+    assert meta.pop("encoding") == ENCODING
+    (entry / "meta.json").write_text(json.dumps(meta))
+    with caplog.at_level("INFO"):
+        again = build_corpus(spec)
+    assert str(entry) in caplog.text and "encoding it again" in caplog.text
+    assert np.array_equal(np.asarray(again.train_tokens), cold) and again.describe()["corpus"] == identity
+    assert json.loads((entry / "meta.json").read_text())["encoding"] == ENCODING

@@ -245,3 +245,17 @@ def test_the_long_run_cut_changes_no_document_of_the_embedded_corpus() -> None:
     assert len(documents) > 10_000
     assert all(_cut_long_runs(text) == text for text in documents)
     assert _cut_long_runs("x" * 600) != "x" * 600  # not vacuous: a long run is cut
+
+
+def test_the_text_of_a_special_token_in_a_document_is_encoded_as_text(bpe) -> None:
+    """A web page that writes <|endoftext|> got the EOS id in the middle of its document (a false
+    document end), and <|pad|> the pad id; now both are ordinary text, as any other characters."""
+    text = f"before {tok.EOS_TOKEN} middle {tok.PAD_TOKEN} after"
+    (ids,) = tok.encode_texts(bpe, [text])
+    assert bpe.eos_token_id not in ids and bpe.pad_token_id not in ids
+    assert bpe.decode(ids) == text
+    stream = tok.encode_documents(bpe, [text, "plain"])
+    assert [i for i, x in enumerate(stream.tolist()) if x == bpe.eos_token_id] == [len(ids), len(stream) - 1]
+    (plain,) = tok.encode_texts(bpe, ["the river and the mountain"])  # texts without them: as before
+    assert plain == bpe("the river and the mountain", add_special_tokens=False)["input_ids"]
+    assert bpe.backend_tokenizer.encode_special_tokens is False  # the tokenizer is left as it was
