@@ -218,8 +218,10 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
             f"= {spec.val_sequences} * {spec.seq_len} = {needed} tokens; raise val_fraction or lower "
             f"val_sequences / seq_len"
         )
+    # the kept token digest is keyed by the entry's files too: an entry encoded again under the same
+    # key (ENCODING) has other ids, and the digest kept for the former ones would hide that on a resume
     return PackedCorpus(spec, tokenizer, tokenizer_name, train, val, test, identity=key,
-                        digest_dir=cache_dir / "token-digests")
+                        digest_dir=cache_dir / "token-digests", digest_key=json.dumps(meta["sha256"], sort_keys=True))
 
 
 def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:

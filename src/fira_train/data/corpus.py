@@ -181,11 +181,13 @@ class PackedCorpus(Corpus):
         test_tokens: np.ndarray | None = None,
         identity: str | None = None,
         digest_dir: Path | None = None,
+        digest_key: str | None = None,
     ) -> None:
         super().__init__(spec, tokenizer, tokenizer_name, val_tokens, test_tokens)
         self.identity = identity
         """A fingerprint of the text, split, tokenizer and packing (None: not computed)."""
         self._digest_dir = digest_dir
+        self._digest_key = digest_key
         if spec.max_train_tokens is not None:
             train_tokens = train_tokens[: spec.max_train_tokens]
         if len(train_tokens) < spec.seq_len:
@@ -212,12 +214,15 @@ class PackedCorpus(Corpus):
         and test blocks (one pass over the ids, on first use). With a ``digest_dir`` (a corpus
         from the token cache, whose files were checked against their SHA-256 as they loaded) the
         digest is kept there, keyed by the corpus's identity and everything else it hashes, so a
-        later start reads no id a second time (a large corpus took seconds per start and rank)."""
+        later start reads no id a second time (a large corpus took seconds per start and rank).
+        ``digest_key`` (the token cache entry's file hashes) keys it too: an entry built again under
+        the same identity with other ids (encoded otherwise) is not given the digest of the former."""
         used = len(self.train_tokens) // self.seq_len * self.seq_len
         path = None
         if self._digest_dir is not None and self.identity is not None:
+            salt = () if self._digest_key is None else (self._digest_key,)
             name = fingerprint(self.identity, self.seq_len, used, self.vocab_size, self._val_blocks.shape,
-                               self._test_blocks.shape)
+                               self._test_blocks.shape, *salt)
             path = self._digest_dir / f"{name}.txt"
             try:
                 kept = path.read_text().strip()

@@ -498,3 +498,39 @@ def test_a_token_cache_encoded_before_special_token_text_was_text_is_encoded_aga
     assert str(entry) in caplog.text and "encoding it again" in caplog.text
     assert np.array_equal(np.asarray(again.train_tokens), cold) and again.describe()["corpus"] == identity
     assert json.loads((entry / "meta.json").read_text())["encoding"] == ENCODING
+
+
+def test_a_token_cache_encoded_again_is_not_given_the_token_digest_kept_for_its_former_ids(tmp_path: Path,
+                                                                                           monkeypatch) -> None:
+    """An entry encoded again under the same key (ENCODING: special-token text now text) has other
+    ids; the token digest kept in token-digests/ was keyed by the key and the block shapes alone,
+    which a capped corpus (or a count of ids in the same seq_len multiple) keeps, so the new ids
+    were given the former digest, and a run resumed across the change (its checkpoint records
+    that digest) went on, on other data, unchecked."""
+    from fira_train.data.corpus import digest_ids
+    from fira_train.run.state import check_corpus, corpus_record
+
+    docs = [d + f" {tok.EOS_TOKEN} " + d if i % 2 == 0 else d for i, d in enumerate(make_docs(60, seed=3))]
+    spec = spec_for(write_jsonl(tmp_path / "corpus.jsonl", docs), tmp_path / "cache", max_train_tokens=3000)
+    encode = tok.encode_texts
+
+    def as_special(tokenizer, texts):  # the encoding before: special-token text got the special ids
+        tok.disable_truncation_and_padding(tokenizer)
+        return [e.ids for e in tokenizer.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    monkeypatch.setattr(tok, "encode_texts", as_special)
+    before = build_corpus(spec)
+    record = corpus_record(before.train_batches(2, seed=0))  # what a checkpoint of that run holds
+    (entry,) = (tmp_path / "cache" / "tokens").iterdir()
+    meta = json.loads((entry / "meta.json").read_text())
+    del meta["encoding"]  # as written before ENCODING
+    (entry / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(tok, "encode_texts", encode)
+    after = build_corpus(spec)
+    assert len(after.train_tokens) == len(before.train_tokens)  # the same blocks: the kept digest's name
+    assert not np.array_equal(np.asarray(after.train_tokens), np.asarray(before.train_tokens))
+    used = len(after.train_tokens) // spec.seq_len * spec.seq_len
+    assert after.token_digest == digest_ids(spec.seq_len, after.vocab_size, after.train_tokens[:used],
+                                            after._val_blocks, after._test_blocks)
+    with pytest.raises(ValueError, match="trained on other data"):
+        check_corpus(record, after.train_batches(2, seed=0), spec.source)
