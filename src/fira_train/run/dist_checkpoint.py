@@ -391,8 +391,8 @@ def _raise_on_every_rank(error: Exception | None) -> None:
         return
     sent = error
     if error is not None:
-        try:  # one that cannot be pickled would fail on rank 0 alone, the others left waiting
-            pickle.dumps(error)
+        try:  # one that cannot be pickled would fail on rank 0 alone, the others left waiting; one
+            pickle.loads(pickle.dumps(error))  # that cannot be unpickled, as a TypeError on the others
         except Exception:  # noqa: BLE001
             sent = RuntimeError(f"{type(error).__name__}: {error}")
     message: list[Any] = [sent]

@@ -324,6 +324,43 @@ def test_ctrl_c_or_no_memory_while_loading_is_not_called_a_damaged_checkpoint(tm
     assert run_ranks(_interrupted_load_worker, 1, tmp_path / "w2", str(path), "memory", timeout=40) == ["MemoryError"]
 
 
+class _TwoPartError(Exception):
+    """An error that pickles but does not unpickle: its __init__ takes two values and hands one
+    message to Exception (pickle calls the class with that one)."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+
+
+def _unpicklable_error_worker(rank: int, world: int, run_dir: str) -> str:
+    """Rank 0's part of a save (the marker) raises an error that the other ranks cannot unpickle."""
+    import fira_train.run.dist_checkpoint as ckpt
+    from tests.fira_train.tiny_lm import build_model, make_optimizer
+
+    def fail(*args, **kwargs):
+        raise _TwoPartError("the marker", "could not be written")
+
+    model = build_model()
+    optimizer = make_optimizer(model, "fira")
+    if rank == 0:
+        ckpt._write_synced = fail
+    try:
+        ckpt.save_checkpoint(run_dir, 2, model, optimizer, extra={"step": 2})
+    except Exception as err:  # noqa: BLE001 -- reported to the test
+        return f"{type(err).__name__}: {err}"
+    return "saved"
+
+
+@pytest.mark.timeout(60)
+def test_an_error_of_rank_0_that_does_not_unpickle_reaches_the_others_as_its_text(tmp_path):
+    """Rank 0's error travels pickled; one that pickles but cannot be unpickled (a class whose
+    __init__ takes other arguments than its message) made the receiving ranks raise a TypeError
+    from inside broadcast_object_list (a traceback about __init__'s arguments) instead of it."""
+    results = run_ranks(_unpicklable_error_worker, 2, tmp_path / "w", str(tmp_path / "run"), timeout=50)
+    assert results == ["_TwoPartError: the marker: could not be written",
+                       "RuntimeError: _TwoPartError: the marker: could not be written"], results
+
+
 class _Exploit:
     """A pickle that creates a file when unpickled."""
 
