@@ -103,11 +103,11 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
         levers = ("lower --lr" if getattr(args, "command", None) == "finetune"
                   else "lower optim.lr or set train.grad_clip (e.g. 1.0)")
         return (f"the run diverged: {where}, nothing was updated; {levers} and train the run again (a resume "
-                f"keeps the run's settings: it would train the same steps again){_start_over(args)}"
-                f"{_work_kept(args)}")
+                f"keeps the run's settings: it would train the same steps again){_work_kept(args)}"
+                f"{_start_over(args)}")
     if isinstance(err, FloatingPointError):  # DivergedError, NonFiniteLossError
         text = str(err)
-        return (text if "diverged" in text else f"the run diverged: {text}") + _start_over(args) + _work_kept(args)
+        return (text if "diverged" in text else f"the run diverged: {text}") + _work_kept(args) + _start_over(args)
     if isinstance(err, (ValueError, OSError, CheckpointError, IsolatedRunDied)):
         return str(err)
     behind = _disk_error_behind(err)
