@@ -25,7 +25,7 @@ import os
 import stat
 from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 try:
     import fcntl
@@ -176,6 +176,12 @@ def open_regular(path: str | Path, flags: int, mode: int = 0o666, follow: bool =
     return fd
 
 
+def open_append(path: str | Path) -> TextIO:
+    """``path`` opened for appending UTF-8 text (created if missing), through :func:`open_regular`:
+    never through a symbolic link planted in its place, nor into a FIFO or a device."""
+    return os.fdopen(open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+
+
 def _not_regular(path: str | Path) -> str:
     return (f"{str(path)!r} is not a file (a FIFO, a socket or a device): fira-train makes none, and one could "
             "hang the run or send its writes to a device; remove it, or choose another --out")
@@ -213,7 +219,7 @@ def locked(lock_file: str | Path) -> Iterator[None]:
     if fcntl is None:
         yield
         return
-    with os.fdopen(open_regular(lock_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as handle:
+    with open_append(lock_file) as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

@@ -29,7 +29,7 @@ from fira_train.config.resolve import resolved, saved_config
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import (DamagedFileError, check_report_owner, cut_back_json_lines, open_regular, read_json,
+from fira_train.files import (DamagedFileError, check_report_owner, cut_back_json_lines, open_append, read_json,
                                read_json_lines, refuse_links, write_text_atomic)
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
@@ -457,6 +457,5 @@ class JsonlWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self._begun:
             self.begin(0)
-        # as metrics.jsonl: never through a link planted in its place, nor into a FIFO or a device
-        with os.fdopen(open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8") as f:
+        with open_append(self.path) as f:  # as metrics.jsonl: never through a link, nor into a FIFO
             f.write(json.dumps(record) + "\n")

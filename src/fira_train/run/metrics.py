@@ -11,11 +11,10 @@ lines of evaluation steps add ``val_loss`` (mean over every validation token) an
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import cut_back_json_lines, dumps, open_regular, read_json_lines
+from fira_train.files import cut_back_json_lines, dumps, open_append, read_json_lines
 
 
 class MetricsLog:
@@ -30,9 +29,7 @@ class MetricsLog:
         self.path = Path(out_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             cut_back_json_lines(self.path, resume_step, hint=_DAMAGED_HINT)
-        # appended to, never through a symbolic link planted in its place, nor into a FIFO or a device
-        fd = open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        self._file = os.fdopen(fd, "a", encoding="utf-8")
+        self._file = open_append(self.path)  # never through a link planted in its place, nor into a FIFO
         self._tb = None
         if tensorboard:
             # only with train.tensorboard: it takes half a second to import
