@@ -33,6 +33,7 @@ from fira_train.files import locked, read_json, refuse_links, write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes, is_estimated
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
+from fira_train.run.run_dir import devices_differ
 from fira_train.run.peak_memory import current_rss_bytes, env_prefix, malloc_env, reset_rss_peak, rss_peak_bytes
 from fira_train.run.train import train_step
 from fira_train.run.training import autocast_for, build_training, resolve_device
@@ -176,7 +177,7 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
     if "settings" in old:  # (tables written before it was recorded: their commands say it)
         # train.device=auto names no kind (as on a resume): each row records the device it ran on
         changed = [key for key in changed_keys(old["settings"], record["settings"])
-                   if key != "train.device" or "auto" not in (old["settings"].get(key), record["settings"].get(key))]
+                   if key != "train.device" or devices_differ(old["settings"].get(key), record["settings"].get(key))]
         if changed:
             raise ValueError(f"--append: {json_path} was measured with other settings for every method: "
                              f"{describe_changed(old['settings'], record['settings'], changed)}; one table holds "

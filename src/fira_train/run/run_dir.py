@@ -68,7 +68,13 @@ def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESU
     run recorded as ``auto`` could not go on, or be reused, with ``cpu`` on a GPU machine."""
     return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore
             and (key != "train.micro_batch_size" or old.train.micro_batch != new.train.micro_batch)
-            and (key != "train.device" or "auto" not in (old.train.device, new.train.device))]
+            and (key != "train.device" or devices_differ(old.train.device, new.train.device))]
+
+
+def devices_differ(old: str, new: str) -> bool:
+    """Whether two ``train.device`` settings name two kinds (``cpu`` and ``cuda``): ``auto`` names
+    none, so against it the record of the device a run (or a measured row) ran on decides."""
+    return old != new and "auto" not in (old, new)
 
 
 def device_kind(device: str) -> str:
