@@ -163,10 +163,10 @@ def open_regular(path: str | Path, flags: int, mode: int = 0o666, follow: bool =
             raise ValueError(_not_regular(path)) from None
         raise
     try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):  # opened for reading: the error reading a folder gives, as open() would
+        kind = os.fstat(fd).st_mode
+        if stat.S_ISDIR(kind):  # opened for reading: the error reading a folder gives, as open() would
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(kind):
             raise ValueError(_not_regular(path))
         if nonblock:
             os.set_blocking(fd, True)
