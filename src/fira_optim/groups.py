@@ -85,6 +85,7 @@ def param_groups(
     setting) are set on the projected group. A model with 2-D weights none of which qualifies
     gets a ``UserWarning``: the optimizer would be plain AdamW.
     """
+    _check_group_options(group_options)
     reject_fsdp1(model)  # FSDP1 flattens the weights: nothing would be projected, silently
     never = _excluded_by_role(model)
     projected: list[torch.Tensor] = []
@@ -113,6 +114,26 @@ def param_groups(
         groups.append({"params": projected, "rank": rank, "update_proj_gap": update_proj_gap,
                        "alpha": alpha, **group_options})
     return groups
+
+
+def _check_group_options(options: dict[str, Any]) -> None:
+    """TypeError naming each of ``options`` that no param group of :class:`fira_optim.FiraAdamW`
+    reads (with the closest that one does): torch's optimizers keep any key of a group, so
+    ``param_groups(model, rnak=8)`` trained at the default rank without a word. The optimizer's
+    own options (``implementation``, ...) are refused by the optimizer, naming the group."""
+    import difflib
+    import inspect
+
+    from .optimizer import FiraAdamW  # it imports this module
+
+    known = set(inspect.signature(FiraAdamW.__init__).parameters) - {"self", "params", "no_deprecation_warning"}
+    known.add("scale")  # galore-torch's name for alpha (GaLoreAdamW)
+    for key in options:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            raise TypeError(f"param_groups() got an unexpected option {key!r}"
+                            + (f" (did you mean {close[0]!r}?)" if close else "")
+                            + ": the options are FiraAdamW's (see its signature)")
 
 
 def _is_linear(module: nn.Module) -> bool:

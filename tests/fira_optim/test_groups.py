@@ -100,6 +100,12 @@ def test_group_options_go_to_the_projected_group():
     assert all("proj_type" not in g for g in groups if g["rank"] is None)
     opt = FiraAdamW(groups)
     assert opt.param_groups[-1]["limiter"] == "clip" and opt.param_groups[0]["limiter"] == "growth"
+    # a misspelt option was kept on the group (torch keeps any key) and trained at the default rank
+    with pytest.raises(TypeError, match=r"unexpected option 'rnak' \(did you mean 'rank'\?\)"):
+        param_groups(model, rnak=8)
+    with pytest.raises(TypeError, match="unexpected option 'gama'"):
+        param_groups(model, gama=1.1)
+    assert param_groups(model, scale=0.5)[-1]["scale"] == 0.5  # galore-torch's name for alpha
 
 
 class _TiedToy(nn.Module):
