@@ -157,6 +157,7 @@ def test_the_harness_imports_only_what_the_train_extra_declares() -> None:
 def test_a_missing_package_of_the_extra_is_one_line_naming_the_extra() -> None:
     message = describe(ModuleNotFoundError("No module named 'transformers'", name="transformers"))
     assert message is not None and "pip install 'fira-optim[train]'" in message and "'transformers'" in message
+    assert 'pip install -e ".[train]" in a checkout' in message  # what a source checkout runs
     assert describe(ModuleNotFoundError("No module named 'scipy.stats'", name="scipy.stats")) is not None
     # a module that is not the extra's (fira_train's own, a typo) is a bug: its traceback
     assert describe(ModuleNotFoundError("No module named 'fira_train.nope'", name="fira_train.nope")) is None

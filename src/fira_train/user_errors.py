@@ -80,7 +80,8 @@ def missing_extra(err: BaseException) -> str | None:
     if top not in TRAIN_EXTRA_MODULES:
         return None
     return (f"the package {top!r} is not installed: fira-train needs fira-optim's [train] extra "
-            "(pip install 'fira-optim[train]'); `import fira_optim` alone needs torch only")
+            "(pip install 'fira-optim[train]', or pip install -e \".[train]\" in a checkout of the source); "
+            "`import fira_optim` alone needs torch only")
 
 
 def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
