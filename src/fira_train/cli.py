@@ -144,15 +144,16 @@ def warn_unused_settings(args: argparse.Namespace, specs: Sequence[str]) -> None
     methods none of which reads it (``--method adamw --rank 8``, ``galore@optim.gamma=1.05``):
     trained without it (:attr:`fira_train.methods.method.Method.uses`)."""
     from fira_train.config.method_spec import parse_method_spec  # imports torch: not at parser build
-    from fira_train.config.overrides import flags_given, override_key
+    from fira_train.config.overrides import flags_given, override_key, override_keys
     from fira_train.methods.registry import get_method
 
     parsed = [parse_method_spec(spec) for spec in specs]
     names = list(dict.fromkeys(spec.name for spec in parsed))
+    known = set(override_keys())  # an unknown key is the error the config build raises, not a warning too
 
     def unused(key: str, methods: Sequence[str]) -> bool:
         setting = key.removeprefix("optim.")
-        return (key.startswith("optim.") and setting not in ("method", "lr")
+        return (key in known and key.startswith("optim.") and setting not in ("method", "lr")
                 and not any(setting in get_method(name).uses for name in methods))
 
     given = dict.fromkeys([*flags_given(args, FLAG_KEYS), *(override_key(item) for item in args.overrides)])

@@ -321,6 +321,9 @@ def test_help_offers_what_each_command_takes(capsys) -> None:
                                                                "effect on the run galore@optim.gamma=1.05"),
     (["compare", "--methods", "fira@optim.gamma=1.05,galore"], None),
     (["compare", "--methods", "adamw,relora", "optim.relora_prune=0.5"], None),
+    # a misspelt key is the config's error alone (it was warned of first, as if it were a setting)
+    (["compare", "--methods", "fira,galore@optim.rnak=4"], None),
+    (["pretrain", "--method", "galore", "optim.rnak=4"], None),
 ])
 def test_a_setting_given_to_methods_that_ignore_it_is_warned(argv: list[str], warned: str | None, caplog) -> None:
     args = build_parser().parse_args([*argv, "--recipe", "micro"])
