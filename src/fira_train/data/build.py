@@ -138,7 +138,8 @@ def _load_token_cache(entry: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         shutil.rmtree(entry, ignore_errors=True)
         return None
     if meta.get("encoding") != ENCODING:
-        logger.info("token cache %s was encoded with special-token text as special tokens; encoding it again", entry)
+        logger.info("token cache %s predates special-token text encoded as text; encoding it again (a corpus "
+                    "without such text gets the same ids)", entry)
         shutil.rmtree(entry, ignore_errors=True)
         return None
     return train, val, test, meta
