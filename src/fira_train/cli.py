@@ -396,6 +396,17 @@ def _register_methods(subparsers: Any) -> None:
     parser.set_defaults(func=_methods)
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command ``args`` chose, the deepest (``analyze spikes``): argparse
+    reports a flag none of them knows with the top level's usage."""
+    while True:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, actions[0].dest, None) if actions else None
+        if chosen not in (actions[0].choices if actions else {}):
+            return parser
+        parser = actions[0].choices[chosen]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Pre-train LLaMA models with Fira, GaLore, AdamW, LoRA and more.")
@@ -505,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 1
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's usage and name, not the top level's ("fira-train [-h] COMMAND ...")
+        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv  # recorded in reports
     # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
     configure_logging(logging.INFO if is_rank_zero() else logging.WARNING)

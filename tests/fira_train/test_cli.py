@@ -375,3 +375,17 @@ def test_a_broken_pipe_of_anything_but_stdout_is_an_error(monkeypatch, capsys) -
     monkeypatch.setattr(cli, "_methods", broken)
     assert main(["methods"]) == 1
     assert "fira-train methods: error: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "prog"), [
+    (["pretrain", "--recipe", "micro", "--method", "fira", "--stpes", "5"], "fira-train pretrain"),
+    (["compare", "--recipe", "micro", "--methods", "fira", "--resume-step", "3"], "fira-train compare"),
+    (["analyze", "spikes", "--recipe", "micro", "--bogus"], "fira-train analyze spikes"),
+])
+def test_an_unknown_flag_is_named_with_its_commands_usage(argv: list[str], prog: str, capsys) -> None:
+    """It was the top level's usage ('usage: fira-train [-h] COMMAND ...', 'fira-train: error')."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: {prog} " in err and f"{prog}: error: unrecognized arguments: {argv[-2] if argv[-1].isdigit() else argv[-1]}" in err
