@@ -251,9 +251,11 @@ def _sweep(args: argparse.Namespace) -> int:
         print(report.read_text())
         print(f"report: {report}")
         return 0
-    if not args.recipe or not args.methods or not args.lrs:
-        raise ValueError("sweep needs --recipe, --methods and --lrs (or --report-only to rebuild a finished "
-                         "sweep's report)")
+    missing = [flag for flag, value in (("--recipe", args.recipe), ("--methods", args.methods), ("--lrs", args.lrs))
+               if not value]
+    if missing:
+        raise ValueError(f"sweep needs {' and '.join(missing)} (with --recipe, --methods and --lrs it trains; "
+                         "--report-only rebuilds a finished sweep's report)")
     if args.lr is not None or args.seed is not None:
         raise ValueError("sweep sets the learning rate and the seed itself: use --lrs and --seeds, "
                          "not --lr / --seed")

@@ -389,3 +389,8 @@ def test_an_unknown_flag_is_named_with_its_commands_usage(argv: list[str], prog:
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"usage: {prog} " in err and f"{prog}: error: unrecognized arguments: {argv[-2] if argv[-1].isdigit() else argv[-1]}" in err
+
+
+def test_a_sweep_without_its_grid_names_what_is_missing(capsys) -> None:
+    assert cli.main(["sweep", "--recipe", "micro", "--methods", "fira", "--out", "unused"]) == 1
+    assert "sweep needs --lrs (with --recipe, --methods and --lrs it trains" in capsys.readouterr().err

@@ -26,6 +26,7 @@ tokenized splits are cached on disk under content hashes, so a second build only
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import logging
@@ -317,7 +318,9 @@ def build_corpus(spec: DataSpec) -> Corpus:
         return _build_packed(spec, corpus_id, lambda: read_wiki_documents(wiki_path), cache_dir)
     path = Path(spec.source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"data source {spec.source!r} does not exist")
+        close = difflib.get_close_matches(spec.source, ["wiki", "c4"], n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close and "/" not in spec.source else ""
+        raise FileNotFoundError(f"data source {spec.source!r} does not exist{hint}")
     if path.is_file() and path.suffix.lower() == PRETOKENIZED_SUFFIX:
         return _build_pretokenized(spec, path)
     files = list_corpus_files(path)

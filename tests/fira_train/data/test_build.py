@@ -534,3 +534,10 @@ def test_a_token_cache_encoded_again_is_not_given_the_token_digest_kept_for_its_
                                             after._val_blocks, after._test_blocks)
     with pytest.raises(ValueError, match="trained on other data"):
         check_corpus(record, after.train_batches(2, seed=0), spec.source)
+
+
+def test_a_missing_source_close_to_a_corpus_name_suggests_it(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"data source 'wikii' does not exist \(did you mean 'wiki'\?\)"):
+        build_corpus(spec_for("wikii", tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match=r"does not exist$"):  # a path: no corpus name to suggest
+        build_corpus(spec_for(str(tmp_path / "wiki"), tmp_path / "cache"))
