@@ -150,10 +150,8 @@ def test_the_owner_of_a_nested_optimizer_state_is_its_parameter():
                                                                                          "gone.weight"}
 
 
-def _kill_during_save_worker(rank: int, world: int, run_dir: str, where: str) -> None:
-    """Save a checkpoint at step 2, then die (SIGKILL) in the middle of writing step 4."""
-    import torch.distributed.checkpoint as dcp
-
+def _saved_at_step_2(run_dir: str) -> tuple:
+    """A tiny model and its Fira optimizer after one step, saved as the checkpoint of step 2."""
     import fira_train.run.dist_checkpoint as ckpt
     from tests.fira_train.tiny_lm import build_model, make_optimizer
 
@@ -163,6 +161,16 @@ def _kill_during_save_worker(rank: int, world: int, run_dir: str, where: str) ->
         p.grad = torch.ones_like(p)
     optimizer.step()
     ckpt.save_checkpoint(run_dir, 2, model, optimizer, extra={"step": 2})
+    return model, optimizer
+
+
+def _kill_during_save_worker(rank: int, world: int, run_dir: str, where: str) -> None:
+    """Save a checkpoint at step 2, then die (SIGKILL) in the middle of writing step 4."""
+    import torch.distributed.checkpoint as dcp
+
+    import fira_train.run.dist_checkpoint as ckpt
+
+    model, optimizer = _saved_at_step_2(run_dir)
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -214,14 +222,8 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
 
     import fira_train.run.dist_checkpoint as ckpt
     from fira_train.user_errors import describe
-    from tests.fira_train.tiny_lm import build_model, make_optimizer
 
-    model = build_model()
-    optimizer = make_optimizer(model, "fira")
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
-    optimizer.step()
-    ckpt.save_checkpoint(run_dir, 2, model, optimizer, extra={"step": 2})
+    model, optimizer = _saved_at_step_2(run_dir)
 
     def full(*args, **kwargs):
         if where == "interrupt":  # Ctrl-C as this rank writes its shards
