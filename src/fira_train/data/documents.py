@@ -108,6 +108,9 @@ def list_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
                 f"{', '.join(SUPPORTED_SUFFIXES)} (optionally .gz) or .npy of token ids"
             )
         return [root]
+    if not root.is_dir():  # a device, a FIFO, a socket: rglob would list nothing and call it a folder
+        raise ValueError(f"data source {str(path)!r} is neither a file nor a folder (a device, a FIFO or a socket): "
+                         "give a corpus file or a folder of them")
     files = sorted(
         p for p in root.rglob("*")
         # hidden files and anything under a hidden folder (.git, .ipynb_checkpoints) are not the corpus

@@ -147,3 +147,11 @@ def test_a_byte_order_mark_is_not_text(tmp_path: Path) -> None:
     assert documents.read_file_documents(tmp_path / "a.txt") == ["first paragraph", "second"]
     assert documents.read_file_documents(tmp_path / "b.jsonl") == ["json first"]  # was: line 1 invalid JSON
 
+
+
+def test_a_source_that_is_neither_file_nor_folder_is_named_for_what_it_is() -> None:
+    """/dev/null was called a folder that holds no corpus files."""
+    from fira_train.data.documents import list_corpus_files
+
+    with pytest.raises(ValueError, match=r"'/dev/null' is neither a file nor a folder \(a device"):
+        list_corpus_files("/dev/null")
