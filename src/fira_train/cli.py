@@ -39,6 +39,7 @@ import logging
 import os
 import select
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -527,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     stdout = sys.stdout
     if stdout is not None:  # None: no file descriptor 1 (`>&-`, pythonw), where print writes nothing
         sys.stdout = _Stdout(stdout)
+    # a library's UserWarning (the optimizer's, torch's) in one line, as the command's own warnings,
+    # not Python's two (the file of fira-train that raised it, and its source line)
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_, **__: (
+        f"{PROG} {args.command}: warning: {message} ({category.__name__})\n")
     try:
         status = int(args.func(args) or 0)
         if sys.stdout is not None:
@@ -546,3 +552,4 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         sys.stdout = stdout
+        warnings.formatwarning = formatwarning

@@ -394,3 +394,20 @@ def test_an_unknown_flag_is_named_with_its_commands_usage(argv: list[str], prog:
 def test_a_sweep_without_its_grid_names_what_is_missing(capsys) -> None:
     assert cli.main(["sweep", "--recipe", "micro", "--methods", "fira", "--out", "unused"]) == 1
     assert "sweep needs --lrs (with --recipe, --methods and --lrs it trains" in capsys.readouterr().err
+
+
+def test_a_library_warning_is_one_line_in_the_commands_words(monkeypatch, capsys) -> None:
+    """Python printed two lines: the file of fira-train that raised it, and its source line."""
+    import warnings
+
+    before = warnings.formatwarning
+
+    def methods(args):
+        print(warnings.formatwarning("rank=1000 is >= min(m, n)", UserWarning, "/x/optimizers.py", 150), end="",
+              file=sys.stderr)
+        return 0
+
+    monkeypatch.setattr(cli, "_methods", methods)
+    assert cli.main(["methods"]) == 0
+    assert capsys.readouterr().err == "fira-train methods: warning: rank=1000 is >= min(m, n) (UserWarning)\n"
+    assert warnings.formatwarning is before  # put back: the process's own warnings are Python's again
