@@ -49,7 +49,7 @@ from fira_train.files import measure_out_dir
 from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import is_rank_zero
-from fira_train.run.process_logging import configure_logging
+from fira_train.run.process_logging import configure_logging, one_line_warnings
 from fira_train.user_errors import describe
 
 PROG = "fira-train"
@@ -528,11 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     stdout = sys.stdout
     if stdout is not None:  # None: no file descriptor 1 (`>&-`, pythonw), where print writes nothing
         sys.stdout = _Stdout(stdout)
-    # a library's UserWarning (the optimizer's, torch's) in one line, as the command's own warnings,
-    # not Python's two (the file of fira-train that raised it, and its source line)
     formatwarning = warnings.formatwarning
-    warnings.formatwarning = lambda message, category, *_, **__: (
-        f"{PROG} {args.command}: warning: {message} ({category.__name__})\n")
+    warnings.formatwarning = one_line_warnings(f"{PROG} {args.command}")
     try:
         status = int(args.func(args) or 0)
         if sys.stdout is not None:

@@ -22,13 +22,14 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Any, Callable
 
 from fira_train.config.run_config import RunConfig
-from fira_train.run.process_logging import configure_logging
+from fira_train.run.process_logging import configure_logging, one_line_warnings
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ def _how_it_ended(exitcode: int | None) -> str:
 
 def _child(send, parent_gone, level: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     configure_logging(level)
+    warnings.formatwarning = one_line_warnings("fira-train")  # this process ends with the run
     threading.Thread(target=_end_when_orphaned, args=(parent_gone,), daemon=True,
                      name="fira-train-parent-watch").start()
     try:

@@ -72,3 +72,14 @@ def test_an_interrupted_batch_starts_no_more_runs_and_stops_the_running_ones(tmp
         run_isolated_many(calls, jobs=1, on_result=interrupt)
     assert time.perf_counter() - started < 40  # the 60 s run was stopped
     assert not (tmp_path / "queued").exists()
+
+
+def _shown_warning() -> str:
+    import warnings
+
+    return warnings.formatwarning("rank=1000 is >= min(m, n)", UserWarning, "/x/optimizers.py", 150)
+
+
+def test_a_warning_in_the_run_is_one_line() -> None:
+    """compare's and sweep's runs: Python's two lines (fira-train's file, its source line) before."""
+    assert run_isolated(_shown_warning) == "fira-train: warning: rank=1000 is >= min(m, n) (UserWarning)\n"
