@@ -33,18 +33,18 @@ authors' package, whose arithmetic produced their numbers), and what the harness
   multiplies the whole update, so the channel factor ``||Adam(R)|| / ||R||`` and the norm-growth
   limiter see *un-corrected* moments ``M / (sqrt(V) + eps)``. Their size grows over the first
   steps (for a steady gradient, 3.2 at t = 1 and 4.3 at t = 2 with the default betas, where the
-  corrected moments give 1 at every step), which the limiter, allowing 1.01x per step, cuts back: the early updates are smaller than those of a limiter
-  on corrected moments (the placement of Fira's Algorithm 1 and of ``fira_optim``'s Fira). Measured
-  on ``micro``-shaped matrices in float64, 7 steps at lr 0.01 (each step moves a weight by about
-  0.01): up to 1.9e-3 (APOLLO) and 7.8e-3 (APOLLO-Mini) from a transcription with corrected
-  moments; the harness's build matches a transcription of the package's arithmetic to 1e-11.
+  corrected moments give 1 at every step: ``(1 - beta1^t) / sqrt(1 - beta2^t)``), which the limiter,
+  allowing 1.01x per step, cuts back: the early updates are smaller than those of a limiter on
+  corrected moments (the placement of Fira's Algorithm 1 and of ``fira_optim``'s Fira). The
+  harness's build matches a float64 transcription of the package's arithmetic
+  (``tests/fira_train/methods/test_peers.py``).
 - Weight decay comes after the update, at the uncorrected ``lr`` (``p -= lr * wd * p``), on every
   parameter; the AdamW group (embeddings, norms, head) adds ``eps`` before the bias correction
   (Hugging Face's AdamW), as ``fira`` 1.0.2 and galore-torch do.
 - ``eps`` is ``optim.eps``, 1e-8 by default (torch's AdamW, shared by every method of the harness);
-  the package defaults to 1e-6 and the README's usage example keeps that default. It matters at
-  small gradients (``micro``, 5 steps: weights apart by up to 3.4e-2 for APOLLO, 1.1e-1 for
-  APOLLO-Mini); give ``optim.eps=1e-6`` to run the package as its authors did.
+  the package defaults to 1e-6 and the README's usage example keeps that default. It matters where
+  ``sqrt(v)`` is small beside 1e-6 (small gradients, early steps); give ``optim.eps=1e-6`` to run
+  the package as its authors did.
 
 What the package cannot do here, refused with a clear error: FSDP2 (the README's to-do list
 says "Support APOLLO with FSDP"; the step multiplies plain random matrices with the sharded

@@ -21,11 +21,11 @@ sets the learning rate), no 8-bit quantization of the states. Weight decay (``op
 0 in the paper's runs) is the package's: ``W -= weight_decay * lr * max(1e-3, RMS(W)) * W``, at
 Adafactor's parameter-relative step size, before the update.
 
-Checked in float64 against a transcription of the algorithm (Adafactor's factored second moment
-with decay ``1 - t^-0.8``, momentum of the normalised update kept compressed through a Gaussian
-matrix scaled by ``1 / sqrt(r)``, moved to the new matrix after steps ``kappa, 2 kappa, ...``,
-update clipping at RMS 1): equal to round-off, and :func:`build_flora_optimizer` at run seed 0 is the package's
-``Flora`` over the same parameters bit for bit.
+The package's algorithm: Adafactor's factored second moment with decay ``1 - t^-0.8``, momentum
+of the normalised update kept compressed through a Gaussian matrix scaled by ``1 / sqrt(r)``,
+moved to the new matrix after steps ``kappa, 2 kappa, ...``, update clipping at RMS 1.
+:func:`build_flora_optimizer` at run seed 0 steps as the package's ``Flora`` over the same
+parameters, bit for bit (``tests/fira_train/methods/test_peers.py``).
 
 What is used of the package: the ``Flora`` optimizer, i.e. the compressed momentum. Flora's
 other half, compressing the *gradient accumulation* across micro-batches, lives in the package's

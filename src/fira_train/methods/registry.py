@@ -41,15 +41,14 @@ Where a baseline is not its reference's arithmetic, deliberately:
 
 - ``eps``: every method takes ``optim.eps``, 1e-8 by default (``torch.optim.AdamW``'s), while
   ``fira`` 1.0.2, galore-torch 1.0 and apollo-torch 1.0.3 default to 1e-6, which their authors'
-  pre-training scripts keep. At small gradients the two differ by much more than round-off
-  (``micro``, 5 steps: weights apart by up to 4e-2 for ``galore``, ``fira-released`` and
-  ``apollo``, each step moving a weight by at most 1e-2); ``optim.eps=1e-6`` reproduces theirs.
+  pre-training scripts keep. Where ``sqrt(v)`` is small beside 1e-6 (small gradients, early
+  steps) the two differ by more than round-off; ``optim.eps=1e-6`` reproduces theirs.
 - ``galore`` is Algorithm 1's arithmetic with the residual dropped (fira_optim's default), not
   galore-torch's: the projected matrices take the same steps, but the unprojected parameters are
   ``torch.optim.AdamW`` (``eps`` after the bias correction) where galore-torch adds ``eps`` before
-  it, and weight decay comes before the update instead of after (float64, 7 steps at lr 0.01:
-  up to 1.5e-4 apart, on rarely-seen rows of the head). ``fira-released`` is ``fira`` 1.0.2's
-  arithmetic (to 2e-16 against the package).
+  it, and weight decay comes before the update instead of after (they differ where ``eps`` is
+  not small beside ``sqrt(v)``: rarely seen rows of the head). ``fira-released`` is ``fira``
+  1.0.2's arithmetic (``tests/fira_optim/test_parity_released.py``).
 - ``adamw-grouped`` puts every attention / MLP matrix at ``alpha * lr``; a Fira run trains a
   matrix whose smaller side is at most ``optim.rank`` with plain Adam at ``lr`` (there is no
   residual to project), so at such ranks (``rank >= min(m, n)``, e.g. the k / v projections of a
