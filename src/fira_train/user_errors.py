@@ -116,9 +116,8 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
         return _os_error(behind, args)
     peer = _peer_gone(err)
     if peer is not None:
-        return (f"another process of this torchrun launch stopped ({peer}): its own error, printed by "
-                f"that process, says why; fix that and run the same command again"
-                f"{_AGAIN.get(getattr(args, 'command', ''), '')}{_work_kept(args)}")
+        return _run_again(f"another process of this torchrun launch stopped ({peer})",
+                          "its own error, printed by that process, says why; fix that", args)
     return _short_write(err, args)
 
 
@@ -257,12 +256,20 @@ _AGAIN = {"pretrain": " with --resume", "compare": " with --resume", "analyze": 
           "memory": " with --append, its --methods cut to those not measured yet"}
 
 
+def _run_again(problem: str, fix: str, args: argparse.Namespace) -> str:
+    """The one line for a command that stopped and can go on: what happened, what to do, and
+    how the same command continues, keeping what it made."""
+    return f"{problem}: {fix} and run the same command again{_AGAIN.get(getattr(args, 'command', ''), '')}" \
+           f"{_work_kept(args)}"
+
+
 def _no_room(problem: str, fix: str, args: argparse.Namespace) -> str:
-    """The one line for a write that found no room: what happened, what to do, how to go on."""
+    """The one line for a write that found no room: :func:`_run_again`, or only the first part
+    where nothing was made yet."""
     command = getattr(args, "command", "")
     if command == "methods" or command == "memory" and not _memory_json(args).is_file():
         return f"{problem}: {fix} and run the same command again"  # nothing made, or measured: nothing kept
-    return f"{problem}: {fix} and run the same command again{_AGAIN.get(command, '')}{_work_kept(args)}"
+    return _run_again(problem, fix, args)
 
 
 def _work_kept(args: argparse.Namespace) -> str:
