@@ -203,15 +203,22 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> li
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return list(tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"])
-    disable_truncation_and_padding(tokenizer)  # a tokenizer not loaded here may truncate or pad on the backend
+    # A tokenizer not loaded here may truncate or pad on the backend: both are turned off for the
+    # encoding and put back after it, as transformers' own __call__ does, so the caller's
+    # tokenizer behaves afterwards as it did before.
+    truncation, padding, as_text = backend.truncation, backend.padding, backend.encode_special_tokens
+    disable_truncation_and_padding(tokenizer)
+    backend.encode_special_tokens = True
     # encode_batch_fast skips the offsets bookkeeping we do not need (tokenizers >= 0.21).
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    as_text = backend.encode_special_tokens
-    backend.encode_special_tokens = True
     try:
         return [encoding.ids for encoding in encode(list(texts), add_special_tokens=False)]
     finally:
         backend.encode_special_tokens = as_text
+        if truncation is not None:
+            backend.enable_truncation(**truncation)
+        if padding is not None:
+            backend.enable_padding(**padding)
 
 
 def encode_documents(

@@ -131,7 +131,11 @@ def test_a_tokenizer_file_that_truncates_or_pads_encodes_documents_whole(bpe, tm
     # a tokenizer made elsewhere that truncates and pads on its backend is encoded whole too
     other = tok.wrap_bpe(bpe.backend_tokenizer.from_str(json.dumps(config)))
     assert other.backend_tokenizer.truncation is not None and other.backend_tokenizer.padding is not None
+    truncation, padding = other.backend_tokenizer.truncation, other.backend_tokenizer.padding
     assert tok.encode_texts(other, texts) == tok.encode_texts(bpe, texts)
+    # ... and is handed back as it came: its own truncation and padding are on again
+    assert other.backend_tokenizer.truncation == truncation and other.backend_tokenizer.padding == padding
+    assert len(other.backend_tokenizer.encode(texts[0]).ids) == 4
 
 
 def test_pretrained_tokenizer_without_pad_pads_with_eos(bpe, tmp_path: Path) -> None:
