@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -41,26 +42,49 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
+def sendable(error: Exception) -> Exception:
+    """``error`` if it survives a pickle round trip, else a ``RuntimeError`` with its text.
+
+    Errors sent to the other ranks travel pickled: one that cannot be pickled would fail on the
+    sending rank alone, the others left waiting; one that cannot be unpickled, as a TypeError
+    on the others."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 -- any failure of the round trip
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
 def collect_records(directory: Path, rank: int = 0, world_size: int = 1) -> dict[str, dict[str, Any]]:
     """The records of every file in ``directory`` (a DCP checkpoint being written), on every rank.
 
     Each rank hashes the shard files it wrote (``__RANK_*``), rank 0 every other file; with
     several processes (a process group), the records are gathered, so the hashing is spread
-    over the ranks. Every rank must call this.
+    over the ranks. Every rank must call this. A rank's failure to read its files (the lowest
+    failing rank's) is raised on every rank, so none is left waiting for another.
     """
     directory = Path(directory)
-    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MARKER)
-    mine = {p.name: file_record(p) for p in files if p.name.startswith(f"__{rank}_")}
+    failure: Exception | None = None
+    try:
+        files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MARKER)
+        shards = tuple(f"__{other}_" for other in range(world_size))
+        mine = {p.name: file_record(p) for p in files
+                if p.name.startswith(f"__{rank}_") or (rank == 0 and not p.name.startswith(shards))}
+    except Exception as err:  # noqa: BLE001 -- a read error: raised on every rank after the gather
+        failure, mine = err, {}
     if world_size > 1 and dist.is_available() and dist.is_initialized():
+        # The failure travels with the records: had this rank raised before the gather, the
+        # others would wait in it for this rank until the process group's timeout.
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, mine)
-        records = {name: rec for part in gathered for name, rec in part.items()}
+        dist.all_gather_object(gathered, (mine, None if failure is None else sendable(failure)))
+        failed = [i for i, (_, sent) in enumerate(gathered) if sent is not None]
+        if failed:  # the lowest failing rank's error, the same on every rank (there, with its traceback)
+            raise failure if failed[0] == rank else gathered[failed[0]][1]
+        records = {name: rec for part, _ in gathered for name, rec in part.items()}
+    elif failure is not None:
+        raise failure
     else:
         records = dict(mine)
-    if rank == 0:
-        for path in files:
-            if path.name not in records:
-                records[path.name] = file_record(path)
     return dict(sorted(records.items()))
 
 

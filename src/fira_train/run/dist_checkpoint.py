@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import shutil
 import time
 from pathlib import Path
@@ -389,13 +388,7 @@ def _raise_on_every_rank(error: Exception | None) -> None:
         if error is not None:
             raise error
         return
-    sent = error
-    if error is not None:
-        try:  # one that cannot be pickled would fail on rank 0 alone, the others left waiting; one
-            pickle.loads(pickle.dumps(error))  # that cannot be unpickled, as a TypeError on the others
-        except Exception:  # noqa: BLE001
-            sent = RuntimeError(f"{type(error).__name__}: {error}")
-    message: list[Any] = [sent]
+    message: list[Any] = [None if error is None else checkpoint_integrity.sendable(error)]
     dist.broadcast_object_list(message, src=0)
     if error is not None:
         raise error

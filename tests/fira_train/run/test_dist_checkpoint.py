@@ -235,6 +235,10 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
     elif rank == failing and where == "folder":  # rank 0 alone makes it, the others wait
         make = Path.mkdir
         Path.mkdir = lambda path, *a, **k: full() if path.name == ".tmp-step_00000004" else make(path, *a, **k)
+    elif rank == failing and where == "hash":  # reading back the files this rank hashes
+        import fira_train.run.checkpoint_integrity as integrity
+
+        integrity.file_record = lambda path: full()
     elif rank == failing:
         setattr(dcp.FileSystemWriter, "finish" if where == "metadata" else "write_data", full)
     optimizer.step()
@@ -249,13 +253,15 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("failing, where", [(1, "shards"), (0, "metadata"), (0, "marker"), (0, "folder"),
-                                                (1, "interrupt")])
+                                                (1, "interrupt"), (0, "hash"), (1, "hash")])
 def test_a_full_disk_or_ctrl_c_during_a_save_is_the_same_error_on_every_rank(tmp_path, failing, where):
     """DCP wraps a rank's failure in a ``CheckpointException`` (a ``BaseException``) raised on
     every rank: a full disk while writing shards was a torch traceback on every rank instead of
     the command line's one-line message. Now every rank raises the failing rank's ``OSError``
     (no rank waits for another), and the previous checkpoint stays. A full disk as rank 0 alone
-    made the folder or wrote the marker was raised by rank 0 alone, the others left in a barrier."""
+    made the folder or wrote the marker was raised by rank 0 alone, the others left in a barrier;
+    a failure to read back the files a rank hashes for the marker, by that rank alone, the
+    others left in the gather of the records."""
     run_dir = tmp_path / "run"
     results = run_ranks(_full_disk_worker, 2, tmp_path / "w", str(run_dir), failing, where, timeout=50)
     for result in results:
