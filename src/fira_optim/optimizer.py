@@ -683,6 +683,12 @@ class Fira(Optimizer):
                 if not state:
                     _init_projected_state(state, p, rank, side, hyper, work_dtype)
                 return None
+        if new_basis is not None and new_basis.dtype != precision.basis_dtype(hyper.state_dtype, work_dtype):
+            # The refresh step projects with the basis as it is stored (bf16), as every step up to
+            # the next refresh does: a bf16 basis is orthonormal only to about 2**-8, so G - P R
+            # holds a leak of the in-subspace gradient that an fp32 one does not, and a refresh
+            # step without it left the limiter a history that the next step's norm far exceeded.
+            new_basis = new_basis.to(precision.basis_dtype(hyper.state_dtype, work_dtype))
         basis = new_basis if new_basis is not None else distributed.to_local(state["basis"])
         if basis.dtype != work_dtype:  # stored in bf16 (state_dtype)
             basis = basis.to(work_dtype)

@@ -229,3 +229,25 @@ def test_stochastic_rounding_draws_on_the_parameters_device_and_resumes_exactly(
     for p, q in zip(params, twin):
         assert p.device.type == device and torch.equal(p, q)
     assert drawn_on and set(drawn_on) == {device}
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("implementation", ["fast", "reference"])
+def test_the_refresh_step_projects_with_the_stored_basis(state_dtype, implementation):
+    # A constant gradient of rank 8 plus a little noise: Adam's N = sign(R) at every step, so
+    # ||S|| is the same at each. The refresh step projected with the fp32 basis and the next one
+    # with its bf16 rounding, whose residual holds a leak of the in-subspace gradient: ||S|| grew
+    # on step 2 by more than gamma, and the limiter cut the residual down.
+    g = torch.Generator().manual_seed(1)
+    grad = torch.randn(64, 8, generator=g) @ torch.randn(8, 256, generator=g) + 1e-3 * torch.randn(64, 256, generator=g)
+    p = torch.nn.Parameter(torch.zeros(64, 256))
+    opt = FiraAdamW([p], lr=1e-2, rank=8, update_proj_gap=50, state_dtype=state_dtype,
+                    implementation=implementation)
+    seen = []
+    opt.register_step_stats_hook(lambda _opt, stats: seen.append((stats[0].residual_norm, stats[0].limiter_factor)))
+    for _ in range(3):
+        p.grad = grad.clone()
+        opt.step()
+    norms = torch.stack([norm for norm, _ in seen])
+    torch.testing.assert_close(norms, norms[:1].expand(3), rtol=1e-3, atol=0)
+    assert all(float(factor) == 1.0 for _, factor in seen)
