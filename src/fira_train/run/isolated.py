@@ -97,6 +97,13 @@ def _how_it_ended(exitcode: int | None) -> str:
 def _child(send, parent_gone, level: int, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
     configure_logging(level)
     warnings.formatwarning = one_line_warnings("fira-train")  # this process ends with the run
+    # tqdm locks its bars with a multiprocessing lock, a named semaphore that only a clean exit
+    # removes: a run ended by SIGTERM (Ctrl-C stops it so, see _end_when_orphaned) left it to the
+    # resource tracker, which printed "leaked semaphore objects" on the terminal. This process's
+    # bars are shared with no other process, so a thread lock is all they need.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     threading.Thread(target=_end_when_orphaned, args=(parent_gone,), daemon=True,
                      name="fira-train-parent-watch").start()
     try:

@@ -40,6 +40,22 @@ def test_the_child_ends_when_its_parent_is_killed(tmp_path: Path) -> None:
         assert wait_for(lambda: ended(child), timeout_s=30), f"child {child} outlived its parent"
 
 
+def test_a_run_ended_by_a_signal_leaves_no_semaphore_behind() -> None:
+    """Ctrl-C during ``compare`` ends its child by SIGTERM (the parent stops waiting for it). The
+    child's progress bar held tqdm's multiprocessing lock, a semaphore that only the child's own
+    clean exit removes: the parent printed multiprocessing's "leaked semaphore objects" warning
+    at its exit, after the "interrupted" line."""
+    import subprocess
+
+    body = ("import os, signal, io; from tqdm.auto import tqdm; tqdm(total=3, file=io.StringIO()).update(1); "
+            "os.kill(os.getpid(), signal.SIGTERM)")
+    script = ("from fira_train.run.isolated import IsolatedRunDied, run_isolated\n"
+              f"try:\n    run_isolated(exec, {body!r})\nexcept IsolatedRunDied as err:\n    print(err)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "killed by SIGTERM" in done.stdout, (done.stdout, done.stderr)
+    assert "leaked semaphore" not in done.stderr, done.stderr
+
+
 def test_a_child_that_dies_says_how() -> None:
     with pytest.raises(RuntimeError, match="killed by SIGABRT"):
         run_isolated(os.abort)
