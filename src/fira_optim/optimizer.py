@@ -53,6 +53,7 @@ from .projection import (
     basis_shape,
     is_projected,
     low_rank_shape,
+    projected_rank,
     project,
     projection_side,
     reduce_dim,
@@ -96,7 +97,8 @@ class Fira(Optimizer):
         weight_decay: decoupled weight decay :math:`\lambda` (default 0).
         rank: projection rank ``r`` for tensors, and when passed, for dict groups none of
             which sets its own (default 128, for tensors only). A matrix with
-            ``rank >= min(m, n)`` is trained by the plain base optimizer (no residual exists); a
+            ``rank >= min(m, n)`` is trained by the plain base optimizer (no residual exists),
+            but under ``only_scaling``, which projects on all ``min(m, n)`` directions; a
             group none of whose matrices is projected gets a ``UserWarning``.
         update_proj_gap: ``T``, steps between projection refreshes (default 200).
         alpha: :math:`\alpha`, GaLore's scale of the update (default 0.25).
@@ -111,7 +113,9 @@ class Fira(Optimizer):
         limiter: ``"growth"`` (Fira), ``"none"``, ``"clip"`` (``clip_norm``), ``"shrink"`` or
             ``"tensorwise"`` (``mu``): the stabilisers compared in the paper's ablation.
         residual: ``"add"`` (Fira), ``"drop"`` (GaLore) or ``"sign"`` (FRUGAL's signSGD).
-        only_scaling: update with :math:`\phi(R) \odot G` alone (Fira-only-scaling).
+        only_scaling: update with :math:`\phi(R) \odot G` alone (Fira-only-scaling); at any
+            rank, ``min(m, n)`` and above included (there, :math:`\phi` comes from all
+            ``min(m, n)`` directions: the full-rank column of the paper's rank ablation).
         clip_norm: threshold of ``limiter="clip"`` (default 1.0).
         mu: :math:`\mu` of ``"shrink"`` / ``"tensorwise"`` (default 0.1).
         align_signs: give each new exact-SVD basis vector the sign that points it along the
@@ -660,7 +664,7 @@ class Fira(Optimizer):
         own = p.grad if sharding is None else p.grad.to_local()
         grad = own if own.dtype == work_dtype else own.to(work_dtype)
         side = projection_side(p.shape, group["proj_type"])
-        rank = group["rank"]
+        rank = projected_rank(p.shape, group)
         state = self.state[p]
         step = int(state["step"]) if state else 0
         new_basis = None
@@ -799,7 +803,7 @@ def _state_dtypes(p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.dty
     state: dict[str, torch.Tensor] = {}
     if is_projected(probe, group):
         side = projection_side(probe.shape, group["proj_type"])
-        _init_projected_state(state, probe, group["rank"], side, Hyper.from_group(group),
+        _init_projected_state(state, probe, projected_rank(probe.shape, group), side, Hyper.from_group(group),
                               torch.promote_types(p.dtype, torch.float32))
     else:
         unprojected.init_state(state, probe, group)
@@ -962,7 +966,7 @@ def _check_state(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], 
 
 def _check_projected_state(p, state, group, what: str, where: str) -> None:
     side = projection_side(p.shape, group["proj_type"])
-    rank = group["rank"]
+    rank = projected_rank(p.shape, group)
     want = basis_shape(tuple(p.shape), rank, side)
     if tuple(state["basis"].shape) != want:
         raise ValueError(

@@ -260,7 +260,18 @@ def captured_energy(grad: torch.Tensor, basis: torch.Tensor, side: str) -> float
 
 
 def is_projected(p: torch.Tensor, group: dict) -> bool:
-    """Whether ``p`` is trained in a subspace: a 2-D tensor of a group with a ``rank`` below
-    its smaller side (at ``rank >= min(m, n)`` there is no residual: plain base optimizer)."""
+    r"""Whether ``p`` is trained in a subspace: a 2-D tensor of a group with a ``rank`` below
+    its smaller side (at ``rank >= min(m, n)`` there is no residual: plain base optimizer).
+
+    Fira-only-scaling (``only_scaling``) projects at any rank: its update
+    :math:`\phi(R) \odot G` takes the scaling factors of the low-rank optimizer, which at
+    ``rank >= min(m, n)`` runs on all ``min(m, n)`` directions (:func:`projected_rank`); that is
+    not Adam (the paper's rank ablation has this full-rank column, beside Adam's)."""
     rank = group["rank"]
-    return rank is not None and p.dim() == 2 and rank < min(p.shape)
+    return rank is not None and p.dim() == 2 and (rank < min(p.shape) or bool(group.get("only_scaling")))
+
+
+def projected_rank(shape: tuple[int, ...] | torch.Size, group: dict) -> int:
+    """The number of directions a projected matrix of ``shape`` keeps: ``rank``, at most
+    ``min(m, n)`` (reached by Fira-only-scaling only, see :func:`is_projected`)."""
+    return min(group["rank"], *shape)

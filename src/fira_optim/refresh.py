@@ -24,7 +24,7 @@ import torch
 
 from . import distributed
 from .options import Projector, param_name
-from .projection import compute_basis, projection_side
+from .projection import compute_basis, projected_rank, projection_side
 
 if TYPE_CHECKING:
     from .optimizer import Fira
@@ -96,13 +96,14 @@ def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None)
         work_dtype = torch.promote_types(p.dtype, torch.float32)
         grad = distributed.to_local(p.grad)
         side = projection_side(p.shape, group["proj_type"])
+        rank = projected_rank(p.shape, group)
         compute = functools.partial(
-            refresh_outcome, rank=group["rank"], side=side, group=group,
+            refresh_outcome, rank=rank, side=side, group=group,
             order=order, step=step, name=param_name(gi, pi, p),
         )
         previous = distributed.to_local(state["basis"]) if step > 0 else None
         due.append((p, distributed.RefreshJob(
-            grad, p.shape[0], order, previous, side, group["rank"],
+            grad, p.shape[0], order, previous, side, rank,
             distributed.row_sharding(p), work_dtype, compute,
         )))
     return due

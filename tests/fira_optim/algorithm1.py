@@ -12,13 +12,16 @@ import torch
 
 class Algorithm1:
     def __init__(self, w0, *, lr, rank, T, alpha, gamma=1.01, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, transpose=False, align_signs=False):
+                 weight_decay=0.0, transpose=False, align_signs=False, only_scaling=False):
         self.W = w0.detach().clone().double()
         self.lr, self.r, self.T, self.alpha, self.gamma = lr, rank, T, alpha, gamma
         self.b1, self.b2 = betas
         self.eps, self.wd = eps, weight_decay
         self.transpose = transpose
         self.align_signs = align_signs
+        # Fira-only-scaling (Appendix, "Variability of Scaling Factor"): W -= lr * phi(R) G, the
+        # scaling factors applied to the whole gradient, the low-rank term P N dropped.
+        self.only_scaling = only_scaling
         self.M = self.V = self.P = None
         self.S_prev_norm = None  # no history before the first step
         self.t = 0
@@ -43,7 +46,7 @@ class Algorithm1:
             self.P = P_new
         P = self.P
         R = P.T @ G
-        S = G - P @ (P.T @ G)  # (I - P P^T) G
+        S = G.clone() if self.only_scaling else G - P @ (P.T @ G)  # (I - P P^T) G
         if self.M is None:
             self.M, self.V = torch.zeros_like(R), torch.zeros_like(R)
         t = self.t + 1  # Algorithm 1's t counts from 1 in the bias correction
@@ -55,7 +58,7 @@ class Algorithm1:
         if self.S_prev_norm is not None and self.S_prev_norm > 0:
             S = S * self.gamma / max(S.norm() / (self.S_prev_norm + self.eps), self.gamma)
         self.S_prev_norm = S.norm()
-        G_tilde = self.alpha * (P @ N + S)
+        G_tilde = self.alpha * (S if self.only_scaling else P @ N + S)
         if self.transpose:
             G_tilde = G_tilde.T
         self.W = self.W * (1 - self.lr * self.wd) - self.lr * G_tilde

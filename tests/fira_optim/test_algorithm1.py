@@ -1,5 +1,7 @@
 """The optimizer's reference path against a float64 transcription of Algorithm 1."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -40,6 +42,36 @@ def test_matches_algorithm1_float64(shape, implementation, weight_decay, align_s
         expected = ref.step(g)
         torch.testing.assert_close(w.detach(), expected, rtol=1e-10, atol=1e-12,
                                    msg=lambda m: f"step {k}: {m}")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("implementation", ["reference", "fast"])
+@pytest.mark.parametrize("rank", [4, 24, 64])
+def test_fira_only_scaling_matches_its_transcription_at_every_rank(shape, implementation, rank):
+    """Fira-only-scaling, W -= lr * phi(R) G: at a rank below min(m, n), and at min(m, n) and
+    above, where it still projects (on all min(m, n) directions) rather than train the matrix
+    with plain Adam: the paper's rank ablation runs it at full rank, and finds it is not Adam."""
+    steps, T = 13, 5
+    w0 = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    w = torch.nn.Parameter(w0.clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the "none is projected" warning of full-rank groups: not here
+        opt = FiraAdamW([{"params": [w], "rank": rank}], lr=0.01, update_proj_gap=T, alpha=0.25,
+                        only_scaling=True, implementation=implementation)
+    side = projection_side(shape, "std")
+    ref = Algorithm1(w0, lr=0.01, rank=min(rank, *shape), T=T, alpha=0.25, transpose=(side == "right"),
+                     only_scaling=True)
+    adam = torch.optim.AdamW([w0.clone().requires_grad_()], lr=0.01, weight_decay=0.0)
+    for k, g in enumerate(_grads(shape, steps, seed=2)):
+        w.grad = g.clone()
+        opt.step()
+        expected = ref.step(g)
+        torch.testing.assert_close(w.detach(), expected, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"step {k}: {m}")
+        adam.param_groups[0]["params"][0].grad = g.clone()
+        adam.step()
+    assert opt.state[w]["basis"].shape[1] == min(rank, *shape)
+    assert (w.detach() - adam.param_groups[0]["params"][0].detach()).abs().max() > 1e-3  # not Adam
 
 
 def test_limiter_actually_limits_in_the_transcribed_run():
