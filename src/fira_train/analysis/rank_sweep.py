@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import fira_optim
 from fira_train.analysis.rank_defaults import RANK_SWEEP_FRACTIONS, ranks_for_width
 from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header, train_runs
 from fira_train.config.resolve import tuned_lr
@@ -68,18 +69,27 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     """Train the sweep and write ``OUT/report.md`` and ``OUT/ranks.png``; returns the table.
 
     ``ranks`` defaults to :data:`DEFAULT_RANKS` scaled to the config's d_model (r/d_model 4/256,
-    16/256, 64/256, 128/256).
+    16/256, 64/256, 128/256). A rank of d_model itself is full rank, run by Fira-only-scaling
+    alone (the paper's full-rank column; Fira and GaLore would train plain Adam there).
     """
     d_model = config.model.hidden_size
     if ranks is None:
         ranks = ranks_for_width(d_model, RANK_SWEEP_FRACTIONS)
     ranks = sorted(set(ranks))
     for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < d_model:
-            raise ValueError(f"ranks (--ranks) must be ints in [1, d_model={d_model}), got {r!r}")
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= d_model:
+            raise ValueError(f"ranks (--ranks) must be ints in [1, d_model={d_model}], got {r!r}")
     for m in methods:
         if not get_method(m).uses_rank:
             raise ValueError(f"method {m!r} has no rank; the sweep takes rank-dependent methods")
+    if d_model in ranks:  # the paper's full-rank column: Fira-only-scaling alone projects there
+        plain = [m for m in methods if not fira_optim.VARIANTS.get(m, {}).get("only_scaling")]
+        if plain:
+            raise ValueError(
+                f"rank {d_model} (--ranks) is d_model, full rank, where {', '.join(map(repr, plain))} would "
+                f"train every matrix with plain Adam: only Fira-only-scaling still projects there (the "
+                f"paper's full-rank column); run it alone at that rank (--methods fira-only-scaling), "
+                f"or ranks below {d_model}")
     out = Path(out_dir)
     summaries = train_runs(config, rank_sweep_runs(methods, ranks), out,
                            reuse=reuse, overwrite=overwrite, jobs=jobs, title=TITLE, given=given)

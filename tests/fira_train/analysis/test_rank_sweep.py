@@ -47,6 +47,8 @@ def test_rank_sweep_at_ranks_the_paper_did_not_run_shows_the_paper_s_own(tmp_pat
 def test_rank_sweep_rejects_bad_ranks_and_rankless_methods(tmp_path: Path, corpus_root: Path) -> None:
     config = analysis_config(corpus_root, tmp_path / "run")
     with pytest.raises(ValueError, match="d_model=64"):
+        run_rank_sweep(config, tmp_path / "x", ranks=(65,))
+    with pytest.raises(ValueError, match=r"rank 64 \(--ranks\) is d_model, full rank, where 'fira', 'galore' would"):
         run_rank_sweep(config, tmp_path / "x", ranks=(64,))
     with pytest.raises(ValueError, match="'adamw' has no rank"):
         run_rank_sweep(config, tmp_path / "x", ranks=(4,), methods=("adamw",))
@@ -59,3 +61,18 @@ def test_a_rank_sweep_of_one_rank_says_so_instead_of_comparing_it_with_itself(tm
     text = run_rank_sweep(config, tmp_path / "ranks", ranks=(4,), methods=("fira",))["report"].read_text()
     assert "at r = 4 (one rank: no trend); gap to adamw at r = 4:" in text
     assert " vs " not in text.split("Measured:")[1].split("![")[0]  # it read "318.22 at r = 4 vs 318.22 at r = 4 (+0.0%)"
+
+
+def test_fira_only_scaling_runs_at_full_rank_the_paper_s_last_column(tmp_path: Path, corpus_root: Path) -> None:
+    """The paper's rank table ends with Fira-only-scaling at r = d_model (not Adam: its own column
+    beside Adam's). The sweep refused r = d_model; the optimizer trained such matrices with Adam."""
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=2")
+    result = run_rank_sweep(config, tmp_path / "ranks", ranks=(4, 64), methods=("fira-only-scaling",))
+    full = json.loads((tmp_path / "ranks" / "fira-only-scaling-r64" / "summary.json").read_text())["val_ppl"]
+    assert result["table"]["fira-only-scaling"][64] == full
+    import torch
+
+    saved = torch.load(tmp_path / "ranks" / "fira-only-scaling-r64" / "checkpoints" / "step_00000002" / "state.pt",
+                       weights_only=True)["optimizer"]["state"]
+    bases = [tuple(state["basis"].shape) for state in saved.values() if "basis" in state]
+    assert bases and set(bases) == {(64, 64)}  # every matrix projected on all 64 directions, none Adam
