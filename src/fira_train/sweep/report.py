@@ -95,26 +95,46 @@ def read_runs(saved: dict[str, Any]) -> dict[RunKey, RunResult]:
 
 
 def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
-    """``lr.png``: mean validation perplexity (error bars: sd over seeds) against lr, log-log."""
+    """``lr.png``: mean validation perplexity (error bars: sd over seeds) against lr, log-log.
+
+    A diverged mean (inf) has no height: it is drawn as an ``x`` on the top edge at its lr, in
+    the method's colour (the chosen lr's star too, when a seed diverged there), so that a method
+    whose every lr diverged is still in the figure and its legend."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    for row in rows:
+    top = ax.get_xaxis_transform()  # x in data, y in axes fractions: 1 is the top edge
+    legend = []  # in the rows' order (matplotlib's own puts plain markers before error bars)
+    for index, row in enumerate(rows):
+        color = f"C{index % 10}"  # by row, so a method without a finite point keeps its own colour
         points = sorted((lr, s) for lr, s in row.grid.items() if s is not None and math.isfinite(s.mean))
-        if not points:
-            continue
-        lrs = [lr for lr, _ in points]
-        means = [s.mean for _, s in points]
-        errors = [s.sd or 0.0 for _, s in points]
-        line = ax.errorbar(lrs, means, yerr=errors, marker="o", markersize=4, capsize=3, label=row.spec)
-        if row.chosen_lr is not None and row.val is not None and math.isfinite(row.val.mean):
-            ax.plot([row.chosen_lr], [row.val.mean], marker="*", markersize=13,
-                    color=line[0].get_color(), linestyle="none")
-    ax.set(xscale="log", yscale="log", xlabel="peak learning rate",
-           ylabel="validation perplexity (final)", title="Learning-rate sweep (star: chosen lr, mean of all its seeds)")
-    plain_log_ticks(ax.xaxis, ax.yaxis)
+        diverged = sorted(lr for lr, s in row.grid.items() if s is not None and not math.isfinite(s.mean))
+        if points:
+            lrs = [lr for lr, _ in points]
+            means = [s.mean for _, s in points]
+            errors = [s.sd or 0.0 for _, s in points]
+            legend.append((ax.errorbar(lrs, means, yerr=errors, marker="o", markersize=4, capsize=3, color=color),
+                           row.spec))
+        if diverged:
+            marks, = ax.plot(diverged, [1.0] * len(diverged), marker="x", markersize=8, markeredgewidth=2,
+                             color=color, linestyle="none", transform=top, clip_on=False)
+            if not points:
+                legend.append((marks, f"{row.spec} (every lr diverged)"))
+        if row.chosen_lr is not None and row.val is not None and (points or math.isfinite(row.val.mean)):
+            finite = math.isfinite(row.val.mean)
+            ax.plot([row.chosen_lr], [row.val.mean if finite else 1.0], marker="*", markersize=13, color=color,
+                    linestyle="none", **({} if finite else {"transform": top, "clip_on": False}))
+    ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation perplexity (final)",
+           title="Learning-rate sweep\nstar: chosen lr, mean of all its seeds; x on the top edge: diverged")
+    if any(s is not None and math.isfinite(s.mean) for row in rows for s in row.grid.values()):
+        ax.set_yscale("log")
+        plain_log_ticks(ax.xaxis, ax.yaxis)
+    else:  # every run so far diverged: no height to give, and no numbers that would suggest one
+        ax.set_yticks([])
+        plain_log_ticks(ax.xaxis)
     ax.grid(alpha=0.3, which="both")
     # beside the axes: inside them it hid the points at the edges of the grid
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    if legend:
+        ax.legend(*zip(*legend), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

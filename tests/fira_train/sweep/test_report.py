@@ -60,3 +60,37 @@ def test_non_finite_differences_say_which_side_diverged(tmp_path: Path) -> None:
     settings = {"reference": "fira", "seeds": [0], "all_seeds": False, "recipe": "micro"}
     text = write_markdown(tmp_path / "report.md", settings, rows).read_text()
     assert "-inf: the reference diverged" in text and "| galore | 0.01 (one lr: not chosen) |" in text
+
+
+def test_the_lr_figure_shows_diverged_runs_and_a_method_whose_every_lr_diverged(tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    """A diverged mean (inf) has no height: it was left out, so a method whose every lr diverged
+    was missing from the figure and its legend, and a chosen lr where a seed diverged lost its star."""
+    import matplotlib.pyplot as plt
+
+    from fira_train.sweep.report import plot_lr
+
+    inf = math.inf
+    results = {}
+    for spec, lr, seed, val in [("fira", 0.01, 0, 110.0), ("fira", 0.1, 0, inf), ("fira", 0.01, 1, inf),
+                                ("adamw", 1.0, 0, inf), ("adamw", 3.0, 0, inf)]:
+        key = RunKey(spec, lr, seed)
+        results[key] = RunResult(key, val, inf if math.isinf(val) else val - 5, diverged=math.isinf(val))
+    rows = summarize(["fira", "adamw"], {"fira": [0.01, 0.1], "adamw": [1.0, 3.0]}, results, reference="fira",
+                     grid_seeds=[0])
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    plot_lr(tmp_path / "lr.png", rows)
+    (ax,) = figures[0].axes
+    crosses = {(line.get_color(), x) for line in ax.get_lines() if line.get_marker() == "x" for x in line.get_xdata()}
+    assert crosses == {("C0", 0.1), ("C1", 1.0), ("C1", 3.0)}
+    stars = [line for line in ax.get_lines() if line.get_marker() == "*"]
+    assert [(line.get_color(), list(line.get_xdata())) for line in stars] == [("C0", [0.01])]  # seed 1 diverged
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["fira", "adamw (every lr diverged)"]
+    close(figures[0])
+    # every run so far diverged: the figure is still drawn (a log axis without a finite value raised)
+    plot_lr(tmp_path / "lr.png", rows[1:])
+    (ax,) = figures[1].axes
+    assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_marker() == "x"] == [1.0]
+    assert ax.get_yticks().size == 0  # no perplexity scale without a perplexity
+    close(figures[1])
