@@ -103,6 +103,16 @@ def report_table(summaries: list[dict[str, Any]], labels: list[str] | None = Non
     return "\n".join(lines)
 
 
+def _per_method(methods: Sequence[str], summaries: list[dict[str, Any]], key: str, one: str, by: str, show) -> str:
+    """``one`` with the runs' ``key`` where all share it (``model {} parameters``), else ``by`` and
+    each method's: a spec may change the model (``fira@model.*``) or the device, and the first
+    run's value alone would be said of every run."""
+    values = [s[key] for s in summaries]
+    if len(set(values)) == 1:
+        return one.format(show(values[0]))
+    return f"{by}: " + ", ".join(f"{m} {show(v)}" for m, v in zip(methods, values))
+
+
 def write_report(out_dir: str | Path, methods: list[str], *, command: str | None = None) -> Path:
     """Write ``OUT/report.md`` for the runs ``OUT/<method>``; returns its path."""
     out_dir = Path(out_dir)
@@ -111,6 +121,9 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
     data = first.get("data") or {}
     available = data.get("train_tokens")  # None for a streamed corpus: its length is not known
     available = f"{available:,} training tokens available" if isinstance(available, int) else "streamed"
+    model = _per_method(methods, summaries, "parameters", "model {} parameters", "model parameters by method",
+                        format_count)
+    device = _per_method(methods, summaries, "device", "device {}", "device by method", lambda d: f"`{d}`")
     memory_kind = {"cuda_max_allocated": "CUDA max_memory_allocated",
                    "process_peak_rss": "peak resident memory of the run's process"}
     parts = [
@@ -119,8 +132,7 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
         f"Same data, tokens and seed for every method: {first['steps']} steps, "
         f"{first['tokens']:,} training tokens, seed {first['seed']}, data `{data.get('source', '?')}` "
         f"({available}, tokenizer "
-        f"`{data.get('tokenizer', '?')}`), model {format_count(first['parameters'])} parameters, "
-        f"device `{first['device']}`.",
+        f"`{data.get('tokenizer', '?')}`), {model}, {device}.",
         "",
         report_table(summaries, list(methods)),
         "",

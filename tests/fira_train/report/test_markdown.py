@@ -115,3 +115,14 @@ def test_under_torchrun_the_peak_memory_note_says_whose_peak_it_is(tmp_path: Pat
     text = write_report(tmp_path, ["fira", "adamw"]).read_text()
     assert "peak resident memory of the run's process on rank 0 of 2 processes (`--parallel ddp`)" in text
     assert "each run in a fresh process" not in text
+
+
+def test_a_model_or_device_that_a_method_spec_changes_is_given_per_method(tmp_path: Path) -> None:
+    """``fira@model.num_hidden_layers=2`` or ``@train.device=cpu`` changes one run's model or device:
+    the heading gave the first run's as every method's."""
+    _write_run(tmp_path, _summary("fira", 32, 100.0, 970.0))
+    _write_run(tmp_path, {**_summary("adamw", None, 110.0, 1000.0), "parameters": 654_321, "device": "cuda:0"})
+    heading = write_report(tmp_path, ["fira", "adamw"]).read_text().splitlines()[2]
+    assert heading.endswith("model parameters by method: fira 0.12M, adamw 0.65M, "
+                            "device by method: fira `cpu`, adamw `cuda:0`.")
+    assert "model 0.12M parameters" not in heading
