@@ -383,10 +383,12 @@ def report_header(title: str, config: RunConfig, *, command: str | None, note: s
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A Markdown table; floats are written with 4 significant digits."""
+    """A Markdown table; floats are written with 4 significant digits, trailing zeros kept."""
     def cell(value: Any) -> str:
         if isinstance(value, float):
-            return f"{value:.4g}"
+            # "#": 112.0 stays "112.0" beside "110.9" (plain "g" wrote "112", and 299.97 as
+            # "300", as if rounded to an integer); a whole 4-digit number loses only its point
+            return f"{value:#.4g}".removesuffix(".")
         return str(value)
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

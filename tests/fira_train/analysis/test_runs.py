@@ -275,3 +275,14 @@ def test_an_analysis_record_file_is_appended_to_only_as_a_regular_file(tmp_path:
     with pytest.raises(OSError):
         writer.write({"step": 2})
     assert (tmp_path / "elsewhere").read_text() == ""
+
+
+def test_a_table_keeps_four_significant_digits_trailing_zeros_included() -> None:
+    """Plain "g" dropped them: 112.0 read "112" beside "110.9", 299.97 "300", the paper's 32.90
+    "32.9", a ratio of 1.000 "1", as if each were rounded more coarsely than the others."""
+    from fira_train.analysis.runs import markdown_table
+
+    table = markdown_table(["run", "a", "b", "c", "d", "e"], [["x", 112.0, 110.94, 299.97, 32.9, 1.0],
+                                                             ["y", 1234.4, -0.006846, 1e-05, 3, "-"]])
+    assert table.splitlines()[2:] == ["| x | 112.0 | 110.9 | 300.0 | 32.90 | 1.000 |",
+                                      "| y | 1234 | -0.006846 | 1.000e-05 | 3 | - |"]
