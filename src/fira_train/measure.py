@@ -336,6 +336,10 @@ def format_measurement(record: dict[str, Any]) -> str:
         "- Estimated: weights + gradients + optimizer states + activations + the step's "
         "temporaries (`fira_train.memory.run_estimate`); the allocator's caches and BLAS/LAPACK "
         "workspaces are not in it.",
+        # the sizes are in binary units and the threshold in decimal ones: said, so that a peak of
+        # 23.00 GiB marked "no" is not read as a mistake
+        f"- Sizes in MiB / GiB (2^20 / 2^30 bytes); fits in 24 GB: a measured peak below 24 GB = 24 x 10^9 "
+        f"bytes ({format_bytes(24 * GB)}).",
     ]
     if record.get("command"):
         lines += ["", "Command:", "", "```bash", env_prefix(record.get("malloc_env", {})) + record["command"], "```"]

@@ -366,3 +366,18 @@ def test_a_cpu_peak_that_cannot_be_read_or_reset_is_refused_not_written(tmp_path
     config = measure.replace(config, train=measure.replace(config.train, device="cpu", steps=1))
     with pytest.raises(ValueError, match="resets its peak"):
         measure.measure_run(config, 1)
+
+
+def test_the_24_gb_column_says_its_unit_beside_peaks_in_gib(tmp_path: Path, monkeypatch) -> None:
+    """Peaks are written in GiB and the column tests 24 x 10^9 bytes: a peak of 23.00 GiB
+    (24.7 x 10^9 bytes) read "no" with nothing in the table to say why."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 23 * 2 ** 30, "fira": 22 * 2 ** 30}))
+    md, _ = measure.measure(micro_config(tmp_path), parse_method_specs("adamw,fira"), 1, tmp_path / "m", "cmd")
+    text = md.read_text()
+    assert "| adamw | 23.00 GiB |" in text and text.split("| adamw |")[1].split("\n")[0].endswith("| no |")
+    assert text.split("| fira |")[1].split("\n")[0].endswith("| yes |")
+    assert "fits in 24 GB: a measured peak below 24 GB = 24 x 10^9 bytes (22.35 GiB)" in text
