@@ -133,5 +133,8 @@ def test_rank_analyses_run_on_micro_without_a_ranks_flag(analysis: str, ranks: t
 
 
 def test_explicit_ranks_are_checked_as_before(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["analyze", "rank-sweep", "--recipe", "micro", "--ranks", "4,65", "--out", str(tmp_path / "x")]) == 1
+    assert "ranks (--ranks) must be ints in [1, d_model=64]" in capsys.readouterr().err
+    # d_model itself: full rank, Fira-only-scaling's alone (the default methods include fira and galore)
     assert main(["analyze", "rank-sweep", "--recipe", "micro", "--ranks", "4,64", "--out", str(tmp_path / "x")]) == 1
-    assert "ranks (--ranks) must be ints in [1, d_model=64)" in capsys.readouterr().err
+    assert "rank 64 (--ranks) is d_model, full rank" in capsys.readouterr().err
