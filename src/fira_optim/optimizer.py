@@ -43,6 +43,7 @@ from .options import (
     StateDtype,
     check_process_options,
     check_rank,
+    check_torch_only,
     param_name,
     validate_group,
 )
@@ -437,6 +438,11 @@ class Fira(Optimizer):
         ``(matrices, plain)``, or None if the step is skipped. Nothing is committed here."""
         matrices: list[tuple[MatrixStep, Hyper]] = []
         checks: list[tuple[torch.Tensor, int, int]] = []
+        for gi, group in enumerate(self.param_groups):  # torch's own options, set in param_groups since
+            try:
+                check_torch_only(group)
+            except ValueError as err:
+                raise ValueError(f"param_groups[{gi}]: {err}") from None
         entries, total = self._entries(only)
         for gi, pi, p, _ in entries:  # before anything is computed (a frozen int8 weight is fine)
             if p.grad is not None and not (p.is_floating_point() or p.is_complex()):

@@ -281,13 +281,7 @@ def validate_group(g: dict) -> None:
     for key in ("align_signs", "stochastic_rounding", "correct_bias", "stagger", "only_scaling"):
         if not isinstance(g[key], bool):
             raise ValueError(f"Invalid {key}: {g[key]!r}; expected True or False")
-    for key in TORCH_ONLY:
-        if g.get(key):
-            raise ValueError(f"Invalid {key}: {g[key]!r}; Fira does not implement torch.optim.AdamW's "
-                             f"{key}=True (leave it unset or False)")
-    if g.get("decoupled_weight_decay", True) is not True:
-        raise ValueError(f"Invalid decoupled_weight_decay: {g['decoupled_weight_decay']!r}; Fira's weight decay "
-                         "is decoupled, as torch.optim.AdamW's (leave it unset or True)")
+    check_torch_only(g)
     for key in CONSTRUCTOR_ONLY:
         if key in g:
             raise ValueError(f"{key}={g[key]!r} in a param group: {key} is an option of the whole "
@@ -312,6 +306,20 @@ def validate_group(g: dict) -> None:
     if g.get("fused") and (base is not Base.ADAM or arithmetic is not Arithmetic.PAPER):
         raise ValueError(f"fused=True is torch's fused AdamW: it needs base='adam' and arithmetic='paper', "
                          f"got base={g['base']!r}, arithmetic={g['arithmetic']!r}")
+
+
+def check_torch_only(g: dict) -> None:
+    """ValueError unless ``g`` leaves off the ``torch.optim.AdamW`` options Fira does not implement
+    (:data:`TORCH_ONLY`, and ``decoupled_weight_decay=False``). Checked at every step too: torch
+    reads them from the groups at each step, so one set in ``param_groups`` during training
+    (``group["maximize"] = True``) would otherwise be ignored without a word."""
+    for key in TORCH_ONLY:
+        if g.get(key):
+            raise ValueError(f"Invalid {key}: {g[key]!r}; Fira does not implement torch.optim.AdamW's "
+                             f"{key}=True (leave it unset or False)")
+    if g.get("decoupled_weight_decay", True) is not True:
+        raise ValueError(f"Invalid decoupled_weight_decay: {g['decoupled_weight_decay']!r}; Fira's weight decay "
+                         "is decoupled, as torch.optim.AdamW's (leave it unset or True)")
 
 
 def _check_real(name: str, value: Any) -> None:

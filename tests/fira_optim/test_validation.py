@@ -156,6 +156,27 @@ def test_torch_adamw_options_fira_lacks_are_refused_when_on(name):
     FiraAdamW([{"params": [a], "rank": 3, name: False}, {"params": [b]}])  # off is what Fira does
 
 
+@pytest.mark.parametrize("name,value", [("maximize", True), ("amsgrad", True), ("capturable", True),
+                                        ("differentiable", True), ("decoupled_weight_decay", False)])
+def test_torch_adamw_options_fira_lacks_set_in_param_groups_later_are_refused_at_the_step(name, value):
+    """torch.optim.AdamW reads them from its groups at every step; set in ``param_groups`` after the
+    constructor (``group["maximize"] = True``), Fira stepped on without them (a maximize group
+    minimized). Refused before anything changes; set back, the optimizer trains on."""
+    a, b = _params()
+    opt = FiraAdamW([{"params": [a], "rank": 3}, {"params": [b]}], weight_decay=0.1)
+    for p in (a, b):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [a.detach().clone(), b.detach().clone()]
+    opt.param_groups[1][name] = value
+    with pytest.raises(ValueError, match=rf"param_groups\[1\]: Invalid {name}: {value}"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+    opt.param_groups[1][name] = not value
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in (a, b)] == [2.0, 2.0]
+
+
 @pytest.mark.parametrize("name,value", [("split_refresh", True), ("implementation", "reference"),
                                         ("nonfinite", "skip"), ("host_refresh", True)])
 def test_optimizer_wide_options_in_a_group_are_refused(name, value):
