@@ -527,12 +527,13 @@ class Fira(Optimizer):
         ``order`` the index among the projected matrices (None: not projected), and the number
         of projected matrices when a group staggers its refreshes (else None). The layout is
         cached, so that an update in the backward pass (one parameter) costs no scan of all;
-        with it each parameter's dtype: a parameter cast since (``model.to(dtype)`` mid-training)
-        is a new layout, whose building re-takes the states in the dtypes kept for the
-        parameters' dtypes now, as a load would (also after a load, a copy or a pickle, which
-        leave no cached layout). Building it checks the options the states are built for against
-        the record of them that survives those (:meth:`_record_built`), and the states themselves
-        against the groups (:meth:`_settle_states`)."""
+        with it each parameter's dtype and shape: a parameter cast since (``model.to(dtype)``
+        mid-training), or given data of another shape (``p.data = ...``), is a new layout, whose
+        building re-takes the states in the dtypes kept for the parameters' dtypes now (and
+        checks them against the shapes), as a load would (also after a load, a copy or a pickle,
+        which leave no cached layout). Building it checks the options the states are built for
+        against the record of them that survives those (:meth:`_record_built`), and the states
+        themselves against the groups (:meth:`_settle_states`)."""
         options = self._group_options()
         # the rank's type too: 3.0 equals 3, and would step on unchecked
         key = tuple((id(g["params"]), len(g["params"]), g["stagger"], type(g["rank"]), *opts)
@@ -565,7 +566,8 @@ class Fira(Optimizer):
                     order += projected
             stagger = any(g["stagger"] for g in self.param_groups)
             position = {p: i for i, (_, _, p, _) in enumerate(entries)}
-            dtypes = {p: p.dtype for _, _, p, _ in entries}
+            # the shape too: data of another shape (p.data = ...) failed midway, inside the stages
+            dtypes = {p: (p.dtype, p.shape) for _, _, p, _ in entries}
             cached = (key, entries, position, order if stagger else None, dtypes)
             self.__dict__["_layout"] = cached
             self._record_built()  # after the ranks' normalization above
@@ -629,7 +631,8 @@ class Fira(Optimizer):
             if any(p not in position for p in only):
                 return False
             entries = [entries[position[p]] for p in only]
-        return all(self.param_groups[gi]["params"][pi] is p and p.dtype == dtypes[p] for gi, pi, p, _ in entries)
+        return all(self.param_groups[gi]["params"][pi] is p and (p.dtype, p.shape) == dtypes[p]
+                   for gi, pi, p, _ in entries)
 
     def _split_refresh_group(self) -> Any:
         """The process group of ``split_refresh`` (None when off or outside torch.distributed)."""

@@ -157,6 +157,30 @@ def test_a_model_cast_mid_training_steps_on_as_after_a_state_dict_round_trip(bef
     assert all(p.dtype == after for p in cast)
 
 
+@pytest.mark.parametrize("implementation", ["fast", "reference"])
+@pytest.mark.parametrize(("shape", "rank", "then", "message"), [
+    ((8, 24), 2, (24, 8), r"state 'exp_avg' of param_groups\[0\]\['params'\]\[0\] \(shape \(24, 8\)\) is \(2, 24\)"),
+    ((8, 24), 2, (10, 24), r"state 'basis' of param_groups\[0\]\['params'\]\[0\] \(shape \(10, 24\)\) has shape"),
+    ((8,), None, (10,), r"state 'exp_avg' of param_groups\[0\]\['params'\]\[0\] has shape \(8,\), expected"),
+])
+def test_a_parameter_given_data_of_another_shape_mid_training_is_refused_before_anything_changes(
+        shape, rank, then, message, implementation):
+    """p.data = ... of another shape (a transposed or resized weight) after the states were built:
+    the step failed inside the stages (a matrix transposed, after its step counter had moved) with
+    torch's shape error naming nothing. The layout records the shapes as it does the dtypes, so
+    the states are checked against the parameter's new shape first."""
+    param = torch.nn.Parameter(torch.randn(shape))
+    opt = FiraAdamW([{"params": [param], "rank": rank}], implementation=implementation)
+    param.grad = torch.randn(shape)
+    opt.step()
+    state = {k: v.clone() for k, v in opt.state[param].items()}
+    param.data = torch.randn(then)
+    param.grad = torch.randn(then)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert all(torch.equal(v, state[k]) for k, v in opt.state[param].items())
+
+
 def _step(opt, params, grads, in_backward):
     """One step from ``grads``: set and ``step()``, or as the backward pass would under
     ``step_in_backward`` (each parameter's gradient accumulated, its hook run)."""
