@@ -77,8 +77,11 @@ def param_groups(
     Projects the real 2-D weights of ``nn.Linear`` layers (and of Hugging Face's ``Conv1D``,
     GPT-2's linear layers: attention and MLP matrices), never
     embeddings or the output head (``get_output_embeddings()`` and any weight tied to an
-    embedding), nor 1-D tensors. ``include`` / ``exclude`` are regular expressions searched in
-    the module name (``include`` restricts the projected set, ``exclude`` removes from it).
+    embedding), nor 1-D tensors, nor a weight computed from parameters (``weight_norm``,
+    ``spectral_norm``, any ``torch.nn.utils.parametrize`` parametrization: the parameters it is
+    computed from go to the plain group). ``include`` / ``exclude`` are regular expressions
+    searched in the module name (``include`` restricts the projected set, ``exclude`` removes
+    from it).
     Tied weights appear once. Parameters frozen at the call (``requires_grad=False``) are left
     out, as the Hugging Face Trainer leaves them out of its optimizer: one unfrozen later trains
     only once added (``optimizer.add_param_group``). ``group_options`` (e.g. ``proj_type``, ``gamma``, any variant
@@ -94,6 +97,10 @@ def param_groups(
         weight = getattr(module, "weight", None)
         if not _is_linear(module) or weight is None or weight.dim() != 2 or weight.is_complex():
             continue  # a complex weight steps as torch.optim.AdamW does, in the plain group
+        if not isinstance(weight, nn.Parameter):
+            # computed from parameters (weight_norm, spectral_norm, any parametrization): not a
+            # leaf, which the optimizer refuses; the parameters it is computed from are plain
+            continue
         if id(weight) in never or id(weight) in seen or not weight.requires_grad:
             continue
         if include is not None and not _matches(name, include):
@@ -105,8 +112,8 @@ def param_groups(
     regular = [p for p in _unique(model.parameters()) if id(p) not in seen and p.requires_grad]
     if not projected and any(p.dim() == 2 for p in regular):
         warnings.warn("param_groups(model): no weight of an nn.Linear (or transformers Conv1D) layer "
-                      "qualified (include/exclude, frozen, embeddings and head left out): nothing is "
-                      "projected, and the optimizer is plain AdamW", UserWarning, stacklevel=2)
+                      "qualified (include/exclude, frozen, parametrized, embeddings and head left out): "
+                      "nothing is projected, and the optimizer is plain AdamW", UserWarning, stacklevel=2)
     groups: list[dict[str, Any]] = []
     if regular:
         groups.append({"params": regular, "rank": None})

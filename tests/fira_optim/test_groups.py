@@ -189,3 +189,22 @@ def test_a_model_with_nothing_to_project_warns():
     with pytest.warns(UserWarning, match="nothing is projected, and the optimizer is plain AdamW"):
         groups = param_groups(model, rank=2)
     assert [g["rank"] for g in groups] == [None]
+
+
+@pytest.mark.parametrize("parametrize", [nn.utils.parametrizations.weight_norm,
+                                         nn.utils.parametrizations.spectral_norm,
+                                         nn.utils.parametrizations.orthogonal])
+def test_a_parametrized_linear_weight_is_left_to_its_parameters_in_the_plain_group(parametrize):
+    """A weight computed from parameters (weight_norm and the like) is no parameter: it went to the
+    projected group, and FiraAdamW refused the groups ("can't optimize a non-leaf Tensor")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 8))
+    parametrize(model[0])
+    projected, plain = _projected_and_plain(param_groups(model, rank=2))
+    assert [id(p) for p in projected] == [id(model[2].weight)]
+    assert {id(p) for p in model[0].parametrizations.weight.parameters()} <= {id(p) for p in plain}
+    opt = FiraAdamW(param_groups(model, rank=2), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 12)).pow(2).sum().backward()
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
