@@ -31,10 +31,22 @@ def _num(value: float | None, spec: str = ".2f") -> str:
     return "diverged" if math.isinf(value) else format(value, spec)
 
 
-def _spread(mean: float, sd: float | None, n: int) -> str:
+def _spread(mean: float, sd: float | None, n: int, diverged: int | None = None) -> str:
+    """Mean ± sd over ``n`` runs; a mean one diverged run made infinite says how many of the
+    ``n`` diverged (``diverged``), so that one seed of three is not read as all three."""
     if math.isinf(mean):
-        return "diverged"
+        return "diverged" if diverged is None else f"diverged ({diverged} of {n} runs)"
     return f"{mean:.2f} ± {sd:.2f} (n={n})" if sd is not None else f"{mean:.2f} (n=1)"
+
+
+def _diverged(values: Sequence[float]) -> int:
+    return sum(math.isinf(v) for v in values)
+
+
+def _every_lr_diverged(row: MethodSummary) -> bool:
+    """Whether a run diverged at every lr of the row (every mean is infinite): its "choice" (the
+    smallest lr, by the tie rule) is no choice at all."""
+    return all(s is not None and math.isinf(s.mean) for s in row.grid.values())
 
 
 def _difference(d: PairedDifference | None) -> str:
@@ -167,11 +179,15 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
             flags.append("grid incomplete")
         if len(row.grid) == 1:  # set by the command, not chosen on validation
             flags.append("one lr: not chosen")
-        if row.at_edge:
+        if len(row.grid) > 1 and _every_lr_diverged(row):
+            flags = ["a run diverged at every lr: none chosen"]  # the smallest lr, by the tie rule, shown as such
+        elif row.at_edge:
             flags.append("at the grid's edge")
         chosen = "-" if row.chosen_lr is None else f"{row.chosen_lr:g}" + (f" ({', '.join(flags)})" if flags else "")
-        val = "-" if row.val is None else _spread(row.val.mean, row.val.sd, row.val.n)
-        test = "-" if row.test is None else _spread(row.test.mean, row.test.sd, row.test.n)
+        val = "-" if row.val is None else _spread(row.val.mean, row.val.sd, row.val.n,
+                                                  _diverged(list(row.val_by_seed.values())))
+        test = "-" if row.test is None else _spread(row.test.mean, row.test.sd, row.test.n,
+                                                    _diverged(list(row.test_by_seed.values())))
         if row.spec == reference:
             diffs = ["(reference)", "(reference)"]
         else:
@@ -201,8 +217,9 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
             elif s is None:
                 cells.append("pending")
             else:
-                cell = _spread(s.mean, s.sd, s.n)
-                cells.append(f"**{cell}**" if lr == row.chosen_lr else cell)
+                cell = _spread(s.mean, s.sd, s.n, row.diverged.get(lr))
+                chosen_here = lr == row.chosen_lr and not (len(row.grid) > 1 and _every_lr_diverged(row))
+                cells.append(f"**{cell}**" if chosen_here else cell)
         lines.append(f"| {row.spec} | " + " | ".join(cells) + " |")
     lines += ["", "![validation perplexity against learning rate](lr.png)", "", *_seed_table(rows, seeds),
               "", code_line(codes)]

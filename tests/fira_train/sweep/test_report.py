@@ -94,3 +94,23 @@ def test_the_lr_figure_shows_diverged_runs_and_a_method_whose_every_lr_diverged(
     assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_marker() == "x"] == [1.0]
     assert ax.get_yticks().size == 0  # no perplexity scale without a perplexity
     close(figures[1])
+
+
+def test_a_diverged_seed_is_counted_and_a_grid_that_all_diverged_chooses_nothing(tmp_path: Path) -> None:
+    """One diverged seed of three made the row read "diverged", as if all three had; a method
+    with a diverged run at every lr showed the smallest lr (the tie rule) as its chosen one, in bold."""
+    inf = math.inf
+    results = {}
+    for spec, lr, seed, val in [("fira", 0.01, 0, 110.0), ("fira", 0.1, 0, 120.0),  # the grid, at seed 0
+                                ("fira", 0.01, 1, inf), ("fira", 0.01, 2, 111.0),  # then the chosen lr
+                                ("adamw", 1.0, 0, inf), ("adamw", 3.0, 0, inf)]:
+        key = RunKey(spec, lr, seed)
+        results[key] = RunResult(key, val, inf if math.isinf(val) else val - 5, diverged=math.isinf(val))
+    rows = summarize(["fira", "adamw"], {"fira": [0.01, 0.1], "adamw": [1.0, 3.0]}, results, reference="fira",
+                     grid_seeds=[0])
+    settings = {"reference": "fira", "seeds": [0, 1, 2], "all_seeds": False, "recipe": "micro"}
+    text = write_markdown(tmp_path / "report.md", settings, rows).read_text()
+    assert "| fira | 0.01 (at the grid's edge) | diverged (1 of 3 runs) | diverged (1 of 3 runs) |" in text
+    assert "| fira | **110.00 (n=1)** | 120.00 (n=1) |" in text  # the grid, the chosen lr in bold
+    assert "| adamw | 1 (a run diverged at every lr: none chosen) | diverged (1 of 1 runs) |" in text
+    assert "| adamw |  |  | diverged (1 of 1 runs) | diverged (1 of 1 runs) |" in text  # nothing in bold
