@@ -42,6 +42,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def format_duration(seconds: float) -> str:
+    """A training time in minutes (one decimal), or in seconds under a minute: a run of a few
+    seconds read "0.0 min", as if it took no time."""
+    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
+
+
 def format_count(n: int) -> str:
     """A count in millions from 100,000 on, else with thousands separators."""
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n:,}"
@@ -99,7 +105,7 @@ def report_table(summaries: list[dict[str, Any]], labels: list[str] | None = Non
             f"| {_fmt(s['val_ppl'], '.2f')} "
             + (f"| {_fmt(s.get('test_ppl'), '.2f')} " if with_test else "")
             + f"| {s['tokens_per_s']:,.0f} | {relative} | {state} | {format_bytes(s['peak_memory_bytes'])} "
-            f"| {s['train_time_s'] / 60:.1f} min |")
+            f"| {format_duration(s['train_time_s'])} |")
     return "\n".join(lines)
 
 

@@ -45,6 +45,14 @@ def test_table_has_a_row_per_method_and_relative_throughput() -> None:
     assert "Test PPL" not in lines[0]  # runs without a test set
 
 
+def test_train_time_is_in_minutes_and_under_a_minute_in_seconds() -> None:
+    # a run of a few seconds (micro, a GPU) read "0.0 min", as if it took no time
+    short, long = _summary("fira", 32, 100.0, 970.0), _summary("adamw", None, 110.0, 1000.0)
+    short["train_time_s"] = 2.4
+    lines = report_table([short, long]).splitlines()
+    assert lines[2].endswith("| 2.4 s |") and lines[3].endswith("| 1.5 min |")
+
+
 def test_vs_adamw_is_against_the_plain_adamw_run_where_there_is_one() -> None:
     runs = [_summary("adamw", None, 120.0, 200.0), _summary("adamw", None, 110.0, 1000.0)]
     lines = report_table(runs, ["adamw@optim.lr=0.003", "adamw"]).splitlines()
