@@ -152,7 +152,9 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
         "none is plain `adamw`).",
         "- Optimizer state: elements held in the optimizer's state (step counters excluded) and "
         "the bytes of its tensors (step counters included).",
-        f"- Peak memory: {memory_kind.get(first['peak_memory_kind'], first['peak_memory_kind'])}"
+        "- Peak memory: "
+        + _per_method(methods, summaries, "peak_memory_kind", "{}", "by method",
+                      lambda kind: memory_kind.get(kind, kind))
         + (f" on rank 0 of {first['world_size']} processes (`--parallel {first['parallel']}`), which train the runs "
            "one after another, the peak reset for each run." if first.get("parallel") else
            " (each run in a fresh process)."),

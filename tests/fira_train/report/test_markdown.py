@@ -134,3 +134,12 @@ def test_a_model_or_device_that_a_method_spec_changes_is_given_per_method(tmp_pa
     assert heading.endswith("model parameters by method: fira 0.12M, adamw 0.65M, "
                             "device by method: fira `cpu`, adamw `cuda:0`.")
     assert "model 0.12M parameters" not in heading
+
+
+def test_the_peak_memory_note_names_each_run_s_kind_when_they_differ(tmp_path: Path) -> None:
+    # a spec that moves one run to the GPU: its peak is CUDA's allocation, the other's the RSS
+    _write_run(tmp_path, _summary("fira", 32, 100.0, 970.0))
+    _write_run(tmp_path, {**_summary("adamw", None, 110.0, 1000.0), "peak_memory_kind": "cuda_max_allocated"})
+    text = write_report(tmp_path, ["fira", "adamw"]).read_text()
+    assert ("- Peak memory: by method: fira peak resident memory of the run's process, adamw CUDA "
+            "max_memory_allocated (each run in a fresh process).") in text
