@@ -14,6 +14,7 @@ Any other name is passed to ``transformers.AutoTokenizer.from_pretrained`` (a hu
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import os
@@ -27,7 +28,7 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from fira_train.data.disk_cache import atomic_directory, fingerprint
+from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ def load_or_train_bpe(
     entry = Path(cache_dir) / "tokenizers" / key
     if entry.is_dir():
         try:
+            _check_entry_digests(entry)
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(entry))
             if tokenizer.eos_token == EOS_TOKEN and tokenizer.pad_token == PAD_TOKEN:
                 return tokenizer, key
@@ -122,7 +124,35 @@ def load_or_train_bpe(
     tokenizer = train_bpe(texts, vocab_size, length=len(texts))
     with atomic_directory(entry) as temp:
         tokenizer.save_pretrained(str(temp))
+        _write_entry_digests(temp)
     return tokenizer, key
+
+
+#: The file of a BPE cache entry that records the SHA-256 of the entry's other files.
+TOKENIZER_DIGESTS = "sha256.json"
+
+
+def _entry_files(entry: Path) -> tuple[str, ...]:
+    return tuple(sorted(p.name for p in entry.iterdir() if p.is_file() and p.name != TOKENIZER_DIGESTS))
+
+
+def _write_entry_digests(entry: Path) -> None:
+    (entry / TOKENIZER_DIGESTS).write_text(json.dumps(file_digests(entry, _entry_files(entry)), indent=1))
+
+
+def _check_entry_digests(entry: Path) -> None:
+    """ValueError if a file of the BPE cache entry ``entry`` is not as it was written (an edited or
+    damaged ``tokenizer.json`` that still parses would give every later run another vocabulary,
+    silently), or if the entry lacks one it recorded, or holds one it did not. An entry written
+    before the record existed is read as before, unchecked (adding a record to it here could race
+    with another process reading it; a token cache built from it is checked by its own digests)."""
+    record = entry / TOKENIZER_DIGESTS
+    if not record.is_file():
+        return
+    recorded = json.loads(record.read_text())
+    if not isinstance(recorded, dict) or sorted(recorded) != list(_entry_files(entry)):
+        raise ValueError(f"its files are not those recorded in {TOKENIZER_DIGESTS}")
+    check_digests(entry, recorded, tuple(recorded))
 
 
 def load_pretrained_tokenizer(name: str) -> PreTrainedTokenizerBase:

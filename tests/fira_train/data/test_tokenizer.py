@@ -263,3 +263,29 @@ def test_the_text_of_a_special_token_in_a_document_is_encoded_as_text(bpe) -> No
     (plain,) = tok.encode_texts(bpe, ["the river and the mountain"])  # texts without them: as before
     assert plain == bpe("the river and the mountain", add_special_tokens=False)["input_ids"]
     assert bpe.backend_tokenizer.encode_special_tokens is False  # the tokenizer is left as it was
+
+
+def test_a_cached_bpe_edited_since_it_was_written_is_trained_again(tmp_path: Path) -> None:
+    """An edited or damaged tokenizer.json that still parses was used as it was: every later run
+    got another vocabulary, silently. The entry records its files' SHA-256 when written."""
+    import json
+
+    first, key = tok.load_or_train_bpe("c", lambda: make_texts(50), 300, tmp_path)
+    entry = tmp_path / "tokenizers" / key
+    assert set(json.loads((entry / tok.TOKENIZER_DIGESTS).read_text())) == {
+        p.name for p in entry.iterdir() if p.name != tok.TOKENIZER_DIGESTS}
+    config = json.loads((entry / "tokenizer.json").read_text())
+    merges = config["model"]["merges"]
+    merges[0], merges[1] = merges[1], merges[0]  # still a tokenizer, another one
+    (entry / "tokenizer.json").write_text(json.dumps(config))
+    calls = []
+    again, _ = tok.load_or_train_bpe("c", lambda: calls.append(1) or make_texts(50), 300, tmp_path)
+    assert calls == [1] and again.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
+    # a file added to the entry is not one it was written with either
+    (entry / "added_tokens.json").write_text("{}")
+    tok.load_or_train_bpe("c", lambda: calls.append(1) or make_texts(50), 300, tmp_path)
+    assert calls == [1, 1]
+    # an entry written before the record existed is read as before (not trained again)
+    (entry / tok.TOKENIZER_DIGESTS).unlink()
+    old, _ = tok.load_or_train_bpe("c", lambda: calls.append(1) or make_texts(50), 300, tmp_path)
+    assert calls == [1, 1] and old.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
