@@ -187,15 +187,21 @@ def _check_metadata(metadata: Any, source: str) -> None:
         raise bad(f"it holds a {type(metadata).__name__}, not DCP Metadata")
     if not isinstance(metadata.state_dict_metadata, dict):
         raise bad("state_dict_metadata is not a mapping")
+    # a pickle can refer to one object many times (its memo): a list of many chunks shared by many
+    # keys took the product of the two in checks, hours for a file of a megabyte; each object once
+    checked: set[int] = set()
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(key, str):
             raise bad(f"a key {key!r} that is not a string")
         if isinstance(item, md.TensorStorageMetadata):
             if (not isinstance(item.properties, md.TensorProperties) or not _is_size(item.size)
-                    or not isinstance(item.chunks, list)
-                    or not all(isinstance(c, md.ChunkStorageMetadata) and _is_size(c.offsets)
-                               and _is_size(c.sizes) for c in item.chunks)):
+                    or not isinstance(item.chunks, list)):
                 raise bad(f"the entry of {key!r} is not a tensor's shape and chunks")
+            if id(item.chunks) not in checked:
+                checked.add(id(item.chunks))
+                if not all(isinstance(c, md.ChunkStorageMetadata) and _is_size(c.offsets) and _is_size(c.sizes)
+                           for c in item.chunks):
+                    raise bad(f"the entry of {key!r} is not a tensor's shape and chunks")
         elif not isinstance(item, md.BytesStorageMetadata):
             raise bad(f"the entry of {key!r} is a {type(item).__name__}")
     if not isinstance(metadata.storage_data, dict):
@@ -215,10 +221,16 @@ def _check_metadata(metadata: Any, source: str) -> None:
                                             and all(isinstance(d, str) for d in descriptors)):
             raise bad(f"transform descriptors {descriptors!r} are not strings")
     planner = metadata.planner_data
-    if planner is not None and not (isinstance(planner, dict) and all(
-            isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
-            for k, v in planner.items())):
-        raise bad("planner_data is not a mapping of names to key paths")
+    if planner is not None:
+        if not isinstance(planner, dict):
+            raise bad("planner_data is not a mapping of names to key paths")
+        for name, key_path in planner.items():
+            if not (isinstance(name, str) and isinstance(key_path, (tuple, list))):
+                raise bad("planner_data is not a mapping of names to key paths")
+            if id(key_path) not in checked:
+                checked.add(id(key_path))
+                if not all(isinstance(part, (str, int)) for part in key_path):
+                    raise bad("planner_data is not a mapping of names to key paths")
     if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, md.StorageMeta):
         raise bad("storage_meta is not a StorageMeta")
     if metadata.version is not None and not isinstance(metadata.version, str):

@@ -166,3 +166,38 @@ def test_damaged_metadata_is_a_checkpoint_error_not_a_crash(tmp_path: Path) -> N
     (path / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
     with pytest.raises(ckpt.CheckpointError, match="not DCP Metadata"):
         load_dcp_metadata(path / ".metadata")
+
+
+def test_metadata_sharing_one_object_among_many_keys_is_checked_once(tmp_path: Path, monkeypatch) -> None:
+    """A pickle refers to one object as often as it likes (its memo): a list of many chunks, or a
+    key path, shared by many keys made the check take their product (hours for a megabyte)."""
+    from torch.distributed.checkpoint import metadata as md
+
+    from fira_train.run import safe_load
+
+    n = 400
+    chunks = [md.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1]))] * n
+    props = md.TensorProperties(dtype=torch.float32)
+    shared = md.TensorStorageMetadata(properties=props, size=torch.Size([1]), chunks=chunks)
+    items = {f"a{i}": shared for i in range(n)}  # one item under many keys
+    items.update({f"b{i}": md.TensorStorageMetadata(properties=props, size=torch.Size([1]), chunks=chunks)
+                  for i in range(n)})  # many items, one chunk list
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(md.Metadata(state_dict_metadata=items, storage_data={})))
+    calls = []
+    real = safe_load._is_size
+    monkeypatch.setattr(safe_load, "_is_size", lambda value: calls.append(1) or real(value))
+    safe_load.load_dcp_metadata(path)
+    assert len(calls) < 10 * n  # each key's size, each chunk's two: not keys times chunks
+
+    class Counted(tuple):
+        iterated = 0
+
+        def __iter__(self):
+            Counted.iterated += 1
+            return super().__iter__()
+
+    key_path = Counted(("app", "model", "w"))
+    planner = md.Metadata(state_dict_metadata={}, storage_data={}, planner_data={f"k{i}": key_path for i in range(n)})
+    safe_load._check_metadata(planner, str(path))
+    assert Counted.iterated == 1
