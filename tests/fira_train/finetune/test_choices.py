@@ -136,6 +136,23 @@ def test_record_errors_name_the_record():
                                             index=5))
 
 
+def test_crafted_text_is_read_in_linear_time():
+    """A downloaded record's text: a long run of spaces before the format line, a long run of "["
+    in a HellaSwag ending (quadratic in the regular expressions: 30,000 took half a minute each)."""
+    import time
+
+    spaces = HELLA.replace("A man\n", "A man" + " " * 30_000 + "x\n")
+    brackets = HELLA.replace("a drum set.", "a drum set. " + "[" * 30_000)
+    started = time.perf_counter()
+    assert parse_question("hellaswag", spaces).stem.endswith("A man" + " " * 30_000 + "x")
+    hella = multiple_choice("hellaswag", record(brackets, "ending3"))
+    assert time.perf_counter() - started < 2.0
+    assert hella.continuations[2] == " begins playing a drum set. " + "[" * 30_000  # no tag closes: kept
+    # as lm-eval cleans: a tag closes at the first "]" on its line, across other "["
+    assert multiple_choice("hellaswag", record(HELLA.replace("a drum set.", "a [x [y] drum] set."), "ending3")
+                           ).continuations[2] == " begins playing a drum] set."
+
+
 def test_multiple_choice_shape_is_checked():
     with pytest.raises(ValueError, match="one of them must be shared"):
         MultipleChoice(contexts=("a", "b"), continuations=(" x", " y"), gold=0, labels=("answer1", "answer2"))
