@@ -33,7 +33,7 @@ except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["DamagedFileError", "check_report_owner", "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir",
-           "locked", "open_regular", "read_json", "read_json_lines", "refuse_links", "write_text_atomic"]
+           "locked", "open_regular", "parse_json", "read_json", "read_json_lines", "refuse_links", "write_text_atomic"]
 
 
 def measure_out_dir(out: str | None, recipe: str) -> str:
@@ -262,11 +262,21 @@ def _reason(err: ValueError) -> str:
     return str(err)
 
 
+def parse_json(text: str) -> Any:
+    """``json.loads(text)``; JSON nested too deeply for Python's parser (``[`` a few thousand times:
+    a crafted file) is a ``json.JSONDecodeError`` like other invalid JSON, where ``json.loads``
+    raised ``RecursionError``, which every reader let through as a traceback."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", text, 0) from None
+
+
 def read_json(path: str | Path, hint: str = "") -> Any:
     """The JSON value in ``path``; :class:`DamagedFileError` (with ``hint``) if it cannot be parsed."""
     text = _read_text(path, hint)
     try:
-        return json.loads(text)
+        return parse_json(text)
     except ValueError as err:  # JSONDecodeError
         raise DamagedFileError(path, _reason(err), hint) from None
 
@@ -323,7 +333,7 @@ def _parsed_lines(path: str | Path, lines: list[str], hint: str) -> Iterator[tup
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = parse_json(line)
         except json.JSONDecodeError as err:
             raise DamagedFileError(path, f"line {number} is not valid JSON: {err.msg}", hint) from None
         yield number, line, record

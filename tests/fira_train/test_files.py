@@ -374,3 +374,30 @@ def test_the_run_files_are_never_read_from_a_fifo_that_appears_later(tmp_path: P
     (out / "bad.json").write_bytes(b"\xff")
     with pytest.raises(DamagedFileError, match="not UTF-8 text: byte 0xff at offset 0"):
         read_json(out / "bad.json")
+
+
+def test_json_nested_too_deeply_is_a_damaged_file_not_a_recursion_error(tmp_path: Path) -> None:
+    """A crafted run file of ``[`` repeated: json.loads raised RecursionError, a traceback where a
+    damaged file is a one-line error (and a resume stopped at such a marker, not going past it)."""
+    from fira_train.files import read_json_lines
+    from fira_train.run import checkpoint as ckpt
+    from fira_train.run import checkpoint_integrity, dist_checkpoint, run_files
+
+    deep = "[" * 100_000
+    path = tmp_path / "deep.json"
+    path.write_text(deep)
+    with pytest.raises(DamagedFileError, match="nested too deeply"):
+        read_json(path)
+    (tmp_path / "deep.jsonl").write_text('{"step": 1}\n' + deep + "\n")
+    with pytest.raises(DamagedFileError, match="line 2 is not valid JSON: nested too deeply"):
+        read_json_lines(tmp_path / "deep.jsonl")
+    (tmp_path / "config.json").write_text(deep)
+    assert not run_files.is_run_config(tmp_path / "config.json")
+
+    step = ckpt.save_checkpoint(tmp_path / "run", 1, {"step": 1})
+    (step / ckpt.MARKER).write_text(deep)
+    assert not dist_checkpoint.is_dcp_checkpoint(step)
+    with pytest.raises(ckpt.CheckpointError, match="no valid COMPLETE marker"):
+        ckpt.load_checkpoint(tmp_path / "run", step)
+    with pytest.raises(ckpt.CheckpointError, match="unreadable"):
+        checkpoint_integrity.read_marker(step)

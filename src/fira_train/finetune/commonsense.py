@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from fira_train.files import parse_json
+
 __all__ = [
     "TASKS",
     "CommonsenseDataError",
@@ -225,7 +227,7 @@ def load_split(data_dir: str | Path, task: str | TaskSpec, split: str) -> list[d
         found = f"the folder holds {present}" if present else f"{path.parent} does not exist or holds no .json"
         raise CommonsenseDataError(f"task {spec.name!r} has no {split} file: {path} is missing ({found})")
     try:
-        records = json.loads(path.read_text(encoding="utf-8"))
+        records = parse_json(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise CommonsenseDataError(f"{path} is not valid JSON: {err}") from None
     except UnicodeDecodeError as err:

@@ -22,7 +22,7 @@ from fira_optim.integrations import FiraTrainer, target_parameter_names
 from fira_train.config.overrides import describe_changed
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training, train_limit
-from fira_train.files import read_json, read_regular_text, write_text_atomic
+from fira_train.files import parse_json, read_json, read_regular_text, write_text_atomic
 from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes
 
 
@@ -164,7 +164,7 @@ def _incomplete(checkpoint: Path, step: int) -> str | None:
     except UnicodeDecodeError as err:  # not text
         return f"its trainer_state.json does not parse: {err}"
     try:
-        saved = json.loads(text)
+        saved = parse_json(text)
     except ValueError as err:  # not JSON (cut short)
         return f"its trainer_state.json does not parse: {err}"
     recorded = saved.get("global_step") if isinstance(saved, dict) else None
@@ -210,7 +210,7 @@ def earlier_sittings(config: FinetuneConfig, resume: str | None) -> list[dict[st
     if resume is None:
         return []
     try:
-        recorded = json.loads(read_regular_text(checkpoint_dir(config) / SITTINGS_FILE))
+        recorded = parse_json(read_regular_text(checkpoint_dir(config) / SITTINGS_FILE))
     except (OSError, ValueError):
         return None
     if not isinstance(recorded, list) or not all(isinstance(s, dict) for s in recorded):

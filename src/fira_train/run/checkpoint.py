@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fira_train.files import file_digest, fsync_dir, read_regular_text
+from fira_train.files import file_digest, fsync_dir, parse_json, read_regular_text
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "state.pt"
@@ -193,7 +193,7 @@ def load_checkpoint(run_dir: str | Path, path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {str(directory)!r} has no {STATE_FILE} (deleted, or interrupted "
                               "while being replaced)")
     try:
-        marker = json.loads(read_regular_text(directory / MARKER))
+        marker = parse_json(read_regular_text(directory / MARKER))
         expected_size, expected_hash = int(marker["size"]), str(marker["sha256"])
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"checkpoint {str(directory)!r} has no valid {MARKER} marker "

@@ -18,14 +18,13 @@ loaded (the metadata is still parsed safely), without the hash check.
 from __future__ import annotations
 
 import hashlib
-import json
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from fira_train.files import read_regular_text
+from fira_train.files import parse_json, read_regular_text
 from fira_train.run.checkpoint import MARKER, CheckpointError
 
 #: The marker's key for the files' sizes and hashes.
@@ -92,7 +91,7 @@ def read_marker(path: Path) -> dict[str, Any]:
     """The marker of the checkpoint directory ``path`` as a dict; CheckpointError if it is not one."""
     marker_path = Path(path) / MARKER
     try:
-        marker = json.loads(read_regular_text(marker_path))
+        marker = parse_json(read_regular_text(marker_path))
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint marker {str(marker_path)!r} is unreadable ({err}): the "
                               "checkpoint is damaged") from None

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fira_optim import precision
-from fira_train.files import fsync_dir, read_regular_text
+from fira_train.files import fsync_dir, parse_json, read_regular_text
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity
 from fira_train.run.parallel import world_size
@@ -73,7 +73,7 @@ def is_complete(path: str | Path) -> bool:
 def is_dcp_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a complete checkpoint written by :func:`save_checkpoint`."""
     try:
-        return json.loads(read_regular_text(Path(path) / MARKER)).get("format") == FORMAT
+        return parse_json(read_regular_text(Path(path) / MARKER)).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -13,7 +12,7 @@ from fira_train.config.overrides import changed_keys, describe_changed, flat_con
 from fira_train.config.resolve import LEGACY_ALIGN_SIGNS, resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.corpus import data_change
-from fira_train.files import read_json, read_regular_text
+from fira_train.files import parse_json, read_json, read_regular_text
 from fira_train.methods.lora import legacy_rewarmup
 from fira_train.provenance import describe_change
 from fira_train.run import run_files
@@ -157,7 +156,7 @@ def finished_with(config: RunConfig, run_dir: Path, data: Mapping[str, Any] | No
         check_same_data(run_dir, summary, data)
     else:
         try:  # a damaged summary is the caller's to report (with its own way out)
-            summary = json.loads(read_regular_text(run_dir / "summary.json"))
+            summary = parse_json(read_regular_text(run_dir / "summary.json"))
         except (OSError, ValueError):
             summary = None
     check_same_device(run_dir, summary, config)

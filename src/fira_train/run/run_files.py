@@ -20,12 +20,11 @@ folders alone.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
 
-from fira_train.files import read_regular_text
+from fira_train.files import parse_json, read_regular_text
 from fira_train.run.checkpoint import CHECKPOINT_DIR
 from fira_train.run.run_lock import LOCK_FILE
 
@@ -50,7 +49,7 @@ _SHOWN = 5
 def is_run_config(path: Path) -> bool:
     """Whether ``path`` (a ``config.json``) reads as a fira-train run config."""
     try:
-        values = json.loads(read_regular_text(path))
+        values = parse_json(read_regular_text(path))
     except (OSError, ValueError):
         return False
     return (isinstance(values, dict) and set(values) <= _CONFIG_KEYS
@@ -61,7 +60,7 @@ def _damaged_run_config(path: Path) -> bool:
     """A ``config.json`` that is not JSON at all, beside a run's metrics or checkpoints: the
     run's own config, damaged (reading it then says so and names it), not a foreign file."""
     try:
-        json.loads(read_regular_text(path))
+        parse_json(read_regular_text(path))
         return False
     except (OSError, ValueError):
         out = path.parent

@@ -120,6 +120,9 @@ def test_load_split_validates_records(tmp_path):
     (tmp_path / "ARC-Easy" / "test.json").write_text("{broken")
     with pytest.raises(CommonsenseDataError, match="is not valid JSON"):
         load_split(tmp_path, "ARC-Easy", "test")
+    (tmp_path / "ARC-Easy" / "test.json").write_text("[" * 100_000)  # a RecursionError's traceback before
+    with pytest.raises(CommonsenseDataError, match="is not valid JSON: nested too deeply"):
+        load_split(tmp_path, "ARC-Easy", "test")
     with pytest.raises(CommonsenseDataError, match="data_dir='.*nowhere' is not a directory"):
         load_split(tmp_path / "nowhere", "boolq", "test")
     with pytest.raises(CommonsenseDataError, match="split='dev'"):
