@@ -293,9 +293,12 @@ def cut_back_json_lines(path: str | Path, step: int, hint: str = "") -> None:
         lines.pop()
     kept = []
     for number, line, record in _parsed_lines(path, lines, hint):
-        if not isinstance(record, dict):
+        recorded = record.get("step", 0) if isinstance(record, dict) else None
+        # a step of another type (a string, null: an edited or foreign file) failed the comparison
+        # below with a TypeError's traceback
+        if not isinstance(recorded, (int, float)) or isinstance(recorded, bool):
             raise DamagedFileError(path, f"line {number} is not a step's record", hint)
-        if record.get("step", 0) <= step:
+        if recorded <= step:
             kept.append(line)
     write_text_atomic(path, "".join(kept))
 

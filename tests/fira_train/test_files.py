@@ -84,6 +84,10 @@ def test_cut_back_json_lines_keeps_steps_up_to_the_checkpoint_and_drops_a_cut_li
     log.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
     with pytest.raises(DamagedFileError, match="line 2 is not valid JSON"):
         cut_back_json_lines(log, 3, hint="delete it")
+    for step in ('"x"', "null", "true", "[1]"):
+        log.write_text(f'{{"step": 1}}\n{{"step": {step}}}\n')
+        with pytest.raises(DamagedFileError, match="line 2 is not a step's record"):
+            cut_back_json_lines(log, 3)
 
 
 # ---------------------------------------------------------------- a run folder from elsewhere
