@@ -357,6 +357,10 @@ def test_damaged_token_cache_is_rebuilt(jsonl_corpus, tmp_path: Path) -> None:
     (entry,) = (tmp_path / "cache" / "tokens").iterdir()
     (entry / "train.npy").write_bytes((entry / "train.npy").read_bytes()[:100])  # truncated
     assert np.array_equal(np.asarray(build_corpus(spec).train_tokens), cold)
+    # a meta.json nested too deeply for json.loads: RecursionError, a traceback, before
+    (entry,) = (tmp_path / "cache" / "tokens").iterdir()
+    (entry / "meta.json").write_text("[" * 100_000)
+    assert np.array_equal(np.asarray(build_corpus(spec).train_tokens), cold)
 
 
 def _rewrite_tokens(path: Path, change) -> None:
