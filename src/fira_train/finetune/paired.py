@@ -10,11 +10,11 @@ smaller comparison.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from fira_train.files import read_json_lines
 from fira_train.finetune.stats import mcnemar_exact
 
 __all__ = ["Paired", "load_correctness", "compare", "pool"]
@@ -51,11 +51,12 @@ def load_correctness(run_dir: str | Path, tasks: list[str] | None = None) -> dic
         path = folder / f"{name}.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the run in {run_dir} has no predictions for {name}")
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if any(row.get("index") is None or "correct" not in row for row in rows):
-            raise ValueError(f"{path} has lines without 'index' and 'correct' (written by an older version): "
-                             f"rerun that configuration to pair it with others")
-        out[name] = {int(row["index"]): bool(row["correct"]) for row in rows}
+        rows = read_json_lines(path)  # a line that is no JSON: DamagedFileError naming it
+        if any(not isinstance(row, dict) or not isinstance(row.get("index"), int) or "correct" not in row
+               for row in rows):
+            raise ValueError(f"{path} has lines without 'index' and 'correct' (written by an older version, "
+                             f"or damaged): rerun that configuration to pair it with others")
+        out[name] = {row["index"]: bool(row["correct"]) for row in rows}
         if len(out[name]) != len(rows):
             raise ValueError(f"{path} lists an example index twice")
     return out

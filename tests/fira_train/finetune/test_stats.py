@@ -104,3 +104,8 @@ def test_load_correctness_reads_predictions_and_refuses_old_files(tmp_path):
     (folder / "piqa.jsonl").write_text(json.dumps({"generation": "x", "prediction": "", "answer": "solution1"}) + "\n")
     with pytest.raises(ValueError, match="piqa.jsonl has lines without 'index' and 'correct'"):
         load_correctness(tmp_path / "run")
+    # a line that is JSON but no record (AttributeError on row.get), an index that is no int
+    for line in ("[1]", '{"index": "4", "correct": true}'):
+        (folder / "piqa.jsonl").write_text(line + "\n")
+        with pytest.raises(ValueError, match="piqa.jsonl has lines without 'index' and 'correct'"):
+            load_correctness(tmp_path / "run")
