@@ -230,12 +230,19 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
 
 def delete_oldest(paths: list[Path], keep_last: int) -> list[Path]:
     """Delete all but the last ``keep_last`` of ``paths`` (checkpoint directories, oldest
-    first); returns the deleted ones."""
+    first); returns the deleted ones. Each is renamed to ``.tmp-<name>`` before it is deleted:
+    deleted in place, a kill part-way left a ``step_*`` folder whose marker had outlived its
+    files (a complete-looking checkpoint that cannot load); a ``.tmp-*`` leftover is ignored and
+    removed by :func:`remove_partial`."""
     if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
         raise ValueError(f"keep_last must be an integer >= 1, got {keep_last!r}")
     doomed = paths[:-keep_last]
     for path in doomed:
-        shutil.rmtree(path)
+        aside = path.with_name(".tmp-" + path.name)
+        if aside.exists():  # left by a kill while an earlier prune deleted it
+            shutil.rmtree(aside)
+        os.rename(path, aside)
+        shutil.rmtree(aside)
     return doomed
 
 

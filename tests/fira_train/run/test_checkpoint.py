@@ -123,6 +123,32 @@ def test_keep_last_never_deletes_the_newest_complete_one_for_a_partial(tmp_path:
     assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [2]
 
 
+def test_a_kill_while_an_old_checkpoint_is_pruned_leaves_no_marker_without_its_state(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """Pruning deleted an old checkpoint in place, state.pt before its marker: a kill in between
+    left a step folder that looked complete and could not load."""
+    for step in (1, 2):
+        ckpt.save_checkpoint(tmp_path, step, _state(step))
+    rmtree = ckpt.shutil.rmtree
+
+    def killed_after_the_state_file(path, *args, **kwargs):
+        (Path(path) / "state.pt").unlink()
+        raise KeyboardInterrupt  # the kill, before the marker goes
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_after_the_state_file)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.prune_checkpoints(tmp_path, keep_last=1)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", rmtree)
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [2]
+    assert [p.name for p in ckpt.remove_partial(tmp_path)] == [".tmp-step_00000001"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002"]
+    # a leftover of that name does not stop the next prune
+    ckpt.save_checkpoint(tmp_path, 3, _state(3))
+    (tmp_path / "checkpoints" / ".tmp-step_00000002").mkdir()
+    assert [p.name for p in ckpt.prune_checkpoints(tmp_path, keep_last=1)] == ["step_00000002"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000003"]
+
+
 def test_paths_are_confined_to_the_run_directory(tmp_path: Path) -> None:
     run = tmp_path / "run"
     outside = tmp_path / "elsewhere"
