@@ -247,6 +247,24 @@ def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, 
                            "(train.save_every): the same command with --resume continues from the newest")
 
 
+def test_a_run_process_killed_says_what_is_kept_and_how_to_continue(tmp_path, monkeypatch, capsys) -> None:
+    """A compare or sweep whose run process was killed (SIGTERM by a scheduler, the OOM killer)
+    said "the isolated run of train ended without a result": a function's name, and no word of
+    the checkpoints kept or of --resume, which Ctrl-C's line gives."""
+    import fira_train.compare
+    from fira_train.run.isolated import IsolatedRunDied
+
+    def killed(*args, **kwargs):
+        raise IsolatedRunDied("the run's process (pid 7) ended without a result: killed by SIGTERM")
+
+    monkeypatch.setattr(fira_train.compare, "run_isolated", killed)
+    assert main(["compare", "--methods", "adamw", "--recipe", "micro", "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "fira-train compare: error: the run's process (pid 7) ended without a result: killed by SIGTERM; "
+        "checkpoints written so far are kept (train.save_every): the same command with --resume continues "
+        "from the newest, and compare keeps the finished runs")
+
+
 @pytest.mark.parametrize(("argv", "expected"), [
     (["pretrain", "--recipe", "micro", "--method", "fira", "--overwrite"],
      "with --resume (instead of --overwrite) continues"),

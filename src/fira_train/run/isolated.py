@@ -63,7 +63,9 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             status, payload = receive.recv()
         except EOFError:  # the child died without a word
             process.join()
-            raise IsolatedRunDied(f"the isolated run of {getattr(fn, '__name__', fn)} ended without a result: "
+            # the function's name ("train", "_train_one") tells a user nothing: the progress lines
+            # above name the run, and the command line adds how to continue it
+            raise IsolatedRunDied(f"the run's process (pid {process.pid}) ended without a result: "
                                   f"{_how_it_ended(process.exitcode)}") from None
         finally:
             receive.close()
