@@ -26,7 +26,7 @@ from fira_train.analysis.runs import AnalysisRun, markdown_table, report_header,
 from fira_train.config.run_config import RunConfig
 from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
-from fira_train.report.plots import pyplot
+from fira_train.report.plots import pyplot, save_figure
 
 #: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
 TITLE = "Validation perplexity under varying update gaps"
@@ -95,7 +95,7 @@ def _plot(values: dict[str, dict[int, list[float]]], gaps: Sequence[int], path: 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -24,7 +24,7 @@ from fira_train.analysis.runs import (AnalysisRun, markdown_table, read_step_rec
 from fira_train.config.run_config import RunConfig
 from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
-from fira_train.report.plots import plain_log_ticks, pyplot
+from fira_train.report.plots import plain_log_ticks, pyplot, save_figure
 from fira_train.run.metrics import read_metrics
 
 #: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
@@ -78,7 +78,7 @@ def _plot(out: Path, methods: Sequence[str], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -20,7 +20,7 @@ from fira_train.config.resolve import tuned_lr
 from fira_train.config.run_config import RunConfig
 from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
-from fira_train.report.plots import pyplot
+from fira_train.report.plots import pyplot, save_figure
 
 #: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
 TITLE = "Validation perplexity under varying ranks"
@@ -58,7 +58,7 @@ def _plot(table: dict[str, dict[int, float]], baseline: float, ranks: Sequence[i
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -63,7 +63,7 @@ from fira_train.analysis.runs import (
 )
 from fira_train.config.run_config import RunConfig
 from fira_train.files import write_text_atomic
-from fira_train.report.plots import pyplot
+from fira_train.report.plots import pyplot, save_figure
 from fira_train.run.callbacks import TrainCallback
 
 #: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
@@ -429,7 +429,7 @@ def _plot(results: dict[int, dict[str, list[dict[str, float]]]], d_model: int, p
             ax.legend(fontsize=8)
     fig.suptitle("Low-rank (Fira) vs full-rank (shadow Adam, same run) scaling factors over training")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -34,7 +34,7 @@ from fira_train.analysis.runs import (AnalysisRun, markdown_table, read_step_rec
 from fira_train.config.run_config import RunConfig
 from fira_train.files import write_text_atomic
 from fira_train.methods.registry import get_method
-from fira_train.report.plots import pyplot
+from fira_train.report.plots import pyplot, save_figure
 
 #: The heading of this analysis's report (train_runs refuses a folder whose report.md has another).
 TITLE = "Loss spikes: the norm-growth limiter and GaLore-add"
@@ -126,7 +126,7 @@ def _plot(records: Mapping[str, Sequence[dict[str, Any]]], limiter: Sequence[str
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from fira_train.files import check_report_owner, refuse_links, write_text_atomic
-from fira_train.report.plots import pyplot
+from fira_train.report.plots import pyplot, save_figure
 
 #: The heading of this analysis's report (a folder whose report.md has another is refused).
 TITLE = "Variance of Fira's scaling factor (Appendix E.2, Theorem 2)"
@@ -322,7 +322,7 @@ def _plot(curves: VarianceCurves, path: Path) -> None:
                     "dashed 3/(n+2)", fontsize=9)
     right.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 

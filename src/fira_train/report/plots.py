@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +24,21 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """``fig.savefig(path, dpi=120)``, atomically: written beside ``path`` and renamed over it, so
+    a kill or a full disk mid-write leaves the previous figure whole (a sweep rewrites ``lr.png``
+    after every run), not a truncated image; the partial file is removed on an error."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(temp, dpi=120, format=path.suffix.lstrip(".") or "png")
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def plain_log_ticks(*axes) -> None:
@@ -87,6 +103,6 @@ def plot_curves(out_dir: str | Path, methods: Sequence[str], path: str | Path | 
         ax.legend(fontsize=7 if len(methods) > 4 else None)  # an analysis's many variants
     fig.tight_layout()
     path = Path(path) if path is not None else out_dir / "loss.png"
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path

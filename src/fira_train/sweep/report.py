@@ -14,7 +14,7 @@ from typing import Any
 
 from fira_train.files import dumps, write_text_atomic
 from fira_train.report.markdown import code_line
-from fira_train.report.plots import plain_log_ticks, pyplot
+from fira_train.report.plots import plain_log_ticks, pyplot, save_figure
 from fira_train.sweep.grid import RunKey, RunResult
 from fira_train.sweep.stats import PairedDifference
 from fira_train.sweep.summary import MethodSummary, summary_json
@@ -148,7 +148,7 @@ def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
     if legend:
         ax.legend(*zip(*legend), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fira_train.report.plots import plain_log_ticks, pyplot
@@ -67,3 +69,26 @@ def test_smoothing_is_centred_so_a_change_shows_at_its_own_step():
     assert smoothed[9] == pytest.approx(0.5) and smoothed[10] == pytest.approx(4 / 6)  # half way at the jump
     assert smoothed[:7] == [0.0] * 7 and smoothed[-6:] == [1.0] * 6
     assert smooth([3.0, 5.0], 1) == [3.0, 5.0] and smooth([1.0, 2.0, 3.0], 9) == [2.0] * 3
+
+
+def test_a_figure_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
+    """A kill or a full disk while a figure was written left a truncated image in its place (a
+    sweep rewrites lr.png after every run); the previous one now stays until the new one is whole."""
+    from fira_train.report.plots import save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    path = save_figure(fig, tmp_path / "lr.png")
+    before = path.read_bytes()
+    assert before[:4] == b"\x89PNG" and [p.name for p in tmp_path.iterdir()] == ["lr.png"]
+
+    def full_disk(target, **kwargs):
+        Path(target).write_bytes(b"\x89PNG partial")
+        raise OSError(28, "No space left on device")
+
+    fig.savefig = full_disk
+    with pytest.raises(OSError, match="No space"):
+        save_figure(fig, path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["lr.png"]
+    plt.close(fig)
