@@ -12,7 +12,9 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
 - optimizer states: projected matrices per :func:`fira_train.memory.matrix.footprint_numel`
   (APOLLO, APOLLO-Mini, Flora and SlimAdam: their own states, :func:`_peer_state_numel`)
   (basis ``min(m, n) x r``, Adam moments ``r x max(m, n)``, Fira's one scalar), everything else
-  AdamW's two moments; moments at 4 bytes (``float32``), 2 (``bfloat16``) or 1 + 4/256
+  AdamW's two moments; a Fira-family variant on Adagrad or RMSProp (``fira-adagrad``, ...) keeps
+  one moment instead of two for every parameter, and one that drops the residual (``galore``,
+  ...) no limiter scalar; moments at 4 bytes (``float32``), 2 (``bfloat16``) or 1 + 4/256
   (``int8``; a moment below 4096 elements or not whole 256-element blocks at its working
   dtype: :func:`fira_optim.precision.moment_zeros` decides), the basis at 4 bytes, or 2 from
   ``bfloat16`` on; the
@@ -59,6 +61,8 @@ import torch
 from fira_optim import precision
 from fira_optim.options import StateDtype
 from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES
+from fira_optim.subspace import STATE_KEYS
+from fira_optim.variants import VARIANTS
 from fira_train.memory.matrix import PEER_METHODS, footprint_numel, llama_matrix_shapes, vector_state_numel
 
 if TYPE_CHECKING:  # annotations only
@@ -98,14 +102,19 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     largest = max([a * b for a, b in shapes] + [embed])
     gradients = (largest if o.step_in_backward else params) * weight_bytes
     projected = o.method not in PLAIN_METHODS
+    # a Fira-family variant keeps its base's moments (Adagrad's and RMSProp's one, Adam's two)
+    # for every parameter, and the limiter's norm only where it keeps the residual
+    variant = VARIANTS.get(o.method, {})
+    moments = (len(STATE_KEYS[variant.get("base", "adam")]) if projected
+               else 1 if o.method in ONE_STATE_METHODS else 2)
+    matrix_method = "galore" if variant.get("residual") == "drop" else "fira"
 
     weight_dtype = torch.bfloat16 if weight_bytes == 2 else torch.float32
 
     def whole(numel: int) -> float:
-        """The two moments of a parameter stepped whole: torch's optimizers keep them in the
+        """The moments of a parameter stepped whole: torch's optimizers keep them in the
         parameter's dtype (bf16 for bf16 weights), and so does the Fira family at
         state_dtype="float32"."""
-        moments = 1 if o.method in ONE_STATE_METHODS else 2
         return moments * (numel * weight_bytes if not projected else _stored_bytes(numel, o.state_dtype, weight_dtype))
 
     states = (1 if m.tie_word_embeddings else 2) * whole(embed) + (2 * layers + 1) * whole(h)
@@ -118,9 +127,9 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     for a, b in shapes:
         if projected and o.rank < min(a, b):
             basis, moment = min(a, b) * o.rank, max(a, b) * o.rank  # the low-rank moments: fp32 work dtype
-            scalars = footprint_numel((a, b), o.rank, "fira").optimizer_states - basis - 2 * moment
+            scalars = footprint_numel((a, b), o.rank, matrix_method).optimizer_states - basis - 2 * moment
             basis_dtype = precision.basis_dtype(StateDtype(o.state_dtype), torch.float32)
-            states += (basis * basis_dtype.itemsize + 2 * _stored_bytes(moment, o.state_dtype, torch.float32)
+            states += (basis * basis_dtype.itemsize + moments * _stored_bytes(moment, o.state_dtype, torch.float32)
                        + 4 * scalars)
         else:
             states += whole(a * b)

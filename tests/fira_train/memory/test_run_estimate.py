@@ -87,6 +87,31 @@ def test_fira_states_are_what_the_optimizer_holds_for_each_weight_and_state_dtyp
             assert estimated == pytest.approx(held, rel=1e-3), (dtype, state_dtype)  # the step counters
 
 
+def test_every_fira_variant_states_are_what_the_optimizer_holds() -> None:
+    """Each Fira-family variant keeps its base's moments (Adagrad and RMSProp one, Adam two) for
+    every parameter, and the limiter's norm only where the residual stays (GaLore drops it): the
+    estimate counts the bytes it holds after a step, exactly but the step counters."""
+    import torch
+
+    import fira_optim
+    from fira_optim.state import optimizer_state_bytes
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import micro
+    from fira_train.methods.model import build_model
+    from fira_train.methods.registry import build_method
+
+    for method in fira_optim.VARIANTS:
+        config = apply_overrides(micro(), [f"optim.method={method}", "optim.rank=8"])
+        setup = build_method(build_model(config.model, 512, 32, seed=0), config)
+        ids = torch.randint(0, 512, (2, 32))
+        setup.model(input_ids=ids, labels=ids).loss.backward()
+        setup.optimizer.step()
+        counters = sum(state["step"].numel() * state["step"].element_size()
+                       for state in setup.optimizer.state.values())
+        held = optimizer_state_bytes(setup.optimizer) - counters
+        assert estimate_run_bytes(config, 512)["optimizer_states"] == held, method
+
+
 def test_each_memory_option_shrinks_its_part() -> None:
     _, fira = _estimate("fira")
     _, hooks = _estimate("fira", optim={"step_in_backward": True})
