@@ -18,7 +18,8 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   (``int8``; a moment below 4096 elements or not whole 256-element blocks at its working
   dtype: :func:`fira_optim.precision.moment_zeros` decides), the basis at 4 bytes, or 2 from
   ``bfloat16`` on; the
-  plain torch optimizers (AdamW, ...) keep their moments at the weights' dtype, and so does the
+  plain torch optimizers (AdamW, ...), Adam-mini, APOLLO and SlimAdam keep their states at the
+  weights' dtype (Flora fp32 whatever the weights), and so does the
   Fira family at ``float32`` for the parameters it does not project (bf16 moments of the
   embedding and head for bf16 weights, as ``torch.optim.AdamW`` keeps them);
 - activations: per layer :math:`s b h (34 + 5 a s / h)` bytes in 16-bit (Korthikanti et al.,
@@ -119,10 +120,10 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
 
     states = (1 if m.tie_word_embeddings else 2) * whole(embed) + (2 * layers + 1) * whole(h)
     if o.method == "adam-mini":  # a full first moment, one second moment per block (heads, neurons)
-        states, shapes = 4.0 * params, []
-    if o.method in PEER_METHODS:  # their own per-matrix states, fp32
-        states = 4.0 * _peer_state_numel(o.method, o.rank, shapes, vocab_size, h, layers,
-                                         tables=1 if m.tie_word_embeddings else 2)
+        states, shapes = float(weight_bytes * params), []
+    if o.method in PEER_METHODS:  # their own per-matrix states: Flora's fp32, the others' at the weights' dtype
+        states = (4 if o.method == "flora" else weight_bytes) * _peer_state_numel(
+            o.method, o.rank, shapes, vocab_size, h, layers, tables=1 if m.tie_word_embeddings else 2)
         shapes = []
     for a, b in shapes:
         if projected and o.rank < min(a, b):
