@@ -6,9 +6,11 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
         + \text{step temporaries}
 
 - weights: every parameter at ``train.param_dtype`` (4 or 2 bytes);
-- gradients: all of them at the weights' dtype; with ``optim.step_in_backward`` only the
-  largest parameter's (each gradient is freed as soon as its update has run; the largest, the
-  embedding or the head, bounds what is alive at once);
+- gradients: all of them at the weights' dtype; with ``optim.step_in_backward`` and one
+  micro-batch per step only the largest parameter's (each gradient is freed as soon as its update
+  has run; the largest, the embedding or the head, bounds what is alive at once); with gradient
+  accumulation (``train.micro_batch_size`` below ``train.batch_size``) all of them again: the
+  updates wait for the last micro-batch, and the gradients accumulated until then are alive;
 - optimizer states: projected matrices per :func:`fira_train.memory.matrix.footprint_numel`
   (APOLLO, APOLLO-Mini, Flora and SlimAdam: their own states, :func:`_peer_state_numel`)
   (basis ``min(m, n) x r``, Adam moments ``r x max(m, n)``, Fira's one scalar), everything else
@@ -101,7 +103,8 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     others = embed * (1 if m.tie_word_embeddings else 2) + h * (2 * layers + 1)  # + RMSNorms
     params = sum(a * b for a, b in shapes) + others
     largest = max([a * b for a, b in shapes] + [embed])
-    gradients = (largest if o.step_in_backward else params) * weight_bytes
+    # updates in the backward pass wait for the last micro-batch: the accumulated gradients live until then
+    gradients = (largest if o.step_in_backward and t.grad_accum == 1 else params) * weight_bytes
     projected = o.method not in PLAIN_METHODS
     # a Fira-family variant keeps its base's moments (Adagrad's and RMSProp's one, Adam's two)
     # for every parameter, and the limiter's norm only where it keeps the residual

@@ -126,6 +126,33 @@ def test_each_memory_option_shrinks_its_part() -> None:
     assert ckpt["activations"] < fira["activations"]  # the logits stay
 
 
+def test_step_in_backward_keeps_every_gradient_while_micro_batches_accumulate() -> None:
+    """With gradient accumulation the updates in the backward pass wait for the last micro-batch:
+    every gradient is alive after the first one (as without the option), and the estimate counts
+    them all; with one micro-batch per step, the largest parameter's alone."""
+    import torch
+
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import micro
+    from fira_train.run.training import build_training
+
+    config = apply_overrides(micro(), ["optim.step_in_backward=true", "train.batch_size=8",
+                                       "train.micro_batch_size=4"])
+    training = build_training(config, 512, torch.device("cpu"))
+    ids = torch.randint(0, 512, (4, 32))
+    with training.in_backward.accumulate():  # a micro-batch before the last, as train_step runs it
+        training.model(input_ids=ids, labels=ids).loss.backward()
+    alive = sum(p.grad.numel() * p.grad.element_size() for p in training.model.parameters() if p.grad is not None)
+    assert alive == sum(p.numel() * p.element_size() for p in training.model.parameters())
+    assert estimate_run_bytes(config, 512)["gradients"] == alive
+    accumulating = apply_overrides(get_recipe("60m"), ["train.batch_size=2", "train.micro_batch_size=1"])
+    plain = estimate_run_bytes(accumulating, 32000)
+    hooked = estimate_run_bytes(apply_overrides(accumulating, ["optim.step_in_backward=true"]), 32000)
+    assert hooked["gradients"] == plain["gradients"]
+    _, one = _estimate("fira", optim={"step_in_backward": True})
+    assert one["gradients"] == 4 * 32000 * 512
+
+
 def test_the_peers_states_are_what_their_optimizers_hold() -> None:
     """APOLLO, APOLLO-Mini, Flora and SlimAdam: the estimate counts the bytes the harness's
     optimizers hold after a step (checked on micro, where building them is cheap), for fp32 and
