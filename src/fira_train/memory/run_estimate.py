@@ -129,9 +129,12 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
             o.method, o.rank, shapes, vocab_size, h, layers, tables=1 if m.tie_word_embeddings else 2)
         shapes = []
     for a, b in shapes:
-        if projected and o.rank < min(a, b):
-            basis, moment = min(a, b) * o.rank, max(a, b) * o.rank  # the low-rank moments: fp32 work dtype
-            scalars = footprint_numel((a, b), o.rank, matrix_method).optimizer_states - basis - 2 * moment
+        # Fira-only-scaling projects at any rank, on all min(m, n) directions at most (the others
+        # train a matrix of rank >= min(m, n) whole, with their base optimizer)
+        if projected and (o.rank < min(a, b) or variant.get("only_scaling")):
+            r = min(o.rank, a, b)
+            basis, moment = min(a, b) * r, max(a, b) * r  # the low-rank moments: fp32 work dtype
+            scalars = 1 if matrix_method == "fira" else 0  # the limiter's ||S_{t-1}||
             basis_dtype = precision.basis_dtype(StateDtype(o.state_dtype), torch.float32)
             states += (basis * basis_dtype.itemsize + moments * _stored_bytes(moment, o.state_dtype, torch.float32)
                        + 4 * scalars)

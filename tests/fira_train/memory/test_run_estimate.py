@@ -100,8 +100,9 @@ def test_every_fira_variant_states_are_what_the_optimizer_holds() -> None:
     from fira_train.methods.model import build_model
     from fira_train.methods.registry import build_method
 
-    for method in fira_optim.VARIANTS:
-        config = apply_overrides(micro(), [f"optim.method={method}", "optim.rank=8"])
+    # rank 64 is micro's d_model: every matrix whole, but Fira-only-scaling's, projected at full rank
+    for method, rank in [(method, rank) for method in fira_optim.VARIANTS for rank in (8, 64)]:
+        config = apply_overrides(micro(), [f"optim.method={method}", f"optim.rank={rank}"])
         setup = build_method(build_model(config.model, 512, 32, seed=0), config)
         ids = torch.randint(0, 512, (2, 32))
         setup.model(input_ids=ids, labels=ids).loss.backward()
@@ -109,7 +110,7 @@ def test_every_fira_variant_states_are_what_the_optimizer_holds() -> None:
         counters = sum(state["step"].numel() * state["step"].element_size()
                        for state in setup.optimizer.state.values())
         held = optimizer_state_bytes(setup.optimizer) - counters
-        assert estimate_run_bytes(config, 512)["optimizer_states"] == held, method
+        assert estimate_run_bytes(config, 512)["optimizer_states"] == held, (method, rank)
 
 
 def test_each_memory_option_shrinks_its_part() -> None:
