@@ -561,6 +561,8 @@ class Fira(Optimizer):
                             "build the optimizer after model.to_empty(device=...) and the weights' initialization "
                             "or loading (to_empty gives the model new parameters; an optimizer built before it "
                             "holds the meta ones)")
+                    if group["rank"] is not None:  # one appended to a projected group's list since: as add_param_group
+                        _check_projectable(p, pi, gi)
                     projected = is_projected(p, group)
                     entries.append((gi, pi, p, order if projected else None))
                     order += projected

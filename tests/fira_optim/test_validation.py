@@ -461,3 +461,24 @@ def test_a_step_on_meta_parameters_names_the_parameter_and_the_fix() -> None:
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(16, 16\)\) is on the meta "
                                          r"device: build the optimizer after model.to_empty"):
         optimizer.step()
+
+
+def test_a_tensor_appended_to_a_projected_group_is_checked_as_add_param_group_checks_it():
+    """A 1-D or 3-D tensor appended to a projected group's list during training
+    (``opt.param_groups[0]["params"].append(bias)``) trained as plain AdamW without a word, where
+    the constructor and add_param_group refuse it."""
+    weight = torch.nn.Parameter(torch.randn(8, 24))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] has shape \(8,\): a projected group"):
+        FiraAdamW([{"params": [weight, torch.nn.Parameter(torch.zeros(8))], "rank": 2}])
+    opt = FiraAdamW([{"params": [weight], "rank": 2}])
+    weight.grad = torch.randn(8, 24)
+    opt.step()
+    for extra in (torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(2, 3, 4))):
+        opt.param_groups[0]["params"].append(extra)
+        extra.grad = torch.ones_like(extra)
+        before = weight.detach().clone()
+        with pytest.raises(ValueError, match=rf"param_groups\[0\]\['params'\]\[1\] has shape {tuple(extra.shape)}"
+                                             .replace("(", r"\(").replace(")", r"\)")):
+            opt.step()
+        assert torch.equal(weight.detach(), before) and torch.equal(extra.detach(), torch.zeros_like(extra))
+        opt.param_groups[0]["params"].pop()
