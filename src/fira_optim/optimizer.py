@@ -535,9 +535,11 @@ class Fira(Optimizer):
         against the record of them that survives those (:meth:`_record_built`), and the states
         themselves against the groups (:meth:`_settle_states`)."""
         options = self._group_options()
-        # the rank's type too: 3.0 equals 3, and would step on unchecked
-        key = tuple((id(g["params"]), len(g["params"]), g["stagger"], type(g["rank"]), *opts)
-                    for g, opts in zip(self.param_groups, options))
+        # the rank's type too: 3.0 equals 3, and would step on unchecked; only_scaling too: it
+        # projects a matrix of rank >= min(m, n) that the others train whole (the states are then
+        # checked against it: set during training, the step went on with the old layout)
+        key = tuple((id(g["params"]), len(g["params"]), g["stagger"], type(g["rank"]), bool(g.get("only_scaling")),
+                     *opts) for g, opts in zip(self.param_groups, options))
         cached = self.__dict__.get("_layout")
         if cached is None or cached[0] != key or not self._layout_holds(cached, only):
             built = self.__dict__.get("_built_options")
@@ -953,14 +955,23 @@ def _check_state(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], 
     built under another ``state_dtype`` was kept as it was, under the new one's name). The
     message names ``what`` (``"loaded state"``) ``of where`` (the parameter's place)."""
     shape = tuple(p.shape)
+    # a matrix of rank >= min(m, n) is projected under only_scaling alone (fira-optim before that
+    # trained it whole under only_scaling too): say so, rather than blame a rank that did not change
+    whole_rank = group["rank"] is not None and p.dim() == 2 and group["rank"] >= min(shape)
     if is_projected(p, group):
         if "basis" not in state:
+            why = (" with only_scaling=True, which projects a matrix of rank >= min(m, n) on all its min(m, n) "
+                   "directions (the state was built without only_scaling, or by a fira-optim that trained such a "
+                   "matrix whole under only_scaling too)" if whole_rank else "")
             raise ValueError(f"{what} of {where} (shape {shape}) has no projection basis: it was built for a "
-                             f"parameter its group does not project, and the group now has rank={group['rank']!r}")
+                             f"parameter its group does not project, and the group now has rank={group['rank']!r}"
+                             f"{why}")
         _check_projected_state(p, state, group, what, f"{where} (shape {shape})")
     elif "basis" in state:
+        why = (" without only_scaling, which alone projects a matrix of rank >= min(m, n) (the state was built "
+               "under only_scaling=True)" if whole_rank else "")
         raise ValueError(f"{what} of {where} (shape {shape}) holds a projection basis: it was built for a projected "
-                         f"matrix, and its group now has rank={group['rank']!r}")
+                         f"matrix, and its group now has rank={group['rank']!r}{why}")
     else:  # a plain parameter's moments have its shape (else the step fails midway)
         for key, value in state.items():
             if key in precision.SIGNED and tuple(value.shape) != shape:

@@ -282,6 +282,55 @@ def test_a_side_base_or_residual_rule_set_after_states_exist_is_refused_before_a
     _refused_then_set_back(opt, params, key, first, then)
 
 
+@pytest.mark.filterwarnings("ignore:.*none is projected:UserWarning")  # rank 8 >= 6 without only_scaling
+@pytest.mark.parametrize("first", [False, True])
+def test_only_scaling_set_after_states_exist_is_refused_where_it_changes_what_is_projected(first) -> None:
+    """Fira-only-scaling projects a matrix of rank >= min(m, n), which the others train whole: set
+    in param_groups during training, the step went on with the cached layout (plain Adam under
+    only_scaling, or a projection without it), and only a copy, a pickle or a load found the states
+    did not fit, blaming the unchanged rank. Where it changes nothing (rank < min(m, n)) it stands."""
+    gen = torch.Generator().manual_seed(0)
+    whole, low = torch.nn.Parameter(torch.randn(6, 8, generator=gen)), torch.nn.Parameter(torch.randn(12, 10, generator=gen))
+    opt = FiraAdamW([{"params": [whole], "rank": 8}, {"params": [low], "rank": 3}], only_scaling=first)
+    for p in (whole, low):
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    assert ("basis" in opt.state[whole]) is first
+    opt.param_groups[1]["only_scaling"] = not first  # rank 3 < 10: the same states
+    opt.step()
+    assert float(opt.state[low]["step"]) == 2.0
+    before = [p.detach().clone() for p in (whole, low)]
+    opt.param_groups[0]["only_scaling"] = not first
+    what = "has no projection basis" if not first else "holds a projection basis"
+    for stepping in (opt, copy.deepcopy(opt)):
+        with pytest.raises(ValueError, match=rf"param_groups\[0\]\['params'\]\[0\] \(shape \(6, 8\)\) {what}.*"
+                                             rf"rank=8 with(out)? only_scaling"):
+            stepping.step()
+    assert torch.equal(whole, before[0]) and torch.equal(low, before[1])
+    assert float(opt.state[whole]["step"]) == 2.0
+    opt.param_groups[0]["only_scaling"] = first  # set back: trains on
+    opt.step()
+    assert float(opt.state[whole]["step"]) == 3.0
+
+
+@pytest.mark.filterwarnings("ignore:.*none is projected:UserWarning")  # rank 8 >= 6 without only_scaling
+def test_an_only_scaling_state_saved_before_it_projected_at_full_rank_is_refused_naming_it() -> None:
+    """fira-optim trained a matrix of rank >= min(m, n) whole under only_scaling before it
+    projected it: such a state dict is refused by name, and the optimizer is left as it was."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 8, generator=gen))
+    older = FiraAdamW([{"params": [weight], "rank": 8}])  # the layout of an older only_scaling run
+    weight.grad = torch.randn(6, 8, generator=gen)
+    older.step()
+    saved = older.state_dict()
+    saved["param_groups"][0]["only_scaling"] = True
+    opt = FiraAdamW([{"params": [weight], "rank": 8}], only_scaling=True)
+    opt.step()
+    with pytest.raises(ValueError, match=r"has no projection basis.*rank=8 with only_scaling=True, which projects"):
+        opt.load_state_dict(saved)
+    assert "basis" in opt.state[weight] and opt.param_groups[0]["only_scaling"] is True
+
+
 def _refused_then_set_back(opt, params, key: str, first: str, then: str) -> None:
     """After one step: ``key`` set to ``then`` in every group is refused with nothing changed,
     and set back to ``first`` the optimizer trains on."""
