@@ -189,7 +189,10 @@ def _check_metadata(metadata: Any, source: str) -> None:
         raise bad("state_dict_metadata is not a mapping")
     # a pickle can refer to one object many times (its memo): a list of many chunks shared by many
     # keys took the product of the two in checks, hours for a file of a megabyte; each object once
+    # per role: a list checked as chunks is not thereby a key path (one set for both let a key path
+    # that is a chunk list through unchecked)
     checked: set[int] = set()
+    checked_paths: set[int] = set()
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(key, str):
             raise bad(f"a key {key!r} that is not a string")
@@ -227,8 +230,8 @@ def _check_metadata(metadata: Any, source: str) -> None:
         for name, key_path in planner.items():
             if not (isinstance(name, str) and isinstance(key_path, (tuple, list))):
                 raise bad("planner_data is not a mapping of names to key paths")
-            if id(key_path) not in checked:
-                checked.add(id(key_path))
+            if id(key_path) not in checked_paths:
+                checked_paths.add(id(key_path))
                 if not all(isinstance(part, (str, int)) for part in key_path):
                     raise bad("planner_data is not a mapping of names to key paths")
     if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, md.StorageMeta):

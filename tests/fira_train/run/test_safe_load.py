@@ -201,3 +201,22 @@ def test_metadata_sharing_one_object_among_many_keys_is_checked_once(tmp_path: P
     planner = md.Metadata(state_dict_metadata={}, storage_data={}, planner_data={f"k{i}": key_path for i in range(n)})
     safe_load._check_metadata(planner, str(path))
     assert Counted.iterated == 1
+
+
+def test_a_planner_key_path_that_is_a_chunk_list_is_checked_as_a_key_path(tmp_path: Path) -> None:
+    """The objects checked once (shared through the pickle's memo) were kept in one set for chunk
+    lists and key paths alike: a key path that is the very list of a tensor's chunks passed
+    unchecked, where a copy of it is refused."""
+    from torch.distributed.checkpoint import metadata as md
+
+    from fira_train.run import safe_load
+
+    chunks = [md.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([1]))]
+    items = {"w": md.TensorStorageMetadata(properties=md.TensorProperties(dtype=torch.float32),
+                                           size=torch.Size([1]), chunks=chunks)}
+    path = tmp_path / ".metadata"
+    for key_path in (list(chunks), chunks):
+        path.write_bytes(pickle.dumps(md.Metadata(state_dict_metadata=items, storage_data={},
+                                                  planner_data={"w": key_path})))
+        with pytest.raises(ckpt.CheckpointError, match="planner_data is not a mapping of names to key paths"):
+            safe_load.load_dcp_metadata(path)
