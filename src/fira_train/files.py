@@ -23,9 +23,9 @@ import json
 import math
 import os
 import stat
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 try:
     import fcntl
@@ -33,7 +33,7 @@ except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["DamagedFileError", "check_report_owner", "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir",
-           "locked", "open_regular", "parse_json", "read_json", "read_json_lines", "refuse_links", "write_text_atomic"]
+           "locked", "open_regular", "parse_json", "read_json", "read_json_lines", "refuse_links", "write_atomic", "write_text_atomic"]
 
 
 def measure_out_dir(out: str | None, recipe: str) -> str:
@@ -191,6 +191,13 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     """Replace ``path``'s content with ``text``: written to ``<name>.tmp`` beside it, flushed to
     disk, then renamed over it, so a reader (or a run resumed after a crash) sees the old file or
     the new one, never a part. One writer per path at a time (a run's lock, a sweep's driver)."""
+    return write_atomic(path, lambda handle: handle.write(text), binary=False)
+
+
+def write_atomic(path: str | Path, write: Callable[[IO[Any]], Any], *, binary: bool = True) -> Path:
+    """Replace ``path``'s content with what ``write(handle)`` writes (a binary handle, or a UTF-8
+    text one with ``binary=False``), as :func:`write_text_atomic` does: to ``<name>.tmp``, flushed
+    to disk, renamed over ``path``; on an error the part-written file is removed."""
     path = Path(path)
     temp = path.with_name(path.name + ".tmp")
     try:
@@ -198,8 +205,8 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         # ("x": O_CREAT | O_EXCL, which fails on any link); the rename then replaces ``path``
         # itself, a link there included
         temp.unlink(missing_ok=True)
-        with open(temp, "x", encoding="utf-8") as handle:
-            handle.write(text)
+        with open(temp, "xb") if binary else open(temp, "x", encoding="utf-8") as handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, path)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from fira_train.files import write_atomic
 from fira_train.run.metrics import read_metrics
 
 
@@ -29,16 +29,12 @@ def pyplot():
 def save_figure(fig, path: str | Path) -> Path:
     """``fig.savefig(path, dpi=120)``, atomically: written beside ``path`` and renamed over it, so
     a kill or a full disk mid-write leaves the previous figure whole (a sweep rewrites ``lr.png``
-    after every run), not a truncated image; the partial file is removed on an error."""
+    after every run), not a truncated image; the partial file is removed on an error. Written as
+    :func:`fira_train.files.write_atomic` writes (never through a link planted at the temporary
+    name, flushed to disk before the rename)."""
     path = Path(path)
-    temp = path.with_name(f".{path.name}.tmp")
-    try:
-        fig.savefig(temp, dpi=120, format=path.suffix.lstrip(".") or "png")
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    return path
+    image_format = path.suffix.lstrip(".") or "png"
+    return write_atomic(path, lambda handle: fig.savefig(handle, dpi=120, format=image_format))
 
 
 def plain_log_ticks(*axes) -> None:

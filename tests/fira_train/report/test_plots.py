@@ -84,7 +84,7 @@ def test_a_figure_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
     assert before[:4] == b"\x89PNG" and [p.name for p in tmp_path.iterdir()] == ["lr.png"]
 
     def full_disk(target, **kwargs):
-        Path(target).write_bytes(b"\x89PNG partial")
+        target.write(b"\x89PNG partial")  # the temporary file's handle
         raise OSError(28, "No space left on device")
 
     fig.savefig = full_disk
@@ -92,3 +92,22 @@ def test_a_figure_is_replaced_whole_or_not_at_all(tmp_path: Path) -> None:
         save_figure(fig, path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["lr.png"]
     plt.close(fig)
+
+
+def test_a_figure_is_never_written_through_a_link_at_its_temporary_name(tmp_path: Path) -> None:
+    """save_figure wrote the image through whatever its temporary name pointed to (a link planted
+    there: the link's target overwritten with a PNG), then renamed the link over the figure; it
+    now writes as write_text_atomic does, the temporary file made afresh (O_EXCL)."""
+    from fira_train.report.plots import save_figure
+
+    target = tmp_path / "target.txt"
+    target.write_text("precious\n")
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    for name in ("lr.png.tmp", ".lr.png.tmp"):
+        (tmp_path / name).symlink_to(target)
+    path = save_figure(fig, tmp_path / "lr.png")
+    plt.close(fig)
+    assert target.read_text() == "precious\n"
+    assert not path.is_symlink() and path.read_bytes()[:4] == b"\x89PNG"
