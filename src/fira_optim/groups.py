@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .distributed import reject_fsdp1
 
@@ -94,6 +95,10 @@ def param_groups(
     projected: list[torch.Tensor] = []
     seen: set[int] = set()
     for name, module in model.named_modules():
+        if parametrize.is_parametrized(module, "weight"):
+            # computed from parameters at each access (spectral_norm's runs a power iteration,
+            # which moves its state): never read here, its parameters are plain
+            continue
         weight = getattr(module, "weight", None)
         if not _is_linear(module) or weight is None or weight.dim() != 2 or weight.is_complex():
             continue  # a complex weight steps as torch.optim.AdamW does, in the plain group

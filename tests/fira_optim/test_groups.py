@@ -208,3 +208,14 @@ def test_a_parametrized_linear_weight_is_left_to_its_parameters_in_the_plain_gro
     model(torch.randn(4, 12)).pow(2).sum().backward()
     opt.step()
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_building_the_groups_leaves_a_parametrized_weight_uncomputed():
+    """Reading a parametrized weight computes it: param_groups(model) ran a power iteration of
+    spectral_norm's (its u and v moved, as if the model had taken a training forward pass)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 8))
+    nn.utils.parametrizations.spectral_norm(model[0])
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    param_groups(model, rank=2)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
