@@ -11,10 +11,10 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   has run; the largest, the embedding or the head, bounds what is alive at once); with gradient
   accumulation (``train.micro_batch_size`` below ``train.batch_size``) all of them again: the
   updates wait for the last micro-batch, and the gradients accumulated until then are alive;
-- optimizer states: projected matrices per :func:`fira_train.memory.matrix.footprint_numel`
-  (APOLLO, APOLLO-Mini, Flora and SlimAdam: their own states, :func:`_peer_state_numel`)
-  (basis ``min(m, n) x r``, Adam moments ``r x max(m, n)``, Fira's one scalar), everything else
-  AdamW's two moments; a Fira-family variant on Adagrad or RMSProp (``fira-adagrad``, ...) keeps
+- optimizer states: projected matrices (``rank < min(m, n)``, and for Fira-only-scaling any
+  rank, at most ``min(m, n)``) with a basis ``min(m, n) x r``, Adam moments ``r x max(m, n)`` and
+  Fira's one scalar (APOLLO, APOLLO-Mini, Flora and SlimAdam: their own states,
+  :func:`_peer_state_numel`), everything else AdamW's two moments; a Fira-family variant on Adagrad or RMSProp (``fira-adagrad``, ...) keeps
   one moment instead of two for every parameter, and one that drops the residual (``galore``,
   ...) no limiter scalar; moments at 4 bytes (``float32``), 2 (``bfloat16``) or 1 + 4/256
   (``int8``; a moment below 4096 elements or not whole 256-element blocks at its working
