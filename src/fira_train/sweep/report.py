@@ -35,7 +35,8 @@ def _spread(mean: float, sd: float | None, n: int, diverged: int | None = None) 
     """Mean ± sd over ``n`` runs; a mean one diverged run made infinite says how many of the
     ``n`` diverged (``diverged``), so that one seed of three is not read as all three."""
     if math.isinf(mean):
-        return "diverged" if diverged is None else f"diverged ({diverged} of {n} runs)"
+        # no count where none is flagged: a finished run whose perplexity overflowed is inf too
+        return f"diverged ({diverged} of {n} runs)" if diverged else "diverged"
     return f"{mean:.2f} ± {sd:.2f} (n={n})" if sd is not None else f"{mean:.2f} (n=1)"
 
 
