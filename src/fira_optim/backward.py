@@ -9,9 +9,10 @@ model's: the memory of the gradients drops from the model's size to its largest 
 step hooks expect it, and it updates the parameters no hook covers: those that did not require a
 gradient when the hooks were registered and were unfrozen since, which it hooks for the next
 backward pass; a group added with ``add_param_group`` is hooked as it is added). Under DDP the
-communication hook updates every parameter DDP all-reduces; ``step()`` updates the others (not
-in the model, or frozen when DDP was built and so never reduced) from their local gradients,
-as a plain DDP step would.
+communication hook updates every parameter of the optimizer that DDP all-reduces (the model's
+others are left to their own optimizer); ``step()`` updates the others (not in the model, or
+frozen when DDP was built and so never reduced) from their local gradients, as a plain DDP step
+would.
 
 A parameter is updated in the backward pass by one handle at a time: a handle over a parameter
 that another active handle updates (a second optimizer over the same weights, a second Trainer on
@@ -244,6 +245,10 @@ class StepInBackward:
             # Unused on every rank (find_unused_parameters=True): its slice of the bucket is zeros, and
             # DDP leaves its .grad None, so optimizer.step() would not update it; nor is it updated here
             kept = params if used is None else [p for p, flag in zip(params, used.wait()) if flag]
+            # The model's weights that another optimizer trains (torch's AdamW beside Fira): that
+            # optimizer's step updates them from the averaged gradients DDP leaves
+            own = {p for group in self.optimizer.param_groups for p in group["params"]}
+            kept = [p for p in kept if p in own]
             for p, grad in zip(params, bucket.gradients()):
                 p.grad = grad  # the averaged gradient, a view of the reduced bucket
             try:

@@ -281,6 +281,36 @@ def test_under_ddp_a_weight_ddp_does_not_reduce_is_updated_by_step(tmp_path):
     assert counts["b.weight"] == 2 and counts["a.weight"] == 2
 
 
+def _ddp_two_optimizers_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    weights = {}
+    for in_backward in (False, True):
+        model = _net()
+        wrapped = DistributedDataParallel(model)
+        matrices = [model.a.weight, model.b.weight, model.c.weight]
+        fira = FiraAdamW([{"params": matrices, "rank": 3, "update_proj_gap": 3}], lr=0.02, weight_decay=0.1)
+        adamw = torch.optim.AdamW([p for p in model.parameters() if all(p is not q for q in matrices)], lr=0.01)
+        if in_backward:
+            step_in_backward(fira, wrapped)
+        for step in range(4):
+            _loss(wrapped, *_batch(step)).backward()
+            fira.step()
+            adamw.step()
+            fira.zero_grad()
+            adamw.zero_grad()
+        weights[in_backward] = [p.detach().clone() for p in model.parameters()]
+    return all(torch.equal(p, q) for p, q in zip(weights[False], weights[True]))
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_the_weights_of_another_optimizer_are_left_to_it(tmp_path):
+    # Fira for the matrices, torch's AdamW for the rest of one DDP model: the communication hook
+    # handed every weight of its bucket to Fira, and the backward pass failed with a KeyError
+    (equal,) = run_ranks(_ddp_two_optimizers_worker, 1, tmp_path, timeout=100)
+    assert equal
+
+
 def test_resume_in_backward_is_exact():
     model = _net()
     opt = _optimizer(model)
