@@ -33,7 +33,8 @@ What changes:
   ``Trainer`` with ``gradient_accumulation_steps > 1``) updates once per micro-batch. The first
   parameter updated twice between two ``optimizer.step()`` calls gets a ``UserWarning``. Outside
   DDP, a final micro-batch run inside ``accumulate()`` loses nothing: ``optimizer.step()``
-  then updates what was accumulated, as a plain step would.
+  then updates what was accumulated, as a plain step would; under DDP nothing was all-reduced,
+  nothing is updated, and ``optimizer.step()`` warns.
 - **Non-finite gradients** are found per matrix, as each update runs: ``nonfinite="error"``
   raises from inside backward (matrices updated earlier in the same backward keep their update);
   ``"skip"`` skips that matrix's update only.
@@ -95,6 +96,8 @@ class StepInBackward:
         self._covered: set = set()  # the parameters whose update a hook runs
         self._updated: set = set()  # those a hook updated since the last optimizer.step()
         self._warned = False
+        # Under DDP: micro-batches accumulated (no_sync) since the last synchronised backward
+        self._unsynced = False
         self._ddp = _is_ddp(model)
         if self._ddp and optimizer.split_refresh:
             # its gathers and broadcasts would run inside DDP's communication hook, between the
@@ -179,6 +182,16 @@ class StepInBackward:
     def stepped(self) -> None:
         """``optimizer.step()`` ran: the updates since the last one were one step's (and the
         loss scale moves, once per step)."""
+        if self._unsynced and not self._accumulating:
+            # Every micro-batch of the step ran inside accumulate(): under no_sync nothing was
+            # all-reduced, so no communication hook updated, and step() has no averaged gradients
+            # to update from (outside DDP it updates what accumulated)
+            self._unsynced = False
+            warnings.warn(
+                "step_in_backward under DDP: optimizer.step() follows backward passes that all ran inside "
+                "handle.accumulate(), so nothing was updated in this step (the gradients accumulated under "
+                "no_sync were never all-reduced); run the backward pass of each step's final micro-batch "
+                "outside accumulate()", UserWarning, stacklevel=3)
         self._updated.clear()
         if self.loss_scale is not None:
             self.loss_scale.update()
@@ -232,6 +245,7 @@ class StepInBackward:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         future = default_hooks.allreduce_hook(state, bucket)
+        self._unsynced = False  # a synchronised backward (also a paused one): what accumulated is reduced
         if not self._active or self._accumulating or self.optimizer._in_backward is not self:  # or paused
             return future  # the averaged gradients stay for optimizer.step()
         used = _used_anywhere(self.model, state, list(bucket.parameters()))
@@ -295,6 +309,7 @@ class StepInBackward:
                 yield
             finally:
                 self._accumulating = previous
+                self._unsynced = self._ddp
 
     def remove(self) -> None:
         """Back to updates in ``optimizer.step()``."""

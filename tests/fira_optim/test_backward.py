@@ -311,6 +311,35 @@ def test_under_ddp_the_weights_of_another_optimizer_are_left_to_it(tmp_path):
     assert equal
 
 
+def _ddp_every_micro_batch_accumulated_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _net()
+    wrapped = DistributedDataParallel(model)
+    opt = _optimizer(model)
+    handle = step_in_backward(opt, wrapped)
+    caught = []
+    for step in range(2):
+        for micro in range(2):
+            with handle.accumulate() if step == 0 or micro == 0 else _nothing():
+                (_loss(wrapped, *_batch(step, micro)) / 2).backward()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.step()
+        opt.zero_grad()
+        caught.append([str(w.message) for w in seen])
+    return caught, int(opt.state[model.a.weight]["step"])
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_a_step_whose_micro_batches_all_accumulated_warns_that_nothing_was_updated(tmp_path):
+    # the final micro-batch inside accumulate(): no_sync all-reduced nothing, no hook updated, and
+    # step() found no averaged gradients, so the step was lost without a word
+    ((caught, steps),) = run_ranks(_ddp_every_micro_batch_accumulated_worker, 1, tmp_path, timeout=100)
+    assert len(caught[0]) == 1 and "nothing was updated in this step" in caught[0][0]
+    assert caught[1] == [] and steps == 1  # the next step, its final micro-batch synchronised: updated
+
+
 def test_resume_in_backward_is_exact():
     model = _net()
     opt = _optimizer(model)
