@@ -14,9 +14,11 @@ module decides that rule once (:func:`refresh_outcome`) and runs it in one of th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -49,8 +51,30 @@ def refresh_outcome(grad, previous, *, rank, side, group, order, step, name):
         return "nonfinite", None
     if not bool(grad.any()):
         return "zero", None
-    basis = new_basis(grad, rank, side, group, previous, order, step, name)
+    with _one_thread_on_cpu(grad):
+        basis = new_basis(grad, rank, side, group, previous, order, step, name)
     return ("new", basis) if basis is not None else ("keep", None)
+
+
+@contextlib.contextmanager
+def _one_thread_on_cpu(grad: torch.Tensor) -> Iterator[None]:
+    """A CPU refresh on one intra-op thread, wherever it runs: LAPACK's SVD of a matrix of a few
+    hundred rows differs with the thread count (at about 1e-4 between one and two threads for
+    256 x 256), and :func:`refresh_in_threads` runs each of several refreshes due together on one
+    thread. A lone refresh on all of them made the bases depend on how many matrices refreshed
+    in the step: an update in the backward pass (each matrix alone) was not the plain step's bit
+    for bit, nor a staggered run the same on two machines with other core counts. The price: a
+    lone refresh of a large matrix on the CPU no longer uses the other cores (a GPU's refreshes,
+    and several due together, run as before)."""
+    threads = torch.get_num_threads()
+    if grad.device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def new_basis(grad, rank, side, group, previous, order, step, name):
@@ -132,10 +156,9 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     So each worker sets its own count as it starts (:func:`_one_thread`); the count is per
     thread, and the caller's stays as it was.
 
-    The outcomes are the sequential refresh's calls on the same inputs: bitwise its results
-    where LAPACK's do not depend on the thread count (small matrices), else equal to
-    round-off, up to a rotation within a group of (nearly) equal singular values (any such
-    rotation is exact). A gradient found non-finite is reported in the usual order.
+    The outcomes are the sequential refresh's calls on the same inputs, bit for bit: a CPU
+    refresh runs on one intra-op thread there too (:func:`_one_thread_on_cpu`), as LAPACK's SVD
+    depends on the thread count. A gradient found non-finite is reported in the usual order.
     """
     workers = torch.get_num_threads()
     if only is not None and len(only) < 2:  # one matrix (an update in the backward pass)
