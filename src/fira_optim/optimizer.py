@@ -386,7 +386,9 @@ class Fira(Optimizer):
         r"""Call ``hook(optimizer, stats)`` after every step, with one
         :class:`fira_optim.pipeline.MatrixStats` per projected matrix updated in it (its
         strategy, :math:`\|S_t\|` and limiter factor, as tensors). The measurement hook for
-        benchmarks and analyses: nothing is collected while no hook is registered.
+        benchmarks and analyses: nothing is collected while no hook is registered. Under
+        :func:`fira_optim.step_in_backward` a step is one update per parameter: the hook is called
+        after each, with that matrix's stats (an empty list for a parameter not projected).
         Returns a handle whose ``remove()`` unregisters it."""
         handle = RemovableHandle(self._stats_hooks)
         self._stats_hooks[handle.id] = hook
