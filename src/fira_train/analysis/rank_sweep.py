@@ -112,18 +112,26 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
               "The paper's varying-ranks figure (LLaMA 60M, d_model 256, C4, 10K steps) gives no numbers: "
               "Fira stays close to full-rank training at every rank, while GaLore degrades "
               "sharply at ranks 4 and 16. Its rank table for Fira-only-scaling:", ""]
-    paper_ranks = [r for r in ranks if r in PAPER_ONLY_SCALING]
-    shown = paper_ranks or [r for r in PAPER_ONLY_SCALING if r != "adam"]  # none in common: the paper's own
+    # each rank beside the paper's rank of the same r/d_model (the ratio the default ranks keep):
+    # at another width rank r is the paper's r * 256 / d_model, and r = d_model its full-rank column
+    paper_of = {r: r * PAPER_D_MODEL // d_model for r in ranks
+                if (r * PAPER_D_MODEL) % d_model == 0 and r * PAPER_D_MODEL // d_model in PAPER_ONLY_SCALING}
+    paper_ranks = list(paper_of)
+    shown = [paper_of[r] for r in paper_ranks] or [r for r in PAPER_ONLY_SCALING if r != "adam"]  # none: the paper's own
     rows = [["paper: fira-only-scaling"] + [PAPER_ONLY_SCALING[r] for r in shown] + [PAPER_ONLY_SCALING["adam"]]]
     if "fira-only-scaling" in table and paper_ranks:
         rows.append(["measured: fira-only-scaling"] + [table["fira-only-scaling"][r] for r in paper_ranks] + [baseline])
-    lines += [markdown_table(["", *(f"r = {r}" for r in shown), "Adam"], rows), ""]
+    same_width = d_model == PAPER_D_MODEL or not paper_ranks
+    headers = [f"r = {p}" if same_width else f"r = {p} (here {r})" for p, r in zip(shown, paper_ranks or shown)]
+    lines += [markdown_table(["", *headers, "Adam"], rows), ""]
     if not paper_ranks:
-        lines += [f"None of the ranks run here ({', '.join(map(str, ranks))}) is one of the paper's: nothing "
-                  "measured stands beside its numbers.", ""]
-    elif d_model != PAPER_D_MODEL:
-        lines += [f"Measured at d_model {d_model}: rank r keeps r/{d_model} of the width where the paper's "
-                  f"keeps r/{PAPER_D_MODEL}, on another corpus and budget: compare trends, not values.", ""]
+        lines += [f"None of the ranks run here ({', '.join(map(str, ranks))}) is at an r/d_model of the paper's "
+                  f"(r/{PAPER_D_MODEL} for r in {', '.join(map(str, shown))}, at d_model {d_model}): nothing measured "
+                  "stands beside its numbers.", ""]
+    elif not same_width:
+        lines += [f"Measured at d_model {d_model}: each rank beside the paper's at the same r/d_model (rank r here "
+                  f"is the paper's r * {PAPER_D_MODEL} / {d_model}), on another corpus and budget: compare trends, "
+                  "not values.", ""]
     findings = []
     for m in methods:
         lo, hi = table[m][ranks[0]], table[m][ranks[-1]]

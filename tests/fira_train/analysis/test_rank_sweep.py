@@ -26,8 +26,10 @@ def test_rank_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert "| fira |" in text and "| galore |" in text and "r = 4" in text
     assert "fira below galore at" in text and "ranks in one seed" in text
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
-    assert "Measured at d_model 64: rank r keeps r/64 of the width where the paper's keeps r/256" in text
-    assert "| paper: fira-only-scaling | 35.91 | 32.90 |" in text  # its numbers at the ranks run here, as it prints them
+    assert "Measured at d_model 64: each rank beside the paper's at the same r/d_model" in text
+    # ranks 4 and 16 of 64 are the paper's 16 and 64 of 256 (it read 35.91 | 32.90: its ranks 4 and 16)
+    assert "|  | r = 16 (here 4) | r = 64 (here 16) | Adam |" in text
+    assert "| paper: fira-only-scaling | 32.90 | 31.93 |" in text
     assert "learning rate: each method's default (fira 0.01, galore 0.01, adamw 0.001)" in text  # micro: none tuned
 
 
@@ -41,7 +43,7 @@ def test_rank_sweep_at_ranks_the_paper_did_not_run_shows_the_paper_s_own(tmp_pat
     assert "learning rate: each method's tuned rate for the recipe (a sweep's choice on validation), else its " \
            "default (fira 0.02, adamw 0.001)" in text
     assert "|  | r = 4 | r = 16 | r = 64 | r = 128 | r = 256 | Adam |" in text
-    assert "None of the ranks run here (2, 8) is one of the paper's" in text
+    assert "None of the ranks run here (2, 8) is at an r/d_model of the paper's" in text
 
 
 def test_rank_sweep_rejects_bad_ranks_and_rankless_methods(tmp_path: Path, corpus_root: Path) -> None:
@@ -76,3 +78,7 @@ def test_fira_only_scaling_runs_at_full_rank_the_paper_s_last_column(tmp_path: P
                        weights_only=True)["optimizer"]["state"]
     bases = [tuple(state["basis"].shape) for state in saved.values() if "basis" in state]
     assert bases and set(bases) == {(64, 64)}  # every matrix projected on all 64 directions, none Adam
+    # full rank stands beside the paper's full-rank column (30.84), not its rank 64 of 256 (31.93)
+    text = result["report"].read_text()
+    assert "|  | r = 16 (here 4) | r = 256 (here 64) | Adam |" in text
+    assert "| paper: fira-only-scaling | 32.90 | 30.84 | 34.06 |" in text
