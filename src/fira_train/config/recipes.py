@@ -4,8 +4,10 @@ The paper's LLaMA recipes (``60m``, ``130m``, ``350m``, ``1b``, ``7b``) follow A
 follows GaLore): sequence length 256, 512 sequences (131K tokens) per step, linear warm-up over
 10% of the steps then cosine decay to 10%, learning rate 0.01 for Fira and GaLore (each other
 method uses its own default, :mod:`fira_train.methods.registry`), subspace update gap T = 200,
-alpha 0.25 below 1B and 0.0625 from 1B, rank 128 / 256 / 256 / 512 (and 64 for 7B, the paper's
-8x smaller rank than GaLore's 1024).
+alpha 0.25 below 1B and 0.0625 from 1B, rank 128 / 256 / 256 / 512, and 64 for 7B (the paper gives
+no 7B rank: 64 is the released Fira script's, and the paper's "8x smaller rank" than GaLore then
+means GaLore at 512, :data:`fira_train.memory.estimates.GALORE_7B_RANK`; GaLore's own 7B run used
+1024, 16x Fira's 64).
 
 Data: the paper streams C4 with the ``t5-base`` tokenizer (``--data c4 data.tokenizer=t5-base``
 when online). Offline the recipes default to the embedded Wikipedia corpus with a byte-level BPE
