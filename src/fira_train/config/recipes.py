@@ -13,6 +13,21 @@ Data: the paper streams C4 with the ``t5-base`` tokenizer (``--data c4 data.toke
 when online). Offline the recipes default to the embedded Wikipedia corpus with a byte-level BPE
 of the T5 vocabulary's size (32,000).
 
+Where the recipes differ from the released GaLore and Fira scripts the paper ran (settings the
+paper does not state):
+
+- validation: 64 sequences (16,384 tokens) by default, where the released scripts evaluate about
+  10M C4 validation tokens (``data.val_sequences=39063`` with ``--data c4``; the offline corpus
+  holds fewer);
+- sequences: documents are packed end to end, each followed by EOS, into 256-token sequences;
+  the released scripts cut each document to its first 256 tokens and pad the rest (padding left
+  out of the loss), so their perplexities are over document beginnings only;
+- precision: fp32 weights, under bf16 autocast on a GPU (``train.precision=auto``); the released
+  scripts cast the weights to bf16 (``train.param_dtype=bfloat16`` does);
+- ``7b``: the paper's steps, learning rate and T with the released script's rank 64; that script
+  itself (``llama_7b.sh``) ran 10K steps at lr 0.005 with T = 500, 1,000 warm-up steps and
+  gradient clipping 1.0.
+
 The CPU recipes keep the paper's ratios -- rank / d_model = 1/4 (128 / 512 at 60M, 256 / 1024 at
 350M, 512 / 2048 at 1B), the schedule's shape, and about 50 subspace refreshes per run
 (T = steps / 50):
