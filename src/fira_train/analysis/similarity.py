@@ -438,8 +438,12 @@ def _fmt_p(value: float) -> str:
 
 
 def _mean_factor(records: list[dict[str, Any]], key: str) -> float:
+    """The mean of the recorded factors, those that could not be computed (0 / 0: a zero gradient
+    column, recorded as NaN or null) left out, as the per-step statistics leave them out: one
+    such column made the report's mean, and its low/full ratio, NaN."""
     values = [v for rec in records for vals in rec[key].values() for v in (vals if isinstance(vals, list) else [vals])]
-    return float(np.mean(values)) if values else math.nan
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.mean(finite)) if finite else math.nan
 
 
 def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[int] | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import numpy as np
@@ -353,3 +354,14 @@ def test_a_column_with_a_zero_gradient_is_left_out_of_its_step(tmp_path: Path) -
     summary = average([{"step": 1, "spearman": 0.9, "spearman_p": 0.01},
                        {"step": 2, "spearman": float("nan"), "spearman_p": float("nan")}])
     assert summary["spearman_significant"] == 1.0 and summary["steps"] == 2.0
+
+
+def test_the_mean_factor_leaves_out_factors_that_could_not_be_computed() -> None:
+    """A zero gradient column's factor is 0 / 0, recorded as NaN (null once read back): the
+    report's mean factor, and its low/full ratio, read nan."""
+    from fira_train.analysis.similarity import _mean_factor
+
+    records = [{"matrix": {"a": 1.0, "b": float("nan")}}, {"matrix": {"a": 3.0, "b": None}},
+               {"matrix": {"a": [2.0, float("nan")]}}]
+    assert _mean_factor(records, "matrix") == 2.0
+    assert math.isnan(_mean_factor([{"matrix": {"a": float("nan")}}], "matrix"))
