@@ -53,13 +53,20 @@ def _matches(name: str, patterns: Iterable[str] | str | None) -> bool:
 
 
 def _excluded_by_role(model: nn.Module) -> set[int]:
-    """Ids of weights that are never projected: embeddings and the output head."""
-    ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    """Ids of weights that are never projected: embeddings and the output head. A parametrized
+    weight is not read (reading computes it: spectral_norm's power iteration moves its state); it
+    is never projected anyway (:func:`param_groups` leaves it out)."""
+    def weight_of(module: nn.Module | None) -> Any:
+        if module is None or parametrize.is_parametrized(module, "weight"):
+            return None
+        return getattr(module, "weight", None)
+
+    ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and weight_of(m) is not None}
     for getter in ("get_output_embeddings", "get_input_embeddings"):
         fn = getattr(model, getter, None)
-        module = fn() if callable(fn) else None
-        if module is not None and getattr(module, "weight", None) is not None:
-            ids.add(id(module.weight))
+        weight = weight_of(fn() if callable(fn) else None)
+        if weight is not None:
+            ids.add(id(weight))
     return ids
 
 

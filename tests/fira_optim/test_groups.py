@@ -219,3 +219,27 @@ def test_building_the_groups_leaves_a_parametrized_weight_uncomputed():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     param_groups(model, rank=2)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_building_the_groups_leaves_a_parametrized_embedding_and_head_uncomputed():
+    """The embeddings and the output head are looked up to be left out, and reading their weight
+    computed it too: spectral_norm's u and v moved on an embedding or a head so parametrized."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 8)
+            self.mid = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 10)
+
+        def get_output_embeddings(self):
+            return self.head
+
+    torch.manual_seed(0)
+    model = Model()
+    nn.utils.parametrizations.spectral_norm(model.emb)
+    nn.utils.parametrizations.spectral_norm(model.head)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    groups = param_groups(model, rank=2)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    projected = next(g for g in groups if g["rank"] is not None)["params"]
+    assert len(projected) == 1 and projected[0] is model.mid.weight
