@@ -154,7 +154,9 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     teams oversubscribe the cores: on 2 cores a refresh then often stalled for hundreds of
     milliseconds, even where each matrix takes one (``benchmarks/refresh_threads.py``, ``micro``).
     So each worker sets its own count as it starts (:func:`_one_thread`); the count is per
-    thread, and the caller's stays as it was.
+    thread, and the caller's stays as it was (and, after the pool, the default of threads that
+    start later: torch keeps the last count set in a process-wide default, which a thread takes
+    at its first parallel call).
 
     The outcomes are the sequential refresh's calls on the same inputs, bit for bit: a CPU
     refresh runs on one intra-op thread there too (:func:`_one_thread_on_cpu`), as LAPACK's SVD
@@ -174,8 +176,14 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
         inputs = [(job.grad.cpu(), None if job.previous is None else job.previous.cpu()) for job in jobs]
     else:
         inputs = [(job.grad, job.previous) for job in jobs]
-    with ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
-        outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
+    try:
+        with ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
+            outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
+    finally:
+        # torch.set_num_threads also stores the count a thread takes at its first parallel call:
+        # the workers' 1 stayed the default of every thread started after (a data or checkpoint
+        # thread then ran on one core); the caller's own count is unchanged by this
+        torch.set_num_threads(workers)
     if not on_host:
         outcomes = [(status, None if basis is None else basis.to(job.grad.device))
                     for (status, basis), job in zip(outcomes, jobs)]

@@ -300,6 +300,27 @@ def test_pool_workers_decompose_on_one_intra_op_thread(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_a_thread_started_after_a_pooled_refresh_keeps_the_caller_s_thread_count():
+    """torch.set_num_threads also sets the count that a thread takes at its first parallel call:
+    the pool's workers set 1, which every thread started after the refresh then ran on."""
+    import threading
+
+    shapes = [(12, 20), (20, 12), (16, 16)]
+    grads = grad_sequence(shapes, 1, seed=6)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        params = make_params(shapes)
+        run(FiraAdamW(params, rank=3, update_proj_gap=5), params, grads)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert seen == [2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_refreshes_computed_in_threads_equal_the_sequential_ones(monkeypatch):
     """On the CPU with 2+ torch threads, the SVDs due at one step run side by side in a
     thread pool; the run is bitwise the one where each matrix refreshes in its turn (each on one
