@@ -158,9 +158,11 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     start later: torch keeps the last count set in a process-wide default, which a thread takes
     at its first parallel call).
 
-    The outcomes are the sequential refresh's calls on the same inputs, bit for bit: a CPU
-    refresh runs on one intra-op thread there too (:func:`_one_thread_on_cpu`), as LAPACK's SVD
-    depends on the thread count. A gradient found non-finite is reported in the usual order.
+    On the CPU the outcomes are the sequential refresh's calls on the same inputs, bit for bit: a
+    CPU refresh runs on one intra-op thread there too (:func:`_one_thread_on_cpu`), as LAPACK's
+    SVD depends on the thread count. With ``host_refresh`` the sequential refresh (a lone one)
+    runs on the device, whose SVD equals the host's to round-off only. A gradient found
+    non-finite is reported in the usual order.
     """
     workers = torch.get_num_threads()
     if only is not None and len(only) < 2:  # one matrix (an update in the backward pass)
