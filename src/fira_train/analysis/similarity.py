@@ -438,9 +438,10 @@ def _fmt_p(value: float) -> str:
 
 
 def _mean_factor(records: list[dict[str, Any]], key: str) -> float:
-    """The mean of the recorded factors, those that could not be computed (0 / 0: a zero gradient
-    column, recorded as NaN or null) left out, as the per-step statistics leave them out: one
-    such column made the report's mean, and its low/full ratio, NaN."""
+    """The mean of the recorded factors that are finite numbers: one that could not be computed
+    (0 / 0 for a zero gradient column, recorded as NaN, null once in JSON; or infinite) made the
+    report's mean, and its low/full ratio, NaN. Each side's mean is over its own finite factors
+    (the per-step statistics drop a pair where either side is not finite)."""
     values = [v for rec in records for vals in rec[key].values() for v in (vals if isinstance(vals, list) else [vals])]
     finite = [v for v in values if v is not None and math.isfinite(v)]
     return float(np.mean(finite)) if finite else math.nan
