@@ -6,8 +6,9 @@ r"""The precision of optimizer states (``state_dtype``) and stochastic rounding 
 quantization map of Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (2022), one
 fp32 absmax scale per block of 256 elements, as bitsandbytes and torchao do; the basis is bf16
 (an orthonormal basis does not survive 8 bits). Moments of fewer than 4096 elements, or not a
-multiple of 256, stay fp32 (their bytes do not matter; torchao's rule). The limiter's
-:math:`\|S_{t-1}\|` and the step counters stay fp32.
+multiple of 256, stay as ``"float32"`` keeps them (torchao's rule: their bytes do not matter): fp32,
+but in the dtype of a bf16 (or fp64) parameter that is not projected, as ``torch.optim.AdamW``'s
+and torchao's are. The limiter's :math:`\|S_{t-1}\|` and the step counters stay fp32.
 
 Every step decodes a matrix's states to fp32, runs the stages on them, and encodes them back, so
 the arithmetic is the fp32 arithmetic on rounded states. Bytes per element of a moment: 4, 2,

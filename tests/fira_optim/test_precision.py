@@ -61,6 +61,22 @@ def test_states_are_stored_in_the_chosen_precision(state_dtype):
     assert bytes_of(opt) < (0.55 if state_dtype == "bfloat16" else 0.35) * bytes_of(fp32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_keeps_the_moments_it_does_not_quantize_as_float32_states_do(dtype):
+    # the docs said "stay fp32": a bf16 parameter that is not projected keeps bf16 moments, as
+    # under state_dtype="float32" (and torchao), so int8 never stores a moment in more bytes
+    kept = {}
+    for state_dtype in ("float32", "int8"):
+        params = _params(dtype)
+        opt = _optimizer(params, state_dtype=state_dtype)
+        _run(params, opt, 1)
+        kept[state_dtype] = [opt.state[p]["exp_avg"].dtype for p in params]
+    wide, tall, bias, plain = kept["int8"]
+    assert wide == tall == plain == torch.uint8
+    # the 256-element bias is not quantized
+    assert bias == kept["float32"][2] == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+
+
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 def test_low_precision_states_track_fp32_and_resume_exactly(state_dtype):
     ref = _params()
