@@ -22,6 +22,17 @@ def _grads(shape, steps, seed):
             for k in range(steps)]
 
 
+def _follow(w, opt, ref, grads):
+    """Step ``opt`` (over ``w``) and the transcription ``ref`` on the same gradients: equal weights
+    after every step."""
+    for k, g in enumerate(grads):
+        w.grad = g.clone()
+        opt.step()
+        expected = ref.step(g)
+        torch.testing.assert_close(w.detach(), expected, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m: f"step {k}: {m}")
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("implementation", ["reference", "fast"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
@@ -36,12 +47,7 @@ def test_matches_algorithm1_float64(shape, implementation, weight_decay, align_s
     side = projection_side(shape, "std")
     ref = Algorithm1(w0, lr=0.01, rank=rank, T=T, alpha=0.25, weight_decay=weight_decay,
                      transpose=(side == "right"), align_signs=align_signs)
-    for k, g in enumerate(_grads(shape, steps, seed=2)):
-        w.grad = g.clone()
-        opt.step()
-        expected = ref.step(g)
-        torch.testing.assert_close(w.detach(), expected, rtol=1e-10, atol=1e-12,
-                                   msg=lambda m: f"step {k}: {m}")
+    _follow(w, opt, ref, _grads(shape, steps, seed=2))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -62,12 +68,9 @@ def test_fira_only_scaling_matches_its_transcription_at_every_rank(shape, implem
     ref = Algorithm1(w0, lr=0.01, rank=min(rank, *shape), T=T, alpha=0.25, transpose=(side == "right"),
                      only_scaling=True)
     adam = torch.optim.AdamW([w0.clone().requires_grad_()], lr=0.01, weight_decay=0.0)
-    for k, g in enumerate(_grads(shape, steps, seed=2)):
-        w.grad = g.clone()
-        opt.step()
-        expected = ref.step(g)
-        torch.testing.assert_close(w.detach(), expected, rtol=1e-10, atol=1e-12,
-                                   msg=lambda m: f"step {k}: {m}")
+    grads = _grads(shape, steps, seed=2)
+    _follow(w, opt, ref, grads)
+    for g in grads:
         adam.param_groups[0]["params"][0].grad = g.clone()
         adam.step()
     assert opt.state[w]["basis"].shape[1] == min(rank, *shape)
