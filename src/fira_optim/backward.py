@@ -189,8 +189,8 @@ class StepInBackward:
             self._unsynced = False
             warnings.warn(
                 "step_in_backward under DDP: optimizer.step() follows backward passes that all ran inside "
-                "handle.accumulate(), so nothing was updated in this step (the gradients accumulated under "
-                "no_sync were never all-reduced); run the backward pass of each step's final micro-batch "
+                "handle.accumulate(), so nothing was updated in this step (the communication hook updates "
+                "nothing inside it); run each step's final micro-batch, its forward and backward passes, "
                 "outside accumulate()", UserWarning, stacklevel=3)
         self._updated.clear()
         if self.loss_scale is not None:
