@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 from collections.abc import Mapping
@@ -12,6 +13,7 @@ from fira_train.config.overrides import changed_keys, describe_changed, flat_con
 from fira_train.config.resolve import LEGACY_ALIGN_SIGNS, resolved, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.corpus import data_change
+from fira_train.data.spec import C4, C4_LOCAL_PREFIX, WIKI
 from fira_train.files import parse_json, read_json, read_regular_text
 from fira_train.methods.lora import legacy_rewarmup
 from fira_train.provenance import describe_change
@@ -67,7 +69,25 @@ def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESU
     run recorded as ``auto`` could not go on, or be reused, with ``cpu`` on a GPU machine."""
     return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore
             and (key != "train.micro_batch_size" or old.train.micro_batch != new.train.micro_batch)
-            and (key != "train.device" or devices_differ(old.train.device, new.train.device))]
+            and (key != "train.device" or devices_differ(old.train.device, new.train.device))
+            and (key != "data.source" or sources_differ(old.data.source, new.data.source))]
+
+
+def sources_differ(old: str, new: str) -> bool:
+    """Whether two ``data.source`` settings name two corpora: a local file or folder given once as
+    ``corpus.txt`` and once as ``/abs/corpus.txt`` (or ``~/...``, ``c4:DIR`` alike) is one, where
+    the strings were compared as typed and the resume refused. The data's own record (its token
+    digest) is checked besides."""
+    return old != new and _source_path(old) != _source_path(new)
+
+
+def _source_path(source: str) -> str:
+    """A local ``data.source`` as an absolute path (relative ones from the working directory);
+    the named corpora (``wiki``, ``c4``) as they are."""
+    if source in (WIKI, C4):
+        return source
+    prefix = C4_LOCAL_PREFIX if source.startswith(C4_LOCAL_PREFIX) else ""
+    return prefix + os.path.realpath(os.path.expanduser(source[len(prefix):]))
 
 
 def devices_differ(old: str, new: str) -> bool:

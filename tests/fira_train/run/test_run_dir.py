@@ -246,6 +246,25 @@ def test_a_moved_cache_does_not_block_a_resume_or_a_reuse() -> None:
     assert config_changes(here, apply_overrides(tiny(), ["data.vocab_size=1024"])) == ["data.vocab_size"]
 
 
+def test_a_local_corpus_named_by_another_path_to_it_is_the_same_source(tmp_path: Path, monkeypatch) -> None:
+    """``--data corpus.txt`` resumed as ``--data /abs/corpus.txt`` (or the other way round) was
+    refused as another data.source: the strings were compared as typed."""
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.recipes import tiny
+    from fira_train.run.run_dir import config_changes
+
+    (tmp_path / "corpus.txt").write_text("text")
+    monkeypatch.chdir(tmp_path)
+
+    def source(value: str):
+        return apply_overrides(tiny(), [f"data.source={value}"])
+
+    assert config_changes(source("corpus.txt"), source(str(tmp_path / "corpus.txt"))) == []
+    assert config_changes(source("c4:."), source(f"c4:{tmp_path}")) == []
+    assert config_changes(source("corpus.txt"), source("other.txt")) == ["data.source"]
+    assert config_changes(source("wiki"), source("corpus.txt")) == ["data.source"]
+
+
 def test_resuming_with_another_method_names_the_method_not_the_lr(tmp_path: Path) -> None:
     from fira_train.config.overrides import apply_overrides, config_to_dict
     from fira_train.config.recipes import tiny
