@@ -106,20 +106,31 @@ class StepInBackward:
                              "split_refresh=True; build it with split_refresh=False (each rank then computes "
                              "its own bases, the same ones, from the same all-reduced gradients)")
         if self._ddp:
-            reduced = _ddp_reduced(model)
-            _claim(self, reduced)
+            own = self._own()
+            reduced = [p for p in _ddp_reduced(model) if p in own]  # not another optimizer's weights
             self._target = _ddp_dispatch(model)
+            other = self._target[0]
+            if other is not None and other._active:
+                # one communication hook per wrapper: taken over, the other handle's weights would
+                # no longer be updated at all
+                raise ValueError(
+                    f"step_in_backward: this DDP model's updates in the backward pass already run for "
+                    f"another {type(other.optimizer).__name__} (one handle per DDP model); remove() that "
+                    "handle first, or give one optimizer all the weights")
+            _claim(self, reduced)
             self._target[0] = self
             self._covered.update(reduced)
             if self.loss_scale is not None:  # the hook sees only synchronised passes: check each one here
-                own = {p for group in optimizer.param_groups for p in group["params"]}
-                self._hooks.extend(p.register_post_accumulate_grad_hook(self._check_scaled)
-                                   for p in reduced if p in own)  # not another optimizer's weights
+                self._hooks.extend(p.register_post_accumulate_grad_hook(self._check_scaled) for p in reduced)
         else:
             self.cover([p for group in optimizer.param_groups for p in group["params"]])
         optimizer._in_backward = self
         if self.loss_scale is not None:  # last: a handle refused above must not hold the scale
             self.loss_scale.handle = self
+
+    def _own(self) -> set:
+        """The optimizer's parameters (a group added since included)."""
+        return {p for group in self.optimizer.param_groups for p in group["params"]}
 
     def cover(self, params) -> None:
         """Hook those of ``params`` that require a gradient and have no hook yet (outside DDP,
@@ -252,16 +263,16 @@ class StepInBackward:
 
         def update(done: torch.futures.Future) -> torch.Tensor:
             params = list(bucket.parameters())
+            # The model's weights that another optimizer trains (torch's AdamW beside Fira) are left
+            # to that optimizer's step, which updates them from the averaged gradients DDP leaves
+            own = self._own()
             # updated here, not again by step(): also a parameter frozen when the hooks were
             # registered (DDP reduces what required a gradient when it was built)
-            self._covered.update(params)
+            self._covered.update(p for p in params if p in own)
             local = [p.grad for p in params]
             # Unused on every rank (find_unused_parameters=True): its slice of the bucket is zeros, and
             # DDP leaves its .grad None, so optimizer.step() would not update it; nor is it updated here
             kept = params if used is None else [p for p, flag in zip(params, used.wait()) if flag]
-            # The model's weights that another optimizer trains (torch's AdamW beside Fira): that
-            # optimizer's step updates them from the averaged gradients DDP leaves
-            own = {p for group in self.optimizer.param_groups for p in group["params"]}
             kept = [p for p in kept if p in own]
             for p, grad in zip(params, bucket.gradients()):
                 p.grad = grad  # the averaged gradient, a view of the reduced bucket

@@ -342,6 +342,34 @@ def test_under_ddp_the_weights_of_another_optimizer_are_left_to_it(tmp_path):
     assert equal
 
 
+def _ddp_two_handles_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _net()
+    wrapped = DistributedDataParallel(model)
+    first = FiraAdamW([{"params": [model.a.weight], "rank": 3}])
+    second = FiraAdamW([{"params": [model.b.weight], "rank": 3}])
+    handle = step_in_backward(first, wrapped)
+    try:
+        step_in_backward(second, wrapped)
+    except ValueError as err:
+        refused = str(err)
+    else:
+        refused = ""
+    handle.remove()
+    step_in_backward(second, wrapped).remove()  # the wrapper is free again
+    return refused
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_a_second_handle_on_the_same_model_is_refused_as_such(tmp_path):
+    """DDP runs one communication hook per wrapper: a second handle, over other weights of the
+    same model, was refused naming a weight of the first optimizer (of a shape the second does not
+    even hold), as if both updated it."""
+    (refused,) = run_ranks(_ddp_two_handles_worker, 1, tmp_path, timeout=100)
+    assert "already run for another FiraAdamW (one handle per DDP model)" in refused, refused
+
+
 def _ddp_every_micro_batch_accumulated_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel
 
