@@ -46,26 +46,28 @@ def refresh_due(group: dict, step: int, order: int, total: Optional[int]) -> boo
 def refresh_outcome(grad, previous, *, rank, side, group, order, step, name):
     """The refresh rule on a whole gradient: ``(status, basis)``, status one of
     :data:`fira_optim.distributed.REFRESH_STATUSES`. Never a basis from a zero or non-finite
-    gradient."""
-    if not bool(torch.isfinite(grad).all()):
-        return "nonfinite", None
-    if not bool(grad.any()):
-        return "zero", None
+    gradient. On the CPU it runs on one intra-op thread (:func:`_one_thread_on_cpu`)."""
     with _one_thread_on_cpu(grad):
+        if not bool(torch.isfinite(grad).all()):
+            return "nonfinite", None
+        if not bool(grad.any()):
+            return "zero", None
         basis = new_basis(grad, rank, side, group, previous, order, step, name)
     return ("new", basis) if basis is not None else ("keep", None)
 
 
 @contextlib.contextmanager
 def _one_thread_on_cpu(grad: torch.Tensor) -> Iterator[None]:
-    """A CPU refresh on one intra-op thread, wherever it runs: LAPACK's SVD of a matrix of a few
-    hundred rows differs with the thread count (at about 1e-4 between one and two threads for
-    256 x 256), and :func:`refresh_in_threads` runs each of several refreshes due together on one
-    thread. A lone refresh on all of them made the bases depend on how many matrices refreshed
-    in the step: an update in the backward pass (each matrix alone) was not the plain step's bit
-    for bit, nor a staggered run the same on two machines with other core counts. The price: a
-    lone refresh of a large matrix on the CPU no longer uses the other cores (a GPU's refreshes,
-    and several due together, run as before)."""
+    """A CPU refresh on one intra-op thread, wherever it runs (the calling thread's count is
+    given back after it, and with it torch's process-wide default, which a thread takes at its
+    first parallel call). LAPACK's SVD of a matrix of a few hundred rows differs with the thread
+    count (at about 1e-4 between one and two threads for 256 x 256): a lone refresh on all threads
+    and several due together on one each (:func:`refresh_in_threads`) made the bases depend on
+    how many matrices refreshed in the step, so an update in the backward pass (each matrix
+    alone) was not the plain step's bit for bit, nor a staggered run the same on two machines with
+    other core counts. In the pool's workers it also keeps each from opening an OpenMP team of
+    every core. The price: a lone refresh of a large matrix on the CPU no longer uses the other
+    cores (a GPU's refreshes run as before)."""
     threads = torch.get_num_threads()
     if grad.device.type != "cpu" or threads == 1:
         yield
@@ -153,14 +155,11 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
     torch's default each open an OpenMP team of every core inside MKL's LAPACK, and the
     teams oversubscribe the cores: on 2 cores a refresh then often stalled for hundreds of
     milliseconds, even where each matrix takes one (``benchmarks/refresh_threads.py``, ``micro``).
-    So each worker sets its own count as it starts (:func:`_one_thread`); the count is per
-    thread, and the caller's stays as it was (and, after the pool, the default of threads that
-    start later: torch keeps the last count set in a process-wide default, which a thread takes
-    at its first parallel call).
+    So every CPU refresh runs on one intra-op thread (:func:`_one_thread_on_cpu`, per thread: the
+    caller's count stays as it was).
 
-    On the CPU the outcomes are the sequential refresh's calls on the same inputs, bit for bit: a
-    CPU refresh runs on one intra-op thread there too (:func:`_one_thread_on_cpu`), as LAPACK's
-    SVD depends on the thread count. With ``host_refresh`` the sequential refresh (a lone one)
+    On the CPU the outcomes are therefore the sequential refresh's calls on the same inputs, bit
+    for bit, as LAPACK's SVD depends on the thread count. With ``host_refresh`` the sequential refresh (a lone one)
     runs on the device, whose SVD equals the host's to round-off only. A gradient found
     non-finite is reported in the usual order.
     """
@@ -178,14 +177,8 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
         inputs = [(job.grad.cpu(), None if job.previous is None else job.previous.cpu()) for job in jobs]
     else:
         inputs = [(job.grad, job.previous) for job in jobs]
-    try:
-        with ThreadPoolExecutor(min(workers, len(due)), initializer=_one_thread) as pool:
-            outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
-    finally:
-        # torch.set_num_threads also stores the count a thread takes at its first parallel call:
-        # the workers' 1 stayed the default of every thread started after (a data or checkpoint
-        # thread then ran on one core); the caller's own count is unchanged by this
-        torch.set_num_threads(workers)
+    with ThreadPoolExecutor(min(workers, len(due))) as pool:
+        outcomes = list(pool.map(lambda job, args: job.compute(*args), jobs, inputs))
     if not on_host:
         outcomes = [(status, None if basis is None else basis.to(job.grad.device))
                     for (status, basis), job in zip(outcomes, jobs)]
@@ -195,8 +188,3 @@ def refresh_in_threads(opt: "Fira", total: Optional[int],
 def _keyed(due: list[tuple], outcomes: list[tuple]) -> Outcomes:
     return {p: outcome for (p, _), outcome in zip(due, outcomes)}
 
-
-def _one_thread() -> None:
-    """A refresh worker's initializer: its own LAPACK calls on one thread (the calling
-    thread's count is untouched)."""
-    torch.set_num_threads(1)
