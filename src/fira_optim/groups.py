@@ -61,7 +61,7 @@ def _excluded_by_role(model: nn.Module) -> set[int]:
             return None
         return getattr(module, "weight", None)
 
-    ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and weight_of(m) is not None}
+    ids = {id(weight) for m in model.modules() if isinstance(m, nn.Embedding) and (weight := weight_of(m)) is not None}
     for getter in ("get_output_embeddings", "get_input_embeddings"):
         fn = getattr(model, getter, None)
         weight = weight_of(fn() if callable(fn) else None)
@@ -110,8 +110,8 @@ def param_groups(
         if not _is_linear(module) or weight is None or weight.dim() != 2 or weight.is_complex():
             continue  # a complex weight steps as torch.optim.AdamW does, in the plain group
         if not isinstance(weight, nn.Parameter):
-            # computed from parameters (weight_norm, spectral_norm, any parametrization): not a
-            # leaf, which the optimizer refuses; the parameters it is computed from are plain
+            # computed from parameters by a forward pre-hook (torch.nn.utils' older weight_norm and
+            # spectral_norm): not a leaf, which the optimizer refuses; its parameters are plain
             continue
         if id(weight) in never or id(weight) in seen or not weight.requires_grad:
             continue
