@@ -61,7 +61,7 @@ def _one_thread_on_cpu(grad: torch.Tensor) -> Iterator[None]:
     """A CPU refresh on one intra-op thread, wherever it runs (the calling thread's count is
     given back after it, and with it torch's process-wide default, which a thread takes at its
     first parallel call). LAPACK's SVD of a matrix of a few hundred rows differs with the thread
-    count (at about 1e-4 between one and two threads for 256 x 256): a lone refresh on all threads
+    count (already at 256 x 256, between one and two threads): a lone refresh on all threads
     and several due together on one each (:func:`refresh_in_threads`) made the bases depend on
     how many matrices refreshed in the step, so an update in the backward pass (each matrix
     alone) was not the plain step's bit for bit, nor a staggered run the same on two machines with
