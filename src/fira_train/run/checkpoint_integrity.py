@@ -41,17 +41,30 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def sendable(error: Exception) -> Exception:
-    """``error`` if it survives a pickle round trip, else a ``RuntimeError`` with its text.
+def raise_on_every_rank(error: Exception | None) -> None:
+    """Raise the lowest failing rank's ``error`` on every rank (None: this rank did not fail); a
+    barrier where none failed. Every rank must call this.
 
-    Errors sent to the other ranks travel pickled: one that cannot be pickled would fail on the
-    sending rank alone, the others left waiting; one that cannot be unpickled, as a TypeError
-    on the others."""
-    try:
-        pickle.loads(pickle.dumps(error))
-    except Exception:  # noqa: BLE001 -- any failure of the round trip
-        return RuntimeError(f"{type(error).__name__}: {error}")
-    return error
+    A rank that raised alone (a full disk as rank 0 writes the marker, a read error as a rank
+    hashes its shards) left the others waiting for it in the next collective, until the process
+    group's timeout where no launcher ends them. Errors travel pickled: one that does not survive
+    the round trip travels as a ``RuntimeError`` with its text (else it failed on the sending rank
+    alone, or as a TypeError on the others); the failing rank raises its own, with its traceback."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    sent: Exception | None = error
+    if error is not None:
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:  # noqa: BLE001 -- any failure of the round trip
+            sent = RuntimeError(f"{type(error).__name__}: {error}")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sent)
+    failed = [rank for rank, one in enumerate(gathered) if one is not None]
+    if failed:
+        raise error if failed[0] == dist.get_rank() and error is not None else gathered[failed[0]]
 
 
 def collect_records(directory: Path, rank: int = 0, world_size: int = 1) -> dict[str, dict[str, Any]]:
@@ -69,19 +82,13 @@ def collect_records(directory: Path, rank: int = 0, world_size: int = 1) -> dict
         shards = tuple(f"__{other}_" for other in range(world_size))
         mine = {p.name: file_record(p) for p in files
                 if p.name.startswith(f"__{rank}_") or (rank == 0 and not p.name.startswith(shards))}
-    except Exception as err:  # noqa: BLE001 -- a read error: raised on every rank after the gather
+    except Exception as err:  # noqa: BLE001 -- a read error: raised on every rank, none left in the gather
         failure, mine = err, {}
+    raise_on_every_rank(failure)
     if world_size > 1 and dist.is_available() and dist.is_initialized():
-        # The failure travels with the records: had this rank raised before the gather, the
-        # others would wait in it for this rank until the process group's timeout.
         gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, (mine, None if failure is None else sendable(failure)))
-        failed = [i for i, (_, sent) in enumerate(gathered) if sent is not None]
-        if failed:  # the lowest failing rank's error, the same on every rank (there, with its traceback)
-            raise failure if failed[0] == rank else gathered[failed[0]][1]
-        records = {name: rec for part, _ in gathered for name, rec in part.items()}
-    elif failure is not None:
-        raise failure
+        dist.all_gather_object(gathered, mine)
+        records = {name: rec for part in gathered for name, rec in part.items()}
     else:
         records = dict(mine)
     return dict(sorted(records.items()))

@@ -119,7 +119,7 @@ def save_checkpoint(
             tmp.mkdir(parents=True)
         except Exception as err:  # noqa: BLE001 -- a full disk: raised on every rank below
             error = err
-    _raise_on_every_rank(error)
+    checkpoint_integrity.raise_on_every_rank(error)
     state = _state(model, optimizer, scheduler, extra, save=True)
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
@@ -140,7 +140,7 @@ def save_checkpoint(
                 prune_checkpoints(run_dir, keep_last)
         except Exception as err:  # noqa: BLE001 -- raised on every rank below
             error = err
-    _raise_on_every_rank(error)  # in place of a barrier: no rank is left waiting for rank 0
+    checkpoint_integrity.raise_on_every_rank(error)  # in place of a barrier: no rank waits for rank 0
     return final
 
 
@@ -376,24 +376,6 @@ def _check_all_shards_here(tmp: Path, files: dict[str, Any]) -> None:
             f"rank 0 does not see {len(unseen)} checkpoint file(s) that other ranks wrote into {str(tmp)!r} "
             f"(e.g. {unseen[0]!r}): train.out_dir must be a folder that every machine of the torchrun "
             "launch shares (a network or cluster file system), not a disk of each machine's own")
-
-
-def _raise_on_every_rank(error: Exception | None) -> None:
-    """Raise rank 0's ``error`` (None: none) on every rank; a barrier otherwise.
-
-    Rank 0 alone writes the marker, renames the folder and prunes: had it raised alone (a full
-    disk, the check above), the others would wait in a barrier for it (until the process group's
-    timeout where no launcher ends them). The exception travels pickled, from rank 0 of this job."""
-    if not (dist.is_available() and dist.is_initialized()):
-        if error is not None:
-            raise error
-        return
-    message: list[Any] = [None if error is None else checkpoint_integrity.sendable(error)]
-    dist.broadcast_object_list(message, src=0)
-    if error is not None:
-        raise error
-    if message[0] is not None:
-        raise message[0]
 
 
 def _save_failure(err: CheckpointException) -> BaseException:
