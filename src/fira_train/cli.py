@@ -545,11 +545,6 @@ def main(argv: list[str] | None = None) -> int:
         message = describe(err, args)
         if message is None:
             raise
-        from fira_train.run.isolated import IsolatedRunDied  # here: building the parser imports no torch
-
-        if isinstance(err, IsolatedRunDied):  # killed (by a user, a scheduler, the OOM killer): what is kept
-            hint = interrupted_hint(args)
-            message += f"; {hint}" if hint else ""
         print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
         return 1
     finally:

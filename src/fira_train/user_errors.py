@@ -22,6 +22,9 @@ Known, with what the message says:
   again (with ``--resume``: the checkpoints already written stay), also where it stands behind another error (torch.save's
   writer raises a ``RuntimeError`` for it), and for a file-size limit (``EFBIG``) raise it;
   other ``OSError`` (a tokenizer that cannot be loaded): their message;
+- a run's process that ended without a result (``IsolatedRunDied``: compare's, a sweep's or an
+  analysis's run, killed by a user, a scheduler or the out-of-memory killer): how it ended, and how
+  the same command goes on from what is kept;
 - under ``torchrun``, a collective whose peer is gone (gloo's "Connection closed by peer", NCCL's
   "remote process exited"): that another process stopped, and that its own error says why;
 - divergence (:class:`fira_train.run.divergence.DivergedError`, ``NonFiniteLossError``,
@@ -109,7 +112,9 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     if isinstance(err, FloatingPointError):  # DivergedError, NonFiniteLossError
         text = str(err)
         return (text if "diverged" in text else f"the run diverged: {text}") + _work_kept(args) + _start_over(args)
-    if isinstance(err, (ValueError, OSError, CheckpointError, IsolatedRunDied)):
+    if isinstance(err, IsolatedRunDied):  # killed (by a user, a scheduler, the OOM killer): how to go on
+        return _run_again(str(err), "what it printed above says why; fix that if it was not stopped on purpose", args)
+    if isinstance(err, (ValueError, OSError, CheckpointError)):
         return str(err)
     behind = _disk_error_behind(err)
     if behind is not None:

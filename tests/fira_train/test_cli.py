@@ -260,9 +260,9 @@ def test_a_run_process_killed_says_what_is_kept_and_how_to_continue(tmp_path, mo
     monkeypatch.setattr(fira_train.compare, "run_isolated", killed)
     assert main(["compare", "--methods", "adamw", "--recipe", "micro", "--out", str(tmp_path)]) == 1
     assert capsys.readouterr().err.strip() == (
-        "fira-train compare: error: the run's process (pid 7) ended without a result: killed by SIGTERM; "
-        "checkpoints written so far are kept (train.save_every): the same command with --resume continues "
-        "from the newest, and compare keeps the finished runs")
+        "fira-train compare: error: the run's process (pid 7) ended without a result: killed by SIGTERM: what it "
+        "printed above says why; fix that if it was not stopped on purpose and run the same command again with "
+        f"--resume (the checkpoints already written in {tmp_path} stay)")
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
