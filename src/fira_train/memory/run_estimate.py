@@ -64,6 +64,7 @@ import torch
 from fira_optim import precision
 from fira_optim.options import StateDtype
 from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES
+from fira_optim.projection import is_projected, projected_rank
 from fira_optim.subspace import STATE_KEYS
 from fira_optim.variants import VARIANTS
 from fira_train.memory.matrix import PEER_METHODS, footprint_numel, llama_matrix_shapes, vector_state_numel
@@ -111,7 +112,8 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     variant = VARIANTS.get(o.method, {})
     moments = (len(STATE_KEYS[variant.get("base", "adam")]) if projected
                else 1 if o.method in ONE_STATE_METHODS else 2)
-    matrix_method = "galore" if variant.get("residual") == "drop" else "fira"
+    # which matrices the optimizer projects, and on how many directions: its own rule
+    group = {"rank": o.rank, "only_scaling": bool(variant.get("only_scaling"))}
 
     weight_dtype = torch.bfloat16 if weight_bytes == 2 else torch.float32
 
@@ -129,12 +131,10 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
             o.method, o.rank, shapes, vocab_size, h, layers, tables=1 if m.tie_word_embeddings else 2)
         shapes = []
     for a, b in shapes:
-        # Fira-only-scaling projects at any rank, on all min(m, n) directions at most (the others
-        # train a matrix of rank >= min(m, n) whole, with their base optimizer)
-        if projected and (o.rank < min(a, b) or variant.get("only_scaling")):
-            r = min(o.rank, a, b)
+        if projected and is_projected(torch.empty((a, b), device="meta"), group):
+            r = projected_rank((a, b), group)
             basis, moment = min(a, b) * r, max(a, b) * r  # the low-rank moments: fp32 work dtype
-            scalars = 1 if matrix_method == "fira" else 0  # the limiter's ||S_{t-1}||
+            scalars = 0 if variant.get("residual") == "drop" else 1  # the limiter's ||S_{t-1}||
             basis_dtype = precision.basis_dtype(StateDtype(o.state_dtype), torch.float32)
             states += (basis * basis_dtype.itemsize + moments * _stored_bytes(moment, o.state_dtype, torch.float32)
                        + 4 * scalars)
