@@ -44,10 +44,11 @@ def _diverged(values: Sequence[float]) -> int:
     return sum(math.isinf(v) for v in values)
 
 
-def _every_lr_diverged(row: MethodSummary) -> bool:
-    """Whether a run diverged at every lr of the row (every mean is infinite): its "choice" (the
-    smallest lr, by the tie rule) is no choice at all."""
-    return all(s is not None and math.isinf(s.mean) for s in row.grid.values())
+def _none_chosen(row: MethodSummary) -> bool:
+    """Whether the row's grid of several lrs had a diverged run at every lr (every mean is
+    infinite): its "choice" (the smallest lr, by the tie rule) is no choice at all. One lr, given
+    by the command, is not chosen either way (and stands, diverged, as a reference)."""
+    return len(row.grid) > 1 and all(s is not None and math.isinf(s.mean) for s in row.grid.values())
 
 
 def _difference(d: PairedDifference | None) -> str:
@@ -180,7 +181,7 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
             flags.append("grid incomplete")
         if len(row.grid) == 1:  # set by the command, not chosen on validation
             flags.append("one lr: not chosen")
-        if len(row.grid) > 1 and _every_lr_diverged(row):
+        if _none_chosen(row):
             flags = ["a run diverged at every lr: none chosen"]  # the smallest lr, by the tie rule, shown as such
         elif row.at_edge:
             flags.append("at the grid's edge")
@@ -219,7 +220,7 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
                 cells.append("pending")
             else:
                 cell = _spread(s.mean, s.sd, s.n, row.diverged.get(lr))
-                chosen_here = lr == row.chosen_lr and not (len(row.grid) > 1 and _every_lr_diverged(row))
+                chosen_here = lr == row.chosen_lr and not _none_chosen(row)
                 cells.append(f"**{cell}**" if chosen_here else cell)
         lines.append(f"| {row.spec} | " + " | ".join(cells) + " |")
     lines += ["", "![validation perplexity against learning rate](lr.png)", "", *_seed_table(rows, seeds),
