@@ -40,6 +40,25 @@ def test_gap_sweep_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_per_seed_table_keeps_the_means_decimals(tmp_path: Path, corpus_root: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two seeds that agree to 4 significant digits (the tables' default) are told apart, with the
+    two decimals of the means beside them."""
+    import fira_train.analysis.gap_sweep as gap_sweep
+
+    ppl = {"fira-T1-s0": 110.934, "fira-T1-s1": 110.871, "fira-T5-s0": 120.0, "fira-T5-s1": 121.456}
+
+    def trained(config, runs, out, **kwargs):  # the runs' summaries, without training them
+        out.mkdir(parents=True)
+        return {r.name: {"val_ppl": ppl[r.name]} for r in runs}
+
+    monkeypatch.setattr(gap_sweep, "train_runs", trained)
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=5")
+    text = run_gap_sweep(config, tmp_path / "gaps", gaps=(1, 5), methods=("fira",), seeds=(0, 1))["report"].read_text()
+    assert "| fira, seed 0 | 110.93 | 120.00 |" in text and "| fira, seed 1 | 110.87 | 121.46 |" in text
+    assert "| fira | 110.90 (spread 0.06) | 120.73 (spread 1.46) |" in text
+
+
 def test_report_header_names_one_seed_or_several(tmp_path: Path, corpus_root: Path) -> None:
     from fira_train.analysis.runs import budget_description
 
