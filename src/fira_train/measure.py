@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: Column "fits in 24 GB" (the peers' consumer-GPU headline) and the unit of the tables.
 GB = 10**9
+#: Below this estimate a measured peak is mostly the framework's memory (see format_measurement).
+SMALL_ESTIMATE = 64 * 2**20
 
 
 def build_measured(config: RunConfig) -> tuple[Any, torch.device, int, Any]:
@@ -341,6 +343,13 @@ def format_measurement(record: dict[str, Any]) -> str:
         f"- Sizes in MiB / GiB (2^20 / 2^30 bytes); fits in 24 GB: a measured peak below 24 GB = 24 x 10^9 "
         f"bytes ({format_bytes(24 * GB)}).",
     ]
+    small = [row["method"] for row in rows if row["estimated_bytes"] and row["estimated_bytes"] < SMALL_ESTIMATE]
+    if small:  # micro's rows measured several times their estimate: the framework, not the training
+        lines.append(
+            f"- Estimated under {format_bytes(SMALL_ESTIMATE)} ({', '.join(small)}): at such sizes the process's own "
+            "memory beyond the training state (torch's kernels and thread pools, the allocator's arenas, BLAS "
+            "workspaces) can outweigh what the estimate counts, so measured / estimated says little about the "
+            "estimate there; check it on a model of 60M parameters or more.")
     if record.get("command"):
         lines += ["", "Command:", "", "```bash", env_prefix(record.get("malloc_env", {})) + record["command"], "```"]
     return "\n".join(lines) + "\n"

@@ -381,3 +381,20 @@ def test_the_24_gb_column_says_its_unit_beside_peaks_in_gib(tmp_path: Path, monk
     assert "| adamw | 23.00 GiB |" in text and text.split("| adamw |")[1].split("\n")[0].endswith("| no |")
     assert text.split("| fira |")[1].split("\n")[0].endswith("| yes |")
     assert "fits in 24 GB: a measured peak below 24 GB = 24 x 10^9 bytes (22.35 GiB)" in text
+
+
+def test_rows_estimated_below_64_mib_are_said_to_measure_the_framework(tmp_path: Path, monkeypatch) -> None:
+    """On ``micro`` the process's own memory outweighs the training state the estimate counts:
+    the table says which rows that is, rather than leave their ratios to be read as errors."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 2 ** 30, "fira": 2 ** 30}))
+    md, json_path = measure.measure(micro_config(tmp_path), parse_method_specs("adamw,fira"), 1, tmp_path / "m", "c")
+    rows = json.loads(json_path.read_text())["rows"]
+    assert all(row["estimated_bytes"] < measure.SMALL_ESTIMATE for row in rows)
+    assert "- Estimated under 64.0 MiB (adamw, fira): " in md.read_text()
+    big = {**json.loads(json_path.read_text())}
+    big["rows"] = [{**row, "estimated_bytes": measure.SMALL_ESTIMATE} for row in rows]
+    assert "Estimated under" not in measure.format_measurement(big)
