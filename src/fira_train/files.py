@@ -12,6 +12,12 @@ for every non-finite float instead, so readers of ``metrics.jsonl``, ``summary.j
 
 :func:`read_json` and :func:`read_json_lines` raise :class:`DamagedFileError` naming the file
 (and line) and what to do, where ``json`` would raise a bare ``JSONDecodeError`` naming neither.
+
+Every record file is read with a size cap (:func:`read_regular_bytes`: :data:`RECORD_LIMIT`),
+and JSON-lines logs line by line (:func:`json_lines`: each line up to :data:`RECORD_LIMIT`, the
+file up to :data:`LINES_LIMIT`): a larger file, which fira-train never writes (a crafted one, or a
+sparse one whose size costs no disk), is refused naming its size and the limit
+(:class:`FileTooLargeError`), never read whole into memory.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -32,14 +39,19 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["DamagedFileError", "check_report_owner", "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir",
-           "locked", "open_regular", "parse_json", "read_json", "read_json_lines", "refuse_links", "write_atomic", "write_text_atomic"]
+__all__ = ["LINES_LIMIT", "RECORD_LIMIT", "DamagedFileError", "FileTooLargeError", "check_report_owner",
+           "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir", "json_lines", "locked", "open_regular", "parse_json", "read_json", "read_json_lines", "read_regular_bytes",
+           "read_regular_text", "refuse_links", "write_atomic", "write_text_atomic"]
 
 
 def measure_out_dir(out: str | None, recipe: str) -> str:
     """Where ``fira-train memory --measure`` writes: ``--out``, else ``runs/<recipe>-memory`` (the
     recipe's name in lower case, as recipes are looked up)."""
     return str(out) if out else f"runs/{(recipe or 'recipe').lower()}-memory"  # no recipe: memory without --measure
+
+
+#: The most characters of a ``report.md``'s first line read to tell who wrote it (a heading).
+_FIRST_LINE = 4096
 
 
 def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,
@@ -55,7 +67,7 @@ def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], com
     if overwrite or not report.is_file() or report.stat().st_size == 0:  # an empty one holds nothing to keep
         return
     with open(report, encoding="utf-8", errors="replace") as handle:
-        first = handle.readline().rstrip("\n")
+        first = handle.readline(_FIRST_LINE).rstrip("\n")  # a line without end (a sparse file) is not read whole
     if first.startswith(titles):
         return
     how = "choose another --out" + (", or pass --overwrite to replace it" if overwrite is not None else "")
@@ -291,59 +303,126 @@ def read_json(path: str | Path, hint: str = "") -> Any:
 def cut_back_json_lines(path: str | Path, step: int, hint: str = "") -> None:
     """Keep the lines of a per-step JSON-lines log (``metrics.jsonl``, an analysis's records)
     whose ``"step"`` is at most ``step`` (a run resumed from that step's checkpoint), in one atomic
-    rewrite; the lines kept are not re-encoded. A last line without its newline was cut by a kill
-    while it was written, after that checkpoint (a step's line comes before its checkpoint): it
-    goes too. :class:`DamagedFileError` names any other line that cannot be parsed."""
+    rewrite streamed line by line (:func:`json_lines`); the lines kept are not re-encoded. A last
+    line without its newline was cut by a kill while it was written, after that checkpoint (a
+    step's line comes before its checkpoint): it goes too. :class:`DamagedFileError` names any
+    other line that cannot be parsed."""
     path = Path(path)
-    lines = _read_text(path, hint).splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines.pop()
-    kept = []
-    for number, line, record in _parsed_lines(path, lines, hint):
-        recorded = record.get("step", 0) if isinstance(record, dict) else None
-        # a step of another type (a string, null: an edited or foreign file) failed the comparison
-        # below with a TypeError's traceback
-        if not isinstance(recorded, (int, float)) or isinstance(recorded, bool):
-            raise DamagedFileError(path, f"line {number} is not a step's record", hint)
-        if recorded <= step:
-            kept.append(line)
-    write_text_atomic(path, "".join(kept))
+
+    def write(handle: IO[bytes]) -> None:
+        for number, line, record in _parsed_lines(path, hint, complete_only=True):
+            recorded = record.get("step", 0) if isinstance(record, dict) else None
+            # a step of another type (a string, null: an edited or foreign file) failed the comparison
+            # below with a TypeError's traceback
+            if not isinstance(recorded, (int, float)) or isinstance(recorded, bool):
+                raise DamagedFileError(path, f"line {number} is not a step's record", hint)
+            if recorded <= step:
+                handle.write(line)
+
+    write_atomic(path, write)
 
 
 def read_json_lines(path: str | Path, hint: str = "") -> list[Any]:
-    """The values of a JSON-lines file (blank lines skipped); :class:`DamagedFileError` naming
-    the first line that cannot be parsed."""
-    return [record for _, _, record in _parsed_lines(path, _read_text(path, hint).splitlines(), hint)]
+    """The values of a JSON-lines file (blank lines skipped), read line by line
+    (:func:`json_lines`); :class:`DamagedFileError` naming the first line that cannot be parsed."""
+    return [record for _, _, record in _parsed_lines(path, hint)]
 
 
-def read_regular_text(path: str | Path) -> str:
-    """``path``'s UTF-8 text; ValueError naming it if it is not a regular file (a FIFO planted in
-    a run folder while the run trains would block the read for good, a device give endless bytes)."""
-    with open(open_regular(path, os.O_RDONLY, follow=True), encoding="utf-8") as handle:
-        return handle.read()
+#: The most bytes fira-train reads from one of its record files (a run's ``config.json`` and
+#: ``summary.json``, a checkpoint's ``COMPLETE`` marker, a cache entry's record of SHA-256, a
+#: sweep's or an analysis's record) or from one line of a JSON-lines log: those it writes hold
+#: kilobytes. A larger one (a crafted file, a sparse one of any apparent size) is refused
+#: before it is read (:class:`FileTooLargeError`), instead of being read whole into memory.
+RECORD_LIMIT = 64 << 20
+#: The most bytes of a JSON-lines log (``metrics.jsonl``: a line of some 150 bytes per step;
+#: an analysis's per-step records), which grows with its run and is read line by line.
+LINES_LIMIT = 16 << 30
 
 
-def read_regular_bytes(path: str | Path) -> bytes:
-    """``path``'s bytes; ValueError naming it if it is not a regular file (:func:`read_regular_text`)."""
+class FileTooLargeError(DamagedFileError):
+    """A file larger than fira-train reads for its kind (:data:`RECORD_LIMIT`,
+    :data:`LINES_LIMIT`): none it writes comes near; the message names the file, its size (at
+    least ``size`` bytes: read up to the limit) and the limit."""
+
+    def __init__(self, path: str | Path, size: int, limit: int, hint: str = "", line: int | None = None) -> None:
+        self.size, self.limit, self.line = size, limit, line
+        where = f"its line {line} is over" if line is not None else f"it is {size} bytes, over"
+        super().__init__(path, f"too large: {where} the {limit} bytes fira-train reads from such a file "
+                               "(none it writes comes near)", hint)
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.path, self.size, self.limit, self.hint, self.line))
+
+
+def read_regular_text(path: str | Path, limit: int = RECORD_LIMIT, hint: str = "") -> str:
+    """``path``'s UTF-8 text (:func:`read_regular_bytes`, decoded; ``UnicodeDecodeError`` if it
+    is not UTF-8)."""
+    return read_regular_bytes(path, limit, hint).decode("utf-8")
+
+
+def read_regular_bytes(path: str | Path, limit: int = RECORD_LIMIT, hint: str = "") -> bytes:
+    """``path``'s bytes; ValueError naming it if it is not a regular file (a FIFO planted in a
+    run folder while the run trains would block the read for good, a device give endless bytes),
+    :class:`FileTooLargeError` (with ``hint``) if it holds more than ``limit`` bytes: its size is
+    looked at before it is read, and at most ``limit + 1`` bytes are read (it may grow meanwhile)."""
     with open(open_regular(path, os.O_RDONLY, follow=True), "rb") as handle:
-        return handle.read()
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise FileTooLargeError(path, size, limit, hint)
+        data = handle.read(limit + 1)
+        if len(data) > limit:
+            raise FileTooLargeError(path, max(len(data), os.fstat(handle.fileno()).st_size), limit, hint)
+    return data
+
+
+def json_lines(path: str | Path, hint: str = "") -> Iterator[tuple[int, bytes]]:
+    """``(line number, line)`` of the JSON-lines file ``path``, its newline kept, one line in
+    memory at a time (a last line may lack its newline); :class:`FileTooLargeError` for a file
+    over :data:`LINES_LIMIT` bytes (looked at before reading, and counted as read) or a line over
+    :data:`RECORD_LIMIT`; ValueError if it is not a regular file (:func:`read_regular_bytes`)."""
+    with open(open_regular(path, os.O_RDONLY, follow=True), "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > LINES_LIMIT:
+            raise FileTooLargeError(path, size, LINES_LIMIT, hint)
+        total = 0
+        for number in itertools.count(1):
+            line = handle.readline(RECORD_LIMIT + 1)
+            if not line:
+                return
+            total += len(line)
+            if len(line) > RECORD_LIMIT:
+                raise FileTooLargeError(path, max(total, os.fstat(handle.fileno()).st_size), RECORD_LIMIT, hint,
+                                        line=number)
+            if total > LINES_LIMIT:
+                raise FileTooLargeError(path, total, LINES_LIMIT, hint)
+            yield number, line
 
 
 def _read_text(path: str | Path, hint: str) -> str:
     try:
-        return read_regular_text(path)
+        return read_regular_text(path, hint=hint)
     except UnicodeDecodeError as err:
         raise DamagedFileError(path, _reason(err), hint) from None
 
 
-def _parsed_lines(path: str | Path, lines: list[str], hint: str) -> Iterator[tuple[int, str, Any]]:
-    """``(line number, line, its value)`` of each non-blank line; :class:`DamagedFileError` naming
-    the first that is not JSON."""
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
+def _parsed_lines(path: str | Path, hint: str, complete_only: bool = False) -> Iterator[tuple[int, bytes, Any]]:
+    """``(line number, line, its value)`` of each non-blank line of ``path`` (:func:`json_lines`);
+    :class:`DamagedFileError` naming the first that is not UTF-8 JSON. ``complete_only``: a last
+    line without its newline is passed over."""
+    offset = 0
+    for number, line in json_lines(path, hint):
+        start, offset = offset, offset + len(line)
+        if complete_only and not line.endswith(b"\n"):
+            return
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            reason = f"not UTF-8 text: byte {err.object[err.start]:#04x} at offset {start + err.start}"
+            raise DamagedFileError(path, reason, hint) from None
+        if not text.strip():
             continue
         try:
-            record = parse_json(line)
+            record = parse_json(text)
         except json.JSONDecodeError as err:
             raise DamagedFileError(path, f"line {number} is not valid JSON: {err.msg}", hint) from None
         yield number, line, record

@@ -405,3 +405,106 @@ def test_json_nested_too_deeply_is_a_damaged_file_not_a_recursion_error(tmp_path
         ckpt.load_checkpoint(tmp_path / "run", step)
     with pytest.raises(ckpt.CheckpointError, match="unreadable"):
         checkpoint_integrity.read_marker(step)
+
+
+# ---------------------------------------------------------------- size caps on what is read
+
+
+def _sparse(path: Path, size: int) -> Path:
+    """A file of ``size`` bytes that costs no disk (a crafted one of any apparent size)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.truncate(size)
+    return path
+
+
+def test_a_record_file_over_the_cap_is_refused_naming_it_its_size_and_the_limit(tmp_path: Path) -> None:
+    """A crafted (or sparse) config.json, summary.json, marker or metrics.jsonl was read whole into
+    memory: now its size is looked at first, and the error names the file, its size and the limit."""
+    from fira_train.files import LINES_LIMIT, RECORD_LIMIT, FileTooLargeError, read_json_lines
+    from fira_train.run import run_files
+
+    size = RECORD_LIMIT + 1
+    for name in ("config.json", "summary.json"):
+        path = _sparse(tmp_path / name, size)
+        with pytest.raises(FileTooLargeError, match=rf"^{path} is damaged \(too large: it is {size} bytes, over the "
+                                                    rf"{RECORD_LIMIT} bytes fira-train reads .*\); delete it$"):
+            read_json(path, hint="delete it")
+    assert not run_files.is_run_config(tmp_path / "config.json")
+    # a JSON-lines log grows with its run: read line by line, each line capped, the file much larger
+    log = _sparse(tmp_path / "metrics.jsonl", LINES_LIMIT + 1)
+    for read in (read_json_lines, lambda p: cut_back_json_lines(p, 3), lambda p: read_metrics(p.parent)):
+        with pytest.raises(FileTooLargeError, match=rf"metrics\.jsonl is damaged \(too large: it is "
+                                                    rf"{LINES_LIMIT + 1} bytes, over the {LINES_LIMIT} bytes"):
+            read(log)
+    _sparse(log, RECORD_LIMIT + 2)  # one line without end (zeros), under the file's cap: read up to the line's
+    for read in (read_json_lines, lambda p: cut_back_json_lines(p, 3)):
+        with pytest.raises(FileTooLargeError, match=rf"metrics\.jsonl is damaged \(too large: its line 1 is over the "
+                                                    rf"{RECORD_LIMIT} bytes"):
+            read(log)
+    assert log.stat().st_size == RECORD_LIMIT + 2  # left as it was
+    log.write_text('{"step": 1}\n{"step": 2}\n')  # legitimate files still load
+    assert read_json_lines(log) == [{"step": 1}, {"step": 2}]
+    (tmp_path / "summary.json").write_text('{"steps": 2}')
+    assert read_json(tmp_path / "summary.json") == {"steps": 2}
+
+
+def test_a_record_file_that_grows_after_its_size_was_looked_at_is_read_up_to_the_cap(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    from fira_train import files
+
+    monkeypatch.setattr(files, "RECORD_LIMIT", 8)
+    path = tmp_path / "summary.json"
+    path.write_text('{"a": 1}')  # 8 bytes: at the cap, read
+    assert files.read_json(path) == {"a": 1}
+    real = os.fstat
+    sizes = iter([0])  # the size check sees it empty: it grew after the check
+
+    def fstat(fd):
+        info = real(fd)
+        if fd != handle_fd[0]:
+            return info
+        return os.stat_result((*info[:6], next(sizes, info.st_size), *info[7:]))
+
+    handle_fd = [None]
+    real_open = files.open_regular
+
+    def open_regular(*args, **kwargs):
+        handle_fd[0] = real_open(*args, **kwargs)
+        return handle_fd[0]
+
+    path.write_text('{"a": 12345}')  # 12 bytes, over the cap, though the size check saw 0
+    monkeypatch.setattr(files, "open_regular", open_regular)
+    monkeypatch.setattr(os, "fstat", fstat)
+    with pytest.raises(files.FileTooLargeError, match=r"too large: it is 12 bytes, over the 8 bytes"):
+        files.read_regular_bytes(path, files.RECORD_LIMIT)
+
+
+def test_checkpoint_records_over_the_cap_are_damaged_checkpoints(tmp_path: Path) -> None:
+    """A marker or a DCP .metadata over the cap: a damaged checkpoint (a resume goes past it to an
+    older one), never read whole."""
+    from fira_train.files import RECORD_LIMIT
+    from fira_train.run import checkpoint as ckpt
+    from fira_train.run import checkpoint_integrity, dist_checkpoint
+    from fira_train.run.safe_load import METADATA_LIMIT, load_dcp_metadata
+
+    step = ckpt.save_checkpoint(tmp_path / "run", 1, {"step": 1})
+    _sparse(step / ckpt.MARKER, RECORD_LIMIT + 1)
+    assert not dist_checkpoint.is_dcp_checkpoint(step)
+    with pytest.raises(ckpt.CheckpointError, match=rf"no valid COMPLETE marker .*too large: it is {RECORD_LIMIT + 1} "
+                                                   rf"bytes, over the {RECORD_LIMIT} bytes"):
+        ckpt.load_checkpoint(tmp_path / "run", step)
+    with pytest.raises(ckpt.CheckpointError, match="unreadable .*too large"):
+        checkpoint_integrity.read_marker(step)
+    metadata = _sparse(step / ".metadata", METADATA_LIMIT + 1)
+    with pytest.raises(ckpt.CheckpointError, match=rf"^checkpoint metadata '{metadata}' is too large: it is "
+                                                   rf"{METADATA_LIMIT + 1} bytes, over the {METADATA_LIMIT} bytes"):
+        load_dcp_metadata(metadata)
+
+
+def test_a_report_without_a_line_end_is_not_read_whole_to_tell_who_wrote_it(tmp_path: Path) -> None:
+    from fira_train.files import check_report_owner
+
+    _sparse(tmp_path / "report.md", 1 << 40)  # one line of zeros, a TiB long
+    with pytest.raises(FileExistsError, match="holds a report.md that"):
+        check_report_owner(tmp_path, ("# Compare",), "compare")

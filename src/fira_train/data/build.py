@@ -56,7 +56,7 @@ from fira_train.data.tokenizer import (
     load_pretrained_tokenizer,
     tokenizer_fingerprint,
 )
-from fira_train.files import file_digest, parse_json
+from fira_train.files import file_digest, parse_json, read_regular_text
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,8 @@ def _load_token_cache(entry: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     if not entry.is_dir():
         return None
     try:
-        meta = parse_json((entry / "meta.json").read_text())  # nested too deeply: invalid JSON, a ValueError
+        # nested too deeply, or too large (FileTooLargeError): a ValueError
+        meta = parse_json(read_regular_text(entry / "meta.json"))
         check_digests(entry, meta.get("sha256"), TOKEN_FILES)  # damaged ids would train silently
         train = np.load(entry / "train.npy", mmap_mode="r", allow_pickle=False)
         val = np.load(entry / "val.npy", mmap_mode="r", allow_pickle=False)

@@ -20,7 +20,7 @@ from fira_train.data.disk_cache import fingerprint
 from fira_train.data.spec import DataSpec, require_int
 from fira_train.data.streams import BatchStream, PackedBatchStream
 from fira_train.data.tokenizer import token_dtype
-from fira_train.files import write_text_atomic
+from fira_train.files import read_regular_text, write_text_atomic
 
 
 def test_blocks(spec: DataSpec, test_tokens: np.ndarray | None) -> np.ndarray:
@@ -225,10 +225,10 @@ class PackedCorpus(Corpus):
                                self._test_blocks.shape, *salt)
             path = self._digest_dir / f"{name}.txt"
             try:
-                kept = path.read_text().strip()
+                kept = read_regular_text(path).strip()
                 if re.fullmatch(r"[0-9a-f]{32}", kept):  # else cut short (a start killed writing it): again
                     return kept
-            except OSError:
+            except (OSError, ValueError):  # not UTF-8, too large, not a file: computed again
                 pass
         digest = digest_ids(self.seq_len, self.vocab_size, self.train_tokens[:used], self._val_blocks,
                             self._test_blocks)

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint
+from fira_train.files import parse_json, read_regular_text
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ def _check_entry_digests(entry: Path) -> None:
     record = entry / TOKENIZER_DIGESTS
     if not record.is_file():
         return
-    recorded = json.loads(record.read_text())
+    recorded = parse_json(read_regular_text(record))  # capped: a record of a few hashes
     if not isinstance(recorded, dict) or sorted(recorded) != list(_entry_files(entry)):
         raise ValueError(f"its files are not those recorded in {TOKENIZER_DIGESTS}")
     check_digests(entry, recorded, tuple(recorded))

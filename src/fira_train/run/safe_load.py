@@ -39,10 +39,14 @@ from typing import Any
 
 import torch
 
-from fira_train.files import read_regular_bytes
+from fira_train.files import FileTooLargeError, read_regular_bytes
 from fira_train.run.checkpoint import CheckpointError
 
 METADATA_FILE = ".metadata"
+#: The most bytes of a ``.metadata`` read (:func:`fira_train.files.read_regular_bytes`): it grows
+#: with the tensors times the shards of each, some hundred bytes apiece (a 7B model's weights and
+#: optimizer states, sharded over a thousand ranks, stay some hundreds of MiB below it).
+METADATA_LIMIT = 1 << 30
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -245,11 +249,14 @@ def load_dcp_metadata(path: str | Path) -> Any:
 
     Raises :class:`UnsafeCheckpointError` for a pickle that would create anything but DCP
     metadata, :class:`CheckpointError` for an empty, truncated or otherwise damaged file,
-    ``FileNotFoundError`` if it is missing.
+    ``FileNotFoundError`` if it is missing; one larger than :data:`METADATA_LIMIT` is damaged too.
     """
     path = Path(path)
     source = str(path)
-    data = read_regular_bytes(path)
+    try:
+        data = read_regular_bytes(path, METADATA_LIMIT)
+    except FileTooLargeError as err:  # damaged, as a truncated one is: a resume goes past it
+        raise CheckpointError(f"checkpoint metadata {source!r} is {err.reason}: the checkpoint is damaged") from None
     if not data:
         raise CheckpointError(f"checkpoint metadata {source!r} is empty (0 bytes): the checkpoint is "
                               "damaged")

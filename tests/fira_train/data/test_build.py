@@ -361,6 +361,15 @@ def test_damaged_token_cache_is_rebuilt(jsonl_corpus, tmp_path: Path) -> None:
     (entry,) = (tmp_path / "cache" / "tokens").iterdir()
     (entry / "meta.json").write_text("[" * 100_000)
     assert np.array_equal(np.asarray(build_corpus(spec).train_tokens), cold)
+    # a meta.json larger than any record fira-train writes (sparse: no disk) is not read whole
+    from fira_train.files import RECORD_LIMIT
+
+    (entry,) = (tmp_path / "cache" / "tokens").iterdir()
+    with open(entry / "meta.json", "wb") as handle:
+        handle.truncate(RECORD_LIMIT + 1)
+    assert np.array_equal(np.asarray(build_corpus(spec).train_tokens), cold)
+    (entry,) = (tmp_path / "cache" / "tokens").iterdir()
+    assert (entry / "meta.json").stat().st_size < 10_000  # rebuilt
 
 
 def _rewrite_tokens(path: Path, change) -> None:

@@ -285,7 +285,14 @@ def test_a_cached_bpe_edited_since_it_was_written_is_trained_again(tmp_path: Pat
     (entry / "added_tokens.json").write_text("{}")
     tok.load_or_train_bpe("c", lambda: calls.append(1) or make_texts(50), 300, tmp_path)
     assert calls == [1, 1]
+    # a record larger than any fira-train writes (sparse: no disk) is not read whole: trained again
+    from fira_train.files import RECORD_LIMIT
+
+    with open(entry / tok.TOKENIZER_DIGESTS, "wb") as handle:
+        handle.truncate(RECORD_LIMIT + 1)
+    tok.load_or_train_bpe("c", lambda: calls.append(1) or make_texts(50), 300, tmp_path)
+    assert calls == [1, 1, 1] and (entry / tok.TOKENIZER_DIGESTS).stat().st_size < 10_000
     # an entry written before the record existed is read as before (not trained again)
     (entry / tok.TOKENIZER_DIGESTS).unlink()
     old, _ = tok.load_or_train_bpe("c", lambda: calls.append(1) or make_texts(50), 300, tmp_path)
-    assert calls == [1, 1] and old.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
+    assert calls == [1, 1, 1] and old.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
