@@ -9,7 +9,8 @@ tensors and plain Python values) and ``COMPLETE`` (JSON: step, size and SHA-256 
 3. ``os.rename`` of the temporary directory to ``step_00000100`` and an ``fsync`` of the parent.
 
 A process killed at any point leaves either no ``step_*`` directory or a complete one; leftover
-``.tmp-*`` directories are ignored (and removed by :func:`remove_partial`). A step saved again
+``.tmp-*`` directories are ignored (and removed by :func:`remove_partial`). A save that fails with
+an error (a full disk) removes its ``.tmp-*`` directory before the error goes on. A step saved again
 replaces its checkpoint by two renames (:func:`install_dir`), so a kill never leaves it half
 deleted; a resume first puts back one a kill left aside (:func:`recover_swapped`). Loading verifies the
 marker, the size and the hash before ``torch.load(weights_only=True)``, so a truncated or
@@ -76,20 +77,32 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any]) -> Pa
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    state_path = tmp / STATE_FILE
-    with open(state_path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    marker = {"step": step, "size": state_path.stat().st_size, "sha256": file_digest(state_path)}
-    with open(tmp / MARKER, "w", encoding="utf-8") as f:
-        json.dump(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    install_dir(tmp, final)
-    fsync_dir(root)
+    try:
+        state_path = tmp / STATE_FILE
+        with open(state_path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        marker = {"step": step, "size": state_path.stat().st_size, "sha256": file_digest(state_path)}
+        with open(tmp / MARKER, "w", encoding="utf-8") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        install_dir(tmp, final)
+        fsync_dir(root)
+    except BaseException:
+        discard_partial(tmp)
+        raise
     return final
+
+
+def discard_partial(tmp: Path) -> None:
+    """Remove ``tmp``, the temporary folder of a save that failed (a full disk, Ctrl-C), so that
+    its part-written files do not hold disk space until the next resume (:func:`remove_partial`).
+    Best effort: a failure to remove it is ignored, so the save's own error is the one raised.
+    Gone already where the failure came after the rename into place."""
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 #: Prefix of a checkpoint being replaced by a new save of its step (:func:`install_dir`).

@@ -15,6 +15,13 @@ Every rank writes into that one folder, so on several machines it must be on a f
 share: rank 0 checks that it sees every rank's files before it marks the folder, and a failure
 there (or a full disk as it writes the marker) is raised on every rank, none left waiting.
 
+A save that fails with an error (a full disk as any rank writes its shards, or as rank 0 writes
+the marker) removes the temporary folder: rank 0, which made it, removes it once the failure is
+one that every rank raises (DCP gathers each rank's outcome of the write; the steps after it are
+raised on every rank), so no rank still writes into it. A rank that fails alone before the write
+ends (a lost peer, a signal under ``torchrun``) leaves the folder, which the next resume removes
+(:func:`fira_train.run.checkpoint.remove_partial`), as after a kill.
+
 Non-tensor values are read back with ``torch.load(weights_only=True)`` (DCP's default
 planner would unpickle arbitrary objects), and ``.metadata`` with a restricted unpickler
 (:class:`fira_train.run.safe_load.SafeFileSystemReader`; DCP's reader unpickles it with plain
@@ -120,27 +127,36 @@ def save_checkpoint(
         except Exception as err:  # noqa: BLE001 -- a full disk: raised on every rank below
             error = err
     checkpoint_integrity.raise_on_every_rank(error)
-    state = _state(model, optimizer, scheduler, extra, save=True)
+    # whether a failure below is raised on every rank, none of which still writes into ``tmp``
+    every_rank = world_size() == 1
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
-    except CheckpointException as err:
-        raise _save_failure(err) from err
-    _barrier()  # every rank's shards are on disk
-    files = checkpoint_integrity.collect_records(tmp, rank, world_size())  # every rank hashes its own
-    if rank == 0:
+        state = _state(model, optimizer, scheduler, extra, save=True)
         try:
-            _check_all_shards_here(tmp, files)
-            info = {**(record or {}), "format": FORMAT, "step": step, "world_size": world_size(),
-                    "time": time.time(), checkpoint_integrity.FILES_KEY: files}
-            _write_synced(tmp / MARKER, json.dumps(info))
-            fsync_dir(tmp)
-            ckpt.install_dir(tmp, final)
-            fsync_dir(final.parent)
-            if keep_last is not None:
-                prune_checkpoints(run_dir, keep_last)
-        except Exception as err:  # noqa: BLE001 -- raised on every rank below
-            error = err
-    checkpoint_integrity.raise_on_every_rank(error)  # in place of a barrier: no rank waits for rank 0
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+        except CheckpointException as err:
+            every_rank = True  # DCP gathered every rank's outcome and raises on each
+            raise _save_failure(err) from err
+        _barrier()  # every rank's shards are on disk
+        every_rank = True  # from here on, ranks only read ``tmp``, and each failure is raised on every rank
+        files = checkpoint_integrity.collect_records(tmp, rank, world_size())  # every rank hashes its own
+        if rank == 0:
+            try:
+                _check_all_shards_here(tmp, files)
+                info = {**(record or {}), "format": FORMAT, "step": step, "world_size": world_size(),
+                        "time": time.time(), checkpoint_integrity.FILES_KEY: files}
+                _write_synced(tmp / MARKER, json.dumps(info))
+                fsync_dir(tmp)
+                ckpt.install_dir(tmp, final)
+                fsync_dir(final.parent)
+                if keep_last is not None:
+                    prune_checkpoints(run_dir, keep_last)
+            except Exception as err:  # noqa: BLE001 -- raised on every rank below
+                error = err
+        checkpoint_integrity.raise_on_every_rank(error)  # in place of a barrier: no rank waits for rank 0
+    except BaseException:
+        if rank == 0 and every_rank:  # its owner, once no rank writes there
+            ckpt.discard_partial(tmp)
+        raise
     return final
 
 

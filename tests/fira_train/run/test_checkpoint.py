@@ -202,6 +202,42 @@ def test_a_kill_while_a_step_is_saved_again_loses_no_checkpoint(tmp_path: Path, 
     assert ckpt.recover_swapped(tmp_path) == [] and not old.exists()
 
 
+def _full_disk_at(name: str, real_save):
+    """A ``torch.save`` that, writing into a folder named ``name``, writes part of the file and then
+    finds the disk full (as a real full disk does: some bytes land first)."""
+    import errno
+
+    def save(obj, f, *args, **kwargs):
+        if name not in str(getattr(f, "name", f)):
+            return real_save(obj, f, *args, **kwargs)
+        f.write(b"PK\x03\x04 part of a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), getattr(f, "name", None))
+
+    return save
+
+
+def test_a_failed_write_removes_its_temporary_folder_and_keeps_the_previous_checkpoint(tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """A full disk while a checkpoint was written left its ``.tmp-*`` folder, part-written,
+    holding disk space until the next resume; now it is removed and the error goes on."""
+    ckpt.save_checkpoint(tmp_path, 2, _state(2))
+    monkeypatch.setattr(torch, "save", _full_disk_at(".tmp-step_00000004", torch.save))
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        ckpt.save_checkpoint(tmp_path, 4, _state(4))
+    assert raised.value.errno == 28
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in root.iterdir()] == ["step_00000002"]  # no .tmp-step_00000004-PID
+    assert ckpt.load_checkpoint(tmp_path, ckpt.latest_checkpoint(tmp_path))["step"] == 2
+    # a failure to remove it is ignored: the save's own error is the one raised
+    monkeypatch.setattr(ckpt.shutil, "rmtree", lambda path, ignore_errors=False: None if ignore_errors else 1 / 0)
+    with pytest.raises(OSError, match="No space left on device"):
+        ckpt.save_checkpoint(tmp_path, 4, _state(4))
+    monkeypatch.undo()
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [2]
+    ckpt.save_checkpoint(tmp_path, 4, _state(4))  # with room again: saved, the leftover replaced
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+
+
 def test_a_marker_without_its_state_file_is_a_damaged_checkpoint(tmp_path: Path) -> None:
     path = ckpt.save_checkpoint(tmp_path, 2, _state(2))
     (path / "state.pt").unlink()

@@ -228,6 +228,8 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
     def full(*args, **kwargs):
         if where == "interrupt":  # Ctrl-C as this rank writes its shards
             raise KeyboardInterrupt
+        if where == "shards":  # some bytes land before the disk is full
+            (Path(run_dir) / ".tmp-step_00000004" / f"__{rank}_0.distcp").write_bytes(b"part of a shard")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(run_dir) / ".tmp-step_00000004" / "x"))
 
     if rank == failing and where == "marker":  # rank 0 alone writes it, the others wait
@@ -252,18 +254,20 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("failing, where", [(1, "shards"), (0, "metadata"), (0, "marker"), (0, "folder"),
-                                                (1, "interrupt"), (0, "hash"), (1, "hash")])
-def test_a_full_disk_or_ctrl_c_during_a_save_is_the_same_error_on_every_rank(tmp_path, failing, where):
+@pytest.mark.parametrize("failing, where, world", [
+    (1, "shards", 2), (0, "metadata", 2), (0, "marker", 2), (0, "folder", 2), (1, "interrupt", 2), (0, "hash", 2),
+    (1, "hash", 2), (0, "shards", 1), (0, "marker", 1)])
+def test_a_full_disk_or_ctrl_c_during_a_save_is_the_same_error_on_every_rank(tmp_path, failing, where, world):
     """DCP wraps a rank's failure in a ``CheckpointException`` (a ``BaseException``) raised on
     every rank: a full disk while writing shards was a torch traceback on every rank instead of
     the command line's one-line message. Now every rank raises the failing rank's ``OSError``
     (no rank waits for another), and the previous checkpoint stays. A full disk as rank 0 alone
     made the folder or wrote the marker was raised by rank 0 alone, the others left in a barrier;
     a failure to read back the files a rank hashes for the marker, by that rank alone, the
-    others left in the gather of the records."""
+    others left in the gather of the records. The failed save's temporary folder is removed (by
+    rank 0, once every rank has given up on it), not left holding disk space until a resume."""
     run_dir = tmp_path / "run"
-    results = run_ranks(_full_disk_worker, 2, tmp_path / "w", str(run_dir), failing, where, timeout=50)
+    results = run_ranks(_full_disk_worker, world, tmp_path / "w", str(run_dir), failing, where, timeout=50)
     for result in results:
         if where == "interrupt":  # Ctrl-C, not DCP's CheckpointException (a traceback)
             assert result["type"] == "KeyboardInterrupt", result
@@ -272,7 +276,10 @@ def test_a_full_disk_or_ctrl_c_during_a_save_is_the_same_error_on_every_rank(tmp
         assert "no space left" in result["message"] and "the checkpoints already written stay" in result["message"], result
         assert "\n" not in result["message"]
     assert latest_checkpoint(run_dir) == checkpoint_dir(run_dir, 2)
-    assert not is_complete(run_dir / ".tmp-step_00000004")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step_00000002"]  # no .tmp-step_00000004
+    if where == "shards":
+        assert run_ranks(_load_worker, world, tmp_path / "l", str(checkpoint_dir(run_dir, 2)), timeout=40) == \
+            [{"step": 2}] * world
 
 
 def _machine_disk_worker(rank: int, world: int, root: str) -> str:

@@ -311,6 +311,25 @@ def test_kill_9_while_writing_a_checkpoint_then_resume_exactly(tmp_path: Path) -
     assert not any(p.name.startswith(".tmp-") for p in (out / "checkpoints").iterdir())
 
 
+def test_a_full_disk_while_writing_a_checkpoint_leaves_no_partial_folder_and_the_run_resumes(
+        tmp_path: Path, monkeypatch) -> None:
+    """The error goes on, with its message; the partial checkpoint's folder is removed at once
+    (it held disk space until a resume); the previous checkpoint resumes the run exactly."""
+    from tests.fira_train.run.test_checkpoint import _full_disk_at
+
+    common = ["optim.method=fira", "train.steps=9", "train.save_every=3", "train.eval_every=0"]
+    train(micro_config(tmp_path, *common, out="straight"))
+    config = micro_config(tmp_path, *common, out="full")
+    monkeypatch.setattr(torch, "save", _full_disk_at(".tmp-step_00000006", torch.save))
+    with pytest.raises(OSError, match="No space left on device"):
+        train(config)
+    monkeypatch.undo()
+    out = tmp_path / "full"
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000003"]
+    train(config, resume="latest")
+    assert _losses(out) == _losses(tmp_path / "straight")
+
+
 def test_resume_requests_and_failures(tmp_path: Path) -> None:
     config = micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.save_every=2")
     train(config, resume="latest")  # nothing to resume: starts from step 0
