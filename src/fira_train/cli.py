@@ -27,7 +27,11 @@ Flags map onto config keys and are applied after the recipe, then the
 with ``torchrun --nproc_per_node N -m fira_train pretrain ... --parallel ddp``).
 
 An error that users cause (a bad value, a full disk, a folder that cannot be written, a run that
-diverged, ...) is one line on stderr and exit status 1 (:mod:`fira_train.user_errors`).
+diverged, ...) is one line on stderr and exit status 1 (:mod:`fira_train.user_errors`). Under
+``torchrun``, an error of the command line itself (argparse's, a bad ``key=value``, an unknown
+recipe or method: :func:`same_on_every_rank`), which every process raises alike, is printed by
+rank 0 alone; the others print nothing and exit with the same status (under torchrun they wait
+for it to end them once rank 0 has exited: :func:`_rank_zero_says_it`).
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import logging
 import os
 import select
 import sys
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -116,6 +122,24 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = T
              "model.num_hidden_layers=2 (sections: model, optim, data, train)")
 
 
+#: Set on an error that the command line alone causes (:func:`same_on_every_rank`).
+SAME_ON_EVERY_RANK = "fira_same_on_every_rank"
+
+
+@contextlib.contextmanager
+def same_on_every_rank() -> Iterator[None]:
+    """Mark an error raised inside as one of the command line itself (a bad ``key=value``, an
+    unknown recipe or method): every process of a ``torchrun`` launch is given the same command
+    line and raises the same error, so :func:`main` prints it on rank 0 alone, not once per
+    process (:func:`_rank_zero_says_it`). Also a decorator."""
+    try:
+        yield
+    except Exception as err:
+        setattr(err, SAME_ON_EVERY_RANK, True)
+        raise
+
+
+@same_on_every_rank()
 def config_from_args(args: argparse.Namespace):
     """The recipe, then the flags (``--method`` -> ``optim.method`` too), then the overrides."""
     from fira_train.config.overrides import apply_command_line, flags_given  # imports torch
@@ -127,6 +151,7 @@ def config_from_args(args: argparse.Namespace):
     return apply_command_line(get_recipe(args.recipe), given, args.overrides)
 
 
+@same_on_every_rank()
 def resume_request(args: argparse.Namespace) -> str | int | None:
     """``train``'s ``resume`` argument from ``--resume`` / ``--resume-step``."""
     resuming = args.resume or getattr(args, "resume_step", None) is not None
@@ -205,8 +230,9 @@ def _compare(args: argparse.Namespace) -> int:
     from fira_train.compare import compare, parse_methods  # imports torch: not at parser build
     from fira_train.config.method_spec import refuse_set_per_spec
 
-    refuse_set_per_spec(args.overrides, "compare")
-    methods = parse_methods(args.methods)
+    with same_on_every_rank():
+        refuse_set_per_spec(args.overrides, "compare")
+        methods = parse_methods(args.methods)
     config = config_from_args(args)
     warn_unused_settings(args, methods)
     out_dir = args.out or f"runs/{config.recipe}-compare"
@@ -508,6 +534,43 @@ def _marked() -> Iterator[None]:
         raise
 
 
+#: How long a process of a ``torchrun`` launch other than rank 0 waits, after an error of the
+#: command line, for torchrun to end it (:func:`_rank_zero_says_it`).
+RANK_ZERO_GRACE_S = 30.0
+
+
+def _rank_zero_says_it() -> bool:
+    """Whether to leave an error of the command line (:func:`same_on_every_rank`) to rank 0 to
+    print, on another rank. torchrun ends every process of a launch as soon as one fails: had
+    this one exited at once, rank 0 could be ended before it printed the error, and nobody would
+    have said it. So under torchrun (``TORCHELASTIC_RUN_ID`` set) it waits
+    :data:`RANK_ZERO_GRACE_S` seconds, for torchrun to end it once rank 0 has printed and exited;
+    still running then, rank 0 did not say it, and it says it itself (False). Another launcher
+    (``RANK`` set otherwise): at once True."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return True
+    time.sleep(RANK_ZERO_GRACE_S)
+    return False
+
+
+@contextlib.contextmanager
+def _stderr_on_rank_zero() -> Iterator[None]:
+    """Standard error as it is on rank 0 (and in a process without ``torchrun``); on the other
+    ranks of a launch, what is written there (argparse's refusal of the command line, which every
+    rank refuses alike) is left to rank 0 (:func:`_rank_zero_says_it`)."""
+    if is_rank_zero():
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except SystemExit as exit_:
+        if exit_.code not in (0, None) and not _rank_zero_says_it():
+            sys.stderr.write(held.getvalue())
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fira-train`` and ``python -m fira_train``; returns the exit status."""
     try:
@@ -519,11 +582,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 1
     argv = sys.argv[1:] if argv is None else list(argv)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # the command's usage and name, not the top level's ("fira-train [-h] COMMAND ...")
-        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+    with _stderr_on_rank_zero():  # a command line argparse refuses, every process refuses: rank 0 says why
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # the command's usage and name, not the top level's ("fira-train [-h] COMMAND ...")
+            _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv  # recorded in reports
-    # Under torchrun only rank 0 reports progress; every rank reports warnings and errors.
+    # Under torchrun only rank 0 reports progress; every rank reports warnings and errors (but those
+    # of the command line itself, which rank 0 reports for all: same_on_every_rank).
     configure_logging(logging.INFO if is_rank_zero() else logging.WARNING)
     stdout = sys.stdout
     if stdout is not None:  # None: no file descriptor 1 (`>&-`, pythonw), where print writes nothing
@@ -545,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         message = describe(err, args)
         if message is None:
             raise
+        if getattr(err, SAME_ON_EVERY_RANK, False) and not is_rank_zero() and _rank_zero_says_it():
+            return 1
         print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
         return 1
     finally:

@@ -429,3 +429,81 @@ def test_a_library_warning_is_one_line_in_the_commands_words(monkeypatch, capsys
     assert cli.main(["methods"]) == 0
     assert capsys.readouterr().err == "fira-train methods: warning: rank=1000 is >= min(m, n) (UserWarning)\n"
     assert warnings.formatwarning is before  # put back: the process's own warnings are Python's again
+
+
+@pytest.mark.parametrize("argv", [
+    ["pretrain", "--recipe", "micro", "--method", "fira", "train.stepz=3"],  # a bad key=value
+    ["pretrain", "--recipe", "nano", "--method", "fira"],  # a bad recipe name
+    ["pretrain", "--recipe", "micro", "--method", "adamx"],  # a bad method name
+    ["pretrain", "--recipe", "micro", "--method", "fira", "--resume", "--overwrite"],
+    ["compare", "--recipe", "micro", "--methods", "fira,fira"],
+])
+def test_under_torchrun_a_command_line_error_is_printed_by_rank_0_alone(argv, monkeypatch, capsys) -> None:
+    """Every process of a torchrun launch is given the same command line and raised the same
+    error: it was printed once per process. Now rank 0 prints it; every rank exits with status 1."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(argv) == 1
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"fira-train {argv[0]}: error: ") and err.count("\n") == 1, err
+
+
+def test_under_torchrun_an_argparse_error_is_printed_by_rank_0_alone(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exited:
+            main(["pretrain", "--recipe", "micro", "--method", "fira", "--stepz", "3"])
+        assert exited.value.code == 2
+        assert ("unrecognized arguments: --stepz" in capsys.readouterr().err) is printed
+
+
+def test_under_torchrun_an_error_of_one_process_is_printed_by_that_process(monkeypatch, capsys) -> None:
+    """What does not come from the command line alone (a full disk, a rank's own failure) may
+    differ between processes: each that raises it says so."""
+    import errno
+
+    def full(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "runs/x/metrics.jsonl")
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(cli, "_pretrain", full)
+    assert main(["pretrain", "--recipe", "micro", "--method", "fira"]) == 1
+    assert "no space left" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["pretrain", "--recipe", "nano", "--method", "fira"],
+                                  ["pretrain", "--recipe", "micro", "--method", "fira", "--stepz"]])
+def test_under_torchrun_another_rank_waits_for_rank_0_to_say_it_then_says_it_itself(argv, monkeypatch,
+                                                                                     capsys) -> None:
+    """torchrun ends the other processes as soon as one fails: a rank 1 that exited silently at once
+    could have rank 0 ended before it printed. So rank 1 waits, for torchrun to end it; still alive
+    after the wait, it prints the error itself."""
+    waits = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
+    try:
+        status = main(argv)
+    except SystemExit as exited:  # argparse's refusal
+        status = exited.code
+    assert status in (1, 2) and waits == [cli.RANK_ZERO_GRACE_S]
+    assert "error: " in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_torchrun_launch_with_a_bad_override_prints_its_error_once() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "fira_train",
+                           "pretrain", "--recipe", "micro", "--method", "fira", "--parallel", "ddp", "train.stepz=3"],
+                          env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    assert proc.stderr.count("fira-train pretrain: error: unknown config key 'train.stepz'") == 1, proc.stderr[-3000:]
