@@ -334,8 +334,8 @@ def read_json_lines(path: str | Path, hint: str = "") -> list[Any]:
 #: kilobytes. A larger one (a crafted file, a sparse one of any apparent size) is refused
 #: before it is read (:class:`FileTooLargeError`), instead of being read whole into memory.
 RECORD_LIMIT = 64 << 20
-#: The most bytes of a JSON-lines log (``metrics.jsonl``: a line of some 150 bytes per step;
-#: an analysis's per-step records), which grows with its run and is read line by line.
+#: The most bytes of a JSON-lines log (``metrics.jsonl``: one short line per step; an analysis's
+#: per-step records), which grows with its run and is read line by line.
 LINES_LIMIT = 16 << 30
 
 

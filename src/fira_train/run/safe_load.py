@@ -44,8 +44,8 @@ from fira_train.run.checkpoint import CheckpointError
 
 METADATA_FILE = ".metadata"
 #: The most bytes of a ``.metadata`` read (:func:`fira_train.files.read_regular_bytes`): it grows
-#: with the tensors times the shards of each, some hundred bytes apiece (a 7B model's weights and
-#: optimizer states, sharded over a thousand ranks, stay some hundreds of MiB below it).
+#: with the number of tensors (weights and optimizer states) times the shards of each, a small
+#: record apiece, so it is given far more room than the JSON records.
 METADATA_LIMIT = 1 << 30
 
 
