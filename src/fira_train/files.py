@@ -40,7 +40,8 @@ except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["LINES_LIMIT", "RECORD_LIMIT", "DamagedFileError", "FileTooLargeError", "check_report_owner",
-           "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir", "json_lines", "locked", "open_regular", "parse_json", "read_json", "read_json_lines", "read_regular_bytes",
+           "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir", "json_lines",
+           "locked", "open_regular", "parse_json", "read_json", "read_json_lines", "read_regular_bytes",
            "read_regular_text", "refuse_links", "write_atomic", "write_text_atomic"]
 
 

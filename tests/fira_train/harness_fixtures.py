@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -68,3 +70,15 @@ def stop_at_checkpoint(monkeypatch, step: int, *, saved: bool, once_per_run: boo
 
     monkeypatch.setattr(ckpt, "save_checkpoint", save)
     return lambda: monkeypatch.setattr(ckpt, "save_checkpoint", real_save)
+
+
+def full_disk_at(name: str, real_save):
+    """A ``torch.save`` that, writing into a folder named ``name``, writes part of the file and then
+    finds the disk full (as a real full disk does: some bytes land first)."""
+    def save(obj, f, *args, **kwargs):
+        if name not in str(getattr(f, "name", f)):
+            return real_save(obj, f, *args, **kwargs)
+        f.write(b"PK\x03\x04 part of a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), getattr(f, "name", None))
+
+    return save

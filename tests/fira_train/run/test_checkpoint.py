@@ -11,6 +11,7 @@ import torch
 
 from fira_train.files import file_digest
 from fira_train.run import checkpoint as ckpt
+from tests.fira_train.harness_fixtures import full_disk_at
 
 
 def _state(step: int) -> dict:
@@ -202,26 +203,12 @@ def test_a_kill_while_a_step_is_saved_again_loses_no_checkpoint(tmp_path: Path, 
     assert ckpt.recover_swapped(tmp_path) == [] and not old.exists()
 
 
-def _full_disk_at(name: str, real_save):
-    """A ``torch.save`` that, writing into a folder named ``name``, writes part of the file and then
-    finds the disk full (as a real full disk does: some bytes land first)."""
-    import errno
-
-    def save(obj, f, *args, **kwargs):
-        if name not in str(getattr(f, "name", f)):
-            return real_save(obj, f, *args, **kwargs)
-        f.write(b"PK\x03\x04 part of a checkpoint")
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), getattr(f, "name", None))
-
-    return save
-
-
 def test_a_failed_write_removes_its_temporary_folder_and_keeps_the_previous_checkpoint(tmp_path: Path,
                                                                                       monkeypatch) -> None:
     """A full disk while a checkpoint was written left its ``.tmp-*`` folder, part-written,
     holding disk space until the next resume; now it is removed and the error goes on."""
     ckpt.save_checkpoint(tmp_path, 2, _state(2))
-    monkeypatch.setattr(torch, "save", _full_disk_at(".tmp-step_00000004", torch.save))
+    monkeypatch.setattr(torch, "save", full_disk_at(".tmp-step_00000004", torch.save))
     with pytest.raises(OSError, match="No space left on device") as raised:
         ckpt.save_checkpoint(tmp_path, 4, _state(4))
     assert raised.value.errno == 28

@@ -315,12 +315,12 @@ def test_a_full_disk_while_writing_a_checkpoint_leaves_no_partial_folder_and_the
         tmp_path: Path, monkeypatch) -> None:
     """The error goes on, with its message; the partial checkpoint's folder is removed at once
     (it held disk space until a resume); the previous checkpoint resumes the run exactly."""
-    from tests.fira_train.run.test_checkpoint import _full_disk_at
+    from tests.fira_train.harness_fixtures import full_disk_at
 
     common = ["optim.method=fira", "train.steps=9", "train.save_every=3", "train.eval_every=0"]
     train(micro_config(tmp_path, *common, out="straight"))
     config = micro_config(tmp_path, *common, out="full")
-    monkeypatch.setattr(torch, "save", _full_disk_at(".tmp-step_00000006", torch.save))
+    monkeypatch.setattr(torch, "save", full_disk_at(".tmp-step_00000006", torch.save))
     with pytest.raises(OSError, match="No space left on device"):
         train(config)
     monkeypatch.undo()
