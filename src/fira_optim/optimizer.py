@@ -43,6 +43,7 @@ from .options import (
     StateDtype,
     check_process_options,
     check_rank,
+    check_state_rounding,
     check_torch_only,
     param_name,
     validate_group,
@@ -138,6 +139,12 @@ class Fira(Optimizer):
             stored; the arithmetic stays fp32 (:mod:`fira_optim.precision`). At ``"float32"``
             the moments of a parameter that is not projected take its own dtype, as
             ``torch.optim.AdamW``'s do (bf16 for bf16 weights; fp32 for fp16 ones).
+        state_rounding: how the moments are written into bf16 states: ``"nearest"`` (default)
+            or ``"stochastic"`` (uniform noise in the 16 bits cut off, so that small changes to
+            a moment are kept on average: nearest rounding stalls Adam's second moment at
+            ``beta2 = 0.999``; seeded as ``stochastic_rounding``, on streams of their own). Needs
+            ``state_dtype="bfloat16"``; the basis is rounded to nearest. May change between
+            steps.
         stochastic_rounding: write the updates of bf16 parameters by stochastic rounding
             (default False: round to nearest).
         nonfinite: ``"error"`` (raise :class:`NonFiniteGradientError` naming the parameter, before
@@ -201,6 +208,7 @@ class Fira(Optimizer):
         process_group: Any = None,
         host_refresh: bool = False,
         state_dtype: str = "float32",
+        state_rounding: str = "nearest",
         stochastic_rounding: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
@@ -230,7 +238,7 @@ class Fira(Optimizer):
             projector=projector, arithmetic=arithmetic, base=base, scaling=scaling,
             limiter=limiter, residual=residual, only_scaling=only_scaling, clip_norm=clip_norm,
             mu=mu, align_signs=align_signs, stagger=stagger, correct_bias=correct_bias, seed=seed,
-            state_dtype=state_dtype, stochastic_rounding=stochastic_rounding,
+            state_dtype=state_dtype, state_rounding=state_rounding, stochastic_rounding=stochastic_rounding,
             foreach=foreach, fused=fused,
         )
         validate_group({**defaults, "amsgrad": amsgrad, "maximize": maximize, "capturable": capturable,
@@ -440,9 +448,10 @@ class Fira(Optimizer):
         ``(matrices, plain)``, or None if the step is skipped. Nothing is committed here."""
         matrices: list[tuple[MatrixStep, Hyper]] = []
         checks: list[tuple[torch.Tensor, int, int]] = []
-        for gi, group in enumerate(self.param_groups):  # torch's own options, set in param_groups since
+        for gi, group in enumerate(self.param_groups):  # options param_groups may have set since: torch's, state_rounding
             try:
                 check_torch_only(group)
+                check_state_rounding(group)
             except ValueError as err:
                 raise ValueError(f"param_groups[{gi}]: {err}") from None
         entries, total = self._entries(only)
@@ -755,9 +764,12 @@ class Fira(Optimizer):
                 m.grad = m.source.to(m.work_dtype)
             if hp.state_dtype is not StateDtype.FLOAT32:
                 stored, keys = m.state, STATE_KEYS[hp.base]
+                # seeded by the step count before this update, as the weights' rounding; the
+                # offsets of the moments' own blocks (state, not its local views)
+                rounding = precision.state_generators(hp.state_rounding, state, keys, hp.seed, m.order, step - 1)
                 m.state = precision.decode(stored, keys, m.work_dtype)
                 m.strategy.run([m], step, hp, row_sum, stats)
-                precision.encode(stored, m.state, keys)
+                precision.encode(stored, m.state, keys, rounding)
             elif m.strategy.explicit or lazy:
                 m.strategy.run([m], step, hp, row_sum, stats)
             else:

@@ -109,6 +109,13 @@ class StateDtype(Choice):
     INT8 = "int8"
 
 
+class StateRounding(Choice):
+    """How a value formed in fp32 is written into a bf16 optimizer state (:mod:`fira_optim.precision`)."""
+
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"
+
+
 class NonFinite(Choice):
     """What a NaN or Inf gradient does: raise, skip the step, or nothing."""
 
@@ -127,6 +134,7 @@ PROJ_TYPES = ProjType.values()
 IMPLEMENTATIONS = Implementation.values()
 NONFINITE = NonFinite.values()
 STATE_DTYPES = StateDtype.values()
+STATE_ROUNDINGS = StateRounding.values()
 
 #: The epsilon that ``fira`` 1.0.2 hard-codes in the scaling factor and the limiter.
 RELEASED_EPS = 1e-8
@@ -157,10 +165,12 @@ class Hyper:
     clip_norm: float
     mu: float
     state_dtype: StateDtype
+    state_rounding: StateRounding
     stochastic_rounding: bool
+    seed: int  #: of the stochastic rounding of the states (and weights)
 
     _CHOICES = {"base": Base, "scaling": Scaling, "limiter": Limiter, "residual": Residual,
-                "arithmetic": Arithmetic, "state_dtype": StateDtype}
+                "arithmetic": Arithmetic, "state_dtype": StateDtype, "state_rounding": StateRounding}
 
     @classmethod
     def from_group(cls, group: dict) -> "Hyper":
@@ -286,7 +296,7 @@ def validate_group(g: dict) -> None:
         if key in g:
             raise ValueError(f"{key}={g[key]!r} in a param group: {key} is an option of the whole "
                              "optimizer; pass it to the constructor")
-    StateDtype.parse("state_dtype", g["state_dtype"])
+    check_state_rounding(g)
     ProjType.parse("proj_type", g["proj_type"])
     Projector.parse("projector", g["projector"])
     arithmetic = Arithmetic.parse("arithmetic", g["arithmetic"])
@@ -306,6 +316,19 @@ def validate_group(g: dict) -> None:
     if g.get("fused") and (base is not Base.ADAM or arithmetic is not Arithmetic.PAPER):
         raise ValueError(f"fused=True is torch's fused AdamW: it needs base='adam' and arithmetic='paper', "
                          f"got base={g['base']!r}, arithmetic={g['arithmetic']!r}")
+
+
+def check_state_rounding(g: dict) -> None:
+    """ValueError naming the arguments unless ``g``'s ``state_dtype`` and ``state_rounding`` are
+    valid together: stochastic rounding is of bf16 states only. Checked at every step too (as
+    :func:`check_torch_only`): the option may change between steps, and one set in
+    ``param_groups`` on a group of fp32 or int8 states would otherwise do nothing, without a word."""
+    state_dtype = StateDtype.parse("state_dtype", g["state_dtype"])
+    rounding = StateRounding.parse("state_rounding", g["state_rounding"])
+    if rounding is StateRounding.STOCHASTIC and state_dtype is not StateDtype.BFLOAT16:
+        raise ValueError(f"Invalid state_rounding: {g['state_rounding']!r} with state_dtype={g['state_dtype']!r}; "
+                         "stochastic rounding is of bf16 states: it needs state_dtype='bfloat16' (int8 codes are "
+                         "rounded to the nearest map value, fp32 states are not rounded)")
 
 
 def check_torch_only(g: dict) -> None:

@@ -64,7 +64,8 @@ import logging
 
 import torch
 
-from .options import StateDtype
+from . import distributed
+from .options import StateDtype, StateRounding
 
 #: Elements per quantization block, and the fewest elements a quantized moment has.
 BLOCK = 256
@@ -153,8 +154,9 @@ def decode(state: dict, keys, work_dtype: torch.dtype) -> dict:
     return working
 
 
-def encode(state: dict, working: dict, keys) -> None:
-    """Write the updated moments of ``working`` back into their stored form in ``state``."""
+def encode(state: dict, working: dict, keys, generators: dict | None = None) -> None:
+    """Write the updated moments of ``working`` back into their stored form in ``state``; a bf16
+    moment by stochastic rounding where ``generators`` (:func:`state_generators`) holds its key."""
     for key in keys:
         stored, value = state[key], working[key]
         if value is stored:
@@ -166,7 +168,7 @@ def encode(state: dict, working: dict, keys) -> None:
             _encode_moment(key, value, codes, state[_scale_key(key)])
             stored.copy_(codes)
         else:
-            stored.copy_(value)
+            _write(stored, value, key, generators)
 
 
 def decode_slice(state: dict, keys, work_dtype: torch.dtype, start: int, stop: int) -> dict:
@@ -186,10 +188,13 @@ def decode_slice(state: dict, keys, work_dtype: torch.dtype, start: int, stop: i
     return working
 
 
-def encode_slice(state: dict, working: dict, keys, start: int, stop: int) -> None:
+def encode_slice(state: dict, working: dict, keys, start: int, stop: int,
+                 generators: dict | None = None) -> None:
     """Write the updated moments of ``working`` (from :func:`decode_slice`) back into the elements
     ``start:stop`` of their stored form in ``state``; a quantized moment's codes and the scales
-    of its blocks ``start // BLOCK`` to ``stop // BLOCK``, in place."""
+    of its blocks ``start // BLOCK`` to ``stop // BLOCK``, in place; a bf16 moment by stochastic
+    rounding where ``generators`` holds its key (each draws its noise in order, one number per
+    element, so on the CPU consecutive slices draw the whole moment's bits)."""
     for key in keys:
         stored, value = state[key].view(-1)[start:stop], working[key]
         if value.dtype == stored.dtype and value.data_ptr() == stored.data_ptr():
@@ -198,7 +203,17 @@ def encode_slice(state: dict, working: dict, keys, start: int, stop: int) -> Non
             scale = state[_scale_key(key)][start // BLOCK : stop // BLOCK]
             _encode_moment(key, value, stored, scale)
         else:
-            stored.copy_(value)
+            _write(stored, value, key, generators)
+
+
+def _write(stored: torch.Tensor, value: torch.Tensor, key: str, generators: dict | None) -> None:
+    """``stored.copy_(value)``, or by stochastic rounding (:func:`round_into`) with the generator
+    of ``key`` in ``generators``; a DTensor's local block (noise of its own shape)."""
+    generator = generators.get(key) if generators else None
+    if generator is None:
+        stored.copy_(value)
+    else:
+        round_into(distributed.to_local(stored), distributed.to_local(value), generator)
 
 
 def _quantization():
@@ -342,17 +357,44 @@ def round_into(param: torch.Tensor, value: torch.Tensor, generator: torch.Genera
     param.copy_(rounded)  # exact: the low 16 bits are zero
 
 
-def rounding_generator(seed: int, order: int, step: int,
-                       device: torch.device | str = "cpu", offset: int | tuple[int, ...] = 0) -> torch.Generator:
+def rounding_generator(seed: int, order: int, step: int, device: torch.device | str = "cpu",
+                       offset: int | tuple[int, ...] = 0, stream: str = "") -> torch.Generator:
     """The generator of one matrix's stochastic rounding at one step (resume-exact), on
     ``device``, the parameter's: the CPU's Mersenne twister or CUDA's Philox, so the same seed
     draws different bits on the two, and each resumes exactly. ``offset``: where this process's
     block of a sharded parameter starts: its first row for FSDP2's row shards, the whole offset
-    for another placement. Each shard draws from the start of its stream, so without it every
-    shard rounded with the same bits; the block starting at row 0 (and an unsharded parameter,
-    and every replica) keeps the stream it always had."""
+    for another placement (:func:`shard_offset`). Each shard draws from the start of its stream,
+    so without it every shard rounded with the same bits; the block starting at row 0 (and an
+    unsharded parameter, and every replica) keeps the stream it always had. ``stream``: what is
+    rounded when it is not the parameter itself, the name of an optimizer state
+    (:func:`state_generators`): hashed into the seed with the offset, so a state's stream is
+    neither its parameter's nor another state's."""
     seed = (seed * 1_000_003 + order * 7919 + step * 104_729 + 17) % (2**63)
-    if offset:
-        mixed = hashlib.blake2b(f"{seed},{offset}".encode(), digest_size=8).digest()
+    if offset or stream:
+        # without a stream, the text (so the seed) of a parameter's shard is what it always was
+        text = f"{seed},{offset}" + (f",{stream}" if stream else "")
+        mixed = hashlib.blake2b(text.encode(), digest_size=8).digest()
         seed = int.from_bytes(mixed, "little") % (2**63)
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def shard_offset(tensor: torch.Tensor) -> int | tuple[int, ...]:
+    """:func:`rounding_generator`'s ``offset`` of this process's block of ``tensor``: 0 for a
+    plain tensor and a replica, the first row of a row shard, the whole offset otherwise."""
+    offset = distributed.block_offset(tensor)
+    return 0 if not any(offset) else offset[0] if not any(offset[1:]) else offset
+
+
+def state_generators(rounding: StateRounding, state: dict, keys, seed: int, order: int,
+                     step: int) -> dict[str, torch.Generator] | None:
+    """The generators that write one parameter's bf16 moments ``keys`` of ``state`` at one step
+    by stochastic rounding (``state_rounding="stochastic"``; None for ``"nearest"``): one per
+    moment, seeded as the parameter's own rounding (:func:`rounding_generator` with the same
+    ``seed``, ``order`` and ``step``) on a stream of the moment's name, with the offset of the
+    moment's own block (a moment sharded with its parameter's rows draws per shard; one
+    replicated on every rank, as the moments of a left projection's ``R`` under FSDP2, draws the
+    same bits on each, so the replicas stay equal)."""
+    if rounding is not StateRounding.STOCHASTIC:
+        return None
+    return {key: rounding_generator(seed, order, step, state[key].device, shard_offset(state[key]), stream=key)
+            for key in keys if state[key].dtype == torch.bfloat16}

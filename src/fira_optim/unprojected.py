@@ -35,7 +35,7 @@ from torch.optim import adam as torch_adam
 from torch.optim import rmsprop as torch_rmsprop
 
 from . import distributed, precision
-from .options import Arithmetic, Base, StateDtype
+from .options import Arithmetic, Base, StateDtype, StateRounding
 from .subspace import STATE_KEYS, adam_bias_correction
 
 
@@ -76,7 +76,7 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict,
             if not states[p]:
                 init_state(states[p], p, group)
         kind = StateDtype(group["state_dtype"])
-        rounding = group["stochastic_rounding"]
+        rounding, state_rounding = group["stochastic_rounding"], StateRounding(group["state_rounding"])
         # Through fp32 copies: fp16 parameters (module docstring), low-precision states, bf16
         # parameters written by stochastic rounding, and gradients in another dtype than their
         # parameter's (p.grad_dtype: fp32 gradients of bf16 weights), which torch's step refuses.
@@ -94,22 +94,22 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict,
         # one chunk exist at once.
         for p in copied:
             state = states[p]
+            order, step = _ROUNDING_OFFSET + position[p], int(state["step"])
             generator = None
             if rounding and p.dtype == torch.bfloat16:
                 # a shard (FSDP2's rows, or any other placement) draws its own bits; replicas the same
-                offset = distributed.block_offset(p)
-                generator = precision.rounding_generator(
-                    group["seed"], _ROUNDING_OFFSET + position[p], int(state["step"]), p.device,
-                    0 if not any(offset) else offset[0] if not any(offset[1:]) else offset)
+                generator = precision.rounding_generator(group["seed"], order, step, p.device,
+                                                         precision.shard_offset(p))
+            moments = precision.state_generators(state_rounding, state, keys, group["seed"], order, step)
             if p.numel() > precision.CHUNK and _chunkable(p, state, keys):
-                _step_in_chunks(group, p, state, keys, generator)
+                _step_in_chunks(group, p, state, keys, generator, moments)
                 continue
             work_dtype = torch.promote_types(p.dtype, torch.float32)  # fp64 stays fp64
             work = p.detach().to(work_dtype)  # an fp32 (fp64) parameter: a view of it, updated in place
             work.grad = p.grad.to(work_dtype)
             working = precision.decode(state, keys, work_dtype)
             _step(group, [work], {work: working})
-            precision.encode(state, working, keys)
+            precision.encode(state, working, keys, moments)
             state["step"] = working["step"]
             # Written back where work is a copy. Compared on the local blocks: a DTensor's own
             # data_ptr() is 0, so FSDP2's copies were never written back (no update at all).
@@ -125,12 +125,13 @@ def _chunkable(p: torch.Tensor, state: dict, keys) -> bool:
     return all(type(t) is torch.Tensor and t.is_contiguous() for t in tensors)
 
 
-def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator) -> None:
+def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator, moments=None) -> None:
     """The step of ``p`` through fp32 copies, :data:`precision.CHUNK` elements at a time (whole
     quantization blocks): the parameter, gradient and moments of a chunk are decoded to fp32,
     stepped, and encoded back before the next one. The step functions are elementwise, the
     quantization is per block, and stochastic rounding draws its random numbers one per element
-    in order from one generator, so on the CPU the result is bit for bit the unchunked one (on
+    in order from one generator (``generator`` the parameter's, ``moments`` each bf16 moment's:
+    :func:`fira_optim.precision.state_generators`), so on the CPU the result is bit for bit the unchunked one (on
     CUDA, Philox's offset advances per call, so the bits may depend on the fixed chunk size; a
     resumed run still draws the same ones). Each chunk steps
     with a copy of the step counter, which is set once, at the end."""
@@ -148,7 +149,7 @@ def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator) 
         working = precision.decode_slice(state, keys, work_dtype, start, stop)
         working["step"] = stepped = counter.clone()
         _step(group, [work], {work: working})
-        precision.encode_slice(state, working, keys, start, stop)
+        precision.encode_slice(state, working, keys, start, stop, moments)
         if work.data_ptr() != part.data_ptr():
             precision.round_into(part, work, generator)
     counter.copy_(stepped)

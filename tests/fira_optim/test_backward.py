@@ -31,12 +31,12 @@ def _net(dtype=torch.float64):
     return Net().to(dtype)
 
 
-def _optimizer(model, variant="fira"):
+def _optimizer(model, variant="fira", **options):
     matrices = [m.weight for m in (model.a, model.b, model.c)]
     ids = {id(p) for p in matrices}
     rest = [p for p in model.parameters() if id(p) not in ids]
     return FiraAdamW([{"params": matrices, "rank": 3, "update_proj_gap": 3},
-                      {"params": rest}], lr=0.02, weight_decay=0.1, **VARIANTS[variant])
+                      {"params": rest}], lr=0.02, weight_decay=0.1, **VARIANTS[variant], **options)
 
 
 def _batch(step, micro=0, dtype=torch.float64):
@@ -71,12 +71,19 @@ class _nothing:
         return False
 
 
-@pytest.mark.parametrize("variant", ["fira", "galore", "fira-matrix"])
-def test_updates_in_backward_equal_step_bit_for_bit(variant):
+#: bf16 states written by stochastic rounding, of fp32 weights and of bf16 weights rounded so too
+STOCHASTIC_STATES = {"state_dtype": "bfloat16", "state_rounding": "stochastic"}
+
+
+@pytest.mark.parametrize("variant,dtype,options", [
+    ("fira", torch.float64, {}), ("galore", torch.float64, {}), ("fira-matrix", torch.float64, {}),
+    ("fira", torch.float32, STOCHASTIC_STATES),
+    ("fira", torch.bfloat16, {**STOCHASTIC_STATES, "stochastic_rounding": True})])
+def test_updates_in_backward_equal_step_bit_for_bit(variant, dtype, options):
     runs = []
     for in_backward in (False, True):
-        model = _net()
-        opt = _optimizer(model, variant)
+        model = _net(dtype)
+        opt = _optimizer(model, variant, **options)
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         handle = step_in_backward(opt) if in_backward else None
         _train(model, opt, 7, scheduler=scheduler)  # refreshes at steps 0, 3, 6

@@ -61,6 +61,26 @@ def test_compiled_matches_reference(variant, compiled_kernel):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+@needs_compiler
+@pytest.mark.timeout(900)
+def test_compiled_rounds_bf16_states_stochastically_with_the_reference_s_bits(compiled_kernel):
+    """state_rounding="stochastic": the kernel updates the decoded fp32 moments, which are then
+    written with the same noise as the reference's (the same stored bits: the gradients do not
+    depend on the weights, and the kernel's moments are the reference's here)."""
+    options = {"state_dtype": "bfloat16", "state_rounding": "stochastic"}
+    ref, ref_opt = _run("reference", options)
+    got, opt = _run("compiled", options)
+    assert compiled._failed is None, compiled._failed
+    nearest, nearest_opt = _run("compiled", {"state_dtype": "bfloat16"})
+    held = [[o.state[p] for g in o.param_groups for p in g["params"]] for o in (ref_opt, opt, nearest_opt)]
+    for a, b, *states in zip(ref, got, *held):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert states[1][key].dtype == torch.bfloat16 and torch.equal(states[1][key], states[0][key]), key
+            assert not torch.equal(states[1][key], states[2][key]), key  # rounded otherwise than to nearest
+        # the weights: the kernel's other order of sums in phi and ||S|| (measured up to 5e-6)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
 def test_uncovered_settings_fall_back_to_the_fast_path():
     # Matrix-level scaling is not in the kernel: same result as implementation="fast".
     fast, _ = _run("fast", VARIANTS["fira-matrix"])

@@ -466,6 +466,38 @@ def test_fsdp2_shards_round_with_their_own_bits(tmp_path):
     assert torch.equal(first["replicated"], second["replicated"]) and first["replicated moved"]
 
 
+def _state_rounding_worker(rank: int, world: int) -> dict:
+    """bf16 states written by stochastic rounding, of parameters whose two row blocks (one per
+    rank) hold the same values and gradients: a right projection (the moments of R = G Q follow
+    the rows), a left one (those of R = P^T G are replicated) and a plain vector."""
+    g = torch.Generator().manual_seed(8)
+    halves = {"right": (16, 12), "left": (4, 24), "vector": (16,)}
+    values = {k: torch.randn(s, generator=g) for k, s in halves.items()}
+    grads = {k: [torch.randn(s, generator=g) for _ in range(3)] for k, s in halves.items()}
+    params = {k: torch.nn.Parameter(_shard(torch.cat([v, v]))) for k, v in values.items()}
+    opt = FiraAdamW([{"params": [params["right"], params["left"]], "rank": 2, "update_proj_gap": 100},
+                     {"params": [params["vector"]]}], lr=1e-3, state_dtype="bfloat16", state_rounding="stochastic")
+    for step in range(3):
+        for k, p in params.items():
+            p.grad = _shard(torch.cat([grads[k][step], grads[k][step]]))
+        opt.step()
+    return {k: {key: opt.state[p][key].to_local().clone() for key in ("exp_avg", "exp_avg_sq")}
+            for k, p in params.items()}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_state_shards_round_with_their_own_bits_and_replicas_with_the_same(tmp_path):
+    """state_rounding="stochastic": a moment sharded with its parameter's rows draws per shard (its
+    block's offset enters the seed), one replicated on every rank the same bits on each (the
+    replicas stay equal)."""
+    first, second = run_ranks(_state_rounding_worker, 2, tmp_path, timeout=100)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert first["left"][key].dtype == torch.bfloat16 and torch.equal(first["left"][key], second["left"][key])
+        for name in ("right", "vector"):
+            a, b = first[name][key], second[name][key]
+            assert a.shape == b.shape and (a != b).float().mean() > 0.1, (name, key)  # all equal with one stream for both
+
+
 def _copied_plain_worker(rank: int, world: int) -> dict:
     """A plain (unprojected) parameter stepped through an fp32 copy, three steps, per config."""
     out = {}
@@ -482,14 +514,16 @@ def _copied_plain_worker(rank: int, world: int) -> dict:
 #: Plain parameters whose update goes through an fp32 copy written back to the parameter.
 COPIED_PLAIN = [("bf16-states", torch.bfloat16, {"state_dtype": "bfloat16"}),
                 ("fp16", torch.float16, {}),
-                ("bf16-rounding", torch.bfloat16, {"stochastic_rounding": True})]
+                ("bf16-rounding", torch.bfloat16, {"stochastic_rounding": True}),
+                ("bf16-states-stochastic", torch.bfloat16, {"state_dtype": "bfloat16", "state_rounding": "stochastic"})]
 
 
 @pytest.mark.timeout(120)
 def test_fsdp2_plain_parameters_stepped_through_fp32_copies_are_updated(tmp_path):
     """Each rank's rows of a bf16 or fp16 plain parameter are what one process gives (they were
     never written back: a DTensor's data_ptr() is 0, so the copy looked like the parameter);
-    with stochastic rounding the first rank's block draws the one-process stream's bits."""
+    with stochastic rounding (of the weights or of the states) the first rank's block draws the
+    one-process stream's bits."""
     results = run_ranks(_copied_plain_worker, 2, tmp_path, timeout=100)
     for name, dtype, options in COPIED_PLAIN:
         param = torch.nn.Parameter(torch.linspace(-1, 1, 9).to(dtype))
@@ -500,7 +534,7 @@ def test_fsdp2_plain_parameters_stepped_through_fp32_copies_are_updated(tmp_path
         first, second = param.detach().chunk(2)
         assert not torch.equal(param.detach(), torch.linspace(-1, 1, 9).to(dtype)), name
         assert torch.equal(results[0][name], first), name
-        if name != "bf16-rounding":  # rank 1 rounds with its own bits (other test)
+        if "rounding" not in name and "stochastic" not in name:  # rank 1 rounds with its own bits (other tests)
             assert torch.equal(results[1][name], second), name
         else:
             assert not torch.equal(results[1][name], torch.linspace(-1, 1, 9).to(dtype).chunk(2)[1])

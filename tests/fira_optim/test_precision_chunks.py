@@ -73,6 +73,21 @@ def test_chunked_step_is_bitwise_the_whole_step(variant, weight_decay, dtype, ro
     _assert_identical(chunked, whole)
 
 
+@pytest.mark.parametrize("dtype,rounding", [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("variant", ["adamw", "released", "rmsprop"])
+def test_chunked_step_rounds_bf16_states_stochastically_as_the_whole_step(variant, dtype, rounding, monkeypatch):
+    """Each moment draws its own stream, one number per element in order: a chunk at a time (the
+    moments' chunks interleaved) draws the bits of the whole."""
+    options = dict(VARIANTS[variant], stochastic_rounding=rounding, state_dtype="bfloat16",
+                   state_rounding="stochastic")
+    chunked = _run(SMALL_CHUNK, monkeypatch, dtype, **options)
+    whole = _run(WHOLE, monkeypatch, dtype, **options)
+    _assert_identical(chunked, whole)
+    nearest = _run(WHOLE, monkeypatch, dtype, **dict(options, state_rounding="nearest"))
+    key = "square_avg" if variant == "rmsprop" else "exp_avg_sq"
+    assert not torch.equal(whole[1].state[whole[0][0]][key], nearest[1].state[nearest[0][0]][key])
+
+
 def test_chunks_are_whole_quantization_blocks(monkeypatch):
     monkeypatch.setattr(precision, "CHUNK", 1000)
     (p,) = [torch.nn.Parameter(torch.randn(37, 256))]
