@@ -147,6 +147,10 @@ class OptimConfig:
     state_dtype: str = "float32"
     """Fira/GaLore family: how optimizer states are stored, "float32", "bfloat16" or "int8"
     (block-wise 8-bit; needs torchao). The arithmetic stays fp32."""
+    state_rounding: str = "nearest"
+    """Fira/GaLore family: how the moments are written into bf16 states
+    (``optim.state_dtype=bfloat16``), "nearest" or "stochastic" (FiraAdamW's ``state_rounding``).
+    A config saved before the option existed reads as "nearest", what it ran."""
     stochastic_rounding: bool = False
     """Fira/GaLore family: write the updates of bf16 weights (``train.param_dtype=bfloat16``) by
     stochastic rounding."""
@@ -179,10 +183,12 @@ class OptimConfig:
         # The optimizer's own options: checked by fira_optim's constructor rules, not copies of them.
         for name in ("rank", "update_proj_gap", "alpha", "betas", "eps", "weight_decay", "gamma",
                      "projector", "implementation", "host_refresh", "stochastic_rounding", "state_dtype",
-                     *(("lr",) if self.lr is not None else ())):  # None: the method's default
+                     "state_rounding", *(("lr",) if self.lr is not None else ())):  # None: the method's default
             value = getattr(self, name)
+            # stochastic rounding is of bf16 states: state_rounding is checked with its state_dtype
+            together = {"state_dtype": self.state_dtype} if name == "state_rounding" else {}
             try:
-                check_options(**{name: value})
+                check_options(**{name: value}, **together)
             except (TypeError, ValueError) as err:
                 raise ValueError(f"optim.{name}={value!r} is invalid: {err}") from None
         for name in ("step_in_backward",):
@@ -204,7 +210,7 @@ class OptimConfig:
 
 #: The memory options of the Fira / GaLore family (:class:`fira_optim.FiraAdamW`'s): a config of
 #: another method refuses them (a user who asks for int8 states must not get fp32 ones).
-FIRA_ONLY = ("step_in_backward", "state_dtype", "stochastic_rounding")
+FIRA_ONLY = ("step_in_backward", "state_dtype", "state_rounding", "stochastic_rounding")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from fira_train.finetune.config import (
     RECIPES,
     SCORINGS,
     STATE_DTYPES,
+    STATE_ROUNDINGS,
     FinetuneConfig,
     FinetuneError,
 )
@@ -94,6 +95,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "gradients never coexist (no gradient clipping then; the other runs clip at norm 1.0)")
     p.add_argument("--state-dtype", default="float32", choices=STATE_DTYPES,
                    help="fira, galore, fira-lora: how the optimizer states are stored (default float32)")
+    p.add_argument("--state-rounding", default="nearest", choices=STATE_ROUNDINGS,
+                   help="fira, galore, fira-lora: how the moments are written into bf16 states: nearest (default) "
+                        "or stochastic (with --state-dtype bfloat16)")
     p.add_argument("--precision", default="fp32", choices=PRECISIONS,
                    help="fp32 throughout (default, the Trainer's), or the Trainer's bf16 / fp16 mixed precision "
                         "(fp32 weights; fp16 scales the loss, for GPUs without bf16: a CUDA GPU only)")

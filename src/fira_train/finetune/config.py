@@ -45,6 +45,8 @@ DEFAULT_RANK = {"galore": 32, "fira": 32, "fira-lora": 16, "apollo": 32, "flora"
 #: ``--state-dtype``: how the Fira-family methods store their optimizer states (the library's
 #: ``FiraAdamW(state_dtype=...)`` values; kept here, where torch is not imported).
 STATE_DTYPES = ("float32", "bfloat16", "int8")
+#: ``--state-rounding``: how the moments are written into bf16 states (``FiraAdamW(state_rounding=...)``).
+STATE_ROUNDINGS = ("nearest", "stochastic")
 
 #: ``--threads`` at most: :data:`fira_train.config.run_config.MAX_THREADS` (``train.num_threads``'s
 #: cap, kept here, where torch is not imported): a count the process cannot start crashed it.
@@ -145,6 +147,9 @@ class FinetuneConfig:
     no gradients (the others clip at the global norm 1.0, the Trainer's default)."""
     state_dtype: str = "float32"
     """Fira-family methods: how the optimizer states are stored (:data:`STATE_DTYPES`)."""
+    state_rounding: str = "nearest"
+    """Fira-family methods: how the moments are written into bf16 states (:data:`STATE_ROUNDINGS`;
+    "stochastic" needs ``state_dtype="bfloat16"``)."""
     precision: str = "fp32"
     """The training's precision (:data:`PRECISIONS`): fp32 throughout, as the Trainer's default, or
     its bf16 / fp16 mixed precision (fp32 weights; fp16 with loss scaling, for GPUs without bf16)."""
@@ -200,9 +205,15 @@ class FinetuneConfig:
             raise FinetuneError("out='' names no folder: give a path, or leave --out out for runs/finetune/<method>")
         if self.state_dtype not in STATE_DTYPES:
             raise FinetuneError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
+        if self.state_rounding not in STATE_ROUNDINGS:
+            raise FinetuneError(f"state_rounding={self.state_rounding!r} must be one of {', '.join(STATE_ROUNDINGS)}")
+        if self.state_rounding == "stochastic" and self.state_dtype != "bfloat16":
+            raise FinetuneError(f"state_rounding='stochastic' rounds bf16 states: it needs state_dtype='bfloat16', "
+                                f"not state_dtype={self.state_dtype!r}")
         if self.precision not in PRECISIONS:
             raise FinetuneError(f"precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
-        fira_only = {"step_in_backward": self.step_in_backward, "state_dtype": self.state_dtype != "float32"}
+        fira_only = {"step_in_backward": self.step_in_backward, "state_dtype": self.state_dtype != "float32",
+                     "state_rounding": self.state_rounding != "nearest"}
         for name, given in fira_only.items():
             if given and self.trains and self.method not in FIRA_METHODS:
                 raise FinetuneError(f"{name}={getattr(self, name)!r} is an option of the Fira-family methods "
@@ -249,7 +260,7 @@ class FinetuneConfig:
             "alpha": method in FIRA_METHODS,
             "update_proj_gap": method in FIRA_METHODS + ("apollo", "flora"),
             "target_modules": method in ("galore", "fira", "apollo"),  # fira-lora: the adapters
-            **{key: method in FIRA_METHODS for key in ("step_in_backward", "state_dtype")},
+            **{key: method in FIRA_METHODS for key in ("step_in_backward", "state_dtype", "state_rounding")},
             **{key: method in LORA_METHODS for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")},
         }
         used = {key: getattr(self, key) if uses_it else None for key, uses_it in uses.items()}

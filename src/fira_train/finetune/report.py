@@ -250,6 +250,7 @@ def _by_task(correctness: Mapping[str, Mapping[str, Mapping[int, bool]]], a: str
 
 
 def _state_storage(config: dict[str, Any]) -> str:
-    """How the optimizer states were stored (records from before the option: fp32)."""
+    """How the optimizer states were stored (records from before the options: fp32, rounded to nearest)."""
     dtype = config.get("state_dtype") or "float32"
-    return "fp32" if dtype == "float32" else f"{dtype} states"
+    stochastic = (config.get("state_rounding") or "nearest") == "stochastic"
+    return "fp32" if dtype == "float32" else f"{dtype} states" + (", stochastically rounded" if stochastic else "")

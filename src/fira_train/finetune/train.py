@@ -86,10 +86,11 @@ def peer_optimizer(model: torch.nn.Module, config: FinetuneConfig) -> torch.opti
 RESUME_KEYS = ("model", "data_dir", "tasks", "method", "recipe", "steps", "max_train", "batch_size", "lr",
                "warmup_steps", "weight_decay", "rank", "update_proj_gap", "alpha", "target_modules", "lora_r",
                "lora_alpha", "lora_dropout", "lora_targets", "cutoff_len", "train_on_inputs", "seed",
-               "step_in_backward", "state_dtype", "precision")
+               "step_in_backward", "state_dtype", "state_rounding", "precision")
 #: What the options added to :data:`RESUME_KEYS` since records were first written meant before
 #: them (such a record's run trained with these).
-SETTINGS_BEFORE_RECORDED = {"step_in_backward": False, "state_dtype": "float32", "precision": "fp32"}
+SETTINGS_BEFORE_RECORDED = {"step_in_backward": False, "state_dtype": "float32", "state_rounding": "nearest",
+                            "precision": "fp32"}
 
 
 def checkpoint_dir(config: FinetuneConfig) -> Path:
@@ -325,7 +326,8 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         targets = ["lora_A", "lora_B"] if method == "fira-lora" else config.optim_target_modules()
         fira_options = {"variant": "galore" if method == "galore" else "fira", "rank": config.effective_rank,
                         "update_proj_gap": config.update_proj_gap, "alpha": config.alpha,
-                        "optim_target_modules": targets, "state_dtype": config.state_dtype}
+                        "optim_target_modules": targets, "state_dtype": config.state_dtype,
+                        "state_rounding": config.state_rounding}
         trainer = counting_tokens(FiraTrainer)(fira_options=fira_options, step_in_backward=config.step_in_backward,
                                                **common)
     elif method in PEER_METHODS:  # the Trainer schedules the optimizer given (linear warm-up and decay)

@@ -139,7 +139,7 @@ FLORA_LR = 0.01
 ADAM = frozenset({"betas", "eps", "weight_decay"})
 #: What the Fira / GaLore family reads (:func:`fira_uses` takes away what a variant fixes or has no use for).
 FIRA = ADAM | {"rank", "update_proj_gap", "alpha", "gamma", "projector", "implementation", "host_refresh",
-               "step_in_backward", "state_dtype", "stochastic_rounding", "align_signs"}
+               "step_in_backward", "state_dtype", "state_rounding", "stochastic_rounding", "align_signs"}
 LORA = ADAM | {"rank", "lora_alpha", "lora_dropout"}
 
 

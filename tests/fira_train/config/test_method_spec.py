@@ -37,6 +37,16 @@ def test_bad_specs_name_the_spec(text: str, message: str) -> None:
 def test_a_bad_override_value_names_the_key(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="optim.state_dtype"):
         parse_method_spec("fira@optim.state_dtype=int4").config(micro_config(tmp_path), tmp_path)
+    with pytest.raises(ValueError, match=r"optim.state_rounding='stochastic' is invalid: .*"
+                                         r"'stochastic' with state_dtype='float32'"):
+        parse_method_spec("fira@optim.state_rounding=stochastic").config(micro_config(tmp_path), tmp_path)
+
+
+def test_stochastic_bf16_states_are_a_spec(tmp_path: Path) -> None:
+    spec = parse_method_spec("fira@optim.state_dtype=bfloat16@optim.state_rounding=stochastic")
+    config = spec.config(micro_config(tmp_path), tmp_path / "out")
+    assert config.optim.state_dtype == "bfloat16" and config.optim.state_rounding == "stochastic"
+    assert micro_config(tmp_path).optim.state_rounding == "nearest"
 
 
 def test_lists_refuse_duplicates_and_emptiness() -> None:

@@ -91,6 +91,12 @@ def test_a_recorded_choice_is_read_as_recorded() -> None:
     assert saved_config(values) == resolved(tiny())
 
 
+def test_a_config_saved_before_state_rounding_reads_as_rounded_to_nearest() -> None:
+    saved = config_to_dict(resolved(tiny()))
+    assert saved["optim"].pop("state_rounding") == "nearest"
+    assert saved_config(saved) == resolved(tiny())
+
+
 def test_a_config_saved_before_the_test_split_keeps_its_training_data() -> None:
     saved = config_to_dict(micro())
     del saved["data"]["test_fraction"]

@@ -91,6 +91,10 @@ def test_optim_fira_options_reach_the_optimizer():
     projected = [g for g in opt.param_groups if g["rank"] is not None]
     assert projected and all(g["gamma"] == 1.1 and g["projector"] == "randomized" for g in projected)
     assert opt.implementation == "reference" and opt.host_refresh is True
+    assert all(g["state_rounding"] == "nearest" for g in opt.param_groups)
+    states = apply_overrides(config, ["optim.state_dtype=bfloat16", "optim.state_rounding=stochastic"])
+    assert all(g["state_dtype"] == "bfloat16" and g["state_rounding"] == "stochastic"
+               for g in build_method(model, states).optimizer.param_groups)
     # A variant's own projector wins over optim.projector.
     only = apply_overrides(config, ["optim.method=fira-only-scaling-random"])
     assert all(g["projector"] == "random" for g in build_method(model, only).optimizer.param_groups

@@ -92,6 +92,25 @@ def test_the_fira_memory_options_are_checked_before_anything_loads() -> None:
     assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="adamw").used_options()["state_dtype"] is None
 
 
+def test_state_rounding_is_checked_with_the_state_dtype_it_needs() -> None:
+    import pytest
+
+    from fira_optim.options import STATE_ROUNDINGS as LIBRARY_STATE_ROUNDINGS
+
+    from fira_train.finetune.config import STATE_ROUNDINGS, FinetuneError
+
+    assert STATE_ROUNDINGS == tuple(LIBRARY_STATE_ROUNDINGS)
+    with pytest.raises(FinetuneError, match=r"state_rounding='up' must be one of nearest, stochastic"):
+        FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", state_dtype="bfloat16", state_rounding="up")
+    with pytest.raises(FinetuneError, match=r"state_rounding='stochastic' .* needs state_dtype='bfloat16', "
+                                            r"not state_dtype='int8'"):
+        FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", state_dtype="int8", state_rounding="stochastic")
+    used = FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", state_dtype="bfloat16",
+                          state_rounding="stochastic").used_options()
+    assert used["state_rounding"] == "stochastic"
+    assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="adamw").used_options()["state_rounding"] is None
+
+
 def test_a_thread_count_the_process_cannot_start_is_refused() -> None:
     """--threads 100000 crashed the interpreter (a segmentation fault); the cap is train.num_threads's."""
     import pytest

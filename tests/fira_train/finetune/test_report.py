@@ -50,6 +50,18 @@ def test_single_run_report_names_protocol_and_intervals():
     assert "process peak 100 MiB (with MALLOC_MMAP_THRESHOLD_=131072)\n" in render_report(returned)
 
 
+def test_the_optimizer_state_line_says_how_the_states_were_stored():
+    def line(**config):
+        returned = results({"boolq": 7})
+        returned["config"].update(config)
+        return next(t for t in render_report(returned).splitlines() if t.startswith("- optimizer state:"))
+
+    assert line().endswith("(0.0 MiB fp32)")  # a record from before the options
+    assert line(state_dtype="bfloat16", state_rounding="nearest").endswith("(0.0 MiB bfloat16 states)")
+    assert line(state_dtype="bfloat16", state_rounding="stochastic").endswith(
+        "(0.0 MiB bfloat16 states, stochastically rounded)")
+
+
 def test_title_names_a_local_model_by_its_folder_and_a_hub_model_by_its_id():
     assert model_label("/work/cache/smollm2-135m-instruct") == "smollm2-135m-instruct"
     assert model_label("./runs/model") == "model" and model_label(".") == "."

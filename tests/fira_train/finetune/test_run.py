@@ -773,7 +773,7 @@ def test_a_settings_record_from_before_the_memory_options_resumes_only_without_t
     common = dict(tasks=["boolq"], data_dir=str(data), steps=4, batch_size=2, out=str(tmp_path / "o"))
     _checkpoint(tmp_path / "o" / "trainer", 2)
     old = {k: v for k, v in _settings(FinetuneConfig(**common)).items()
-           if k not in ("step_in_backward", "state_dtype", "precision")}
+           if k not in ("step_in_backward", "state_dtype", "state_rounding", "precision")}
     (tmp_path / "o" / "trainer" / "run_settings.json").write_text(json.dumps(old))
     assert resume_point(FinetuneConfig(**common)).endswith("checkpoint-2")
     for option in ({"step_in_backward": True}, {"state_dtype": "int8"}, {"precision": "bf16"}):
@@ -784,6 +784,21 @@ def test_a_settings_record_from_before_the_memory_options_resumes_only_without_t
     with pytest.raises(ValueError, match="other settings"):
         resume_point(FinetuneConfig(**common, step_in_backward=True))
     assert (tmp_path / "o" / "trainer" / "checkpoint-4").is_dir()
+
+
+def test_a_settings_record_from_before_state_rounding_resumes_rounded_to_nearest_only(tmp_path):
+    from fira_train.finetune.train import _settings, resume_point
+
+    data = write_data(tmp_path)
+    common = dict(tasks=["boolq"], data_dir=str(data), steps=4, batch_size=2, out=str(tmp_path / "o"),
+                  state_dtype="bfloat16")
+    _checkpoint(tmp_path / "o" / "trainer", 2)
+    old = {k: v for k, v in _settings(FinetuneConfig(**common)).items() if k != "state_rounding"}
+    assert old["state_dtype"] == "bfloat16"
+    (tmp_path / "o" / "trainer" / "run_settings.json").write_text(json.dumps(old))
+    assert resume_point(FinetuneConfig(**common)).endswith("checkpoint-2")
+    with pytest.raises(ValueError, match="other settings .*state_rounding"):
+        resume_point(FinetuneConfig(**common, state_rounding="stochastic"))
 
 
 def test_the_data_and_model_folders_are_compared_as_folders_not_as_typed(tmp_path, monkeypatch):

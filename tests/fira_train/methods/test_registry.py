@@ -104,11 +104,16 @@ def test_the_settings_a_method_does_not_use_change_nothing(method: str) -> None:
 
 
 def test_the_fira_only_options_are_refused_for_other_methods() -> None:
-    for key, value in (("step_in_backward", "true"), ("state_dtype", "bfloat16"), ("stochastic_rounding", "true")):
+    for key, value in (("step_in_backward", "true"), ("state_dtype", "bfloat16"), ("stochastic_rounding", "true"),
+                       ("state_rounding", "stochastic")):
         assert key in get_method("fira").uses
-        method_config("galore", f"optim.{key}={value}")
-        with pytest.raises(ValueError, match=f"optim.{key}=.* needs a Fira-family method.*'adamw'"):
-            method_config("adamw", f"optim.{key}={value}")
+        # stochastic state rounding needs bf16 states, which adamw refuses first
+        stochastic_states = key == "state_rounding"
+        given = [f"optim.{key}={value}", *(["optim.state_dtype=bfloat16"] if stochastic_states else [])]
+        method_config("galore", *given)
+        refused = "state_dtype" if stochastic_states else key
+        with pytest.raises(ValueError, match=f"optim.{refused}=.* needs a Fira-family method.*'adamw'"):
+            method_config("adamw", *given)
 
 
 @pytest.mark.parametrize("method", ["adamw", "fira"])

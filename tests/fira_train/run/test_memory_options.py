@@ -51,10 +51,11 @@ def test_step_in_backward_refuses_global_clipping_and_other_methods(tmp_path: Pa
 
 @pytest.mark.parametrize("options", [
     ("optim.state_dtype=bfloat16",),
+    ("optim.state_dtype=bfloat16", "optim.state_rounding=stochastic"),
     ("optim.state_dtype=int8", "model.hidden_size=64", "model.intermediate_size=256"),
     ("train.param_dtype=bfloat16", "optim.stochastic_rounding=true"),
     ("train.activation_checkpointing=true",),
-], ids=["bf16-states", "int8-states", "bf16-weights", "checkpointing"])
+], ids=["bf16-states", "bf16-states-stochastic", "int8-states", "bf16-weights", "checkpointing"])
 def test_memory_options_train_close_to_the_plain_run(tmp_path: Path, options) -> None:
     common = ["optim.method=fira", "train.steps=6", "train.precision=fp32", "train.eval_every=6",
               "train.save_every=3", *(o for o in options if o.startswith("model."))]

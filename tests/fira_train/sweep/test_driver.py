@@ -172,6 +172,24 @@ def test_reuse_continues_an_unfinished_run_from_its_checkpoint(tmp_path: Path, i
     assert row.val is not None and row.val.mean == pytest.approx(finished["val_ppl"])
 
 
+def test_reuse_takes_a_run_recorded_before_state_rounding_as_rounded_to_nearest(tmp_path: Path,
+                                                                                in_process: list) -> None:
+    """A config.json without optim.state_rounding (written before the option) is the default run, and
+    is reused; the spec of stochastic bf16 states is a run of its own."""
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0")
+    out = tmp_path / "sweep"
+    stochastic = "fira@optim.state_dtype=bfloat16@optim.state_rounding=stochastic"
+    sweep(config, ["fira", stochastic], {"fira": [0.01], stochastic: [0.01]}, [0], out)
+    folders = {spec: RunKey(spec, 0.01, 0).folder(out) for spec in ("fira", stochastic)}
+    recorded = {spec: json.loads((folder / "config.json").read_text()) for spec, folder in folders.items()}
+    assert recorded[stochastic]["optim"]["state_rounding"] == "stochastic"
+    assert recorded["fira"]["optim"].pop("state_rounding") == "nearest"
+    (folders["fira"] / "config.json").write_text(json.dumps(recorded["fira"]))
+    in_process.clear()
+    sweep(config, ["fira", stochastic], {"fira": [0.01], stochastic: [0.01]}, [0], out, reuse=True)
+    assert in_process == []
+
+
 def test_reuse_refuses_a_finished_run_trained_on_other_data(tmp_path: Path, in_process: list) -> None:
     """A finished run of the same config whose corpus has changed since is not reused beside runs
     on today's data (a sweep had paired new runs with runs on an earlier tokenizer)."""
