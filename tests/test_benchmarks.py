@@ -605,3 +605,27 @@ def test_the_flora_default_lr_advice_quotes_its_committed_sweep() -> None:
 def _validation_by_lr(sweep: dict, spec: str) -> dict:
     (row,) = [row for row in sweep["methods"] if row["spec"] == spec]
     return {entry["lr"]: entry["val_ppl"]["mean"] for entry in row["val_ppl_by_lr"] if entry["val_ppl"]["mean"]}
+
+
+@pytest.mark.timeout(300)
+def test_bf16_state_rounding_script_runs_and_the_docs_quote_its_committed_numbers(tmp_path: Path) -> None:
+    out = tmp_path / "rounding.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bf16_state_rounding.py"), "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=280, capture_output=True)
+    fresh = json.loads(out.read_text())
+    committed = json.loads((ROOT / "docs" / "benchmarks" / "bf16_state_rounding.json").read_text())
+    for result in (fresh, committed):
+        assert result["tracking"].keys() == {f"{r}, {k}" for r in ("nearest", "stochastic") for k in ("projected", "plain")}
+        assert len(result["median_step_seconds"]) == 4
+    assert fresh["tracking"]["stochastic, plain"]["mean_relative_error"] < 0.1
+    track = committed["tracking"]
+    docs = " ".join((ROOT / "docs" / "optimizer.md").read_text().split())
+    assert (f"was {track['nearest, projected']['mean_relative_error']:.2f} rounded to nearest (the largest "
+            f"{track['nearest, projected']['largest_relative_error']:.2f}") in docs
+    assert (f"{track['stochastic, projected']['mean_relative_error']:.3f} and "
+            f"{track['stochastic, plain']['mean_relative_error']:.3f} stochastically (the largest "
+            f"{track['stochastic, projected']['largest_relative_error']:.3f} and "
+            f"{track['stochastic, plain']['largest_relative_error']:.3f};") in docs
+    seconds = committed["median_step_seconds"]
+    assert (f"took {1e3 * seconds['stochastic, plain 4096 x 256']:.0f} ms stochastically, "
+            f"{1e3 * seconds['nearest, plain 4096 x 256']:.0f} ms to nearest") in docs

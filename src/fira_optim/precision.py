@@ -54,6 +54,14 @@ parameter's place among all groups'), the step and, for a shard of a DTensor par
 where its block starts, so a resumed run rounds as the uninterrupted one did. The generator
 lives on the parameter's device (CUDA's Philox for a CUDA parameter), so a CUDA run draws other
 bits than a CPU run with the same seed.
+
+``state_rounding="stochastic"`` (bf16 states only) writes the moments by the same arithmetic
+(:func:`encode` and :func:`encode_slice` with the generators of :func:`state_generators`): rounded
+to nearest, a change to Adam's ``v`` below half a bf16 step is lost, and at ``beta2 = 0.999``
+every decay is. Each moment of each parameter draws from its own stream: the parameter's seed
+(``seed``, its place, the step count before the update) with the offset of the moment's own
+block under FSDP2, hashed with the moment's name, so it resumes exactly and draws other bits
+than the weights. One random number per element and step. The basis is rounded to nearest.
 """
 
 from __future__ import annotations
