@@ -615,7 +615,8 @@ def test_bf16_state_rounding_script_runs_and_the_docs_quote_its_committed_number
     fresh = json.loads(out.read_text())
     committed = json.loads((ROOT / "docs" / "benchmarks" / "bf16_state_rounding.json").read_text())
     for result in (fresh, committed):
-        assert result["tracking"].keys() == {f"{r}, {k}" for r in ("nearest", "stochastic") for k in ("projected", "plain")}
+        assert result["tracking"].keys() == {f"{rounding}, {kind}" for rounding in ("nearest", "stochastic")
+                                             for kind in ("projected", "plain")}
         assert len(result["median_step_seconds"]) == 4
     assert fresh["tracking"]["stochastic, plain"]["mean_relative_error"] < 0.1
     track = committed["tracking"]

@@ -448,7 +448,8 @@ class Fira(Optimizer):
         ``(matrices, plain)``, or None if the step is skipped. Nothing is committed here."""
         matrices: list[tuple[MatrixStep, Hyper]] = []
         checks: list[tuple[torch.Tensor, int, int]] = []
-        for gi, group in enumerate(self.param_groups):  # options param_groups may have set since: torch's, state_rounding
+        # options that may have been set in param_groups since: torch's own, and state_rounding
+        for gi, group in enumerate(self.param_groups):
             try:
                 check_torch_only(group)
                 check_state_rounding(group)
@@ -766,10 +767,10 @@ class Fira(Optimizer):
                 stored, keys = m.state, STATE_KEYS[hp.base]
                 # seeded by the step count before this update, as the weights' rounding; the
                 # offsets of the moments' own blocks (state, not its local views)
-                rounding = precision.state_generators(hp.state_rounding, state, keys, hp.seed, m.order, step - 1)
+                moments = precision.state_generators(hp.state_rounding, state, keys, hp.seed, m.order, step - 1)
                 m.state = precision.decode(stored, keys, m.work_dtype)
                 m.strategy.run([m], step, hp, row_sum, stats)
-                precision.encode(stored, m.state, keys, rounding)
+                precision.encode(stored, m.state, keys, moments)
             elif m.strategy.explicit or lazy:
                 m.strategy.run([m], step, hp, row_sum, stats)
             else:

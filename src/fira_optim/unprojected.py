@@ -131,10 +131,10 @@ def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator, 
     stepped, and encoded back before the next one. The step functions are elementwise, the
     quantization is per block, and stochastic rounding draws its random numbers one per element
     in order from one generator (``generator`` the parameter's, ``moments`` each bf16 moment's:
-    :func:`fira_optim.precision.state_generators`), so on the CPU the result is bit for bit the unchunked one (on
-    CUDA, Philox's offset advances per call, so the bits may depend on the fixed chunk size; a
-    resumed run still draws the same ones). Each chunk steps
-    with a copy of the step counter, which is set once, at the end."""
+    :func:`fira_optim.precision.state_generators`), so on the CPU the result is bit for bit the
+    unchunked one (on CUDA, Philox's offset advances per call, so the bits may depend on the
+    fixed chunk size; a resumed run still draws the same ones). Each chunk steps with a copy of
+    the step counter, which is set once, at the end."""
     size = precision.CHUNK
     if size % precision.BLOCK:
         raise ValueError(f"precision.CHUNK ({size}) must be a multiple of precision.BLOCK")

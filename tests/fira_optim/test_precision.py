@@ -204,11 +204,14 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])
 
 
+@pytest.mark.parametrize("states", [{}, {"state_dtype": "bfloat16", "state_rounding": "stochastic"}],
+                         ids=["weights", "weights-and-states"])
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_stochastic_rounding_draws_on_the_parameters_device_and_resumes_exactly(device, monkeypatch):
+def test_stochastic_rounding_draws_on_the_parameters_device_and_resumes_exactly(device, states, monkeypatch):
     """A projected matrix and an unprojected vector stepped in chunks, both bf16: every bit is
     drawn by a generator on the parameter's device (a CPU generator for a CUDA parameter costs a
-    CPU pass and a host-to-device copy per step), and a resumed run rounds as the whole one."""
+    CPU pass and a host-to-device copy per step), and a resumed run rounds as the whole one; so
+    are the bf16 states under state_rounding="stochastic"."""
     from fira_optim import precision
 
     drawn_on, made = [], precision.rounding_generator
@@ -225,7 +228,7 @@ def test_stochastic_rounding_draws_on_the_parameters_device_and_resumes_exactly(
     def build(weights):
         params = [torch.nn.Parameter(w.to(device, torch.bfloat16, copy=True)) for w in weights]
         opt = FiraAdamW([{"params": params[:1], "rank": 16}, {"params": params[1:]}], lr=1e-3,
-                        stochastic_rounding=True)
+                        stochastic_rounding=True, **states)
         return params, opt
 
     def run(params, opt, steps):
@@ -245,6 +248,7 @@ def test_stochastic_rounding_draws_on_the_parameters_device_and_resumes_exactly(
     for p, q in zip(params, twin):
         assert p.device.type == device and torch.equal(p, q)
     assert drawn_on and set(drawn_on) == {device}
+    assert len(drawn_on) == (2 if not states else 6) * 6  # per step: the weights' (and two moments each)
 
 
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])

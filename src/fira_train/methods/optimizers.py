@@ -140,7 +140,8 @@ def fira_family(variant: str) -> Callable[[nn.Module, "RunConfig", float], Metho
         # The variant's own settings (e.g. fira-only-scaling-random's projector) win.
         options = {"gamma": o.gamma, "projector": o.projector, "implementation": o.implementation,
                    "host_refresh": o.host_refresh, "state_dtype": o.state_dtype,
-                   "state_rounding": o.state_rounding, "stochastic_rounding": o.stochastic_rounding, **fira_optim.VARIANTS[variant]}
+                   "state_rounding": o.state_rounding, "stochastic_rounding": o.stochastic_rounding,
+                   **fira_optim.VARIANTS[variant]}
         if o.align_signs is not None:
             fixed = fira_optim.VARIANTS[variant].get("align_signs")
             if fixed is not None and fixed != o.align_signs:
