@@ -11,7 +11,8 @@
 Either way the checkpoint's own record of the run's config (``config`` in a single-file
 checkpoint's ``state.pt``, in a DCP checkpoint's ``COMPLETE``) must match the config being
 resumed, up to the keys that do not change the run (``run_dir.resume_ignores``: those of
-``run_dir.RESUMABLE_CHANGES``, and the memory levers ``run_dir.MEMORY_LEVERS``): a mismatch
+``run_dir.RESUMABLE_CHANGES``, the optimizer's implementation ``run_dir.IMPLEMENTATION_CHANGES``,
+and the memory levers ``run_dir.MEMORY_LEVERS``): a mismatch
 is a ``ValueError`` naming the keys, whether or not ``OUT/config.json`` is there. Checkpoints
 written before the record existed are checked against ``config.json`` alone.
 
@@ -37,8 +38,8 @@ from fira_train.config.run_config import RunConfig
 from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
-from fira_train.run.run_dir import (ROUND_OFF_LEVERS, changed_levers, config_changes, describe_changes,
-                                   resume_ignores)
+from fira_train.run.run_dir import (IMPLEMENTATION_CHANGES, ROUND_OFF_LEVERS, changed_levers, config_changes,
+                                   describe_changes, resume_ignores)
 from fira_train.run.safe_load import UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def lever_changes(recorded: Any, config: RunConfig, path: Path) -> list[str]:
 
 
 #: Settings a resume may change at the price of round-off (the same batches, summed in another order).
-ROUND_OFF_CHANGES = ("train.num_threads", "train.parallel")
+ROUND_OFF_CHANGES = ("train.num_threads", "train.parallel", *IMPLEMENTATION_CHANGES)
 
 
 def check_stream_cut(stream: Any, config: RunConfig, path: Path) -> None:

@@ -42,15 +42,20 @@ RESUMABLE_CHANGES = frozenset({
 MEMORY_LEVERS = ("train.activation_checkpointing", "optim.step_in_backward", "train.micro_batch_size")
 #: The :data:`MEMORY_LEVERS` whose change sums the same gradients in another order.
 ROUND_OFF_LEVERS = ("train.micro_batch_size",)
+#: How the optimizer computes its step, not what: the same states (one state dict for every
+#: implementation), so a resume may change them (off ``torch.compile``, onto the host's SVDs) at the
+#: price of round-off. Not :data:`RESUMABLE_CHANGES`: a finished run is not reused for another one,
+#: as its summary reports the speed it trained at.
+IMPLEMENTATION_CHANGES = ("optim.implementation", "optim.host_refresh")
 
 
 def resume_ignores(config: RunConfig) -> frozenset[str]:
-    """The keys a resume of ``config`` may change: :data:`RESUMABLE_CHANGES` and the
-    :data:`MEMORY_LEVERS`, but ``optim.step_in_backward`` under ``train.precision=fp16``, where
-    the checkpoint's loss scale is GradScaler's with a plain step and the handle's with updates in
-    the backward pass."""
+    """The keys a resume of ``config`` may change: :data:`RESUMABLE_CHANGES`,
+    :data:`IMPLEMENTATION_CHANGES` and the :data:`MEMORY_LEVERS`, but ``optim.step_in_backward``
+    under ``train.precision=fp16``, where the checkpoint's loss scale is GradScaler's with a plain
+    step and the handle's with updates in the backward pass."""
     levers = [key for key in MEMORY_LEVERS if key != "optim.step_in_backward" or config.train.precision != "fp16"]
-    return RESUMABLE_CHANGES | frozenset(levers)
+    return RESUMABLE_CHANGES | frozenset(IMPLEMENTATION_CHANGES) | frozenset(levers)
 
 
 def changed_levers(old: RunConfig, new: RunConfig) -> list[str]:

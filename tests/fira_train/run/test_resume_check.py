@@ -546,3 +546,20 @@ def test_a_resume_refuses_a_run_folder_holding_links_before_writing_anything(tmp
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "holds links" in err and ".fira-train.lock" in err
     assert victim.read_text() == "SECRET"
+
+
+def test_a_resume_may_change_how_the_optimizer_computes_its_step(tmp_path: Path, caplog) -> None:
+    """``optim.implementation`` (and ``optim.host_refresh``) change how the step is computed, not
+    its states: a run checkpointed with the fast path goes on with the reference one (off
+    torch.compile, say), with a word on round-off; reusing a finished run stays strict."""
+    fira = ("optim.method=fira", "optim.rank=4", *COMMON[1:])
+    config = micro_config(tmp_path, *fira)
+    train(config)
+    (tmp_path / "run" / "summary.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        train(micro_config(tmp_path, *fira, "optim.implementation=reference"), resume=2)
+    assert "with optim.implementation='fast' (now 'reference'): the run goes on equal to round-off" in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4]
+    run = tmp_path / "run"  # reused as finished only with the setting it finished with
+    assert finished_with(micro_config(tmp_path, *fira, "optim.implementation=reference"), run)
+    assert not finished_with(micro_config(tmp_path, *fira), run)
