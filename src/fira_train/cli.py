@@ -56,7 +56,7 @@ from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import is_rank_zero
 from fira_train.run.process_logging import configure_logging, one_line_warnings
-from fira_train.user_errors import describe
+from fira_train.user_errors import CONTINUES_WITH, describe
 
 PROG = "fira-train"
 
@@ -468,19 +468,20 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
     also = f" (instead of {' and '.join(instead)})" if instead else ""
     if command in ("pretrain", "compare"):
         finished = ", and compare keeps the finished runs" if command == "compare" else ""
-        return (f"checkpoints written so far are kept (train.save_every): the same command with --resume{also} "
-                f"continues from the newest{finished}")
+        return (f"checkpoints written so far are kept (train.save_every): the same command with "
+                f"{CONTINUES_WITH[command]}{also} continues from the newest{finished}")
     if command == "sweep":
-        return f"finished runs and checkpoints are kept: the same command with --reuse{also} continues"
+        return f"finished runs and checkpoints are kept: the same command with {CONTINUES_WITH[command]}{also} " \
+               "continues"
     if command == "analyze":
-        return (f"finished runs and checkpoints are kept (train.save_every): the same command with --reuse{also} "
-                "continues the others from their newest")
+        return (f"finished runs and checkpoints are kept (train.save_every): the same command with "
+                f"{CONTINUES_WITH[command]}{also} continues the others from their newest")
     if command == "memory" and getattr(args, "measure", False):
         out = measure_out_dir(getattr(args, "out", None), args.recipe)
         if not Path(out, "memory.json").is_file():
             return "no method was measured yet: the same command measures them all"
-        return (f"the methods measured so far are kept in {out}/memory.json: the same command with --append, "
-                "its --methods cut to those not measured yet, adds the rest")
+        return (f"the methods measured so far are kept in {out}/memory.json: the same command with "
+                f"{CONTINUES_WITH[command]}, adds the rest")
     if command == "finetune":
         if not getattr(args, "save_steps", 1) or not getattr(args, "steps", 1):
             return None  # no checkpoints (--save-steps 0, or zero-shot): nothing to continue

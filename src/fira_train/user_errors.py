@@ -256,15 +256,17 @@ def _start_over(args: argparse.Namespace) -> str:
     return "; --overwrite starts it over" if hasattr(args, "overwrite") else ""
 
 
-#: How each command continues after it stopped for want of room.
-_AGAIN = {"pretrain": " with --resume", "compare": " with --resume", "analyze": " with --reuse", "sweep": " with --reuse",
-          "memory": " with --append, its --methods cut to those not measured yet"}
+#: What the same command takes to continue after it stopped (for want of room, or stopped by the
+#: user: :func:`fira_train.cli.interrupted_hint`), keeping what it made.
+CONTINUES_WITH = {"pretrain": "--resume", "compare": "--resume", "analyze": "--reuse", "sweep": "--reuse",
+                  "memory": "--append, its --methods cut to those not measured yet"}
 
 
 def _run_again(problem: str, fix: str, args: argparse.Namespace) -> str:
     """The one line for a command that stopped and can go on: what happened, what to do, and
     how the same command continues, keeping what it made."""
-    return f"{problem}: {fix} and run the same command again{_AGAIN.get(getattr(args, 'command', ''), '')}" \
+    flag = CONTINUES_WITH.get(getattr(args, "command", ""))
+    return f"{problem}: {fix} and run the same command again{f' with {flag}' if flag else ''}" \
            f"{_work_kept(args)}"
 
 
