@@ -126,7 +126,6 @@ def _tracked_second_moments(**options) -> list[list[torch.Tensor]]:
     return tracked
 
 
-@pytest.mark.timeout(120)
 def test_stochastic_bf16_second_moments_track_fp32_ones_where_nearest_ones_stall():
     # Rounded to nearest, a step moves v only if it changes it by more than half a bf16 step:
     # up by a gradient entry above about sqrt(3 v), never down (0.001 v is below half a step), so
