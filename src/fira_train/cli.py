@@ -54,7 +54,7 @@ from fira_train.cli_args import IntermixedArgumentParser, StoreOnce
 from fira_train.files import measure_out_dir
 from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
-from fira_train.run.launch import is_rank_zero
+from fira_train.run.launch import is_rank_zero, launched_world_size
 from fira_train.run.process_logging import configure_logging, one_line_warnings
 from fira_train.user_errors import CONTINUES_WITH, describe
 
@@ -540,6 +540,13 @@ def _marked() -> Iterator[None]:
 RANK_ZERO_GRACE_S = 30.0
 
 
+def _another_rank() -> bool:
+    """Whether this process is one of several of a launch (``WORLD_SIZE`` above 1) other than
+    rank 0, which then says what the command line did wrong for all. A lone process with
+    ``RANK`` left in its environment has no rank 0 to leave it to: it says it itself."""
+    return not is_rank_zero() and launched_world_size() > 1
+
+
 def _rank_zero_says_it() -> bool:
     """Whether to leave an error of the command line (:func:`same_on_every_rank`) to rank 0 to
     print, on another rank. torchrun ends every process of a launch as soon as one fails: had
@@ -559,7 +566,7 @@ def _stderr_on_rank_zero() -> Iterator[None]:
     """Standard error as it is on rank 0 (and in a process without ``torchrun``); on the other
     ranks of a launch, what is written there (argparse's refusal of the command line, which every
     rank refuses alike) is left to rank 0 (:func:`_rank_zero_says_it`)."""
-    if is_rank_zero():
+    if not _another_rank():
         yield
         return
     held = io.StringIO()
@@ -611,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         message = describe(err, args)
         if message is None:
             raise
-        if getattr(err, SAME_ON_EVERY_RANK, False) and not is_rank_zero() and _rank_zero_says_it():
+        if getattr(err, SAME_ON_EVERY_RANK, False) and _another_rank() and _rank_zero_says_it():
             return 1
         print(f"{PROG} {args.command}: error: {message}", file=sys.stderr)
         return 1

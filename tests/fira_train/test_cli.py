@@ -507,3 +507,23 @@ def test_a_torchrun_launch_with_a_bad_override_prints_its_error_once() -> None:
                           env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode != 0
     assert proc.stderr.count("fira-train pretrain: error: unknown config key 'train.stepz'") == 1, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("argv", [["pretrain", "--recipe", "nano", "--method", "fira"],
+                                  ["pretrain", "--recipe", "micro", "--method", "fira", "--stepz", "3"]])
+def test_a_lone_process_with_rank_set_prints_its_command_line_error(argv, monkeypatch, capsys) -> None:
+    """RANK left in the environment of one process (no launch of several: WORLD_SIZE unset or 1)
+    has no rank 0 to leave the error to: it exited with status 1 or 2 and said nothing."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    for world in (None, "1"):
+        if world is None:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("WORLD_SIZE", world)
+        try:
+            status = main(argv)
+        except SystemExit as exited:  # argparse's refusal
+            status = exited.code
+        assert status in (1, 2)
+        assert "error: " in capsys.readouterr().err, world
