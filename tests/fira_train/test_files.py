@@ -453,10 +453,9 @@ def test_a_record_file_that_grows_after_its_size_was_looked_at_is_read_up_to_the
                                                                                     monkeypatch) -> None:
     from fira_train import files
 
-    monkeypatch.setattr(files, "RECORD_LIMIT", 8)
     path = tmp_path / "summary.json"
-    path.write_text('{"a": 1}')  # 8 bytes: at the cap, read
-    assert files.read_json(path) == {"a": 1}
+    path.write_text('{"a": 1}')  # 8 bytes: at the cap, read (the cap passed: a default is bound when defined)
+    assert files.read_regular_bytes(path, 8) == b'{"a": 1}'
     real = os.fstat
     sizes = iter([0])  # the size check sees it empty: it grew after the check
 
@@ -477,7 +476,7 @@ def test_a_record_file_that_grows_after_its_size_was_looked_at_is_read_up_to_the
     monkeypatch.setattr(files, "open_regular", open_regular)
     monkeypatch.setattr(os, "fstat", fstat)
     with pytest.raises(files.FileTooLargeError, match=r"too large: it is 12 bytes, over the 8 bytes"):
-        files.read_regular_bytes(path, files.RECORD_LIMIT)
+        files.read_regular_bytes(path, 8)
 
 
 def test_checkpoint_records_over_the_cap_are_damaged_checkpoints(tmp_path: Path) -> None:
