@@ -38,8 +38,8 @@ from fira_train.config.run_config import RunConfig
 from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
-from fira_train.run.run_dir import (IMPLEMENTATION_CHANGES, ROUND_OFF_LEVERS, changed_levers, config_changes,
-                                   describe_changes, resume_ignores)
+from fira_train.run.run_dir import (IMPLEMENTATION_CHANGES, ROUND_OFF_LEVERS, changed_implementation, changed_levers,
+                                   config_changes, describe_changes, resume_ignores)
 from fira_train.run.safe_load import UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -66,6 +66,14 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
         raise ValueError(f"cannot resume from {str(path)!r}: it was written with a different config: "
                          f"{details}; resume with the checkpoint's settings, or start a new run "
                          "(another --out, or --overwrite)")
+    implementation = changed_implementation(saved, config)
+    if implementation and ckpt.checkpoint_step(path) >= config.train.steps:
+        # as lever_changes: nothing would train, and the finished run would be recorded (and reused,
+        # finished_with) as one trained with the new setting
+        raise ValueError(f"cannot resume from {path.name} with {describe_changes(saved, config, implementation)}: "
+                         f"it is the run's last step (train.steps={config.train.steps}), so nothing would train "
+                         "with it and the finished run would be recorded as trained with it; to train the run "
+                         "with this setting, train it again (--overwrite, or another --out)")
 
 
 #: The checkpoint's record of the processes that wrote it: the torch threads each used and the

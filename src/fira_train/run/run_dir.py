@@ -63,6 +63,11 @@ def changed_levers(old: RunConfig, new: RunConfig) -> list[str]:
     return [key for key in config_changes(old, new, ignore=frozenset()) if key in MEMORY_LEVERS]
 
 
+def changed_implementation(old: RunConfig, new: RunConfig) -> list[str]:
+    """The :data:`IMPLEMENTATION_CHANGES` that ``new`` changes against ``old``."""
+    return [key for key in config_changes(old, new, ignore=frozenset()) if key in IMPLEMENTATION_CHANGES]
+
+
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
     """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``; the
     micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself),

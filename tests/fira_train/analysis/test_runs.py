@@ -142,6 +142,15 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
         summary = train_runs(longer, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
     assert "stopped after its last step with train.activation_checkpointing=True (now False)" in caplog.text
     assert summary["sittings"] == 1
+    # so too another optim.implementation (a resume from the last step refuses it: resume_check)
+    (tmp_path / "out" / "fira" / "summary.json").unlink()
+    other = analysis_config(corpus_root, tmp_path / "run", "train.steps=6", "train.save_every=2",
+                            "optim.implementation=reference")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
+        summary = train_runs(other, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
+    assert "stopped after its last step with optim.implementation='fast' (now 'reference')" in caplog.text
+    assert summary["sittings"] == 1
 
 
 def test_a_second_analysis_into_a_busy_run_folder_leaves_its_spec_alone(tmp_path: Path, corpus_root: Path) -> None:

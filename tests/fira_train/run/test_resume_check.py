@@ -563,3 +563,17 @@ def test_a_resume_may_change_how_the_optimizer_computes_its_step(tmp_path: Path,
     run = tmp_path / "run"  # reused as finished only with the setting it finished with
     assert finished_with(micro_config(tmp_path, *fira, "optim.implementation=reference"), run)
     assert not finished_with(micro_config(tmp_path, *fira), run)
+
+
+def test_a_resume_from_the_last_step_refuses_another_implementation(tmp_path: Path) -> None:
+    """From the run's last step the resume trains nothing: it only recorded the finished run as
+    trained with the new optim.implementation, which reuse (finished_with) then took for a run of
+    that setting, though not one step ran with it."""
+    fira = ("optim.method=fira", "optim.rank=4", *COMMON[1:])
+    train(micro_config(tmp_path, *fira))
+    with pytest.raises(ValueError, match=r"cannot resume from step_00000004 with optim.implementation='fast' "
+                                         r"\(now 'reference'\): it is the run's last step"):
+        train(micro_config(tmp_path, *fira, "optim.implementation=reference"), resume="latest")
+    run = tmp_path / "run"
+    assert finished_with(micro_config(tmp_path, *fira), run)
+    assert not finished_with(micro_config(tmp_path, *fira, "optim.implementation=reference"), run)
