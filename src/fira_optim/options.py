@@ -328,7 +328,8 @@ def check_state_rounding(g: dict) -> None:
     if rounding is StateRounding.STOCHASTIC and state_dtype is not StateDtype.BFLOAT16:
         raise ValueError(f"Invalid state_rounding: {g['state_rounding']!r} with state_dtype={g['state_dtype']!r}; "
                          "stochastic rounding is of bf16 states: it needs state_dtype='bfloat16' (int8 codes are "
-                         "rounded to the nearest map value, fp32 states are not rounded)")
+                         "rounded to the nearest map value; with 'float32' only a bf16 parameter that is not "
+                         "projected has bf16 moments, rounded to nearest as torch.optim.AdamW's)")
 
 
 def check_torch_only(g: dict) -> None:

@@ -441,6 +441,7 @@ def test_a_library_warning_is_one_line_in_the_commands_words(monkeypatch, capsys
 def test_under_torchrun_a_command_line_error_is_printed_by_rank_0_alone(argv, monkeypatch, capsys) -> None:
     """Every process of a torchrun launch is given the same command line and raised the same
     error: it was printed once per process. Now rank 0 prints it; every rank exits with status 1."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # else the other rank waits for torchrun's end
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     assert main(argv) == 1
