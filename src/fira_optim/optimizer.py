@@ -151,8 +151,8 @@ class Fira(Optimizer):
             anything changes), ``"skip"`` (skip the whole step, warn) or ``"ignore"``.
         implementation: the strategy that runs the stages (:mod:`fira_optim.pipeline`):
             ``"fast"`` (multi-tensor, no ``m x n`` temporaries), ``"compiled"`` (the fast
-            strategy with stages 3-6 fused by ``torch.compile``: faster steady steps after a
-            one-time compilation; see :mod:`fira_optim.compiled`) or ``"reference"`` (one matrix
+            strategy with stages 3-6 fused by ``torch.compile`` after a one-time compilation;
+            see :mod:`fira_optim.compiled`) or ``"reference"`` (one matrix
             at a time, every term of Algorithm 1 explicit).
         split_refresh: under DDP, deal the refresh SVDs round-robin to the ranks of
             ``process_group`` and broadcast the bases, so a refresh costs ``1/N`` of the SVD work
