@@ -273,6 +273,21 @@ class Fira(Optimizer):
             del self.param_groups[count:]
             raise
 
+    def _warn_rounded_halves(self, gi: int, stacklevel: int) -> None:
+        """A warning, once per group, where ``stochastic_rounding`` is on for a group holding fp16
+        parameters (rounded to nearest: it is of bf16 ones). At the constructor, and at the step
+        for a group switched to it in ``param_groups`` since (a scan of its parameters only then)."""
+        group = self.param_groups[gi]
+        warned = self.__dict__.setdefault("_halves_warned", set())
+        if not group["stochastic_rounding"] or id(group) in warned:
+            return
+        warned.add(id(group))
+        halves = [index for index, p in enumerate(group["params"]) if p.dtype == torch.float16]
+        if halves:
+            warnings.warn(f"param_groups[{gi}] holds {len(halves)} float16 parameters (the first: ['params']"
+                          f"[{halves[0]}]): stochastic_rounding applies to bfloat16 parameters only, these are "
+                          "rounded to nearest", UserWarning, stacklevel=stacklevel)
+
     def _check_new_group(self, gi: int) -> None:
         """The checks of the group just appended as ``param_groups[gi]`` (torch's
         ``add_param_group`` has filled in its defaults)."""
@@ -290,11 +305,7 @@ class Fira(Optimizer):
             for index, p in enumerate(group["params"]):
                 _check_projectable(p, index, gi)
             _warn_if_nothing_projected(group, gi)
-        halves = [index for index, p in enumerate(group["params"]) if p.dtype == torch.float16]
-        if group["stochastic_rounding"] and halves:
-            warnings.warn(f"param_groups[{gi}] holds {len(halves)} float16 parameters (the first: ['params']"
-                          f"[{halves[0]}]): stochastic_rounding applies to bfloat16 parameters only, these are "
-                          "rounded to nearest", UserWarning, stacklevel=3)
+        self._warn_rounded_halves(gi, stacklevel=4)
         for index, p in enumerate(group["params"]):
             # A rank=None group with fp32 states takes complex parameters, as torch.optim.AdamW
             # does (real views of them); a subspace of a complex matrix is not defined here.
@@ -455,6 +466,7 @@ class Fira(Optimizer):
                 check_state_rounding(group)
             except ValueError as err:
                 raise ValueError(f"param_groups[{gi}]: {err}") from None
+            self._warn_rounded_halves(gi, stacklevel=5)
         entries, total = self._entries(only)
         for gi, pi, p, _ in entries:  # before anything is computed (a frozen int8 weight is fine)
             if p.grad is not None and not (p.is_floating_point() or p.is_complex()):

@@ -3,6 +3,7 @@ value, for constructor arguments and for the same options given per param group.
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -497,6 +498,21 @@ def test_integer_parameters_with_a_gradient_are_refused_and_stochastic_rounding_
         FiraAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)),
                    *[torch.nn.Parameter(torch.zeros(4, dtype=torch.float16)) for _ in range(2)]],
                   stochastic_rounding=True)
+
+
+def test_stochastic_rounding_switched_on_later_warns_of_fp16_parameters_once() -> None:
+    """Set in ``param_groups`` after the constructor, ``stochastic_rounding`` gave fp16 weights,
+    which it leaves rounded to nearest, no word (the constructor's warning never ran)."""
+    half = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    opt = FiraAdamW([half], lr=1e-3)
+    half.grad = torch.ones(4, dtype=torch.float16)
+    opt.param_groups[0]["stochastic_rounding"] = True
+    with pytest.warns(UserWarning, match=r"param_groups\[0\] holds 1 float16 parameters .* stochastic_rounding "
+                                         r"applies to bfloat16"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per group, not at every step
+        opt.step()
 
 
 def test_a_step_on_meta_parameters_names_the_parameter_and_the_fix() -> None:
