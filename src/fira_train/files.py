@@ -274,9 +274,10 @@ def dumps(value: Any, **kwargs: Any) -> str:
     return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
 
 
-def _reason(err: ValueError) -> str:
+def _reason(err: ValueError, offset: int = 0) -> str:
+    """What ``err`` found wrong with a file; ``offset``: where in the file the decoded bytes start."""
     if isinstance(err, UnicodeDecodeError):
-        return f"not UTF-8 text: byte {err.object[err.start]:#04x} at offset {err.start}"
+        return f"not UTF-8 text: byte {err.object[err.start]:#04x} at offset {offset + err.start}"
     if isinstance(err, json.JSONDecodeError):
         return f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
     return str(err)
@@ -418,8 +419,7 @@ def _parsed_lines(path: str | Path, hint: str, complete_only: bool = False) -> I
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as err:
-            reason = f"not UTF-8 text: byte {err.object[err.start]:#04x} at offset {start + err.start}"
-            raise DamagedFileError(path, reason, hint) from None
+            raise DamagedFileError(path, _reason(err, start), hint) from None
         if not text.strip():
             continue
         try:

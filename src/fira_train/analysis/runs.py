@@ -34,7 +34,7 @@ from fira_train.files import (DamagedFileError, check_report_owner, cut_back_jso
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import (changed_implementation, changed_levers, check_same_data, config_changes,
+from fira_train.run.run_dir import (NOT_FROM_LAST_STEP, changed_among, check_same_data, config_changes,
                                    describe_changes, finished_with, resume_ignores)
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
@@ -268,7 +268,7 @@ def _resume_refusal(config: RunConfig, run: AnalysisRun) -> str | None:
     if changes:
         return f"it was started with {describe_changes(saved_cfg, resolved(config), changes)}"
     # a memory lever or the implementation: refused from the last step (resume_check)
-    levers = changed_levers(saved_cfg, resolved(config)) + changed_implementation(saved_cfg, resolved(config))
+    levers = changed_among(saved_cfg, resolved(config), NOT_FROM_LAST_STEP)
     last = ckpt.latest_checkpoint(run_dir)
     if levers and last is not None and ckpt.checkpoint_step(last) >= config.train.steps:
         # nothing would train with the new setting (a resume from there is refused)

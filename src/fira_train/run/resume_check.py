@@ -38,8 +38,8 @@ from fira_train.config.run_config import RunConfig
 from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
-from fira_train.run.run_dir import (IMPLEMENTATION_CHANGES, ROUND_OFF_LEVERS, changed_implementation, changed_levers,
-                                   config_changes, describe_changes, resume_ignores)
+from fira_train.run.run_dir import (IMPLEMENTATION_CHANGES, MEMORY_LEVERS, NOT_FROM_LAST_STEP, ROUND_OFF_LEVERS,
+                                   changed_among, config_changes, describe_changes, resume_ignores)
 from fira_train.run.safe_load import UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -66,14 +66,16 @@ def check_recorded_config(recorded: Any, config: RunConfig, path: Path) -> None:
         raise ValueError(f"cannot resume from {str(path)!r}: it was written with a different config: "
                          f"{details}; resume with the checkpoint's settings, or start a new run "
                          "(another --out, or --overwrite)")
-    implementation = changed_implementation(saved, config)
-    if implementation and ckpt.checkpoint_step(path) >= config.train.steps:
-        # as lever_changes: nothing would train, and the finished run would be recorded (and reused,
-        # finished_with) as one trained with the new setting
-        raise ValueError(f"cannot resume from {path.name} with {describe_changes(saved, config, implementation)}: "
-                         f"it is the run's last step (train.steps={config.train.steps}), so nothing would train "
-                         "with it and the finished run would be recorded as trained with it; to train the run "
-                         "with this setting, train it again (--overwrite, or another --out)")
+    at_end = changed_among(saved, config, NOT_FROM_LAST_STEP)
+    if at_end and ckpt.checkpoint_step(path) >= config.train.steps:
+        # nothing would train with them, and the finished run would be recorded (and reused:
+        # finished_with) as one trained with them, its summary giving the memory and speed of
+        # loading and evaluating it
+        raise ValueError(f"cannot resume from {path.name} with {describe_changes(saved, config, at_end)}: it is the "
+                         f"run's last step (train.steps={config.train.steps}), so nothing would train with them and "
+                         "the finished run would be recorded as trained with them (its summary giving the memory of "
+                         "loading and evaluating it); to train the run with these settings, train it again "
+                         "(--overwrite, or another --out)")
 
 
 #: The checkpoint's record of the processes that wrote it: the torch threads each used and the
@@ -130,22 +132,16 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: An
 
 def lever_changes(recorded: Any, config: RunConfig, path: Path) -> list[str]:
     """The :data:`~fira_train.run.run_dir.MEMORY_LEVERS` that ``config`` changes against the
-    checkpoint's record (already checked: the other keys are the same), each warned of: the
-    weights go on as before, and the run's peak memory counts from this sitting on (the caller
-    starts it afresh). A ValueError where the checkpoint is the run's last step: the resume would
-    train nothing, and the summary would give the memory of loading and evaluating the run."""
+    checkpoint's record (already checked by :func:`check_recorded_config`: the other keys are the
+    same, and none is changed from the run's last step), each warned of: the weights go on as
+    before, and the run's peak memory counts from this sitting on (the caller starts it afresh)."""
     if recorded is None:
         return []
     saved = saved_config(recorded)
-    changed = changed_levers(saved, config)
+    changed = changed_among(saved, config, MEMORY_LEVERS)
     if not changed:
         return []
     described = describe_changes(saved, config, changed)
-    if ckpt.checkpoint_step(path) >= config.train.steps:
-        raise ValueError(f"cannot resume from {path.name} with {described}: it is the run's last step "
-                         f"(train.steps={config.train.steps}), so nothing would train with them and the summary "
-                         "would give the memory of loading and evaluating the run; to measure the run with these "
-                         "settings, train it again (--overwrite, or another --out)")
     exact = ("the same sequences go through each step in other micro-batches: the weights go on equal to "
              "round-off, not bit for bit" if any(key in ROUND_OFF_LEVERS for key in changed)
              else "the weights go on as they would have (bit for bit in one process)")

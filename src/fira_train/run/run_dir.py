@@ -58,14 +58,14 @@ def resume_ignores(config: RunConfig) -> frozenset[str]:
     return RESUMABLE_CHANGES | frozenset(IMPLEMENTATION_CHANGES) | frozenset(levers)
 
 
-def changed_levers(old: RunConfig, new: RunConfig) -> list[str]:
-    """The :data:`MEMORY_LEVERS` that ``new`` changes against ``old``."""
-    return [key for key in config_changes(old, new, ignore=frozenset()) if key in MEMORY_LEVERS]
+#: What a resume may change, but not from the run's last step: nothing would train with it, and
+#: the finished run would be recorded (and reused) as one trained with it.
+NOT_FROM_LAST_STEP = MEMORY_LEVERS + IMPLEMENTATION_CHANGES
 
 
-def changed_implementation(old: RunConfig, new: RunConfig) -> list[str]:
-    """The :data:`IMPLEMENTATION_CHANGES` that ``new`` changes against ``old``."""
-    return [key for key in config_changes(old, new, ignore=frozenset()) if key in IMPLEMENTATION_CHANGES]
+def changed_among(old: RunConfig, new: RunConfig, keys: tuple[str, ...]) -> list[str]:
+    """The ``keys`` that ``new`` changes against ``old``."""
+    return [key for key in config_changes(old, new, ignore=frozenset()) if key in keys]
 
 
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
