@@ -61,7 +61,7 @@ to nearest, a change to Adam's ``v`` below half a bf16 step is lost, and at ``be
 every decay is. Each moment of each parameter draws from its own stream: the parameter's seed
 (``seed``, its place, the step count before the update) with the offset of the moment's own
 block under FSDP2, hashed with the moment's name, so it resumes exactly and draws other bits
-than the weights. One random number per element and step. The basis is rounded to nearest.
+than the weights. 16 random bits per element and step (:func:`uniform_bits16`). The basis is rounded to nearest.
 """
 
 from __future__ import annotations
@@ -201,8 +201,9 @@ def encode_slice(state: dict, working: dict, keys, start: int, stop: int,
     """Write the updated moments of ``working`` (from :func:`decode_slice`) back into the elements
     ``start:stop`` of their stored form in ``state``; a quantized moment's codes and the scales
     of its blocks ``start // BLOCK`` to ``stop // BLOCK``, in place; a bf16 moment by stochastic
-    rounding where ``generators`` holds its key (each draws its noise in order, one number per
-    element, so on the CPU consecutive slices draw the whole moment's bits)."""
+    rounding where ``generators`` holds its key (each draws its noise in order, 16 bits per
+    element, so on the CPU consecutive slices whose lengths are multiples of 4 draw the whole
+    moment's bits)."""
     for key in keys:
         stored, value = state[key].view(-1)[start:stop], working[key]
         if value.dtype == stored.dtype and value.data_ptr() == stored.data_ptr():
@@ -349,9 +350,22 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch
     return out.view(codes.shape)
 
 
+def uniform_bits16(numel: int, generator: torch.Generator) -> torch.Tensor:
+    """``numel`` random integers uniform in ``[0, 65536)`` (int32), drawn on ``generator``'s
+    device: the four 16-bit fields of each of ``ceil(numel / 4)`` 64-bit draws, in order, so
+    consecutive calls whose lengths are multiples of 4 draw what one call of their total length
+    draws (on the CPU). What costs is the number of draws, not their width: one ``torch.randint``
+    per element made stochastic rounding of a plain parameter's two bf16 moments the larger part
+    of its step on the CPU (``benchmarks/bf16_state_rounding.py`` times it)."""
+    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=generator.device)
+    words.random_(-(2**63), None, generator=generator)  # the full 64-bit range: every bit random
+    return words.view(torch.int16)[:numel].to(torch.int32).bitwise_and_(0xFFFF)
+
+
 def round_into(param: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None) -> None:
     """``param.copy_(value)``, by stochastic rounding where ``generator`` is given and ``param``
-    is bf16: the 16 low bits of each fp32 value get uniform noise before they are cut off."""
+    is bf16: the 16 low bits of each fp32 value get uniform noise (:func:`uniform_bits16`)
+    before they are cut off."""
     if generator is None or param.dtype != torch.bfloat16:
         param.copy_(value)
         return
@@ -359,8 +373,7 @@ def round_into(param: torch.Tensor, value: torch.Tensor, generator: torch.Genera
     # Drawn where the generator lives (the parameter's device, see rounding_generator): bits
     # drawn on the CPU for a CUDA parameter cost a CPU pass and a host-to-device copy of 4 bytes
     # per element; at 7B the CPU draws alone take 28 s per step (2 threads, 240M draws/s).
-    noise = torch.randint(0, 1 << 16, bits.shape, generator=generator, dtype=torch.int32,
-                          device=generator.device).to(bits.device)
+    noise = uniform_bits16(bits.numel(), generator).to(bits.device).view(bits.shape)
     # in place on the noise: one temporary of 4 bytes per element, not two
     rounded = noise.add_(bits).bitwise_and_(-65536).view(torch.float32)
     param.copy_(rounded)  # exact: the low 16 bits are zero

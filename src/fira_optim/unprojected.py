@@ -129,9 +129,10 @@ def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator, 
     """The step of ``p`` through fp32 copies, :data:`precision.CHUNK` elements at a time (whole
     quantization blocks): the parameter, gradient and moments of a chunk are decoded to fp32,
     stepped, and encoded back before the next one. The step functions are elementwise, the
-    quantization is per block, and stochastic rounding draws its random numbers one per element
-    in order from one generator (``generator`` the parameter's, ``moments`` each bf16 moment's:
-    :func:`fira_optim.precision.state_generators`), so on the CPU the result is bit for bit the
+    quantization is per block, and stochastic rounding draws its random bits in order, 16 per
+    element, from one generator (``generator`` the parameter's, ``moments`` each bf16 moment's:
+    :func:`fira_optim.precision.state_generators`; :func:`fira_optim.precision.uniform_bits16`,
+    and the chunks are multiples of 4 elements), so on the CPU the result is bit for bit the
     unchunked one (on CUDA, Philox's offset advances per call, so the bits may depend on the
     fixed chunk size; a resumed run still draws the same ones). Each chunk steps with a copy of
     the step counter, which is set once, at the end."""

@@ -65,8 +65,10 @@ def test_compiled_matches_reference(variant, compiled_kernel):
 @pytest.mark.timeout(900)
 def test_compiled_rounds_bf16_states_stochastically_with_the_reference_s_bits(compiled_kernel):
     """state_rounding="stochastic": the kernel updates the decoded fp32 moments, which are then
-    written with the same noise as the reference's (the same stored bits: the gradients do not
-    depend on the weights, and the kernel's moments are the reference's here)."""
+    written with the same noise as the reference's. The gradients do not depend on the weights,
+    so the stored bits are the reference's but where the kernel's fp32 moment, a few ulps off
+    (its fused arithmetic), fell on the other side of a rounding boundary: about one rounding in
+    65536 per ulp, and then the two differ by one bf16 step."""
     options = {"state_dtype": "bfloat16", "state_rounding": "stochastic"}
     ref, ref_opt = _run("reference", options)
     got, opt = _run("compiled", options)
@@ -75,7 +77,14 @@ def test_compiled_rounds_bf16_states_stochastically_with_the_reference_s_bits(co
     held = [[o.state[p] for g in o.param_groups for p in g["params"]] for o in (ref_opt, opt, nearest_opt)]
     for a, b, *states in zip(ref, got, *held):
         for key in ("exp_avg", "exp_avg_sq"):
-            assert states[1][key].dtype == torch.bfloat16 and torch.equal(states[1][key], states[0][key]), key
+            got_state, ref_state = states[1][key], states[0][key]
+            assert got_state.dtype == torch.bfloat16, key
+            differ = got_state != ref_state
+            assert differ.sum() <= 2, (key, int(differ.sum()))
+            # one bf16 step at most (2^-7 relative): not another noise's rounding, which differs in
+            # about half the entries
+            step = (got_state.float() - ref_state.float())[differ].abs() / ref_state.float()[differ].abs()
+            assert bool((step <= 2**-7).all()), (key, step)
             assert not torch.equal(states[1][key], states[2][key]), key  # rounded otherwise than to nearest
         # the weights: the kernel's other order of sums in phi and ||S|| (measured up to 5e-6)
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fira_optim import FiraAdamW
-from fira_optim.precision import BLOCK, round_into
+from fira_optim.precision import BLOCK, round_into, uniform_bits16
 
 from .common import round_trip
 
@@ -132,6 +132,21 @@ def test_stochastic_rounding_is_unbiased_and_seeded():
     again = torch.zeros_like(param)
     round_into(again, value, torch.Generator().manual_seed(0))
     assert torch.equal(param, again)
+
+
+def test_uniform_bits16_are_16_fair_bits_drawn_in_order():
+    bits = uniform_bits16(400_001, torch.Generator().manual_seed(1))
+    assert bits.dtype == torch.int32 and bits.shape == (400_001,)
+    assert 0 <= int(bits.min()) and int(bits.max()) < 1 << 16
+    # each of the 16 bits set half the time, in each of the four fields of a 64-bit draw (the top
+    # bit of a draw too: drawn over the full 64-bit range, not torch's default [0, 2^63))
+    fields = bits[:400_000].view(-1, 4)
+    for k in range(16):
+        share = fields.bitwise_right_shift(k).bitwise_and(1).double().mean(0)
+        assert torch.all((share - 0.5).abs() < 0.006), (k, share)
+    generator = torch.Generator().manual_seed(1)
+    parts = torch.cat([uniform_bits16(n, generator) for n in (4, 1000, 398_996, 1)])
+    assert torch.equal(parts, bits)  # lengths that are multiples of 4 continue one draw
 
 
 def test_bf16_weights_with_stochastic_rounding_resume_exactly():
