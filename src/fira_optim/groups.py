@@ -1,7 +1,8 @@
 """Building param groups: which weights are projected.
 
 :func:`param_groups` is the recommended helper; :func:`divide_params` reproduces the released
-``fira.divide_params`` (same groups, same meaning) for drop-in use.
+``fira.divide_params`` (same groups, same meaning, but where torch refuses the released one's)
+for drop-in use.
 """
 
 from __future__ import annotations
@@ -27,14 +28,19 @@ def divide_params(
     proj_type: str = "std",
 ) -> list[dict[str, Any]]:
     """The released helper: project the weight of every ``nn.Linear`` whose module name contains
-    one of ``target_modules_list``; everything else goes to an unprojected group."""
+    one of ``target_modules_list``; everything else goes to an unprojected group. Unlike the
+    released one, a weight computed from parameters (``weight_norm``, ``spectral_norm``, any
+    ``torch.nn.utils.parametrize`` parametrization) is not projected, as :func:`param_groups`
+    leaves it (the parameters it is computed from go to the unprojected group; the released
+    helper put the computed tensor in the projected group, which torch refuses: "can't optimize
+    a non-leaf Tensor"), and a weight shared by several matched layers is listed once."""
     reject_fsdp1(model)  # FSDP1 flattens the weights: nothing would be projected, silently
     targets = list(target_modules_list)
-    projected = [
+    projected = _unique(
         module.weight
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and any(key in name for key in targets)
-    ]
+        if isinstance(module, nn.Linear) and any(key in name for key in targets) and _leaf_weight(module)
+    )
     chosen = {id(p) for p in projected}
     regular = [p for p in model.parameters() if id(p) not in chosen]
     return [
@@ -102,17 +108,11 @@ def param_groups(
     projected: list[torch.Tensor] = []
     seen: set[int] = set()
     for name, module in model.named_modules():
-        if parametrize.is_parametrized(module, "weight"):
-            # computed from parameters at each access (spectral_norm's runs a power iteration,
-            # which moves its state): never read here, its parameters are plain
+        if not _is_linear(module) or not _leaf_weight(module):
             continue
-        weight = getattr(module, "weight", None)
-        if not _is_linear(module) or weight is None or weight.dim() != 2 or weight.is_complex():
+        weight = module.weight
+        if weight.dim() != 2 or weight.is_complex():
             continue  # a complex weight steps as torch.optim.AdamW does, in the plain group
-        if not isinstance(weight, nn.Parameter):
-            # computed from parameters by a forward pre-hook (torch.nn.utils' older weight_norm and
-            # spectral_norm): not a leaf, which the optimizer refuses; its parameters are plain
-            continue
         if id(weight) in never or id(weight) in seen or not weight.requires_grad:
             continue
         if include is not None and not _matches(name, include):
@@ -153,6 +153,17 @@ def _check_group_options(options: dict[str, Any]) -> None:
             raise TypeError(f"param_groups() got an unexpected option {key!r}"
                             + (f" (did you mean {close[0]!r}?)" if close else "")
                             + ": the options are FiraAdamW's (see its signature)")
+
+
+def _leaf_weight(module: nn.Module) -> bool:
+    """Whether ``module.weight`` is a parameter of its own, not one computed from parameters."""
+    if parametrize.is_parametrized(module, "weight"):
+        # computed from parameters at each access (spectral_norm's runs a power iteration,
+        # which moves its state): never read here, its parameters are plain
+        return False
+    # not a Parameter: computed by a forward pre-hook (torch.nn.utils' older weight_norm and
+    # spectral_norm), not a leaf, which the optimizer refuses; its parameters are plain
+    return isinstance(getattr(module, "weight", None), nn.Parameter)
 
 
 def _is_linear(module: nn.Module) -> bool:

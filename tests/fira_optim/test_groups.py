@@ -151,6 +151,15 @@ def test_divide_params_matches_released_fira_and_prints_nothing(capsys):
     FiraAdamW(ours, lr=1e-2)  # the released groups build our optimizer unchanged
 
 
+def test_divide_params_lists_a_weight_shared_by_two_matched_layers_once():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model[2].weight = model[0].weight
+    projected, plain = _projected_and_plain(divide_params(model, ["0", "2"], rank=2))
+    assert [id(p) for p in projected] == [id(model[0].weight)]
+    assert {id(p) for p in plain} == {id(model[0].bias), id(model[2].bias)}
+    FiraAdamW(divide_params(model, ["0", "2"], rank=2))  # no duplicate-parameter refusal
+
+
 def test_divide_params_defaults_match_released():
     model = _llama(False)
     ours = divide_params(model, ["mlp"])
@@ -191,33 +200,40 @@ def test_a_model_with_nothing_to_project_warns():
     assert [g["rank"] for g in groups] == [None]
 
 
+def _groups_of(helper: str, model: nn.Module) -> list[dict]:
+    return param_groups(model, rank=2) if helper == "param_groups" else divide_params(model, ["0", "2"], rank=2)
+
+
+@pytest.mark.parametrize("helper", ["param_groups", "divide_params"])
 @pytest.mark.parametrize("parametrize", [nn.utils.parametrizations.weight_norm,
                                          nn.utils.parametrizations.spectral_norm,
                                          nn.utils.parametrizations.orthogonal])
-def test_a_parametrized_linear_weight_is_left_to_its_parameters_in_the_plain_group(parametrize):
+def test_a_parametrized_linear_weight_is_left_to_its_parameters_in_the_plain_group(parametrize, helper):
     """A weight computed from parameters (weight_norm and the like) is no parameter: it went to the
-    projected group, and FiraAdamW refused the groups ("can't optimize a non-leaf Tensor")."""
+    projected group, and FiraAdamW refused the groups ("can't optimize a non-leaf Tensor"), from
+    either helper (the released divide_params does so too)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 8))
     parametrize(model[0])
-    projected, plain = _projected_and_plain(param_groups(model, rank=2))
+    projected, plain = _projected_and_plain(_groups_of(helper, model))
     assert [id(p) for p in projected] == [id(model[2].weight)]
     assert {id(p) for p in model[0].parametrizations.weight.parameters()} <= {id(p) for p in plain}
-    opt = FiraAdamW(param_groups(model, rank=2), lr=1e-2)
+    opt = FiraAdamW(_groups_of(helper, model), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
     model(torch.randn(4, 12)).pow(2).sum().backward()
     opt.step()
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_building_the_groups_leaves_a_parametrized_weight_uncomputed():
+@pytest.mark.parametrize("helper", ["param_groups", "divide_params"])
+def test_building_the_groups_leaves_a_parametrized_weight_uncomputed(helper):
     """Reading a parametrized weight computes it: param_groups(model) ran a power iteration of
     spectral_norm's (its u and v moved, as if the model had taken a training forward pass)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 8))
     nn.utils.parametrizations.spectral_norm(model[0])
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    param_groups(model, rank=2)
+    _groups_of(helper, model)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
