@@ -54,7 +54,7 @@ from fira_train.cli_args import IntermixedArgumentParser, StoreOnce
 from fira_train.files import measure_out_dir
 from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
-from fira_train.run.launch import is_rank_zero, launched_world_size
+from fira_train.run.launch import SAME_ON_EVERY_RANK, is_rank_zero, launched_world_size, same_on_every_rank
 from fira_train.run.process_logging import configure_logging, one_line_warnings
 from fira_train.user_errors import CONTINUES_WITH, describe
 
@@ -120,23 +120,6 @@ def add_run_arguments(parser: argparse.ArgumentParser, recipe_required: bool = T
     add("overrides", nargs="*", metavar="key=value",
         help="config overrides, e.g. train.batch_size=32 optim.alpha=0.5 "
              "model.num_hidden_layers=2 (sections: model, optim, data, train)")
-
-
-#: Set on an error that the command line alone causes (:func:`same_on_every_rank`).
-SAME_ON_EVERY_RANK = "fira_same_on_every_rank"
-
-
-@contextlib.contextmanager
-def same_on_every_rank() -> Iterator[None]:
-    """Mark an error raised inside as one of the command line itself (a bad ``key=value``, an
-    unknown recipe or method): every process of a ``torchrun`` launch is given the same command
-    line and raises the same error, so :func:`main` prints it on rank 0 alone, not once per
-    process (:func:`_rank_zero_says_it`). Also a decorator."""
-    try:
-        yield
-    except Exception as err:
-        setattr(err, SAME_ON_EVERY_RANK, True)
-        raise
 
 
 @same_on_every_rank()
