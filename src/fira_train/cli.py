@@ -151,7 +151,10 @@ def resume_request(args: argparse.Namespace) -> str | int | None:
 def warn_unused_settings(args: argparse.Namespace, specs: Sequence[str]) -> None:
     """A warning for each ``optim`` setting given (flag, override or a method spec's own) to
     methods none of which reads it (``--method adamw --rank 8``, ``galore@optim.gamma=1.05``):
-    trained without it (:attr:`fira_train.methods.method.Method.uses`)."""
+    trained without it (:attr:`fira_train.methods.method.Method.uses`). Under ``torchrun``,
+    rank 0 alone warns, once for the launch."""
+    if _another_rank():  # every process is given the same command line: the same warnings
+        return
     from fira_train.config.method_spec import parse_method_spec  # imports torch: not at parser build
     from fira_train.config.overrides import flags_given, override_key, override_keys
     from fira_train.methods.registry import get_method

@@ -353,6 +353,25 @@ def test_a_setting_given_to_methods_that_ignore_it_is_warned(argv: list[str], wa
         assert len(caplog.records) == 1
 
 
+@pytest.mark.parametrize("argv", [["pretrain", "--method", "adamw", "--rank", "8"],
+                                  ["compare", "--methods", "fira,galore@optim.gamma=1.05"]])
+def test_under_torchrun_an_unused_setting_is_warned_by_rank_0_alone(argv: list[str], monkeypatch, caplog) -> None:
+    """Every process of a torchrun launch is given the same command line: the warning was printed
+    once per process. A lone process with RANK left in its environment still warns."""
+    args = build_parser().parse_args([*argv, "--recipe", "micro"])
+    methods = [args.method] if argv[0] == "pretrain" else args.methods.split(",")
+    for world, rank, warned in (("2", "1", False), ("2", "0", True), (None, "1", True), ("1", "1", True)):
+        if world is None:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("WORLD_SIZE", world)
+        monkeypatch.setenv("RANK", rank)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            cli.warn_unused_settings(args, methods)
+        assert len(caplog.records) == warned, (world, rank)
+
+
 def test_python_dash_m_finetune_is_the_command_line(tmp_path: Path, monkeypatch, capsys) -> None:
     """Ctrl-C and errors there are the command's one line (they were tracebacks)."""
     import runpy
