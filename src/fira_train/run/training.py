@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +112,19 @@ def autocast_for(config: RunConfig, device: torch.device) -> contextlib.Abstract
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _warned_on_rank_zero(env: DistributedEnv | None) -> Iterator[None]:
+    """Python warnings raised inside given by rank 0 alone under ``train.parallel`` ddp / fsdp2
+    (held back on the other ranks). For what reads the config and the model alone, which every
+    rank builds alike: each rank would print the same warning, once per process."""
+    if env is None or not env.distributed or env.is_main:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 def build_training(config: RunConfig, vocab_size: int, device: torch.device,
                    env: DistributedEnv | None = None) -> Training:
     """Model (seeded random init) -> [parallelize] -> method (optimizer) -> schedule.
@@ -134,7 +149,10 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
         model = unwrap(wrapped)  # FSDP2: the sharded model itself
     # Under DDP the refresh SVDs are dealt to the ranks, but not from inside DDP's communication
     # hook (where updates in the backward pass run): there each rank computes its own.
-    setup = build_method(model, config, split_refresh=mode == "ddp" and not config.optim.step_in_backward)
+    # The optimizer is built from the config and the model alone, the same on every rank: what
+    # it warns of (a rank above every matrix's size) rank 0 says for the launch.
+    with _warned_on_rank_zero(env):
+        setup = build_method(model, config, split_refresh=mode == "ddp" and not config.optim.step_in_backward)
     in_backward, grad_scaler = None, None
     fp16 = config.train.precision == "fp16"
     if config.optim.step_in_backward:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,23 @@ def test_fsdp2_two_processes_equal_one_process(reference):
     for a, b in zip(zero, one):
         assert a.shape[0] == b.shape[0] == 2
         assert not torch.equal(a, b)
+
+
+def _rank_warnings_worker(rank: int, world: int, root: str) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(micro_config(Path(root), *COMMON, "train.parallel=ddp", "optim.rank=1000", "train.steps=1",
+                           out="rank1000"))
+    return [str(w.message) for w in caught if "rank=1000 is >= min(m, n)" in str(w.message)]
+
+
+@pytest.mark.timeout(120)
+def test_a_warning_of_the_config_is_given_by_rank_0_alone(reference):
+    """The optimizer is built from the config and the model, the same on every rank: what it
+    warns of (a rank above every matrix's size) was printed once per process."""
+    root = reference["root"]
+    warned = run_ranks(_rank_warnings_worker, 2, root / "w-warned", str(root), timeout=100)
+    assert [len(messages) for messages in warned] == [1, 0]
 
 
 def test_bad_parallel_mode_is_a_config_error(tmp_path):
