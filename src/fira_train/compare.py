@@ -30,6 +30,7 @@ from fira_train.files import check_report_owner, refuse_links
 from fira_train.report.markdown import REPORT_TITLE, write_report
 from fira_train.report.plots import plot_curves
 from fira_train.run.isolated import run_isolated
+from fira_train.run.launch import same_on_every_rank
 from fira_train.run.run_dir import finished_with
 from fira_train.run.train import train
 from fira_train.run.train_parallel import distributed_session
@@ -57,11 +58,12 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
     """
     out_dir = Path(out_dir)
     refuse_links(out_dir)
-    refuse_spec_keys([parse_method_spec(m) for m in methods], SHARED,
-                     "compare trains every method on the same data, tokens and seed (its report says so); "
-                     "set it for all of them with key=value")
-    configs = [method_config(config, m, out_dir) for m in methods]  # validates every name first
-    refuse_same_runs([parse_method_spec(m) for m in methods], config)
+    with same_on_every_rank():  # the command line's specs alone: under torchrun every process refuses them alike
+        refuse_spec_keys([parse_method_spec(m) for m in methods], SHARED,
+                         "compare trains every method on the same data, tokens and seed (its report says so); "
+                         "set it for all of them with key=value")
+        configs = [method_config(config, m, out_dir) for m in methods]  # validates every name first
+        refuse_same_runs([parse_method_spec(m) for m in methods], config)
     check_report_owner(out_dir, (REPORT_TITLE,), "compare", overwrite=overwrite)
     if config.train.parallel != "none":
         # One process group for all the runs (each train() then reuses it); rank 0 reports.

@@ -456,6 +456,11 @@ def test_a_library_warning_is_one_line_in_the_commands_words(monkeypatch, capsys
     ["pretrain", "--recipe", "micro", "--method", "adamx"],  # a bad method name
     ["pretrain", "--recipe", "micro", "--method", "fira", "--resume", "--overwrite"],
     ["compare", "--recipe", "micro", "--methods", "fira,fira"],
+    # refused by compare itself, before it trains
+    ["compare", "--recipe", "micro", "--methods", "fira@optim.rank=4,fira@optim.rank=04"],
+    ["compare", "--recipe", "micro", "--methods", "fira@train.seed=3,adamw"],
+    ["compare", "--recipe", "micro", "--methods", "fira@optim.rank=x,adamw"],
+    ["compare", "--recipe", "micro", "--methods", "adamw,lora", "--parallel", "ddp"],
 ])
 def test_under_torchrun_a_command_line_error_is_printed_by_rank_0_alone(argv, monkeypatch, capsys) -> None:
     """Every process of a torchrun launch is given the same command line and raised the same
@@ -469,6 +474,22 @@ def test_under_torchrun_a_command_line_error_is_printed_by_rank_0_alone(argv, mo
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"fira-train {argv[0]}: error: ") and err.count("\n") == 1, err
+
+
+def test_under_torchrun_several_processes_without_parallel_are_refused_by_rank_0_alone(tmp_path: Path, monkeypatch,
+                                                                                        capsys) -> None:
+    """A launch of several processes without --parallel is refused by train() in every process alike:
+    it was printed once per process."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["pretrain", "--recipe", "micro", "--method", "adamw", "--out", str(tmp_path / "run")]
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert ("train.parallel is 'none': pass --parallel ddp" in err) is printed, err
+        assert err.count("\n") == printed
+    assert not (tmp_path / "run").exists()
 
 
 def test_under_torchrun_an_argparse_error_is_printed_by_rank_0_alone(monkeypatch, capsys) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 import fira_optim
 from fira_train.methods.method import MethodSetup
+from fira_train.run.launch import same_on_every_rank
 
 if TYPE_CHECKING:  # annotations only: the config validates method names against the registry
     from fira_train.config.run_config import RunConfig
@@ -145,8 +146,9 @@ def fira_family(variant: str) -> Callable[[nn.Module, "RunConfig", float], Metho
         if o.align_signs is not None:
             fixed = fira_optim.VARIANTS[variant].get("align_signs")
             if fixed is not None and fixed != o.align_signs:
-                raise ValueError(f"optim.align_signs={o.align_signs} contradicts method {variant!r}, "
-                                 f"which fixes align_signs={fixed}")
+                with same_on_every_rank():  # the config alone: under torchrun every process refuses it alike
+                    raise ValueError(f"optim.align_signs={o.align_signs} contradicts method {variant!r}, "
+                                     f"which fixes align_signs={fixed}")
             options["align_signs"] = o.align_signs
         optimizer = fira_optim.FiraAdamW(
             groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,

@@ -60,7 +60,7 @@ from fira_train.run import checkpoint as ckpt
 from fira_train.run import resume_check, run_files, train_parallel
 from fira_train.run.callbacks import TrainCallback, stateful
 from fira_train.run.divergence import DivergedError, check_loss, diverged
-from fira_train.run.launch import is_rank_zero
+from fira_train.run.launch import is_rank_zero, same_on_every_rank
 from fira_train.run.metrics import MetricsLog, perplexity
 from fira_train.run.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, shard_batch
 from fira_train.run.peak_memory import PeakMemory
@@ -279,8 +279,9 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     net = training.forward_model  # the DDP wrapper, else the model
     micro_batch = config.train.micro_batch
     if distributed and micro_batch % env.world_size:
-        raise ValueError(f"train.micro_batch_size={micro_batch} (the sequences of one forward pass) "
-                         f"must divide by the {env.world_size} processes: each trains on its rows")
+        with same_on_every_rank():  # the config and the launch's size: every rank refuses it alike
+            raise ValueError(f"train.micro_batch_size={micro_batch} (the sequences of one forward pass) "
+                             f"must divide by the {env.world_size} processes: each trains on its rows")
     # the epochs cut in whole steps: the micro-batch size (a memory lever) does not change the data
     try:
         stream = corpus.train_batches(micro_batch, config.train.seed, cut=config.train.batch_size)

@@ -35,6 +35,7 @@ from fira_train.config.run_config import RunConfig
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import dist_checkpoint
 from fira_train.run.callbacks import TrainCallback, load_callback_states
+from fira_train.run.launch import same_on_every_rank
 from fira_train.run.parallel import DistributedEnv, destroy_distributed, init_distributed, world_size
 from fira_train.run.state import check_corpus, corpus_record, restore_state
 from fira_train.run.training import Training
@@ -43,6 +44,7 @@ from fira_train.run.training import Training
 EXTRA_KEYS = ("step", "data", "progress")
 
 
+@same_on_every_rank()  # the config and the launch's size: every process refuses it alike
 def check_launch(config: RunConfig) -> None:
     """ValueError for several processes with ``train.parallel="none"``: each would train the
     whole batch alone and all would write the same files."""

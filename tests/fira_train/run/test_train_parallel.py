@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fira_train.cli import build_parser, config_from_args
+from fira_train.cli import SAME_ON_EVERY_RANK, build_parser, config_from_args
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.dist_checkpoint import is_dcp_checkpoint
 from fira_train.run.metrics import read_metrics
@@ -296,6 +296,31 @@ def test_a_warning_of_the_config_is_given_by_rank_0_alone(reference):
     root = reference["root"]
     warned = run_ranks(_rank_warnings_worker, 2, root / "w-warned", str(root), timeout=100)
     assert [len(messages) for messages in warned] == [1, 0]
+
+
+def _refused_worker(rank: int, world: int, root: str) -> dict:
+    refused = {}
+    for name, overrides in (("micro_batch", ["train.micro_batch_size=1"]),
+                            ("align_signs", ["optim.method=fira-released"])):  # COMMON aligns signs
+        try:
+            train(micro_config(Path(root), *COMMON, "train.parallel=ddp", "train.steps=1", *overrides,
+                               out=f"refused-{name}"))
+            refused[name] = None
+        except ValueError as err:
+            refused[name] = [str(err), getattr(err, SAME_ON_EVERY_RANK, False)]
+    return refused
+
+
+@pytest.mark.timeout(120)
+def test_an_error_of_the_config_in_a_launch_is_marked_for_rank_0_to_print(reference):
+    """A micro-batch that the processes cannot share, a sign rule that the method contradicts:
+    refused by every rank alike once the model is built, and marked (same_on_every_rank) so that
+    the command line prints it on rank 0 alone; it was printed once per process."""
+    root = reference["root"]
+    for rank in run_ranks(_refused_worker, 2, root / "w-refused", str(root), timeout=100):
+        assert "micro_batch_size=1 (the sequences of one forward pass) must divide by the 2" in rank["micro_batch"][0]
+        assert "contradicts method 'fira-released'" in rank["align_signs"][0]
+        assert rank["micro_batch"][1] is True and rank["align_signs"][1] is True
 
 
 def test_bad_parallel_mode_is_a_config_error(tmp_path):
