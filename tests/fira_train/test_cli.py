@@ -550,6 +550,22 @@ def test_a_torchrun_launch_with_a_bad_override_prints_its_error_once() -> None:
     assert proc.stderr.count("fira-train pretrain: error: unknown config key 'train.stepz'") == 1, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_torchrun_launch_warns_of_its_config_once(tmp_path: Path) -> None:
+    """A setting no method reads (the command line's) and a rank above every matrix's size (the
+    optimizer's): each was printed once per process."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "fira_train",
+                           "pretrain", "--recipe", "micro", "--method", "fira", "--rank", "1000", "optim.lora_alpha=8",
+                           "--parallel", "ddp", "--out", str(tmp_path / "run"), "train.steps=1", *_data_flags(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("optim.lora_alpha is not used by fira") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("warning: param_groups[1]: rank=1000 is >= min(m, n)") == 1, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("argv", [["pretrain", "--recipe", "nano", "--method", "fira"],
                                   ["pretrain", "--recipe", "micro", "--method", "fira", "--stepz", "3"]])
 def test_a_lone_process_with_rank_set_prints_its_command_line_error(argv, monkeypatch, capsys) -> None:
