@@ -29,9 +29,11 @@ with ``torchrun --nproc_per_node N -m fira_train pretrain ... --parallel ddp``).
 An error that users cause (a bad value, a full disk, a folder that cannot be written, a run that
 diverged, ...) is one line on stderr and exit status 1 (:mod:`fira_train.user_errors`). Under
 ``torchrun``, an error of the command line itself (argparse's, a bad ``key=value``, an unknown
-recipe or method: :func:`same_on_every_rank`), which every process raises alike, is printed by
-rank 0 alone; the others print nothing and exit with the same status (under torchrun they wait
-for it to end them once rank 0 has exited: :func:`_rank_zero_says_it`).
+recipe or method, a setting the method or the number of processes refuses:
+:func:`same_on_every_rank`), which every process raises alike, is printed by rank 0 alone; the
+others print nothing and exit with the same status (under torchrun they wait for it to end them
+once rank 0 has exited: :func:`_rank_zero_says_it`). So are the warnings of the command line and
+its config (a setting no chosen method reads, a rank above every matrix's size).
 """
 
 from __future__ import annotations
@@ -582,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
             _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv  # recorded in reports
     # Under torchrun only rank 0 reports progress; every rank reports warnings and errors (but those
-    # of the command line itself, which rank 0 reports for all: same_on_every_rank).
+    # of the command line and its config, which rank 0 reports for all: same_on_every_rank).
     configure_logging(logging.INFO if is_rank_zero() else logging.WARNING)
     stdout = sys.stdout
     if stdout is not None:  # None: no file descriptor 1 (`>&-`, pythonw), where print writes nothing
