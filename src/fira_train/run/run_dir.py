@@ -126,8 +126,10 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
                     delete: bool = True) -> None:
     """Check that OUT may hold this run; with ``overwrite`` (and ``delete``: rank 0 only)
     remove a previous one. Files fira-train did not write are never deleted, and refused
-    without ``overwrite`` (:func:`fira_train.run.run_files.check_foreign_files`)."""
-    run_files.check_foreign_files(out, resume, overwrite)
+    without ``overwrite`` (:func:`fira_train.run.run_files.check_foreign_files`); warned of by
+    the process that deletes (another rank of a launch may look while rank 0 deletes: a run's
+    ``metrics.jsonl`` without its ``config.json`` then read as a file of someone else's)."""
+    run_files.check_foreign_files(out, resume, overwrite, warn=delete)
     previous = run_files.previous_run(out)
     if resume is None and previous:
         if not overwrite:

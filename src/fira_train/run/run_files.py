@@ -76,6 +76,10 @@ def foreign_files(out: str | Path) -> list[str]:
     foreign = []
     for child in sorted(out.iterdir()):
         name = child.name
+        if not child.is_symlink() and not child.exists():
+            # listed, then deleted: under a launch, rank 0 deletes the previous run (--overwrite)
+            # while the other ranks look, and a run's metrics.jsonl read as a foreign file
+            continue
         if child.is_dir() and not child.is_symlink() and name in RUN_DIRS:
             if name == "checkpoints":
                 foreign += [f"checkpoints/{c.name}" for c in sorted(child.iterdir())
