@@ -461,6 +461,8 @@ def test_a_library_warning_is_one_line_in_the_commands_words(monkeypatch, capsys
     ["compare", "--recipe", "micro", "--methods", "fira@train.seed=3,adamw"],
     ["compare", "--recipe", "micro", "--methods", "fira@optim.rank=x,adamw"],
     ["compare", "--recipe", "micro", "--methods", "adamw,lora", "--parallel", "ddp"],
+    # a setting the method fixes otherwise (refused by the config, before the model is built)
+    ["pretrain", "--recipe", "micro", "--method", "fira-released", "optim.align_signs=true"],
 ])
 def test_under_torchrun_a_command_line_error_is_printed_by_rank_0_alone(argv, monkeypatch, capsys) -> None:
     """Every process of a torchrun launch is given the same command line and raised the same

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from fira_optim import VARIANTS
 from fira_optim.options import check_options
 from fira_train.data.spec import DataSpec
 from fira_train.methods.registry import METHODS
@@ -337,6 +338,10 @@ class RunConfig:
         _check(self.optim.method in METHODS, "optim.method", self.optim.method,
                f"one of {', '.join(sorted(METHODS))}")
         uses = METHODS[self.optim.method].uses
+        fixed = VARIANTS.get(self.optim.method, {}).get("align_signs")
+        if fixed is not None and self.optim.align_signs is not None and self.optim.align_signs != fixed:
+            raise ValueError(f"optim.align_signs={self.optim.align_signs} contradicts method "
+                             f"{self.optim.method!r}, which fixes align_signs={fixed}")
         for name in FIRA_ONLY:  # silently ignored by the other optimizers: refused
             value, default = getattr(self.optim, name), getattr(OptimConfig, name)
             if value != default and name not in uses:

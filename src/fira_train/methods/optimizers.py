@@ -13,7 +13,6 @@ from torch import nn
 
 import fira_optim
 from fira_train.methods.method import MethodSetup
-from fira_train.run.launch import same_on_every_rank
 
 if TYPE_CHECKING:  # annotations only: the config validates method names against the registry
     from fira_train.config.run_config import RunConfig
@@ -143,12 +142,7 @@ def fira_family(variant: str) -> Callable[[nn.Module, "RunConfig", float], Metho
                    "host_refresh": o.host_refresh, "state_dtype": o.state_dtype,
                    "state_rounding": o.state_rounding, "stochastic_rounding": o.stochastic_rounding,
                    **fira_optim.VARIANTS[variant]}
-        if o.align_signs is not None:
-            fixed = fira_optim.VARIANTS[variant].get("align_signs")
-            if fixed is not None and fixed != o.align_signs:
-                with same_on_every_rank():  # the config alone: under torchrun every process refuses it alike
-                    raise ValueError(f"optim.align_signs={o.align_signs} contradicts method {variant!r}, "
-                                     f"which fixes align_signs={fixed}")
+        if o.align_signs is not None:  # one that contradicts the variant is refused by the config
             options["align_signs"] = o.align_signs
         optimizer = fira_optim.FiraAdamW(
             groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,

@@ -38,6 +38,7 @@ from fira_train.config.run_config import RunConfig
 from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
+from fira_train.run.launch import same_on_every_rank
 from fira_train.run.run_dir import (IMPLEMENTATION_CHANGES, MEMORY_LEVERS, NOT_FROM_LAST_STEP, ROUND_OFF_LEVERS,
                                    changed_among, config_changes, describe_changes, resume_ignores)
 from fira_train.run.safe_load import UnsafeCheckpointError
@@ -244,7 +245,8 @@ def choose_checkpoint(out: str | Path, resume: str | int, config: RunConfig,
 def decided_on_rank_zero(env: DistributedEnv, decide: Callable[[], Any]) -> Any:
     """``decide()`` run by rank 0 alone (what only one process may read or change in the run
     directory) and its result, plain values, handed to every rank; an error rank 0 meets is
-    raised on every rank (the others would otherwise wait in the broadcast until the timeout)."""
+    raised on every rank (the others would otherwise wait in the broadcast until the timeout),
+    marked :func:`~fira_train.run.launch.same_on_every_rank` (one error: rank 0 prints it)."""
     import torch.distributed as dist
 
     message: list[Any] = [None]
@@ -257,8 +259,7 @@ def decided_on_rank_zero(env: DistributedEnv, decide: Callable[[], Any]) -> Any:
             error = err
             message[0] = ("error", type(err).__name__, str(err))
     dist.broadcast_object_list(message, src=0, device=env.device)
-    if error is not None:
-        raise error
     if message[0][0] == "error":
-        raise _ERRORS.get(message[0][1], RuntimeError)(message[0][2])
+        with same_on_every_rank():  # rank 0's error, raised by every rank alike
+            raise error if error is not None else _ERRORS.get(message[0][1], RuntimeError)(message[0][2])
     return message[0][1]
