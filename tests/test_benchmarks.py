@@ -650,3 +650,30 @@ def test_bf16_state_rounding_script_runs_and_the_docs_quote_its_committed_number
     noise = committed["median_seconds_per_million_16_bit_numbers"]
     assert (f"the noise of 1M elements took {1e3 * noise['uniform_bits16 (four per 64-bit draw)']:.2f} ms, "
             f"against {1e3 * noise['torch.randint (one per draw)']:.2f} ms") in docs
+
+
+def test_the_long_bf16_states_table_is_what_its_runs_recorded() -> None:
+    """docs/results/bf16-states-long/README.md: each seed's test perplexity and the paired
+    intervals, from the runs' summary.json (the intervals by the sweep's own statistics)."""
+    from fira_train.sweep.stats import mean_interval
+
+    folder = ROOT / "docs" / "results" / "bf16-states-long"
+    runs = {"fp32 states (plain Fira)": "fira", "bf16 states, nearest": "fira@optim.state_dtype=bfloat16",
+            "bf16 states, stochastic": "fira@optim.state_dtype=bfloat16@optim.state_rounding=stochastic"}
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                               for line in (folder / "README.md").read_text().splitlines())
+            if cells and cells[0] in runs}
+    assert rows.keys() == runs.keys()
+    test = {}
+    for label, spec in runs.items():
+        lr, *seeds, _ = rows[label]
+        test[label] = [json.loads((folder / spec / f"lr={lr}" / f"seed={s}" / "summary.json").read_text())["test_ppl"]
+                       for s in range(3)]
+        assert seeds == [f"{value:.2f}" for value in test[label]], label
+    sweep = json.loads((folder / "sweep.json").read_text())
+    assert {row["spec"]: row["chosen_lr"] for row in sweep["methods"]} == {
+        spec: float(rows[label][0]) for label, spec in runs.items()}
+    reference = test["fp32 states (plain Fira)"]
+    for label in ("bf16 states, nearest", "bf16 states, stochastic"):
+        mean, low, high = mean_interval([a - b for a, b in zip(test[label], reference)])
+        assert rows[label][-1] == f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]", label
