@@ -921,7 +921,10 @@ def _split(params: list, rank: int | None, options: dict) -> list[dict]:
     the rest, each with ``options``; an empty part is left out."""
     def projectable(item) -> bool:  # a tensor, or a (name, tensor) pair of model.named_parameters()
         tensor = item[1] if isinstance(item, tuple) else item
-        return rank is not None and tensor.dim() == 2 and not tensor.is_complex()
+        # anything else (a module, a number) goes to the plain group: torch's add_param_group
+        # refuses it there with its own TypeError, as torch.optim.AdamW does
+        return (rank is not None and isinstance(tensor, torch.Tensor) and tensor.dim() == 2
+                and not tensor.is_complex())
 
     matrices = [p for p in params if projectable(p)]
     others = [p for p in params if not projectable(p)]

@@ -22,6 +22,17 @@ def test_bare_tensor_is_a_type_error():
         FiraAdamW(torch.nn.Parameter(torch.randn(4, 4)))
 
 
+@pytest.mark.parametrize("params", [
+    lambda: torch.nn.Sequential(torch.nn.Linear(3, 4)),  # iterates over its modules
+    lambda: [1.0],
+    lambda: [{"params": [torch.nn.Linear(3, 4)]}],  # a dict group split with the explicit rank below
+])
+def test_params_that_are_not_tensors_get_torchs_type_error(params):
+    # as torch.optim.AdamW words it, not an AttributeError from the split into matrices and the rest
+    with pytest.raises(TypeError, match="can only optimize Tensors"):
+        FiraAdamW(params(), rank=2)
+
+
 @pytest.mark.parametrize("params", [[], iter([])])
 def test_empty_params_raise(params):
     with pytest.raises(ValueError, match="empty parameter list"):
