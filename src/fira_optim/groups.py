@@ -103,6 +103,15 @@ def param_groups(
     gets a ``UserWarning``: the optimizer would be plain AdamW.
     """
     _check_group_options(group_options)
+    if not isinstance(model, nn.Module):  # e.g. model.parameters(): no modules to tell linear layers by
+        raise TypeError(f"param_groups() takes the model (an nn.Module), got {type(model).__name__}; a "
+                        "list of tensors goes to FiraAdamW directly, which projects its 2-D ones")
+    for argument, patterns in (("include", include), ("exclude", exclude)):
+        for pattern in [patterns] if isinstance(patterns, str) else patterns or []:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"param_groups(): {argument}={pattern!r} is not a regular expression: {err}") from None
     reject_fsdp1(model)  # FSDP1 flattens the weights: nothing would be projected, silently
     never = _excluded_by_role(model)
     projected: list[torch.Tensor] = []

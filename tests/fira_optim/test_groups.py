@@ -91,6 +91,20 @@ def test_include_and_exclude_patterns():
     assert [n.split(".")[-2] for n in _names(model, projected)] == ["q_proj", "q_proj"]
 
 
+def test_a_pattern_that_is_not_a_regular_expression_is_refused_naming_its_argument():
+    model = _llama(False)
+    with pytest.raises(ValueError, match=r"include='\(\(' is not a regular expression"):
+        param_groups(model, include="((")
+    with pytest.raises(ValueError, match=r"exclude='\[' is not a regular expression"):
+        param_groups(model, exclude=["mlp", "["])
+
+
+def test_parameters_instead_of_the_model_are_a_type_error_naming_what_it_takes():
+    model = _llama(False)
+    with pytest.raises(TypeError, match=r"takes the model \(an nn.Module\), got generator"):
+        param_groups(model.parameters())
+
+
 def test_group_options_go_to_the_projected_group():
     model = _llama(True)
     groups = param_groups(model, rank=4, proj_type="left", gamma=1.1, limiter="clip")
