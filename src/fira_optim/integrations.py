@@ -141,11 +141,12 @@ def parse_optim_args(optim_args: str | dict[str, Any] | None) -> dict[str, Any]:
         items = [(str(k), v) for k, v in optim_args.items()]
     elif isinstance(optim_args, str):
         items = []
-        for item in optim_args.replace(" ", "").split(","):
+        for written in optim_args.split(","):
+            item = written.replace(" ", "")
             if not item:
                 continue
-            if item.count("=") != 1:
-                raise ValueError(f"optim_args: item {item!r} of {optim_args!r} must be key=value")
+            if item.count("=") != 1:  # the item as written: 'rank 8', not the 'rank8' it becomes
+                raise ValueError(f"optim_args: item {written.strip()!r} of {optim_args!r} must be key=value")
             key, value = item.split("=")
             items.append((key, value))
     else:

@@ -88,6 +88,8 @@ def test_parse_optim_args_types_aliases_and_errors():
         parse_optim_args("rank=four")
     with pytest.raises(ValueError, match="must be key=value"):
         parse_optim_args("rank")
+    with pytest.raises(ValueError, match="item 'rank 8' of 'alpha=1.0, rank 8' must be key=value"):
+        parse_optim_args("alpha=1.0, rank 8")  # named as written, not with its spaces taken out
     with pytest.raises(ValueError, match="'lr' comes from the TrainingArguments"):
         parse_optim_args("lr=0.1")
     # options whose default is None (torch's choice) take the words true / false; a number stays one
