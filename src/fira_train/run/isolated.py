@@ -16,6 +16,7 @@ sweep's ``--jobs``), and :func:`with_threads` gives each of them its share of th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -40,6 +41,8 @@ _LIVE: set[Any] = set()
 _LIVE_LOCK = threading.Lock()
 #: Set while an interrupted run_isolated_many stops its children: one started meanwhile stops too.
 _STOPPING = threading.Event()
+#: What :func:`run_isolated` tells its child when it is interrupted (Ctrl-C) and stops waiting.
+STOP = "stop"
 
 
 def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -47,7 +50,8 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     here. ``fn`` and its arguments must be picklable (a module-level function, dataclasses)."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    # nothing is ever sent on this one: the child reads end-of-file when this process is gone
+    # the child reads end-of-file on this one when this process is gone, and STOP before it when
+    # this process was interrupted (Ctrl-C) and stops waiting for the run
     parent_gone, parent_alive = context.Pipe(duplex=False)
     level = logging.getLogger().getEffectiveLevel()
     process = context.Process(target=_child, args=(send, parent_gone, level, fn, args, kwargs), daemon=False)
@@ -70,6 +74,10 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         finally:
             receive.close()
         process.join()
+    except BaseException:  # Ctrl-C here: the child is told so before it stops (not "parent gone")
+        with contextlib.suppress(OSError):  # a child that has ended already
+            parent_alive.send(STOP)
+        raise
     finally:  # after the child's end, or on an exception here (Ctrl-C): the child stops too
         parent_alive.close()
         with _LIVE_LOCK:
@@ -127,14 +135,22 @@ def _end_when_orphaned(parent_gone, grace_s: float = 10.0) -> None:
     the process group would have; if this process survives it (SIGTERM ignored, or a handler that
     does not exit), ``os._exit`` after ``grace_s`` seconds. A run loses at most the work since its
     last checkpoint."""
-    try:
-        parent_gone.recv()
-    except (EOFError, OSError):
-        pass
-    log.error("the parent process is gone: ending this run (pid %d)", os.getpid())
+    _wait_for_parent(parent_gone)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     os._exit(128 + signal.SIGTERM)
+
+
+def _wait_for_parent(parent_gone) -> None:
+    """Return once the parent has closed its end of ``parent_gone``; say so where it went without
+    a word (killed, or it died): a parent that was interrupted (Ctrl-C) sent :data:`STOP` first,
+    and says itself that the command was interrupted, so an error line here read as a crash."""
+    try:
+        word = parent_gone.recv()
+    except (EOFError, OSError):
+        word = None
+    if word != STOP:
+        log.error("the parent process is gone: ending this run (pid %d)", os.getpid())
 
 
 def run_isolated_many(calls: Sequence[tuple[Callable[..., Any], tuple]], jobs: int,

@@ -99,3 +99,42 @@ def _shown_warning() -> str:
 def test_a_warning_in_the_run_is_one_line() -> None:
     """compare's and sweep's runs: Python's two lines (fira-train's file, its source line) before."""
     assert run_isolated(_shown_warning) == "fira-train: warning: rank=1000 is >= min(m, n) (UserWarning)\n"
+
+
+def test_a_child_told_to_stop_says_nothing_and_one_orphaned_says_why(caplog) -> None:
+    """Ctrl-C during compare: the child logged "the parent process is gone", which read as a crash
+    beside the command's own "interrupted" line. An interrupted parent says STOP before it closes
+    its end; a parent that goes without a word (killed) is still reported."""
+    import multiprocessing
+
+    from fira_train.run import isolated
+
+    for word, said in ((isolated.STOP, False), (None, True)):
+        gone, alive = multiprocessing.Pipe(duplex=False)
+        if word is not None:
+            alive.send(word)
+        alive.close()
+        caplog.clear()
+        with caplog.at_level("ERROR"):
+            isolated._wait_for_parent(gone)
+        assert ("the parent process is gone" in caplog.text) is said, word
+        gone.close()
+
+
+@needs_proc
+def test_an_interrupted_parent_tells_its_child_to_stop(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the parent): the child ends, and without the "parent process is gone" line."""
+    import signal
+    import subprocess
+
+    marker = tmp_path / "child.pid"
+    # the child ignores SIGINT here, so that it ends by the parent's word alone, as a run that has
+    # caught its own KeyboardInterrupt and is saving would
+    body = (f"import os, pathlib, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            f"pathlib.Path({str(marker)!r}).write_text(str(os.getpid())); time.sleep(120)")
+    argv = [sys.executable, "-c", f"from fira_train.run.isolated import run_isolated\nrun_isolated(exec, {body!r})"]
+    with parent_and_pid(argv, marker, timeout_s=120, stderr=subprocess.PIPE, text=True) as (parent, child):
+        parent.send_signal(signal.SIGINT)
+        _, err = parent.communicate(timeout=60)
+        assert wait_for(lambda: ended(child), timeout_s=30), f"child {child} outlived its parent"
+    assert "KeyboardInterrupt" in err and "the parent process is gone" not in err, err
