@@ -76,6 +76,11 @@ def spike_statistics(losses: Sequence[float], gap: int, *, window: int = 5,
     }
 
 
+def _after_refresh(change: float) -> str:
+    """The mean loss change after a refresh, or that the run had none (shorter than T + 2 steps)."""
+    return f"{change:+.4f}" if math.isfinite(change) else "none (no refresh in the run)"
+
+
 def _median(values: Sequence[float]) -> float:
     v = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
     return float(np.median(v)) if v.size else math.nan
@@ -178,7 +183,8 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
         s, rec = stats[n], records[n]
         residual = [r.get("residual_norm", math.nan) for r in rec]
         has_residual = "residual_norm" in rec[-1]
-        rows.append([n, s["max_rise"], s["max_rise_step"], int(s["spikes"]), s["mean_change_after_refresh"],
+        after = s["mean_change_after_refresh"]  # nan: the run was too short to refresh (steps < T + 2)
+        rows.append([n, s["max_rise"], s["max_rise_step"], int(s["spikes"]), after if math.isfinite(after) else "-",
                      s["mean_change_elsewhere"], _peak_ratio([r["grad_norm"] for r in rec]),
                      _peak_ratio(residual) if has_residual else "-", _median(residual) if has_residual else "-",
                      rec[-1]["loss"]])
@@ -208,7 +214,7 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
                  "multiples of T; GaLore-add spikes more and is hardly better than GaLore.")
     if all(n in stats for n in GALORE_RUNS):
         lines.append("- Measured: mean loss change after a refresh vs elsewhere: "
-                     + ", ".join(f"{n} {stats[n]['mean_change_after_refresh']:+.4f} vs "
+                     + ", ".join(f"{n} {_after_refresh(stats[n]['mean_change_after_refresh'])} vs "
                                  f"{stats[n]['mean_change_elsewhere']:+.4f}" for n in GALORE_RUNS)
                      + "; spikes " + ", ".join(f"{n} {int(stats[n]['spikes'])}" for n in GALORE_RUNS)
                      + "; final loss " + ", ".join(f"{n} {records[n][-1]['loss']:.3f}" for n in GALORE_RUNS) + ".")

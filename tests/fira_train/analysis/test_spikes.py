@@ -50,6 +50,18 @@ def test_spikes_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
     assert result["figure"].read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_run_too_short_to_refresh_reports_no_change_after_refresh_not_nan(tmp_path: Path,
+                                                                            corpus_root: Path) -> None:
+    """4 steps at T = 3: the first step with a refreshed basis would be step 5. The table's cell
+    read nan where its other empty cells read "-", and the measured line "+nan"."""
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=4", "optim.update_proj_gap=3")
+    result = run_spikes(config, tmp_path / "spikes", galore_rank=8)
+    assert all(math.isnan(s["mean_change_after_refresh"]) for s in result["stats"].values())
+    text = result["report"].read_text()
+    assert "nan" not in text.lower(), text
+    assert "galore none (no refresh in the run) vs" in text
+
+
 def test_reused_runs_with_cut_or_damaged_records_are_named_not_reported(tmp_path: Path, corpus_root: Path) -> None:
     """A finished run's norms.jsonl cut by hand gave a report of its first steps as the run's (a
     "final loss" of step 3 of 8), and a damaged line a bare json error naming no file."""
