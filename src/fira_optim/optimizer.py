@@ -275,8 +275,10 @@ class Fira(Optimizer):
 
     def _warn_rounded_halves(self, gi: int, stacklevel: int) -> None:
         """A warning, once per group, where ``stochastic_rounding`` is on for a group holding fp16
-        parameters (rounded to nearest: it is of bf16 ones). At the constructor, and at the step
-        for a group switched to it in ``param_groups`` since (a scan of its parameters only then)."""
+        parameters (rounded to nearest: it is of bf16 ones), or no bf16 parameter at all (it
+        changes nothing there: fp32 weights take the update exactly). At the constructor, and at
+        the step for a group switched to it in ``param_groups`` since (a scan of its parameters
+        only then)."""
         group = self.param_groups[gi]
         warned = self.__dict__.setdefault("_halves_warned", set())
         if not group["stochastic_rounding"] or id(group) in warned:
@@ -287,6 +289,11 @@ class Fira(Optimizer):
             warnings.warn(f"param_groups[{gi}] holds {len(halves)} float16 parameters (the first: ['params']"
                           f"[{halves[0]}]): stochastic_rounding applies to bfloat16 parameters only, these are "
                           "rounded to nearest", UserWarning, stacklevel=stacklevel)
+        elif group["params"] and not any(p.dtype == torch.bfloat16 for p in group["params"]):
+            dtypes = ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in group["params"]}))
+            warnings.warn(f"param_groups[{gi}] holds no bfloat16 parameter ({dtypes} only): stochastic_rounding "
+                          "rounds the updates of bfloat16 weights and changes nothing here", UserWarning,
+                          stacklevel=stacklevel)
 
     def _check_new_group(self, gi: int) -> None:
         """The checks of the group just appended as ``param_groups[gi]`` (torch's

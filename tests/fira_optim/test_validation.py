@@ -511,6 +511,18 @@ def test_integer_parameters_with_a_gradient_are_refused_and_stochastic_rounding_
                   stochastic_rounding=True)
 
 
+def test_stochastic_rounding_of_a_group_without_bf16_parameters_is_warned_of() -> None:
+    """fp32 weights take the update exactly: stochastic_rounding=True changed nothing, silently."""
+    with pytest.warns(UserWarning, match=r"param_groups\[0\] holds no bfloat16 parameter \(float32 only\): "
+                                         r"stochastic_rounding rounds the updates of bfloat16 weights"):
+        FiraAdamW([torch.nn.Parameter(torch.zeros(4, 4))], stochastic_rounding=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one bf16 parameter in the group: it applies there
+        FiraAdamW([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))],
+                  stochastic_rounding=True)
+        FiraAdamW([torch.nn.Parameter(torch.zeros(4))])  # off: no word
+
+
 def test_stochastic_rounding_switched_on_later_warns_of_fp16_parameters_once() -> None:
     """Set in ``param_groups`` after the constructor, ``stochastic_rounding`` gave fp16 weights,
     which it leaves rounded to nearest, no word (the constructor's warning never ran)."""

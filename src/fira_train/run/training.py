@@ -153,6 +153,10 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
     # it warns of (a rank above every matrix's size) rank 0 says for the launch.
     with _warned_on_rank_zero(env):
         setup = build_method(model, config, split_refresh=mode == "ddp" and not config.optim.step_in_backward)
+        if config.optim.host_refresh and device.type == "cpu":
+            warnings.warn("optim.host_refresh=true changes nothing on the CPU: it moves the refresh SVDs of "
+                          "an accelerator's gradients to the host, where these already are", UserWarning,
+                          stacklevel=2)
     in_backward, grad_scaler = None, None
     fp16 = config.train.precision == "fp16"
     if config.optim.step_in_backward:

@@ -113,3 +113,14 @@ def test_with_step_in_backward_the_updates_happen_in_backward(tmp_path: Path) ->
     assert all(p.grad is None for p in training.model.parameters())
     changed = [n for n, p in training.model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == len(before)  # every parameter was updated during backward
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["optim.host_refresh=true"], "optim.host_refresh=true changes nothing on the CPU"),
+    (["optim.stochastic_rounding=true"], r"holds no bfloat16 parameter \(float32 only\): stochastic_rounding"),
+])
+def test_a_setting_that_changes_nothing_here_is_warned_of(tmp_path: Path, overrides: list[str], message: str) -> None:
+    """Each was taken without a word: host_refresh on the CPU, stochastic rounding of fp32 weights."""
+    config = micro_config(tmp_path, "optim.method=fira", "train.device=cpu", *overrides)
+    with pytest.warns(UserWarning, match=message):
+        build_training(config, 300, resolve_device(config))
