@@ -82,7 +82,7 @@ def test_parse_optim_args_types_aliases_and_errors():
                       "gamma": 1.1}
     assert isinstance(parsed["rank"], int) and isinstance(parsed["alpha"], float)
     assert parse_optim_args(None) == {} and parse_optim_args("") == {}
-    with pytest.raises(ValueError, match="unknown key 'rnak'"):
+    with pytest.raises(ValueError, match=r"unknown key 'rnak' \(did you mean 'rank'\?\); FiraAdamW takes"):
         parse_optim_args("rnak=4")
     with pytest.raises(ValueError, match="rank='four' must be an integer"):
         parse_optim_args("rank=four")
