@@ -458,6 +458,26 @@ def test_a_full_stdout_of_a_run_is_not_blamed_on_its_folder(tmp_path: Path, monk
     assert str(tmp_path / "run") + " " not in line.split("(the checkpoints")[0]
 
 
+def test_an_output_folder_that_cannot_be_made_says_so(tmp_path: Path, capsys) -> None:
+    """--out /proc/x: the line was "/proc/x: No such file or directory", without saying that it
+    was making the output folder, nor what to do."""
+    from argparse import Namespace
+
+    from fira_train.user_errors import describe
+
+    args = Namespace(command="pretrain", out="/nowhere/run", overrides=[])
+    for path in ("/nowhere", "/nowhere/run", "/nowhere/run/checkpoints"):
+        assert describe(FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path), args) == (
+            f"cannot create {path} for the output folder /nowhere/run: No such file or directory; "
+            "pass --out with a folder you can write")
+    # a file elsewhere that is missing is not the output folder's
+    assert describe(FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "/elsewhere/x"), args) == (
+        "/elsewhere/x: No such file or directory")
+    if Path("/proc/self").is_dir():  # where no folder can be made
+        assert main(["pretrain", "--recipe", "micro", "--method", "adamw", "--out", "/proc/fira-x/run"]) == 1
+        assert "cannot create /proc/fira-x for the output folder /proc/fira-x/run" in capsys.readouterr().err
+
+
 def test_a_full_disk_names_the_file_written_and_what_moves_it() -> None:
     """Any file's ENOSPC advised pointing --out at another disk (a temporary file, another folder)."""
     import tempfile
