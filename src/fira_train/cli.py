@@ -58,7 +58,7 @@ from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import SAME_ON_EVERY_RANK, is_rank_zero, launched_world_size, same_on_every_rank
 from fira_train.run.process_logging import configure_logging, one_line_warnings
-from fira_train.user_errors import CONTINUES_WITH, describe
+from fira_train.user_errors import CONTINUES_WITH, describe, no_checkpoint_yet
 
 PROG = "fira-train"
 
@@ -454,6 +454,9 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
     instead = [f for f, given in (("--overwrite", getattr(args, "overwrite", False)),
                                   ("--resume-step", getattr(args, "resume_step", None) is not None)) if given]
     also = f" (instead of {' and '.join(instead)})" if instead else ""
+    if no_checkpoint_yet(args):
+        return (f"no checkpoint was written yet (the first comes at train.save_every): the same command with "
+                f"{CONTINUES_WITH[command]}{also} starts the run again from step 0")
     if command in ("pretrain", "compare"):
         finished = ", and compare keeps the finished runs" if command == "compare" else ""
         return (f"checkpoints written so far are kept (train.save_every): the same command with "

@@ -284,7 +284,21 @@ def _work_kept(args: argparse.Namespace) -> str:
     out = _run_dir(args)
     if getattr(args, "command", None) == "memory":
         return f" (the methods measured so far stay in {_memory_json(args)})"
+    if no_checkpoint_yet(args):
+        return f" (no checkpoint was written in {out} yet)"
     return f" (the checkpoints already written in {out} stay)" if out else " (the checkpoints already written stay)"
+
+
+def no_checkpoint_yet(args: argparse.Namespace) -> bool:
+    """Whether ``pretrain``'s run folder (``--out`` or ``train.out_dir=``, as given) holds no
+    checkpoint: the run stopped before its first one (``train.save_every``), and ``--resume``
+    starts it again from step 0. False where that is not known (no folder given, another command)."""
+    out = _run_dir(args)
+    if getattr(args, "command", None) != "pretrain" or out is None or not Path(out).is_dir():
+        return False
+    from fira_train.run.checkpoint import complete_checkpoints  # imports torch: only when needed
+
+    return not complete_checkpoints(out)
 
 
 def _memory_json(args: argparse.Namespace) -> Path:

@@ -287,6 +287,33 @@ def test_each_command_says_how_to_continue_after_ctrl_c(argv: list[str], expecte
     assert hint is None if expected is None else expected in hint
 
 
+def test_a_run_stopped_before_its_first_checkpoint_says_it_starts_again(tmp_path: Path) -> None:
+    """Ctrl-C, or a divergence, before the first checkpoint (train.save_every): the lines said the
+    checkpoints written so far were kept and --resume continued from the newest; there were none,
+    and --resume starts from step 0."""
+    from argparse import Namespace
+
+    from fira_train.run import checkpoint as ckpt
+    from fira_train.user_errors import describe
+
+    out = tmp_path / "run"
+    args = build_parser().parse_args(["pretrain", "--recipe", "micro", "--method", "fira", "--out", str(out)])
+    assert "checkpoints written so far are kept" in cli.interrupted_hint(args)  # no folder yet: not known
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    assert cli.interrupted_hint(args) == ("no checkpoint was written yet (the first comes at train.save_every): "
+                                          "the same command with --resume starts the run again from step 0")
+    diverged = describe(FloatingPointError("the run diverged at step 2: training loss 1e9"), args)
+    assert f"(no checkpoint was written in {out} yet)" in diverged and "already written" not in diverged
+    ckpt.save_checkpoint(out, 1, {"step": 1})
+    assert "checkpoints written so far are kept" in cli.interrupted_hint(args)
+    assert f"(the checkpoints already written in {out} stay)" in describe(
+        FloatingPointError("the run diverged at step 2: training loss 1e9"), args)
+    # compare's folder holds several runs: unchanged
+    other = Namespace(command="compare", out=str(out), overrides=[])
+    assert "checkpoints already written" in describe(FloatingPointError("the run diverged at step 2: loss"), other)
+
+
 def test_memory_measure_says_what_it_kept_after_ctrl_c(tmp_path: Path) -> None:
     """Stopped in its first method, it said the methods measured so far were kept in a memory.json
     that did not exist (the advised --append then had nothing to add to)."""
