@@ -389,6 +389,14 @@ class Fira(Optimizer):
         finally:
             pre.remove()
             post.remove()
+        # torch made new group dicts: a group warned of (_warn_rounded_halves) stays warned of,
+        # or every load (a resume) repeated the constructor's warning at the next step
+        warned = self.__dict__.get("_halves_warned")
+        if warned:
+            for old, new in zip(before["param_groups"], self.param_groups):
+                if id(old) in warned:
+                    warned.discard(id(old))
+                    warned.add(id(new))
         # The loaded groups, states and ranks replace the ones the cached layout was built for
         # (a rank the load set is not a rank changed during training); the loaded states are
         # built for the loaded groups' options.

@@ -523,6 +523,26 @@ def test_stochastic_rounding_of_a_group_without_bf16_parameters_is_warned_of() -
         FiraAdamW([torch.nn.Parameter(torch.zeros(4))])  # off: no word
 
 
+def test_a_loaded_state_dict_does_not_repeat_the_stochastic_rounding_warning() -> None:
+    """load_state_dict makes new group dicts: the constructor's warning of fp32 (or fp16) weights
+    under stochastic_rounding was given again at the first step of every resume."""
+    params = [torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))]
+    with pytest.warns(UserWarning, match="stochastic_rounding"):
+        opt = FiraAdamW([{"params": params[:1], "rank": 2}, {"params": params[1:]}], lr=1e-3,
+                        stochastic_rounding=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    with pytest.warns(UserWarning, match="stochastic_rounding"):
+        resumed = FiraAdamW([{"params": params[:1], "rank": 2}, {"params": params[1:]}], lr=1e-3,
+                            stochastic_rounding=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned of at the constructor already
+        resumed.load_state_dict(saved)
+        resumed.step()
+
+
 def test_stochastic_rounding_switched_on_later_warns_of_fp16_parameters_once() -> None:
     """Set in ``param_groups`` after the constructor, ``stochastic_rounding`` gave fp16 weights,
     which it leaves rounded to nearest, no word (the constructor's warning never ran)."""
