@@ -82,7 +82,11 @@ def foreign_files(out: str | Path) -> list[str]:
             continue
         if child.is_dir() and not child.is_symlink() and name in RUN_DIRS:
             if name == "checkpoints":
-                foreign += [f"checkpoints/{c.name}" for c in sorted(child.iterdir())
+                try:
+                    entries = sorted(child.iterdir())
+                except FileNotFoundError:  # deleted (rank 0's --overwrite) after it was looked at
+                    continue
+                foreign += [f"checkpoints/{c.name}" for c in entries
                             if not (_CHECKPOINT_ENTRY.match(c.name) and c.is_dir())]
             continue
         if child.is_file() and not child.is_symlink():

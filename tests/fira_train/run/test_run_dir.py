@@ -185,6 +185,28 @@ def test_a_file_deleted_while_the_folder_is_read_is_not_foreign(tmp_path: Path, 
         assert sum("did not write (notes.txt)" in r.getMessage() for r in caplog.records) == warned, delete
 
 
+def test_a_checkpoints_folder_deleted_while_the_folder_is_read_is_not_an_error(tmp_path: Path, monkeypatch) -> None:
+    """The same race as above for checkpoints/: removed by rank 0 (--overwrite) after another rank
+    saw it was a folder and before it listed it, it raised FileNotFoundError on that rank (which
+    then said "cannot create .../checkpoints for the output folder")."""
+    import shutil
+
+    from fira_train.run import run_files
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    listed = Path.iterdir
+
+    def iterdir(self):
+        if self == out / "checkpoints":
+            shutil.rmtree(self)  # rank 0's delete, between is_dir() and the listing
+        return listed(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    assert run_files.foreign_files(out) == ["notes.txt"]
+
+
 def test_foreign_files_beside_a_run_do_not_block_its_resume(tmp_path: Path) -> None:
     config = micro_config(tmp_path, "optim.method=adamw", "train.steps=2", "train.save_every=1",
                           "train.eval_every=0")
