@@ -383,7 +383,8 @@ def _os_error(err: OSError, args: argparse.Namespace) -> str:
         return f"cannot write {path}: {reason}; {fix}"
     if err.errno in _NOT_A_FOLDER:
         return f"{path}: {reason} (a file is where a folder is needed); move it or choose another folder"
-    if err.errno == errno.ENOENT and out is not None and (_inside(path, out) or _inside(out, path)):
-        # making the output folder (or a folder above it), where none can be made (/proc/x)
+    if err.errno == errno.ENOENT and out is not None and _inside(out, path):
+        # making the output folder or a folder above it, where none can be made (/proc/x); a
+        # file missing inside it is another matter (read, not made)
         return f"cannot create {path} for the output folder {out}: {reason}; pass --out with a folder you can write"
     return f"{path}: {reason}"

@@ -466,13 +466,14 @@ def test_an_output_folder_that_cannot_be_made_says_so(tmp_path: Path, capsys) ->
     from fira_train.user_errors import describe
 
     args = Namespace(command="pretrain", out="/nowhere/run", overrides=[])
-    for path in ("/nowhere", "/nowhere/run", "/nowhere/run/checkpoints"):
+    for path in ("/nowhere", "/nowhere/run"):
         assert describe(FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path), args) == (
             f"cannot create {path} for the output folder /nowhere/run: No such file or directory; "
             "pass --out with a folder you can write")
-    # a file elsewhere that is missing is not the output folder's
-    assert describe(FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "/elsewhere/x"), args) == (
-        "/elsewhere/x: No such file or directory")
+    # a file missing inside it, or elsewhere, is read, not made
+    for path in ("/nowhere/run/checkpoints/step_00000002/state.pt", "/elsewhere/x"):
+        assert describe(FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path), args) == (
+            f"{path}: No such file or directory")
     if Path("/proc/self").is_dir():  # where no folder can be made
         assert main(["pretrain", "--recipe", "micro", "--method", "adamw", "--out", "/proc/fira-x/run"]) == 1
         assert "cannot create /proc/fira-x for the output folder /proc/fira-x/run" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import fira_optim
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.method import MethodSetup
 from fira_train.methods.model import build_model
-from fira_train.methods.registry import build_method
+from fira_train.methods.registry import build_method, get_method
 from fira_train.run.parallel import DistributedEnv, parallelize, unwrap
 from fira_train.run.schedule import WarmupCosine
 
@@ -153,7 +153,9 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
     # it warns of (a rank above every matrix's size) rank 0 says for the launch.
     with _warned_on_rank_zero(env):
         setup = build_method(model, config, split_refresh=mode == "ddp" and not config.optim.step_in_backward)
-        if config.optim.host_refresh and device.type == "cpu":
+        # (a method that does not read it is warned of by the command line: not twice)
+        reads = "host_refresh" in get_method(config.optim.method).uses
+        if config.optim.host_refresh and device.type == "cpu" and reads:
             warnings.warn("optim.host_refresh=true changes nothing on the CPU: it moves the refresh SVDs of "
                           "an accelerator's gradients to the host, where these already are", UserWarning,
                           stacklevel=2)

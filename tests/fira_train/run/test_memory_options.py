@@ -3,6 +3,7 @@ bf16 weights and activation checkpointing (config, training loop, refusals)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,8 @@ def test_a_setting_that_changes_nothing_here_is_warned_of(tmp_path: Path, overri
     config = micro_config(tmp_path, "optim.method=fira", "train.device=cpu", *overrides)
     with pytest.warns(UserWarning, match=message):
         build_training(config, 300, resolve_device(config))
+    if overrides == ["optim.host_refresh=true"]:  # AdamW does not read it: the command line says so, not this
+        adamw = micro_config(tmp_path, "optim.method=adamw", "train.device=cpu", *overrides)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            build_training(adamw, 300, resolve_device(adamw))
