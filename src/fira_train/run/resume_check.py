@@ -217,8 +217,19 @@ def _choose(out: Path, resume: str | int, config: RunConfig, keep_state: bool,
     return None, None, []
 
 
-_ERRORS = {cls.__name__: cls for cls in (ValueError, FileNotFoundError, ckpt.CheckpointError,
-                                          UnsafeCheckpointError)}
+_ERRORS = {cls.__name__: cls for cls in (ValueError, ckpt.CheckpointError, UnsafeCheckpointError, OSError,
+                                          FileNotFoundError, FileExistsError, PermissionError,
+                                          IsADirectoryError, NotADirectoryError)}
+
+
+def _rebuilt(name: str, text: str, os_fields: tuple | None) -> Exception:
+    """Rank 0's error of type ``name`` on another rank: an OSError with its errno, reason and
+    file (what the command line's one-line message reads: a bare message had none), another
+    known type with its text, anything else as a RuntimeError."""
+    cls = _ERRORS.get(name, RuntimeError)
+    if os_fields is not None and issubclass(cls, OSError) and os_fields[0] is not None:
+        return cls(*os_fields)
+    return cls(text)
 
 
 def choose_checkpoint(out: str | Path, resume: str | int, config: RunConfig,
@@ -257,9 +268,10 @@ def decided_on_rank_zero(env: DistributedEnv, decide: Callable[[], Any]) -> Any:
             message[0] = ("ok", str(result) if isinstance(result, Path) else result)
         except Exception as err:  # noqa: BLE001 -- handed to every rank, then re-raised here
             error = err
-            message[0] = ("error", type(err).__name__, str(err))
+            os_fields = (err.errno, err.strerror, err.filename) if isinstance(err, OSError) else None
+            message[0] = ("error", type(err).__name__, str(err), os_fields)
     dist.broadcast_object_list(message, src=0, device=env.device)
     if message[0][0] == "error":
         with same_on_every_rank():  # rank 0's error, raised by every rank alike
-            raise error if error is not None else _ERRORS.get(message[0][1], RuntimeError)(message[0][2])
+            raise error if error is not None else _rebuilt(*message[0][1:])
     return message[0][1]

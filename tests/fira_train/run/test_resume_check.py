@@ -378,21 +378,29 @@ def test_a_checkpoint_is_checked_by_the_data_record_it_has(caplog) -> None:
         check_corpus({"corpus": "fedcba9876543210"}, stream, "x.txt")
 
 
-def _decided_worker(rank: int, world: int, fail: bool) -> str:
+def _decided_worker(rank: int, world: int, fail: bool | str) -> str:
+    import errno
+    from argparse import Namespace
+
     from fira_train.run.parallel import DistributedEnv
     from fira_train.run.resume_check import decided_on_rank_zero
+    from fira_train.user_errors import describe
 
     def decide():
         assert rank == 0  # only rank 0 reads the run directory
+        if fail == "permission":
+            raise PermissionError(errno.EACCES, "Permission denied", "/runs/x/summary.json")
         if fail:
             raise ValueError("summary.json is damaged")
         return {"val_loss": 1.5}
 
     try:
         return repr(decided_on_rank_zero(DistributedEnv(rank, world, rank, torch.device("cpu"), "gloo"), decide))
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         from fira_train.run.launch import SAME_ON_EVERY_RANK
 
+        if isinstance(err, OSError):  # the command line's one line, as rank 0's own error gives it
+            return f"{type(err).__name__}: {describe(err, Namespace(command='pretrain', out='/runs/x', overrides=[]))}"
         return f"raised: {err}" + (" (rank 0 prints it)" if getattr(err, SAME_ON_EVERY_RANK, False) else "")
 
 
@@ -407,6 +415,11 @@ def test_what_rank_zero_decides_reaches_every_rank_errors_included(tmp_path: Pat
     assert run_ranks(_decided_worker, 2, tmp_path, False, timeout=50) == ["{'val_loss': 1.5}"] * 2
     assert (run_ranks(_decided_worker, 2, tmp_path / "fail", True, timeout=50)
             == ["raised: summary.json is damaged (rank 0 prints it)"] * 2)
+    # an OSError keeps its type, errno and file on the other ranks (it was a RuntimeError of its
+    # text there, which the command line printed as a traceback)
+    denied = run_ranks(_decided_worker, 2, tmp_path / "denied", "permission", timeout=50)
+    assert denied[0] == denied[1] and denied[0].startswith("PermissionError: cannot write /runs/x/summary.json: "
+                                                           "Permission denied"), denied
 
 
 @pytest.mark.parametrize("lever", ["train.activation_checkpointing=true", "optim.step_in_backward=true"])
