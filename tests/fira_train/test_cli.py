@@ -240,7 +240,10 @@ def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
+    from fira_train.run import checkpoint as ckpt
+
     monkeypatch.setattr(fira_train.run.train, "train", interrupted)
+    ckpt.save_checkpoint(tmp_path, 2, {"step": 2})  # a run with a checkpoint (without one: the test below)
     assert main(["pretrain", "--method", "adamw", "--recipe", "micro", "--out", str(tmp_path)]) == 130
     err = capsys.readouterr().err
     assert err.strip() == ("fira-train pretrain: interrupted; checkpoints written so far are kept "
