@@ -27,6 +27,7 @@ its error): every rank resumes from the same checkpoint and the files are hashed
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -217,19 +218,15 @@ def _choose(out: Path, resume: str | int, config: RunConfig, keep_state: bool,
     return None, None, []
 
 
-_ERRORS = {cls.__name__: cls for cls in (ValueError, ckpt.CheckpointError, UnsafeCheckpointError, OSError,
-                                          FileNotFoundError, FileExistsError, PermissionError,
-                                          IsADirectoryError, NotADirectoryError)}
-
-
-def _rebuilt(name: str, text: str, os_fields: tuple | None) -> Exception:
-    """Rank 0's error of type ``name`` on another rank: an OSError with its errno, reason and
-    file (what the command line's one-line message reads: a bare message had none), another
-    known type with its text, anything else as a RuntimeError."""
-    cls = _ERRORS.get(name, RuntimeError)
-    if os_fields is not None and issubclass(cls, OSError) and os_fields[0] is not None:
-        return cls(*os_fields)
-    return cls(text)
+def _sendable(err: Exception) -> Exception:
+    """``err`` as the other ranks can receive it (pickled by the broadcast: its type, errno and
+    file kept, as the command line's one-line message reads them); one that does not pickle as a
+    RuntimeError of its text (failing to pickle on rank 0 would leave the others in the broadcast)."""
+    try:
+        pickle.loads(pickle.dumps(err))  # the round trip: an exception whose __init__ takes other arguments fails loading
+    except Exception:  # noqa: BLE001 -- any pickling failure
+        return RuntimeError(f"{type(err).__name__}: {err}")
+    return err
 
 
 def choose_checkpoint(out: str | Path, resume: str | int, config: RunConfig,
@@ -268,10 +265,9 @@ def decided_on_rank_zero(env: DistributedEnv, decide: Callable[[], Any]) -> Any:
             message[0] = ("ok", str(result) if isinstance(result, Path) else result)
         except Exception as err:  # noqa: BLE001 -- handed to every rank, then re-raised here
             error = err
-            os_fields = (err.errno, err.strerror, err.filename) if isinstance(err, OSError) else None
-            message[0] = ("error", type(err).__name__, str(err), os_fields)
+            message[0] = ("error", _sendable(err))
     dist.broadcast_object_list(message, src=0, device=env.device)
     if message[0][0] == "error":
         with same_on_every_rank():  # rank 0's error, raised by every rank alike
-            raise error if error is not None else _rebuilt(*message[0][1:])
+            raise error if error is not None else message[0][1]
     return message[0][1]
