@@ -271,19 +271,20 @@ class Fira(Optimizer):
                 self._in_backward.cover(param_group["params"])  # (refused if another handle updates one)
         except Exception:  # a refused group is not kept: step() would train it as given
             del self.param_groups[count:]
+            self.__dict__.get("_unrounded_warned", set()).discard(count)  # the next group there is another
             raise
 
-    def _warn_rounded_halves(self, gi: int, stacklevel: int) -> None:
+    def _warn_unrounded(self, gi: int, stacklevel: int) -> None:
         """A warning, once per group, where ``stochastic_rounding`` is on for a group holding fp16
         parameters (rounded to nearest: it is of bf16 ones), or no bf16 parameter at all (it
         changes nothing there: fp32 weights take the update exactly). At the constructor, and at
         the step for a group switched to it in ``param_groups`` since (a scan of its parameters
-        only then)."""
+        only then). Marked by the group's index, which a load (new group dicts) keeps."""
         group = self.param_groups[gi]
-        warned = self.__dict__.setdefault("_halves_warned", set())
-        if not group["stochastic_rounding"] or id(group) in warned:
+        warned = self.__dict__.setdefault("_unrounded_warned", set())
+        if not group["stochastic_rounding"] or gi in warned:
             return
-        warned.add(id(group))
+        warned.add(gi)
         halves = [index for index, p in enumerate(group["params"]) if p.dtype == torch.float16]
         if halves:
             warnings.warn(f"param_groups[{gi}] holds {len(halves)} float16 parameters (the first: ['params']"
@@ -312,7 +313,7 @@ class Fira(Optimizer):
             for index, p in enumerate(group["params"]):
                 _check_projectable(p, index, gi)
             _warn_if_nothing_projected(group, gi)
-        self._warn_rounded_halves(gi, stacklevel=4)
+        self._warn_unrounded(gi, stacklevel=4)
         for index, p in enumerate(group["params"]):
             # A rank=None group with fp32 states takes complex parameters, as torch.optim.AdamW
             # does (real views of them); a subspace of a complex matrix is not defined here.
@@ -389,14 +390,6 @@ class Fira(Optimizer):
         finally:
             pre.remove()
             post.remove()
-        # torch made new group dicts: a group warned of (_warn_rounded_halves) stays warned of,
-        # or every load (a resume) repeated the constructor's warning at the next step
-        warned = self.__dict__.get("_halves_warned")
-        if warned:
-            for old, new in zip(before["param_groups"], self.param_groups):
-                if id(old) in warned:
-                    warned.discard(id(old))
-                    warned.add(id(new))
         # The loaded groups, states and ranks replace the ones the cached layout was built for
         # (a rank the load set is not a rank changed during training); the loaded states are
         # built for the loaded groups' options.
@@ -481,7 +474,7 @@ class Fira(Optimizer):
                 check_state_rounding(group)
             except ValueError as err:
                 raise ValueError(f"param_groups[{gi}]: {err}") from None
-            self._warn_rounded_halves(gi, stacklevel=5)
+            self._warn_unrounded(gi, stacklevel=5)
         entries, total = self._entries(only)
         for gi, pi, p, _ in entries:  # before anything is computed (a frozen int8 weight is fine)
             if p.grad is not None and not (p.is_floating_point() or p.is_complex()):

@@ -590,3 +590,13 @@ def test_a_tensor_appended_to_a_projected_group_is_checked_as_add_param_group_ch
             opt.step()
         assert torch.equal(weight.detach(), before) and torch.equal(extra.detach(), torch.zeros_like(extra))
         opt.param_groups[0]["params"].pop()
+
+
+def test_a_refused_group_leaves_no_warning_mark_for_the_next_one_at_its_place() -> None:
+    """The once-per-group mark is the group's index: a group refused by add_param_group (after its
+    warning) must not leave its index marked for the group added there next."""
+    opt = FiraAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))], stochastic_rounding=True)
+    with pytest.warns(UserWarning, match="holds no bfloat16"), pytest.raises(ValueError, match="complex32"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, dtype=torch.complex32))]})
+    with pytest.warns(UserWarning, match=r"param_groups\[1\] holds no bfloat16"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))]})
