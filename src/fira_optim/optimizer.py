@@ -744,8 +744,8 @@ class Fira(Optimizer):
         strategy = self._strategy(hyper, p, grad)
         rounding = None
         if group["stochastic_rounding"] and p.dtype == torch.bfloat16:
-            first_row = sharding.rows(p.shape[0])[0] if sharding is not None else 0  # FSDP2: this rank's rows
-            rounding = precision.rounding_generator(group["seed"], order, step, p.device, offset=first_row)
+            # FSDP2: this rank's rows draw their own bits (as a plain parameter's shard does)
+            rounding = precision.rounding_generator(group["seed"], order, step, p.device, precision.shard_offset(p))
         low = project(grad, basis, side)  # FSDP2 left: this rank's share P_k^T G_k of R
         dim = reduce_dim(side)
         low_norm = strategy.column_norms(low, dim)
