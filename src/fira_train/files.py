@@ -367,14 +367,22 @@ def read_regular_bytes(path: str | Path, limit: int = RECORD_LIMIT, hint: str = 
     run folder while the run trains would block the read for good, a device give endless bytes),
     :class:`FileTooLargeError` (with ``hint``) if it holds more than ``limit`` bytes: its size is
     looked at before it is read, and at most ``limit + 1`` bytes are read (it may grow meanwhile)."""
-    with open(open_regular(path, os.O_RDONLY, follow=True), "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size > limit:
-            raise FileTooLargeError(path, size, limit, hint)
+    with _open_capped(path, limit, hint) as handle:
         data = handle.read(limit + 1)
         if len(data) > limit:
             raise FileTooLargeError(path, max(len(data), os.fstat(handle.fileno()).st_size), limit, hint)
     return data
+
+
+@contextlib.contextmanager
+def _open_capped(path: str | Path, limit: int, hint: str) -> Iterator[IO[bytes]]:
+    """``path`` opened for reading in binary, once it is known to be a regular file (ValueError
+    otherwise: :func:`open_regular`) of at most ``limit`` bytes (:class:`FileTooLargeError`)."""
+    with open(open_regular(path, os.O_RDONLY, follow=True), "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise FileTooLargeError(path, size, limit, hint)
+        yield handle
 
 
 def json_lines(path: str | Path, hint: str = "") -> Iterator[tuple[int, bytes]]:
@@ -382,10 +390,7 @@ def json_lines(path: str | Path, hint: str = "") -> Iterator[tuple[int, bytes]]:
     memory at a time (a last line may lack its newline); :class:`FileTooLargeError` for a file
     over :data:`LINES_LIMIT` bytes (looked at before reading, and counted as read) or a line over
     :data:`RECORD_LIMIT`; ValueError if it is not a regular file (:func:`read_regular_bytes`)."""
-    with open(open_regular(path, os.O_RDONLY, follow=True), "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size > LINES_LIMIT:
-            raise FileTooLargeError(path, size, LINES_LIMIT, hint)
+    with _open_capped(path, LINES_LIMIT, hint) as handle:
         total = 0
         for number in itertools.count(1):
             line = handle.readline(RECORD_LIMIT + 1)
