@@ -24,16 +24,13 @@ from __future__ import annotations
 import torch
 
 from .options import Hyper, Residual
-from .precision import round_into
 from .projection import LEFT, project_back
 
 
-def commit_explicit(param, grad, basis, side, direction, scaled, factor, step: int,
-                    hp: Hyper, rounding=None) -> None:
+def commit_explicit(param, basis, side, direction, scaled, factor, step: int, hp: Hyper) -> None:
     """One matrix, every term explicit. ``scaled``: :math:`\\phi \\odot S` before the limiter
-    (None for GaLore); ``param`` may be lower precision than ``grad``: then the update is formed
-    in the working dtype and added once (by stochastic rounding with the ``rounding`` generator)."""
-    work = param if param.dtype == grad.dtype else param.to(grad.dtype)
+    (None for GaLore). ``param`` is in the working dtype (a copy of a low-precision parameter,
+    which the optimizer rounds into it once: :meth:`fira_optim.Fira._update`)."""
     inside = project_back(direction, basis, side)  # P N
     if hp.residual is Residual.DROP:  # GaLore
         update = hp.alpha * inside
@@ -46,13 +43,11 @@ def commit_explicit(param, grad, basis, side, direction, scaled, factor, step: i
         else:
             update = hp.alpha * (inside + scaled)
     if hp.weight_decay != 0 and not hp.released:
-        work.mul_(1.0 - hp.lr * hp.weight_decay)
-    work.sub_(update, alpha=hp.step_size(step))
+        param.mul_(1.0 - hp.lr * hp.weight_decay)
+    param.sub_(update, alpha=hp.step_size(step))
     if hp.weight_decay != 0 and hp.released:
         # fira 1.0.2 decays after the update with the un-corrected lr: p -= lr * wd * p.
-        work.add_(work, alpha=-hp.lr * hp.weight_decay)
-    if work is not param:
-        round_into(param, work, rounding)
+        param.add_(param, alpha=-hp.lr * hp.weight_decay)
 
 
 def commit_fused(params, grads, bases, sides, directions, lows, phis, factors, step: int,

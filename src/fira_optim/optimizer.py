@@ -766,8 +766,8 @@ class Fira(Optimizer):
     def _update(self, matrices: list[tuple[MatrixStep, Hyper]], stats) -> None:
         """Commit the new bases and step counts, then stages 3-7: one matrix at a time for the
         reference strategy, for low-precision states (decoded to fp32, updated, encoded back:
-        only one matrix's fp32 moments exist at once) and for low-precision gradients (only one
-        matrix's fp32 gradient exists at once), in buckets of matrices that share
+        only one matrix's fp32 moments exist at once) and for low-precision gradients and
+        parameters (only one matrix's fp32 gradient and working copy exist at once), in buckets of matrices that share
         hyper-parameters, step count, strategy and shard group otherwise."""
         buckets: dict[tuple, list[MatrixStep]] = {}
         for m, hp in matrices:
@@ -783,6 +783,12 @@ class Fira(Optimizer):
             lazy = m.source is not None
             if lazy:
                 m.grad = m.source.to(m.work_dtype)
+            weights = None
+            if m.local.dtype != m.work_dtype:
+                # A low-precision (bf16) parameter: every strategy updates a working-dtype copy,
+                # rounded into it once (stochastically with m.rounding), so the update's terms
+                # are not each rounded to bf16; one matrix's copy exists at a time.
+                weights, m.local = m.local, m.local.to(m.work_dtype)
             if hp.state_dtype is not StateDtype.FLOAT32:
                 stored, keys = m.state, STATE_KEYS[hp.base]
                 # seeded by the step count before this update, as the weights' rounding; the
@@ -791,11 +797,14 @@ class Fira(Optimizer):
                 m.state = precision.decode(stored, keys, m.work_dtype)
                 m.strategy.run([m], step, hp, row_sum, stats)
                 precision.encode(stored, m.state, keys, moments)
-            elif m.strategy.explicit or lazy:
+            elif m.strategy.explicit or lazy or weights is not None:
                 m.strategy.run([m], step, hp, row_sum, stats)
             else:
                 shards = None if m.sharding is None else m.sharding.group
                 buckets.setdefault((id(hp), step, m.strategy.name, shards), []).append((m, hp))
+            if weights is not None:
+                precision.round_into(weights, m.local, m.rounding)
+                m.local = weights
             if lazy:
                 m.grad = None
         for (_, step, _, _), bucket in buckets.items():

@@ -100,9 +100,9 @@ class Strategy:
 
 class FastStrategy(Strategy):
     def supports(self, hp: Hyper, param: torch.Tensor, grad: torch.Tensor) -> bool:
-        # FRUGAL's sign residual has no form without S; a low-precision param needs its
-        # update formed in the working dtype first.
-        return hp.residual is not Residual.SIGN and param.dtype == grad.dtype
+        # FRUGAL's sign residual has no form without S. (A low-precision param is no reason:
+        # the optimizer hands every strategy a working-dtype copy of it and rounds once after.)
+        return hp.residual is not Residual.SIGN
 
 
 REFERENCE = Strategy("reference", explicit=True, fused_adam=False, column_norms=exact_norms)
@@ -142,9 +142,9 @@ def run_stages(batch: list[MatrixStep], step: int, hp: Hyper, strategy: Strategy
         factors = limit(norms, [m.state["prev_norm"] for m in batch], hp)
     if strategy.explicit:
         for i, m in enumerate(batch):
-            commit_explicit(m.local, m.grad, m.basis, m.side, directions[i],
+            commit_explicit(m.local, m.basis, m.side, directions[i],
                             None if factors is None else scaled[i],
-                            None if factors is None else factors[i], step, hp, m.rounding)
+                            None if factors is None else factors[i], step, hp)
     else:
         commit_fused([m.local for m in batch], [m.grad for m in batch], [m.basis for m in batch],
                      sides, directions, lows, None if factors is None else phis, factors, step, hp)

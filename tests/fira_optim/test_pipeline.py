@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fira_optim import VARIANTS, FiraAdamW
+from fira_optim import VARIANTS, FiraAdamW, precision
 
 from .common import grad_sequence, make_params
 
@@ -123,9 +123,57 @@ def test_fast_path_allocates_no_full_size_temporaries(variant, shape):
     assert big["fast"] == []
 
 
+@pytest.mark.parametrize("variant", ["fira", "galore", "fira-released", "fira-only-scaling"])
+@pytest.mark.parametrize("rounding", [False, True], ids=["nearest", "stochastic"])
+def test_fast_path_matches_reference_for_bf16_weights(variant, rounding, monkeypatch):
+    """bf16 weights take the fast path on an fp32 working copy, rounded once, as the reference
+    does: the same weights but where the fp32 results of the two paths fall on either side of a
+    bf16 rounding boundary (one ulp); with stochastic rounding, the same random bits."""
+    runs = {}
+    for implementation in ("fast", "reference"):
+        params = make_params(PROJECTED[:3], seed=11, dtype=torch.bfloat16)
+        opt = FiraAdamW([{"params": params, "rank": RANK, "update_proj_gap": GAP}], lr=1e-2,
+                        weight_decay=0.05, implementation=implementation, stochastic_rounding=rounding,
+                        **VARIANTS[variant])
+        used = set()
+        opt.register_step_stats_hook(lambda _opt, stats: used.update(s.strategy for s in stats))
+        for row in grad_sequence(PROJECTED[:3], STEPS, seed=12, dtype=torch.bfloat16):
+            for p, g in zip(params, row):
+                p.grad = g.clone()
+            opt.step()
+        assert used == {implementation}
+        runs[implementation] = params
+    differ = 0
+    for p, q in zip(runs["fast"], runs["reference"]):
+        assert p.dtype == torch.bfloat16
+        ulp = torch.finfo(torch.bfloat16).eps * q.float().abs().clamp_min(1e-3)
+        assert ((p.float() - q.float()).abs() <= ulp).all()
+        differ += int((p != q).sum())
+    total = sum(p.numel() for p in runs["fast"])
+    assert differ < total // 100, f"{differ} of {total} weights differ"
+
+
+@pytest.mark.parametrize("rounding", [False, True], ids=["nearest", "stochastic"])
+def test_bf16_weights_step_holds_one_fp32_copy_besides_the_gradient(rounding, monkeypatch):
+    """A bf16 matrix's step allocates its fp32 gradient (at the plan, and again at the update)
+    and one fp32 working copy of the weight, its update formed in place there: no m x n term
+    of the reference path; stochastic rounding's noise comes a chunk at a time."""
+    monkeypatch.setattr(precision, "ROUNDING_CHUNK", 1 << 12)
+    shape = (256, 512)
+    w = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)).bfloat16())
+    opt = FiraAdamW([{"params": [w], "rank": 16, "update_proj_gap": 100}], stochastic_rounding=rounding)
+    w.grad = torch.randn(shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    opt.step()
+    w.grad = torch.randn(shape, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    fp32 = shape[0] * shape[1] * 4
+    assert [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > fp32 // 2] == [fp32] * 3
+
+
 @pytest.mark.parametrize("dtype,options,wanted", [
     (torch.float32, {}, True),                      # fast path: ||g_i||^2 taken as the step is planned
-    (torch.bfloat16, {}, False),                    # reference path forms S itself
+    (torch.bfloat16, {}, True),                     # fast path on an fp32 working copy
     (torch.float32, {"residual": "sign"}, False),   # FRUGAL: reference path
     (torch.float32, {"residual": "drop"}, False),   # GaLore: no residual
 ])

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from fira_optim import FiraAdamW
+from fira_optim import FiraAdamW, precision
 from fira_optim.precision import BLOCK, round_into, uniform_bits16
 
 from .common import round_trip
@@ -286,3 +286,24 @@ def test_the_refresh_step_projects_with_the_stored_basis(state_dtype, implementa
     norms = torch.stack([norm for norm, _ in seen])
     torch.testing.assert_close(norms, norms[:1].expand(3), rtol=1e-3, atol=0)
     assert all(float(factor) == 1.0 for _, factor in seen)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
+def test_round_into_rounds_a_chunk_at_a_time_with_the_bits_of_one_draw(transposed, monkeypatch):
+    """round_into draws its noise ROUNDING_CHUNK elements at a time (a bounded temporary), in the
+    tensor's row-major order: the bits, so the weights, of one draw for the whole tensor."""
+    value = torch.randn(301, 67, generator=torch.Generator().manual_seed(5)) * 1e-3 + 1.0
+    rounded, draw = {}, precision.uniform_bits16
+    for chunk in (1 << 30, 1024):
+        monkeypatch.setattr(precision, "ROUNDING_CHUNK", chunk)
+        sizes = []
+        monkeypatch.setattr(precision, "uniform_bits16", lambda n, g: sizes.append(n) or draw(n, g))
+        param = torch.zeros(67, 301, dtype=torch.bfloat16).t() if transposed else torch.zeros(301, 67, dtype=torch.bfloat16)
+        precision.round_into(param, value.t().contiguous().t() if transposed else value,
+                             torch.Generator().manual_seed(6))
+        assert max(sizes) == min(chunk, value.numel()) and sum(sizes) == value.numel()
+        rounded[chunk] = param
+    assert torch.equal(rounded[1024], rounded[1 << 30])
+    # stochastic: some values went up, some down, each to a neighbouring bf16 value
+    assert ((rounded[1024].float() - value).abs() <= 2 ** -7).all()
+    assert (rounded[1024].float() > value).any() and (rounded[1024].float() < value).any()
