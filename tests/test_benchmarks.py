@@ -677,3 +677,36 @@ def test_the_long_bf16_states_table_is_what_its_runs_recorded() -> None:
     for label in ("bf16 states, nearest", "bf16 states, stochastic"):
         mean, low, high = mean_interval([a - b for a, b in zip(test[label], reference)])
         assert rows[label][-1] == f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]", label
+
+
+@pytest.mark.timeout(240)
+def test_matrix_step_memory_script_runs_and_the_docs_quote_its_committed_numbers(tmp_path: Path) -> None:
+    """benchmarks/matrix_step_memory.py: a bf16 matrix's step through the fast path holds far less
+    than through the reference path (a small matrix here, each arm in its own process), and the
+    docs quote the committed run."""
+    out = tmp_path / "matrix.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "matrix_step_memory.py"), "--rows", "512",
+                    "--cols", "1024", "--rank", "32", "--repeats", "1", "--out", str(out)],
+                   check=True, cwd=ROOT, timeout=220, capture_output=True)
+    fresh = json.loads(out.read_text())["transient_bytes_per_element"]
+    assert fresh["bf16"][0] < 0.6 * fresh["bf16 reference"][0]  # measured 12.5 against 33.1
+    committed = json.loads((ROOT / "docs" / "benchmarks" / "matrix_step_memory.json").read_text())
+    assert committed["matrix"] == [2048, 5461] and committed["rank"] == 512
+    per_element, seconds = committed["transient_bytes_per_element"], committed["median_step_seconds"]
+
+    def span(values, fmt="{:.1f}"):
+        low, high = fmt.format(min(values)), fmt.format(max(values))
+        return low if low == high else f"{low}-{high}"
+
+    def ms(values):
+        return span([1e3 * v for v in values], "{:.0f}")
+
+    optimizer = " ".join((ROOT / "docs" / "optimizer.md").read_text().split())
+    assert (f"transient memory was {span(per_element['bf16'])} bytes per element of the matrix "
+            f"({span(per_element['bf16 stochastic'])} with stochastic rounding; "
+            f"{span(per_element['bf16 stochastic, noise in one piece'])} with the noise of the whole matrix drawn "
+            f"at once) against {span(per_element['bf16 reference'])} through the reference path") in optimizer
+    assert f"its step took {ms(seconds['bf16'])} ms against {ms(seconds['bf16 reference'])} ms" in optimizer
+    measured = " ".join((ROOT / "docs" / "results" / "memory-measured" / "README.md").read_text().split())
+    assert f"fp32 matrices, {span(per_element['bf16 reference'])} bytes per element" in measured
+    assert f"rounds it into the weights once: {span(per_element['bf16'])} bytes per element" in measured

@@ -34,7 +34,9 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   (its default on the CPU), whose ``sqrt`` and division hold two parameter-sized temporaries at
   once: :math:`2 \cdot V h` elements at the weights' dtype. Low-precision states (and stochastic
   rounding) step through fp32 copies a chunk at a time (:data:`fira_optim.precision.CHUNK`
-  elements, about 13 bytes each). They add to everything else because the memory the backward
+  elements, about 13 bytes each). A bf16 matrix of the Fira family is updated through an fp32
+  working copy beside its fp32 gradient, one matrix at a time: 8 bytes per element of the
+  largest projected matrix, where that is more. They add to everything else because the memory the backward
   pass freed (the activations) stays in the process, in glibc's heap, while these temporaries,
   larger than its ``mmap`` threshold, are mapped afresh (``benchmarks/memory_phases.py``
   measures each phase: the step's own rise is :math:`2 \cdot V h \cdot 4` bytes at 60M). On
@@ -152,6 +154,12 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     stepped_whole = largest if o.method in PLAIN_METHODS else embed
     temporaries = (min(stepped_whole, CHUNK) * CHUNK_TEMPORARY_BYTES if chunked
                    else 2 * stepped_whole * weight_bytes)
+    if projected and weight_bytes == 2:  # (the peers' shapes are emptied above: their own steps)
+        # a bf16 matrix is updated through an fp32 working copy beside its fp32 gradient, one
+        # matrix at a time (benchmarks/matrix_step_memory.py): 8 bytes per element of the largest
+        largest_projected = max((a * b for a, b in shapes if is_projected(torch.empty((a, b), device="meta"), group)),
+                                default=0)
+        temporaries = max(temporaries, 2 * 4 * largest_projected)
     if device == "cuda" and o.method in FOREACH_METHODS:
         # one foreach step per param group: adamw-grouped's two groups (matrices; the rest) in turn
         temporaries = (max(params - others, others) if o.method == "adamw-grouped" else params) * weight_bytes

@@ -183,6 +183,22 @@ def test_the_step_temporaries_are_the_largest_whole_update_or_a_chunk() -> None:
     assert rounded["step_temporaries"] == CHUNK * CHUNK_TEMPORARY_BYTES
 
 
+def test_a_bf16_matrix_steps_through_an_fp32_copy_beside_its_fp32_gradient() -> None:
+    """With bf16 weights the Fira family's step holds 8 bytes per element of the largest projected
+    matrix (its fp32 gradient and working copy) where that exceeds the unprojected part's chunk:
+    at 1B with int8 states, 2048 x 5461 elements."""
+    from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES
+
+    config = get_recipe("1b")
+    config = replace(config, optim=replace(config.optim, state_dtype="int8"),
+                     train=replace(config.train, batch_size=1, micro_batch_size=1, param_dtype="bfloat16"))
+    assert estimate_run_bytes(config, 32000)["step_temporaries"] == 8 * 2048 * 5461 > CHUNK * CHUNK_TEMPORARY_BYTES
+    fp32 = replace(config, train=replace(config.train, param_dtype="float32"))
+    assert estimate_run_bytes(fp32, 32000)["step_temporaries"] == CHUNK * CHUNK_TEMPORARY_BYTES
+    adamw = replace(config, optim=replace(config.optim, method="adamw", state_dtype="float32"))
+    assert estimate_run_bytes(adamw, 32000)["step_temporaries"] == 2 * 32000 * 2048 * 2  # its own rule
+
+
 def test_torch_adamw_on_cuda_holds_a_weights_sized_temporary() -> None:
     """On CUDA torch's AdamW steps every parameter at once (``foreach``), holding sqrt(v) of all
     of them; the CPU's per-parameter step holds two temporaries of the largest parameter."""
