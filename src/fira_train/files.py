@@ -218,16 +218,26 @@ def write_atomic(path: str | Path, write: Callable[[IO[Any]], Any], *, binary: b
         # ("x": O_CREAT | O_EXCL, which fails on any link); the rename then replaces ``path``
         # itself, a link there included
         temp.unlink(missing_ok=True)
-        with open(temp, "xb") if binary else open(temp, "x", encoding="utf-8") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_synced(temp, write, binary=binary, exclusive=True)
         os.replace(temp, path)
     except BaseException:  # a full disk: no part-written file left beside the old one
         temp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)  # the rename itself
     return path
+
+
+def write_synced(path: str | Path, write: Callable[[IO[Any]], Any], *, binary: bool = True,
+                 exclusive: bool = False) -> None:
+    """Create or truncate ``path`` (``exclusive``: create only, failing on anything there, a link
+    included), ``write(handle)`` into it (a binary handle, or a UTF-8 text one with
+    ``binary=False``) and flush it to disk (``fsync``) before returning: what a rename that
+    publishes it, or a completion marker beside it, relies on."""
+    mode = ("x" if exclusive else "w") + ("b" if binary else "")
+    with open(path, mode) if binary else open(path, mode, encoding="utf-8") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fira_train.files import file_digest, fsync_dir, parse_json, read_regular_text
+from fira_train.files import file_digest, fsync_dir, parse_json, read_regular_text, write_synced
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "state.pt"
@@ -79,15 +79,9 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any]) -> Pa
     tmp.mkdir()
     try:
         state_path = tmp / STATE_FILE
-        with open(state_path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(state_path, lambda f: torch.save(state, f))
         marker = {"step": step, "size": state_path.stat().st_size, "sha256": file_digest(state_path)}
-        with open(tmp / MARKER, "w", encoding="utf-8") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp / MARKER, lambda f: json.dump(marker, f), binary=False)
         fsync_dir(tmp)
         install_dir(tmp, final)
         fsync_dir(root)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fira_optim import precision
-from fira_train.files import fsync_dir, parse_json, read_regular_text
+from fira_train.files import fsync_dir, parse_json, read_regular_text, write_synced
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity
 from fira_train.run.parallel import world_size
@@ -144,7 +143,7 @@ def save_checkpoint(
                 _check_all_shards_here(tmp, files)
                 info = {**(record or {}), "format": FORMAT, "step": step, "world_size": world_size(),
                         "time": time.time(), checkpoint_integrity.FILES_KEY: files}
-                _write_synced(tmp / MARKER, json.dumps(info))
+                write_synced(tmp / MARKER, lambda f: json.dump(info, f), binary=False)
                 fsync_dir(tmp)
                 ckpt.install_dir(tmp, final)
                 fsync_dir(final.parent)
@@ -406,10 +405,3 @@ def _save_failure(err: CheckpointException) -> BaseException:
     failures = [err.failures[rank][0] for rank in sorted(err.failures)]
     ordinary = [exc for exc in failures if isinstance(exc, (Exception, KeyboardInterrupt))]
     return ordinary[0] if ordinary else err
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())

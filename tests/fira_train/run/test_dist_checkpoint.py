@@ -178,7 +178,7 @@ def _kill_during_save_worker(rank: int, world: int, run_dir: str, where: str) ->
     if where == "data":  # after DCP wrote the shards, before its metadata
         dcp.FileSystemWriter.finish = die
     else:  # everything written and synced, before the marker and the rename
-        ckpt._write_synced = die
+        ckpt.write_synced = die
     optimizer.step()
     ckpt.save_checkpoint(run_dir, 4, model, optimizer, extra={"step": 4})
 
@@ -233,7 +233,7 @@ def _full_disk_worker(rank: int, world: int, run_dir: str, failing: int, where: 
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(run_dir) / ".tmp-step_00000004" / "x"))
 
     if rank == failing and where == "marker":  # rank 0 alone writes it, the others wait
-        ckpt._write_synced = full
+        ckpt.write_synced = full
     elif rank == failing and where == "folder":  # rank 0 alone makes it, the others wait
         make = Path.mkdir
         Path.mkdir = lambda path, *a, **k: full() if path.name == ".tmp-step_00000004" else make(path, *a, **k)
@@ -358,7 +358,7 @@ def _unpicklable_error_worker(rank: int, world: int, run_dir: str) -> str:
     model = build_model()
     optimizer = make_optimizer(model, "fira")
     if rank == 0:
-        ckpt._write_synced = fail
+        ckpt.write_synced = fail
     try:
         ckpt.save_checkpoint(run_dir, 2, model, optimizer, extra={"step": 2})
     except Exception as err:  # noqa: BLE001 -- reported to the test
