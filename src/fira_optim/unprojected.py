@@ -101,7 +101,7 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict,
                 generator = precision.rounding_generator(group["seed"], order, step, p.device,
                                                          precision.shard_offset(p))
             moments = precision.state_generators(state_rounding, state, keys, group["seed"], order, step)
-            if p.numel() > precision.CHUNK and _chunkable(p, state, keys):
+            if distributed.to_local(p.detach()).numel() > precision.CHUNK and _chunkable(p, state, keys):
                 _step_in_chunks(group, p, state, keys, generator, moments)
                 continue
             work_dtype = torch.promote_types(p.dtype, torch.float32)  # fp64 stays fp64
@@ -119,10 +119,12 @@ def step_groups(groups: list[tuple[dict, list[torch.Tensor]]], states: dict,
 
 
 def _chunkable(p: torch.Tensor, state: dict, keys) -> bool:
-    """Whether ``p``, its gradient and its moments are plain contiguous tensors (not DTensors),
-    so that a chunk of each is a slice of its memory."""
-    tensors = [p.detach(), p.grad] + [state[key] for key in keys]
-    return all(type(t) is torch.Tensor and t.is_contiguous() for t in tensors)
+    """Whether the blocks this process holds of ``p``, its gradient and its moments (the tensors
+    themselves, or a DTensor's local tensor: FSDP2's rows) are plain contiguous tensors of one
+    size, so that a chunk of each is a slice of its memory."""
+    tensors = [distributed.to_local(t) for t in [p.detach(), p.grad] + [state[key] for key in keys]]
+    return all(type(t) is torch.Tensor and t.is_contiguous() for t in tensors) and \
+        len({t.numel() for t in tensors}) == 1
 
 
 def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator, moments=None) -> None:
@@ -139,7 +141,9 @@ def _step_in_chunks(group: dict, p: torch.Tensor, state: dict, keys, generator, 
     size = precision.CHUNK
     if size % precision.BLOCK:
         raise ValueError(f"precision.CHUNK ({size}) must be a multiple of precision.BLOCK")
-    flat, grad, counter = p.detach().view(-1), p.grad.view(-1), state["step"]
+    # under FSDP2, this rank's blocks (the generators already carry their offsets)
+    flat, grad, counter = distributed.to_local(p.detach()).view(-1), distributed.to_local(p.grad).view(-1), state["step"]
+    state = {key: distributed.to_local(value) if torch.is_tensor(value) else value for key, value in state.items()}
     work_dtype = torch.promote_types(p.dtype, torch.float32)  # fp64 stays fp64
     stepped = counter
     for start in range(0, flat.numel(), size):

@@ -541,6 +541,43 @@ def test_fsdp2_plain_parameters_stepped_through_fp32_copies_are_updated(tmp_path
             assert not torch.equal(results[1][name], torch.linspace(-1, 1, 9).to(dtype).chunk(2)[1])
 
 
+def _chunked_plain_worker(rank: int, world: int) -> dict:
+    """A plain 9 x 300 parameter stepped through fp32 copies, per config: its row block on this
+    rank stepped whole and CHUNK (256) elements at a time, and how many chunked steps ran."""
+    from fira_optim import precision, unprojected
+
+    chunked_steps = []
+    real = unprojected._step_in_chunks
+    unprojected._step_in_chunks = lambda *args, **kwargs: chunked_steps.append(1) or real(*args, **kwargs)
+    out = {}
+    for name, dtype, options in COPIED_PLAIN:
+        for chunk in (1 << 20, 256):
+            precision.CHUNK = chunk
+            param = torch.nn.Parameter(_shard(torch.linspace(-1, 1, 2700).view(9, 300).to(dtype)))
+            opt = FiraAdamW([{"params": [param]}], lr=1e-2, **options)
+            for step in range(3):
+                param.grad = _shard(_gradient("table", (9, 300), step, dtype))
+                opt.step()
+            out[name, chunk] = param.to_local().detach().clone()
+            out[name, chunk, "state"] = [opt.state[param][key].to_local().clone() for key in ("exp_avg", "exp_avg_sq")]
+    out["chunked_steps"] = len(chunked_steps)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_plain_parameters_step_their_row_blocks_a_chunk_at_a_time(tmp_path):
+    """Under FSDP2 a plain parameter stepped through fp32 copies goes a chunk at a time over this
+    rank's rows, as a parameter does in one process (it was copied to fp32 whole): bit for bit the
+    whole block's step, stochastic rounding's bits included, on each rank."""
+    for result in run_ranks(_chunked_plain_worker, 2, tmp_path, timeout=100):
+        assert result["chunked_steps"] == 3 * len(COPIED_PLAIN)  # 1500 and 1200 elements: over 256
+        for name, dtype, _ in COPIED_PLAIN:
+            assert result[name, 256].dtype == dtype
+            assert torch.equal(result[name, 256], result[name, 1 << 20]), name
+            for chunked, whole in zip(result[name, 256, "state"], result[name, 1 << 20, "state"]):
+                assert torch.equal(chunked, whole), name
+
+
 def _zero_rows_first(step: int) -> torch.Tensor:
     """A 9-row embedding's gradient whose rows 0-4 (rank 0's shard of two) are zero at step 0:
     a table whose first batch uses only tokens 5-8."""
