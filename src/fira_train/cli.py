@@ -455,8 +455,11 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
                                   ("--resume-step", getattr(args, "resume_step", None) is not None)) if given]
     also = f" (instead of {' and '.join(instead)})" if instead else ""
     if no_checkpoint_yet(args):
-        return (f"no checkpoint was written yet (the first comes at train.save_every): the same command with "
-                f"{CONTINUES_WITH[command]}{also} starts the run again from step 0")
+        if command == "pretrain":
+            return (f"no checkpoint was written yet (the first comes at train.save_every): the same command with "
+                    f"{CONTINUES_WITH[command]}{also} starts the run again from step 0")
+        return (f"nothing was kept yet (no run finished, and the first checkpoint comes at train.save_every): the "
+                f"same command with {CONTINUES_WITH[command]}{also} starts again from the beginning")
     if command in ("pretrain", "compare"):
         finished = ", and compare keeps the finished runs" if command == "compare" else ""
         return (f"checkpoints written so far are kept (train.save_every): the same command with "

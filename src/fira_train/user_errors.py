@@ -280,25 +280,53 @@ def _no_room(problem: str, fix: str, args: argparse.Namespace) -> str:
 
 
 def _work_kept(args: argparse.Namespace) -> str:
-    """What the command keeps of its work when it stops: checkpoints, or memory's rows."""
+    """What the command keeps of its work when it stops: checkpoints and finished runs, or
+    memory's rows."""
     out = _run_dir(args)
-    if getattr(args, "command", None) == "memory":
+    command = getattr(args, "command", None)
+    if command == "memory":
         return f" (the methods measured so far stay in {_memory_json(args)})"
     if no_checkpoint_yet(args):
-        return f" (no checkpoint was written in {out} yet)"
+        if command == "pretrain":
+            return f" (no checkpoint was written in {out} yet)"
+        return (f" (nothing was kept in {out} yet: no run finished and no checkpoint was written, so the "
+                "command starts again from the beginning)")
     return f" (the checkpoints already written in {out} stay)" if out else " (the checkpoints already written stay)"
 
 
+#: Where the runs of a command that trains several live in its output folder (OUT): compare's in
+#: OUT/<spec>/ (:mod:`fira_train.compare`), an analysis's in OUT/<run name>/
+#: (:mod:`fira_train.analysis.runs`), a sweep's in OUT/<spec>/lr=<lr>/seed=<seed>/
+#: (:meth:`fira_train.sweep.grid.RunKey.folder`). pretrain's run is OUT itself.
+_RUN_FOLDERS = {"compare": "*", "analyze": "*", "sweep": "*/lr=*/seed=*"}
+#: What a run that ended leaves in its folder, which its command keeps: a finished run's summary
+#: (compare's ``--resume``, a sweep's and an analysis's ``--reuse`` reuse it), a sweep's diverged
+#: run's marker (:data:`fira_train.sweep.grid.DIVERGED_FILE`, kept as diverged).
+_ENDED = ("summary.json", "diverged.json")
+
+
 def no_checkpoint_yet(args: argparse.Namespace) -> bool:
-    """Whether ``pretrain``'s run folder (``--out`` or ``train.out_dir=``, as given) holds no
-    checkpoint: the run stopped before its first one (``train.save_every``), and ``--resume``
-    starts it again from step 0. False where that is not known (no folder given, another command)."""
-    out = _run_dir(args)
-    if getattr(args, "command", None) != "pretrain" or out is None or not Path(out).is_dir():
+    """Whether the command's output folder (``--out`` or ``train.out_dir=``, as given) holds
+    nothing it would go on from: for ``pretrain``, no checkpoint (the run stopped before its
+    first one, ``train.save_every``, and ``--resume`` starts it again from step 0); for
+    ``compare``, ``sweep`` and ``analyze``, no checkpoint of any of their runs and no run that
+    ended (finished, or a sweep's diverged one), so that the same command with ``--resume`` /
+    ``--reuse`` starts again from the beginning. False where that is not known (no folder given,
+    none there yet, one that cannot be read, another command)."""
+    command, out = getattr(args, "command", None), _run_dir(args)
+    if command != "pretrain" and command not in _RUN_FOLDERS or out is None:
         return False
     from fira_train.run.checkpoint import complete_checkpoints  # imports torch: only when needed
 
-    return not complete_checkpoints(out)
+    try:
+        if not Path(out).is_dir():
+            return False
+        if command == "pretrain":
+            return not complete_checkpoints(out)
+        runs = [run for run in Path(out).glob(_RUN_FOLDERS[command]) if run.is_dir()]
+        return not any(complete_checkpoints(run) or any((run / name).exists() for name in _ENDED) for run in runs)
+    except (OSError, ValueError):  # a folder that cannot be read, a checkpoint linked from outside: not known
+        return False
 
 
 def _memory_json(args: argparse.Namespace) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -265,7 +266,8 @@ def test_a_run_process_killed_says_what_is_kept_and_how_to_continue(tmp_path, mo
     assert capsys.readouterr().err.strip() == (
         "fira-train compare: error: the run's process (pid 7) ended without a result: killed by SIGTERM: what it "
         "printed above says why; fix that if it was not stopped on purpose and run the same command again with "
-        f"--resume (the checkpoints already written in {tmp_path} stay)")
+        f"--resume (nothing was kept in {tmp_path} yet: no run finished and no checkpoint was written, so the "
+        "command starts again from the beginning)")
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
@@ -312,9 +314,49 @@ def test_a_run_stopped_before_its_first_checkpoint_says_it_starts_again(tmp_path
     assert "checkpoints written so far are kept" in cli.interrupted_hint(args)
     assert f"(the checkpoints already written in {out} stay)" in describe(
         FloatingPointError("the run diverged at step 2: training loss 1e9"), args)
-    # compare's folder holds several runs: unchanged
+    # compare's folder holds its runs in OUT/<spec>/ (the test below): a pretrain run there is none of them
     other = Namespace(command="compare", out=str(out), overrides=[])
-    assert "checkpoints already written" in describe(FloatingPointError("the run diverged at step 2: loss"), other)
+    assert f"(nothing was kept in {out} yet" in describe(FloatingPointError("the run diverged at step 2: loss"), other)
+
+
+@pytest.mark.parametrize(("argv", "run", "flag"), [
+    (["compare", "--recipe", "micro", "--methods", "fira,adamw"], "adamw", "--resume"),
+    (["sweep", "--recipe", "micro", "--methods", "fira", "--lrs", "0.01,0.03"], "fira/lr=0.03/seed=0", "--reuse"),
+    (["analyze", "noise"], "fira-noise", "--reuse"),
+])
+def test_compare_sweep_and_analyze_stopped_before_keeping_anything_say_so(argv: list[str], run: str, flag: str,
+                                                                          tmp_path: Path) -> None:
+    """Stopped (Ctrl-C, a run's process killed) before any of their runs wrote a checkpoint or
+    finished, they said the checkpoints (and finished runs) were kept and the same command
+    continued: nothing was, and it starts again from the beginning."""
+    from fira_train.run import checkpoint as ckpt
+    from fira_train.run.isolated import IsolatedRunDied
+    from fira_train.user_errors import describe
+
+    out = tmp_path / "out"
+    args = build_parser().parse_args([*argv, "--out", str(out)])
+    args.argv = [*argv, "--out", str(out)]
+    killed = IsolatedRunDied("the run's process (pid 7) ended without a result: killed by SIGTERM")
+    assert "kept" in cli.interrupted_hint(args) and "nothing" not in cli.interrupted_hint(args)  # no folder: not known
+    (out / run).mkdir(parents=True)
+    (out / run / "metrics.jsonl").write_text("")  # started, not checkpointed
+    (out / "report.md").write_text("")
+    assert cli.interrupted_hint(args) == (
+        "nothing was kept yet (no run finished, and the first checkpoint comes at train.save_every): the same "
+        f"command with {flag} starts again from the beginning")
+    assert describe(killed, args).endswith(
+        f"run the same command again with {flag} (nothing was kept in {out} yet: no run finished and no "
+        "checkpoint was written, so the command starts again from the beginning)")
+    ckpt.save_checkpoint(out / run, 1, {"step": 1})  # a checkpoint of one of its runs
+    assert "nothing" not in cli.interrupted_hint(args) and f"with {flag} continues" in cli.interrupted_hint(args)
+    assert describe(killed, args).endswith(f"with {flag} (the checkpoints already written in {out} stay)")
+    shutil.rmtree(out / run / ckpt.CHECKPOINT_DIR)
+    (out / run / ckpt.CHECKPOINT_DIR / ".tmp-step_00000002-7").mkdir(parents=True)  # a save cut short: nothing
+    assert "nothing was kept yet" in cli.interrupted_hint(args)
+    for ended in ("summary.json", "diverged.json"):  # a finished run; a sweep's diverged one, kept as diverged
+        (out / run / ended).write_text("{}")
+        assert "nothing" not in cli.interrupted_hint(args)
+        (out / run / ended).unlink()
 
 
 def test_memory_measure_says_what_it_kept_after_ctrl_c(tmp_path: Path) -> None:

@@ -321,6 +321,10 @@ def test_a_full_disk_names_the_next_command_of_sweep_and_memory(tmp_path: Path) 
     from fira_train.user_errors import _memory_json, describe
 
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert "run the same command again with --reuse (nothing was kept in" in describe(  # no run yet
+        full, Namespace(command="sweep", out=str(tmp_path)))
+    (tmp_path / "fira" / "lr=0.01" / "seed=0" / "summary.json").parent.mkdir(parents=True)
+    (tmp_path / "fira" / "lr=0.01" / "seed=0" / "summary.json").write_text("{}")
     assert "run the same command again with --reuse (the checkpoints already written" in describe(
         full, Namespace(command="sweep", out=str(tmp_path)))
     memory = Namespace(command="memory", out=str(tmp_path / "mem"), recipe="MICRO")
