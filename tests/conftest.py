@@ -1,5 +1,7 @@
 """Set-up shared by every test."""
 
+import signal
+
 import pytest
 import torch
 
@@ -16,3 +18,13 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handled():
+    """Ctrl-C stops the test session again after a test that ran the command line's Ctrl-C path
+    in this process: ``fira_train.cli.main`` ignores SIGINT from there on, for the process's exit."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    if handler is not None:  # None: not set from Python
+        signal.signal(signal.SIGINT, handler)

@@ -45,6 +45,7 @@ import io
 import logging
 import os
 import select
+import signal
 import sys
 import time
 import warnings
@@ -574,7 +575,8 @@ def _stderr_on_rank_zero() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``fira-train`` and ``python -m fira_train``; returns the exit status."""
+    """Entry point of ``fira-train`` and ``python -m fira_train``; returns the exit status. After
+    Ctrl-C (status 130) the process ignores further SIGINTs: it is expected to exit."""
     try:
         parser = build_parser()
     except ModuleNotFoundError as err:  # installed without the [train] extra: what to install
@@ -603,6 +605,22 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # here, where a failed write is one line, not at the interpreter's exit
         return status
     except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
+        # The process ends now. A second Ctrl-C (pressed twice; `timeout -s INT`, which signals the
+        # process and then its whole group) raised another KeyboardInterrupt wherever it landed --
+        # in the hint below, or in an exit handler (torch's, multiprocessing's, tqdm's monitor's) --
+        # and Python printed its traceback after the line below. So SIGINT is ignored from here to
+        # the exit (SIGTERM and SIGKILL still end the process). Inline, not in a function, and a
+        # signal already pending is taken here (signal.signal raises it before it sets the
+        # handler, a function call before its first line): either way it is the same Ctrl-C.
+        # Only the main thread may set a handler (ValueError elsewhere: its caller decides).
+        while True:
+            try:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                break
+            except KeyboardInterrupt:
+                continue
+            except ValueError:
+                break
         hint = interrupted_hint(args)
         print(f"{PROG} {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130  # the shell's status for SIGINT

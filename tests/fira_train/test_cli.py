@@ -251,6 +251,50 @@ def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, 
                            "(train.save_every): the same command with --resume continues from the newest")
 
 
+#: A command whose first Ctrl-C (a real SIGINT, sent by the command to itself) is followed by a
+#: second: while the command's line is made ("hint"), or during the interpreter's exit, from an
+#: exit handler ("exit"), as torch's, multiprocessing's and tqdm's are.
+_TWO_CTRL_C = """
+import atexit, os, signal, sys, time
+from fira_train import cli
+
+def second_ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)  # where the KeyboardInterrupt of that signal is raised, unless it is ignored
+
+def interrupted(args):
+    os.kill(os.getpid(), signal.SIGINT)  # the first: its KeyboardInterrupt is raised at once
+    time.sleep(30)
+    raise AssertionError("no KeyboardInterrupt")
+
+if sys.argv[1] == "hint":
+    hint = cli.interrupted_hint
+    cli.interrupted_hint = lambda args: (second_ctrl_c(), hint(args))[1]
+else:
+    atexit.register(second_ctrl_c)
+cli._pretrain = interrupted
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("second", ["hint", "exit"])
+def test_a_second_ctrl_c_while_the_command_ends_is_ignored(second: str, tmp_path: Path) -> None:
+    """Ctrl-C pressed twice (or `timeout -s INT`, which signals the process and then its group)
+    printed the interrupted line, then a KeyboardInterrupt traceback from wherever the second one
+    landed: torch's exit handlers, multiprocessing's join of a run's process, or the line itself
+    ("During handling of the above exception")."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    argv = ["pretrain", "--recipe", "micro", "--method", "adamw", "--out", str(tmp_path)]
+    done = subprocess.run([sys.executable, "-c", _TWO_CTRL_C, second, *argv], env=env, capture_output=True,
+                          text=True, timeout=100)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.splitlines() == [
+        "fira-train pretrain: interrupted; no checkpoint was written yet (the first comes at train.save_every): the "
+        "same command with --resume starts the run again from step 0"]
+
+
 def test_a_run_process_killed_says_what_is_kept_and_how_to_continue(tmp_path, monkeypatch, capsys) -> None:
     """A compare or sweep whose run process was killed (SIGTERM by a scheduler, the OOM killer)
     said "the isolated run of train ended without a result": a function's name, and no word of
