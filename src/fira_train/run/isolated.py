@@ -122,9 +122,14 @@ def _child(send, parent_gone, level: int, fn: Callable[..., Any], args: tuple, k
         result = ("error", err)
     try:
         send.send(result)
+    except BrokenPipeError:
+        # the parent stopped waiting (Ctrl-C, which reaches this process too and which the parent
+        # reports itself) or is gone (_wait_for_parent says so): nobody to tell, no traceback
+        pass
     except Exception:  # an unpicklable result or exception: its text
         status, payload = result
-        send.send(("error", RuntimeError(f"{type(payload).__name__}: {payload}")))
+        with contextlib.suppress(BrokenPipeError):
+            send.send(("error", RuntimeError(f"{type(payload).__name__}: {payload}")))
     finally:
         send.close()
 

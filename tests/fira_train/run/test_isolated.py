@@ -138,3 +138,31 @@ def test_an_interrupted_parent_tells_its_child_to_stop(tmp_path: Path) -> None:
         _, err = parent.communicate(timeout=60)
         assert wait_for(lambda: ended(child), timeout_s=30), f"child {child} outlived its parent"
     assert "KeyboardInterrupt" in err and "the parent process is gone" not in err, err
+
+
+@needs_proc
+def test_a_result_the_interrupted_parent_no_longer_waits_for_is_dropped_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C during compare reaches the run's process too: when it handed its KeyboardInterrupt
+    back after the parent had stopped waiting (and closed the pipe), it printed a BrokenPipeError
+    traceback after the command's "interrupted" line."""
+    import signal
+    import subprocess
+
+    marker, stopped = tmp_path / "child.pid", tmp_path / "parent.stopped"
+    # the child outlives the parent's SIGTERM (a run saving its checkpoint) and ends with its own
+    # KeyboardInterrupt once the parent has stopped waiting for it
+    body = (f"import os, pathlib, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            f"signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"pathlib.Path({str(marker)!r}).write_text(str(os.getpid()))\n"
+            f"while not pathlib.Path({str(stopped)!r}).exists(): time.sleep(0.05)\n"
+            "raise KeyboardInterrupt")
+    script = ("import pathlib\nfrom fira_train.run.isolated import run_isolated\n"
+              f"try:\n    run_isolated(exec, {body!r})\n"
+              f"except KeyboardInterrupt:\n    pathlib.Path({str(stopped)!r}).write_text('')\n")
+    with parent_and_pid([sys.executable, "-c", script], marker, timeout_s=120, stderr=subprocess.PIPE,
+                        text=True) as (parent, child):
+        parent.send_signal(signal.SIGINT)
+        _, err = parent.communicate(timeout=60)  # the parent's exit waits for the child's
+        assert ended(child)
+    assert stopped.exists(), err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
