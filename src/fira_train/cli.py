@@ -59,7 +59,7 @@ from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import SAME_ON_EVERY_RANK, is_rank_zero, launched_world_size, same_on_every_rank
 from fira_train.run.process_logging import configure_logging, one_line_warnings
-from fira_train.user_errors import CONTINUES_WITH, describe, no_checkpoint_yet
+from fira_train.user_errors import CONTINUES_WITH, describe, keeps_nothing, no_checkpoint_yet
 
 PROG = "fira-train"
 
@@ -450,8 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
 def interrupted_hint(args: argparse.Namespace) -> str | None:
     """What a command stopped by Ctrl-C keeps, and how to continue it (None: nothing to continue)."""
     command = args.command
-    if command == "analyze" and getattr(args, "analysis_name", None) == "variance":
-        return None  # a simulation of seconds to minutes: nothing is kept
+    if keeps_nothing(args):
+        return None
     instead = [f for f, given in (("--overwrite", getattr(args, "overwrite", False)),
                                   ("--resume-step", getattr(args, "resume_step", None) is not None)) if given]
     also = f" (instead of {' and '.join(instead)})" if instead else ""

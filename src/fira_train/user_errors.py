@@ -274,9 +274,15 @@ def _no_room(problem: str, fix: str, args: argparse.Namespace) -> str:
     """The one line for a write that found no room: :func:`_run_again`, or only the first part
     where nothing was made yet."""
     command = getattr(args, "command", "")
-    if command == "methods" or command == "memory" and not _memory_json(args).is_file():
+    if command == "methods" or keeps_nothing(args) or command == "memory" and not _memory_json(args).is_file():
         return f"{problem}: {fix} and run the same command again"  # nothing made, or measured: nothing kept
     return _run_again(problem, fix, args)
+
+
+def keeps_nothing(args: argparse.Namespace) -> bool:
+    """Whether the command keeps no work to go on from when it stops: ``analyze variance``, a
+    simulation of seconds to minutes that writes its report at the end."""
+    return getattr(args, "command", None) == "analyze" and getattr(args, "analysis_name", None) == "variance"
 
 
 def _work_kept(args: argparse.Namespace) -> str:

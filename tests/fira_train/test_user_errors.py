@@ -334,6 +334,9 @@ def test_a_full_disk_names_the_next_command_of_sweep_and_memory(tmp_path: Path) 
     assert describe(full, memory).endswith(
         "run the same command again with --append, its --methods cut to those not measured yet "
         f"(the methods measured so far stay in {tmp_path / 'mem' / 'memory.json'})")
+    # analyze variance keeps nothing to go on from (a simulation; its report comes at the end)
+    variance = Namespace(command="analyze", analysis_name="variance", out=str(tmp_path))
+    assert describe(full, variance).endswith("and run the same command again")
     # without --out: the folder of the recipe as it is looked up, in lower case
     assert _memory_json(Namespace(command="memory", out=None, recipe="MICRO")) == Path("runs/micro-memory/memory.json")
 
