@@ -242,6 +242,25 @@ class SittingRecorder(transformers.TrainerCallback):
             write_text_atomic(self.path, json.dumps([*self.earlier, self.entry(state.global_step)], indent=2))
 
 
+class StopOnNonFiniteLoss(transformers.TrainerCallback):
+    """Stops the training at the first step whose loss is not finite (a learning rate that blew the
+    weights up), with :class:`FloatingPointError`, before that step's checkpoint is written (the
+    Trainer logs, then saves). Its ``logging_nan_inf_filter``, which the run turns off, logged such
+    a loss as the mean of the steps logged before it (0.0 when it logs every step), and the run
+    went on to evaluate NaN weights and write their accuracy as its results."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(loss):
+            raise FloatingPointError(non_finite_loss(state.global_step, loss))
+
+
+def non_finite_loss(step: int, loss: float) -> str:
+    """The message of a run whose training loss at ``step`` is not finite."""
+    return (f"the run diverged at step {step}: training loss {loss} (not finite); lower --lr and train the run "
+            "again")
+
+
 def counting_tokens(trainer_class: type) -> type:
     """``trainer_class`` that adds each micro-batch's non-padding tokens (its attention mask's
     sum) to ``state.num_input_tokens_seen``, which checkpoints carry over sittings. The Trainer's
@@ -305,6 +324,7 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         warmup_steps=config.effective_warmup,
         weight_decay=config.weight_decay,
         logging_steps=1,
+        logging_nan_inf_filter=False,  # a NaN loss is logged as NaN, and stops the run (StopOnNonFiniteLoss)
         save_strategy="steps" if config.save_steps else "no",
         save_steps=config.save_steps,
         save_total_limit=1,
@@ -345,13 +365,17 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     recorder = SittingRecorder(checkpoint_dir(config) / SITTINGS_FILE, earlier,
                                checkpoint_step(resume) if resume else 0, reset)
     trainer.add_callback(recorder)
+    trainer.add_callback(StopOnNonFiniteLoss())
     started = recorder.started  # the sitting's clock is the run's
     trainer.train(resume_from_checkpoint=resume)
     seconds = time.perf_counter() - started
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    if not losses or not all(math.isfinite(x) for x in losses):
-        raise RuntimeError(f"training with method={method!r} produced a non-finite loss: {losses[-5:]}")
+    if not losses:
+        raise RuntimeError(f"training with method={method!r} logged no loss")
+    if not all(math.isfinite(x) for x in losses):  # one StopOnNonFiniteLoss missed: still no results
+        step, loss = next((i + 1, x) for i, x in enumerate(losses) if not math.isfinite(x))
+        raise FloatingPointError(non_finite_loss(step, loss))
     tail = losses[-max(1, len(losses) // 10) :]
     state_numel = optimizer_state_numel(optimizer)
     return {

@@ -885,3 +885,25 @@ def test_records_whose_answer_the_cutoff_removes_are_counted_in_a_warning() -> N
     assert said.startswith("cutoff_len=4 leaves no answer token in 2 of the 3 training records") and "--cutoff-len" in said
     with pytest.raises(FinetuneError, match="cutoff_len=4 leaves no answer token to train on in any of the 2 records"):
         check_answer_tokens([cut, cut], 4)
+
+
+@pytest.mark.parametrize("method", ["adamw", "lora"])
+def test_a_run_whose_loss_turns_nan_stops_before_its_checkpoint_and_reports_nothing(tiny_model_dir, tmp_path,
+                                                                                    capsys, method):
+    """At a learning rate that blows the weights up, the Trainer logged the NaN loss of every later
+    step as 0.0 (its logging_nan_inf_filter), and the run evaluated the NaN weights and wrote their
+    'accuracy' (the first option of every question) as its results."""
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "o"
+    argv = ["--model", str(model_dir), "--tasks", "boolq", "--method", method, "--data-dir", str(data),
+            "--steps", "4", "--batch-size", "2", "--lr", "1e30", "--lora-r", "4", "--scoring", "generate",
+            "--max-new-tokens", "2", "--max-eval", "2", "--save-steps", "2", "--out", str(out)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err
+    last = err.splitlines()[-1]  # after the model load's progress bars
+    assert last.startswith("fira-train finetune: error: the run diverged at step 2: training loss nan")
+    assert "lower --lr" in last
+    assert not (out / "results.json").exists() and not (out / "report.md").exists()
+    assert not list((out / "trainer").glob("checkpoint-*"))  # the NaN step is not checkpointed
