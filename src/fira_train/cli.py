@@ -478,9 +478,16 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
         return (f"the methods measured so far are kept in {out}/memory.json: the same command with "
                 f"{CONTINUES_WITH[command]}, adds the rest")
     if command == "finetune":
-        if not getattr(args, "save_steps", 1) or not getattr(args, "steps", 1):
-            return None  # no checkpoints (--save-steps 0, or zero-shot): nothing to continue
-        folder = f"{args.out}/trainer" if getattr(args, "out", None) else "the run's folder, under trainer/"
+        from fira_train.finetune.cli import checkpoint_folder, has_checkpoint
+
+        folder = checkpoint_folder(args)
+        if folder is None:
+            return None  # zero-shot: nothing to continue
+        if not has_checkpoint(folder):  # (with --save-steps 0, an earlier start's are still continued)
+            if not args.save_steps:
+                return None  # none written, none kept: nothing to continue
+            return (f"no checkpoint was written yet (the first comes at step {args.save_steps}, --save-steps): "
+                    "the same command starts the run again from step 0")
         return (f"checkpoints written so far are kept in {folder} (--save-steps): the same command "
                 "continues from the newest")
     return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from fira_train.finetune.commonsense import CommonsenseDataError
 from fira_train.finetune.config import (
@@ -107,6 +108,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> FinetuneConfig:
     names = [f for f in FinetuneConfig.__dataclass_fields__ if f != "task_specs"]
     return FinetuneConfig(**{name: getattr(args, name) for name in names})
+
+
+def checkpoint_folder(args: argparse.Namespace) -> Path | None:
+    """Where the run of ``args`` keeps its training checkpoints (``OUT/trainer``, ``OUT`` being
+    ``--out`` or its default ``runs/finetune/<method>``); None for a run that trains nothing, or
+    whose options are refused (it never started)."""
+    try:
+        config = config_from_args(args)
+    except (AttributeError, FinetuneError, CommonsenseDataError):
+        return None
+    return config.out_dir / "trainer" if config.trains else None
+
+
+def has_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds a Trainer checkpoint (``checkpoint-<step>`` with its
+    ``trainer_state.json``, which the Trainer writes last) that the same command continues from."""
+    return any(p.name.rsplit("-", 1)[1].isdigit() and (p / "trainer_state.json").is_file()
+               for p in folder.glob("checkpoint-*"))
 
 
 def run_from_args(args: argparse.Namespace) -> int:

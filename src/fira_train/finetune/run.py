@@ -86,7 +86,8 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
     # checkpoints of another run in the way: said before the model loads
     resume = resume_point(config, log) if config.trains else None
     if resume is not None:  # the same command continues a stopped run: said, as pretrain --resume says it
-        log(f"resuming from {resume} (a start of this run stopped there; --overwrite starts it over)")
+        log(f"resuming from {resume} (a start of this run stopped there; remove {checkpoint_dir(config)} to start "
+            "it over)")
     # --overwrite: the earlier run's results go before anything of this run is written, so that a
     # start stopped later leaves no results beside this run's checkpoints or predictions
     for earlier in ("results.json", "report.md"):

@@ -43,3 +43,55 @@ def test_a_warning_of_bitsandbytes_after_its_import_still_shows() -> None:
     with quiet_import_logs():
         assert not logger.isEnabledFor(logging.WARNING)
     assert logger.level == before and logger.isEnabledFor(logging.WARNING)
+
+
+def _args(*argv: str):
+    from fira_train.cli import build_parser
+
+    return build_parser().parse_args(["finetune", "--tasks", "boolq", "--data-dir", "d", *argv])
+
+
+def _checkpoint(folder: Path, step: int) -> None:
+    (folder / f"checkpoint-{step}").mkdir(parents=True, exist_ok=True)
+    (folder / f"checkpoint-{step}" / "trainer_state.json").write_text(f'{{"global_step": {step}}}')
+
+
+def test_ctrl_c_says_what_is_kept_and_how_the_same_command_goes_on(tmp_path: Path, monkeypatch) -> None:
+    """Stopped before its first checkpoint, a run said its checkpoints were kept and the same command
+    continued from the newest (there was none: it starts again); without --out it named "the run's
+    folder, under trainer/" rather than the folder."""
+    from fira_train.cli import interrupted_hint
+
+    out = tmp_path / "run"
+    args = _args("--out", str(out), "--save-steps", "3")
+    assert interrupted_hint(args) == ("no checkpoint was written yet (the first comes at step 3, --save-steps): the "
+                                      "same command starts the run again from step 0")
+    (out / "trainer" / "checkpoint-3").mkdir(parents=True)  # stopped while writing it: not continued
+    assert interrupted_hint(args).startswith("no checkpoint was written yet")
+    _checkpoint(out / "trainer", 3)
+    assert interrupted_hint(args) == (f"checkpoints written so far are kept in {out / 'trainer'} (--save-steps): "
+                                      "the same command continues from the newest")
+    monkeypatch.chdir(tmp_path)
+    _checkpoint(Path("runs/finetune/fira-lora/trainer"), 50)
+    assert "kept in runs/finetune/fira-lora/trainer (--save-steps)" in interrupted_hint(_args("--recipe", "released"))
+    assert interrupted_hint(_args("--method", "none")) is None  # zero-shot: nothing to continue
+    assert interrupted_hint(_args("--out", str(tmp_path / "new"), "--save-steps", "0")) is None
+
+
+def test_a_diverged_run_says_where_its_checkpoints_are_and_that_removing_them_starts_it_over(tmp_path: Path) -> None:
+    """It said the checkpoints stayed in OUT (they are in OUT/trainer, and there were none yet) and
+    that --overwrite started the run over: --overwrite replaces the results only, and the next start
+    with a lower --lr was refused for the checkpoints of the diverged one."""
+    from fira_train.user_errors import describe
+
+    out = tmp_path / "run"
+    args = _args("--out", str(out))
+    diverged = FloatingPointError("the run diverged at step 2: training loss nan (not finite); lower --lr and "
+                                  "train the run again")
+    line = describe(diverged, args)
+    assert line.endswith(f"train the run again (no checkpoint was written in {out / 'trainer'} yet)"), line
+    _checkpoint(out / "trainer", 1)
+    line = describe(diverged, args)
+    assert line.endswith(f"(the checkpoints already written in {out / 'trainer'} stay); remove {out / 'trainer'} "
+                         "to start it over"), line
+    assert "--overwrite" not in line

@@ -576,7 +576,8 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     assert resumed["training"]["resumed_from_step"] == 4 and resumed["training"]["steps"] == 6
     said = capsys.readouterr().out
     assert f"warning: {partial} is incomplete (it has no trainer_state.json" in said
-    assert f"resuming from {out / 'trainer' / 'checkpoint-4'} (a start of this run stopped there" in said
+    assert (f"resuming from {out / 'trainer' / 'checkpoint-4'} (a start of this run stopped there; remove "
+            f"{out / 'trainer'} to start it over)") in said  # --overwrite replaces results only: it continues too
     both = resumed["training"]["sittings"]
     assert [(s["from_step"], s["to_step"]) for s in both] == [(0, 4), (4, 6)]
     assert both[1]["seconds"] == pytest.approx(resumed["time"]["train_s"], abs=0.5)
