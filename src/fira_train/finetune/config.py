@@ -177,7 +177,8 @@ class FinetuneConfig:
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise FinetuneError(f"{name}={value!r} must be a non-negative integer")
         if self.max_eval == 0:
-            raise FinetuneError("max_eval=0 would evaluate nothing; leave it out to evaluate every example")
+            raise FinetuneError("max_eval=0 would evaluate nothing; give --max-eval all to evaluate every example "
+                                "(left out, it is 500)")
         if self.max_train == 0 and self.trains:
             raise FinetuneError("max_train=0 would train on nothing; leave it out for one pass (steps x batch size)")
         if self.max_val and not self.trains:

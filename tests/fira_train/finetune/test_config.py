@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fira_train.finetune.config import DEFAULT_LR, METHODS, REGISTRY_METHODS, FinetuneConfig
+import pytest
+
+from fira_train.finetune.config import DEFAULT_LR, METHODS, REGISTRY_METHODS, FinetuneConfig, FinetuneError
 from fira_train.methods.registry import METHODS as REGISTRY
 
 
@@ -123,3 +125,10 @@ def test_a_thread_count_the_process_cannot_start_is_refused() -> None:
     for value in (100000, 0):
         with pytest.raises(FinetuneError, match=rf"^threads={value} must be an integer in \[1, 1024\]$"):
             FinetuneConfig(tasks=["boolq"], data_dir=".", threads=value)
+
+
+def test_max_eval_zero_points_to_all_not_to_the_default() -> None:
+    """It said "leave it out to evaluate every example": left out, --max-eval is 500."""
+    with pytest.raises(FinetuneError) as refused:
+        FinetuneConfig(tasks=["boolq"], data_dir="d", max_eval=0)
+    assert "--max-eval all" in str(refused.value) and "leave it out" not in str(refused.value)
