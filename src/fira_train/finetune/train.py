@@ -344,6 +344,11 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     common = dict(model=model, args=args, train_dataset=features, data_collator=PaddingCollator(pad_id))
     if method in FIRA_METHODS:
         targets = ["lora_A", "lora_B"] if method == "fira-lora" else config.optim_target_modules()
+        if method != "fira-lora":  # the Trainer's error named its optim_target_modules, not --target-modules
+            try:
+                target_parameter_names(model, targets)
+            except ValueError as err:
+                raise FinetuneError(f"target_modules={config.target_modules!r}: {err}") from None
         fira_options = {"variant": "galore" if method == "galore" else "fira", "rank": config.effective_rank,
                         "update_proj_gap": config.update_proj_gap, "alpha": config.alpha,
                         "optim_target_modules": targets, "state_dtype": config.state_dtype,

@@ -908,3 +908,19 @@ def test_a_run_whose_loss_turns_nan_stops_before_its_checkpoint_and_reports_noth
     assert "lower --lr" in last
     assert not (out / "results.json").exists() and not (out / "report.md").exists()
     assert not list((out / "trainer").glob("checkpoint-*"))  # the NaN step is not checkpointed
+
+
+@pytest.mark.parametrize(("method", "targets"), [("fira", "foo_proj"), ("galore", "[")])
+def test_target_modules_that_match_nothing_are_named_as_the_option(tiny_model_dir, tmp_path, capsys, method,
+                                                                   targets):
+    """Fira and GaLore named the Trainer's optim_target_modules, an argument finetune has not
+    (APOLLO named --target-modules)."""
+    model_dir, data = tiny_model_dir
+    argv = ["--model", str(model_dir), "--tasks", "boolq", "--method", method, "--data-dir", str(data),
+            "--steps", "2", "--batch-size", "2", "--rank", "4", "--target-modules", targets, "--scoring", "generate",
+            "--max-eval", "2", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"fira-train finetune: error: target_modules={targets!r}: ")
