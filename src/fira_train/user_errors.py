@@ -256,22 +256,18 @@ def _start_over(args: argparse.Namespace) -> str:
     ``--overwrite`` replaces results only and whose next start continues its checkpoints (or
     refuses them, with another ``--lr``), by removing them."""
     if getattr(args, "command", None) == "finetune" and hasattr(args, "save_steps"):
-        folder = _finetune_checkpoints(args)
-        return f"; remove {folder} to start it over" if folder is not None and _has_checkpoint(folder) else ""
+        folder, kept = _finetune_checkpoints(args)
+        return f"; remove {folder} to start it over" if kept else ""
     return "; --overwrite starts it over" if hasattr(args, "overwrite") else ""
 
 
-def _finetune_checkpoints(args: argparse.Namespace) -> Path | None:
-    """``finetune``'s checkpoint folder (``OUT/trainer``), None for a run that trains nothing."""
-    from fira_train.finetune.cli import checkpoint_folder
+def _finetune_checkpoints(args: argparse.Namespace) -> tuple[Path | None, bool]:
+    """``finetune``'s checkpoint folder (``OUT/trainer``; None for a run that trains nothing) and
+    whether it holds a checkpoint the same command continues from."""
+    from fira_train.finetune.cli import checkpoint_folder, has_checkpoint  # only for finetune
 
-    return checkpoint_folder(args)
-
-
-def _has_checkpoint(folder: Path) -> bool:
-    from fira_train.finetune.cli import has_checkpoint
-
-    return has_checkpoint(folder)
+    folder = checkpoint_folder(args)
+    return folder, folder is not None and has_checkpoint(folder)
 
 
 #: What the same command takes to continue after it stopped (for want of room, or stopped by the
@@ -310,11 +306,11 @@ def _work_kept(args: argparse.Namespace) -> str:
     command = getattr(args, "command", None)
     if command == "memory":
         return f" (the methods measured so far stay in {_memory_json(args)})"
-    if getattr(args, "command", None) == "finetune" and hasattr(args, "save_steps"):  # OUT/trainer
-        folder = _finetune_checkpoints(args)
+    if command == "finetune" and hasattr(args, "save_steps"):  # OUT/trainer
+        folder, kept = _finetune_checkpoints(args)
         if folder is None:
             return ""
-        return (f" (the checkpoints already written in {folder} stay)" if _has_checkpoint(folder)
+        return (f" (the checkpoints already written in {folder} stay)" if kept
                 else f" (no checkpoint was written in {folder} yet)")
     if no_checkpoint_yet(args):
         if command == "pretrain":
