@@ -688,7 +688,8 @@ class Fira(Optimizer):
 
     def _strategy(self, hyper: Hyper, p: torch.Tensor, grad: torch.Tensor) -> Strategy:
         """The strategy of one matrix: the configured one where it covers the matrix, else the
-        reference (FRUGAL's sign residual, low-precision parameters)."""
+        reference (FRUGAL's sign residual; a low-precision parameter is no reason: :meth:`_update`
+        hands every strategy a working-dtype copy of it)."""
         implementation = self._running()
         if implementation == Implementation.REFERENCE or not FAST.supports(hyper, p, grad):
             return REFERENCE
