@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -145,6 +146,12 @@ class LoglikScorer:
                 "answer": record["answer"], "correct": correct,
                 "correct_norm": bool(sample["acc_norm"]) if "acc_norm" in sample else correct,
             })
+        broken = [p["index"] for p in predictions if not all(math.isfinite(x) for x in p["logliks"])]
+        if broken:  # the argmax of NaNs is no prediction: an accuracy from them would be noise
+            raise FinetuneError(
+                f"{task.name}: the model's log-likelihood of an answer is not finite for {len(broken)} of "
+                f"{len(predictions)} examples (the first: index {broken[0]}): its weights are not finite or its "
+                "activations overflowed (fp16: try --precision bf16 or fp32); no accuracy is reported")
         n = len(predictions)
         correct = sum(p["correct"] for p in predictions)
         correct_norm = sum(p["correct_norm"] for p in predictions)

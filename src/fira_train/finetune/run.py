@@ -4,7 +4,6 @@ zero-shot), evaluate every task (by option log-likelihood, :mod:`.loglik`, or by
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -140,7 +139,7 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
             per_task[spec.name] = metrics
             with open(out / "predictions" / f"{spec.name}.jsonl", "w", encoding="utf-8") as f:
                 for p in predictions:
-                    f.write(json.dumps(p) + "\n")
+                    f.write(dumps(p) + "\n")  # null, never NaN (a generation's numbers too)
             log(f"{spec.name}: {metrics['accuracy']:.3f} ({metrics['correct']}/{metrics['n']}, {detail}) "
                 f"in {metrics['seconds']:.1f}s")
     finally:

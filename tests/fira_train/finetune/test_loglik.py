@@ -157,3 +157,21 @@ def test_a_missing_lm_eval_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(loglik.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FinetuneError, match=r"lm-eval, which is not installed: pip install 'lm-eval.*--scoring gen"):
         loglik.require_lm_eval()
+
+
+@needs_lm_eval
+def test_non_finite_logliks_are_an_error_not_an_accuracy(tiny64):
+    """A model whose weights are not finite (or whose fp16 activations overflowed) gave NaN
+    log-likelihoods, whose argmax was reported as its predictions and accuracy."""
+    import copy
+
+    model, tokenizer = tiny64
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.lm_head.weight[3].fill_(float("nan"))
+    records = [arc_record(random.Random(4), i) for i in range(3)]
+    scorer = loglik.LoglikScorer(broken, tokenizer, batch_size=4)
+    with pytest.raises(FinetuneError, match=r"ARC-Easy: the model's log-likelihood of an answer is not finite for "
+                                            r"3 of 3 examples \(the first: index 0\).*no accuracy is reported"):
+        scorer.evaluate_task(resolve_task("ARC-Easy"), records)
+    scorer.close()
