@@ -83,7 +83,7 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
                         train: list[dict], tests: dict[str, list[dict]], trained_on: list[str],
                         validation: dict[str, list[dict]], specs: dict[str, Any]) -> dict[str, Any]:
     # checkpoints of another run in the way: said before the model loads
-    resume = resume_point(config, log) if config.trains else None
+    resume = resume_point(config) if config.trains else None
     if resume is not None:  # the same command continues a stopped run: said, as pretrain --resume says it
         log(f"resuming from {resume} (a start of this run stopped there; remove {checkpoint_dir(config)} to start "
             "it over)")

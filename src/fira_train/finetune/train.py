@@ -9,9 +9,10 @@ import math
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import transformers
@@ -98,16 +99,16 @@ def checkpoint_dir(config: FinetuneConfig) -> Path:
     return config.out_dir / "trainer"
 
 
-def resume_point(config: FinetuneConfig, log: Callable[[str], Any] = print) -> str | None:
+def resume_point(config: FinetuneConfig) -> str | None:
     """The newest complete checkpoint of an earlier, interrupted start of the same run, or None
-    (newer incomplete ones are removed, with a warning through ``log``). A checkpoint saved with
+    (newer incomplete ones are removed, each with a ``UserWarning``). A checkpoint saved with
     other settings is refused (continuing it would mix two runs)."""
     folder = checkpoint_dir(config)
     # an earlier start's checkpoints are continued even where this start writes none (--save-steps 0)
     if not (config.trains and folder.is_dir() and _checkpoint_folders(folder)):
         return None
     _check_settings(config, folder)  # before anything is removed: another run's folder is left as it is
-    return newest_complete_checkpoint(folder, log)
+    return newest_complete_checkpoint(folder)
 
 
 def _check_settings(config: FinetuneConfig, folder: Path) -> None:
@@ -131,18 +132,19 @@ def _check_settings(config: FinetuneConfig, folder: Path) -> None:
                             f"remove it to start again, or choose another --out")
 
 
-def newest_complete_checkpoint(folder: Path, log: Callable[[str], Any] = print) -> str | None:
+def newest_complete_checkpoint(folder: Path) -> str | None:
     """The newest ``checkpoint-<step>`` in ``folder`` that the Trainer finished writing, or None.
     The Trainer writes a checkpoint in place, ``trainer_state.json`` last: a start killed while
     writing one leaves a folder without it (or with part of it), which resuming from failed on
     ("No such file or directory") at every start. Such folders are removed, each named in a
-    warning; the older checkpoint is still there (the Trainer drops it only after the new one)."""
+    ``UserWarning``; the older checkpoint is still there (the Trainer drops it only after the new one)."""
     for step, path in reversed(_checkpoint_folders(folder)):
         problem = _incomplete(path, step)
         if problem is None:
             return str(path)
-        log(f"warning: {path} is incomplete ({problem}: a start stopped while writing it); removing it and "
-            "continuing from the checkpoint before it")
+        # a warning (stderr, one line from the command line), not the run's progress on stdout
+        warnings.warn(f"{path} is incomplete ({problem}: a start stopped while writing it); removing it and "
+                      "continuing from the checkpoint before it", UserWarning, stacklevel=3)
         shutil.rmtree(path, ignore_errors=True)
     return None
 

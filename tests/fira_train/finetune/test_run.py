@@ -572,10 +572,12 @@ def test_an_interrupted_training_continues_from_its_checkpoint(tiny_model_dir, t
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"the first bytes")
     capsys.readouterr()
-    resumed = run_cli(argv(out, changed=("--warmup-steps", "0", "--max-train", "12", "--save-steps", "0", *unused)))
+    with pytest.warns(UserWarning) as warned:  # a warning (stderr from the command line), not progress
+        resumed = run_cli(argv(out, changed=("--warmup-steps", "0", "--max-train", "12", "--save-steps", "0", *unused)))
     assert resumed["training"]["resumed_from_step"] == 4 and resumed["training"]["steps"] == 6
     said = capsys.readouterr().out
-    assert f"warning: {partial} is incomplete (it has no trainer_state.json" in said
+    assert any(str(w.message).startswith(f"{partial} is incomplete (it has no trainer_state.json") for w in warned)
+    assert "is incomplete" not in said
     assert (f"resuming from {out / 'trainer' / 'checkpoint-4'} (a start of this run stopped there; remove "
             f"{out / 'trainer'} to start it over)") in said  # --overwrite replaces results only: it continues too
     both = resumed["training"]["sittings"]
@@ -724,10 +726,11 @@ def test_the_newest_complete_checkpoint_is_continued_and_incomplete_ones_are_rem
     (folder / "checkpoint-16").mkdir()
     (folder / "checkpoint-16" / "model.safetensors").write_bytes(b"x")
     (folder / "checkpoint-final").mkdir()  # not a step: not a checkpoint of the Trainer's
-    said = []
-    assert newest_complete_checkpoint(folder, said.append) == str(folder / "checkpoint-10")
+    with pytest.warns(UserWarning) as warned:
+        assert newest_complete_checkpoint(folder) == str(folder / "checkpoint-10")
+    said = [str(w.message) for w in warned]
     assert [line.split(" is incomplete (")[0] for line in said] == [
-        f"warning: {folder / 'checkpoint-16'}", f"warning: {other_step}", f"warning: {truncated}"]
+        str(folder / "checkpoint-16"), str(other_step), str(truncated)]
     assert "no trainer_state.json" in said[0] and "does not parse" in said[2] and "global_step=4" in said[1]
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-10", "checkpoint-2", "checkpoint-final"]
     assert complete.is_dir()
@@ -736,7 +739,7 @@ def test_the_newest_complete_checkpoint_is_continued_and_incomplete_ones_are_rem
     unreadable = folder / "checkpoint-20"
     (unreadable / "trainer_state.json").mkdir(parents=True)
     with pytest.raises(IsADirectoryError):
-        newest_complete_checkpoint(folder, said.append)
+        newest_complete_checkpoint(folder)
     assert unreadable.is_dir()
     shutil.rmtree(unreadable)
     # nor a FIFO there (a Trainer writes none): it was 'not a file', taken for a trainer_state.json
@@ -745,7 +748,7 @@ def test_the_newest_complete_checkpoint_is_continued_and_incomplete_ones_are_rem
     (planted / "trainer_state.json").unlink()
     os.mkfifo(planted / "trainer_state.json")
     with pytest.raises(ValueError, match="is not a file"):
-        newest_complete_checkpoint(folder, said.append)
+        newest_complete_checkpoint(folder)
     assert planted.is_dir()
 
 
