@@ -4,6 +4,7 @@ style, right-padded into batches."""
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,10 @@ def load_validation(config: FinetuneConfig) -> dict[str, list[dict]]:
             f"max_val={config.max_val}: no training record of {', '.join(empty)} is left over for validation (the "
             f"run trains on all of them, or the file holds none); train on fewer records (--max-train, --steps) "
             f"or leave --max-val out")
+    short = {task: len(records) for task, records in validation.items() if len(records) < config.max_val}
+    if short:  # the rest of the pool: fewer than asked, said rather than left to the record counts
+        warnings.warn(f"max_val={config.max_val}: only {', '.join(f'{n} records of {t}' for t, n in short.items())} "
+                      "are left over for validation (the others are trained on)", UserWarning, stacklevel=2)
     return validation
 
 
