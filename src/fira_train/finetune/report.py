@@ -157,6 +157,8 @@ def render_report(results: dict[str, Any]) -> str:
         f"({memory['optimizer_state_mib']:.1f} MiB {_state_storage(config)})",
         f"- trainable parameters: {results['model']['trainable_parameters']:,} of {results['model']['parameters']:,}",
         f"- peak RSS during training: {rss} MiB; process peak {memory['process_peak_rss_mib']:.0f} MiB"
+        # over several sittings the training peak is the largest sitting's, the process's the last one's
+        + (" (the last sitting's)" if len(span.sittings) > 1 else "")
         + (f" (with {env_prefix(memory['malloc_env']).strip()})" if memory.get("malloc_env") else ""),
         f"- time: load {timing['load_s']:.1f}s, train {train_s}{resumed}, eval {timing['eval_s']:.1f}s"
         + (" (validation included)" if results.get("validation") else ""),

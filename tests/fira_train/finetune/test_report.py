@@ -118,6 +118,23 @@ def test_report_says_which_sitting_its_training_figures_cover(resumed, time_line
     assert time_line in text and rss_line in text
 
 
+def test_over_two_sittings_the_process_peak_is_said_to_be_the_last_ones():
+    """The training peak of a run in two sittings is the larger sitting's, the process peak only the
+    last one's: 'peak RSS during training 2331 MiB; process peak 2298 MiB' read as a contradiction."""
+    run = results({"boolq": 7})
+    sittings = [{"from_step": 0, "to_step": 4, "seconds": 3.0, "peak_rss_mib": 2331.0, "threads": 2},
+                {"from_step": 4, "to_step": 6, "seconds": 2.0, "peak_rss_mib": 2290.0, "threads": 2}]
+    run["training"] = {"loss_first": 3.0, "loss_tail_mean": 2.0, "optimizer": "FiraAdamW", "resumed_from_step": 4,
+                       "sittings": sittings}
+    run["config"]["steps"] = 6
+    run["time"]["train_s"], run["memory"]["train_peak_rss_mib"] = 2.0, 2290.0
+    run["memory"]["process_peak_rss_mib"] = 2298.0
+    text = render_report(run)
+    assert "peak RSS during training: 2331 MiB; process peak 2298 MiB (the last sitting's)" in text
+    run["training"]["sittings"] = None
+    assert "(the last sitting's)" not in render_report(run)
+
+
 def test_the_committed_benchmark_runs_reports_are_what_their_results_give():
     """docs/results/finetune/methods/*/report.md: rendered from the run's own results.json."""
     import json
