@@ -108,15 +108,34 @@ def read_runs(saved: dict[str, Any]) -> dict[RunKey, RunResult]:
     return results
 
 
+#: Points between marks stacked at one lr on the figure's top edge.
+_STACK_PT = 12.0
+
+
 def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
     """``lr.png``: mean validation perplexity (error bars: sd over seeds) against lr, log-log.
 
     A diverged mean (inf) has no height: it is drawn as an ``x`` on the top edge at its lr, in
     the method's colour (the chosen lr's star too, when a seed diverged there), so that a method
-    whose every lr diverged is still in the figure and its legend."""
+    whose every lr diverged is still in the figure and its legend. Marks of several methods at one
+    lr are stacked up from the edge, one above the other, so that none hides another."""
+    from matplotlib.transforms import ScaledTranslation, blended_transform_factory
+
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    top = ax.get_xaxis_transform()  # x in data, y in axes fractions: 1 is the top edge
+    stacked: dict[float, int] = {}  # lr -> marks drawn on the top edge there so far
+
+    def at_top(lr: float, **style: Any):
+        """One mark at ``lr`` on the top edge, above those drawn there before."""
+        above = stacked.get(lr, 0)
+        stacked[lr] = above + 1
+        # up from the edge, out of the axes (where no perplexity is); x stays in data coordinates,
+        # which alone keeps the lr inside the x limits
+        raised = blended_transform_factory(
+            ax.transData, ax.transAxes + ScaledTranslation(0.0, _STACK_PT * above / 72.0, fig.dpi_scale_trans))
+        mark, = ax.plot([lr], [1.0], linestyle="none", transform=raised, clip_on=False, **style)
+        return mark
+
     legend = []  # in the rows' order (matplotlib's own puts plain markers before error bars)
     for index, row in enumerate(rows):
         color = f"C{index % 10}"  # by row, so a method without a finite point keeps its own colour
@@ -128,17 +147,17 @@ def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
             errors = [s.sd or 0.0 for _, s in points]
             legend.append((ax.errorbar(lrs, means, yerr=errors, marker="o", markersize=4, capsize=3, color=color),
                            row.spec))
-        if diverged:
-            marks, = ax.plot(diverged, [1.0] * len(diverged), marker="x", markersize=8, markeredgewidth=2,
-                             color=color, linestyle="none", transform=top, clip_on=False)
-            if not points:
-                legend.append((marks, f"{row.spec} (every lr diverged)"))
+        marks = [at_top(lr, marker="x", markersize=8, markeredgewidth=2, color=color) for lr in diverged]
+        if marks and not points:
+            legend.append((marks[0], f"{row.spec} (every lr diverged)"))
         if row.chosen_lr is not None and row.val is not None and (points or math.isfinite(row.val.mean)):
-            finite = math.isfinite(row.val.mean)
-            ax.plot([row.chosen_lr], [row.val.mean if finite else 1.0], marker="*", markersize=13, color=color,
-                    linestyle="none", **({} if finite else {"transform": top, "clip_on": False}))
-    ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation perplexity (final)",
-           title="Learning-rate sweep\nstar: chosen lr, mean of all its seeds; x on the top edge: diverged")
+            if math.isfinite(row.val.mean):
+                ax.plot([row.chosen_lr], [row.val.mean], marker="*", markersize=13, color=color, linestyle="none")
+            else:
+                at_top(row.chosen_lr, marker="*", markersize=13, color=color)
+    ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation perplexity (final)")
+    ax.set_title("Learning-rate sweep\nstar: chosen lr, mean of all its seeds; x on the top edge and above it: "
+                 "diverged", pad=6.0 + _STACK_PT * (max(stacked.values(), default=1) - 1))  # above the stacked marks
     if any(s is not None and math.isfinite(s.mean) for row in rows for s in row.grid.values()):
         ax.set_yscale("log")
         plain_log_ticks(ax.xaxis, ax.yaxis)

@@ -91,9 +91,48 @@ def test_the_lr_figure_shows_diverged_runs_and_a_method_whose_every_lr_diverged(
     # every run so far diverged: the figure is still drawn (a log axis without a finite value raised)
     plot_lr(tmp_path / "lr.png", rows[1:])
     (ax,) = figures[1].axes
-    assert [line.get_xdata()[0] for line in ax.get_lines() if line.get_marker() == "x"] == [1.0]
+    assert [x for line in ax.get_lines() if line.get_marker() == "x" for x in line.get_xdata()] == [1.0, 3.0]
     assert ax.get_yticks().size == 0  # no perplexity scale without a perplexity
     close(figures[1])
+
+
+def test_the_lr_figure_keeps_apart_the_marks_of_methods_that_diverged_at_one_lr(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """Every diverged mark sits at the top edge: two methods that diverged at the same lr drew
+    their x at one spot, the later hiding the earlier (a grid with lr 10 for every method showed
+    one method diverged there and the other not run), and a chosen lr's star at the top hid under
+    another method's x."""
+    import matplotlib.pyplot as plt
+
+    from fira_train.sweep.report import plot_lr
+
+    inf = math.inf
+    results = {}
+    for spec, lr, seed, val in [("fira", 0.01, 0, 110.0), ("fira", 10.0, 0, inf), ("fira", 0.003, 0, 130.0),
+                                ("fira", 0.01, 1, inf),  # fira's chosen lr: a seed diverged, its star at the top
+                                ("adamw", 0.003, 0, 150.0), ("adamw", 0.01, 0, 160.0), ("adamw", 10.0, 0, inf),
+                                ("galore", 0.003, 0, inf), ("galore", 0.01, 0, inf), ("galore", 10.0, 0, inf)]:
+        key = RunKey(spec, lr, seed)
+        results[key] = RunResult(key, val, inf if math.isinf(val) else val - 5, diverged=math.isinf(val))
+    specs = ["fira", "adamw", "galore"]
+    rows = summarize(specs, {spec: [0.003, 0.01, 10.0] for spec in specs}, results, reference="fira",
+                     grid_seeds=[0])
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    plot_lr(tmp_path / "lr.png", rows)
+    figure = figures[0]
+    figure.canvas.draw()
+    (ax,) = figure.axes
+    marks = [(line.get_color(), line.get_marker(), tuple(xy.round(1)))
+             for line in ax.get_lines() if line.get_marker() in ("x", "*")
+             for xy in line.get_transform().transform(line.get_xydata())]
+    at_top = [mark for mark in marks if mark[1] == "x" or mark[0] == "C0"]
+    assert {(color, marker) for color, marker, _ in at_top} == {("C0", "x"), ("C1", "x"), ("C2", "x"),
+                                                                ("C0", "*")}
+    spots = [spot for _, _, spot in at_top]
+    assert len(spots) == len(set(spots)) == 6, marks  # fira, adamw, galore at lr 10; fira's star, galore at 0.01
+    assert ax.get_xlim()[0] < 0.003 and ax.get_xlim()[1] > 10.0  # every mark's lr inside the figure
+    close(figure)
 
 
 def test_a_diverged_seed_is_counted_and_a_grid_that_all_diverged_chooses_nothing(tmp_path: Path) -> None:
