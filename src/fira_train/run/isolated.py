@@ -55,7 +55,8 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     parent_gone, parent_alive = context.Pipe(duplex=False)
     level = logging.getLogger().getEffectiveLevel()
     process = context.Process(target=_child, args=(send, parent_gone, level, fn, args, kwargs), daemon=False)
-    process.start()
+    with _interrupts_held():  # the child starts with SIGINT held, until _child can take it
+        process.start()
     with _LIVE_LOCK:
         _LIVE.add(process)
         if _STOPPING.is_set():
@@ -85,6 +86,30 @@ def run_isolated(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if status == "error":
         raise payload
     return payload
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """SIGINT blocked in this thread (a process started here inherits the mask), and released at
+    the end; a Ctrl-C meanwhile reaches this process's other threads (the main thread's handler).
+
+    Ctrl-C reaches the whole process group, so also a child still in multiprocessing's start-up
+    code (a second or more of imports), where nothing of ours could catch it: it printed a
+    KeyboardInterrupt traceback. Held until :func:`_child` releases it, where an interrupt is
+    handed back as any exception of the run is."""
+    held = hasattr(signal, "pthread_sigmask")
+    if held:
+        # started first: starting multiprocessing's resource tracker (on the first process
+        # started) unblocks SIGINT in the starting thread, which would release the hold early
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if held:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 class IsolatedRunDied(RuntimeError):
@@ -117,6 +142,8 @@ def _child(send, parent_gone, level: int, fn: Callable[..., Any], args: tuple, k
     threading.Thread(target=_end_when_orphaned, args=(parent_gone,), daemon=True,
                      name="fira-train-parent-watch").start()
     try:
+        if hasattr(signal, "pthread_sigmask"):  # held since the start (_interrupts_held): one that came is raised here
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         result = ("ok", fn(*args, **kwargs))
     except BaseException as err:  # noqa: BLE001 - handed to the parent, which raises it
         result = ("error", err)

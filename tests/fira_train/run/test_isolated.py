@@ -166,3 +166,25 @@ def test_a_result_the_interrupted_parent_no_longer_waits_for_is_dropped_without_
         assert ended(child)
     assert stopped.exists(), err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_ctrl_c_while_the_child_starts_up_prints_no_traceback(monkeypatch, capfd) -> None:
+    """Ctrl-C reaches the whole process group: a child still starting (importing torch, a second
+    or more of every run under sweep --jobs) died in multiprocessing's start-up code, before any
+    handler of ours ran, and printed a KeyboardInterrupt traceback for each such run after the
+    command's one "interrupted" line. The child now hands the interrupt back as a run does."""
+    import signal
+    import time
+    from multiprocessing.context import SpawnProcess
+
+    start = SpawnProcess.start
+
+    def start_then_interrupt(self) -> None:
+        start(self)
+        time.sleep(0.3)  # into its start-up imports
+        os.kill(self.pid, signal.SIGINT)  # as Ctrl-C would, while the child is still starting
+
+    monkeypatch.setattr(SpawnProcess, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run_isolated(os.getpid)
+    assert "Traceback" not in capfd.readouterr().err
