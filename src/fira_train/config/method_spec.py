@@ -91,7 +91,13 @@ def parse_method_specs(text: str) -> list[MethodSpec]:
     """A comma-separated list of specs: at least one, none twice, none empty, each naming a
     method of the registry (ValueError listing the valid names)."""
     specs = [parse_method_spec(part) for part in comma_list(text, "--methods")]
-    for spec in specs:
+    for before, spec in zip([None, *specs], specs):
+        if before is not None and before.overrides and not spec.overrides and not spec.name[:1].isalpha():
+            # "fira@optim.betas=0.9,0.95": the list was cut inside a value, not at a method
+            key = override_key(before.overrides[-1])
+            raise ValueError(f"--methods: {spec.text!r}, after {before.text!r}, is no method: a comma separates "
+                             f"method specs, so a spec's value cannot hold one; set {key} for all of them "
+                             f"with the key=value override {key}=...")
         get_method(spec.name)
     return specs
 

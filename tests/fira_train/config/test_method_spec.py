@@ -86,3 +86,14 @@ def test_specs_that_train_different_runs_are_taken(tmp_path: Path) -> None:
     base = micro_config(tmp_path)
     refuse_same_runs(parse_method_specs(f"fira,fira@optim.rank={base.optim.rank + 1},galore,adamw@optim.lr=0.1,"
                                         "adamw@train.eval_every=2"), base)
+
+
+def test_a_value_cut_at_a_comma_is_named_as_such() -> None:
+    """``fira@optim.betas=0.9,0.95`` split into ``fira@optim.betas=0.9`` and ``0.95``: the error
+    was "unknown method '0.95'" and the list of methods, which did not say why."""
+    with pytest.raises(ValueError, match=r"--methods: '0\.95'.*after 'fira@optim\.betas=0\.9'.*comma.*"
+                                         r"optim\.betas=") as caught:
+        parse_method_specs("fira@optim.betas=0.9,0.95,adamw")
+    assert "valid methods" not in str(caught.value)
+    with pytest.raises(ValueError, match="unknown method 'firra'; valid methods"):  # a misspelt name stays so
+        parse_method_specs("fira@optim.rank=4,firra")
