@@ -69,6 +69,11 @@ class AnalysisRun:
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"run name must be a plain directory name, got name={self.name!r}")
 
+    def label(self) -> str:
+        """What the run trains, for its progress line: the method, its overrides and what its
+        callbacks change (``fira optim.rank=4``, ``adamw; NormRecorder, GradientNoise(...)``)."""
+        return " ".join((self.method, *self.overrides)) + (f"; {self.describe}" if self.describe else "")
+
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, "method": self.method, "overrides": list(self.overrides),
                 "callbacks": self.describe}
@@ -316,7 +321,7 @@ def _train_one(index: int, total: int, run: AnalysisRun, cfg: RunConfig, mode: s
     is written as it starts (:class:`_RecordSpec`): an unfinished run is resumed only under its
     own spec."""
     run_dir = Path(cfg.train.out_dir)
-    log.info("[%d/%d] %s (%s %s) -> %s%s", index, total, run.name, run.method, " ".join(run.overrides), run_dir,
+    log.info("[%d/%d] %s (%s) -> %s%s", index, total, run.name, run.label(), run_dir,
              ": continuing from its newest checkpoint" if mode == "resume" else "")
     if corpus is None:
         corpus = build_corpus(cfg.data)

@@ -295,3 +295,21 @@ def test_a_table_keeps_four_significant_digits_trailing_zeros_included() -> None
                                                              ["y", 1234.4, -0.006846, 1e-05, 3, "-"]])
     assert table.splitlines()[2:] == ["| x | 112.0 | 110.9 | 300.0 | 32.90 | 1.000 |",
                                       "| y | 1234 | -0.006846 | 1.000e-05 | 3 | - |"]
+
+
+def test_a_runs_progress_line_says_what_sets_it_apart(tmp_path: Path, corpus_root: Path, monkeypatch,  # noqa: F811
+                                                     caplog) -> None:
+    """The noisy run's line read "adamw-noise (adamw ) -> ...", as the clean run's did: the noise
+    (and an ablation's gamma), set by the run's callbacks, was not named."""
+    from fira_train.analysis import runs as runs_module
+
+    monkeypatch.setattr(runs_module, "train", lambda *args, **kwargs: {"val_ppl": 100.0})
+    clean, noisy = noise_runs(["adamw"], 1e-5, 0)
+    config = analysis_config(corpus_root, tmp_path / "run")
+    with caplog.at_level(logging.INFO, logger="fira_train.analysis.runs"):
+        for index, run in enumerate((clean, noisy), 1):
+            cfg = runs_module.run_config(config, run, tmp_path / "out")
+            runs_module._train_one(index, 2, run, cfg, "new", corpus=object())
+    lines = [line for line in caplog.text.splitlines() if " -> " in line]
+    assert "[1/2] adamw (adamw; NormRecorder) -> " in lines[0]
+    assert "[2/2] adamw-noise (adamw; NormRecorder, GradientNoise(scale=1e-05, seed=0" in lines[1]
