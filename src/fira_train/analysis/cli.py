@@ -39,7 +39,14 @@ ANALYSES = ("similarity", "rank-sweep", "gap-sweep", "ablation", "spikes", "nois
 
 
 def _names(text: str, flag: str) -> list[str]:
-    return comma_list(text, flag)
+    names = comma_list(text, flag)
+    for name in names:
+        method, at, overrides = name.partition("@")
+        if at:  # sweep's and compare's NAME@key=value: read as a name, an "unknown method"
+            raise ValueError(f"{flag}: {name!r} is a method spec (NAME@key=value); analyze takes method names: "
+                             f"set {' '.join(overrides.split('@'))} for every run as a key=value override "
+                             f"(and {method!r} in {flag})")
+    return names
 
 
 def _ints(text: str, flag: str) -> list[int]:

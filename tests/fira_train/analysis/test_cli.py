@@ -74,6 +74,11 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     # an empty --seeds was taken for none given: the recipe's seed trained, without a word
     (["analyze", "gap-sweep", "--gaps", "3", "--seeds", ""], "--seeds must list at least one entry, got ''"),
     (["analyze", "gap-sweep", "--gaps", "3", "--seeds=-1"], "seeds (--seeds) must be ints >= 0, got -1"),
+    # sweep's and compare's method specs: read as a method name, "unknown method" beside "fira" in the list
+    (["analyze", "rank-sweep", "--ranks", "4", "--methods", "galore,fira@optim.alpha=0.1"],
+     "--methods: 'fira@optim.alpha=0.1' is a method spec (NAME@key=value); analyze takes method names: set "
+     "optim.alpha=0.1 for every run as a key=value override"),
+    (["analyze", "ablation", "--variants", "fira@optim.gamma=1.1@optim.rank=4"], "--variants: 'fira@optim.gamma="),
 ])
 def test_bad_lists_name_the_flag(argv: list[str], message: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture) -> None:
