@@ -94,6 +94,8 @@ def _peak_ratio(values: Sequence[float]) -> float:
 
 def _plot(records: Mapping[str, Sequence[dict[str, Any]]], limiter: Sequence[str], galore: Sequence[str], gap: int,
           steps: int, path: Path) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     plt = pyplot()
     panels = (1 if limiter else 0) * 2 + (1 if galore else 0)
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2), squeeze=False)
@@ -101,8 +103,12 @@ def _plot(records: Mapping[str, Sequence[dict[str, Any]]], limiter: Sequence[str
     refreshes = list(range(gap + 1, steps + 1, gap))
 
     def mark(ax):
+        """Dashed refresh lines, and a grid of horizontal lines only: solid thin grey lines at
+        both read alike, so that no refresh could be told from a grid line."""
         for s in refreshes:
-            ax.axvline(s, color="grey", alpha=0.25, linewidth=0.8)
+            ax.axvline(s, color="grey", alpha=0.7, linewidth=0.9, linestyle="--")
+        ax.grid(alpha=0.3, axis="y")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no tick at 2.5
 
     if limiter:
         ax_loss, ax_norm = axes.pop(0), axes.pop(0)
@@ -119,7 +125,6 @@ def _plot(records: Mapping[str, Sequence[dict[str, Any]]], limiter: Sequence[str
         ax_norm.set(title="Gradient norms (S_t after limiter; raw G)", xlabel="step", ylabel="norm", yscale="log")
         for ax in (ax_loss, ax_norm):
             mark(ax)
-            ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
     if galore:
         ax = axes.pop(0)
@@ -127,8 +132,7 @@ def _plot(records: Mapping[str, Sequence[dict[str, Any]]], limiter: Sequence[str
             rec = records[name]
             ax.plot([r["step"] for r in rec], [r["loss"] for r in rec], label=name, linewidth=1)
         mark(ax)
-        ax.set(title=f"GaLore vs GaLore-add (grey: refresh steps kT+1, T = {gap})", xlabel="step", ylabel="loss")
-        ax.grid(alpha=0.3)
+        ax.set(title=f"GaLore vs GaLore-add (dashed: refreshes, T = {gap})", xlabel="step", ylabel="loss")
         ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path)

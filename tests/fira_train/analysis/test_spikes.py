@@ -84,3 +84,27 @@ def test_reused_runs_with_cut_or_damaged_records_are_named_not_reported(tmp_path
         run_spikes(config, out, limiter_runs=("fira",), galore_runs=(), reuse=True)
     norms.write_text(whole)
     assert "| fira |" in run_spikes(config, out, limiter_runs=("fira",), galore_runs=(), reuse=True)["report"].read_text()
+
+
+def test_the_refresh_marks_stand_apart_from_the_grid(tmp_path: Path, monkeypatch) -> None:
+    """The title's "grey: refresh steps" lines were drawn as the grid's vertical lines are (thin,
+    light grey, solid): no reader could tell which vertical line was a refresh."""
+    import matplotlib.pyplot as plt
+
+    from fira_train.analysis.spikes import _plot
+
+    records = {name: [{"step": s, "loss": 5.0 - 0.01 * s, "grad_norm": 1.0, "residual_norm": 2.0}
+                      for s in range(1, 21)] for name in ("fira", "galore")}
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    _plot(records, ["fira"], ["galore"], gap=5, steps=20, path=tmp_path / "spikes.png")
+    figure = figures[0]
+    figure.canvas.draw()
+    for ax in figure.axes:
+        refresh = [line for line in ax.get_lines() if list(line.get_xdata()) in ([6, 6], [11, 11], [16, 16])]
+        assert len(refresh) == 3, ax.get_title()
+        styles = {line.get_linestyle() for line in refresh}
+        grid = {line.get_linestyle() for line in ax.xaxis.get_gridlines() if line.get_visible()}
+        assert not styles & grid, (styles, grid)
+        assert all(float(tick).is_integer() for tick in ax.get_xticks())  # steps, not 2.5
+    close(figure)
