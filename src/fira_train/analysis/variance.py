@@ -505,6 +505,8 @@ def run_variance_analysis(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < SHOWN_FROM:
         raise ValueError(f"steps must be an int >= {SHOWN_FROM} (--steps): the variance ratios are shown from "
                          f"t = {SHOWN_FROM}, where the rank-1 variance is finite; got steps={steps!r}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 2:
+        raise ValueError(f"samples must be an int >= 2 (--samples) to estimate a variance, got samples={samples!r}")
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     curves = simulate_scaling_variance(ranks, steps=steps, samples=samples, beta2=beta2, seed=seed)

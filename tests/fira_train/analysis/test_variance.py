@@ -106,3 +106,12 @@ def test_run_writes_report_and_figure(tmp_path):
 def test_bad_input_names_the_argument(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+@pytest.mark.parametrize("samples", [0, -5, 1])
+def test_the_command_names_its_samples_flag(tmp_path, samples):
+    """``analyze variance --samples 0`` said "samples must be a positive int": every other bad
+    value of the analyses names its flag."""
+    with pytest.raises(ValueError, match=rf"samples must be an int >= 2 \(--samples\).*got samples={samples}"):
+        run_variance_analysis(tmp_path / "out", samples=samples, steps=5)
+    assert not (tmp_path / "out").exists()
