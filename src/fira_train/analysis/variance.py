@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from fira_train.files import check_report_owner, refuse_links, write_text_atomic
-from fira_train.report.plots import pyplot, save_figure
+from fira_train.report.plots import plain_log_ticks, pyplot, save_figure
 
 #: The heading of this analysis's report (a folder whose report.md has another is refused).
 TITLE = "Variance of Fira's scaling factor (Appendix E.2, Theorem 2)"
@@ -321,6 +321,7 @@ def _plot(curves: VarianceCurves, path: Path) -> None:
     right.set_title("ratio to rank 1: solid Adam, dotted psi from past steps, "
                     "dashed 3/(n+2)", fontsize=9)
     right.legend(fontsize=8)
+    plain_log_ticks(left.xaxis, right.xaxis)  # steps "5", "20": not "6 x 10^0" on a short run's minor ticks
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)

@@ -115,3 +115,22 @@ def test_the_command_names_its_samples_flag(tmp_path, samples):
     with pytest.raises(ValueError, match=rf"samples must be an int >= 2 \(--samples\).*got samples={samples}"):
         run_variance_analysis(tmp_path / "out", samples=samples, steps=5)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_step_axes_read_as_plain_numbers(tmp_path, monkeypatch):
+    """With --steps 50 the ratio panel's step axis spans one decade, and matplotlib labelled its
+    minor ticks "6 x 10^0", "2 x 10^1", "3 x 10^1", "4 x 10^1"."""
+    import matplotlib.pyplot as plt
+
+    from fira_train.analysis.variance import _plot
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    _plot(simulate_scaling_variance((1, 5), steps=50, samples=50, seed=0), tmp_path / "variance.png")
+    figure = figures[0]
+    figure.canvas.draw()
+    for ax in figure.axes:
+        labels = [t.get_text() for t in (*ax.xaxis.get_majorticklabels(), *ax.xaxis.get_minorticklabels())
+                  if t.get_text() and t.get_visible()]
+        assert labels and not any("times" in label or "^" in label for label in labels), labels
+    close(figure)
