@@ -166,6 +166,7 @@ def rewrite_report(out_dir: str | Path) -> tuple[Path, list[MethodSummary]]:
     ``OUT/sweep.json`` records (training nothing, reading no run folder); the report's path and rows."""
     out = Path(out_dir)
     refuse_links(out)  # its plot is written in place
+    check_report_owner(out, (REPORT_TITLE,), "sweep")  # as a sweep does: another's report.md stays
     hint = "a sweep's report is rebuilt from it: run the sweep with --reuse"
     saved = read_json(out / "sweep.json", hint=hint)
     try:  # valid JSON of another shape (edited, another tool's): named, not a traceback

@@ -317,3 +317,21 @@ def test_report_only_names_a_sweep_json_of_another_shape(tmp_path: Path, saved) 
     with pytest.raises(DamagedFileError, match=r"sweep.json is damaged \(not a sweep's record: .*--reuse"):
         rewrite_report(tmp_path)
     assert not (tmp_path / "report.md").exists()
+
+
+def test_report_only_leaves_a_report_another_command_wrote(tmp_path: Path) -> None:
+    """--report-only replaced OUT/report.md whatever wrote it (a compare's, the user's own), where
+    a sweep refuses such a folder: the report was lost."""
+    saved = {"recipe": "micro", "methods": [{"spec": "fira"}], "lrs": {"fira": [0.01]}, "seeds": [0],
+             "all_seeds": False, "reference": "fira",
+             "runs": [{"spec": "fira", "lr": 0.01, "seed": 0, "val_ppl": 110.0, "test_ppl": 105.0, "test_set": True,
+                       "diverged": False, "code": None}]}
+    (tmp_path / "sweep.json").write_text(json.dumps(saved))
+    (tmp_path / "report.md").write_text("# My notes on this sweep\n")
+    with pytest.raises(FileExistsError, match="holds a report.md that `fira-train sweep` did not write"):
+        rewrite_report(tmp_path)
+    assert (tmp_path / "report.md").read_text() == "# My notes on this sweep\n"
+    assert not (tmp_path / "lr.png").exists()
+    (tmp_path / "report.md").unlink()  # its own report is written again
+    rebuilt, _ = rewrite_report(tmp_path)
+    assert rebuilt.read_text().startswith("# Learning-rate sweep")
