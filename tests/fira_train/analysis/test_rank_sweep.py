@@ -82,3 +82,24 @@ def test_fira_only_scaling_runs_at_full_rank_the_paper_s_last_column(tmp_path: P
     text = result["report"].read_text()
     assert "|  | r = 16 (here 4) | r = 256 (here 64) | Adam |" in text
     assert "| paper: fira-only-scaling | 32.90 | 30.84 | 34.06 |" in text
+
+
+def test_the_rank_axis_labels_only_the_ranks_run(tmp_path: Path, monkeypatch) -> None:
+    """Ranks 4 and 16 (micro's r/d_model 16/256 and 64/256) span under a decade and a half: a
+    log minor tick between them was labelled "6 x 10^0", as if rank 6 had been run."""
+    import matplotlib.pyplot as plt
+
+    from fira_train.analysis.rank_sweep import _plot
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    _plot({"fira": {4: 195.0, 16: 198.0}}, 364.0, [4, 16], tmp_path / "ranks.png")
+    figure = figures[0]
+    figure.canvas.draw()
+    (ax,) = figure.axes
+    low, high = ax.get_xlim()
+    labels = [(tick.get_loc(), tick.label1.get_text()) for tick in (*ax.xaxis.get_major_ticks(),
+                                                                      *ax.xaxis.get_minor_ticks())
+              if low <= tick.get_loc() <= high and tick.label1.get_visible() and tick.label1.get_text()]
+    assert sorted(labels) == [(4, "4"), (16, "16")], labels
+    close(figure)
