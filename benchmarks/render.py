@@ -201,6 +201,37 @@ def throughput(data: dict) -> list[str]:
     return lines
 
 
+def throughput_bf16(data: dict) -> list[str]:
+    """bf16 weights: Fira's default (fast) path against the reference path, which every bf16 matrix
+    took before the fast path covered them, and AdamW, side by side on the same batches."""
+    median, per_round, pooled = data["ratio_to_adamw_median"], data["ratio_to_adamw_per_round"], data["ratio_to_adamw_pooled"]
+    optimizer = data["optimizer_seconds_per_round_median"]
+    name = "throughput_tiny_bf16.json"
+    reference = "fira@optim.implementation=reference"
+    rounds = len(per_round["adamw"])
+    command = re.sub(r" --out \S+", "", data["command"])  # the overrides after it kept
+    lines = [
+        f"## Training throughput with bf16 weights on `{data['recipe']}`",
+        "",
+        f"`{command}`",
+        f"on {data['date']}, this project's 2-core CPU, {data['machine'].split(', ', 2)[-1]} (JSON:",
+        f"[benchmarks/{name}](benchmarks/{name})). `{reference}` is the path every bf16 matrix took",
+        "before the fast path covered bf16 weights. Tokens/s relative to AdamW (bf16 weights too), side by",
+        f"side on the same batches: the median over {rounds} rounds of the per-round ratio, its range, the",
+        "pooled estimate, and the time after the backward passes per round (clipping, optimizer, schedule):",
+        "",
+        "| method | median of rounds | rounds | pooled | optimizer s per round |",
+        "|---|---|---|---|---|",
+    ]
+    for m, v in per_round.items():
+        lines.append(f"| {m} | {median[m]:.1%} | {100 * min(v):.1f}-{100 * max(v):.1f}% | {pooled[m]:.1%} "
+                     f"| {optimizer[m]:.3f} |")
+    lines += ["", f"With bf16 weights, Fira's optimizer took {optimizer['fira']:.3f} s per round against "
+                  f"{optimizer[reference]:.3f} s through the reference path ({optimizer[reference] / optimizer['fira']:.2f}"
+                  f" times as long), AdamW's {optimizer['adamw']:.3f} s. One run of {rounds} rounds.", ""]
+    return lines
+
+
 def throughput_memory_options(data: dict) -> list[str]:
     """Fira's memory options: the per-round ratios compare them all (with ``step_in_backward`` the
     optimizer runs inside the backward pass, so the pooled estimate applies to the others only).
@@ -267,6 +298,7 @@ SECTIONS = {"optimizer_step.json": optimizer_step, "optimizer_step_cuda.json": o
             "refresh_tiny.json": refresh_threads,
             "throughput_tiny.json": throughput,
             "throughput_tiny_memory_options.json": throughput_memory_options,
+            "throughput_tiny_bf16.json": throughput_bf16,
             "allocator_tiny.json": allocator}
 
 
