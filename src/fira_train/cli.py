@@ -186,6 +186,7 @@ def _pretrain(args: argparse.Namespace) -> int:
     from fira_train.run.train import train  # imports torch: not at parser build
 
     config = config_from_args(args)
+    args.run_dir = config.train.out_dir  # the recipe's default too: what a stop's message speaks of
     warn_unused_settings(args, [config.optim.method])
     summary = train(config, resume=resume_request(args), overwrite=args.overwrite)
     out = config.train.out_dir
@@ -224,7 +225,7 @@ def _compare(args: argparse.Namespace) -> int:
         methods = parse_methods(args.methods)
     config = config_from_args(args)
     warn_unused_settings(args, methods)
-    out_dir = args.out or f"runs/{config.recipe}-compare"
+    out_dir = args.run_dir = args.out or f"runs/{config.recipe}-compare"
     command = command_line(getattr(args, "argv", []))
     report, plot = compare(config, methods, out_dir, resume=resume_request(args) is not None,
                            overwrite=args.overwrite, command=command)

@@ -363,7 +363,10 @@ def _memory_json(args: argparse.Namespace) -> Path:
 
 
 def _run_dir(args: argparse.Namespace) -> str | None:
-    """The command's output folder as given: ``--out`` or a ``train.out_dir=`` override."""
+    """The command's output folder: as the command resolved it (``args.run_dir``, its default
+    included, once it got that far), else as given: ``--out`` or a ``train.out_dir=`` override."""
+    if getattr(args, "run_dir", None):
+        return str(args.run_dir)
     if getattr(args, "out", None):
         return str(args.out)
     values = [o.partition("=")[2] for o in getattr(args, "overrides", None) or [] if o.startswith("train.out_dir=")]

@@ -251,6 +251,30 @@ def test_ctrl_c_says_what_is_kept_instead_of_a_traceback(tmp_path, monkeypatch, 
                            "(train.save_every): the same command with --resume continues from the newest")
 
 
+def test_ctrl_c_without_out_speaks_of_the_default_folder(tmp_path, monkeypatch, capsys) -> None:
+    """Without --out, pretrain and compare stopped before their first checkpoint said the checkpoints
+    written so far were kept (the folder as given was none, so not known): the default folder is
+    the one they wrote, and it held none."""
+    import fira_train.compare
+    import fira_train.run.train
+
+    def interrupted(config, *args, **kwargs):  # the run's folder made, stopped before a checkpoint
+        Path(config.train.out_dir).mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    def compare_interrupted(config, methods, out_dir, **kwargs):
+        (Path(out_dir) / methods[0]).mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(fira_train.run.train, "train", interrupted)
+    monkeypatch.setattr(fira_train.compare, "compare", compare_interrupted)
+    assert main(["pretrain", "--method", "adamw", "--recipe", "micro"]) == 130
+    assert "interrupted; no checkpoint was written yet" in capsys.readouterr().err
+    assert main(["compare", "--recipe", "micro", "--methods", "adamw,fira"]) == 130
+    assert "interrupted; nothing was kept yet" in capsys.readouterr().err
+
+
 #: A command whose first Ctrl-C (a real SIGINT, sent by the command to itself) is followed by a
 #: second: while the command's line is made ("hint"), or during the interpreter's exit, from an
 #: exit handler ("exit"), as torch's, multiprocessing's and tqdm's are.

@@ -135,7 +135,8 @@ def _out(args: argparse.Namespace, default: str) -> str:
     """``--out``, else ``default``; ValueError for an empty one (it fell back to ``default``)."""
     if args.out == "":
         raise ValueError(f"--out '' names no folder: give a path, or leave --out out for {default}")
-    return args.out or default
+    args.run_dir = args.out or default  # the default too: what a stop's message speaks of
+    return args.run_dir
 
 
 def _variance(args: argparse.Namespace) -> int:
