@@ -186,15 +186,15 @@ class FinetuneConfig:
                                 f"train on, and a zero-shot run (method 'none' or steps 0) chooses nothing on them; "
                                 f"leave --max-val out")
         if self.lr is not None and not (self.lr > 0 and math.isfinite(self.lr)):
-            raise FinetuneError(f"lr={self.lr!r} must be a positive number")
+            raise FinetuneError(f"lr={self.lr!r} must be a positive finite number")
         if self.rank is not None and self.rank <= 0:
             raise FinetuneError(f"rank={self.rank!r} must be a positive integer")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise FinetuneError(f"weight_decay={self.weight_decay!r} must be a non-negative number")
+            raise FinetuneError(f"weight_decay={self.weight_decay!r} must be a non-negative finite number")
         for name in ("alpha", "lora_alpha"):  # a scale of 0 would leave the update (or adapters) out
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
-                raise FinetuneError(f"{name}={value!r} must be a positive number")
+                raise FinetuneError(f"{name}={value!r} must be a positive finite number")
         if not (0.0 <= self.lora_dropout < 1.0):
             raise FinetuneError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
         if self.threads is not None and not 1 <= self.threads <= MAX_THREADS:

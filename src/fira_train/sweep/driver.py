@@ -40,7 +40,7 @@ def parse_numbers(flag: str, text: str, kind: type) -> list:
             raise ValueError(f"{flag}: {part!r} is not a{'n integer' if kind is int else ' number'} "
                              f"(in {text!r})") from None
         if (kind is float and not (math.isfinite(value) and value > 0)) or (kind is int and value < 0):
-            raise ValueError(f"{flag}: {part!r} must be {'a positive number' if kind is float else '>= 0'}")
+            raise ValueError(f"{flag}: {part!r} must be {'a positive finite number' if kind is float else '>= 0'}")
         values.append(value)
     return distinct(values, text, flag)
 

@@ -251,10 +251,10 @@ def test_run_finetune_accepts_a_loaded_model(tiny_model_dir, tmp_path):
         (["--tasks", "piqa", "--steps", "3"], "none of the tasks ['piqa'] has a train.json"),
         (["--batch-size", "0"], "batch_size=0 must be a positive integer"),
         (["--max-eval", "0"], "max_eval=0"),
-        (["--lr", "-1"], "lr=-1.0 must be a positive number"),
-        (["--weight-decay", "nan"], "weight_decay=nan must be a non-negative number"),
-        (["--alpha", "-1"], "alpha=-1.0 must be a positive number"),
-        (["--lora-alpha", "0"], "lora_alpha=0 must be a positive number"),
+        (["--lr", "-1"], "lr=-1.0 must be a positive finite number"),
+        (["--weight-decay", "nan"], "weight_decay=nan must be a non-negative finite number"),
+        (["--alpha", "-1"], "alpha=-1.0 must be a positive finite number"),
+        (["--lora-alpha", "0"], "lora_alpha=0 must be a positive finite number"),
     ],
 )
 def test_cli_errors_are_one_line_messages(tiny_model_dir, tmp_path, capsys, argv, message):

@@ -26,6 +26,7 @@ from tests.fira_train.harness_fixtures import micro_config
 def test_numbers_and_grids_are_checked_with_the_flag_and_value() -> None:
     assert parse_numbers("--seeds", "0, 1,2", int) == [0, 1, 2]
     for text, match in [("0.1,x", "'x' is not a number"), ("0.1,-1", "'-1' must be a positive"),
+                        ("inf", "'inf' must be a positive finite number"),
                         ("0.1,0.1", "gives '0.1' twice"), ("0.1,1e-1", "gives 0.1 twice"), (" ", "at least one"),
                         ("0.1,,0.3", "empty entry"), ("0.1,", "empty entry")]:
         with pytest.raises(ValueError, match=match):
