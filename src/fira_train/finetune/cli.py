@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from fira_train.finetune.commonsense import CommonsenseDataError
@@ -141,6 +142,11 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        unused = config.unused_flags()
+        if unused:
+            what = "a zero-shot run" if not config.trains else f"method {config.effective_method!r}"
+            warnings.warn(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used by {what}: "
+                          "the run goes on without", UserWarning, stacklevel=2)
         run_finetune(config)
     except (FinetuneError, CommonsenseDataError, ModelLoadError, RunDirectoryBusy) as err:
         print(f"fira-train finetune: error: {err}", file=sys.stderr)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +268,16 @@ class FinetuneConfig:
         if not self.trains:
             used.update(dict.fromkeys(TRAINING_OPTIONS), steps=0)
         return {"rank": self.effective_rank, **used}
+
+    def unused_flags(self) -> list[str]:
+        """The flags set away from their defaults that this run does not use (:meth:`used_options`:
+        another method's options, or a zero-shot run's training options and learning rate), in
+        the command line's spelling: a typed ``--state-dtype int8`` that changed nothing is said."""
+        defaults = {f.name: f.default for f in fields(self)}
+        unused = [name for name, value in self.used_options().items()
+                  if value is None and name in defaults and getattr(self, name) != defaults[name]]
+        unused += [name for name in ("lr", "warmup_steps") if not self.trains and getattr(self, name) is not None]
+        return [f"--{name.replace('_', '-')}" for name in unused]
 
     @property
     def effective_warmup(self) -> int:

@@ -95,3 +95,16 @@ def test_a_diverged_run_says_where_its_checkpoints_are_and_that_removing_them_st
     assert line.endswith(f"(the checkpoints already written in {out / 'trainer'} stay); remove {out / 'trainer'} "
                          "to start it over"), line
     assert "--overwrite" not in line
+
+
+def test_flags_the_run_does_not_use_are_a_warning(tmp_path: Path, monkeypatch) -> None:
+    """A zero-shot run given training flags went on without a word."""
+    import fira_train.finetune.run
+    from fira_train.finetune.cli import run_from_args
+
+    ran = []
+    monkeypatch.setattr(fira_train.finetune.run, "run_finetune", ran.append)
+    with pytest.warns(UserWarning, match=r"^--state-dtype, --lr are not used by a zero-shot run: the run goes on"):
+        assert run_from_args(_args("--method", "none", "--state-dtype", "int8", "--lr", "0.1",
+                                   "--out", str(tmp_path / "zs"))) == 0
+    assert len(ran) == 1  # and it ran

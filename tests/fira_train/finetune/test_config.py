@@ -132,3 +132,13 @@ def test_max_eval_zero_points_to_all_not_to_the_default() -> None:
     with pytest.raises(FinetuneError) as refused:
         FinetuneConfig(tasks=["boolq"], data_dir="d", max_eval=0)
     assert "--max-eval all" in str(refused.value) and "leave it out" not in str(refused.value)
+
+
+def test_flags_a_run_does_not_use_are_named() -> None:
+    """A zero-shot run given --state-dtype int8 and --lr, or LoRA given Fira's --alpha, went on
+    without a word: the flags changed nothing."""
+    zero_shot = FinetuneConfig(tasks=["boolq"], data_dir=".", method="none", state_dtype="int8", lr=0.1, batch_size=4)
+    assert zero_shot.unused_flags() == ["--state-dtype", "--batch-size", "--lr"]
+    assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="lora", alpha=0.5).unused_flags() == ["--alpha"]
+    assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", alpha=0.5, lr=0.1).unused_flags() == []
+    assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="none").unused_flags() == []  # defaults: nothing typed
