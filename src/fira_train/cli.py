@@ -59,7 +59,7 @@ from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import SAME_ON_EVERY_RANK, is_rank_zero, launched_world_size, same_on_every_rank
 from fira_train.run.process_logging import configure_logging, one_line_warnings
-from fira_train.user_errors import CONTINUES_WITH, describe, keeps_nothing, no_checkpoint_yet
+from fira_train.user_errors import CONTINUES_WITH, describe, finetune_checkpoints, keeps_nothing, no_checkpoint_yet
 
 PROG = "fira-train"
 
@@ -479,12 +479,10 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
         return (f"the methods measured so far are kept in {out}/memory.json: the same command with "
                 f"{CONTINUES_WITH[command]}, adds the rest")
     if command == "finetune":
-        from fira_train.finetune.cli import checkpoint_folder, has_checkpoint
-
-        folder = checkpoint_folder(args)
+        folder, kept = finetune_checkpoints(args)
         if folder is None:
             return None  # zero-shot: nothing to continue
-        if not has_checkpoint(folder):  # (with --save-steps 0, an earlier start's are still continued)
+        if not kept:  # (with --save-steps 0, an earlier start's are still continued)
             if not args.save_steps:
                 return None  # none written, none kept: nothing to continue
             return (f"no checkpoint was written yet (the first comes at step {args.save_steps}, --save-steps): "

@@ -256,15 +256,16 @@ def _start_over(args: argparse.Namespace) -> str:
     ``--overwrite`` replaces results only and whose next start continues its checkpoints (or
     refuses them, with another ``--lr``), by removing them."""
     if getattr(args, "command", None) == "finetune" and hasattr(args, "save_steps"):
-        folder, kept = _finetune_checkpoints(args)
+        folder, kept = finetune_checkpoints(args)
         return f"; remove {folder} to start it over" if kept else ""
     return "; --overwrite starts it over" if hasattr(args, "overwrite") else ""
 
 
-def _finetune_checkpoints(args: argparse.Namespace) -> tuple[Path | None, bool]:
+def finetune_checkpoints(args: argparse.Namespace) -> tuple[Path | None, bool]:
     """``finetune``'s checkpoint folder (``OUT/trainer``; None for a run that trains nothing) and
     whether it holds a checkpoint the same command continues from."""
-    from fira_train.finetune.cli import checkpoint_folder, has_checkpoint  # only for finetune
+    from fira_train.finetune.checkpoints import has_checkpoint  # only for finetune
+    from fira_train.finetune.cli import checkpoint_folder
 
     folder = checkpoint_folder(args)
     return folder, folder is not None and has_checkpoint(folder)
@@ -307,7 +308,7 @@ def _work_kept(args: argparse.Namespace) -> str:
     if command == "memory":
         return f" (the methods measured so far stay in {_memory_json(args)})"
     if command == "finetune" and hasattr(args, "save_steps"):  # OUT/trainer
-        folder, kept = _finetune_checkpoints(args)
+        folder, kept = finetune_checkpoints(args)
         if folder is None:
             return ""
         return (f" (the checkpoints already written in {folder} stay)" if kept

@@ -122,13 +122,6 @@ def checkpoint_folder(args: argparse.Namespace) -> Path | None:
     return config.out_dir / "trainer" if config.trains else None
 
 
-def has_checkpoint(folder: Path) -> bool:
-    """Whether ``folder`` holds a Trainer checkpoint (``checkpoint-<step>`` with its
-    ``trainer_state.json``, which the Trainer writes last) that the same command continues from."""
-    return any(p.name.rsplit("-", 1)[1].isdigit() and (p / "trainer_state.json").is_file()
-               for p in folder.glob("checkpoint-*"))
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     """The sub-command: errors in options, data or model are one line on stderr and exit status 1,
     as for every fira-train command (2 stays argparse's, for a malformed command line)."""

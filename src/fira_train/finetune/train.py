@@ -21,6 +21,7 @@ from fira_optim import optimizer_state_numel
 from fira_optim.state import optimizer_state_bytes
 from fira_optim.integrations import FiraTrainer, target_parameter_names
 from fira_train.config.overrides import describe_changed
+from fira_train.finetune.checkpoints import checkpoint_folders, checkpoint_step, incomplete
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training, train_limit
 from fira_train.files import parse_json, read_json, read_regular_text, write_text_atomic
@@ -105,7 +106,7 @@ def resume_point(config: FinetuneConfig) -> str | None:
     other settings is refused (continuing it would mix two runs)."""
     folder = checkpoint_dir(config)
     # an earlier start's checkpoints are continued even where this start writes none (--save-steps 0)
-    if not (config.trains and folder.is_dir() and _checkpoint_folders(folder)):
+    if not (config.trains and folder.is_dir() and checkpoint_folders(folder)):
         return None
     _check_settings(config, folder)  # before anything is removed: another run's folder is left as it is
     return newest_complete_checkpoint(folder)
@@ -138,8 +139,8 @@ def newest_complete_checkpoint(folder: Path) -> str | None:
     writing one leaves a folder without it (or with part of it), which resuming from failed on
     ("No such file or directory") at every start. Such folders are removed, each named in a
     ``UserWarning``; the older checkpoint is still there (the Trainer drops it only after the new one)."""
-    for step, path in reversed(_checkpoint_folders(folder)):
-        problem = _incomplete(path, step)
+    for step, path in reversed(checkpoint_folders(folder)):
+        problem = incomplete(path, step)
         if problem is None:
             return str(path)
         # a warning (stderr, one line from the command line), not the run's progress on stdout
@@ -147,31 +148,6 @@ def newest_complete_checkpoint(folder: Path) -> str | None:
                       "continuing from the checkpoint before it", UserWarning, stacklevel=3)
         shutil.rmtree(path, ignore_errors=True)
     return None
-
-
-def _checkpoint_folders(folder: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of the Trainer's ``checkpoint-<step>`` folders in ``folder``, by step."""
-    return sorted((checkpoint_step(p), p) for p in folder.glob("checkpoint-*")
-                  if p.is_dir() and p.name.rsplit("-", 1)[1].isdigit())
-
-
-def _incomplete(checkpoint: Path, step: int) -> str | None:
-    """Why the Trainer checkpoint ``checkpoint`` of ``step`` is incomplete, or None."""
-    state = checkpoint / "trainer_state.json"
-    try:
-        # a FIFO or a device there (ValueError: not a file) is raised, as another OSError (EIO,
-        # EACCES) is: the Trainer writes no such thing, and a good checkpoint is not removed for it
-        text = read_regular_text(state)
-    except FileNotFoundError:
-        return "it has no trainer_state.json"
-    except UnicodeDecodeError as err:  # not text
-        return f"its trainer_state.json does not parse: {err}"
-    try:
-        saved = parse_json(text)
-    except ValueError as err:  # not JSON (cut short)
-        return f"its trainer_state.json does not parse: {err}"
-    recorded = saved.get("global_step") if isinstance(saved, dict) else None
-    return None if recorded == step else f"its trainer_state.json records global_step={recorded!r}"
 
 
 def _settings(config: FinetuneConfig, effective: bool = True) -> dict[str, Any]:
@@ -198,11 +174,6 @@ def _local_path(name: str | None) -> str | None:
 
 #: Beside the checkpoints: each start (sitting) of the run, up to its newest checkpoint.
 SITTINGS_FILE = "sittings.json"
-
-
-def checkpoint_step(checkpoint: str | Path) -> int:
-    """The step of a Trainer checkpoint folder (``checkpoint-<step>``)."""
-    return int(Path(checkpoint).name.rsplit("-", 1)[1])
 
 
 def earlier_sittings(config: FinetuneConfig, resume: str | None) -> list[dict[str, Any]] | None:
