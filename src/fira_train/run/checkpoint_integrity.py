@@ -41,6 +41,19 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
 
 
+def sendable(err: Exception) -> Exception:
+    """``err`` as other ranks can receive it through a collective, which pickles it (its type,
+    errno and file kept, as the command line's one-line messages read them); one that does not
+    survive the round trip (an ``__init__`` that takes other arguments fails the load) as a
+    ``RuntimeError`` of its text: it would fail on the sending rank alone, or as a TypeError on
+    the others, and leave the rest waiting."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:  # noqa: BLE001 -- any failure of the round trip
+        return RuntimeError(f"{type(err).__name__}: {err}")
+    return err
+
+
 def raise_on_every_rank(error: Exception | None) -> None:
     """Raise the lowest failing rank's ``error`` on every rank (None: this rank did not fail); a
     barrier where none failed. Every rank must call this.
@@ -54,12 +67,7 @@ def raise_on_every_rank(error: Exception | None) -> None:
         if error is not None:
             raise error
         return
-    sent: Exception | None = error
-    if error is not None:
-        try:
-            pickle.loads(pickle.dumps(error))
-        except Exception:  # noqa: BLE001 -- any failure of the round trip
-            sent = RuntimeError(f"{type(error).__name__}: {error}")
+    sent = None if error is None else sendable(error)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sent)
     failed = [rank for rank, one in enumerate(gathered) if one is not None]

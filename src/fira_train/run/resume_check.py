@@ -27,7 +27,6 @@ its error): every rank resumes from the same checkpoint and the files are hashed
 from __future__ import annotations
 
 import logging
-import pickle
 from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -218,17 +217,6 @@ def _choose(out: Path, resume: str | int, config: RunConfig, keep_state: bool,
     return None, None, []
 
 
-def _sendable(err: Exception) -> Exception:
-    """``err`` as the other ranks can receive it (pickled by the broadcast: its type, errno and
-    file kept, as the command line's one-line message reads them); one that does not pickle as a
-    RuntimeError of its text (failing to pickle on rank 0 would leave the others in the broadcast)."""
-    try:
-        pickle.loads(pickle.dumps(err))  # the round trip: an exception whose __init__ takes other arguments fails loading
-    except Exception:  # noqa: BLE001 -- any pickling failure
-        return RuntimeError(f"{type(err).__name__}: {err}")
-    return err
-
-
 def choose_checkpoint(out: str | Path, resume: str | int, config: RunConfig,
                       env: DistributedEnv | None = None) -> tuple[Path | None, dict | None, list[str]]:
     """``(checkpoint directory or None, its loaded state or None, the memory levers the resume
@@ -265,7 +253,7 @@ def decided_on_rank_zero(env: DistributedEnv, decide: Callable[[], Any]) -> Any:
             message[0] = ("ok", str(result) if isinstance(result, Path) else result)
         except Exception as err:  # noqa: BLE001 -- handed to every rank, then re-raised here
             error = err
-            message[0] = ("error", _sendable(err))
+            message[0] = ("error", checkpoint_integrity.sendable(err))
     dist.broadcast_object_list(message, src=0, device=env.device)
     if message[0][0] == "error":
         with same_on_every_rank():  # rank 0's error, raised by every rank alike

@@ -606,9 +606,9 @@ def test_an_error_that_cannot_travel_between_ranks_goes_as_its_text() -> None:
     """Rank 0's error is pickled to the others: one that does not survive the round trip (an
     __init__ of other arguments) would fail on the receiving ranks, so it goes as a RuntimeError
     of its text; a picklable one goes as itself."""
-    from fira_train.run.resume_check import _sendable
+    from fira_train.run.checkpoint_integrity import sendable
 
-    sent = _sendable(_NeedsTwo("a", "b"))
+    sent = sendable(_NeedsTwo("a", "b"))
     assert type(sent) is RuntimeError and str(sent) == "_NeedsTwo: a and b"
     denied = PermissionError(13, "Permission denied", "/runs/x/summary.json")
-    assert _sendable(denied) is denied
+    assert sendable(denied) is denied
