@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .distributed import reject_fsdp1
+from .options import did_you_mean
 
 
 def divide_params(
@@ -50,12 +51,23 @@ def divide_params(
     ]
 
 
-def _matches(name: str, patterns: Iterable[str] | str | None) -> bool:
+def _compiled(argument: str, patterns: Iterable[str] | str | None) -> list[re.Pattern] | None:
+    """``include`` / ``exclude`` as compiled regular expressions (None: not given), checked once,
+    before any module is looked at; a bad one is a ValueError naming the argument. Read once:
+    a generator of patterns serves every module, not the first alone."""
     if patterns is None:
-        return False
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    return any(re.search(p, name) for p in patterns)
+        return None
+    compiled = []
+    for pattern in [patterns] if isinstance(patterns, str) else patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as err:
+            raise ValueError(f"param_groups(): {argument}={pattern!r} is not a regular expression: {err}") from None
+    return compiled
+
+
+def _matches(name: str, patterns: list[re.Pattern] | None) -> bool:
+    return patterns is not None and any(p.search(name) for p in patterns)
 
 
 def _excluded_by_role(model: nn.Module) -> set[int]:
@@ -106,12 +118,7 @@ def param_groups(
     if not isinstance(model, nn.Module):  # e.g. model.parameters(): no modules to tell linear layers by
         raise TypeError(f"param_groups() takes the model (an nn.Module), got {type(model).__name__}; a "
                         "list of tensors goes to FiraAdamW directly, which projects its 2-D ones")
-    for argument, patterns in (("include", include), ("exclude", exclude)):
-        for pattern in [patterns] if isinstance(patterns, str) else patterns or []:
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise ValueError(f"param_groups(): {argument}={pattern!r} is not a regular expression: {err}") from None
+    include, exclude = _compiled("include", include), _compiled("exclude", exclude)
     reject_fsdp1(model)  # FSDP1 flattens the weights: nothing would be projected, silently
     never = _excluded_by_role(model)
     projected: list[torch.Tensor] = []
@@ -149,7 +156,6 @@ def _check_group_options(options: dict[str, Any]) -> None:
     reads (with the closest that one does): torch's optimizers keep any key of a group, so
     ``param_groups(model, rnak=8)`` trained at the default rank without a word. The optimizer's
     own options (``implementation``, ...) are refused by the optimizer, naming the group."""
-    import difflib
     import inspect
 
     from .optimizer import FiraAdamW  # it imports this module
@@ -158,10 +164,8 @@ def _check_group_options(options: dict[str, Any]) -> None:
     known.add("scale")  # galore-torch's name for alpha (GaLoreAdamW)
     for key in options:
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            raise TypeError(f"param_groups() got an unexpected option {key!r}"
-                            + (f" (did you mean {close[0]!r}?)" if close else "")
-                            + ": the options are FiraAdamW's (see its signature)")
+            raise TypeError(f"param_groups() got an unexpected option {key!r}{did_you_mean(key, known)}: "
+                            "the options are FiraAdamW's (see its signature)")
 
 
 def _leaf_weight(module: nn.Module) -> bool:

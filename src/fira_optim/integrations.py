@@ -47,7 +47,6 @@ and resume it; :func:`fira_optim.optimizer_state_numel` reports its size.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import re
 from typing import Any, Iterable, Sequence
@@ -65,6 +64,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without transfo
     ) from _err
 
 from . import Fira, FiraAdamW, LossScale, VARIANTS, step_in_backward
+from .options import did_you_mean
 
 __all__ = [
     "parse_optim_args",
@@ -162,9 +162,8 @@ def parse_optim_args(optim_args: str | dict[str, Any] | None) -> dict[str, Any]:
                 f"weight_decay), not from optim_args"
             )
         if key not in defaults:
-            close = difflib.get_close_matches(key, sorted(defaults), n=1)
-            raise ValueError(f"optim_args: unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                             + f"; FiraAdamW takes {sorted(defaults)}")
+            raise ValueError(f"optim_args: unknown key {key!r}{did_you_mean(key, defaults)}; "
+                             f"FiraAdamW takes {sorted(defaults)}")
         parsed[key] = _convert(key, value, defaults[key]) if isinstance(value, str) else value
     return parsed
 

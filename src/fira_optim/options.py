@@ -7,6 +7,7 @@ below. The enums are ``str`` subclasses, so ``Limiter.GROWTH == "growth"`` holds
 
 from __future__ import annotations
 
+import difflib
 import enum
 import functools
 import inspect
@@ -352,6 +353,12 @@ def _check_real(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) and not (
             isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()):
         raise ValueError(f"Invalid {name}: {value!r}; expected a number")
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean 'X'?)`` for the choice closest to a misspelt ``word``, or ``""``."""
+    close = difflib.get_close_matches(word, sorted(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def param_name(gi: int, pi: int, p: torch.Tensor) -> str:

@@ -89,6 +89,10 @@ def test_include_and_exclude_patterns():
     projected, _ = _projected_and_plain(param_groups(model, rank=4, include=["q_proj", "k_proj"],
                                                      exclude="k_proj"))
     assert [n.split(".")[-2] for n in _names(model, projected)] == ["q_proj", "q_proj"]
+    # patterns as a generator (an Iterable): read once, for every module (they were consumed by
+    # the check of the patterns, then matched nothing)
+    projected, _ = _projected_and_plain(param_groups(model, rank=4, include=(p for p in ["q_proj"])))
+    assert [n.split(".")[-2] for n in _names(model, projected)] == ["q_proj", "q_proj"]
 
 
 def test_a_pattern_that_is_not_a_regular_expression_is_refused_naming_its_argument():
