@@ -29,19 +29,21 @@ from .projection import LEFT, project_back
 
 def commit_explicit(param, basis, side, direction, scaled, factor, step: int, hp: Hyper) -> None:
     """One matrix, every term explicit. ``scaled``: :math:`\\phi \\odot S` before the limiter
-    (None for GaLore). ``param`` is in the working dtype (a copy of a low-precision parameter,
-    which the optimizer rounds into it once: :meth:`fira_optim.Fira._update`)."""
-    inside = project_back(direction, basis, side)  # P N
+    (None for GaLore), consumed (scaled in place). ``param`` is in the working dtype (a copy of
+    a low-precision parameter, which the optimizer rounds into it once:
+    :meth:`fira_optim.Fira._update`)."""
+    # In place on P N and on ``scaled`` (which is the caller's to consume): at most two m x n
+    # temporaries, with the same bits as the terms formed one by one.
     if hp.residual is Residual.DROP:  # GaLore
-        update = hp.alpha * inside
+        update = project_back(direction, basis, side).mul_(hp.alpha)
     else:
-        scaled = scaled * factor
+        scaled.mul_(factor)
         if hp.only_scaling:
-            update = hp.alpha * scaled
+            update = scaled.mul_(hp.alpha)
         elif hp.released:
-            update = hp.alpha * inside + scaled
+            update = project_back(direction, basis, side).mul_(hp.alpha).add_(scaled)
         else:
-            update = hp.alpha * (inside + scaled)
+            update = project_back(direction, basis, side).add_(scaled).mul_(hp.alpha)
     if hp.weight_decay != 0 and not hp.released:
         param.mul_(1.0 - hp.lr * hp.weight_decay)
     param.sub_(update, alpha=hp.step_size(step))

@@ -39,13 +39,19 @@ def explicit_residuals(grads, lows, bases, sides, phis, hp: Hyper,
     Under FSDP2 each ``G`` is a row block and ``||S||^2`` sums over every shard's rows."""
     scaled, norms = [], []
     for i, (grad, low, basis, side) in enumerate(zip(grads, lows, bases, sides)):
-        back = project_back(low, basis, side)
-        # S_t = G - P R (the released code subtracts alpha * P R).
-        outside = grad - (hp.alpha * back if hp.released else back)
-        if hp.residual is Residual.SIGN:  # FRUGAL: signSGD outside the subspace, no scaling
-            s = torch.sign(outside)
+        if hp.only_scaling:  # phi (.) G: no residual to form
+            s = phis[i] * grad
         else:
-            s = phis[i] * (grad if hp.only_scaling else outside)
+            # S_t = G - P R (the released code subtracts alpha * P R), formed in P R's buffer:
+            # one m x n temporary, not one per operation (the same bits as out of place)
+            s = project_back(low, basis, side)
+            if hp.released:
+                s.mul_(hp.alpha)
+            torch.sub(grad, s, out=s)
+            if hp.residual is Residual.SIGN:  # FRUGAL: signSGD outside the subspace, no scaling
+                s.sign_()
+            else:
+                s.mul_(phis[i])
         norm = torch.linalg.vector_norm(s)
         if row_sum is not None:
             norm = row_sum(norm.square()).sqrt()

@@ -104,7 +104,8 @@ def _large_allocations(opt, w, shape):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         opt.step()
     threshold = shape[0] * shape[1] * 4
-    return [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage >= threshold]
+    # self: each allocation once, by the op that made it (not again by the ops around it)
+    return [(e.name, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage >= threshold]
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (512, 256)], ids=["left", "right"])
@@ -121,6 +122,19 @@ def test_fast_path_allocates_no_full_size_temporaries(variant, shape):
     assert big["reference"], "profiler saw no m x n allocation in the reference path"
     # ... and the fused path makes none: only r x n / m x r / per-column temporaries.
     assert big["fast"] == []
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (512, 256)], ids=["left", "right"])
+@pytest.mark.parametrize("variant,most", [("fira", 2), ("fira-released", 2), ("frugal", 2), ("galore", 1),
+                                          ("fira-only-scaling", 1)])
+def test_reference_path_forms_its_terms_in_at_most_two_buffers(variant, most, shape):
+    """The reference path (and FRUGAL's sign residual, which has only it) forms S in P R's
+    buffer and the update in P N's: at most two m x n allocations per step (before, one per
+    term: seven for Fira), so its peak is two matrices beside the gradient, not six."""
+    w = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+    opt = FiraAdamW([{"params": [w], "rank": 16, "update_proj_gap": 100}],
+                    implementation="reference", **VARIANTS[variant])
+    assert len(_large_allocations(opt, w, shape)) == most
 
 
 @pytest.mark.parametrize("variant", ["fira", "galore", "fira-released", "fira-only-scaling"])

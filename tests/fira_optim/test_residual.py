@@ -57,3 +57,48 @@ def test_a_gradient_inside_the_subspace_gets_the_reference_s_norm_on_the_fast_pa
         assert fast_norm == pytest.approx(norm, rel=rtol) and fast_factor == pytest.approx(factor, rel=rtol)
     assert fast_history == pytest.approx(history, rel=rtol)
     torch.testing.assert_close(fast_weights, weights, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"arithmetic": "released", "alpha": 0.25}, {"only_scaling": True},
+                                     {"residual": "sign"}, {"residual": "drop"}],
+                         ids=["paper", "released", "only-scaling", "frugal", "galore"])
+@pytest.mark.parametrize("side", [LEFT, RIGHT])
+def test_the_reference_terms_formed_in_place_have_the_bits_of_the_terms_one_by_one(options, side):
+    """The reference path forms S and the update in two buffers, in place: the same float32
+    bits as each term of Algorithm 1 (and the variants) formed as a new tensor."""
+    from fira_optim.commit import commit_explicit
+    from fira_optim.projection import project_back
+
+    hp = Hyper.from_group(FiraAdamW([torch.nn.Parameter(torch.zeros(2, 2))], lr=0.01, weight_decay=0.1,
+                                    **options).param_groups[0])
+    gen = torch.Generator().manual_seed(5)
+    grad, weight = torch.randn(24, 40, generator=gen), torch.randn(24, 40, generator=gen)
+    basis = svd_basis(grad, 4, side)
+    low = project(grad, basis, side)
+    phi = torch.rand(exact_norms(grad, reduce_dim(side)).shape, generator=gen)
+    direction, factor = torch.randn(low.shape, generator=gen), torch.tensor(0.7)
+    norms, (scaled,) = explicit_residuals([grad], [low], [basis], [side], [phi], hp)
+    # the terms one by one, as the paper writes them
+    outside = grad - (hp.alpha * project_back(low, basis, side) if hp.released else project_back(low, basis, side))
+    expected_s = (torch.sign(outside) if options.get("residual") == "sign"
+                  else phi * (grad if hp.only_scaling else outside))
+    assert torch.equal(scaled, expected_s)
+    assert torch.equal(norms[0], torch.linalg.vector_norm(expected_s))
+    inside = project_back(direction, basis, side)
+    if options.get("residual") == "drop":
+        update = hp.alpha * inside
+    elif hp.only_scaling:
+        update = hp.alpha * (expected_s * factor)
+    elif hp.released:
+        update = hp.alpha * inside + expected_s * factor
+    else:
+        update = hp.alpha * (inside + expected_s * factor)
+    expected_w = weight.clone()
+    if not hp.released:
+        expected_w.mul_(1.0 - hp.lr * hp.weight_decay)
+    expected_w.sub_(update, alpha=hp.step_size(3))
+    if hp.released:
+        expected_w.add_(expected_w, alpha=-hp.lr * hp.weight_decay)
+    commit_explicit(weight, basis, side, direction, None if hp.residual.value == "drop" else scaled,
+                    None if hp.residual.value == "drop" else factor, 3, hp)
+    assert torch.equal(weight, expected_w)
