@@ -636,6 +636,27 @@ def test_an_out_folder_that_cannot_be_made_is_a_one_line_error(tiny_model_dir, t
     assert str(blocker) in err
 
 
+def test_a_model_that_fails_to_load_leaves_no_new_folder_and_keeps_an_old_one(tiny_model_dir, tmp_path, capsys):
+    """The lock made --out (and its missing parents) before the model load: a failed load left a
+    folder holding only the lock file, which the next run found already there."""
+    _, data = tiny_model_dir
+    missing = tmp_path / "no-such-model"
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    err = _one_line_error(capsys, _zero_shot(missing, data, runs / "new" / "o"))
+    assert "no-such-model" in err
+    assert list(runs.iterdir()) == []  # neither o nor the parent made for it
+    kept = runs / "kept"
+    kept.mkdir()
+    _one_line_error(capsys, _zero_shot(missing, data, kept))
+    assert kept.is_dir()  # the user's folder: never removed, only the lock file in it
+    mine = runs / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    _one_line_error(capsys, _zero_shot(missing, data, mine / "run"))
+    assert (mine / "notes.txt").read_text() == "the user's" and not (mine / "run").exists()
+
+
 def test_sittings_are_known_only_as_an_unbroken_chain_to_the_checkpoint(tmp_path) -> None:
     from fira_train.finetune.config import FinetuneConfig
     from fira_train.finetune.report import sitting_totals
