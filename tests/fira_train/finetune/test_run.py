@@ -935,6 +935,37 @@ def test_a_run_whose_loss_turns_nan_stops_before_its_checkpoint_and_reports_noth
     assert not list((out / "trainer").glob("checkpoint-*"))  # the NaN step is not checkpointed
 
 
+def test_generation_scoring_of_a_model_with_nan_weights_is_refused_not_an_accuracy(tiny_model_dir, tmp_path, capsys):
+    """Log-likelihood scoring refused non-finite log-likelihoods; generation scoring decoded the
+    argmax of NaN scores and reported the unparsed text as an accuracy of 0."""
+    from fira_train.finetune.commonsense import resolve_task
+    from fira_train.finetune.evaluate import evaluate_task, generate
+
+    model_dir, data = tiny_model_dir
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    records = [r | {"index": 10 + i} for i, r in enumerate(json.loads((data / "boolq" / "test.json").read_text()))]
+    metrics, _ = evaluate_task(model, tokenizer, resolve_task("boolq"), records[:3], max_new_tokens=2)
+    assert metrics["n"] == 3  # finite scores pass
+    with torch.no_grad():
+        model.lm_head.weight[3].fill_(float("nan"))
+    with pytest.raises(FinetuneError, match=r"boolq: the model's next-token scores are not finite for 3 of 3 "
+                                            r"examples \(the first: index 10\).*no accuracy is reported"):
+        evaluate_task(model, tokenizer, resolve_task("boolq"), records[:3], max_new_tokens=2, batch_size=2)
+    with pytest.raises(ValueError, match=r"not finite for 2 of 2 prompts \(the first: prompt 0\)"):
+        generate(model, tokenizer, ["is sky", "is snow"], max_new_tokens=2)
+    broken = tmp_path / "nan-model"
+    model.save_pretrained(broken)
+    tokenizer.save_pretrained(broken)
+    with pytest.raises(SystemExit) as exit_info:
+        main(_zero_shot(broken, data, tmp_path / "o"))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(  # after the model load's progress bars
+        "fira-train finetune: error: boolq: the model's next-token scores are not finite")
+    assert not (tmp_path / "o" / "results.json").exists()
+
+
 @pytest.mark.parametrize(("method", "targets"), [("fira", "foo_proj"), ("galore", "[")])
 def test_target_modules_that_match_nothing_are_named_as_the_option(tiny_model_dir, tmp_path, capsys, method,
                                                                    targets):
