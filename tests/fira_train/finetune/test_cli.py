@@ -108,3 +108,15 @@ def test_flags_the_run_does_not_use_are_a_warning(tmp_path: Path, monkeypatch) -
         assert run_from_args(_args("--method", "none", "--state-dtype", "int8", "--lr", "0.1",
                                    "--out", str(tmp_path / "zs"))) == 0
     assert len(ran) == 1  # and it ran
+
+
+def test_help_shows_the_default_learning_rates_and_ranks_per_method_not_as_a_dict(capsys) -> None:
+    """--help printed DEFAULT_LR and DEFAULT_RANK as Python dicts ({'adamw': 5e-05, ...})."""
+    from fira_train.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["finetune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # one line, as argparse wraps it
+    assert "{'" not in text and "': " not in text
+    assert "(default per method: adamw=5e-05, galore=5e-05, fira=5e-05, lora=0.0005," in text
+    assert "rank (default galore=32, fira=32," in text and "none=" not in text
