@@ -38,7 +38,12 @@ def prepare_model(model: torch.nn.Module, config: FinetuneConfig) -> torch.nn.Mo
     lora = peft.LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                            target_modules=targets, bias="none", task_type="CAUSAL_LM")
     try:
-        return peft.get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            # peft (0.21.2 and before) reads the model's is_gradient_checkpointing, which transformers
+            # deprecated for is_activation_checkpointing: a warning of their code the user can do nothing about
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            return peft.get_peft_model(model, lora)
     except ValueError as err:
         raise FinetuneError(f"lora_targets={config.lora_targets!r} do not fit the model: {err}") from None
 

@@ -935,6 +935,25 @@ def test_a_run_whose_loss_turns_nan_stops_before_its_checkpoint_and_reports_noth
     assert not list((out / "trainer").glob("checkpoint-*"))  # the NaN step is not checkpointed
 
 
+def test_lora_does_not_pass_on_peft_reading_a_deprecated_transformers_attribute(tiny_model_dir):
+    """peft's get_peft_model reads is_gradient_checkpointing, which transformers deprecated: every
+    LoRA run printed transformers' FutureWarning about it."""
+    import warnings
+
+    from fira_train.finetune.train import prepare_model
+
+    model_dir, data = tiny_model_dir
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    config = FinetuneConfig(tasks=["boolq"], data_dir=str(data), method="lora", lora_r=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = prepare_model(model, config)
+        warnings.warn("`is_gradient_checkpointing` is deprecated, said after peft", FutureWarning)
+    assert [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)] == [
+        "`is_gradient_checkpointing` is deprecated, said after peft"]  # filtered around peft only
+    assert any(p.requires_grad for p in wrapped.parameters())
+
+
 def test_generation_scoring_of_a_model_with_nan_weights_is_refused_not_an_accuracy(tiny_model_dir, tmp_path, capsys):
     """Log-likelihood scoring refused non-finite log-likelihoods; generation scoring decoded the
     argmax of NaN scores and reported the unparsed text as an accuracy of 0."""
