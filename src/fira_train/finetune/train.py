@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import transformers
+from tqdm.auto import tqdm
 
 from fira_optim import optimizer_state_numel
 from fira_optim.state import optimizer_state_bytes
@@ -220,6 +221,33 @@ class SittingRecorder(transformers.TrainerCallback):
             write_text_atomic(self.path, json.dumps([*self.earlier, self.entry(state.global_step)], indent=2))
 
 
+class ProgressBar(transformers.TrainerCallback):
+    """The optimizer steps as a tqdm bar with the time left, the last step's loss and learning rate
+    beside it, as ``fira-train pretrain`` shows them, in place of the Trainer's one printed dict of
+    its log per step (its ``disable_tqdm`` printer)."""
+
+    def __init__(self, desc: str) -> None:
+        self.desc = desc
+        self.bar: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc=self.desc, unit="step",
+                        disable=not state.is_world_process_zero, dynamic_ncols=True)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.bar.update(state.global_step - self.bar.n)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        logs = logs or {}
+        if "loss" in logs:  # a step's log, not the training's summary at its end
+            self.bar.set_postfix({k: f"{logs[key]:.4g}" for k, key in (("loss", "loss"), ("lr", "learning_rate"))
+                                  if isinstance(logs.get(key), (int, float))})
+
+    def close(self) -> None:
+        if self.bar is not None:  # also after an error: its line ends before the error's
+            self.bar.close()
+
+
 class StopOnNonFiniteLoss(transformers.TrainerCallback):
     """Stops the training at the first step whose loss is not finite (a learning rate that blew the
     weights up), with :class:`FloatingPointError`, before that step's checkpoint is written (the
@@ -349,8 +377,14 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
                                checkpoint_step(resume) if resume else 0, reset)
     trainer.add_callback(recorder)
     trainer.add_callback(StopOnNonFiniteLoss())
+    trainer.remove_callback(transformers.PrinterCallback)  # disable_tqdm's dicts: the bar says it
+    progress = ProgressBar(method)
+    trainer.add_callback(progress)
     started = recorder.started  # the sitting's clock is the run's
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        progress.close()
     seconds = time.perf_counter() - started
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's wrapper
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

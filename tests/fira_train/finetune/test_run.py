@@ -610,6 +610,19 @@ def test_the_tokens_trained_on_count_records_seen_again(tiny_model_dir, tmp_path
     assert tokens(6, "three") == 3 * tokens(2, "one") > 0
 
 
+def test_training_progress_is_a_bar_with_the_loss_not_a_dict_per_step(tiny_model_dir, tmp_path, capsys):
+    """The Trainer (disable_tqdm) printed every step's log as a dict ({'loss': '4.1', 'grad_norm':
+    ...}) and no time left; pretrain shows a tqdm bar with the loss and lr."""
+    model_dir, data = tiny_model_dir
+    run_cli(["--model", str(model_dir), "--tasks", "boolq", "--method", "adamw", "--data-dir", str(data),
+             "--steps", "3", "--batch-size", "2", "--scoring", "generate", "--max-eval", "1", "--max-new-tokens", "1",
+             "--out", str(tmp_path / "o")])
+    captured = capsys.readouterr()
+    assert "{'" not in captured.out + captured.err and "grad_norm" not in captured.out + captured.err
+    final = [line for line in captured.err.replace("\r", "\n").splitlines() if line.startswith("adamw: 100%")]
+    assert final and "3/3" in final[-1] and "loss=" in final[-1] and "lr=" in final[-1]
+
+
 def test_a_second_run_into_a_busy_folder_stops_at_once(tiny_model_dir, tmp_path, capsys):
     """Two runs into one --out would interleave their checkpoints: the second one stops, as
     `fira-train pretrain` does, and touches nothing."""
