@@ -141,32 +141,44 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
                 shutil.rmtree(path)
             elif delete and path.exists():
                 path.unlink()
-    if resume is not None and (out / "config.json").exists():
-        saved = saved_config(read_json(out / "config.json", hint="restore it, or delete it and resume "
-                                           "with the command line that started the run"))
-        changes = config_changes(saved, config, resume_ignores(config))
-        if changes:
-            hint = ""
-            if "data.test_fraction" in changes and saved.data.test_fraction == 0:
-                hint = "; a run made before the held-out test split resumes with data.test_fraction=0"
-            if "data.epoch_order" in changes and saved.data.epoch_order == 1:
-                hint += ("; a run made before each epoch's order was seeded from (seed, epoch) resumes with "
-                         "data.epoch_order=1")
-            if "optim.method" in changes:  # its lr (a method's tuned one) differs for that reason alone
-                hint += f"; the run was made with --method {saved.optim.method}"
-            elif "optim.lr" in changes:
-                hint += (f"; a run made before the recipe's tuned learning rates (or at another lr) "
-                         f"resumes with optim.lr={saved.optim.lr:g}")
-            if ("optim.relora_rewarmup" in changes and saved.optim.relora_every
-                    and saved.optim.relora_rewarmup == legacy_rewarmup(saved.optim.relora_every)):
-                hint += (f"; a ReLoRA run made before the re-warm-up's default of at least 10 steps (a quarter "
-                         f"of a shorter cycle) resumes with optim.relora_rewarmup={saved.optim.relora_rewarmup}")
-            if "optim.align_signs" in changes and saved.optim.align_signs is LEGACY_ALIGN_SIGNS:
-                hint += ("; a run made while aligned SVD signs were the default resumes with "
-                         "optim.align_signs=true")
-            raise ValueError(f"cannot resume {str(out)!r} with a different config: its config.json has "
-                             f"{describe_changes(saved, config, changes)} (resuming must reproduce the same "
-                             f"run){hint}")
+    if resume is not None:
+        refusal = resume_refusal(out, config)
+        if refusal:
+            raise ValueError(f"cannot resume {str(out)!r} with a different config: its config.json has {refusal}")
+
+
+def resume_refusal(out: Path, config: RunConfig) -> str | None:
+    """Why ``config`` (resolved) may not resume the run in ``out``: each setting it changes against
+    ``out/config.json`` beyond :func:`resume_ignores` (the run's value and the new one), with a hint
+    where a change of a default explains it; None where it may, or where there is no config.json.
+    What :func:`prepare_out_dir` refuses a resume for, and what a sweep checks of every run before
+    it starts one."""
+    if not (out / "config.json").exists():
+        return None
+    saved = saved_config(read_json(out / "config.json", hint="restore it, or delete it and resume "
+                                   "with the command line that started the run"))
+    changes = config_changes(saved, config, resume_ignores(config))
+    if not changes:
+        return None
+    hint = ""
+    if "data.test_fraction" in changes and saved.data.test_fraction == 0:
+        hint = "; a run made before the held-out test split resumes with data.test_fraction=0"
+    if "data.epoch_order" in changes and saved.data.epoch_order == 1:
+        hint += ("; a run made before each epoch's order was seeded from (seed, epoch) resumes with "
+                 "data.epoch_order=1")
+    if "optim.method" in changes:  # its lr (a method's tuned one) differs for that reason alone
+        hint += f"; the run was made with --method {saved.optim.method}"
+    elif "optim.lr" in changes:
+        hint += (f"; a run made before the recipe's tuned learning rates (or at another lr) "
+                 f"resumes with optim.lr={saved.optim.lr:g}")
+    if ("optim.relora_rewarmup" in changes and saved.optim.relora_every
+            and saved.optim.relora_rewarmup == legacy_rewarmup(saved.optim.relora_every)):
+        hint += (f"; a ReLoRA run made before the re-warm-up's default of at least 10 steps (a quarter "
+                 f"of a shorter cycle) resumes with optim.relora_rewarmup={saved.optim.relora_rewarmup}")
+    if "optim.align_signs" in changes and saved.optim.align_signs is LEGACY_ALIGN_SIGNS:
+        hint += ("; a run made while aligned SVD signs were the default resumes with "
+                 "optim.align_signs=true")
+    return f"{describe_changes(saved, config, changes)} (resuming must reproduce the same run){hint}"
 
 
 def finished_with(config: RunConfig, run_dir: Path, data: Mapping[str, Any] | None = None) -> bool:

@@ -30,7 +30,8 @@ from fira_train.config.run_config import RunConfig
 from fira_train.files import dumps, read_json, write_text_atomic
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.provenance import code_version, source_of
-from fira_train.run.run_dir import check_same_data, check_same_device, config_changes, finished_with, warn_other_code
+from fira_train.run.run_dir import (check_same_data, check_same_device, config_changes, finished_with, resume_refusal,
+                                   warn_other_code)
 from fira_train.run.train import train
 from fira_train.run.training import resolve_device
 
@@ -134,6 +135,30 @@ def check_fresh(keys: Sequence[RunKey], out_dir: Path) -> None:
                 f"unfinished ones from their checkpoints, or choose another --out")
 
 
+def check_resumable(todo: Sequence[tuple[RunKey, RunConfig]], out_dir: Path) -> None:
+    """With ``reuse``: a ValueError, before any run starts, naming every run to train whose folder
+    holds a run of another config that it could not continue: the refusal each run's own process
+    makes (:func:`~fira_train.run.run_dir.resume_refusal`), here once for them all, where each was
+    refused only after its process had started (and the others had trained)."""
+    refused: dict[str, list[str]] = {}
+    for key, config in todo:
+        folder = key.folder(out_dir)
+        refusal = resume_refusal(folder, resolved(config))
+        if refusal:
+            refused.setdefault(refusal, []).append(str(folder.relative_to(out_dir)))
+    if refused:
+        count = sum(len(folders) for folders in refused.values())
+        groups = ". ".join(f"{_and(folders)} {'has' if len(folders) == 1 else 'have'} {refusal}"
+                           for refusal, folders in refused.items())
+        raise ValueError(f"--reuse: {count} run{'s' if count > 1 else ''} in {out_dir} cannot be continued with "
+                         f"this sweep's config, so no run was started: {groups}. Run the sweep with the settings "
+                         "they were made with, or choose another --out")
+
+
+def _and(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def execute(keys: Sequence[RunKey], base: RunConfig, out_dir: Path, data: dict[str, Any], *, jobs: int,
             reuse: bool, on_result: Callable[[RunResult], None] | None = None,
             done: Collection[RunKey] = ()) -> dict[RunKey, RunResult]:
@@ -160,7 +185,9 @@ def execute(keys: Sequence[RunKey], base: RunConfig, out_dir: Path, data: dict[s
             todo.append((key, config))
     if not todo:
         return results
-    if not reuse:
+    if reuse:
+        check_resumable(todo, out_dir)
+    else:
         check_fresh([key for key, _ in todo], out_dir)
     for key, config in todo:
         log.info("sweep: %s at lr %g, seed %d -> %s", key.spec, key.lr, key.seed, config.train.out_dir)

@@ -173,6 +173,26 @@ def test_reuse_continues_an_unfinished_run_from_its_checkpoint(tmp_path: Path, i
     assert row.val is not None and row.val.mean == pytest.approx(finished["val_ppl"])
 
 
+def test_reuse_refuses_runs_of_another_config_before_any_starts(tmp_path: Path, in_process: list) -> None:
+    """Runs made with another config are refused in this process, all in one error naming each
+    and the settings changed, before any run starts (each was refused by its own process, after
+    it had started, one after another)."""
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0")
+    out = tmp_path / "sweep"
+    sweep(config, ["adamw", "fira"], {"adamw": [0.001, 0.01], "fira": [0.01]}, [0], out)
+    in_process.clear()
+    longer = micro_config(tmp_path, "train.steps=3", "train.eval_every=0")
+    with pytest.raises(ValueError, match=r"--reuse: 3 runs in .* cannot be continued with this sweep's config, so "
+                                         r"no run was started: adamw/lr=0.001/seed=0, adamw/lr=0.01/seed=0 and "
+                                         r"fira/lr=0.01/seed=0 have train.steps=2 \(now 3\)"):
+        sweep(longer, ["adamw", "fira"], {"adamw": [0.001, 0.01], "fira": [0.01]}, [0], out, reuse=True)
+    assert in_process == []
+    # what a resume may change (the checkpoints' cadence) is no refusal: the runs are reused
+    sweep(micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=1"), ["adamw", "fira"],
+          {"adamw": [0.001, 0.01], "fira": [0.01]}, [0], out, reuse=True)
+    assert in_process == []
+
+
 def test_reuse_takes_a_run_recorded_before_state_rounding_as_rounded_to_nearest(tmp_path: Path,
                                                                                 in_process: list) -> None:
     """A config.json without optim.state_rounding (written before the option) is the default run, and
