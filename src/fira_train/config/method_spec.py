@@ -123,8 +123,7 @@ def _resolved(spec: MethodSpec, base: RunConfig) -> str:
     learning rate, the sign alignment: :func:`~fira_train.config.resolve.resolved`), without its
     folder and without the ``optim`` settings its method does not read, as text (values may be
     lists)."""
-    uses = get_method(spec.name).uses | {"method", "lr"}
+    method = get_method(spec.name)
     flat = flat_config(resolved(spec.config(base, ".")))
-    kept = {key: value for key, value in flat.items() if key != "train.out_dir"
-            and not (key.startswith("optim.") and key.removeprefix("optim.") not in uses)}
+    kept = {key: value for key, value in flat.items() if key != "train.out_dir" and method.reads(key)}
     return repr(sorted(kept.items()))

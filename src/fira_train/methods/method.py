@@ -52,6 +52,14 @@ class Method:
     """Whether the method runs under ``train.parallel="fsdp2"`` (its optimizer steps sharded
     DTensor parameters); the config refuses the combination otherwise."""
 
+    def reads(self, key: str) -> bool:
+        """Whether a run of this method reads the config key ``key`` (``section.field``): every key
+        outside ``optim``, ``optim.method``, ``optim.lr`` and the ``optim`` settings it :attr:`uses`.
+        One it does not read cannot change the run: two specs that differ only there are the same
+        run, and a run made with another value of it is reused and resumed as it stands."""
+        section, _, name = key.partition(".")
+        return section != "optim" or name in ("method", "lr") or name in self.uses
+
     @property
     def uses_rank(self) -> bool:
         """Whether ``optim.rank`` matters (the projection's or the adapters' rank)."""

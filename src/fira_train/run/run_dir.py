@@ -16,6 +16,7 @@ from fira_train.data.corpus import data_change
 from fira_train.data.spec import C4, C4_LOCAL_PREFIX, WIKI
 from fira_train.files import parse_json, read_json, read_regular_text
 from fira_train.methods.lora import legacy_rewarmup
+from fira_train.methods.registry import get_method
 from fira_train.provenance import describe_change
 from fira_train.run import run_files
 from fira_train.run.checkpoint import CHECKPOINT_DIR
@@ -69,15 +70,18 @@ def changed_among(old: RunConfig, new: RunConfig, keys: tuple[str, ...]) -> list
 
 
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
-    """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore``; the
-    micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself),
+    """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore`` and for
+    the ``optim`` settings neither config's method reads (:meth:`~fira_train.methods.method.Method.reads`,
+    as two method specs are the same run); the micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself),
     and ``train.device`` only between two named kinds (``cpu`` against ``cuda``): ``auto`` names
     none (a config records it for a CPU and a GPU run alike), so against it the record of the
     device the run trained on decides: :func:`check_same_device` refuses a finished run of another
     kind, and a resume on another kind than the checkpoint's goes on with a warning
     (:func:`fira_train.run.resume_check.warn_round_off`). Read as the kind ``auto`` is here, a CPU
     run recorded as ``auto`` could not go on, or be reused, with ``cpu`` on a GPU machine."""
+    methods = (get_method(old.optim.method), get_method(new.optim.method))
     return [key for key in changed_keys(flat_config(old), flat_config(new)) if key not in ignore
+            and any(method.reads(key) for method in methods)  # what neither reads cannot change the run
             and (key != "train.micro_batch_size" or old.train.micro_batch != new.train.micro_batch)
             and (key != "train.device" or devices_differ(old.train.device, new.train.device))
             and (key != "data.source" or sources_differ(old.data.source, new.data.source))]

@@ -193,6 +193,22 @@ def test_reuse_refuses_runs_of_another_config_before_any_starts(tmp_path: Path, 
     assert in_process == []
 
 
+def test_reuse_takes_runs_whose_changed_settings_their_method_does_not_read(tmp_path: Path,
+                                                                            in_process: list) -> None:
+    """optim.gamma is the norm-growth limiter's: neither AdamW nor GaLore (no residual) reads it, so
+    their runs made with another value are the runs asked for (as ``galore`` and
+    ``galore@optim.gamma=1.05`` are one run), and are reused; Fira's, which reads it, are not."""
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "optim.gamma=1.01")
+    out = tmp_path / "sweep"
+    sweep(config, ["adamw", "galore", "fira"], {"adamw": [0.01], "galore": [0.01], "fira": [0.01]}, [0], out)
+    in_process.clear()
+    other = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "optim.gamma=1.05")
+    sweep(other, ["adamw", "galore"], {"adamw": [0.01], "galore": [0.01]}, [0], out, reuse=True)
+    assert in_process == []
+    with pytest.raises(ValueError, match=r"fira/lr=0.01/seed=0 has optim.gamma=1.01 \(now 1.05\)"):
+        sweep(other, ["fira"], {"fira": [0.01]}, [0], out, reuse=True)
+
+
 def test_reuse_takes_a_run_recorded_before_state_rounding_as_rounded_to_nearest(tmp_path: Path,
                                                                                 in_process: list) -> None:
     """A config.json without optim.state_rounding (written before the option) is the default run, and
