@@ -38,6 +38,8 @@ from fira_train.run.run_dir import (NOT_FROM_LAST_STEP, changed_among, check_sam
                                    describe_changes, finished_with, resume_ignores)
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
+from fira_train.report.markdown import REPORT_TITLE as COMPARE_TITLE
+from fira_train.sweep.report import REPORT_TITLE as SWEEP_TITLE
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +140,7 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     out_dir = Path(out_dir)
     configs = [run_config(config, r, out_dir) for r in runs]  # validates every override first
     check_not_replaced(config, runs, configs, partly_set, given)
+    refuse_other_commands_output(out_dir)
     check_report_owner(out_dir, (f"# {title}",), "analyze", overwrite=overwrite,
                        writer=f"this analysis ({title!r})")
     if not (reuse or overwrite):
@@ -185,6 +188,29 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
         for name, summary in run_isolated_many([(_train_task, (task,)) for task in tasks], workers):
             summaries[name] = summary
     return {name: summaries[name] for name in names}
+
+
+#: The folders of other commands an analysis's ``--out`` may name: (what it holds, its report's
+#: heading, a file of its own besides).
+OTHER_COMMANDS = (("a sweep (`fira-train sweep`: sweep.json, its runs in <spec>/lr=<lr>/seed=<seed>/)",
+                   SWEEP_TITLE, "sweep.json"),
+                  ("a comparison (`fira-train compare`: its runs in <method>/)", COMPARE_TITLE, None))
+
+
+def refuse_other_commands_output(out_dir: Path) -> None:
+    """FileExistsError if ``out_dir`` holds another command's results (:data:`OTHER_COMMANDS`), with
+    or without ``--overwrite``: the analysis would write its report over theirs and its runs beside
+    (or over) theirs, and the folder would be neither's; a fresh ``--out`` is the way on."""
+    report = out_dir / "report.md"
+    first = ""
+    if report.is_file():
+        with open(report, encoding="utf-8", errors="replace") as handle:
+            first = handle.readline(4096)
+    for what, heading, record in OTHER_COMMANDS:
+        if first.startswith(heading) or (record is not None and (out_dir / record).is_file()):
+            raise FileExistsError(f"--out {str(out_dir)!r} holds {what}, another command's results, which an "
+                                  "analysis's runs and report.md would mix with or replace, --overwrite or not: "
+                                  "choose a fresh --out")
 
 
 #: What a run always sets: its method (the analysis's method flags).

@@ -237,11 +237,31 @@ def test_an_analysis_leaves_a_report_it_did_not_write_alone(tmp_path: Path, corp
     config = analysis_config(corpus_root, tmp_path / "run")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "report.md").write_text("# Learning-rate sweep: recipe `tiny`\n")
+    (out / "report.md").write_text("# My notes\n")
     with pytest.raises(FileExistsError, match=re.escape(f"report.md that this analysis ({TITLE!r}) did not write "
-                                                        "(it begins '# Learning-rate sweep") + ".*--overwrite"):
+                                                        "(it begins '# My notes") + ".*--overwrite"):
         train_runs(config, ablation_runs(["fira"], []), out, reuse=True, title=TITLE)
     assert not (out / "fira").exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_analysis_refuses_a_sweeps_or_a_comparisons_folder_without_offering_overwrite(
+        tmp_path: Path, corpus_root: Path, overwrite: bool) -> None:
+    """Another command's results (a sweep: its report, or its sweep.json alone; a comparison) are
+    not the analysis's to replace: refused, --overwrite or not, and a fresh --out suggested (the
+    error had offered --overwrite, which replaced the sweep's report and mixed the runs)."""
+    config = analysis_config(corpus_root, tmp_path / "run")
+    for name, files in [("sweep", {"report.md": "# Learning-rate sweep: recipe `tiny`\n", "sweep.json": "{}"}),
+                        ("record", {"sweep.json": "{}"}),
+                        ("compare", {"report.md": "# Pre-training comparison: recipe `tiny`\n"})]:
+        out = tmp_path / name
+        out.mkdir()
+        for file, text in files.items():
+            (out / file).write_text(text)
+        what = "a comparison" if name == "compare" else "a sweep"
+        with pytest.raises(FileExistsError, match=f"holds {what} .*another command's results.*choose a fresh --out$"):
+            train_runs(config, ablation_runs(["fira"], []), out, overwrite=overwrite, title=TITLE)
+        assert sorted(p.name for p in out.iterdir()) == sorted(files)  # nothing written
 
 
 def test_step_records_must_cover_every_step_that_updated(tmp_path: Path) -> None:
