@@ -33,13 +33,13 @@ from fira_train.files import (DamagedFileError, check_report_owner, cut_back_jso
                                read_json_lines, refuse_links, write_text_atomic)
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
+from fira_train.report.markdown import REPORT_TITLE as COMPARE_TITLE
+from fira_train.report.markdown import SWEEP_REPORT_TITLE as SWEEP_TITLE
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.run.run_dir import (NOT_FROM_LAST_STEP, changed_among, check_same_data, config_changes,
                                    describe_changes, finished_with, resume_ignores)
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
-from fira_train.report.markdown import REPORT_TITLE as COMPARE_TITLE
-from fira_train.sweep.report import REPORT_TITLE as SWEEP_TITLE
 
 log = logging.getLogger(__name__)
 

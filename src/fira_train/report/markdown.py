@@ -21,6 +21,9 @@ MiB = 1024 ** 2
 
 #: The first words of the report ``fira-train compare`` writes.
 REPORT_TITLE = "# Pre-training comparison"
+#: The first words of the report ``fira-train sweep`` writes (kept here, below both commands, so
+#: that another command can tell a sweep's folder).
+SWEEP_REPORT_TITLE = "# Learning-rate sweep"
 
 
 def command_line(argv: Sequence[str]) -> str:
