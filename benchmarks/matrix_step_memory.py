@@ -3,7 +3,7 @@ the path the step takes: peak RSS during the step minus RSS before it, each arm 
 process, side by side in one run.
 
     python benchmarks/matrix_step_memory.py [--rows 2048 --cols 5461 --rank 512] [--repeats 2]
-        [--out docs/benchmarks/matrix_step_memory.json]
+        [--arms NAME ...] [--out docs/benchmarks/matrix_step_memory.json]
 
 The matrix is an MLP weight of the paper's 1B LLaMA (2048 x 5461, rank 512) by default. Arms:
 
@@ -15,7 +15,9 @@ The matrix is an MLP weight of the paper's 1B LLaMA (2048 x 5461, rank 512) by d
 - ``bf16 stochastic``: the same with ``stochastic_rounding=True`` (the noise drawn a chunk at a
   time); ``bf16 stochastic, noise in one piece``: drawn for the whole matrix at once, as
   ``precision.round_into`` did before; ``bf16 stochastic, reference, noise in one piece``: both
-  as before.
+  as before;
+- ``fp32 reference``, ``fp32 frugal`` (FRUGAL's sign residual, which only the reference path
+  forms) and ``fp32 galore reference``: the reference path's explicit terms for fp32 weights.
 
 Each process builds the state with two steps, returns the heap to the OS (``malloc_trim``),
 resets the peak (``/proc/self/clear_refs``) and reads ``VmHWM`` after a third step (no refresh
@@ -42,6 +44,9 @@ ARMS = {
     "bf16 stochastic, noise in one piece": {"dtype": "bfloat16", "stochastic_rounding": True, "whole_noise": True},
     "bf16 stochastic, reference, noise in one piece": {"dtype": "bfloat16", "stochastic_rounding": True,
                                                         "implementation": "reference", "whole_noise": True},
+    "fp32 reference": {"dtype": "float32", "implementation": "reference"},
+    "fp32 frugal": {"dtype": "float32", "residual": "sign"},
+    "fp32 galore reference": {"dtype": "float32", "residual": "drop", "implementation": "reference"},
 }
 
 
@@ -66,7 +71,8 @@ def measure_arm(rows: int, cols: int, rank: int, arm: dict) -> dict:
     w = torch.nn.Parameter((torch.randn(rows, cols, generator=g) * 0.02).to(dtype))
     opt = FiraAdamW([{"params": [w], "rank": rank, "update_proj_gap": 10**6}], lr=1e-3, weight_decay=0.1,
                     implementation=arm.get("implementation", "fast"),
-                    stochastic_rounding=arm.get("stochastic_rounding", False))
+                    stochastic_rounding=arm.get("stochastic_rounding", False),
+                    residual=arm.get("residual", "add"))
     for _ in range(2):  # the refresh, the states, first touch of all that persists
         w.grad = (torch.randn(rows, cols, generator=g) * 1e-3).to(dtype)
         opt.step()
@@ -92,17 +98,25 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=5461)
     parser.add_argument("--rank", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=2, help="fresh processes per arm (interleaved)")
+    parser.add_argument("--arms", nargs="+", metavar="NAME",
+                        help=f"the arms to run, each quoted (default: all: {'; '.join(ARMS)})")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # one arm, in a child process
     args = parser.parse_args()
     if args.arm:
         print(json.dumps(measure_arm(args.rows, args.cols, args.rank, ARMS[args.arm])))
         return
+    arms = ARMS
+    if args.arms:
+        unknown = [name for name in args.arms if name not in ARMS]
+        if unknown:
+            parser.error(f"--arms: unknown arm(s) {', '.join(map(repr, unknown))}; the arms: {'; '.join(ARMS)}")
+        arms = {name: ARMS[name] for name in args.arms}
     from record import machine, provenance, save
 
-    runs: dict[str, list[dict]] = {name: [] for name in ARMS}
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
     for _ in range(args.repeats):
-        for name in ARMS:  # arms interleaved: the machine's state drifts alike for all
+        for name in arms:  # arms interleaved: the machine's state drifts alike for all
             child = [sys.executable, __file__, "--arm", name, "--rows", str(args.rows), "--cols",
                      str(args.cols), "--rank", str(args.rank)]
             result = json.loads(subprocess.run(child, check=True, capture_output=True, text=True).stdout)
@@ -112,7 +126,7 @@ def main() -> None:
                   f"step {1e3 * result['step_seconds']:6.1f} ms", flush=True)
     result = {
         **provenance(), "machine": machine("one thread per process"),
-        "matrix": [args.rows, args.cols], "rank": args.rank, "arms": ARMS,
+        "matrix": [args.rows, args.cols], "rank": args.rank, "arms": arms,
         "transient_bytes_per_element": {name: [r["bytes_per_element"] for r in rows] for name, rows in runs.items()},
         "transient_bytes": {name: [r["transient_bytes"] for r in rows] for name, rows in runs.items()},
         "median_step_seconds": {name: [r["step_seconds"] for r in rows] for name, rows in runs.items()},
