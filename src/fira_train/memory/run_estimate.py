@@ -34,9 +34,12 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   (its default on the CPU), whose ``sqrt`` and division hold two parameter-sized temporaries at
   once: :math:`2 \cdot V h` elements at the weights' dtype. Low-precision states (and stochastic
   rounding) step through fp32 copies a chunk at a time (:data:`fira_optim.precision.CHUNK`
-  elements, about 13 bytes each). A bf16 matrix of the Fira family is updated through an fp32
-  working copy beside its fp32 gradient, one matrix at a time: 8 bytes per element of the
-  largest projected matrix, where that is more. They add to everything else because the memory the backward
+  elements, about 13 bytes each). The projected matrices are updated one at a time, or where
+  that is more: each holds three fp32 ``r x max(m, n)`` terms (the projected gradient, Adam's
+  direction and a temporary); on the reference path (``optim.implementation=reference``, and
+  FRUGAL's sign residual) the scaled residual and the update as fp32 ``m x n`` matrices (8
+  bytes per element; GaLore's and Fira-only-scaling's one, 4); a bf16 matrix also an fp32
+  working copy beside its fp32 gradient (8 bytes per element). They add to everything else because the memory the backward
   pass freed (the activations) stays in the process, in glibc's heap, while these temporaries,
   larger than its ``mmap`` threshold, are mapped afresh (``benchmarks/memory_phases.py``
   measures each phase: the step's own rise is :math:`2 \cdot V h \cdot 4` bytes at 60M). On
@@ -154,12 +157,10 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     stepped_whole = largest if o.method in PLAIN_METHODS else embed
     temporaries = (min(stepped_whole, CHUNK) * CHUNK_TEMPORARY_BYTES if chunked
                    else 2 * stepped_whole * weight_bytes)
-    if projected and weight_bytes == 2:  # (the peers' shapes are emptied above: their own steps)
-        # a bf16 matrix is updated through an fp32 working copy beside its fp32 gradient, one
-        # matrix at a time (benchmarks/matrix_step_memory.py): 8 bytes per element of the largest
-        largest_projected = max((a * b for a, b in shapes if is_projected(torch.empty((a, b), device="meta"), group)),
-                                default=0)
-        temporaries = max(temporaries, 2 * 4 * largest_projected)
+    if projected:  # (the peers' shapes are emptied above: their own steps)
+        temporaries = max([temporaries] + [_matrix_step_bytes((a, b), group, o, variant, weight_bytes)
+                                           for a, b in shapes
+                                           if is_projected(torch.empty((a, b), device="meta"), group)])
     if device == "cuda" and o.method in FOREACH_METHODS:
         # one foreach step per param group: adamw-grouped's two groups (matrices; the rest) in turn
         temporaries = (max(params - others, others) if o.method == "adamw-grouped" else params) * weight_bytes
@@ -171,6 +172,31 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
         # the CUDA allocator counts only live tensors: the activations are freed before the step
         total -= min(activations, temporaries)
     return {**{k: int(v) for k, v in parts.items()}, "total": int(total)}
+
+
+#: fp32 ``m x n`` buffers that the reference path's update of one matrix holds at once
+#: (:func:`fira_optim.commit.commit_explicit`: the scaled residual and the update; GaLore and
+#: Fira-only-scaling one of them).
+EXPLICIT_BUFFERS = 2
+#: fp32 ``r x max(m, n)`` buffers of a projected matrix's step: the projected gradient, Adam's
+#: direction and one temporary of Adam's.
+LOW_RANK_BUFFERS = 3
+
+
+def _matrix_step_bytes(shape: tuple[int, int], group: dict, o, variant: dict, weight_bytes: int) -> int:
+    """Bytes one projected matrix's update allocates on top of its weight, gradient and states:
+    the low-rank terms; on the reference path (``optim.implementation=reference``, and FRUGAL's
+    sign residual, which has no other) its explicit ``m x n`` terms; for bf16 weights the fp32
+    working copy and fp32 gradient (``benchmarks/matrix_step_memory.py`` measures each)."""
+    a, b = shape
+    r = projected_rank(shape, group)
+    explicit = o.implementation == "reference" or variant.get("residual") == "sign"
+    buffers = 0
+    if explicit:
+        buffers = 1 if variant.get("residual") == "drop" or variant.get("only_scaling") else EXPLICIT_BUFFERS
+    if weight_bytes == 2:
+        buffers += 2
+    return 4 * (buffers * a * b + LOW_RANK_BUFFERS * r * max(a, b))
 
 
 def _stored_bytes(numel: int, state_dtype: str, work_dtype: torch.dtype) -> int:

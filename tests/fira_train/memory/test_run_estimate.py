@@ -183,18 +183,30 @@ def test_the_step_temporaries_are_the_largest_whole_update_or_a_chunk() -> None:
     assert rounded["step_temporaries"] == CHUNK * CHUNK_TEMPORARY_BYTES
 
 
-def test_a_bf16_matrix_steps_through_an_fp32_copy_beside_its_fp32_gradient() -> None:
-    """With bf16 weights the Fira family's step holds 8 bytes per element of the largest projected
-    matrix (its fp32 gradient and working copy) where that exceeds the unprojected part's chunk:
-    at 1B with int8 states, 2048 x 5461 elements."""
+def test_a_projected_matrix_step_holds_its_low_rank_terms_and_the_paths_full_size_ones() -> None:
+    """The largest projected matrix's step (1B, 2048 x 5461 at rank 512) where it exceeds the
+    unprojected part's chunk (int8 states): three fp32 r x n low-rank terms; with bf16 weights
+    also the fp32 gradient and working copy (8 bytes per element); on the reference path, and
+    for FRUGAL's sign residual, the scaled residual and the update (8 more; GaLore's one, 4)."""
     from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES
 
     config = get_recipe("1b")
     config = replace(config, optim=replace(config.optim, state_dtype="int8"),
                      train=replace(config.train, batch_size=1, micro_batch_size=1, param_dtype="bfloat16"))
-    assert estimate_run_bytes(config, 32000)["step_temporaries"] == 8 * 2048 * 5461 > CHUNK * CHUNK_TEMPORARY_BYTES
-    fp32 = replace(config, train=replace(config.train, param_dtype="float32"))
-    assert estimate_run_bytes(fp32, 32000)["step_temporaries"] == CHUNK * CHUNK_TEMPORARY_BYTES
+    numel, low_rank = 2048 * 5461, 3 * 4 * 512 * 5461
+    assert low_rank > CHUNK * CHUNK_TEMPORARY_BYTES
+
+    def temporaries(**changes):
+        train = {k: changes.pop(k) for k in ("param_dtype",) if k in changes}
+        changed = replace(config, optim=replace(config.optim, **changes), train=replace(config.train, **train))
+        return estimate_run_bytes(changed, 32000)["step_temporaries"]
+
+    assert temporaries() == 8 * numel + low_rank
+    assert temporaries(param_dtype="float32") == low_rank
+    assert temporaries(implementation="reference") == 16 * numel + low_rank
+    assert temporaries(implementation="reference", param_dtype="float32") == 8 * numel + low_rank
+    assert temporaries(method="frugal", param_dtype="float32") == 8 * numel + low_rank
+    assert temporaries(method="galore", implementation="reference", param_dtype="float32") == 4 * numel + low_rank
     adamw = replace(config, optim=replace(config.optim, method="adamw", state_dtype="float32"))
     assert estimate_run_bytes(adamw, 32000)["step_temporaries"] == 2 * 32000 * 2048 * 2  # its own rule
 
