@@ -243,6 +243,10 @@ class StepInBackward:
             self.loss_scale.check_backward()
         if self._accumulating:
             return
+        if not self.optimizer._holds(p):
+            # removed from its group since it was hooked (given to another optimizer, say): a plain
+            # step() would leave it and its gradient alone, so the hook does too
+            return
         self._update({p})
         p.grad = None
 

@@ -240,6 +240,37 @@ def test_parameters_no_hook_covered_yet_are_trained_as_by_step(change):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("change", ["removed", "replaced"])
+def test_a_weight_taken_out_of_its_group_is_left_alone_as_by_step(change):
+    # A weight removed from its group's list (or replaced there by another tensor) while the model
+    # still trains it is no longer this optimizer's: step() leaves it and its gradient alone, and
+    # so does its hook (its update failed inside backward with a KeyError printing the tensor).
+    runs = []
+    for in_backward in (False, True):
+        model = _net()
+        opt = _optimizer(model)
+        if in_backward:
+            step_in_backward(opt)
+        _train(model, opt, 2)
+        group = opt.param_groups[0]
+        if change == "removed":
+            del group["params"][1]  # model.b.weight
+        else:
+            group["params"][1] = torch.nn.Parameter(model.b.weight.detach().clone())
+        before = model.b.weight.detach().clone()
+        x, y = _batch(2)
+        _loss(model, x, y).backward()
+        gradient = model.b.weight.grad
+        opt.step()
+        assert torch.equal(model.b.weight, before) and model.b.weight.grad is gradient is not None
+        opt.zero_grad()
+        model.b.weight.grad = None
+        _train(model, opt, 2)
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.equal(p, q)
+
+
 def test_a_group_added_is_hooked_at_once_and_an_unfrozen_weight_after_one_step():
     x, y = _batch(0)
     model = _net()
