@@ -45,6 +45,7 @@ from .options import (
     check_rank,
     check_state_rounding,
     check_torch_only,
+    misspelt_option,
     param_name,
     validate_group,
 )
@@ -301,6 +302,12 @@ class Fira(Optimizer):
         ``add_param_group`` has filled in its defaults)."""
         group = self.param_groups[gi]
         validate_group(group)
+        for key in group:
+            option = misspelt_option(key, self.defaults)
+            if option is not None:  # torch keeps unknown keys: a misspelt option would be ignored
+                warnings.warn(f"param_groups[{gi}] has the key {key!r}, which the optimizer does not read (did you "
+                              f"mean {option!r}?): the group trains with {option}={group[option]!r}", UserWarning,
+                              stacklevel=_caller_level())
         if group["state_dtype"] == StateDtype.INT8:
             precision.require_int8()
             for index, p in enumerate(group["params"]):

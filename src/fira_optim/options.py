@@ -361,6 +361,34 @@ def did_you_mean(word: str, choices) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def misspelt_option(key: Any, options) -> str | None:
+    """The option among ``options`` that a group's unknown ``key`` is a slip of the keyboard away
+    from (one edit, a swap of two neighbours included; two from six characters on), or None.
+    Close, not merely similar: torch keeps a group's unknown keys for whoever reads them (a
+    scheduler's ``initial_lr``, a framework's ``lr_scale`` or ``name``), and those must not be
+    taken for misspellings."""
+    if not isinstance(key, str) or len(key) < 4 or key in options:
+        return None
+    most = 1 if len(key) < 6 else 2
+    close = [(_edits(key, option), option) for option in options if abs(len(option) - len(key)) <= most]
+    best = min(close, default=None)
+    return best[1] if best is not None and best[0] <= most else None
+
+
+def _edits(a: str, b: str) -> int:
+    """Insertions, deletions, substitutions and swaps of neighbours that turn ``a`` into ``b``
+    (the optimal string alignment distance)."""
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
+
+
 def param_name(gi: int, pi: int, p: torch.Tensor) -> str:
     """How errors and warnings name a parameter."""
     return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"

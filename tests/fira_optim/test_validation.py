@@ -600,3 +600,26 @@ def test_a_refused_group_leaves_no_warning_mark_for_the_next_one_at_its_place() 
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, dtype=torch.complex32))]})
     with pytest.warns(UserWarning, match=r"param_groups\[1\] holds no bfloat16"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))]})
+
+
+@pytest.mark.parametrize("key,option", [("rnak", "rank"), ("update_proj_gaps", "update_proj_gap"),
+                                        ("weightdecay", "weight_decay"), ("stochastic_rouding", "stochastic_rounding")])
+def test_a_misspelt_group_option_warns_with_the_option_and_the_value_the_group_trains_with(key, option):
+    """torch keeps a group's unknown keys, so a misspelt option would be ignored without a word:
+    FiraAdamW([{"params": ws, "rnak": 4}]) trained ws with the group's own rank."""
+    group = {"params": make_params([(8, 8)]), key: 4}
+    with pytest.warns(UserWarning, match=rf"param_groups\[0\] has the key '{key}', which the optimizer does not "
+                                         rf"read \(did you mean '{option}'\?\): the group trains with {option}="):
+        opt = FiraAdamW([group], rank=2)
+    with pytest.warns(UserWarning, match=rf"param_groups\[1\] has the key '{key}'"):
+        opt.add_param_group({"params": make_params([(8, 8)]), key: 4})
+
+
+def test_keys_that_others_read_from_a_group_are_not_taken_for_misspellings():
+    """A scheduler's initial_lr, a framework's name or lr_scale, torch's own param_names: kept
+    without a warning, as torch.optim.AdamW keeps them."""
+    group = {"params": make_params([(8, 8)]), "name": "blocks", "initial_lr": 1e-3, "lr_scale": 0.5,
+             "weight_decay_rate": 0.1, "base_lr": 1e-3, "layer_id": 3, "tag": "x", "momentum": 0.9}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FiraAdamW([group], rank=2)
