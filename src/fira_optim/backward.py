@@ -38,6 +38,11 @@ What changes:
 - **Non-finite gradients** are found per matrix, as each update runs: ``nonfinite="error"``
   raises from inside backward (matrices updated earlier in the same backward keep their update);
   ``"skip"`` skips that matrix's update only.
+- **Step hooks** (``register_step_pre_hook``, ``register_step_post_hook`` and torch's global
+  ones) run around ``optimizer.step()``, after the hooked parameters were updated and their
+  gradients freed: a pre-hook that clips gradients or changes the learning rate acts on the next
+  step's updates at the earliest. :func:`step_in_backward` warns of a pre-hook registered on the
+  optimizer when it is called.
 - **Gradient clipping by the global norm** cannot work (the norm of all gradients exists only
   after the last of them, when most updates are done; ``clip_grad_norm_`` after backward finds
   the gradients freed and returns 0, so a Trainer logs a gradient norm of 0): Fira's
@@ -354,6 +359,11 @@ def step_in_backward(optimizer: "Fira", model: Any = None, *, loss_scale: Any = 
     if not isinstance(optimizer, Fira):
         raise TypeError(f"step_in_backward takes a fira_optim.Fira optimizer, got "
                         f"{type(optimizer).__name__}")
+    if optimizer._optimizer_step_pre_hooks:
+        warnings.warn(f"step_in_backward: the optimizer has {len(optimizer._optimizer_step_pre_hooks)} step "
+                      "pre-hook(s); they run at optimizer.step(), after the updates done in the backward pass, "
+                      "so what they change of the gradients or the learning rate reaches the next step's "
+                      "updates at the earliest", UserWarning, stacklevel=2)
     return StepInBackward(optimizer, model, loss_scale)
 
 

@@ -648,3 +648,22 @@ def test_under_ddp_updates_in_the_backward_pass_refuse_split_refresh(tmp_path):
     all-reduces, hung every rank at the first refresh of a model with several buckets."""
     for message in run_ranks(_split_refresh_worker, 2, tmp_path, timeout=100):
         assert "split_refresh=True" in message and "build it with split_refresh=False" in message
+
+
+def test_a_step_pre_hook_is_warned_of_as_it_runs_after_the_updates_in_the_backward_pass():
+    model = _net()
+    opt = _optimizer(model)
+    calls = []
+    opt.register_step_pre_hook(lambda *args: calls.append("pre"))
+    with pytest.warns(UserWarning, match=r"1 step pre-hook\(s\); they run at optimizer.step\(\), after the updates"):
+        handle = step_in_backward(opt)
+    before = model.b.weight.detach().clone()
+    x, y = _batch(2)
+    _loss(model, x, y).backward()
+    assert calls == [] and not torch.equal(model.b.weight, before)  # updated before any pre-hook ran
+    opt.step()
+    assert calls == ["pre"]
+    handle.remove()
+    with warnings.catch_warnings():  # none without a pre-hook
+        warnings.simplefilter("error")
+        step_in_backward(_optimizer(_net())).remove()
