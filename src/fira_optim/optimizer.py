@@ -1038,6 +1038,9 @@ def _check_state(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], 
     elif "basis" in state:
         why = (" without only_scaling, which alone projects a matrix of rank >= min(m, n) (the state was built "
                "under only_scaling=True)" if whole_rank else "")
+        if p.dim() != 2:  # never projected: the state is another parameter's
+            why = (f"; a {p.dim()}-D parameter is never projected, so the state is another parameter's: are the "
+                   "groups, or the parameters in them, in another order than when the state was saved?")
         raise ValueError(f"{what} of {where} (shape {shape}) holds a projection basis: it was built for a projected "
                          f"matrix, and its group now has rank={group['rank']!r}{why}")
     else:  # a plain parameter's moments have its shape (else the step fails midway)

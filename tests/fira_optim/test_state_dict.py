@@ -491,3 +491,17 @@ def test_a_state_dict_saved_before_state_dtype_is_refused_by_a_low_precision_opt
                       state_dtype=state_dtype)
     mixed.load_state_dict(saved["optimizer"])
     assert [g["state_dtype"] for g in mixed.param_groups] == ["float32", "float32"]
+
+
+def test_a_state_loaded_into_groups_in_another_order_asks_about_the_order():
+    """A plain group and a projected one given in the other order than when saved: the bias at
+    the saved matrix's place is refused, with the order named as the likely cause (the message
+    read as if a bias had been projected)."""
+    weight, bias = torch.nn.Parameter(torch.randn(6, 8)), torch.nn.Parameter(torch.randn(6))
+    opt = FiraAdamW([{"params": [weight], "rank": 2}, {"params": [bias]}])
+    weight.grad, bias.grad = torch.randn(6, 8), torch.randn(6)
+    opt.step()
+    swapped = FiraAdamW([{"params": [bias]}, {"params": [weight], "rank": 2}])
+    with pytest.raises(ValueError, match=r"\(shape \(6,\)\) holds a projection basis.*a 1-D parameter is never "
+                                         r"projected, so the state is another parameter's: are the groups"):
+        swapped.load_state_dict(opt.state_dict())
