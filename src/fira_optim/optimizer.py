@@ -570,7 +570,7 @@ class Fira(Optimizer):
             p = self.param_groups[gi]["params"][pi]
             # A projected matrix is checked through the norms of R, which also overflow from a
             # finite G of huge entries: then say so (the step cannot be computed either way).
-            self._nonfinite_found(param_name(gi, pi, p), _largest_if_finite(p.grad, shard_group))
+            self._nonfinite_found(param_name(gi, pi, p), p, _largest_if_finite(p.grad, shard_group))
             return None
         return matrices, plain
 
@@ -696,12 +696,17 @@ class Fira(Optimizer):
             return None
         return distributed.process_group_or_world(self.process_group)
 
-    def _nonfinite_found(self, name: str, overflow: float | None = None) -> None:
+    def _nonfinite_found(self, name: str, p: torch.Tensor, overflow: float | None = None) -> None:
         """Raise (``nonfinite="error"``) or warn that the step is skipped; ``overflow``: the
-        largest entry of a finite gradient whose projection's norms overflowed."""
+        largest entry of a finite gradient whose projection's norms overflowed. Where the
+        parameter ``p`` itself is not finite, say so: its gradient is then the symptom."""
         what = (f"non-finite gradient in {name}" if overflow is None else
                 f"gradient of {name} too large for its dtype (finite, largest entry {overflow:.3g}, but "
                 "the norms of its projection overflow)")
+        if overflow is None and not bool(torch.isfinite(distributed.to_local(p.detach())).all()):
+            # (no ";" here: the harness's one-line error ends the place at the first one)
+            what += (" (the parameter itself holds NaN or Inf, written by an earlier step or by code outside the "
+                     "optimizer: eps=0 writes them on a gradient entry that is 0, as torch.optim.AdamW does)")
         if self.nonfinite == NonFinite.ERROR:
             raise NonFiniteGradientError(f"{what}; nothing was updated (pass nonfinite='skip' to skip such steps)")
         warnings.warn(f"{what}: step skipped", RuntimeWarning, stacklevel=4)
@@ -744,7 +749,7 @@ class Fira(Optimizer):
                     name=param_name(gi, pi, p),
                 )
             if status == "nonfinite" and self.nonfinite != NonFinite.IGNORE:
-                self._nonfinite_found(param_name(gi, pi, p))
+                self._nonfinite_found(param_name(gi, pi, p), p)
                 return _SKIP_STEP
             if status not in ("new", "keep") and step == 0:
                 # Never derive a basis from a zero or non-finite gradient. Before the first

@@ -52,6 +52,30 @@ def test_nonfinite_gradient_raises_naming_the_param_before_any_change(index, at_
     assert all(torch.isfinite(a).all() for a in svd_inputs)
 
 
+@pytest.mark.parametrize("rank", [2, None], ids=["projected", "plain"])
+def test_a_non_finite_gradient_of_a_non_finite_parameter_says_the_parameter_is_the_cause(rank):
+    """eps=0 (torch.optim.AdamW's rules allow it) divides 0 by 0 on a gradient entry that is 0:
+    the weights go NaN without a word, and the next step's error blamed the gradient alone."""
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    opt = FiraAdamW([{"params": [w], "rank": rank}], eps=0.0)
+    grad = torch.randn(6, 8)
+    grad[2] = 0
+    grad[:, 3] = 0
+    w.grad = grad
+    opt.step()
+    assert not torch.isfinite(w).all()
+    w.grad = torch.randn(6, 8) * w.detach()
+    with pytest.raises(NonFiniteGradientError, match=r"non-finite gradient in param_groups\[0\]\['params'\]\[0\] "
+                                                     r"\(shape \(6, 8\)\) \(the parameter itself holds NaN or Inf"):
+        opt.step()
+    finite = torch.nn.Parameter(torch.randn(6, 8))  # a finite parameter's gradient is blamed alone
+    opt = FiraAdamW([{"params": [finite], "rank": rank}])
+    finite.grad = torch.full((6, 8), float("nan"))
+    with pytest.raises(NonFiniteGradientError) as error:
+        opt.step()
+    assert "the parameter itself" not in str(error.value)
+
+
 def test_nonfinite_skip_leaves_everything_unchanged_and_warns():
     grads = grad_sequence(SHAPES, 6, seed=31)
     clean = make_params(SHAPES)

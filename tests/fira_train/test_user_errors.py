@@ -522,3 +522,23 @@ def test_a_full_disk_names_the_file_written_and_what_moves_it() -> None:
                                                                       run_file), no_out)
     finally:
         os.chdir(old_cwd)
+
+
+def test_a_non_finite_parameter_behind_a_non_finite_gradient_is_said_whole_in_the_one_line() -> None:
+    """The optimizer's note that the parameter itself is not finite stays whole (the line ends the
+    place at the message's first ';')."""
+    import argparse
+
+    import torch
+
+    from fira_optim import FiraAdamW, NonFiniteGradientError
+    from fira_train.user_errors import describe
+
+    w = torch.nn.Parameter(torch.full((6, 8), float("nan")))
+    w.grad = torch.full((6, 8), float("nan"))
+    try:
+        FiraAdamW([{"params": [w], "rank": 2}]).step()
+    except NonFiniteGradientError as err:
+        line = describe(err, argparse.Namespace(out="runs/x"))
+    assert "(the parameter itself holds NaN or Inf, written by an earlier step or by code outside the optimizer: " \
+           "eps=0 writes them on a gradient entry that is 0, as torch.optim.AdamW does), nothing was updated" in line
