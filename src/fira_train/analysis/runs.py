@@ -33,8 +33,7 @@ from fira_train.files import (DamagedFileError, check_report_owner, cut_back_jso
                                read_json_lines, refuse_links, write_text_atomic)
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
-from fira_train.report.markdown import REPORT_TITLE as COMPARE_TITLE
-from fira_train.report.markdown import SWEEP_REPORT_TITLE as SWEEP_TITLE
+from fira_train.report.markdown import refuse_other_commands_output
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.run.run_dir import (NOT_FROM_LAST_STEP, changed_among, check_same_data, config_changes,
                                    describe_changes, finished_with, resume_ignores)
@@ -188,29 +187,6 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
         for name, summary in run_isolated_many([(_train_task, (task,)) for task in tasks], workers):
             summaries[name] = summary
     return {name: summaries[name] for name in names}
-
-
-#: The folders of other commands an analysis's ``--out`` may name: (what it holds, its report's
-#: heading, a file of its own besides).
-OTHER_COMMANDS = (("a sweep (`fira-train sweep`: sweep.json, its runs in <spec>/lr=<lr>/seed=<seed>/)",
-                   SWEEP_TITLE, "sweep.json"),
-                  ("a comparison (`fira-train compare`: its runs in <method>/)", COMPARE_TITLE, None))
-
-
-def refuse_other_commands_output(out_dir: Path) -> None:
-    """FileExistsError if ``out_dir`` holds another command's results (:data:`OTHER_COMMANDS`), with
-    or without ``--overwrite``: the analysis would write its report over theirs and its runs beside
-    (or over) theirs, and the folder would be neither's; a fresh ``--out`` is the way on."""
-    report = out_dir / "report.md"
-    first = ""
-    if report.is_file():
-        with open(report, encoding="utf-8", errors="replace") as handle:
-            first = handle.readline(4096)
-    for what, heading, record in OTHER_COMMANDS:
-        if first.startswith(heading) or (record is not None and (out_dir / record).is_file()):
-            raise FileExistsError(f"--out {str(out_dir)!r} holds {what}, another command's results, which an "
-                                  "analysis's runs and report.md would mix with or replace, --overwrite or not: "
-                                  "choose a fresh --out")
 
 
 #: What a run always sets: its method (the analysis's method flags).

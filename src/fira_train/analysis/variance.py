@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from fira_train.files import check_report_owner, refuse_links, write_text_atomic
+from fira_train.report.markdown import refuse_other_commands_output
 from fira_train.report.plots import plain_log_ticks, pyplot, save_figure
 
 #: The heading of this analysis's report (a folder whose report.md has another is refused).
@@ -501,6 +502,7 @@ def run_variance_analysis(
     """
     out = Path(out_dir)
     refuse_links(out)  # a folder from elsewhere: no link sends a write outside it
+    refuse_other_commands_output(out)  # a sweep's folder before its report.md exists too
     check_report_owner(out, (f"# {TITLE}",), "analyze variance")
     _seed(seed)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < SHOWN_FROM:

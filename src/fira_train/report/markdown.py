@@ -26,6 +26,30 @@ REPORT_TITLE = "# Pre-training comparison"
 SWEEP_REPORT_TITLE = "# Learning-rate sweep"
 
 
+#: The folders of other commands an analysis's ``--out`` may name: (what it holds, its report's
+#: heading, a file of its own besides).
+OTHER_COMMANDS = (("a sweep (`fira-train sweep`: sweep.json, its runs in <spec>/lr=<lr>/seed=<seed>/)",
+                   SWEEP_REPORT_TITLE, "sweep.json"),
+                  ("a comparison (`fira-train compare`: its runs in <method>/)", REPORT_TITLE, None))
+
+
+def refuse_other_commands_output(out_dir: Path) -> None:
+    """FileExistsError if ``out_dir`` holds another command's results (:data:`OTHER_COMMANDS`), with
+    or without ``--overwrite``: an analysis (``fira-train analyze``) would write its report over
+    theirs and its runs beside (or over) theirs, and the folder would be neither's; a fresh
+    ``--out`` is the way on."""
+    report = out_dir / "report.md"
+    first = ""
+    if report.is_file():
+        with open(report, encoding="utf-8", errors="replace") as handle:
+            first = handle.readline(4096)
+    for what, heading, record in OTHER_COMMANDS:
+        if first.startswith(heading) or (record is not None and (out_dir / record).is_file()):
+            raise FileExistsError(f"--out {str(out_dir)!r} holds {what}, another command's results, which an "
+                                  "analysis's runs and report.md would mix with or replace, --overwrite or not: "
+                                  "choose a fresh --out")
+
+
 def command_line(argv: Sequence[str]) -> str:
     """``fira-train`` with ``argv``, shell-quoted: the command a report records."""
     return "fira-train " + " ".join(shlex.quote(a) for a in argv)

@@ -92,6 +92,15 @@ def test_run_writes_report_and_figure(tmp_path):
     assert result["summary"]["checked_steps"] == 10
 
 
+def test_a_sweeps_folder_is_refused_before_its_report_exists(tmp_path):
+    """A sweep's folder holds sweep.json from its start, its report.md only once a run finished:
+    the variance analysis wrote its report there, which the sweep then could not write."""
+    (tmp_path / "sweep.json").write_text("{}")
+    with pytest.raises(FileExistsError, match=r"holds a sweep \(`fira-train sweep`.*choose a fresh --out"):
+        run_variance_analysis(tmp_path, samples=300, steps=12, theorem_samples=5000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.json"]
+
+
 @pytest.mark.parametrize(
     ("call", "name"),
     [
