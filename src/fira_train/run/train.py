@@ -236,9 +236,14 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if main and resume is not None:
         for path in ckpt.recover_swapped(out):  # before any rank looks for checkpoints
             log.warning("put back %s, which a run killed while saving that step again had set aside", path)
-    if resume == "latest" and corpus is None:
-        # on every rank, as below: a finished run is kept only on the data it was trained on, which
-        # rank 0 checks while the others wait (building it there alone could outlast the timeout)
+    if corpus is None:
+        # what OUT refuses (a run there without --resume or --overwrite, another config) is said
+        # before the build, which can take minutes; nothing is deleted yet
+        prepare_out_dir(config, out, resume, overwrite, delete=False)
+        # before OUT is prepared: a source that is missing or too small is refused before an
+        # --overwrite deletes the run there or config.json is written. On every rank: a finished
+        # run is kept only on the data it was trained on, which rank 0 checks while the others
+        # wait (building it there alone could outlast the timeout)
         corpus = build_corpus(config.data)
     finished = _finished_summary(config, out, resume, env, main, corpus)
     if finished is not None:
@@ -263,17 +268,12 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
             resume_path = path  # loaded into the built model (DCP loads in place)
         if main:
             ckpt.remove_partial(out)
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out / "config.json", json.dumps(config_to_dict(config), indent=2) + "\n")
 
     if config.train.num_threads:
         torch.set_num_threads(config.train.num_threads)
     seed_everything(config.train.seed)
     device = env.device if distributed else resolve_device(config)
     autocast = autocast_for(config, device)
-    if corpus is None:
-        corpus = build_corpus(config.data)
     training = build_training(config, corpus.vocab_size, device, env)
     model, optimizer = training.model, training.optimizer
     net = training.forward_model  # the DDP wrapper, else the model
@@ -288,6 +288,9 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     except ValueError as err:  # a step of more sequences than the corpus holds: name the setting
         raise ValueError(f"train.batch_size={config.train.batch_size}: {err}") from None
     val_batches = corpus.val_batches(micro_batch)
+    if main:  # once the settings are accepted: a start they stop leaves no config for --resume to hold to
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / "config.json", json.dumps(config_to_dict(config), indent=2) + "\n")
 
     step, progress = 0, {"tokens": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "peak_memory_bytes": 0, "sittings": 0}
     restored = state is not None

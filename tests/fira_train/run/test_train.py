@@ -133,6 +133,29 @@ def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
     train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.keep_last=5"), resume="latest")
 
 
+
+def test_a_start_refused_for_its_data_or_settings_writes_nothing_and_deletes_nothing(tmp_path: Path) -> None:
+    """config.json was written before the data was read: a start refused for a missing or too
+    small corpus (or a batch larger than it) left the refused config, which a --resume with the
+    corrected command then refused to differ from; and --overwrite deleted the run there first."""
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=2")
+    missing = apply_overrides(config, [f"data.source={tmp_path / 'missing.txt'}"])
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        train(missing)
+    assert not (tmp_path / "run" / "config.json").exists()
+    with pytest.raises(ValueError, match="train.batch_size=100000"):
+        train(apply_overrides(config, ["train.batch_size=100000"]))
+    assert not (tmp_path / "run" / "config.json").exists()
+    train(config, resume="latest")  # the corrected command: no refused config stands in its way
+    kept = (tmp_path / "run" / "summary.json").read_text()
+    with pytest.raises(FileExistsError, match="already holds a run"):  # said before the data is read
+        train(missing)
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        train(missing, overwrite=True)
+    assert (tmp_path / "run" / "summary.json").read_text() == kept
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path / "run")] == [2]
+
+
 def _straight_and_resumed(tmp_path: Path, monkeypatch, common: list[str]) -> tuple[dict, dict]:
     """The summaries of the run of ``common`` trained straight (in ``straight``) and stopped right
     after saving step 6, then resumed (in ``resumed``)."""
