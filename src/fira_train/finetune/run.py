@@ -24,7 +24,7 @@ from fira_train.files import dumps, refuse_links, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.provenance import code_version
 from fira_train.run.peak_memory import malloc_env, process_peak_rss_bytes
-from fira_train.run.run_lock import LOCK_FILE, locked_run_directory
+from fira_train.run.run_lock import locked_run_directory
 
 
 def run_finetune(
@@ -67,43 +67,11 @@ def run_finetune(
             questions_of(spec, tests[spec.name])
         for name, records in validation.items():
             questions_of(specs[name], records)
-    made = _missing_folders(config.out_dir)  # the lock makes them: a run that writes nothing removes them again
-    try:
-        with locked_run_directory(config.out_dir):  # after the data checks: a run refused for its data makes no folder
-            try:
-                _refuse_earlier_results(config)  # a run that finished while this one read its data
-                return _train_and_evaluate(config, model, tokenizer, log, train, tests, trained_on, validation,
-                                           specs)
-            except BaseException:
-                if made:  # stopped before writing anything (a model that failed to load): no new folder stays
-                    _unlink_a_lone_lock(config.out_dir)
-                raise
-    except BaseException:
-        for folder in made:  # innermost first; one that holds anything stays, with those above it
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        raise
-
-
-def _missing_folders(folder: Path) -> list[Path]:
-    """``folder`` and those of its parents that do not exist yet, innermost first."""
-    missing = []
-    while not os.path.lexists(folder) and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    return missing
-
-
-def _unlink_a_lone_lock(folder: Path) -> None:
-    # while the lock is held: a run that opens the file now finds it busy; one that starts after
-    # the unlink makes a new lock file, and the folder then stays (it is not empty)
-    try:
-        if [entry.name for entry in folder.iterdir()] == [LOCK_FILE]:
-            (folder / LOCK_FILE).unlink()
-    except OSError:
-        pass
+    # after the data checks: a run refused for its data makes no folder, and one stopped before
+    # it writes anything (a model that fails to load) removes the folders the lock made
+    with locked_run_directory(config.out_dir):
+        _refuse_earlier_results(config)  # a run that finished while this one read its data
+        return _train_and_evaluate(config, model, tokenizer, log, train, tests, trained_on, validation, specs)
 
 
 def _refuse_earlier_results(config: FinetuneConfig) -> None:

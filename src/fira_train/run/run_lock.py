@@ -6,7 +6,10 @@ at the same time, or a ``--resume`` while the first one still trains) finds the 
 stops at once with :class:`RunDirectoryBusy`, before it reads or writes anything in the
 directory. The lock belongs to the open file, so the kernel releases it when the process exits,
 however it exits (``kill -9`` included): a stale lock file never blocks a later run. The file
-holds the holder's process id, for the message.
+holds the holder's process id, for the message. A run stopped by an error before it wrote
+anything beside the lock file removes the lock file and the folders the lock made for it (``OUT``
+and its missing parents), so that a refused start leaves nothing for the next run to find; a
+folder that was there before stays.
 
 Under ``torchrun`` rank 0 takes the lock and tells the other ranks whether it got it, so that
 every rank of a refused launch stops with the same error (and none waits forever for rank 0).
@@ -103,7 +106,9 @@ def locked_run_directory(out: str | Path, env: DistributedEnv | None = None) -> 
     distributed = env is not None and env.distributed
     lock = RunLock(out)
     error: BaseException | None = None
+    made: list[Path] = []  # the folders acquire() makes: a run that writes nothing removes them again
     if not distributed or env.is_main:
+        made = missing_folders(lock.out)
         try:
             lock.acquire()
         except (RunDirectoryBusy, OSError, ValueError) as err:  # ValueError: a lock that is not a file
@@ -117,9 +122,41 @@ def locked_run_directory(out: str | Path, env: DistributedEnv | None = None) -> 
             kind, text = message[0]
             kinds = {RunDirectoryBusy.__name__: RunDirectoryBusy, ValueError.__name__: ValueError}
             raise kinds.get(kind, OSError)(text)
-    if error is not None:
-        raise error
     try:
-        yield
-    finally:
-        lock.release()
+        if error is not None:
+            raise error
+        try:
+            yield
+        except BaseException:
+            if made and lock.held:  # stopped before writing anything: no new folder stays
+                unlink_a_lone_lock(lock.out)
+            raise
+        finally:
+            lock.release()
+    except BaseException:
+        for folder in made:  # innermost first; one that holds anything stays, with those above it
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and those of its parents that do not exist yet, innermost first."""
+    missing = []
+    while not os.path.lexists(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def unlink_a_lone_lock(folder: Path) -> None:
+    """Remove ``folder``'s lock file if nothing else is there (a run that wrote nothing)."""
+    # while the lock is held: a run that opens the file now finds it busy; one that starts after
+    # the unlink makes a new lock file, and the folder then stays (it is not empty)
+    try:
+        if [entry.name for entry in folder.iterdir()] == [LOCK_FILE]:
+            (folder / LOCK_FILE).unlink()
+    except OSError:
+        pass

@@ -156,6 +156,19 @@ def test_a_start_refused_for_its_data_or_settings_writes_nothing_and_deletes_not
     assert [s for s, _ in ckpt.complete_checkpoints(tmp_path / "run")] == [2]
 
 
+def test_a_start_that_writes_nothing_removes_the_folders_its_lock_made(tmp_path: Path) -> None:
+    """The lock made --out (and its missing parents) before the data was read: a refused start
+    left a folder holding only the lock file. One that was there before stays."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        train(micro_config(tmp_path, f"data.source={tmp_path / 'missing.txt'}", out="runs/new/run"))
+    assert list(runs.iterdir()) == []  # neither run nor the parent made for it
+    (runs / "mine").mkdir()
+    with pytest.raises(ValueError, match="train.batch_size=100000"):
+        train(micro_config(tmp_path, "train.batch_size=100000", out="runs/mine"))
+    assert (runs / "mine").is_dir()  # the user's folder: never removed
+
 def _straight_and_resumed(tmp_path: Path, monkeypatch, common: list[str]) -> tuple[dict, dict]:
     """The summaries of the run of ``common`` trained straight (in ``straight``) and stopped right
     after saving step 6, then resumed (in ``resumed``)."""
