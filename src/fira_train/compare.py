@@ -81,8 +81,8 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
 def _train_all(config: RunConfig, methods: list[str], configs: list[RunConfig], out_dir: Path,
                resume: bool, overwrite: bool) -> None:
     """Train the methods one after another on one shared corpus."""
+    corpus = build_corpus(config.data)  # first: a missing or too small corpus makes no folder
     out_dir.mkdir(parents=True, exist_ok=True)
-    corpus = build_corpus(config.data)
     for index, (method, run_config) in enumerate(zip(methods, configs), start=1):
         run_dir = Path(run_config.train.out_dir)
         if resume and finished_with(run_config, run_dir, corpus.describe()):

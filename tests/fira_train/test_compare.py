@@ -98,6 +98,16 @@ def test_a_full_disk_while_the_report_is_written_leaves_the_old_one_and_resume_w
     assert (out / "report.md").read_text() == before
 
 
+
+def test_a_corpus_that_cannot_be_read_leaves_no_folder(tmp_path: Path) -> None:
+    """--out was made before the data was read: a missing --data left an empty folder."""
+    from fira_train.config.overrides import apply_overrides
+
+    config = apply_overrides(micro_config(tmp_path), [f"data.source={tmp_path / 'missing.txt'}"])
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        compare(config, ["adamw"], tmp_path / "runs" / "cmp")
+    assert not (tmp_path / "runs").exists()
+
 def test_method_config_changes_only_method_and_directory(tmp_path: Path) -> None:
     config = micro_config(tmp_path, "optim.lr=0.003")
     other = method_config(config, "galore", tmp_path / "x")
