@@ -119,6 +119,9 @@ def parse_value(key: str, text: str, hint: Any) -> Any:
 
 
 def _type_name(hint: Any) -> str:
+    if _is_tuple_type(hint):  # "tuple" alone said neither how many values nor how they are written
+        items = typing.get_args(hint)
+        return f"{len(items)} comma-separated values ({', '.join(_type_name(t) for t in items)})"
     return getattr(hint, "__name__", None) or str(hint)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -78,6 +79,14 @@ def test_unparsable_values_name_the_key(item: str) -> None:
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         apply_overrides(RunConfig(), [item])
 
+
+
+def test_a_tuple_that_cannot_be_parsed_says_how_many_values_it_takes() -> None:
+    """The message said 'as tuple': neither that betas takes two numbers nor how to write them."""
+    for item in ("optim.betas=0.9", "optim.betas=0.9,0.999,1", "optim.betas=0.9;0.999"):
+        with pytest.raises(ValueError, match=re.escape(f"cannot parse {item.replace('=', '=' + chr(39))}' as 2 "
+                                                       "comma-separated values (float, float)")):
+            apply_overrides(RunConfig(), [item])
 
 def test_override_without_equals_sign() -> None:
     with pytest.raises(ValueError, match="section.field=value"):
