@@ -59,7 +59,8 @@ from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
 from fira_train.run.launch import SAME_ON_EVERY_RANK, is_rank_zero, launched_world_size, same_on_every_rank
 from fira_train.run.process_logging import configure_logging, one_line_warnings
-from fira_train.user_errors import CONTINUES_WITH, describe, finetune_checkpoints, keeps_nothing, no_checkpoint_yet
+from fira_train.user_errors import (CONTINUES_WITH, describe, finetune_checkpoints, keeps_nothing, no_checkpoint_yet,
+                                    out_not_there)
 
 PROG = "fira-train"
 
@@ -456,7 +457,7 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
     instead = [f for f, given in (("--overwrite", getattr(args, "overwrite", False)),
                                   ("--resume-step", getattr(args, "resume_step", None) is not None)) if given]
     also = f" (instead of {' and '.join(instead)})" if instead else ""
-    if no_checkpoint_yet(args):
+    if no_checkpoint_yet(args) or out_not_there(args):
         if command == "pretrain":
             return (f"no checkpoint was written yet (the first comes at train.save_every): the same command with "
                     f"{CONTINUES_WITH[command]}{also} starts the run again from step 0")

@@ -356,6 +356,16 @@ def no_checkpoint_yet(args: argparse.Namespace) -> bool:
         return False
 
 
+def out_not_there(args: argparse.Namespace) -> bool:
+    """Whether the output folder of a command that trains (``pretrain``, ``compare``, ``sweep``,
+    ``analyze``; ``--out``, ``train.out_dir=`` or the default the command resolved) is not there:
+    after Ctrl-C, a start stopped before it wrote anything (its lock removes the folder it made).
+    Not for errors in general: under a multi-node launch the folder is on rank 0's machine."""
+    out = _run_dir(args)
+    return getattr(args, "command", None) in ("pretrain", *_RUN_FOLDERS) and out is not None \
+        and not os.path.lexists(out)
+
+
 def _memory_json(args: argparse.Namespace) -> Path:
     """Where ``memory --measure`` keeps its rows."""
     from fira_train.files import measure_out_dir

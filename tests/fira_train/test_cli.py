@@ -345,7 +345,10 @@ def test_a_run_process_killed_says_what_is_kept_and_how_to_continue(tmp_path, mo
      "with --resume (instead of --resume-step) continues"),
     (["compare", "--recipe", "micro", "--methods", "fira"],
      "with --resume continues from the newest, and compare keeps the finished runs"),
-    (["sweep", "--recipe", "micro", "--out", "o", "--methods", "fira", "--lrs", "0.01"], "with --reuse continues"),
+    # an --out not there: the start stopped before it wrote anything (its lock removed the folder it made)
+    (["sweep", "--recipe", "micro", "--out", "o", "--methods", "fira", "--lrs", "0.01"],
+     "nothing was kept yet (no run finished, and the first checkpoint comes at train.save_every): the same command "
+     "with --reuse starts again from the beginning"),
     (["analyze", "noise", "--overwrite"],
      "with --reuse (instead of --overwrite) continues the others from their newest"),
     (["finetune", "--tasks", "boolq", "--data-dir", "d"],  # no checkpoint in runs/finetune/fira/trainer
@@ -361,6 +364,15 @@ def test_each_command_says_how_to_continue_after_ctrl_c(argv: list[str], expecte
     assert hint is None if expected is None else expected in hint
 
 
+def test_a_sweep_stopped_with_a_finished_run_says_the_same_command_continues(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    args = build_parser().parse_args(["sweep", "--recipe", "micro", "--out", str(out), "--methods", "fira",
+                                      "--lrs", "0.01"])
+    (out / "fira" / "lr=0.01" / "seed=0").mkdir(parents=True)
+    (out / "fira" / "lr=0.01" / "seed=0" / "summary.json").write_text("{}")
+    assert cli.interrupted_hint(args) == "finished runs and checkpoints are kept: the same command with --reuse continues"
+
+
 def test_a_run_stopped_before_its_first_checkpoint_says_it_starts_again(tmp_path: Path) -> None:
     """Ctrl-C, or a divergence, before the first checkpoint (train.save_every): the lines said the
     checkpoints written so far were kept and --resume continued from the newest; there were none,
@@ -372,7 +384,10 @@ def test_a_run_stopped_before_its_first_checkpoint_says_it_starts_again(tmp_path
 
     out = tmp_path / "run"
     args = build_parser().parse_args(["pretrain", "--recipe", "micro", "--method", "fira", "--out", str(out)])
-    assert "checkpoints written so far are kept" in cli.interrupted_hint(args)  # no folder yet: not known
+    # no folder: the start stopped before it wrote anything (its lock removed the folder it made);
+    # it said the checkpoints written so far were kept
+    assert cli.interrupted_hint(args) == ("no checkpoint was written yet (the first comes at train.save_every): "
+                                          "the same command with --resume starts the run again from step 0")
     out.mkdir()
     (out / "metrics.jsonl").write_text("")
     assert cli.interrupted_hint(args) == ("no checkpoint was written yet (the first comes at train.save_every): "
@@ -406,7 +421,10 @@ def test_compare_sweep_and_analyze_stopped_before_keeping_anything_say_so(argv: 
     args = build_parser().parse_args([*argv, "--out", str(out)])
     args.argv = [*argv, "--out", str(out)]
     killed = IsolatedRunDied("the run's process (pid 7) ended without a result: killed by SIGTERM")
-    assert "kept" in cli.interrupted_hint(args) and "nothing" not in cli.interrupted_hint(args)  # no folder: not known
+    # no folder: the start stopped before it wrote anything (its lock removed the folder it made)
+    assert cli.interrupted_hint(args) == (
+        "nothing was kept yet (no run finished, and the first checkpoint comes at train.save_every): the same "
+        f"command with {flag} starts again from the beginning")
     (out / run).mkdir(parents=True)
     (out / run / "metrics.jsonl").write_text("")  # started, not checkpointed
     (out / "report.md").write_text("")
