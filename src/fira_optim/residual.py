@@ -39,7 +39,7 @@ def explicit_residuals(grads, lows, bases, sides, phis, hp: Hyper,
     Under FSDP2 each ``G`` is a row block and ``||S||^2`` sums over every shard's rows."""
     scaled, norms = [], []
     for i, (grad, low, basis, side) in enumerate(zip(grads, lows, bases, sides)):
-        if hp.only_scaling:  # phi (.) G: no residual to form
+        if hp.only_scaling and hp.residual is not Residual.SIGN:  # phi (.) G: no residual to form
             s = phis[i] * grad
         else:
             # S_t = G - P R (the released code subtracts alpha * P R), formed in P R's buffer:

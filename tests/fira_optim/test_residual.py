@@ -60,12 +60,16 @@ def test_a_gradient_inside_the_subspace_gets_the_reference_s_norm_on_the_fast_pa
 
 
 @pytest.mark.parametrize("options", [{}, {"arithmetic": "released", "alpha": 0.25}, {"only_scaling": True},
-                                     {"residual": "sign"}, {"residual": "drop"}],
-                         ids=["paper", "released", "only-scaling", "frugal", "galore"])
+                                     {"residual": "sign"}, {"residual": "drop"},
+                                     {"residual": "sign", "only_scaling": True},
+                                     {"residual": "sign", "arithmetic": "released", "alpha": 0.25}],
+                         ids=["paper", "released", "only-scaling", "frugal", "galore", "frugal-only-scaling",
+                              "frugal-released"])
 @pytest.mark.parametrize("side", [LEFT, RIGHT])
 def test_the_reference_terms_formed_in_place_have_the_bits_of_the_terms_one_by_one(options, side):
     """The reference path forms S and the update in two buffers, in place: the same float32
-    bits as each term of Algorithm 1 (and the variants) formed as a new tensor."""
+    bits as each term of Algorithm 1 (and the variants, and their combinations: FRUGAL's sign
+    with only_scaling raised a TypeError once) formed as a new tensor."""
     from fira_optim.commit import commit_explicit
     from fira_optim.projection import project_back
 
@@ -77,7 +81,9 @@ def test_the_reference_terms_formed_in_place_have_the_bits_of_the_terms_one_by_o
     low = project(grad, basis, side)
     phi = torch.rand(exact_norms(grad, reduce_dim(side)).shape, generator=gen)
     direction, factor = torch.randn(low.shape, generator=gen), torch.tensor(0.7)
-    norms, (scaled,) = explicit_residuals([grad], [low], [basis], [side], [phi], hp)
+    # FRUGAL's sign has no scaling factor: the pipeline passes none
+    phis = None if options.get("residual") == "sign" else [phi]
+    norms, (scaled,) = explicit_residuals([grad], [low], [basis], [side], phis, hp)
     # the terms one by one, as the paper writes them
     outside = grad - (hp.alpha * project_back(low, basis, side) if hp.released else project_back(low, basis, side))
     expected_s = (torch.sign(outside) if options.get("residual") == "sign"
