@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -17,7 +18,7 @@ def provenance() -> dict[str, str]:
     """The command line, the UTC time and the machine's load average at the end of the run."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "not available"
     return {
-        "command": "python " + " ".join(sys.argv),
+        "command": "python " + shlex.join(sys.argv),  # quoted: arguments with spaces rerun as given
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "load": "1/5/15-min load average at the end: " + load,
     }

@@ -728,3 +728,17 @@ def test_matrix_step_memory_script_runs_and_the_docs_quote_its_committed_numbers
     assert (f"the step's transient memory with bf16 weights was {span(now['bf16 reference'])} bytes per element, "
             f"where one tensor per term took {span(per_element['bf16 reference'])} in the earlier run; with fp32 "
             f"weights {span(now['fp32 reference'])}") in optimizer
+
+
+def test_a_recorded_command_quotes_arguments_with_spaces(monkeypatch) -> None:
+    """matrix_step_memory.py's arms have spaces in their names: the command a JSON recorded ran
+    as written only once they are quoted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import record
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["benchmarks/matrix_step_memory.py", "--arms", "fp32", "bf16 reference"])
+    assert record.provenance()["command"] == "python benchmarks/matrix_step_memory.py --arms fp32 'bf16 reference'"
+    committed = json.loads((ROOT / "docs" / "benchmarks" / "reference_step_memory.json").read_text())
+    assert "'fp32 galore reference'" in committed["command"]
