@@ -49,6 +49,10 @@ class RunDirectoryBusy(FileExistsError):
     as one line."""
 
 
+class _Removed(Exception):
+    """The lock file (or its folder) was removed while this run took the lock."""
+
+
 class RunLock:
     """An exclusive, non-blocking ``flock`` on ``OUT/.fira-train.lock`` (created, with ``OUT``,
     if missing)."""
@@ -62,10 +66,25 @@ class RunLock:
         """Take the lock; RunDirectoryBusy if another process (or another open of it) holds it."""
         if fcntl is None:
             return
+        for attempt in range(3):
+            try:
+                self._acquire()
+                return
+            except _Removed:
+                # a run that stopped before writing anything removed its lock file (and the folder
+                # it made) between our open and our lock: take the lock of a file that is there
+                if attempt == 2:
+                    raise OSError(f"{str(self.path)!r} was removed three times as this run took the lock: "
+                                  "another fira-train run keeps starting and stopping in that folder") from None
+
+    def _acquire(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         # never through a link planted as the lock: it would truncate the file it names (a
         # symbolic link fails to open; a file with other hard links is refused before it is written)
-        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # nor into a FIFO or a device
+        try:
+            fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # nor into a FIFO or a device
+        except FileNotFoundError:  # the folder removed since the mkdir
+            raise _Removed from None
         if os.fstat(fd).st_nlink > 1:  # an OSError: under torchrun every rank raises it (locked_run_directory)
             os.close(fd)
             raise OSError(f"{str(self.path)!r} has other hard links: a run folder from elsewhere may name a file "
@@ -82,6 +101,14 @@ class RunLock:
         except BaseException:
             os.close(fd)
             raise
+        try:
+            same = os.path.samestat(os.stat(self.path), os.fstat(fd))
+        except FileNotFoundError:
+            same = False
+        if not same:  # locked a file that is no longer the lock file
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise _Removed
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd

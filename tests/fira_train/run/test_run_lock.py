@@ -1,0 +1,44 @@
+"""The run folder's lock (fira_train.run.run_lock): taken of the lock file that is there."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fira_train.run import run_lock
+from fira_train.run.run_lock import LOCK_FILE, RunLock
+
+
+@pytest.mark.parametrize("when", ["after the open", "before the open"])
+def test_a_lock_file_removed_while_the_lock_is_taken_is_taken_again(when: str, tmp_path: Path, monkeypatch) -> None:
+    """A start that stopped before writing anything removes its lock file and the folder it made.
+    Another run that had opened that file (or made the folder) just before took a lock of a file
+    that was gone, in a folder that was gone: its first write failed, and a third run could take
+    the folder's new lock file beside it."""
+    out = tmp_path / "new"
+    real = run_lock.open_regular
+    raced: list[int] = []
+
+    def racing(path, flags, mode):
+        if raced:
+            return real(path, flags, mode)
+        raced.append(1)
+        if when == "before the open":  # the folder goes between this run's mkdir and its open
+            out.rmdir()
+            return real(path, flags, mode)
+        fd = real(path, flags, mode)
+        os.unlink(path)  # the other run's cleanup, while it held the lock
+        out.rmdir()
+        return fd
+
+    monkeypatch.setattr(run_lock, "open_regular", racing)
+    lock = RunLock(out)
+    lock.acquire()
+    try:
+        assert lock.held and os.path.samestat(os.stat(out / LOCK_FILE), os.fstat(lock._fd))
+        with pytest.raises(run_lock.RunDirectoryBusy):  # and it is the folder's lock
+            RunLock(out).acquire()
+    finally:
+        lock.release()
