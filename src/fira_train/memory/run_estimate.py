@@ -34,12 +34,15 @@ r"""The memory of one training run, estimated from its config: what ``fira-train
   (its default on the CPU), whose ``sqrt`` and division hold two parameter-sized temporaries at
   once: :math:`2 \cdot V h` elements at the weights' dtype. Low-precision states (and stochastic
   rounding) step through fp32 copies a chunk at a time (:data:`fira_optim.precision.CHUNK`
-  elements, about 13 bytes each). The projected matrices are updated one at a time, or where
-  that is more: each holds three fp32 ``r x max(m, n)`` terms (the projected gradient, Adam's
-  direction and a temporary); on the reference path (``optim.implementation=reference``, and
-  FRUGAL's sign residual) the scaled residual and the update as fp32 ``m x n`` matrices (8
-  bytes per element; GaLore's and Fira-only-scaling's one, 4); a bf16 matrix also an fp32
-  working copy beside its fp32 gradient (8 bytes per element). They add to everything else because the memory the backward
+  elements, about 13 bytes each). Where it is more, the update of the projected matrix that
+  allocates most (:func:`_matrix_step_bytes`): three fp32 ``r x max(m, n)`` terms (the projected
+  gradient, Adam's direction and a temporary); on the reference path
+  (``optim.implementation=reference``, and FRUGAL's sign residual) the scaled residual and the
+  update as fp32 ``m x n`` matrices (8 bytes per element; GaLore's and Fira-only-scaling's one,
+  4); for a bf16 matrix an fp32 working copy beside its fp32 gradient (8 bytes per element). On
+  CUDA, outside ``optim.step_in_backward``, plus what the step keeps of every projected matrix
+  from its plan to its update, all at once (:func:`_planned_bytes`; on the CPU these smaller
+  terms reuse the heap the activations freed). They add to everything else because the memory the backward
   pass freed (the activations) stays in the process, in glibc's heap, while these temporaries,
   larger than its ``mmap`` threshold, are mapped afresh (``benchmarks/memory_phases.py``
   measures each phase: the step's own rise is :math:`2 \cdot V h \cdot 4` bytes at 60M). On
@@ -158,9 +161,13 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     temporaries = (min(stepped_whole, CHUNK) * CHUNK_TEMPORARY_BYTES if chunked
                    else 2 * stepped_whole * weight_bytes)
     if projected:  # (the peers' shapes are emptied above: their own steps)
-        temporaries = max([temporaries] + [_matrix_step_bytes((a, b), group, o, variant, weight_bytes)
-                                           for a, b in shapes
-                                           if is_projected(torch.empty((a, b), device="meta"), group)])
+        matrices = [(a, b) for a, b in shapes if is_projected(torch.empty((a, b), device="meta"), group)]
+        one = max([0] + [_matrix_step_bytes(shape, group, o, variant, weight_bytes) for shape in matrices])
+        if device == "cuda" and not o.step_in_backward:
+            # a step plans every matrix before it updates one: the terms each keeps from its plan
+            # are alive at once (on the CPU they reuse the heap the activations freed)
+            one += sum(_planned_bytes(shape, group, o, variant, weight_bytes) for shape in matrices)
+        temporaries = max(temporaries, one)
     if device == "cuda" and o.method in FOREACH_METHODS:
         # one foreach step per param group: adamw-grouped's two groups (matrices; the rest) in turn
         temporaries = (max(params - others, others) if o.method == "adamw-grouped" else params) * weight_bytes
@@ -197,6 +204,20 @@ def _matrix_step_bytes(shape: tuple[int, int], group: dict, o, variant: dict, we
     if weight_bytes == 2:
         buffers += 2
     return 4 * (buffers * a * b + LOW_RANK_BUFFERS * r * max(a, b))
+
+
+def _planned_bytes(shape: tuple[int, int], group: dict, o, variant: dict, weight_bytes: int) -> int:
+    """Bytes one projected matrix holds from the plan of a step to its update, all matrices at
+    once (:meth:`fira_optim.Fira.step` plans every matrix first): its fp32 projected gradient
+    ``R`` (``r x max(m, n)``), the fp32 copy of a basis stored in bf16 (``state_dtype`` below
+    float32), and where the fast path updates fp32 matrices in one batch (fp32 weights and
+    states) Adam's direction ``N`` beside ``R``."""
+    a, b = shape
+    r = projected_rank(shape, group)
+    explicit = o.implementation == "reference" or variant.get("residual") == "sign"
+    batched = weight_bytes == 4 and o.state_dtype == "float32" and not explicit
+    basis_copy = min(a, b) * r if o.state_dtype != "float32" else 0
+    return 4 * ((2 if batched else 1) * r * max(a, b) + basis_copy)
 
 
 def _stored_bytes(numel: int, state_dtype: str, work_dtype: torch.dtype) -> int:

@@ -295,3 +295,24 @@ def test_lora_is_refused_not_estimated_as_full_adamw() -> None:
     assert not is_estimated("lora") and not is_estimated("relora") and is_estimated("fira")
     with pytest.raises(ValueError, match="optim.method='lora'"):
         _estimate("lora")
+
+
+def test_on_cuda_a_plain_step_holds_every_matrix_projected_gradient_at_once() -> None:
+    """Fira's step plans every matrix (its R = P^T G) before it updates one: on CUDA all those R
+    are live tensors together (1.1 GiB at 1B); inside the backward pass one matrix's at a time,
+    and on the CPU they reuse the heap the activations freed."""
+    from fira_train.memory.matrix import llama_matrix_shapes
+
+    config = get_recipe("1b")
+    config = replace(config, train=replace(config.train, batch_size=1, micro_batch_size=1, param_dtype="bfloat16"))
+    every_r = sum(4 * 512 * max(a, b) for a, b in llama_matrix_shapes(2048, 5461, 24))
+    one = 8 * 2048 * 5461 + 3 * 4 * 512 * 5461  # the largest matrix's own step (bf16 weights)
+    assert estimate_run_bytes(config, 32000, "cuda")["step_temporaries"] == one + every_r
+    in_backward = replace(config, optim=replace(config.optim, step_in_backward=True))
+    embedding = 2 * 32000 * 2048 * 2  # torch's Adam step of the embedding (or head): more than one matrix's
+    assert embedding > one
+    assert estimate_run_bytes(in_backward, 32000, "cuda")["step_temporaries"] == embedding
+    assert estimate_run_bytes(config, 32000, "cpu")["step_temporaries"] == embedding
+    # fp32 weights and states: the fast path batches the updates, Adam's directions N beside R
+    fp32 = replace(config, train=replace(config.train, param_dtype="float32"))
+    assert estimate_run_bytes(fp32, 32000, "cuda")["step_temporaries"] == 3 * 4 * 512 * 5461 + 2 * every_r
