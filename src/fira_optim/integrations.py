@@ -208,6 +208,15 @@ def _check_target_modules(optim_target_modules: Any) -> None:
             re.compile(optim_target_modules)
         except re.error as err:
             raise ValueError(f"optim_target_modules={optim_target_modules!r} is not a valid regex: {err}") from None
+    if not isinstance(optim_target_modules, str):
+        # each list entry is also tried as a regex, on a linear layer's name that neither equals nor
+        # contains it: a bad one failed there as a bare re.error, naming neither it nor the argument
+        for entry in optim_target_modules:
+            try:
+                re.compile(entry)
+            except re.error as err:
+                raise ValueError(f"optim_target_modules={list(optim_target_modules)!r}: entry {entry!r} is "
+                                 f"not a valid regex: {err}") from None
 
 
 def target_parameter_names(model: nn.Module, optim_target_modules: str | Sequence[str]) -> list[str]:

@@ -143,6 +143,9 @@ def test_target_module_type_errors():
         target_parameter_names(model, 3)
     with pytest.raises(ValueError, match="not a valid regex"):
         target_parameter_names(model, "(")
+    # a list entry is a regex too (tried on the names it is not a part of): named, as a string is
+    with pytest.raises(ValueError, match=r"entry 'mlp\.\(up\|down_proj' is not a valid regex"):
+        target_parameter_names(model, ["q_proj", "mlp.(up|down_proj"])
 
 
 def test_trainer_param_groups_cover_every_trainable_parameter_once():
