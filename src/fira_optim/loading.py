@@ -20,16 +20,22 @@ float32 moments under an int8 group, silently). Refused too: a group that turned
 ``torch.optim.AdamW`` that Fira does not implement, and ``torch.optim.Adam``'s with weight decay
 (``decoupled_weight_decay=False``: an L2 term of the gradient, which Fira's decoupled decay
 replaced silently).
+
+Warned of: a group saved with another algorithm (``residual``, ``scaling``, ``limiter``,
+``arithmetic``, ``only_scaling``, ``projector``) than the group it loads into. Loading restores
+every group option, as torch's optimizers do, so the run goes on as it was saved; a user who
+built a GaLore optimizer to resume a Fira checkpoint got Fira without a word.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from . import precision
-from .options import TORCH_ONLY, param_name
+from .options import TORCH_ONLY, caller_level, param_name
 from .projection import LEFT, projection_side
 
 #: Group options that fix the layout of a projected matrix's state.
@@ -78,6 +84,24 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
             raise ValueError(f"{first}: the state dict's param group {gi} has decoupled_weight_decay=False with "
                              f"weight_decay={old['weight_decay']!r} (torch.optim.Adam's L2 weight decay); Fira's "
                              "weight decay is decoupled, as torch.optim.AdamW's: it cannot be resumed as it ran")
+
+
+#: Group options that choose the algorithm (a variant), without changing the states' layout.
+ALGORITHM_KEYS = ("residual", "scaling", "limiter", "arithmetic", "only_scaling", "projector")
+
+
+def warn_replaced_algorithm(current_groups: list[dict], saved: dict[str, Any]) -> None:
+    """A UserWarning for each group whose saved algorithm (:data:`ALGORITHM_KEYS`) differs from
+    the one it loads into: the saved options replace the group's."""
+    for gi, (group, old) in enumerate(zip(current_groups, saved.get("param_groups", []))):
+        changed = [key for key in ALGORITHM_KEYS if key in old and key in group and old[key] != group[key]]
+        if group["params"] and changed:
+            saved_values = ", ".join(f"{key}={old[key]!r}" for key in changed)
+            built = ", ".join(f"{key}={group[key]!r}" for key in changed)
+            warnings.warn(f"{param_name(gi, 0, group['params'][0])}: the state dict's param group {gi} was saved "
+                          f"with {saved_values}, which it loads in place of this optimizer's {built}: loading restores every "
+                          "group option, as torch's optimizers do, so the run goes on as it was saved",
+                          UserWarning, stacklevel=caller_level())
 
 
 def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:

@@ -22,7 +22,6 @@ the scaling factors are then per row.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -44,6 +43,7 @@ from .options import (
     check_process_options,
     check_rank,
     check_state_rounding,
+    caller_level,
     check_torch_only,
     misspelt_option,
     param_name,
@@ -307,7 +307,7 @@ class Fira(Optimizer):
             if option is not None:  # torch keeps unknown keys: a misspelt option would be ignored
                 warnings.warn(f"param_groups[{gi}] has the key {key!r}, which the optimizer does not read (did you "
                               f"mean {option!r}?): the group trains with {option}={group[option]!r}", UserWarning,
-                              stacklevel=_caller_level())
+                              stacklevel=caller_level())
         if group["state_dtype"] == StateDtype.INT8:
             precision.require_int8()
             for index, p in enumerate(group["params"]):
@@ -377,6 +377,7 @@ class Fira(Optimizer):
 
         def capture(_optimizer, loaded):
             loading.check_layout(self.param_groups, loaded)
+            loading.warn_replaced_algorithm(self.param_groups, loaded)
             seen["state_dict"] = loading.upgraded(loaded, self.param_groups)
             return seen["state_dict"]
 
@@ -990,16 +991,7 @@ def _warn_if_nothing_projected(group: dict[str, Any], group_index: int) -> None:
     each = "its matrix" if len(params) == 1 else f"each of its {len(params)} matrices"
     warnings.warn(f"param_groups[{group_index}]: rank={group['rank']} is >= min(m, n) of {each} (the "
                   f"largest min(m, n) is {widest}): none is projected, so the group trains as the plain "
-                  "base optimizer with full-rank states", UserWarning, stacklevel=_caller_level())
-
-
-def _caller_level() -> int:
-    """``warnings.warn``'s stacklevel of the first frame outside fira_optim and torch.optim (the
-    user's constructor or add_param_group call), from the function calling this one."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("fira_optim.", "torch.optim.")):
-        frame, level = frame.f_back, level + 1
-    return level
+                  "base optimizer with full-rank states", UserWarning, stacklevel=caller_level())
 
 
 def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:

@@ -14,6 +14,7 @@ import inspect
 import math
 import numbers
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -359,6 +360,17 @@ def did_you_mean(word: str, choices) -> str:
     """`` (did you mean 'X'?)`` for the choice closest to a misspelt ``word``, or ``""``."""
     close = difflib.get_close_matches(word, sorted(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def caller_level() -> int:
+    """``warnings.warn``'s stacklevel of the first frame outside fira_optim and torch's optimizer
+    machinery (the user's constructor, ``add_param_group`` or ``load_state_dict`` call), from the
+    function calling this one."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(
+            ("fira_optim.", "torch.optim.", "torch._dynamo.", "torch._compile")):  # load_state_dict: dynamo's disable
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def misspelt_option(key: Any, options) -> str | None:

@@ -505,3 +505,25 @@ def test_a_state_loaded_into_groups_in_another_order_asks_about_the_order():
     with pytest.raises(ValueError, match=r"\(shape \(6,\)\) holds a projection basis.*a 1-D parameter is never "
                                          r"projected, so the state is another parameter's: are the groups"):
         swapped.load_state_dict(opt.state_dict())
+
+
+def test_a_state_saved_by_another_algorithm_warns_that_the_saved_one_goes_on():
+    """Loading restores every group option, as torch's optimizers do: a GaLore optimizer built to
+    resume a Fira run trained Fira from then on, without a word."""
+    import warnings
+
+    from fira_optim import GaLoreAdamW
+
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    opt = FiraAdamW([{"params": [w], "rank": 2}])
+    w.grad = torch.randn(6, 8)
+    opt.step()
+    galore = GaLoreAdamW([{"params": [w], "rank": 2}])
+    with pytest.warns(UserWarning, match=r"param group 0 was saved with residual='add', which it loads in place of "
+                                         r"this optimizer's residual='drop'.*the run goes on as it was saved") as record:
+        galore.load_state_dict(opt.state_dict())
+    assert galore.param_groups[0]["residual"] == "add"
+    assert record[0].filename == __file__  # the caller's line, not torch's
+    with warnings.catch_warnings():  # the same algorithm: no warning
+        warnings.simplefilter("error")
+        FiraAdamW([{"params": [w], "rank": 2}]).load_state_dict(opt.state_dict())
