@@ -486,12 +486,9 @@ class FiraTrainer(Trainer):
         if self.optimizer is None:
             opt_model = self.model if model is None else model
             options = dict(self.fira_options)
-            self.optimizer = create_fira_optimizer(
-                opt_model,
-                self.args,
-                decay_parameter_names=self.get_decay_parameter_names(opt_model),
-                **options,
-            )
+            # the Trainer's rule (no decay for biases and norms), unless fira_options gives its own list
+            options.setdefault("decay_parameter_names", self.get_decay_parameter_names(opt_model))
+            self.optimizer = create_fira_optimizer(opt_model, self.args, **options)
         return self.optimizer
 
     def _hook_in_backward(self, model: nn.Module) -> None:

@@ -565,3 +565,17 @@ def test_step_in_backward_with_fp16_on_the_cpu_is_unscaled_as_accelerate_runs_it
     assert trainer.accelerator.scaler is None and trainer._loss_scale is None
     trainer.train()
     assert trainer.state.global_step == 2 and trainer.in_backward.loss_scale is None
+
+
+def test_fira_options_may_give_the_decayed_parameters(tmp_path):
+    """fira_options={"decay_parameter_names": [...]} raised a TypeError (the Trainer's own list was
+    passed too); the user's list now replaces the Trainer's rule."""
+    model = tiny_llama()
+    args = training_args(tmp_path, weight_decay=0.1, max_steps=1)
+    decayed = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+    trainer = FiraTrainer(model=model, args=args, train_dataset=TokenDataset(),
+                          fira_options={"decay_parameter_names": decayed})
+    optimizer = trainer.create_optimizer()
+    names = {p: n for n, p in model.named_parameters()}
+    with_decay = {names[p] for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert with_decay == set(decayed)
