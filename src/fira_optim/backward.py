@@ -37,7 +37,7 @@ What changes:
   nothing is updated, and ``optimizer.step()`` warns.
 - **Non-finite gradients** are found per matrix, as each update runs: ``nonfinite="error"``
   raises from inside backward (matrices updated earlier in the same backward keep their update);
-  ``"skip"`` skips that matrix's update only.
+  ``"skip"`` skips that matrix's update only, and warns once per step (of the first).
 - **Step hooks** (``register_step_pre_hook``, ``register_step_post_hook`` and torch's global
   ones) run around ``optimizer.step()``, after the hooked parameters were updated and their
   gradients freed: a pre-hook that clips gradients or changes the learning rate acts on the next
@@ -101,6 +101,7 @@ class StepInBackward:
         self._covered: set = set()  # the parameters whose update a hook runs
         self._updated: set = set()  # those a hook updated since the last optimizer.step()
         self._warned = False
+        self.skip_warned = False  # nonfinite="skip": a skipped update was warned of in this step
         # Under DDP: micro-batches accumulated (no_sync) since the last synchronised backward
         self._unsynced = False
         self._ddp = _is_ddp(model)
@@ -209,6 +210,7 @@ class StepInBackward:
                 "nothing inside it); run each step's final micro-batch, its forward and backward passes, "
                 "outside accumulate()", UserWarning, stacklevel=3)
         self._updated.clear()
+        self.skip_warned = False
         if self.loss_scale is not None:
             self.loss_scale.update()
 

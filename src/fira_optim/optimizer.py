@@ -710,7 +710,13 @@ class Fira(Optimizer):
                      "optimizer: eps=0 writes them on a gradient entry that is 0, as torch.optim.AdamW does)")
         if self.nonfinite == NonFinite.ERROR:
             raise NonFiniteGradientError(f"{what}; nothing was updated (pass nonfinite='skip' to skip such steps)")
-        warnings.warn(f"{what}: step skipped", RuntimeWarning, stacklevel=4)
+        handle = self._in_backward
+        if handle is None:
+            warnings.warn(f"{what}: step skipped", RuntimeWarning, stacklevel=4)
+        elif not handle.skip_warned:  # each matrix is skipped on its own in the backward pass: one warning a step
+            handle.skip_warned = True
+            warnings.warn(f"{what}: its update skipped (and that of any other matrix whose gradient is not finite "
+                          "in this step, without a warning each)", RuntimeWarning, stacklevel=4)
 
     def _strategy(self, hyper: Hyper, p: torch.Tensor, grad: torch.Tensor) -> Strategy:
         """The strategy of one matrix: the configured one where it covers the matrix, else the

@@ -493,6 +493,24 @@ def test_a_non_finite_gradient_skips_only_its_matrix():
     assert torch.equal(model.a.weight, before[0]) and not torch.equal(model.b.weight, before[1])
 
 
+def test_non_finite_gradients_of_several_matrices_warn_once_a_step():
+    """Each matrix is skipped on its own in the backward pass: one warning per matrix (22 for a
+    tiny LLaMA's NaN step) where the step without the handle warns once."""
+    model = _net()
+    opt = FiraAdamW([{"params": [model.a.weight, model.b.weight], "rank": 3}], nonfinite="skip")
+    step_in_backward(opt)
+    for weight in (model.a.weight, model.b.weight):
+        weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    for _ in range(2):  # once in each step
+        x, y = _batch(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _loss(model, x, y).backward()
+            opt.step()
+        skipped = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(skipped) == 1 and "its update skipped (and that of any other matrix" in skipped[0], skipped
+
+
 # ---------------------------------------------------------------------- two processes
 
 
