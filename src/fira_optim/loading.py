@@ -47,10 +47,24 @@ SAVED_BEFORE_THE_KEY = {"state_dtype": "float32"}
 
 
 def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
-    """Refuse ``saved`` if a group that this optimizer projects was saved without Fira's keys or
-    with another layout, or an unprojected group with another ``state_dtype``. Group counts and
-    sizes are left to torch's own checks."""
-    for gi, (group, old) in enumerate(zip(current_groups, saved.get("param_groups", []))):
+    """Refuse ``saved`` if its groups are not this optimizer's (their number, or a group's number
+    of parameters: torch's own message names neither, nor what to do), if a group that this
+    optimizer projects was saved without Fira's keys or with another layout, or an unprojected
+    group with another ``state_dtype``."""
+    saved_groups = saved.get("param_groups", [])
+    fira = any("rank" in old for old in saved_groups)
+    source = ("" if fira else " (its groups have no 'rank': it was not saved by Fira; torch.optim.AdamW's, say, "
+              "which Fira cannot continue: start Fira from the model's weights without it)")
+    how = ("; build the optimizer with the groups of the saved run (the same parameters and param_groups / "
+           "optim_target_modules arguments, in the same order)")
+    if len(saved_groups) != len(current_groups):
+        raise ValueError(f"the state dict has {len(saved_groups)} param groups and this optimizer "
+                         f"{len(current_groups)}{source or how}")
+    for gi, (group, old) in enumerate(zip(current_groups, saved_groups)):
+        if len(old.get("params", [])) != len(group["params"]):
+            raise ValueError(f"the state dict's param group {gi} holds {len(old.get('params', []))} parameters and "
+                             f"this optimizer's {len(group['params'])}{source or how}")
+    for gi, (group, old) in enumerate(zip(current_groups, saved_groups)):
         if not group["params"]:
             continue
         first = param_name(gi, 0, group["params"][0])

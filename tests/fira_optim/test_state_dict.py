@@ -325,20 +325,36 @@ def test_a_state_dict_loads_into_a_stepped_optimizer_as_into_a_fresh_one():
     assert_states_equal(state_snapshot(runs[0][1]), state_snapshot(runs[1][1]))
 
 
-def test_load_with_a_different_number_of_groups_raises():
+def test_load_with_a_different_number_of_groups_raises_saying_how_to_build_the_optimizer():
     sd = _trained_state_dict()
     params = make_params(SHAPES)
     opt = FiraAdamW([{"params": params[:3], "rank": 3}], lr=1e-2)
-    with pytest.raises(ValueError, match="different number of parameter groups"):
+    with pytest.raises(ValueError, match=r"the state dict has 2 param groups and this optimizer 1; build the "
+                                         r"optimizer with the groups of the saved run"):
         opt.load_state_dict(sd)
 
 
-def test_load_with_a_group_size_mismatch_raises():
+def test_load_with_a_group_size_mismatch_raises_saying_how_to_build_the_optimizer():
     sd = _trained_state_dict()
     params = make_params(SHAPES)
     opt = FiraAdamW([{"params": params[:2], "rank": 3}, {"params": params[2:]}], lr=1e-2)
-    with pytest.raises(ValueError, match="doesn't match the size"):
+    with pytest.raises(ValueError, match=r"the state dict's param group 0 holds 3 parameters and this optimizer's 2; "
+                                         r"build the optimizer with the groups"):
         opt.load_state_dict(sd)
+
+
+def test_load_of_torch_adamw_groups_of_another_count_says_it_was_not_saved_by_fira():
+    """torch's message (a different number of parameter groups) did not say why: a Trainer
+    resumed with FiraTrainer from an AdamW checkpoint."""
+    params = make_params(SHAPES)
+    adamw = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:2]}, {"params": params[2:]}])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adamw.step()
+    opt = FiraAdamW([{"params": params[:3], "rank": 3}, {"params": params[3:]}])
+    with pytest.raises(ValueError, match=r"the state dict has 3 param groups and this optimizer 2 \(its groups have "
+                                         r"no 'rank': it was not saved by Fira"):
+        opt.load_state_dict(adamw.state_dict())
 
 
 def test_load_with_a_wrong_basis_shape_names_the_parameter():
