@@ -8,7 +8,8 @@ continues under :class:`fira_optim.FiraAdamW`; and ``galore-torch``'s (the same 
 objects, and its group key ``scale`` read as ``alpha``), so a run of ``galore_torch.GaLoreAdamW``
 continues under :class:`fira_optim.GaLoreAdamW`.
 
-Refused, with the reason: a state dict whose projected groups were saved at another rank or
+Refused, with the reason: a state dict of another number of groups, or of parameters in a group
+(torch's own messages say neither why nor what to do); one whose projected groups were saved at another rank or
 projection rule or with another base optimizer (its tensors would not fit), one whose groups,
 projected or not, were saved with another ``state_dtype`` (their states are stored otherwise;
 loading took the saved dtype for the unprojected groups, whatever the optimizer was built with),
