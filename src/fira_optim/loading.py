@@ -114,9 +114,9 @@ def warn_replaced_algorithm(current_groups: list[dict], saved: dict[str, Any]) -
             saved_values = ", ".join(f"{key}={old[key]!r}" for key in changed)
             built = ", ".join(f"{key}={group[key]!r}" for key in changed)
             warnings.warn(f"{param_name(gi, 0, group['params'][0])}: the state dict's param group {gi} was saved "
-                          f"with {saved_values}, which it loads in place of this optimizer's {built}: loading restores every "
-                          "group option, as torch's optimizers do, so the run goes on as it was saved",
-                          UserWarning, stacklevel=caller_level())
+                          f"with {saved_values}, which it loads in place of this optimizer's {built}: loading "
+                          "restores every group option, as torch's optimizers do, so the run goes on as it was "
+                          "saved", UserWarning, stacklevel=caller_level())
 
 
 def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:

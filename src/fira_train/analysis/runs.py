@@ -31,9 +31,9 @@ from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import (DamagedFileError, check_report_owner, cut_back_json_lines, open_append, read_json,
                                read_json_lines, refuse_links, write_text_atomic)
+from fira_train.report.markdown import refuse_other_commands_output
 from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
-from fira_train.report.markdown import refuse_other_commands_output
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.run.run_dir import (NOT_FROM_LAST_STEP, changed_among, check_same_data, config_changes,
                                    describe_changes, finished_with, resume_ignores)

@@ -74,10 +74,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-train", type=int, default=None,
                    help="training records (default steps x batch size: one pass)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default per method: {_per_method(DEFAULT_LR)})")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default per method: {_per_method(DEFAULT_LR)})")
     p.add_argument("--warmup-steps", type=int, default=None, help="default min(100, steps // 10)")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--rank", type=int, default=None, help=f"Fira/GaLore/APOLLO/Flora rank (default {_per_method(DEFAULT_RANK)})")
+    p.add_argument("--rank", type=int, default=None,
+                   help=f"Fira/GaLore/APOLLO/Flora rank (default {_per_method(DEFAULT_RANK)})")
     p.add_argument("--update-proj-gap", type=int, default=200)
     p.add_argument("--alpha", type=float, default=1.0, help="Fira/GaLore scale alpha (default 1.0)")
     p.add_argument("--target-modules", default="all-linear",

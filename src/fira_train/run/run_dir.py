@@ -71,8 +71,9 @@ def changed_among(old: RunConfig, new: RunConfig, keys: tuple[str, ...]) -> list
 
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
     """The ``section.field`` keys in which ``new`` differs from ``old``, but for ``ignore`` and for
-    the ``optim`` settings neither config's method reads (:meth:`~fira_train.methods.method.Method.reads`,
-    as two method specs are the same run); the micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself),
+    the ``optim`` settings neither config's method reads
+    (:meth:`~fira_train.methods.method.Method.reads`, as two method specs are the same run); the
+    micro-batch size by the size it gives (None is the whole batch, as ``train.batch_size`` itself),
     and ``train.device`` only between two named kinds (``cpu`` against ``cuda``): ``auto`` names
     none (a config records it for a CPU and a GPU run alike), so against it the record of the
     device the run trained on decides: :func:`check_same_device` refuses a finished run of another
