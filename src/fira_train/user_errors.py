@@ -258,6 +258,8 @@ def _start_over(args: argparse.Namespace) -> str:
     if getattr(args, "command", None) == "finetune" and hasattr(args, "save_steps"):
         folder, kept = finetune_checkpoints(args)
         return f"; remove {folder} to start it over" if kept else ""
+    if getattr(args, "command", None) == "compare" and hasattr(args, "overwrite"):
+        return "; --overwrite starts the comparison over, its finished methods too"  # one folder for all
     return "; --overwrite starts it over" if hasattr(args, "overwrite") else ""
 
 

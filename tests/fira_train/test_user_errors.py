@@ -191,8 +191,10 @@ def test_a_non_finite_gradient_raised_in_a_ddp_hook_is_the_same_one_line() -> No
     assert "train the run again" in line and "--resume-step" not in line and "--overwrite" not in line
     line = describe(wrapped, argparse.Namespace(out="runs/x", overwrite=False, command="compare"))
     assert "optim.lr or set train.grad_clip" in line
-    # what stays is said before --overwrite, which does not keep it
-    assert line.endswith("(the checkpoints already written in runs/x stay); --overwrite starts it over")
+    # what stays is said before --overwrite, which does not keep it; compare's --overwrite starts
+    # every method over (it said "starts it over", of the diverged run)
+    assert line.endswith("(the checkpoints already written in runs/x stay); --overwrite starts the comparison "
+                         "over, its finished methods too")
     line = describe(wrapped, argparse.Namespace(out="runs/x", overwrite=False, command="finetune"))
     assert "; lower --lr and train the run again" in line and "optim.lr" not in line
     assert describe(RuntimeError("some other failure"), argparse.Namespace()) is None  # a bug: its traceback
