@@ -68,7 +68,7 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
     for gi, (group, old) in enumerate(zip(current_groups, saved_groups)):
         if not group["params"]:
             continue
-        first = param_name(gi, 0, group["params"][0])
+        first = param_name(gi, 0, group["params"][0], group)
         projected = group["rank"] is not None
         if projected and "rank" not in old:
             raise ValueError(
@@ -113,10 +113,11 @@ def warn_replaced_algorithm(current_groups: list[dict], saved: dict[str, Any]) -
         if group["params"] and changed:
             saved_values = ", ".join(f"{key}={old[key]!r}" for key in changed)
             built = ", ".join(f"{key}={group[key]!r}" for key in changed)
-            warnings.warn(f"{param_name(gi, 0, group['params'][0])}: the state dict's param group {gi} was saved "
-                          f"with {saved_values}, which it loads in place of this optimizer's {built}: loading "
-                          "restores every group option, as torch's optimizers do, so the run goes on as it was "
-                          "saved", UserWarning, stacklevel=caller_level())
+            first = param_name(gi, 0, group["params"][0], group)
+            warnings.warn(f"{first}: the state dict's param group {gi} was saved with {saved_values}, which it "
+                          f"loads in place of this optimizer's {built}: loading restores every group option, as "
+                          "torch's optimizers do, so the run goes on as it was saved", UserWarning,
+                          stacklevel=caller_level())
 
 
 def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:

@@ -499,8 +499,8 @@ class Fira(Optimizer):
         entries, total = self._entries(only)
         for gi, pi, p, _ in entries:  # before anything is computed (a frozen int8 weight is fine)
             if p.grad is not None and not (p.is_floating_point() or p.is_complex()):
-                raise ValueError(f"{param_name(gi, pi, p)} has dtype {p.dtype} and a gradient: only floating-point "
-                                 "(and, with rank=None, complex) parameters can be optimized")
+                raise ValueError(f"{param_name(gi, pi, p, self.param_groups[gi])} has dtype {p.dtype} and a gradient: "
+                                 "only floating-point (and, with rank=None, complex) parameters can be optimized")
         # FSDP2 shards, or DDP with split_refresh: the refresh bases are computed across ranks
         # first (one rank per matrix, broadcast to all); None in one process and plain DDP.
         shard_group = distributed.shard_group(
@@ -524,7 +524,7 @@ class Fira(Optimizer):
             if p.grad is None or p.numel() == 0:
                 continue
             if p.grad.is_sparse:
-                raise RuntimeError(f"Fira does not support sparse gradients ({param_name(gi, pi, p)})")
+                raise RuntimeError(f"Fira does not support sparse gradients ({param_name(gi, pi, p, group)})")
             if not projected:
                 # Until its first real step, an all-zero gradient only builds state. Test
                 # the step count, not mere presence of state: a second zero-gradient step
@@ -571,7 +571,8 @@ class Fira(Optimizer):
             p = self.param_groups[gi]["params"][pi]
             # A projected matrix is checked through the norms of R, which also overflow from a
             # finite G of huge entries: then say so (the step cannot be computed either way).
-            self._nonfinite_found(param_name(gi, pi, p), p, _largest_if_finite(p.grad, shard_group))
+            self._nonfinite_found(param_name(gi, pi, p, self.param_groups[gi]), p,
+                                  _largest_if_finite(p.grad, shard_group))
             return None
         return matrices, plain
 
@@ -612,7 +613,7 @@ class Fira(Optimizer):
                 for pi, p in enumerate(group["params"]):
                     if p.is_meta:  # the update would fail deep inside on .item(): say what went wrong
                         raise ValueError(
-                            f"{param_name(gi, pi, p)} is on the meta device: "
+                            f"{param_name(gi, pi, p, group)} is on the meta device: "
                             "build the optimizer after model.to_empty(device=...) and the weights' initialization "
                             "or loading (to_empty gives the model new parameters; an optimizer built before it "
                             "holds the meta ones)")
@@ -753,10 +754,10 @@ class Fira(Optimizer):
                 previous = state["basis"] if step > 0 else None
                 status, new_basis = refresh.refresh_outcome(
                     grad, previous, rank=rank, side=side, group=group, order=order, step=step,
-                    name=param_name(gi, pi, p),
+                    name=param_name(gi, pi, p, group),
                 )
             if status == "nonfinite" and self.nonfinite != NonFinite.IGNORE:
-                self._nonfinite_found(param_name(gi, pi, p), p)
+                self._nonfinite_found(param_name(gi, pi, p, group), p)
                 return _SKIP_STEP
             if status not in ("new", "keep") and step == 0:
                 # Never derive a basis from a zero or non-finite gradient. Before the first

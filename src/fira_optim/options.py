@@ -401,9 +401,15 @@ def _edits(a: str, b: str) -> int:
     return rows[-1][-1]
 
 
-def param_name(gi: int, pi: int, p: torch.Tensor) -> str:
-    """How errors and warnings name a parameter."""
-    return f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})"
+def param_name(gi: int, pi: int, p: torch.Tensor, group: dict | None = None) -> str:
+    """How errors and warnings name a parameter: by its place, and first by its name where the
+    optimizer was given names (``model.named_parameters()``: torch keeps them in the group's
+    ``param_names``)."""
+    where = f"param_groups[{gi}]['params'][{pi}]"
+    names = None if group is None else group.get("param_names")
+    if names and pi < len(names):
+        return f"{names[pi]} ({where}, shape {tuple(p.shape)})"
+    return f"{where} (shape {tuple(p.shape)})"
 
 
 def check_process_options(nonfinite: Any, implementation: Any, host_refresh: Any,

@@ -125,7 +125,7 @@ def due_refreshes(opt: "Fira", total: Optional[int], only: Optional[set] = None)
         rank = projected_rank(p.shape, group)
         compute = functools.partial(
             refresh_outcome, rank=rank, side=side, group=group,
-            order=order, step=step, name=param_name(gi, pi, p),
+            order=order, step=step, name=param_name(gi, pi, p, group),
         )
         previous = distributed.to_local(state["basis"]) if step > 0 else None
         due.append((p, distributed.RefreshJob(

@@ -397,3 +397,16 @@ def test_a_non_finite_complex_gradient_is_caught_before_anything_changes():
     with pytest.raises(NonFiniteGradientError):
         optimizer.step()
     assert torch.equal(z.detach(), before)
+
+
+def test_a_parameter_given_by_name_is_named_in_the_error():
+    """model.named_parameters(): torch keeps the names in the groups (param_names); the errors
+    named the place in the groups alone, which inside a Trainer says little."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    opt = FiraAdamW(model.named_parameters(), rank=2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model[1].weight.grad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"non-finite gradient in 1\.weight \(param_groups\[0\]\['params'\]"
+                                                     r"\[1\], shape \(4, 6\)\)"):
+        opt.step()
