@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fira_optim import precision
-from fira_optim.options import StateDtype
+from fira_optim.options import Residual, StateDtype
 from fira_optim.precision import CHUNK, CHUNK_TEMPORARY_BYTES
 from fira_optim.projection import is_projected, projected_rank
 from fira_optim.subspace import STATE_KEYS
@@ -197,9 +197,8 @@ def _matrix_step_bytes(shape: tuple[int, int], group: dict, o, variant: dict, we
     working copy and fp32 gradient (``benchmarks/matrix_step_memory.py`` measures each)."""
     a, b = shape
     r = projected_rank(shape, group)
-    explicit = o.implementation == "reference" or variant.get("residual") == "sign"
     buffers = 0
-    if explicit:
+    if _explicit(o, variant):
         buffers = 1 if variant.get("residual") == "drop" or variant.get("only_scaling") else EXPLICIT_BUFFERS
     if weight_bytes == 2:
         buffers += 2
@@ -214,10 +213,16 @@ def _planned_bytes(shape: tuple[int, int], group: dict, o, variant: dict, weight
     states) Adam's direction ``N`` beside ``R``."""
     a, b = shape
     r = projected_rank(shape, group)
-    explicit = o.implementation == "reference" or variant.get("residual") == "sign"
-    batched = weight_bytes == 4 and o.state_dtype == "float32" and not explicit
-    basis_copy = min(a, b) * r if o.state_dtype != "float32" else 0
-    return 4 * ((2 if batched else 1) * r * max(a, b) + basis_copy)
+    batched = weight_bytes == 4 and o.state_dtype == "float32" and not _explicit(o, variant)
+    stored_low = precision.basis_dtype(StateDtype(o.state_dtype), torch.float32) != torch.float32
+    return 4 * ((2 if batched else 1) * r * max(a, b) + (min(a, b) * r if stored_low else 0))
+
+
+def _explicit(o, variant: dict) -> bool:
+    """Whether the matrices take the optimizer's reference path: ``optim.implementation=reference``,
+    or FRUGAL's sign residual, which the fast path does not cover
+    (:meth:`fira_optim.pipeline.FastStrategy.supports`)."""
+    return o.implementation == "reference" or variant.get("residual") == Residual.SIGN.value
 
 
 def _stored_bytes(numel: int, state_dtype: str, work_dtype: torch.dtype) -> int:
