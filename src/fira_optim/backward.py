@@ -250,7 +250,7 @@ class StepInBackward:
             self.loss_scale.check_backward()
         if self._accumulating:
             return
-        if not self.optimizer._holds(p):
+        if p not in self._own():
             # removed from its group since it was hooked (given to another optimizer, say): a plain
             # step() would leave it and its gradient alone, so the hook does too
             return

@@ -417,19 +417,6 @@ class Fira(Optimizer):
         the backward pass (None: none; :meth:`step` updates them)."""
         return self._in_backward
 
-    def _holds(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is in one of the param groups now: a hook of
-        :func:`fira_optim.step_in_backward` asks before it updates ``p``, which may have been
-        removed from its group since. At its place in the cached layout it is (one look-up per
-        hook); elsewhere the groups are searched."""
-        cached = self.__dict__.get("_layout")
-        if cached is not None and p in cached[2]:
-            gi, pi = cached[1][cached[2][p]][:2]
-            groups = self.param_groups
-            if gi < len(groups) and pi < len(groups[gi]["params"]) and groups[gi]["params"][pi] is p:
-                return True
-        return any(q is p for group in self.param_groups for q in group["params"])
-
     def register_step_stats_hook(self, hook: Callable[["Fira", list[MatrixStats]], None]) -> RemovableHandle:
         r"""Call ``hook(optimizer, stats)`` after every step, with one
         :class:`fira_optim.pipeline.MatrixStats` per projected matrix updated in it (its
