@@ -203,20 +203,18 @@ def _check_target_modules(optim_target_modules: Any) -> None:
             f"optim_target_modules must be a list of strings, a regex string or 'all-linear', "
             f"got {optim_target_modules!r}"
         )
-    if isinstance(optim_target_modules, str) and not _is_all_linear(optim_target_modules):
+    # a string is a regex; each list entry is one too (tried on the linear layers' names that neither
+    # equal nor contain it): a bad one failed there as a bare re.error, naming neither it nor the argument
+    single = isinstance(optim_target_modules, str)
+    for entry in [optim_target_modules] if single else optim_target_modules:
+        if single and _is_all_linear(entry):
+            continue
         try:
-            re.compile(optim_target_modules)
+            re.compile(entry)
         except re.error as err:
-            raise ValueError(f"optim_target_modules={optim_target_modules!r} is not a valid regex: {err}") from None
-    if not isinstance(optim_target_modules, str):
-        # each list entry is also tried as a regex, on a linear layer's name that neither equals nor
-        # contains it: a bad one failed there as a bare re.error, naming neither it nor the argument
-        for entry in optim_target_modules:
-            try:
-                re.compile(entry)
-            except re.error as err:
-                raise ValueError(f"optim_target_modules={list(optim_target_modules)!r}: entry {entry!r} is "
-                                 f"not a valid regex: {err}") from None
+            which = "" if single else f": entry {entry!r}"
+            raise ValueError(f"optim_target_modules={optim_target_modules!r}{which} is not a valid regex: "
+                             f"{err}") from None
 
 
 def target_parameter_names(model: nn.Module, optim_target_modules: str | Sequence[str]) -> list[str]:
