@@ -168,9 +168,7 @@ def warn_unused_settings(args: argparse.Namespace, specs: Sequence[str]) -> None
     known = set(override_keys())  # an unknown key is the error the config build raises, not a warning too
 
     def unused(key: str, methods: Sequence[str]) -> bool:
-        setting = key.removeprefix("optim.")
-        return (key in known and key.startswith("optim.") and setting not in ("method", "lr")
-                and not any(setting in get_method(name).uses for name in methods))
+        return key in known and not any(get_method(name).reads(key) for name in methods)
 
     given = dict.fromkeys([*flags_given(args, FLAG_KEYS), *(override_key(item) for item in args.overrides)])
     for key in given:
