@@ -55,6 +55,15 @@ def measure_out_dir(out: str | None, recipe: str) -> str:
 _FIRST_LINE = 4096
 
 
+def report_heading(out: str | os.PathLike[str]) -> str:
+    """The first line of ``out/report.md`` (its heading: who wrote it), ``""`` if there is none."""
+    report = Path(out) / "report.md"
+    if not report.is_file():
+        return ""
+    with open(report, encoding="utf-8", errors="replace") as handle:
+        return handle.readline(_FIRST_LINE).rstrip("\n")  # a line without end (a sparse file) is not read whole
+
+
 def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,
                        overwrite: bool | None = None, writer: str | None = None) -> None:
     """``FileExistsError`` if ``out/report.md`` exists and was not written by ``command``: its
@@ -67,8 +76,7 @@ def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], com
     report = Path(out) / "report.md"
     if overwrite or not report.is_file() or report.stat().st_size == 0:  # an empty one holds nothing to keep
         return
-    with open(report, encoding="utf-8", errors="replace") as handle:
-        first = handle.readline(_FIRST_LINE).rstrip("\n")  # a line without end (a sparse file) is not read whole
+    first = report_heading(out)
     if first.startswith(titles):
         return
     how = "choose another --out" + (", or pass --overwrite to replace it" if overwrite is not None else "")

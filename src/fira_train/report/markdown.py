@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import read_json, write_text_atomic
+from fira_train.files import read_json, report_heading, write_text_atomic
 from fira_train.provenance import source_of
 from fira_train.run.metrics import read_metrics
 
@@ -38,11 +38,7 @@ def refuse_other_commands_output(out_dir: Path) -> None:
     or without ``--overwrite``: an analysis (``fira-train analyze``) would write its report over
     theirs and its runs beside (or over) theirs, and the folder would be neither's; a fresh
     ``--out`` is the way on."""
-    report = out_dir / "report.md"
-    first = ""
-    if report.is_file():
-        with open(report, encoding="utf-8", errors="replace") as handle:
-            first = handle.readline(4096)
+    first = report_heading(out_dir)
     for what, heading, record in OTHER_COMMANDS:
         if first.startswith(heading) or (record is not None and (out_dir / record).is_file()):
             raise FileExistsError(f"--out {str(out_dir)!r} holds {what}, another command's results, which an "
