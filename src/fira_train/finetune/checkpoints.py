@@ -5,8 +5,17 @@ and the command line's messages after a stop (:func:`has_checkpoint`) tell them 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fira_train.files import parse_json, read_regular_text
+
+if TYPE_CHECKING:  # annotations only
+    from fira_train.finetune.config import FinetuneConfig
+
+
+def checkpoint_dir(config: "FinetuneConfig") -> Path:
+    """Where the Trainer's checkpoints of this run go (``checkpoint-<step>`` folders)."""
+    return config.out_dir / "trainer"
 
 
 def checkpoint_step(checkpoint: str | Path) -> int:

@@ -12,6 +12,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from fira_train.finetune.checkpoints import checkpoint_dir
 from fira_train.finetune.commonsense import CommonsenseDataError
 from fira_train.finetune.config import (
     DEFAULT_LR,
@@ -127,7 +128,7 @@ def checkpoint_folder(args: argparse.Namespace) -> Path | None:
         config = config_from_args(args)
     except (AttributeError, FinetuneError, CommonsenseDataError):
         return None
-    return config.out_dir / "trainer" if config.trains else None
+    return checkpoint_dir(config) if config.trains else None
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -8,7 +8,6 @@ import os
 import platform
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +18,8 @@ from fira_train.finetune.data import load_records, load_validation
 from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
 from fira_train.finetune.report import render_report
-from fira_train.finetune.train import checkpoint_dir, prepare_model, remove_checkpoints, resume_point, train_model
+from fira_train.finetune.checkpoints import checkpoint_dir
+from fira_train.finetune.train import prepare_model, remove_checkpoints, resume_point, train_model
 from fira_train.files import dumps, refuse_links, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.provenance import code_version

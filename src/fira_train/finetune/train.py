@@ -22,7 +22,7 @@ from fira_optim import optimizer_state_numel
 from fira_optim.state import optimizer_state_bytes
 from fira_optim.integrations import FiraTrainer, target_parameter_names
 from fira_train.config.overrides import describe_changed
-from fira_train.finetune.checkpoints import checkpoint_folders, checkpoint_step, incomplete
+from fira_train.finetune.checkpoints import checkpoint_dir, checkpoint_folders, checkpoint_step, incomplete
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training, train_limit
 from fira_train.files import parse_json, read_json, read_regular_text, write_text_atomic
@@ -99,11 +99,6 @@ RESUME_KEYS = ("model", "data_dir", "tasks", "method", "recipe", "steps", "max_t
 #: them (such a record's run trained with these).
 SETTINGS_BEFORE_RECORDED = {"step_in_backward": False, "state_dtype": "float32", "state_rounding": "nearest",
                             "precision": "fp32"}
-
-
-def checkpoint_dir(config: FinetuneConfig) -> Path:
-    """Where the Trainer's checkpoints of this run go (``checkpoint-<step>`` folders)."""
-    return config.out_dir / "trainer"
 
 
 def resume_point(config: FinetuneConfig) -> str | None:
