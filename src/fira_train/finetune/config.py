@@ -72,6 +72,15 @@ class FinetuneError(ValueError):
     """A bad option value; the message names the option and the value."""
 
 
+def non_finite_scores(task: str, what: str, broken: int, total: int, first: object) -> FinetuneError:
+    """The refusal of a scoring whose ``what`` (with its verb: "the model's next-token scores are",
+    "... log-likelihood of an answer is") is not finite for ``broken`` of ``total`` examples: an
+    accuracy from the argmax of NaNs would be noise."""
+    return FinetuneError(f"{task}: {what} not finite for {broken} of {total} examples (the first: index "
+                         f"{first}): its weights are not finite or its activations overflowed (fp16: try "
+                         "--precision bf16 or fp32); no accuracy is reported")
+
+
 #: The options only training reads (a zero-shot run's record holds None for each).
 TRAINING_OPTIONS = ("batch_size", "max_train", "weight_decay", "cutoff_len", "train_on_inputs", "save_steps",
                     "precision")

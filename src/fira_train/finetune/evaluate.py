@@ -20,7 +20,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from fira_train.finetune.commonsense import TaskSpec, extract_answer, format_prompt, score
-from fira_train.finetune.config import FinetuneError
+from fira_train.finetune.config import non_finite_scores
 
 __all__ = ["generate", "evaluate_task"]
 
@@ -124,11 +124,8 @@ def evaluate_task(
     prompts = [format_prompt(r["instruction"], r.get("input", "")) for r in records]
     generations, broken = _generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size)
     if broken:  # the argmax of NaNs is no answer: an accuracy from its text would be noise
-        first = records[broken[0]].get("index", broken[0])
-        raise FinetuneError(
-            f"{task.name}: the model's next-token scores are not finite for {len(broken)} of {len(records)} "
-            f"examples (the first: index {first}): its weights are not finite or its activations overflowed "
-            "(fp16: try --precision bf16 or fp32); no accuracy is reported")
+        raise non_finite_scores(task.name, "the model's next-token scores are", len(broken), len(records),
+                                records[broken[0]].get("index", broken[0]))
     answers = [r["answer"] for r in records]
     metrics: dict[str, Any] = dict(score(task, generations, answers))
     metrics["seconds"] = time.perf_counter() - started

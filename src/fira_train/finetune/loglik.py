@@ -42,7 +42,7 @@ import torch
 
 from fira_train.finetune.choices import MultipleChoice, multiple_choice
 from fira_train.finetune.commonsense import TaskSpec
-from fira_train.finetune.config import FinetuneError
+from fira_train.finetune.config import FinetuneError, non_finite_scores
 
 __all__ = ["require_lm_eval", "questions_of", "LoglikScorer"]
 
@@ -148,10 +148,8 @@ class LoglikScorer:
             })
         broken = [p["index"] for p in predictions if not all(math.isfinite(x) for x in p["logliks"])]
         if broken:  # the argmax of NaNs is no prediction: an accuracy from them would be noise
-            raise FinetuneError(
-                f"{task.name}: the model's log-likelihood of an answer is not finite for {len(broken)} of "
-                f"{len(predictions)} examples (the first: index {broken[0]}): its weights are not finite or its "
-                "activations overflowed (fp16: try --precision bf16 or fp32); no accuracy is reported")
+            raise non_finite_scores(task.name, "the model's log-likelihood of an answer is", len(broken),
+                                    len(predictions), broken[0])
         n = len(predictions)
         correct = sum(p["correct"] for p in predictions)
         correct_norm = sum(p["correct_norm"] for p in predictions)
