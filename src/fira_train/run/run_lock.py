@@ -152,21 +152,19 @@ def locked_run_directory(out: str | Path, env: DistributedEnv | None = None) -> 
     try:
         if error is not None:
             raise error
-        try:
-            yield
-        except BaseException:
-            if made and lock.held:  # stopped before writing anything: no new folder stays
-                unlink_a_lone_lock(lock.out)
-            raise
-        finally:
-            lock.release()
+        yield
     except BaseException:
+        if made and lock.held:  # stopped before writing anything: no new folder stays
+            unlink_a_lone_lock(lock.out)
+        lock.release()
         for folder in made:  # innermost first; one that holds anything stays, with those above it
             try:
                 folder.rmdir()
             except OSError:
                 break
         raise
+    finally:
+        lock.release()  # (a second release does nothing)
 
 
 def missing_folders(folder: Path) -> list[Path]:
