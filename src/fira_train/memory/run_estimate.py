@@ -138,8 +138,10 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
         states = (4 if o.method == "flora" else weight_bytes) * _peer_state_numel(
             o.method, o.rank, shapes, vocab_size, h, layers, tables=1 if m.tie_word_embeddings else 2)
         shapes = []
+    # the matrices the optimizer projects: its own rule (the peers' shapes are emptied above)
+    matrices = [(a, b) for a, b in shapes if projected and is_projected(torch.empty((a, b), device="meta"), group)]
     for a, b in shapes:
-        if projected and is_projected(torch.empty((a, b), device="meta"), group):
+        if (a, b) in matrices:
             r = projected_rank((a, b), group)
             basis, moment = min(a, b) * r, max(a, b) * r  # the low-rank moments: fp32 work dtype
             scalars = 0 if variant.get("residual") == "drop" else 1  # the limiter's ||S_{t-1}||
@@ -160,8 +162,7 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
     stepped_whole = largest if o.method in PLAIN_METHODS else embed
     temporaries = (min(stepped_whole, CHUNK) * CHUNK_TEMPORARY_BYTES if chunked
                    else 2 * stepped_whole * weight_bytes)
-    if projected:  # (the peers' shapes are emptied above: their own steps)
-        matrices = [(a, b) for a, b in shapes if is_projected(torch.empty((a, b), device="meta"), group)]
+    if matrices:
         one = max([0] + [_matrix_step_bytes(shape, group, o, variant, weight_bytes) for shape in matrices])
         if device == "cuda" and not o.step_in_backward:
             # a step plans every matrix before it updates one: the terms each keeps from its plan
