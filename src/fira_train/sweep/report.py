@@ -13,15 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from fira_train.files import dumps, write_text_atomic
-from fira_train.report.markdown import SWEEP_REPORT_TITLE, code_line
+from fira_train.report.markdown import SWEEP_REPORT_TITLE as REPORT_TITLE
+from fira_train.report.markdown import code_line
 from fira_train.report.plots import plain_log_ticks, pyplot, save_figure
 from fira_train.sweep.grid import RunKey, RunResult
 from fira_train.sweep.stats import PairedDifference
 from fira_train.sweep.summary import MethodSummary, summary_json
-
-
-#: The first words of the report ``fira-train sweep`` writes.
-REPORT_TITLE = SWEEP_REPORT_TITLE
 
 
 def _num(value: float | None, spec: str = ".2f") -> str:
