@@ -102,6 +102,9 @@ class StepInBackward:
         self._updated: set = set()  # those a hook updated since the last optimizer.step()
         self._warned = False
         self.skip_warned = False  # nonfinite="skip": a skipped update was warned of in this step
+        # the optimizer's parameters as of this step (_own), for the hooks: one set a step, not one
+        # a hook (291 hooks at 7B built 291 sets, 5 ms a step); groups change between steps
+        self._own_in_step: set | None = None
         # Under DDP: micro-batches accumulated (no_sync) since the last synchronised backward
         self._unsynced = False
         self._ddp = _is_ddp(model)
@@ -141,6 +144,7 @@ class StepInBackward:
     def cover(self, params) -> None:
         """Hook those of ``params`` that require a gradient and have no hook yet (outside DDP,
         whose communication hook covers the parameters it reduces: it marks them as it runs)."""
+        self._own_in_step = None  # a group added (add_param_group) or weights unfrozen
         if self._ddp or not self._active:
             return
         new = [p for p in params if p.requires_grad and p not in self._covered]
@@ -211,6 +215,7 @@ class StepInBackward:
                 "outside accumulate()", UserWarning, stacklevel=3)
         self._updated.clear()
         self.skip_warned = False
+        self._own_in_step = None
         if self.loss_scale is not None:
             self.loss_scale.update()
 
@@ -250,7 +255,9 @@ class StepInBackward:
             self.loss_scale.check_backward()
         if self._accumulating:
             return
-        if p not in self._own():
+        if self._own_in_step is None:
+            self._own_in_step = self._own()
+        if p not in self._own_in_step:
             # removed from its group since it was hooked (given to another optimizer, say): a plain
             # step() would leave it and its gradient alone, so the hook does too
             return
