@@ -32,11 +32,10 @@ from fira_train.data.build import build_corpus
 from fira_train.files import (DamagedFileError, check_report_owner, cut_back_json_lines, open_append, read_json,
                                read_json_lines, refuse_links, write_text_atomic)
 from fira_train.report.markdown import refuse_other_commands_output
-from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import (NOT_FROM_LAST_STEP, changed_among, check_same_data, config_changes,
-                                   describe_changes, finished_with, resume_ignores)
+from fira_train.run.run_dir import (changed_after_last_step, check_same_data, config_changes, describe_changes,
+                                   finished_with, resume_ignores)
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
 
@@ -274,13 +273,9 @@ def _resume_refusal(config: RunConfig, run: AnalysisRun) -> str | None:
         return f"its records cannot be read: {err}"
     if changes:
         return f"it was started with {describe_changes(saved_cfg, resolved(config), changes)}"
-    # a memory lever or the implementation: refused from the last step (resume_check)
-    levers = changed_among(saved_cfg, resolved(config), NOT_FROM_LAST_STEP)
-    last = ckpt.latest_checkpoint(run_dir)
-    if levers and last is not None and ckpt.checkpoint_step(last) >= config.train.steps:
-        # nothing would train with the new setting (a resume from there is refused)
-        return (f"it stopped after its last step with {describe_changes(saved_cfg, resolved(config), levers)}, "
-                "so nothing would train with the new setting")
+    levers = changed_after_last_step(run_dir, saved_cfg, resolved(config))
+    if levers:
+        return f"it stopped after its last step with {levers}, so nothing would train with the new setting"
     return None
 
 

@@ -19,7 +19,7 @@ from fira_train.methods.lora import legacy_rewarmup
 from fira_train.methods.registry import get_method
 from fira_train.provenance import describe_change
 from fira_train.run import run_files
-from fira_train.run.checkpoint import CHECKPOINT_DIR
+from fira_train.run.checkpoint import CHECKPOINT_DIR, checkpoint_step, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,21 @@ NOT_FROM_LAST_STEP = MEMORY_LEVERS + IMPLEMENTATION_CHANGES
 def changed_among(old: RunConfig, new: RunConfig, keys: tuple[str, ...]) -> list[str]:
     """The ``keys`` that ``new`` changes against ``old``."""
     return [key for key in config_changes(old, new, ignore=frozenset()) if key in keys]
+
+
+def changed_after_last_step(out: Path, saved: RunConfig, config: RunConfig) -> str | None:
+    """The :data:`NOT_FROM_LAST_STEP` settings that ``config`` (resolved) changes against
+    ``saved``, the config of the run in ``out``, as :func:`describe_changes` words them, where the
+    run's newest checkpoint is of its last step: a resume from there is refused
+    (:func:`fira_train.run.resume_check.check_recorded_config`), and a sweep or an analysis says
+    so before any run starts. None otherwise."""
+    levers = changed_among(saved, config, NOT_FROM_LAST_STEP)
+    if not levers:
+        return None
+    last = latest_checkpoint(out)
+    if last is None or checkpoint_step(last) < config.train.steps:
+        return None
+    return describe_changes(saved, config, levers)
 
 
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:

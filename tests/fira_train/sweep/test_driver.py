@@ -193,6 +193,30 @@ def test_reuse_refuses_runs_of_another_config_before_any_starts(tmp_path: Path, 
     assert in_process == []
 
 
+def test_reuse_refuses_a_memory_lever_changed_on_finished_runs_before_any_starts(tmp_path: Path,
+                                                                                in_process: list) -> None:
+    """A memory lever may change on a resume, but not from the run's last step (nothing would train
+    with it). Finished runs are then refused all at once before any starts, where each run's own
+    process refused it after the others had trained; a run stopped earlier goes on with it."""
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=1")
+    out = tmp_path / "sweep"
+    sweep(config, ["galore", "fira"], {"galore": [0.01], "fira": [0.01]}, [0], out)
+    in_process.clear()
+    in_backward = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=1",
+                               "optim.step_in_backward=true")
+    with pytest.raises(ValueError, match=r"--reuse: 2 runs in .* so no run was started: galore/lr=0.01/seed=0 and "
+                                         r"fira/lr=0.01/seed=0 have optim.step_in_backward=False \(now True\) "
+                                         r"after the last step \(train.steps=2\)"):
+        sweep(in_backward, ["galore", "fira"], {"galore": [0.01], "fira": [0.01]}, [0], out, reuse=True)
+    assert in_process == []
+    # stopped after step 1 (as if killed): it continues from there with the lever
+    folder = RunKey("fira", 0.01, 0).folder(out)
+    (folder / "summary.json").unlink()
+    shutil.rmtree(ckpt.find_checkpoint(folder, 2))
+    sweep(in_backward, ["fira"], {"fira": [0.01]}, [0], out, reuse=True)
+    assert in_process == [("fira", 0.01, 0, "latest")]
+
+
 def test_reuse_takes_runs_whose_changed_settings_their_method_does_not_read(tmp_path: Path,
                                                                             in_process: list) -> None:
     """optim.gamma is the norm-growth limiter's: neither AdamW nor GaLore (no residual) reads it, so
