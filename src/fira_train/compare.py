@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fira_train.config.method_spec import (SHARED, parse_method_spec, parse_method_specs, refuse_same_runs,
                                           refuse_spec_keys)
+from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, refuse_links
@@ -31,7 +32,7 @@ from fira_train.report.markdown import REPORT_TITLE, write_report
 from fira_train.report.plots import plot_curves
 from fira_train.run.isolated import run_isolated
 from fira_train.run.launch import same_on_every_rank
-from fira_train.run.run_dir import finished_with
+from fira_train.run.run_dir import continue_refusal, finished_with
 from fira_train.run.train import train
 from fira_train.run.train_parallel import distributed_session
 
@@ -78,14 +79,29 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
     return report, plot
 
 
+def _check_resumable(todo: list[tuple[str, RunConfig]]) -> None:
+    """With ``--resume``: a ValueError naming every method to train whose folder holds a run it
+    cannot continue (:func:`~fira_train.run.run_dir.continue_refusal`), before any trains; each
+    run refused it itself, but only after the methods before it had trained."""
+    with same_on_every_rank():  # the same files for every process of a launch
+        refused = [f"{method} ({run_config.train.out_dir}) has {refusal}" for method, run_config in todo
+                   if (refusal := continue_refusal(Path(run_config.train.out_dir), resolved(run_config)))]
+        if refused:
+            raise ValueError(f"--resume: no method was trained: {'; '.join(refused)}. Resume with the settings "
+                             "the runs were made with, or train every method again (--overwrite, or another --out)")
+
+
 def _train_all(config: RunConfig, methods: list[str], configs: list[RunConfig], out_dir: Path,
                resume: bool, overwrite: bool) -> None:
     """Train the methods one after another on one shared corpus."""
     corpus = build_corpus(config.data)  # first: a missing or too small corpus makes no folder
     out_dir.mkdir(parents=True, exist_ok=True)
-    for index, (method, run_config) in enumerate(zip(methods, configs), start=1):
+    finished = [resume and finished_with(c, Path(c.train.out_dir), corpus.describe()) for c in configs]
+    if resume:
+        _check_resumable([(m, c) for m, c, done in zip(methods, configs, finished) if not done])
+    for index, (method, run_config, done) in enumerate(zip(methods, configs, finished), start=1):
         run_dir = Path(run_config.train.out_dir)
-        if resume and finished_with(run_config, run_dir, corpus.describe()):
+        if done:
             log.info("[%d/%d] %s: finished run found in %s, reused", index, len(methods), method, run_dir)
             continue
         log.info("[%d/%d] %s -> %s", index, len(methods), method, run_dir)

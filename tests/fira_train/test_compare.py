@@ -6,6 +6,7 @@ import builtins
 import errno
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,30 @@ def test_compare_resume_reuses_finished_runs_and_refuses_silent_overwrite(tmp_pa
     (out / "adamw" / "summary.json").write_text(json.dumps(summary))
     with pytest.raises(ValueError, match="trained on other data"):
         compare(config, ["adamw"], out, resume=True)
+
+
+def test_compare_resume_refuses_what_a_run_cannot_continue_before_any_method_trains(tmp_path: Path) -> None:
+    """A memory lever changed on a finished run is refused by that run's own resume (nothing would
+    train with it), and so is another setting on an unfinished one: both before the first method
+    trains, where each was refused only once the methods before it had trained."""
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=1")
+    out = tmp_path / "cmp"
+    compare(config, ["fira", "galore", "adamw"], out)
+    (out / "fira" / "summary.json").unlink()  # fira as if killed after step 1
+    shutil.rmtree(out / "fira" / "checkpoints" / "step_00000002")
+    in_backward = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=1",
+                               "optim.step_in_backward=true")
+    with pytest.raises(ValueError, match=r"--resume: no method was trained: galore \(.*galore\) has "
+                                         r"optim.step_in_backward=False \(now True\) after the last step"):
+        compare(in_backward, ["fira", "galore"], out, resume=True)
+    assert not (out / "fira" / "summary.json").exists()
+    with pytest.raises(ValueError, match=r"no method was trained: fira \(.*\) has optim.gamma=1.01 \(now 1.02\).*; "
+                                         r"galore \(.*\) has optim.step_in_backward"):
+        compare(micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=1",
+                             "optim.step_in_backward=true", "optim.gamma=1.02"), ["fira", "galore"], out, resume=True)
+    assert not (out / "fira" / "summary.json").exists()
+    compare(in_backward, ["fira"], out, resume=True)  # stopped before its last step: goes on with it
+    assert (out / "fira" / "summary.json").exists()
 
 
 @pytest.mark.parametrize("first_line", ["my notes", "# Learning-rate sweep: recipe `micro`"])

@@ -201,6 +201,21 @@ def resume_refusal(out: Path, config: RunConfig) -> str | None:
     return f"{describe_changes(saved, config, changes)} (resuming must reproduce the same run){hint}"
 
 
+def continue_refusal(out: Path, config: RunConfig) -> str | None:
+    """Why the run in ``out`` cannot go on from its checkpoints as a run of ``config`` (resolved):
+    :func:`resume_refusal`'s changed settings, or a memory lever or implementation changed on a run
+    stopped after its last step (:func:`changed_after_last_step`); None where it can. A sweep's
+    ``--reuse`` and a comparison's ``--resume`` check every run they would continue before they
+    start one: each run's own process refuses the same, but only after the runs before it trained."""
+    refusal = resume_refusal(out, config)
+    if refusal is None and (out / "config.json").is_file():
+        levers = changed_after_last_step(out, saved_config(read_json(out / "config.json")), config)
+        if levers:
+            refusal = (f"{levers} after the last step (train.steps={config.train.steps}), so nothing would "
+                       "train with the new setting")
+    return refusal
+
+
 def finished_with(config: RunConfig, run_dir: Path, data: Mapping[str, Any] | None = None) -> bool:
     """Whether ``run_dir`` holds a finished run of ``config`` (learning rate resolved): equal up
     to the keys that do not change the weights' trajectory (:data:`RESUMABLE_CHANGES`).

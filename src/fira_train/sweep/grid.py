@@ -30,8 +30,8 @@ from fira_train.config.run_config import RunConfig
 from fira_train.files import dumps, read_json, write_text_atomic
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.provenance import code_version, source_of
-from fira_train.run.run_dir import (changed_after_last_step, check_same_data, check_same_device, config_changes,
-                                   finished_with, resume_refusal, warn_other_code)
+from fira_train.run.run_dir import (check_same_data, check_same_device, config_changes, continue_refusal,
+                                   finished_with, warn_other_code)
 from fira_train.run.train import train
 from fira_train.run.training import resolve_device
 
@@ -138,20 +138,12 @@ def check_fresh(keys: Sequence[RunKey], out_dir: Path) -> None:
 def check_resumable(todo: Sequence[tuple[RunKey, RunConfig]], out_dir: Path) -> None:
     """With ``reuse``: a ValueError, before any run starts, naming every run to train whose folder
     holds a run of another config that it could not continue: the refusals each run's own process
-    makes (:func:`~fira_train.run.run_dir.resume_refusal`, and a memory lever or implementation
-    changed on a run stopped after its last step,
-    :func:`~fira_train.run.run_dir.changed_after_last_step`), here once for them all, where each was
+    makes (:func:`~fira_train.run.run_dir.continue_refusal`), here once for them all, where each was
     refused only after its process had started (and the others had trained)."""
     refused: dict[str, list[str]] = {}
     for key, config in todo:
         folder = key.folder(out_dir)
-        refusal = resume_refusal(folder, resolved(config))
-        if refusal is None and (folder / "config.json").is_file():
-            levers = changed_after_last_step(folder, saved_config(read_json(folder / "config.json")),
-                                             resolved(config))
-            if levers:  # refused by the run's own process, after the others had trained
-                refusal = (f"{levers} after the last step (train.steps={config.train.steps}), so nothing "
-                           "would train with the new setting")
+        refusal = continue_refusal(folder, resolved(config))
         if refusal:
             refused.setdefault(refusal, []).append(str(folder.relative_to(out_dir)))
     if refused:
