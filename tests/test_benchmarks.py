@@ -679,6 +679,83 @@ def test_the_long_bf16_states_table_is_what_its_runs_recorded() -> None:
         assert rows[label][-1] == f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]", label
 
 
+def _sweep_methods(folder: str) -> dict:
+    sweep = json.loads((ROOT / "docs" / "results" / folder / "sweep.json").read_text())
+    return {row["spec"]: row for row in sweep["methods"]}
+
+
+def _mean_sd(row: dict, digits: int) -> str:
+    return f"{row['test_ppl']['mean']:.{digits}f} ± {row['test_ppl']['sd']:.{digits}f}"
+
+
+def _paired(row: dict, digits: int, *, negated: bool = False) -> str:
+    """The row's test difference to its sweep's reference with the 95% interval; negated: the
+    reference minus the row."""
+    difference = row["test_ppl_minus_reference"]
+    mean, (low, high) = difference["mean"], difference["ci95"]
+    if negated:
+        mean, low, high = -mean, -high, -low
+    return f"{mean:+.{digits}f} [{low:+.{digits}f}, {high:+.{digits}f}]"
+
+
+def test_the_readme_and_the_results_index_quote_the_committed_sweeps() -> None:
+    """README.md's measured result and docs/results/README.md's index give each sweep's test
+    perplexity (mean ± sd) and paired difference as its sweep.json records them, rounded as
+    printed there: a sweep rerun into its folder without the docs, or a hand edit, fails here."""
+    sweep, raw = _sweep_methods("tiny-sweep"), _sweep_methods("tiny-sweep-galore-raw")
+    exact, grouped = _sweep_methods("tiny-exact-norm"), _sweep_methods("tiny-sweep-grouped-alpha")
+    alpha, exact_alpha = _sweep_methods("tiny-sweep-fira-alpha"), _sweep_methods("tiny-exact-norm-alpha")
+    fira_raw, adamw = sweep["fira@optim.align_signs=false"], sweep["adamw"]
+    best_fira, best_grouped = alpha["fira@optim.alpha=0.1"], alpha["adamw-grouped@optim.alpha=0.025"]
+    readme = [
+        f"({_mean_sd(fira_raw, 1)} against {_mean_sd(adamw, 1)})",
+        f"({_mean_sd(best_grouped, 1)} against {_mean_sd(best_fira, 1)}, difference {_paired(best_grouped, 1)})",
+        f"Fira with raw signs (today's default) {_mean_sd(fira_raw, 1)}, with aligned signs (its default then) "
+        f"{_mean_sd(sweep['fira'], 1)}; GaLore (aligned signs) {_mean_sd(sweep['galore'], 1)}, Fira (aligned) - GaLore "
+        f"{_paired(sweep['galore'], 1, negated=True)}; AdamW {_mean_sd(adamw, 1)}, AdamW - Fira (aligned) "
+        f"{_paired(adamw, 1)}.",
+        f"{_mean_sd(raw['galore'], 1)} against Fira's {_mean_sd(raw['fira'], 1)} there, GaLore - Fira "
+        f"{_paired(raw['galore'], 1)}.",
+        f"{_mean_sd(exact['galore'], 1)} against {_mean_sd(exact['fira'], 1)}, {_paired(exact['galore'], 1)}, still not",
+        f"({_mean_sd(exact['adamw'], 1)}, minus Fira {_paired(exact['adamw'], 1)})",
+        f"at alpha 0.1 (H200), {_mean_sd(sweep['adamw-grouped@optim.alpha=0.1'], 1)}, still behind Fira (minus the "
+        f"H200's aligned-sign Fira: {_paired(sweep['adamw-grouped@optim.alpha=0.1'], 1)})",
+        f"at alpha 0.05 {_mean_sd(grouped['adamw-grouped@optim.alpha=0.05'], 1)}, minus Fira "
+        f"{_paired(grouped['adamw-grouped@optim.alpha=0.05'], 1)};",
+        f"{_mean_sd(grouped['adamw-grouped@optim.alpha=0.025'], 1)}, minus Fira "
+        f"{_paired(grouped['adamw-grouped@optim.alpha=0.025'], 1)}, lower at every seed",
+        f"Fira {_mean_sd(best_fira, 1)}, and this AdamW minus Fira {_paired(best_grouped, 1)}",
+        f"Fira {_mean_sd(exact_alpha['fira@optim.alpha=0.1'], 1)}, AdamW minus Fira "
+        f"{_paired(exact_alpha['adamw-grouped@optim.alpha=0.025'], 1)}; AdamW at half that alpha is behind, "
+        f"{_paired(exact_alpha['adamw-grouped@optim.alpha=0.0125'], 1)}",
+    ]
+    bf16, bf16_long = _sweep_methods("bf16-states"), _sweep_methods("bf16-states-long")
+    relora = _sweep_methods("relora-rewarmup")
+    nearest, stochastic = "fira@optim.state_dtype=bfloat16", "fira@optim.state_dtype=bfloat16@optim.state_rounding=stochastic"
+    index = [
+        f"GaLore - Fira {_paired(raw['galore'], 2)} test perplexity",
+        f"GaLore - Fira {_paired(exact['galore'], 2)} test perplexity, not separated; AdamW - Fira "
+        f"{_paired(exact['adamw'], 2)};",
+        f"`adamw-grouped` minus Fira {_paired(exact_alpha['adamw-grouped@optim.alpha=0.025'], 2)} test perplexity, not "
+        f"separated; at alpha 0.0125 {_paired(exact_alpha['adamw-grouped@optim.alpha=0.0125'], 2)}",
+        f"at 0.05 not separated ({_paired(grouped['adamw-grouped@optim.alpha=0.05'], 2)} test perplexity",
+        f"({_paired(grouped['adamw-grouped@optim.alpha=0.025'], 2)} at lr 0.05",
+        f"test perplexity {_mean_sd(best_fira, 2)}; the best `adamw-grouped` (alpha 0.025) is then not separated from "
+        f"it, {_paired(best_grouped, 2)}",
+        f"int8 minus fp32 states {_paired(_sweep_methods('int8-root-seeds')['fira@optim.state_dtype=int8'], 2)} test "
+        f"perplexity",
+        f"test perplexity {_paired(bf16[nearest], 2)} and {_paired(bf16[stochastic], 2)} from fp32 states",
+        f"nearest rounding {_paired(bf16_long[nearest], 2)} test perplexity from fp32 states",
+        f"stochastic {_paired(bf16_long[stochastic], 2)}, not separated",
+        f"test perplexity {_mean_sd(relora['relora'], 2)} against {_mean_sd(relora['relora@optim.relora_rewarmup=1'], 2)}, "
+        f"the 1-step ramp higher by {_paired(relora['relora@optim.relora_rewarmup=1'], 2)}",
+    ]
+    for path, quotes in ((ROOT / "README.md", readme), (ROOT / "docs" / "results" / "README.md", index)):
+        text = " ".join(path.read_text().replace("**", "").split())
+        missing = [quote for quote in quotes if quote not in text]
+        assert not missing, f"{path.relative_to(ROOT)} no longer quotes: {missing}"
+
+
 @pytest.mark.timeout(240)
 def test_matrix_step_memory_script_runs_and_the_docs_quote_its_committed_numbers(tmp_path: Path) -> None:
     """benchmarks/matrix_step_memory.py: a matrix's step through the fast path holds less than
