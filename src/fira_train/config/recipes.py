@@ -122,9 +122,10 @@ def tiny() -> RunConfig:
 
     16 x 256 = 4,096 tokens per step, 300 steps = 1.2M tokens (about one pass over the
     embedded corpus), T = 300 / 50 = 6: of T = 3 to 50, the lowest perplexity for Fira and
-    GaLore over three seeds (``fira-train analyze gap-sweep``, docs/results/gap-sweep). Measured on 2 otherwise idle CPU cores: a forward and
-    backward pass of one step takes ~2.0 s (~2K tokens/s), so ~10 minutes of training per
-    method, plus ~30 s of evaluation (10 x 64 validation sequences). Until 2026-11-26 the rank
+    GaLore over three seeds (``fira-train analyze gap-sweep``, docs/results/gap-sweep). On 2 otherwise idle
+    CPU cores a step took 1.7-1.9 s (2,148-2,354 tokens/s), 8.7-9.5 minutes of training per
+    method (docs/results/tiny/report.md), plus the evaluations (10 x 64 validation sequences)
+    and the test set's. Until 2026-11-26 the rank
     was 128 (r/d = 1/2, the top of the paper's rank study); the gap sweep and the analyses in
     docs/results ran at that rank (``optim.rank=128`` reproduces them).
     """
