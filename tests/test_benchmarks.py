@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -677,6 +678,21 @@ def test_the_long_bf16_states_table_is_what_its_runs_recorded() -> None:
     for label in ("bf16 states, nearest", "bf16 states, stochastic"):
         mean, low, high = mean_interval([a - b for a, b in zip(test[label], reference)])
         assert rows[label][-1] == f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]", label
+
+
+@pytest.mark.parametrize("folder", sorted(path.parent.name for path in (ROOT / "docs" / "results").glob("*/sweep.json")))
+def test_each_committed_sweep_report_is_what_its_sweep_json_gives(folder: str, tmp_path: Path) -> None:
+    """docs/results/*/report.md of a sweep is what `fira-train sweep --report-only` writes from the
+    folder's sweep.json, and its summary rows are what the runs there give: the docs quote these
+    reports, so a hand edit of either file, or a renderer that no longer writes them, fails here."""
+    from fira_train.sweep.driver import rewrite_report
+
+    committed = ROOT / "docs" / "results" / folder
+    shutil.copy(committed / "sweep.json", tmp_path / "sweep.json")
+    report, _ = rewrite_report(tmp_path)
+    assert report.read_text() == (committed / "report.md").read_text()
+    rebuilt = json.loads((tmp_path / "sweep.json").read_text())
+    assert rebuilt["methods"] == json.loads((committed / "sweep.json").read_text())["methods"]
 
 
 def _sweep_methods(folder: str) -> dict:
