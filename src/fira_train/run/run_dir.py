@@ -155,16 +155,35 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
         if not overwrite:
             raise FileExistsError(f"{str(out)!r} already holds a run ({', '.join(previous)}); pass "
                                   "--resume to continue it or --overwrite to start over")
-        for name in ("metrics.jsonl", "summary.json", "config.json", "tb", CHECKPOINT_DIR):
+        for name in ("metrics.jsonl", "summary.json", "config.json", "tb"):
             path = out / name
             if delete and path.is_dir():
                 shutil.rmtree(path)
             elif delete and path.exists():
                 path.unlink()
+        if delete:
+            remove_run_checkpoints(out / CHECKPOINT_DIR)
     if resume is not None:
         refusal = resume_refusal(out, config)
         if refusal:
             raise ValueError(f"cannot resume {str(out)!r} with a different config: its config.json has {refusal}")
+
+
+def remove_run_checkpoints(folder: Path) -> None:
+    """Delete the checkpoint folders a run wrote in ``folder`` (``OUT/checkpoints``), and the
+    folder itself if nothing else is left in it. Another tool's files there (``--out .`` in a
+    project with a checkpoints/ of its own) are listed as foreign, and ``--overwrite`` leaves
+    those (:func:`fira_train.run.run_files.check_foreign_files` says so): the whole folder was
+    deleted with them."""
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    for child in sorted(folder.iterdir()):
+        if run_files.is_checkpoint_entry(child):
+            shutil.rmtree(child)
+    try:
+        folder.rmdir()
+    except OSError:  # another tool's files, left as they are
+        pass
 
 
 def resume_refusal(out: Path, config: RunConfig) -> str | None:

@@ -86,8 +86,7 @@ def foreign_files(out: str | Path) -> list[str]:
                     entries = sorted(child.iterdir())
                 except FileNotFoundError:  # deleted (rank 0's --overwrite) after it was looked at
                     continue
-                foreign += [f"checkpoints/{c.name}" for c in entries
-                            if not (_CHECKPOINT_ENTRY.match(c.name) and c.is_dir())]
+                foreign += [f"checkpoints/{c.name}" for c in entries if not is_checkpoint_entry(c)]
             continue
         if child.is_file() and not child.is_symlink():
             if name == "config.json" and (is_run_config(child) or _damaged_run_config(child)):
@@ -96,6 +95,12 @@ def foreign_files(out: str | Path) -> list[str]:
                 continue
         foreign.append(name + ("/" if child.is_dir() else ""))
     return foreign
+
+
+def is_checkpoint_entry(path: Path) -> bool:
+    """Whether ``path`` (an entry of ``OUT/checkpoints``) is a folder a run writes there: a
+    complete, temporary or replaced checkpoint (not a link to one)."""
+    return bool(_CHECKPOINT_ENTRY.match(path.name)) and path.is_dir() and not path.is_symlink()
 
 
 def previous_run(out: Path) -> list[str]:

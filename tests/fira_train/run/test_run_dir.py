@@ -358,3 +358,43 @@ def test_auto_is_no_change_of_device_and_the_runs_record_decides(tmp_path: Path,
     (run / "summary.json").write_text(json.dumps({"device": "cuda:0"}))  # one that trained on a GPU
     with pytest.raises(ValueError, match=r"trained on 'cuda:0', and train.device='cpu' trains on 'cpu' here"):
         finished_with(cpu, run)
+
+
+@pytest.mark.parametrize("with_run", [True, False], ids=["beside-a-run", "no-run"])
+def test_overwrite_leaves_foreign_files_under_checkpoints(tmp_path: Path, with_run: bool) -> None:
+    """--overwrite into a folder whose checkpoints/ holds another tool's files (``--out .`` in a
+    project with its own checkpoints/, a Lightning ``epoch=3.ckpt``): they are listed as files
+    fira-train did not write, and the warning says they are left as they are; the whole
+    checkpoints/ folder was deleted with them. Now only fira-train's checkpoint folders go."""
+    from fira_train.run import run_files
+    from fira_train.run.run_dir import prepare_out_dir
+
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0")
+    out = tmp_path / "run"
+    theirs = out / "checkpoints" / "epoch=3.ckpt"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"weights of another tool")
+    (out / "checkpoints" / "best").mkdir()
+    (out / "checkpoints" / "best" / "model.safetensors").write_bytes(b"more")
+    ours = [out / "checkpoints" / name for name in ("step_00000001", ".tmp-step_00000002-77", ".old-step_00000001")]
+    if with_run:
+        for path in ours:
+            path.mkdir()
+            (path / "state.pt").write_bytes(b"x")
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert run_files.foreign_files(out) == ["checkpoints/best", "checkpoints/epoch=3.ckpt"]
+    prepare_out_dir(config, out, None, True)
+    assert theirs.read_bytes() == b"weights of another tool"
+    assert (out / "checkpoints" / "best" / "model.safetensors").read_bytes() == b"more"
+    assert not any(path.exists() for path in ours) and not (out / "metrics.jsonl").exists()
+    assert run_files.previous_run(out) == ["checkpoints"]  # theirs stays: the run writes beside it
+
+
+def test_overwrite_removes_a_checkpoints_folder_that_held_only_the_runs(tmp_path: Path) -> None:
+    from fira_train.run.run_dir import prepare_out_dir
+
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0")
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000001").mkdir(parents=True)
+    prepare_out_dir(config, out, None, True)
+    assert not (out / "checkpoints").exists()
