@@ -22,6 +22,17 @@ float32 moments under an int8 group, silently). Refused too: a group that turned
 (``decoupled_weight_decay=False``: an L2 term of the gradient, which Fira's decoupled decay
 replaced silently).
 
+Refused too, naming the parameter, the key and the value (:func:`check_structure`,
+:func:`check_values`, :func:`check_group_options`): a damaged or crafted state dict (a checkpoint
+from elsewhere), which loaded without a word and then trained NaN, on a fresh state or with
+options the constructor refuses, or failed inside torch with an error naming nothing. That is a
+``state`` that is not a dict of dicts, a state keyed by an id no group lists (torch drops it, and
+its parameter starts again from zeros), an id listed twice; a state tensor with NaN or Inf, a
+second moment (a sum of squares), a norm or a scale with a negative entry, a tensor on the meta
+device, a complex one for a real parameter (torch drops its imaginary part), a value that is not
+a tensor where the optimizer keeps one; a ``step`` that is not one whole number >= 0; a group
+option out of the range the constructor accepts (``lr=nan``, ``update_proj_gap=0``).
+
 Warned of: a group saved with another algorithm (``residual``, ``scaling``, ``limiter``,
 ``arithmetic``, ``only_scaling``, ``projector``) than the group it loads into. Loading restores
 every group option, as torch's optimizers do, so the run goes on as it was saved; a user who
@@ -30,13 +41,16 @@ built a GaLore optimizer to resume a Fira checkpoint got Fira without a word.
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-from . import precision
-from .options import TORCH_ONLY, caller_level, param_name
+from . import distributed, precision
+from .options import FLOAT32_MAX, TORCH_ONLY, caller_level, param_name, validate_group
 from .projection import LEFT, projection_side
 
 #: Group options that fix the layout of a projected matrix's state.
@@ -99,6 +113,145 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
             raise ValueError(f"{first}: the state dict's param group {gi} has decoupled_weight_decay=False with "
                              f"weight_decay={old['weight_decay']!r} (torch.optim.Adam's L2 weight decay); Fira's "
                              "weight decay is decoupled, as torch.optim.AdamW's: it cannot be resumed as it ran")
+
+
+def check_structure(saved: Any) -> None:
+    """Refuse ``saved`` unless it is laid out as an optimizer's state dict: ``param_groups`` a list
+    of dicts whose ``params`` list each id once, ``state`` a dict of dicts keyed by those ids.
+    torch drops a state keyed by an id no group lists (a state dict whose ids were renumbered, or
+    edited), and its parameter trained on from a fresh state without a word; the other
+    departures failed inside torch (``AttributeError``, ``KeyError: 'step'``) naming nothing."""
+    if not isinstance(saved, dict):
+        raise ValueError(f"the state dict is {_shown(saved)}, not a dict (an optimizer's state_dict())")
+    groups, state = saved.get("param_groups"), saved.get("state", {})
+    if not isinstance(groups, list) or not all(isinstance(group, dict) for group in groups):
+        raise ValueError(f"the state dict's 'param_groups' is {_shown(groups)}, not a list of dicts: it was not "
+                         "saved by an optimizer's state_dict()")
+    if not isinstance(state, dict):
+        raise ValueError(f"the state dict's 'state' is {_shown(state)}, not a dict of each parameter's state: it was "
+                         "not saved by an optimizer's state_dict()")
+    listed: dict[Any, int] = {}
+    for gi, group in enumerate(groups):
+        ids = group.get("params", [])
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"the state dict's param group {gi} has params={_shown(ids)}, not a list of parameter ids")
+        for pid in ids:
+            if not isinstance(pid, Hashable) or isinstance(pid, float):
+                raise ValueError(f"the state dict's param group {gi} lists {_shown(pid)} as a parameter id")
+            if pid in listed:
+                raise ValueError(f"the state dict lists parameter id {pid!r} twice (in param group {listed[pid]} "
+                                 f"and param group {gi}): torch would give two parameters one state")
+            listed[pid] = gi
+    for pid, entry in state.items():
+        if pid not in listed:
+            raise ValueError(f"the state dict holds a state for parameter id {pid!r}, which none of its param groups "
+                             "lists: torch would drop it, and its parameter start again from a fresh state (a state "
+                             "dict whose ids were renumbered or edited)")
+        if not isinstance(entry, dict):
+            raise ValueError(f"the state dict's state of parameter id {pid!r} is {_shown(entry)}, not a dict of its "
+                             "tensors")
+
+
+#: The states that are never negative: sums of squares (:data:`fira_optim.precision.ROOT`), the
+#: limiter's previous norm, and the int8 codes' scales (``*_scale``).
+NON_NEGATIVE = frozenset(precision.ROOT | {"prev_norm"})
+#: Every state key the optimizer keeps as a tensor (and the int8 codes' ``*_scale``).
+TENSOR_KEYS = frozenset(set(precision.SIGNED) | {"step", "basis", "prev_norm"})
+#: Elements checked at a time for NaN, Inf and negative entries: the check's temporary is a
+#: bool tensor of this many elements, not one of a whole embedding's moment.
+_CHECK_CHUNK = 1 << 22
+
+
+def check_values(current_groups: list[dict], saved: dict[str, Any]) -> None:
+    """Refuse a state whose values no optimizer step leaves (see the module docstring), naming
+    the parameter (as it is in this optimizer), the key and the value. ``saved`` has passed
+    :func:`check_structure` and :func:`check_layout`: its groups pair with these."""
+    state = saved.get("state", {})
+    for gi, (group, old) in enumerate(zip(current_groups, saved["param_groups"])):
+        for pi, (p, pid) in enumerate(zip(group["params"], old.get("params", []))):
+            for key, value in state.get(pid, {}).items():
+                if key == "step":
+                    problem = _step_problem(value)
+                elif key in TENSOR_KEYS or (isinstance(key, str) and key.endswith("_scale")):
+                    problem = _tensor_problem(p, key, value)
+                else:
+                    continue
+                if problem:
+                    raise ValueError(f"the state dict's {key!r} of {param_name(gi, pi, p, group)} {problem}: "
+                                     "the state is damaged, or was not saved by an optimizer step; nothing was loaded")
+
+
+def _step_problem(value: Any) -> str | None:
+    """Why ``value`` is not a step counter (one whole number >= 0), or None."""
+    if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            return "is on the meta device (it holds no value)"
+        if value.numel() != 1:
+            return f"is a tensor of {value.numel()} elements, where a step counter is one number"
+        if value.is_complex() or value.dtype == torch.bool:
+            return f"is {value.dtype}, where a step counter is a number"
+        number = float(distributed.to_local(value).detach().reshape(()).cpu())
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+    else:
+        return f"is {_shown(value)}, where a step counter is a number"
+    if not (math.isfinite(number) and 0 <= number <= FLOAT32_MAX and number == math.floor(number)):
+        shown = f"{number!r} (a tensor)" if isinstance(value, torch.Tensor) else _shown(value)
+        return f"is {shown}, where a step counter is a whole number >= 0"
+    return None
+
+
+def _tensor_problem(p: torch.Tensor, key: str, value: Any) -> str | None:
+    """Why ``value`` is not a state tensor of ``p`` under ``key``, or None (its shape and dtype
+    against the group are :func:`fira_optim.optimizer._check_state`'s, once loaded)."""
+    if not isinstance(value, torch.Tensor):
+        return f"is {_shown(value)}, not a tensor"
+    local = distributed.to_local(value).detach()  # a DTensor: this rank's block
+    if local.is_meta:
+        return "is on the meta device: it holds no values (an optimizer built on 'meta' parameters)"
+    if local.is_complex() and not p.is_complex():
+        return f"is {local.dtype}, and the parameter {p.dtype}: loading would drop its imaginary part"
+    if not (local.is_floating_point() or local.is_complex()):
+        return None  # int8 codes: every value is one
+    flat = local.reshape(-1)
+    bad = torch.zeros((), dtype=torch.bool, device=flat.device)
+    negative = key in NON_NEGATIVE or key.endswith("_scale")
+    for start in range(0, flat.numel(), _CHECK_CHUNK):  # a sync at the end only
+        part = flat[start:start + _CHECK_CHUNK]
+        bad |= ~torch.isfinite(part).all()
+        if negative and not part.is_complex():
+            bad |= (part < 0).any()
+    if not bool(bad):
+        return None
+    nonfinite = int((~torch.isfinite(flat)).sum())
+    if nonfinite:
+        return f"holds NaN or Inf ({nonfinite} of {flat.numel()} entries)"
+    what = "a sum of squares" if key in precision.ROOT else "a norm" if key == "prev_norm" else "a scale"
+    return f"holds negative entries (the smallest {float(flat.min()):g}), where {what} is never negative"
+
+
+def check_group_options(saved: dict[str, Any]) -> None:
+    """Refuse a saved group (as :func:`upgraded` fills it) whose options the constructor refuses
+    (:func:`fira_optim.options.validate_group`): loading restores every group option, so the
+    optimizer went on with ``lr=nan`` or ``betas=(1.5, 0.999)``, or failed at its first step
+    (``update_proj_gap=0``: ZeroDivisionError)."""
+    for gi, group in enumerate(saved.get("param_groups", [])):
+        try:
+            validate_group(dict(group))  # a copy: it writes the ints it normalizes
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"the state dict's param group {gi}: {err}; loading restores every group option, so "
+                             "the optimizer would train with it") from None
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a message: a tensor by its shape and dtype, else its repr (cut short)."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} ({value.device})"
+    text = repr(value)
+    return f"{text[:60]}... (a {type(value).__name__})" if len(text) > 60 else f"{text} (a {type(value).__name__})"
 
 
 #: Group options that choose the algorithm (a variant), without changing the states' layout.

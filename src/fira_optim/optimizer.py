@@ -376,9 +376,12 @@ class Fira(Optimizer):
         seen: dict[str, Any] = {}
 
         def capture(_optimizer, loaded):
+            loading.check_structure(loaded)
             loading.check_layout(self.param_groups, loaded)
+            loading.check_values(self.param_groups, loaded)
             loading.warn_replaced_algorithm(self.param_groups, loaded)
             seen["state_dict"] = loading.upgraded(loaded, self.param_groups)
+            loading.check_group_options(seen["state_dict"])
             return seen["state_dict"]
 
         def retake(_optimizer) -> None:
@@ -1014,6 +1017,12 @@ def _check_state(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], 
     built under another ``state_dtype`` was kept as it was, under the new one's name). The
     message names ``what`` (``"loaded state"``) ``of where`` (the parameter's place)."""
     shape = tuple(p.shape)
+    # what every step reads (a moment stored as int8 codes keeps its name): a state without one
+    # loaded, and the next step failed with a bare KeyError
+    for key in ("step", *STATE_KEYS[group["base"]]):
+        if key not in state:
+            raise ValueError(f"{what} of {where} (shape {shape}) has no {key!r}, which every step of "
+                             f"base={group['base']!r} reads")
     # a matrix of rank >= min(m, n) is projected under only_scaling alone (fira-optim before that
     # trained it whole under only_scaling too): say so, rather than blame a rank that did not change
     whole_rank = group["rank"] is not None and p.dim() == 2 and group["rank"] >= min(shape)

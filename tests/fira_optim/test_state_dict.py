@@ -543,3 +543,101 @@ def test_a_state_saved_by_another_algorithm_warns_that_the_saved_one_goes_on():
     with warnings.catch_warnings():  # the same algorithm: no warning
         warnings.simplefilter("error")
         FiraAdamW([{"params": [w], "rank": 2}]).load_state_dict(opt.state_dict())
+
+
+def _set(index, key, value):
+    def mutate(sd):
+        sd["state"][index][key] = value(sd["state"][index]) if callable(value) else value
+    return mutate
+
+
+def _group(index, key, value):
+    def mutate(sd):
+        sd["param_groups"][index][key] = value
+    return mutate
+
+
+def _filled_with(number):
+    return lambda entry: torch.full_like(entry["exp_avg"], number)
+
+
+# ids 0-2: the projected matrices (group 0), 3 and 4: the bias and the 0-d parameter (group 1)
+_PLAIN = r"param_groups\[1\]\['params'\]\[0\]"
+_MATRIX = r"param_groups\[0\]\['params'\]\[0\]"
+MALFORMED = {
+    # values that loaded without a word and then trained NaN (or not at all)
+    "nan-moment": (_set(3, "exp_avg", _filled_with(float("nan"))), rf"'exp_avg' of {_PLAIN}.*NaN or Inf"),
+    "inf-low-rank-moment": (_set(0, "exp_avg", _filled_with(float("inf"))), rf"'exp_avg' of {_MATRIX}.*NaN or Inf"),
+    "negative-second-moment": (_set(3, "exp_avg_sq", _filled_with(-1.0)),
+                               rf"'exp_avg_sq' of {_PLAIN}.*negative.*-1"),
+    "negative-low-rank-second-moment": (_set(0, "exp_avg_sq", lambda e: -e["exp_avg_sq"] - 1),
+                                        rf"'exp_avg_sq' of {_MATRIX}.*negative"),
+    "nan-basis": (_set(0, "basis", lambda e: torch.full_like(e["basis"], float("nan"))),
+                  rf"'basis' of {_MATRIX}.*NaN or Inf"),
+    "nan-limiter-norm": (_set(0, "prev_norm", torch.tensor(float("nan"))), rf"'prev_norm' of {_MATRIX}.*NaN or Inf"),
+    "nan-step": (_set(3, "step", torch.tensor(float("nan"))), rf"'step' of {_PLAIN}.*nan"),
+    "negative-step": (_set(3, "step", torch.tensor(-5.0)), rf"'step' of {_PLAIN}.*-5"),
+    "fractional-step": (_set(3, "step", torch.tensor(2.5)), rf"'step' of {_PLAIN}.*2\.5"),
+    "string-step": (_set(3, "step", "4"), rf"'step' of {_PLAIN}.*'4'"),
+    "huge-int-step": (_set(3, "step", 10**400), rf"'step' of {_PLAIN}.*1000000"),
+    "step-of-three-elements": (_set(3, "step", torch.tensor([4.0, 4.0, 4.0])), rf"'step' of {_PLAIN}.*3 elements"),
+    "complex-moment": (_set(3, "exp_avg", lambda e: e["exp_avg"].to(torch.complex64)),
+                       rf"'exp_avg' of {_PLAIN}.*complex64"),
+    "meta-moment": (_set(3, "exp_avg", lambda e: torch.empty_like(e["exp_avg"], device="meta")),
+                    rf"'exp_avg' of {_PLAIN}.*meta"),
+    "list-moment": (_set(3, "exp_avg", [0.0] * 7), rf"'exp_avg' of {_PLAIN}.*list"),
+    # keys a step reads: the step failed with a bare KeyError after the load
+    "no-step": (lambda sd: sd["state"][3].pop("step"), rf"{_PLAIN}.*has no 'step'"),
+    "no-second-moment": (lambda sd: sd["state"][4].pop("exp_avg_sq"),
+                         r"param_groups\[1\]\['params'\]\[1\].*has no 'exp_avg_sq'"),
+    "no-low-rank-step": (lambda sd: sd["state"][1].pop("step"), r"param_groups\[0\]\['params'\]\[1\].*has no 'step'"),
+    # the structure: torch's own errors named nothing, or the state went to no parameter
+    "state-not-a-dict": (lambda sd: sd.__setitem__("state", [1, 2]), r"'state'.*list"),
+    "entry-not-a-dict": (lambda sd: sd["state"].__setitem__(3, 5), r"state of parameter id 3 is 5"),
+    "state-of-no-parameter": (lambda sd: sd["state"].__setitem__(99, sd["state"][3]), r"parameter id 99"),
+    "ids-renumbered": (_group(1, "params", ["a", "b"]), r"parameter id 3"),
+    "id-listed-twice": (_group(1, "params", [3, 0]), r"parameter id 0.*twice"),
+    # group options the constructor refuses
+    "nan-lr": (_group(0, "lr", float("nan")), r"param group 0.*lr: nan"),
+    "negative-lr": (_group(1, "lr", -1.0), r"param group 1.*lr.*-1"),
+    "string-lr": (_group(0, "lr", "0.01"), r"param group 0.*lr: '0.01'"),
+    "beta-above-one": (_group(0, "betas", (1.5, 0.999)), r"param group 0.*betas.*1\.5"),
+    "negative-eps": (_group(1, "eps", -1.0), r"param group 1.*eps.*-1"),
+    "nan-weight-decay": (_group(0, "weight_decay", float("nan")), r"param group 0.*weight_decay: nan"),
+    "zero-gap": (_group(0, "update_proj_gap", 0), r"param group 0.*update_proj_gap: 0"),
+    "negative-gap": (_group(0, "update_proj_gap", -1), r"param group 0.*update_proj_gap: -1"),
+    "nan-alpha": (_group(0, "alpha", float("nan")), r"param group 0.*alpha: nan"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_state_dict_is_refused_naming_the_key_and_value(case):
+    """A state dict that is damaged or crafted (a checkpoint from elsewhere) is refused before
+    anything is loaded, naming the parameter, the key and the value. These loaded without a
+    word and trained NaN, or on a fresh state (a state keyed by ids no group lists), or with
+    options the constructor refuses; or failed with an error of torch's naming nothing
+    (KeyError: 'step', "Cannot copy out of meta tensor")."""
+    mutate, message = MALFORMED[case]
+    sd = _trained_state_dict()
+    mutate(sd)
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    run(opt, params, grad_sequence(SHAPES, 1, seed=3))
+    before = state_snapshot(opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    assert_states_equal(state_snapshot(opt), before)  # nothing was loaded
+
+
+def test_a_state_dict_at_the_edges_of_the_checks_loads():
+    """What the checks above must let through: a step of 0 (no step taken yet), a state of
+    zeros, a step saved as a plain int (older torch) and an int step tensor."""
+    sd = _trained_state_dict()
+    sd["state"][3]["step"] = 0
+    sd["state"][4]["step"] = torch.tensor(2, dtype=torch.int64)
+    sd["state"][3]["exp_avg_sq"] = torch.zeros_like(sd["state"][3]["exp_avg_sq"])
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    opt.load_state_dict(sd)
+    run(opt, params, grad_sequence(SHAPES, 2, seed=4))
+    assert all(torch.isfinite(p).all() for p in params)
