@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fira_train.config.overrides import changed_keys, describe_changed, flat_config
@@ -155,31 +155,37 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
         if not overwrite:
             raise FileExistsError(f"{str(out)!r} already holds a run ({', '.join(previous)}); pass "
                                   "--resume to continue it or --overwrite to start over")
-        for name in ("metrics.jsonl", "summary.json", "config.json", "tb"):
+        for name in ("metrics.jsonl", "summary.json", "config.json"):
             path = out / name
             if delete and path.is_dir():
                 shutil.rmtree(path)
             elif delete and path.exists():
                 path.unlink()
         if delete:
-            remove_run_checkpoints(out / CHECKPOINT_DIR)
+            remove_run_entries(out / CHECKPOINT_DIR, run_files.is_checkpoint_entry)
+            remove_run_entries(out / "tb", run_files.is_event_file)
     if resume is not None:
         refusal = resume_refusal(out, config)
         if refusal:
             raise ValueError(f"cannot resume {str(out)!r} with a different config: its config.json has {refusal}")
 
 
-def remove_run_checkpoints(folder: Path) -> None:
-    """Delete the checkpoint folders a run wrote in ``folder`` (``OUT/checkpoints``), and the
-    folder itself if nothing else is left in it. Another tool's files there (``--out .`` in a
-    project with a checkpoints/ of its own) are listed as foreign, and ``--overwrite`` leaves
-    those (:func:`fira_train.run.run_files.check_foreign_files` says so): the whole folder was
-    deleted with them."""
+def remove_run_entries(folder: Path, ours: Callable[[Path], bool]) -> None:
+    """Delete what a run wrote in ``folder`` (``OUT/checkpoints``, ``OUT/tb``): the entries
+    ``ours`` (:func:`fira_train.run.run_files.is_checkpoint_entry`,
+    :func:`~fira_train.run.run_files.is_event_file`) says are, and the folder itself if nothing
+    else is left in it. Another tool's files there (``--out .`` in a project with a checkpoints/
+    or tb/ of its own) are listed as foreign, and ``--overwrite`` leaves those
+    (:func:`fira_train.run.run_files.check_foreign_files` says so): the whole folder was deleted
+    with them."""
     if not folder.is_dir() or folder.is_symlink():
         return
     for child in sorted(folder.iterdir()):
-        if run_files.is_checkpoint_entry(child):
-            shutil.rmtree(child)
+        if ours(child):
+            if child.is_dir():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
     try:
         folder.rmdir()
     except OSError:  # another tool's files, left as they are

@@ -5,8 +5,8 @@ A run directory (``--out``) holds what :func:`fira_train.run.train.train` writes
 analyses' recorders add next to it. Anything else is *foreign*: a model's ``config.json``
 from Hugging Face, a user's notes, another tool's output. A ``config.json`` counts as
 fira-train's only if it reads as a run config (a JSON object of ``recipe`` and the ``model`` /
-``optim`` / ``data`` / ``train`` sections); ``checkpoints/`` only if it holds checkpoint
-folders alone.
+``optim`` / ``data`` / ``train`` sections); in ``checkpoints/`` only the checkpoint folders, in
+``tb/`` only TensorBoard's event files: what else is there is foreign too.
 
 :func:`check_foreign_files` is called before a run touches its directory:
 
@@ -81,12 +81,12 @@ def foreign_files(out: str | Path) -> list[str]:
             # while the other ranks look, and a run's metrics.jsonl read as a foreign file
             continue
         if child.is_dir() and not child.is_symlink() and name in RUN_DIRS:
-            if name == "checkpoints":
-                try:
-                    entries = sorted(child.iterdir())
-                except FileNotFoundError:  # deleted (rank 0's --overwrite) after it was looked at
-                    continue
-                foreign += [f"checkpoints/{c.name}" for c in entries if not is_checkpoint_entry(c)]
+            try:
+                entries = sorted(child.iterdir())
+            except FileNotFoundError:  # deleted (rank 0's --overwrite) after it was looked at
+                continue
+            ours = is_checkpoint_entry if name == "checkpoints" else is_event_file
+            foreign += [f"{name}/{c.name}" for c in entries if not ours(c)]
             continue
         if child.is_file() and not child.is_symlink():
             if name == "config.json" and (is_run_config(child) or _damaged_run_config(child)):
@@ -101,6 +101,12 @@ def is_checkpoint_entry(path: Path) -> bool:
     """Whether ``path`` (an entry of ``OUT/checkpoints``) is a folder a run writes there: a
     complete, temporary or replaced checkpoint (not a link to one)."""
     return bool(_CHECKPOINT_ENTRY.match(path.name)) and path.is_dir() and not path.is_symlink()
+
+
+def is_event_file(path: Path) -> bool:
+    """Whether ``path`` (an entry of ``OUT/tb``) is a file the run's TensorBoard writer makes
+    there (``events.out.tfevents.*``; not a link to one)."""
+    return path.name.startswith("events.out.tfevents.") and path.is_file() and not path.is_symlink()
 
 
 def previous_run(out: Path) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -398,3 +399,33 @@ def test_overwrite_removes_a_checkpoints_folder_that_held_only_the_runs(tmp_path
     (out / "checkpoints" / "step_00000001").mkdir(parents=True)
     prepare_out_dir(config, out, None, True)
     assert not (out / "checkpoints").exists()
+
+
+def test_overwrite_leaves_foreign_files_under_tb(tmp_path: Path, caplog) -> None:
+    """tb/ was taken as fira-train's whole, unlooked at: ``--overwrite`` into a folder with a
+    tb/ of the user's (other runs' logs in folders of their own) deleted it without a warning.
+    Now what is not an event file of the run's writer is listed as foreign, and left."""
+    from fira_train.run import run_files
+    from fira_train.run.run_dir import prepare_out_dir
+
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0")
+    out = tmp_path / "run"
+    (out / "tb" / "baseline").mkdir(parents=True)
+    (out / "tb" / "baseline" / "events.out.tfevents.1.host.1.0").write_bytes(b"their curve")
+    (out / "tb" / "notes.txt").write_text("mine")
+    ours = out / "tb" / "events.out.tfevents.1700000000.host.42.0"
+    ours.write_bytes(b"the run's curve")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert run_files.foreign_files(out) == ["tb/baseline", "tb/notes.txt"]
+    with caplog.at_level("WARNING"):
+        prepare_out_dir(config, out, None, True)
+    assert "tb/baseline, tb/notes.txt" in caplog.text
+    assert (out / "tb" / "baseline" / "events.out.tfevents.1.host.1.0").read_bytes() == b"their curve"
+    assert (out / "tb" / "notes.txt").read_text() == "mine"
+    assert not ours.exists() and not (out / "metrics.jsonl").exists()
+    ours.write_bytes(b"the run's curve")
+    (out / "tb" / "notes.txt").unlink()
+    shutil.rmtree(out / "tb" / "baseline")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    prepare_out_dir(config, out, None, True)
+    assert not (out / "tb").exists()  # held the run's events alone
