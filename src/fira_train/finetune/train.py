@@ -278,8 +278,22 @@ def counting_tokens(trainer_class: type) -> type:
 
 def remove_checkpoints(config: FinetuneConfig) -> None:
     """Delete this run's checkpoints once its results are written (they hold the whole model
-    and optimizer state)."""
-    shutil.rmtree(checkpoint_dir(config), ignore_errors=True)
+    and optimizer state): the Trainer's ``checkpoint-<step>`` folders and the run's records beside
+    them, then ``OUT/trainer`` itself if nothing else is left in it. Not the folder whole: with
+    ``--out .`` in a project that has a trainer/ of its own (a package of that name), that was
+    deleted with them."""
+    folder = checkpoint_dir(config)
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    for _, path in checkpoint_folders(folder):
+        shutil.rmtree(path, ignore_errors=True)
+    for name in ("run_settings.json", SITTINGS_FILE):
+        for path in (folder / name, folder / f"{name}.tmp"):  # .tmp: a write interrupted
+            path.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:  # files the run did not write, left as they are
+        pass
 
 
 def check_answer_tokens(features: list[dict], cutoff_len: int) -> str | None:
