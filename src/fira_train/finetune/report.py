@@ -18,6 +18,9 @@ from fira_train.finetune.paired import Paired, compare, pool
 from fira_train.finetune.stats import wilson_interval
 from fira_train.run.peak_memory import env_prefix
 
+#: The first words of a run's ``report.md``: a report.md that begins otherwise is not fine-tuning's.
+REPORT_TITLE = "# Fine-tuning: "
+
 #: How each scoring is described in a report.
 PROTOCOL = {
     "loglik": "scored by the log-likelihood of each option (lm-eval's multiple-choice accuracy; acc_norm divides "
@@ -126,7 +129,7 @@ def render_report(results: dict[str, Any]) -> str:
     scoring = scoring_of(results)
     loglik = scoring == "loglik"
     lines = [
-        f"# Fine-tuning: {config['method']} on {model_label(results['model']['name'])}",
+        f"{REPORT_TITLE}{config['method']} on {model_label(results['model']['name'])}",
         "",
         (f"Trained on {', '.join(results['trained_on']) or '-'} ({results['train_records']} records, "
          f"{config['steps']} steps x {config['batch_size']}, lr {config['lr']}"

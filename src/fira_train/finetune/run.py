@@ -17,10 +17,10 @@ from fira_train.finetune.config import FinetuneConfig, FinetuneError
 from fira_train.finetune.data import load_records, load_validation
 from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
-from fira_train.finetune.report import render_report
+from fira_train.finetune.report import REPORT_TITLE, render_report
 from fira_train.finetune.checkpoints import checkpoint_dir
 from fira_train.finetune.train import prepare_model, remove_checkpoints, resume_point, train_model
-from fira_train.files import dumps, refuse_links, write_text_atomic
+from fira_train.files import check_report_owner, dumps, refuse_links, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
 from fira_train.provenance import code_version
 from fira_train.run.peak_memory import malloc_env, process_peak_rss_bytes
@@ -75,6 +75,9 @@ def run_finetune(
 
 
 def _refuse_earlier_results(config: FinetuneConfig) -> None:
+    """Refuse to replace an earlier run's results without ``--overwrite``, and a report.md that no
+    fine-tuning run wrote (a user's, another command's) too: a start deletes both before it trains."""
+    check_report_owner(config.out_dir, (REPORT_TITLE,), "finetune", overwrite=config.overwrite)
     if (config.out_dir / "results.json").exists() and not config.overwrite:
         left = checkpoint_dir(config)
         stale = (f"; {left} holds checkpoints left by a start stopped after writing these results, which "

@@ -341,6 +341,20 @@ def test_earlier_results_are_kept_unless_overwrite(tiny_model_dir, tmp_path, cap
     assert sorted(p.name for p in (out / "predictions").iterdir()) == ["boolq.jsonl"]
 
 
+def test_a_report_md_fine_tuning_did_not_write_is_kept_unless_overwrite(tiny_model_dir, tmp_path, capsys):
+    """A start deletes report.md before it trains: one of the user's (or another command's) in --out
+    is refused without --overwrite, as compare and sweep refuse it, where it was deleted silently."""
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "report.md").write_text("my notes\n")
+    err = _one_line_error(capsys, _zero_shot(model_dir, data, out))
+    assert "report.md that `fira-train finetune` did not write" in err and "--overwrite" in err
+    assert (out / "report.md").read_text() == "my notes\n" and not (out / "results.json").exists()
+    run_cli(_zero_shot(model_dir, data, out, "--overwrite"))  # asked for: replaced
+    assert (out / "report.md").read_text().startswith("# Fine-tuning: ")
+    run_cli(_zero_shot(model_dir, data, out, "--overwrite"))  # its own report: replaced again
+
 def test_a_start_stopped_while_writing_its_results_finishes_with_the_same_command(tiny_model_dir, tmp_path,
                                                                                   monkeypatch, capsys):
     """results.json was written before report.md: a kill between them left 800 MB of checkpoints and
