@@ -95,8 +95,12 @@ def _fira_keyword_defaults() -> dict[str, Any]:
     }
 
 
-def _convert(key: str, text: str, default: Any) -> Any:
+def _convert(key: str, text: str, default: Any, source: str) -> Any:
     # The type of the default decides; None-defaulted options take true / false, an int, a float or a string.
+    if key == "process_group":
+        # a ProcessGroup object: the text would be kept as the group, and split_refresh would fail on it later
+        raise ValueError(f"{source}: process_group={text!r} cannot be given as text; pass a ProcessGroup as the "
+                         f"process_group keyword of create_fira_optimizer (or leave it unset: the default group)")
     if text.lower() in ("none", "null"):
         return None
     if isinstance(default, bool):
@@ -104,19 +108,19 @@ def _convert(key: str, text: str, default: Any) -> Any:
             return True
         if text.lower() in _FALSE:
             return False
-        raise ValueError(f"optim_args: {key}={text!r} must be a boolean (true/false)")
+        raise ValueError(f"{source}: {key}={text!r} must be a boolean (true/false)")
     if isinstance(default, int):
         try:
             return int(text)
         except ValueError:
-            raise ValueError(f"optim_args: {key}={text!r} must be an integer") from None
+            raise ValueError(f"{source}: {key}={text!r} must be an integer") from None
     if isinstance(default, float):
         try:
             return float(text)
         except ValueError:
-            raise ValueError(f"optim_args: {key}={text!r} must be a number") from None
+            raise ValueError(f"{source}: {key}={text!r} must be a number") from None
     if isinstance(default, (tuple, list)):
-        raise ValueError(f"optim_args: {key} takes a tuple; pass it as a keyword, not in optim_args")
+        raise ValueError(f"{source}: {key} takes a tuple; pass it as a keyword, not as text")
     if default is None:
         # foreach / fused: None (torch's choice), True or False; only the words, as "1" is a number
         if text.lower() in ("true", "false"):
@@ -132,39 +136,51 @@ def _convert(key: str, text: str, default: Any) -> Any:
 def parse_optim_args(optim_args: str | dict[str, Any] | None) -> dict[str, Any]:
     """Fira keywords from a Trainer ``optim_args`` string (``"rank=64,update_proj_gap=100,alpha=0.25"``).
 
-    Spaces are ignored, ``scale`` means ``alpha``, values are converted to the type of the
-    keyword's default in :class:`FiraAdamW`. A dict passes through the same checks. Unknown keys
-    and malformed items raise ``ValueError`` naming them.
+    Whitespace is ignored (spaces, and the line breaks of a multi-line config value), ``scale``
+    means ``alpha``, values are converted to the type of the keyword's default in
+    :class:`FiraAdamW`. A dict passes through the same checks. Unknown keys, malformed items and
+    a keyword given twice (``rank=8,rank=16``, or ``scale`` and ``alpha``: the Trainer's parser
+    keeps the last one without a word) raise ``ValueError`` naming them.
     """
+    return _parse_options(optim_args, "optim_args")
+
+
+def _parse_options(optim_args: str | dict[str, Any] | None, source: str) -> dict[str, Any]:
+    """:func:`parse_optim_args`, its errors naming ``source`` (``optim_args`` or ``fira_options``:
+    the argument the user wrote the value in)."""
     if optim_args is None or optim_args == "":
         return {}
     if isinstance(optim_args, dict):
-        items = [(str(k), v) for k, v in optim_args.items()]
+        items = [(str(k), v, f"{k}={v!r}") for k, v in optim_args.items()]
     elif isinstance(optim_args, str):
         items = []
         for written in optim_args.split(","):
-            item = written.replace(" ", "")
+            item = "".join(written.split())
             if not item:
                 continue
             if item.count("=") != 1:  # the item as written: 'rank 8', not the 'rank8' it becomes
-                raise ValueError(f"optim_args: item {written.strip()!r} of {optim_args!r} must be key=value")
+                raise ValueError(f"{source}: item {written.strip()!r} of {optim_args!r} must be key=value")
             key, value = item.split("=")
-            items.append((key, value))
+            items.append((key, value, item))
     else:
-        raise TypeError(f"optim_args must be a string like 'rank=64,alpha=0.25' or a dict, got {optim_args!r}")
+        raise TypeError(f"{source} must be a string like 'rank=64,alpha=0.25' or a dict, got {optim_args!r}")
     defaults = _fira_keyword_defaults()
     parsed: dict[str, Any] = {}
-    for key, value in items:
+    written_as: dict[str, str] = {}
+    for key, value, item in items:
         key = OPTIM_ARG_ALIASES.get(key, key)
         if key in ("lr", "betas", "eps", "weight_decay"):
             raise ValueError(
-                f"optim_args: {key!r} comes from the TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, "
-                f"weight_decay), not from optim_args"
+                f"{source}: {key!r} comes from the TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, "
+                f"weight_decay), not from {source}"
             )
         if key not in defaults:
-            raise ValueError(f"optim_args: unknown key {key!r}{did_you_mean(key, defaults)}; "
+            raise ValueError(f"{source}: unknown key {key!r}{did_you_mean(key, defaults)}; "
                              f"FiraAdamW takes {sorted(defaults)}")
-        parsed[key] = _convert(key, value, defaults[key]) if isinstance(value, str) else value
+        if key in written_as:
+            raise ValueError(f"{source}: {key!r} is given twice (as {written_as[key]!r} and {item!r}); give it once")
+        written_as[key] = item
+        parsed[key] = _convert(key, value, defaults[key], source) if isinstance(value, str) else value
     return parsed
 
 
@@ -299,7 +315,7 @@ def _resolve(
     """Keyword arguments of FiraAdamW (``params`` included): explicit keywords > optim_args > args."""
     targets = optim_target_modules if optim_target_modules is not None else getattr(args, "optim_target_modules", None)
     parsed = parse_optim_args(optim_args if optim_args is not None else getattr(args, "optim_args", None))
-    options = {**_variant_options(variant), **parsed, **parse_optim_args(fira_options)}
+    options = {**_variant_options(variant), **parsed, **_parse_options(fira_options, "fira_options")}
     defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     if args is not None:
         defaults = {

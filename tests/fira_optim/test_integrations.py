@@ -96,6 +96,31 @@ def test_parse_optim_args_types_aliases_and_errors():
     assert parse_optim_args("foreach=true,fused=False,seed=1") == {"foreach": True, "fused": False, "seed": 1}
 
 
+def test_optim_args_given_twice_or_unparsable_are_refused_naming_where_they_came_from(tmp_path):
+    """'rank=8,scale=0.5,alpha=0.25' trained at alpha=0.25 (the last one), without a word;
+    'process_group=nccl' built the optimizer with the string as its group; a multi-line
+    optim_args (a YAML block) read '\\nalpha' as an unknown key; and a bad fira_options value
+    was reported as one of optim_args, which the user had not written."""
+    with pytest.raises(ValueError, match=r"optim_args: 'alpha' is given twice \(as 'scale=0.5' and 'alpha=0.25'\)"):
+        parse_optim_args("rank=8,scale=0.5,alpha=0.25")
+    with pytest.raises(ValueError, match=r"optim_args: 'rank' is given twice \(as 'rank=8' and 'rank=16'\)"):
+        parse_optim_args("rank=8,rank=16")
+    with pytest.raises(ValueError, match=r"optim_args: 'alpha' is given twice"):
+        parse_optim_args({"scale": 0.5, "alpha": 0.25})
+    with pytest.raises(ValueError, match=r"optim_args: process_group='nccl' cannot be given as text"):
+        parse_optim_args("rank=4,process_group=nccl")
+    assert parse_optim_args("rank=8,\n\talpha=0.5\n") == {"rank": 8, "alpha": 0.5}
+    model = tiny_llama()
+    args = training_args(tmp_path)
+    with pytest.raises(ValueError, match=r"^fira_options: unknown key 'rnak' \(did you mean 'rank'\?\)"):
+        create_fira_optimizer(model, args, rnak=4)
+    with pytest.raises(ValueError, match=r"^fira_options: rank='abc' must be an integer"):
+        FiraTrainer(model=model, args=args, train_dataset=TokenDataset(),
+                    fira_options={"rank": "abc"}).create_optimizer()
+    with pytest.raises(ValueError, match=r"^optim_args: rank='x' must be an integer"):
+        create_fira_optimizer(model, args, optim_args="rank=x")
+
+
 @pytest.mark.parametrize(
     "targets, expected",
     [
