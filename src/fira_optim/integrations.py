@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -233,24 +234,56 @@ def _check_target_modules(optim_target_modules: Any) -> None:
                              f"{err}") from None
 
 
+def _not_linear(model: nn.Module, optim_target_modules: str | Sequence[str]) -> list[str]:
+    """'name (Type)' of the modules with a 2-D weight of their own that ``optim_target_modules``
+    selects but that are not ``nn.Linear`` (GPT-2's ``Conv1D``, embeddings): left out, as the
+    Trainer's GaLore leaves them out."""
+    return [f"{name} ({type(module).__name__})" for name, module in model.named_modules()
+            if not isinstance(module, nn.Linear) and target_module_matches(optim_target_modules, name)
+            and isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.ndim == 2]
+
+
 def target_parameter_names(model: nn.Module, optim_target_modules: str | Sequence[str]) -> list[str]:
     """Names (as in ``model.named_parameters()``) of the trainable weights that Fira projects.
 
     The weight of every ``nn.Linear`` whose module name :func:`target_module_matches`, that
-    requires grad and is 2-D. Raises ``ValueError`` when nothing matches.
+    requires grad and is 2-D. Raises ``ValueError`` when nothing matches; a list entry that
+    selects none of them (a typo, ``'v_prj'``; a layer that is not ``nn.Linear``) gets a
+    ``UserWarning`` naming it: the Trainer's rule skips it without a word, and the layers it
+    was meant for are not projected.
     """
     _check_target_modules(optim_target_modules)
-    wanted: set[str] = set()
+    wanted: dict[str, str] = {}  # weight name -> module name
     for module_name, module in model.named_modules():
         if isinstance(module, nn.Linear) and target_module_matches(optim_target_modules, module_name):
-            wanted.add(f"{module_name}.weight" if module_name else "weight")
+            wanted[f"{module_name}.weight" if module_name else "weight"] = module_name
     names = [n for n, p in model.named_parameters() if n in wanted and p.requires_grad and p.ndim == 2]
     if not names:
+        why = ""
+        single = isinstance(optim_target_modules, str) and not _is_all_linear(optim_target_modules)
+        if single and any(optim_target_modules in n for n, m in model.named_modules() if isinstance(m, nn.Linear)):
+            why += (f"; a string is a regular expression that must match the whole module name: for the modules "
+                    f"whose name contains {optim_target_modules!r} give a list, [{optim_target_modules!r}], "
+                    f"or r'.*{optim_target_modules}'")
+        others = _not_linear(model, optim_target_modules)
+        if others:
+            why += f"; it matches modules that are not nn.Linear, left out as by the Trainer's GaLore: {others[:6]}"
         raise ValueError(
             f"optim_target_modules={optim_target_modules!r} matches no trainable nn.Linear weight of "
-            f"{type(model).__name__}; linear modules are e.g. "
+            f"{type(model).__name__}{why}; linear modules are e.g. "
             f"{[n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:6]}"
         )
+    if not isinstance(optim_target_modules, str):
+        selected = [wanted[n] for n in names]
+        idle = [e for e in optim_target_modules if not any(target_module_matches([e], m) for m in selected)]
+        if idle:
+            others = _not_linear(model, idle)
+            warnings.warn(
+                f"optim_target_modules={list(optim_target_modules)!r}: the entries {idle!r} select no trainable "
+                f"nn.Linear weight of {type(model).__name__} (the others select {len(names)})"
+                + (f"; they match modules that are not nn.Linear, left out as by the Trainer's GaLore: {others[:6]}"
+                   if others else "; the layers they were meant for are not projected"),
+                UserWarning, stacklevel=2)
     return names
 
 

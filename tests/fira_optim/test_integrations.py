@@ -173,6 +173,31 @@ def test_target_module_type_errors():
         target_parameter_names(model, ["q_proj", "mlp.(up|down_proj"])
 
 
+def test_target_entries_that_select_nothing_are_named():
+    """['q_proj', 'v_prj'] projected the q projections only, without a word (the typo selected
+    nothing); a string 'q_proj' (the CLI's --optim_target_modules q_proj) and GPT-2's Conv1D
+    layers were refused with a list of linear modules that did not say why they missed."""
+    model = tiny_llama()
+    with pytest.warns(UserWarning, match=r"optim_target_modules=\['q_proj', 'v_prj', 'embed_tokens'\]: the entries "
+                                         r"\['v_prj', 'embed_tokens'\] select no trainable nn.Linear weight"):
+        names = target_parameter_names(model, ["q_proj", "v_prj", "embed_tokens"])
+    assert len(names) == 2
+    with pytest.warns(UserWarning, match=r"not nn.Linear, left out as by the Trainer's GaLore: "
+                                         r"\['model.embed_tokens \(Embedding\)'\]"):
+        target_parameter_names(model, ["q_proj", "embed_tokens"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every entry selects a weight: nothing to say
+        target_parameter_names(model, ["q_proj", "mlp", r"model\.layers\.0\.self_attn\.k_proj"])
+    with pytest.raises(ValueError, match=r"a string is a regular expression that must match the whole module name: "
+                                         r"for the modules whose name contains 'q_proj' give a list, \['q_proj'\]"):
+        target_parameter_names(model, "q_proj")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=VOCAB,
+                                                                n_positions=SEQ))
+    with pytest.raises(ValueError, match=r"matches modules that are not nn.Linear, left out as by the Trainer's "
+                                         r"GaLore: \['transformer.h.0.attn.c_attn \(Conv1D\)'\]"):
+        target_parameter_names(gpt2, ["c_attn"])
+
+
 def test_trainer_param_groups_cover_every_trainable_parameter_once():
     model = tiny_llama()
     model.model.norm.weight.requires_grad_(False)
