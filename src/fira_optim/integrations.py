@@ -302,14 +302,27 @@ def trainer_param_groups(
     {"params": projected not decayed, "weight_decay": 0, **fira_options}]`` (empty groups dropped:
     the last one is there only for a decay list that leaves out a projected weight).
     ``decay_parameter_names`` defaults to every parameter with two or more dimensions (biases and
-    norm gains are not decayed); ``FiraTrainer`` passes the Trainer's own list. Frozen parameters
-    are left out.
+    norm gains are not decayed); ``FiraTrainer`` passes the Trainer's own list. A name that is no
+    parameter of ``model`` is a ``ValueError``. Frozen parameters are left out.
     """
     projected = set(target_parameter_names(model, optim_target_modules))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = (
-        {n for n, p in trainable if p.ndim >= 2} if decay_parameter_names is None else set(decay_parameter_names)
-    )
+    if decay_parameter_names is None:
+        decay = {n for n, p in trainable if p.ndim >= 2}
+    else:
+        if isinstance(decay_parameter_names, str):  # a set of its characters: nothing decayed
+            raise TypeError(f"decay_parameter_names must be a list of parameter names, got "
+                            f"{decay_parameter_names!r}")
+        decay = set(decay_parameter_names)
+        # A misspelt name decayed nothing, without a word. Every name a module registers counts, as
+        # in the Trainer's own list (get_parameter_names): a tied weight's second name, an unset bias.
+        known = {f"{m}.{k}" if m else k for m, module in model.named_modules(remove_duplicate=False)
+                 for k in module._parameters}
+        unknown = sorted(decay - known)
+        if unknown:
+            raise ValueError(f"decay_parameter_names names no parameter of {type(model).__name__}: {unknown[:6]}"
+                             f"{f' (and {len(unknown) - 6} more)' if len(unknown) > 6 else ''}; the names are "
+                             f"those of model.named_parameters(), e.g. {[n for n, _ in trainable[:3]]}")
     groups = [
         {"params": [p for n, p in trainable if n in projected and n in decay], "weight_decay": weight_decay,
          **fira_options},

@@ -629,3 +629,21 @@ def test_fira_options_may_give_the_decayed_parameters(tmp_path):
     names = {p: n for n, p in model.named_parameters()}
     with_decay = {names[p] for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     assert with_decay == set(decayed)
+
+
+def test_decay_parameter_names_that_name_no_parameter_are_refused(tmp_path):
+    """A misspelt name ('model.norm.wieght') or a single string (read as its characters) in
+    decay_parameter_names decayed nothing there, without a word; the Trainer's own list, which
+    also names a tied weight by its second name, is still taken as it is."""
+    model = tiny_llama()
+    args = training_args(tmp_path, weight_decay=0.1, max_steps=1)
+    with pytest.raises(ValueError, match=r"decay_parameter_names names no parameter of LlamaForCausalLM: "
+                                         r"\['model.norm.wieght'\]"):
+        create_fira_optimizer(model, args, decay_parameter_names=["model.norm.weight", "model.norm.wieght"])
+    with pytest.raises(TypeError, match=r"decay_parameter_names must be a list of parameter names, got "
+                                        r"'model.norm.weight'"):
+        trainer_param_groups(model, ["q_proj"], weight_decay=0.1, decay_parameter_names="model.norm.weight", rank=4)
+    tied = tiny_llama(tie=True)
+    trainer = FiraTrainer(model=tied, args=args, train_dataset=TokenDataset())
+    assert "lm_head.weight" in trainer.get_decay_parameter_names(tied)  # the tied head's second name
+    trainer.create_optimizer()
