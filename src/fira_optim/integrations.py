@@ -555,7 +555,11 @@ class FiraTrainer(Trainer):
         """The handle on the optimizer and model that training uses now: the Trainer wraps the
         model in DDP after the optimizer exists (and again after ``auto_find_batch_size`` lowers
         the batch size), and DDP's hook needs the wrapper. The handle it holds (made by it, or
-        one the optimizer came with) is replaced when it hooks an earlier optimizer or wrapper."""
+        one the optimizer came with) is replaced when it hooks an earlier optimizer or wrapper.
+        The TrainingArguments are checked again, at each step: they may change after ``__init__``
+        (a ``hyperparameter_search`` trial sets them in ``train()``), and ``max_grad_norm > 0``
+        would clip the freed gradients and log a norm of 0."""
+        _check_step_in_backward(self)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
         if not isinstance(optimizer, Fira):  # also an optimizer given to the Trainer
             raise ValueError(f"FiraTrainer(step_in_backward=True) needs a fira_optim optimizer, got "

@@ -464,6 +464,20 @@ def test_step_in_backward_refuses_what_it_cannot_honour(tmp_path, overrides, mes
         FiraTrainer(model=tiny_llama(), args=args, train_dataset=TokenDataset(), step_in_backward=True)
 
 
+def test_step_in_backward_refuses_clipping_set_after_the_trainer_was_built(tmp_path):
+    """max_grad_norm was checked in __init__ only: set afterwards (trainer.args, or a
+    hyperparameter_search trial, which sets the TrainingArguments in train()), the Trainer
+    clipped the freed gradients and logged grad_norm 0 at every step."""
+    model = tiny_llama()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = FiraTrainer(model=model, args=training_args(tmp_path, max_steps=2, max_grad_norm=0.0),
+                          train_dataset=TokenDataset(), step_in_backward=True)
+    trainer.args.max_grad_norm = 1.0
+    with pytest.raises(ValueError, match=r"needs TrainingArguments\(max_grad_norm=0\), got max_grad_norm=1.0"):
+        trainer.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # refused before any update
+
+
 def test_step_in_backward_follows_an_optimizer_the_trainer_replaced(tmp_path):
     """The handle was made once: after the Trainer built another optimizer (auto_find_batch_size,
     model_init) the hooks stayed on the old one and the new one trained in step(), or not at all."""
@@ -519,7 +533,8 @@ def test_step_in_backward_refuses_several_processes_without_ddp(tmp_path):
     # Tensor parallelism, XLA or SageMaker: no DDP wrapper, so hooks would use the local gradients
     model = tiny_llama()
     fake = SimpleNamespace(optimizer=FiraAdamW(model.parameters(), rank=4), in_backward=None,
-                           args=SimpleNamespace(world_size=2))
+                           args=SimpleNamespace(world_size=2, max_grad_norm=0.0), is_fsdp_enabled=False,
+                           is_deepspeed_enabled=False)
     with pytest.raises(ValueError, match="world_size=2 needs the model wrapped in DistributedDataParallel, "
                                          "got LlamaForCausalLM"):
         FiraTrainer._hook_in_backward(fake, model)
