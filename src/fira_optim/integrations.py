@@ -6,7 +6,8 @@ this module gives them the same meaning for Fira, so switching is a change of cl
 * ``optim_target_modules`` -- which weights are projected. Exactly the Trainer's rule
   (``transformers.trainer_utils.check_target_module_exists``): a *string* is a regular
   expression that must match the whole module name (``re.fullmatch``), except ``"all-linear"``
-  (or ``"all_linear"``), which selects every ``nn.Linear``; a *list* selects a module whose name
+  (or ``"all_linear"``), which selects every ``nn.Linear``, the untied output head included (peft's
+  ``"all-linear"`` leaves it out); a *list* selects a module whose name
   equals an entry, contains an entry as a substring, or fully matches an entry as a regular
   expression. Only ``nn.Linear`` modules are projected (their ``weight``); a tied output head
   whose weight is registered first as the input embedding is not (the parameter keeps its
@@ -18,6 +19,12 @@ this module gives them the same meaning for Fira, so switching is a change of cl
   to the type of its default.
 * ``learning_rate``, ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``, ``weight_decay`` -- as for
   ``adamw_torch``. Weight decay goes to the Trainer's decay parameters (not biases or norms).
+  The Trainer's ``galore_adamw`` passes galore-torch the learning rate only (transformers 5.24):
+  its own ``betas=(0.9, 0.999)``, ``eps=1e-6`` and no weight decay apply, whatever these
+  arguments say. To continue such a run with ``variant="galore"``, give ``adam_epsilon=1e-6`` and
+  ``weight_decay=0`` (and the default betas): the projected matrices then take galore-torch's
+  steps (to float round-off); the others differ where ``eps`` is not small beside ``sqrt(v)``
+  (galore-torch adds it before the bias correction, ``torch.optim.AdamW`` after).
 
 Three ways to use it::
 
@@ -410,7 +417,8 @@ def create_fira_optimizer(
         model: the model (a ``peft`` model too: frozen weights are skipped).
         args: a ``TrainingArguments`` (or any object with ``learning_rate``, ``adam_beta1``,
             ``adam_beta2``, ``adam_epsilon``, ``weight_decay`` and optionally
-            ``optim_target_modules`` / ``optim_args``); ``None`` uses torch's AdamW defaults.
+            ``optim_target_modules`` / ``optim_args``); ``None``: ``lr=1e-3``, ``betas=(0.9, 0.999)``,
+            ``eps=1e-8`` (torch's AdamW defaults) and ``weight_decay=0`` (torch's AdamW: 0.01).
         optim_target_modules: overrides ``args.optim_target_modules`` (see module doc).
         optim_args: overrides ``args.optim_args``: ``"rank=64,update_proj_gap=100,alpha=0.25"``.
         variant: a name of :data:`fira_optim.VARIANTS` (``"fira"``, ``"galore"``, ablations...)
