@@ -182,6 +182,19 @@ def _parse_options(optim_args: str | dict[str, Any] | None, source: str) -> dict
                 f"{source}: {key!r} comes from the TrainingArguments (learning_rate, adam_beta1/2, adam_epsilon, "
                 f"weight_decay), not from {source}"
             )
+        if key == "variant" and source == "optim_args" and isinstance(value, str):
+            # a TrainingArguments-only config (a CLI, a YAML file) reaches no fira_options: name the options
+            options = VARIANTS.get(value)
+            if options == {}:
+                raise ValueError(f"optim_args: variant={value!r} is not a FiraAdamW keyword; it is the default "
+                                 f"(no option to set): leave it out")
+            spelt = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in (options or {}).items())
+            raise ValueError(
+                f"optim_args: variant={value!r} is not a FiraAdamW keyword: give the variant's options, "
+                f"{spelt!r}, or fira_options={{'variant': {value!r}}} (FiraTrainer; variant= of create_fira_optimizer)"
+                if options is not None else
+                f"optim_args: variant={value!r} is not a FiraAdamW keyword, nor one of fira_optim.VARIANTS "
+                f"{sorted(VARIANTS)}; give a variant as fira_options={{'variant': ...}} (FiraTrainer)")
         if key not in defaults:
             raise ValueError(f"{source}: unknown key {key!r}{did_you_mean(key, defaults)}; "
                              f"FiraAdamW takes {sorted(defaults)}")

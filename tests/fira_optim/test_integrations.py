@@ -110,6 +110,10 @@ def test_optim_args_given_twice_or_unparsable_are_refused_naming_where_they_came
     with pytest.raises(ValueError, match=r"optim_args: process_group='nccl' cannot be given as text"):
         parse_optim_args("rank=4,process_group=nccl")
     assert parse_optim_args("rank=8,\n\talpha=0.5\n") == {"rank": 8, "alpha": 0.5}
+    # a variant is no FiraAdamW keyword: the error said 'unknown key', and listed keywords none of which is it
+    with pytest.raises(ValueError, match=r"optim_args: variant='galore' is not a FiraAdamW keyword: give the "
+                                         r"variant's options, 'residual=drop', or fira_options=\{'variant': 'galore'\}"):
+        parse_optim_args("variant=galore,rank=8")
     model = tiny_llama()
     args = training_args(tmp_path)
     with pytest.raises(ValueError, match=r"^fira_options: unknown key 'rnak' \(did you mean 'rank'\?\)"):
