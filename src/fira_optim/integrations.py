@@ -500,7 +500,7 @@ class FiraTrainer(Trainer):
     """A ``transformers.Trainer`` whose optimizer is :class:`FiraAdamW`.
 
     The TrainingArguments' ``optim_target_modules`` and ``optim_args`` configure it (``optim``
-    itself is ignored). ``fira_options`` (a dict of FiraAdamW keywords, plus ``variant``,
+    itself is ignored; ``optimizer_cls_and_kwargs``, which it would ignore too, is refused). ``fira_options`` (a dict of FiraAdamW keywords, plus ``variant``,
     ``optim_target_modules`` or ``optim_args``) overrides them::
 
         FiraTrainer(model=model, args=args, train_dataset=ds,
@@ -535,6 +535,16 @@ class FiraTrainer(Trainer):
         self.in_backward: Any = None
         self._own_handle: Any = None  # the handle this Trainer made (not one the optimizer came with)
         super().__init__(*args, **kwargs)
+        given = getattr(self, "optimizer_cls_and_kwargs", None)
+        if given is not None:
+            # create_optimizer builds FiraAdamW from the arguments: the class and its keywords (those of
+            # fira_optimizer_cls_and_kwargs too: a variant, a rank) would train nothing, without a word
+            cls = getattr(given[0], "__name__", given[0]) if isinstance(given, (tuple, list)) and given else given
+            raise ValueError(
+                f"FiraTrainer builds its FiraAdamW from the TrainingArguments and fira_options: "
+                f"optimizer_cls_and_kwargs=({cls}, ...) would be ignored; give its options as "
+                "fira_options={'variant': ..., 'rank': ...}, an optimizer as optimizers=(optimizer, None), "
+                "or optimizer_cls_and_kwargs to transformers.Trainer")
         if self.step_in_backward:
             _check_step_in_backward(self)
 

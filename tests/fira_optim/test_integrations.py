@@ -482,6 +482,19 @@ def test_step_in_backward_refuses_clipping_set_after_the_trainer_was_built(tmp_p
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # refused before any update
 
 
+def test_fira_trainer_refuses_an_optimizer_class_it_would_ignore(tmp_path):
+    """FiraTrainer(optimizer_cls_and_kwargs=(SGD, ...)), or the kwargs of
+    fira_optimizer_cls_and_kwargs(model, args, variant="galore"), trained FiraAdamW from the
+    TrainingArguments, the class and its keywords ignored without a word."""
+    args = training_args(tmp_path, max_steps=1)
+    model = tiny_llama()
+    for given in ((torch.optim.SGD, {"lr": 0.1}), fira_optimizer_cls_and_kwargs(model, args, variant="galore")):
+        with pytest.raises(ValueError, match=r"FiraTrainer builds its FiraAdamW from the TrainingArguments and "
+                                             r"fira_options: optimizer_cls_and_kwargs=\((SGD|FiraAdamW), \.\.\.\) would be "
+                                             r"ignored"):
+            FiraTrainer(model=model, args=args, train_dataset=TokenDataset(), optimizer_cls_and_kwargs=given)
+
+
 def test_step_in_backward_follows_an_optimizer_the_trainer_replaced(tmp_path):
     """The handle was made once: after the Trainer built another optimizer (auto_find_batch_size,
     model_init) the hooks stayed on the old one and the new one trained in step(), or not at all."""
