@@ -361,7 +361,9 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         targets = ["lora_A", "lora_B"] if method == "fira-lora" else config.optim_target_modules()
         if method != "fira-lora":  # the Trainer's error named its optim_target_modules, not --target-modules
             try:
-                target_parameter_names(model, targets)
+                with warnings.catch_warnings():  # an entry that selects nothing: warned of once, as the
+                    warnings.simplefilter("ignore", UserWarning)  # Trainer builds the optimizer
+                    target_parameter_names(model, targets)
             except ValueError as err:
                 raise FinetuneError(f"target_modules={config.target_modules!r}: {err}") from None
         fira_options = {"variant": "galore" if method == "galore" else "fira", "rank": config.effective_rank,

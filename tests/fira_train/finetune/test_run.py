@@ -1026,3 +1026,14 @@ def test_target_modules_that_match_nothing_are_named_as_the_option(tiny_model_di
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and "Traceback" not in err
     assert err.splitlines()[-1].startswith(f"fira-train finetune: error: target_modules={targets!r}: ")
+
+
+def test_a_target_module_that_selects_nothing_is_warned_of_once(tiny_model_dir, tmp_path, recwarn):
+    """--target-modules q_proj,v_prj: the typo is warned of once (finetune checked the targets
+    before the Trainer built its optimizer from them, and each warned)."""
+    model_dir, data = tiny_model_dir
+    run_cli(["--model", str(model_dir), "--tasks", "boolq", "--method", "fira", "--data-dir", str(data),
+             "--steps", "1", "--batch-size", "2", "--rank", "4", "--target-modules", "q_proj,v_prj",
+             "--scoring", "generate", "--max-eval", "2", "--max-new-tokens", "2", "--out", str(tmp_path / "o")])
+    typo = [w for w in recwarn if "'v_prj'] select no trainable nn.Linear weight" in str(w.message)]
+    assert len(typo) == 1, [str(w.message) for w in recwarn]
