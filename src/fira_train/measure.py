@@ -111,6 +111,9 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     out_dir = Path(out_dir)
     refuse_links(out_dir)
     refuse_spec_keys(specs, ("train.steps",), f"memory --measure trains {steps} steps of every method (--steps)")
+    # as the command-wide override is refused (the CLI): in a spec it reached the run's process,
+    # which failed with a traceback (no process group), after the specs before it were measured
+    refuse_spec_keys(specs, ("train.parallel",), "memory --measure measures each method in one process")
     if not append and (out_dir / "memory.json").exists():
         raise FileExistsError(f"--out {str(out_dir)!r} already holds a measurement (memory.json): pass "
                               "--append to add these rows to it, or choose another --out")

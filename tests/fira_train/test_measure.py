@@ -398,3 +398,19 @@ def test_rows_estimated_below_64_mib_are_said_to_measure_the_framework(tmp_path:
     big = {**json.loads(json_path.read_text())}
     big["rows"] = [{**row, "estimated_bytes": measure.SMALL_ESTIMATE} for row in rows]
     assert "Estimated under" not in measure.format_measurement(big)
+
+
+@pytest.mark.parametrize("spec", ["fira@train.parallel=ddp", "adamw,fira@train.parallel=fsdp2"])
+def test_a_spec_that_sets_train_parallel_is_refused_before_any_run(spec: str, tmp_path: Path, monkeypatch) -> None:
+    """The command-wide override ``train.parallel=ddp`` was refused in one line, the same key in a
+    method spec went to the run's process and came back as a traceback ("needs a process group"),
+    after the specs before it were measured."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000, "fira": 1000}))
+    with pytest.raises(ValueError, match=r"sets train.parallel: memory --measure measures each method in one process"):
+        measure.measure(micro_config(tmp_path), parse_method_specs(spec), 1, tmp_path / "m", "cmd")
+    assert not (tmp_path / "m").exists()
+
