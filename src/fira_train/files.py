@@ -55,9 +55,9 @@ def measure_out_dir(out: str | None, recipe: str) -> str:
 _FIRST_LINE = 4096
 
 
-def report_heading(out: str | os.PathLike[str]) -> str:
-    """The first line of ``out/report.md`` (its heading: who wrote it), ``""`` if there is none."""
-    report = Path(out) / "report.md"
+def report_heading(out: str | os.PathLike[str], name: str = "report.md") -> str:
+    """The first line of ``out/<name>`` (its heading: who wrote it), ``""`` if there is none."""
+    report = Path(out) / name
     if not report.is_file():
         return ""
     with open(report, encoding="utf-8", errors="replace") as handle:
@@ -65,23 +65,24 @@ def report_heading(out: str | os.PathLike[str]) -> str:
 
 
 def check_report_owner(out: str | os.PathLike[str], titles: tuple[str, ...], command: str, *,
-                       overwrite: bool | None = None, writer: str | None = None) -> None:
+                       overwrite: bool | None = None, writer: str | None = None, name: str = "report.md") -> None:
     """``FileExistsError`` if ``out/report.md`` exists and was not written by ``command``: its
     first line begins with none of ``titles`` (the headings ``command`` writes) and it is not
     empty. So a folder
     command (compare, sweep, an analysis) run on another command's ``--out``, or on a folder with
     a ``report.md`` of the user's, does not replace that report. ``overwrite``: True lets it
     (the command's ``--overwrite``); None: the command has no such flag. ``writer``: how the
-    error names what did not write it (default: the command)."""
-    report = Path(out) / "report.md"
+    error names what did not write it (default: the command). ``name``: the report's file name
+    (``memory --measure`` writes ``memory.md``)."""
+    report = Path(out) / name
     if overwrite or not report.is_file() or report.stat().st_size == 0:  # an empty one holds nothing to keep
         return
-    first = report_heading(out)
+    first = report_heading(out, name)
     if first.startswith(titles):
         return
     how = "choose another --out" + (", or pass --overwrite to replace it" if overwrite is not None else "")
     writer = writer or f"`fira-train {command}`"
-    raise FileExistsError(f"--out {str(out)!r} holds a report.md that {writer} did not write "
+    raise FileExistsError(f"--out {str(out)!r} holds a {name} that {writer} did not write "
                           f"(it begins {first[:60]!r}); {how}")
 
 

@@ -29,7 +29,7 @@ from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse
 from fira_train.config.overrides import changed_keys, describe_changed, flat_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import locked, read_json, refuse_links, write_text_atomic
+from fira_train.files import check_report_owner, locked, read_json, refuse_links, write_text_atomic
 from fira_train.memory.run_estimate import estimate_run_bytes, is_estimated
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
@@ -117,6 +117,8 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     if not append and (out_dir / "memory.json").exists():
         raise FileExistsError(f"--out {str(out_dir)!r} already holds a measurement (memory.json): pass "
                               "--append to add these rows to it, or choose another --out")
+    # a memory.md of the user's (notes, another tool's table) was written over without a word
+    check_report_owner(out_dir, (MEASUREMENT_TITLE,), "memory --measure", name="memory.md")
     base = replace(config, train=replace(config.train, steps=max(steps, 1), progress=False,
                                          tensorboard=False))
     configs = [spec.config(base, out_dir / "runs") for spec in specs]  # every spec checked before a run
@@ -298,6 +300,10 @@ PROGRESS_MARK = "# stopped after "
 EARLIER_STOP = "# (a command above stopped before its last method)"
 
 
+#: How ``memory.md`` begins: a ``memory.md`` in ``--out`` that begins otherwise is not replaced.
+MEASUREMENT_TITLE = "# Measured memory"
+
+
 def format_measurement(record: dict[str, Any]) -> str:
     """``memory.md`` from ``memory.json``'s record."""
     rows = record["rows"]
@@ -309,7 +315,7 @@ def format_measurement(record: dict[str, Any]) -> str:
                                                      ("Device", "device", devices)) if len(values) > 1]
     dates = sorted({row.get("date", record["date"]) for row in rows} or {record["date"]})
     lines = [
-        f"# Measured memory: recipe `{record['recipe']}`, {record['steps']} training steps"
+        f"{MEASUREMENT_TITLE}: recipe `{record['recipe']}`, {record['steps']} training steps"
         + ("" if record.get("complete", True) else
            f" (incomplete: not measured yet: {', '.join(record['missing'])})" if record.get("missing") else
            " (incomplete: a command stopped before its last method)"),

@@ -414,3 +414,26 @@ def test_a_spec_that_sets_train_parallel_is_refused_before_any_run(spec: str, tm
         measure.measure(micro_config(tmp_path), parse_method_specs(spec), 1, tmp_path / "m", "cmd")
     assert not (tmp_path / "m").exists()
 
+
+@pytest.mark.parametrize("append", [False, True])
+def test_a_memory_md_it_did_not_write_is_refused_not_replaced(append: bool, tmp_path: Path, monkeypatch) -> None:
+    """``--out`` holding a memory.md of the user's (and no memory.json) was written over without a
+    word; ``report.md`` of the folder commands is refused so, and so is this now. An empty one,
+    and one that ``memory --measure`` wrote, are replaced as before."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000}))
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "memory.md").write_text("# My notes on memory\n\nkeep me\n")
+    with pytest.raises(FileExistsError, match=r"holds a memory.md that `fira-train memory --measure` did not write "
+                                              r"\(it begins '# My notes on memory'\)"):
+        measure.measure(micro_config(tmp_path), parse_method_specs("adamw"), 1, out, "cmd", append=append)
+    assert (out / "memory.md").read_text() == "# My notes on memory\n\nkeep me\n"
+    assert not (out / "memory.json").exists()
+    (out / "memory.md").write_text("")
+    measure.measure(micro_config(tmp_path), parse_method_specs("adamw"), 1, out, "cmd", append=append)
+    measure.measure(micro_config(tmp_path), parse_method_specs("adamw"), 1, out, "cmd", append=True)
+    assert (out / "memory.md").read_text().startswith("# Measured memory")
