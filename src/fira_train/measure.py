@@ -123,6 +123,8 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
                                          tensorboard=False))
     configs = [spec.config(base, out_dir / "runs") for spec in specs]  # every spec checked before a run
     refuse_same_runs(specs, base)
+    for run_config in configs:  # a device this machine lacks failed in its run, after the specs before it
+        resolve_device(run_config)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {"recipe": config.recipe, "steps": steps, "command": command,
               # the threads each measured process runs with (train.num_threads, else this process's)

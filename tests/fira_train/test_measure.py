@@ -437,3 +437,19 @@ def test_a_memory_md_it_did_not_write_is_refused_not_replaced(append: bool, tmp_
     measure.measure(micro_config(tmp_path), parse_method_specs("adamw"), 1, out, "cmd", append=append)
     measure.measure(micro_config(tmp_path), parse_method_specs("adamw"), 1, out, "cmd", append=True)
     assert (out / "memory.md").read_text().startswith("# Measured memory")
+
+
+def test_a_spec_on_a_device_this_machine_lacks_is_refused_before_any_run(tmp_path: Path, monkeypatch) -> None:
+    """``adamw,fira@train.device=cuda`` on a machine without CUDA measured adamw (minutes at 350M)
+    and only then said that CUDA is not available, leaving an incomplete table."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    calls = []
+    monkeypatch.setattr(measure.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(measure, "run_isolated", lambda fn, config, steps: calls.append(config))
+    with pytest.raises(ValueError, match=r"train.device='cuda' but CUDA is not available"):
+        measure.measure(micro_config(tmp_path), parse_method_specs("adamw,fira@train.device=cuda"), 1,
+                        tmp_path / "m", "cmd")
+    assert calls == [] and not (tmp_path / "m").exists()
