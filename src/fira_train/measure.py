@@ -347,8 +347,13 @@ def format_measurement(record: dict[str, Any]) -> str:
         "steps minus its resident set before the model was built; on CUDA, "
         "`torch.cuda.max_memory_allocated`.",
         "- Estimated: weights + gradients + optimizer states + activations + the step's "
-        "temporaries (`fira_train.memory.run_estimate`); the allocator's caches and BLAS/LAPACK "
-        "workspaces are not in it.",
+        "temporaries (`fira_train.memory.run_estimate`)"
+        # the estimate of a CUDA row outside step_in_backward is not the sum of its parts: said, so
+        # that memory.json's breakdown, which does not add up to it, is not read as a mistake
+        + ("; on CUDA, outside `optim.step_in_backward`, the larger of the activations and the step's "
+           "temporaries, not their sum (`max_memory_allocated` counts live tensors, and the activations "
+           "are freed before the step)" if "cuda" in devices else "")
+        + "; the allocator's caches and BLAS/LAPACK workspaces are not in it.",
         # the sizes are in binary units and the threshold in decimal ones: said, so that a peak of
         # 23.00 GiB marked "no" is not read as a mistake
         f"- Sizes in MiB / GiB (2^20 / 2^30 bytes); fits in 24 GB: a measured peak below 24 GB = 24 x 10^9 "

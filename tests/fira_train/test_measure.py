@@ -453,3 +453,30 @@ def test_a_spec_on_a_device_this_machine_lacks_is_refused_before_any_run(tmp_pat
         measure.measure(micro_config(tmp_path), parse_method_specs("adamw,fira@train.device=cuda"), 1,
                         tmp_path / "m", "cmd")
     assert calls == [] and not (tmp_path / "m").exists()
+
+
+def test_a_cuda_tables_note_says_its_estimate_takes_the_larger_of_activations_and_temporaries(
+        tmp_path: Path, monkeypatch) -> None:
+    """On CUDA a plain step's estimate is the larger of the activations and the step's temporaries,
+    not their sum (:func:`estimate_run_bytes`), but every memory.md said "+ activations + the
+    step's temporaries": the breakdown in memory.json did not add up to the estimate it described."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    def fake(fn, config, steps):
+        return {"measured_peak_bytes": 1000, "baseline_bytes": 0, "measure": "fake", "device": "cuda",
+                "vocab_size": 300, "parameters": 10, "weights_bytes": 40, "optimizer_state_bytes": 80,
+                "losses": [1.0]}
+
+    monkeypatch.setattr(measure, "run_isolated", fake)
+    md, json_path = measure.measure(micro_config(tmp_path), parse_method_specs("fira"), 1, tmp_path / "m", "c")
+    estimate = json.loads(json_path.read_text())["rows"][0]["estimate"]
+    parts = sum(value for key, value in estimate.items() if key != "total")
+    overlap = min(estimate["activations"], estimate["step_temporaries"])
+    assert estimate["total"] == parts - overlap  # what the note has to say
+    assert ("on CUDA, outside `optim.step_in_backward`, the larger of the activations and the step's "
+            "temporaries, not their sum") in md.read_text()
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"fira": 1000}))  # the CPU's: their sum
+    md, _ = measure.measure(micro_config(tmp_path), parse_method_specs("fira"), 1, tmp_path / "cpu", "c")
+    assert "on CUDA, outside" not in md.read_text()
