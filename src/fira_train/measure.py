@@ -5,8 +5,10 @@ Each method spec (``NAME[@key=value...]``) trains ``steps`` steps in a fresh pro
 (:func:`fira_train.run.isolated.run_isolated`). On the CPU the measured peak is the process's
 peak resident set during the steps minus its resident set just before the model is built (the
 interpreter, torch, the tokenised corpus); on CUDA, ``torch.cuda.max_memory_allocated``. Writes
-``OUT/memory.json`` (a list of rows: ``method``, ``measured_peak_bytes``, ``estimated_bytes``,
-and their breakdowns) and ``OUT/memory.md``.
+``OUT/memory.json`` (the recipe, steps, machine, command and settings, and a list of rows:
+``method``, ``measured_peak_bytes``, ``estimated_bytes``, and their breakdowns, ``estimate`` and
+``measured``; ``complete``, and while it is false ``missing``: the specs not measured yet) and
+``OUT/memory.md``, after every method.
 """
 
 from __future__ import annotations
@@ -136,8 +138,11 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
 
     def write(rows: list[dict[str, Any]], done: int) -> None:
         with locked(out_dir / ".memory.lock") if append else contextlib.nullcontext():
+            # stopped (or read while it runs), the table names the specs still to measure: killed,
+            # the command printed no hint, and "a command stopped" left them to find by hand
             written = (_merged(json_path, record, rows, done, len(specs)) if append
-                       else {**record, "rows": rows, "complete": done == len(specs)})
+                       else {**record, "rows": rows, "complete": done == len(specs),
+                             **({"missing": [spec.text for spec in specs[done:]]} if done < len(specs) else {})})
             write_text_atomic(json_path, json.dumps(written, indent=1) + "\n")
             write_text_atomic(md_path, format_measurement(written))
 

@@ -480,3 +480,26 @@ def test_a_cuda_tables_note_says_its_estimate_takes_the_larger_of_activations_an
     monkeypatch.setattr(measure, "run_isolated", _fake_runs({"fira": 1000}))  # the CPU's: their sum
     md, _ = measure.measure(micro_config(tmp_path), parse_method_specs("fira"), 1, tmp_path / "cpu", "c")
     assert "on CUDA, outside" not in md.read_text()
+
+
+def test_a_stopped_measurement_names_the_methods_it_did_not_measure(tmp_path: Path, monkeypatch) -> None:
+    """Killed (SIGTERM, no hint printed) or read while it runs, a table without --append said only
+    "a command stopped before its last method": which specs to measure again (the hint's "--methods
+    cut to those not measured yet") was left to compare by hand with the command line."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000, "fira": 1000}, stop_at="fira"))
+    with pytest.raises(KeyboardInterrupt):
+        measure.measure(micro_config(tmp_path), parse_method_specs("adamw,fira,galore"), 1, tmp_path / "m",
+                        "fira-train memory --measure --recipe micro --methods adamw,fira,galore")
+    record = json.loads((tmp_path / "m" / "memory.json").read_text())
+    assert record["complete"] is False and record["missing"] == ["fira", "galore"]
+    assert "(incomplete: not measured yet: fira, galore)" in (tmp_path / "m" / "memory.md").read_text()
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"fira": 1000, "galore": 1000}))
+    measure.measure(micro_config(tmp_path), parse_method_specs("fira,galore"), 1, tmp_path / "m",
+                    "fira-train memory --measure --recipe micro --methods fira,galore --append", append=True)
+    record = json.loads((tmp_path / "m" / "memory.json").read_text())
+    assert record["complete"] is True and "missing" not in record
+    assert "incomplete" not in (tmp_path / "m" / "memory.md").read_text()
