@@ -336,6 +336,11 @@ def _memory(args: argparse.Namespace) -> int:
                              "--measure (without it, memory prints the paper's estimates)")
         from fira_train.measure import estimate_rows, format_estimate_rows  # imports torch
 
+        # said, as the second table's line says its own: their totals differ several times over
+        print("The paper's memory estimate (Table 2, appendix C.1): weights + gradients + optimizer states, "
+              "every element in BF16, no activations; elements in millions (M), totals in GB (10^9 bytes) and "
+              "GiB beside the paper's (docs/results/memory.md)")
+        print()
         print(format_memory_table(memory_table()))
         print()
         print(format_estimate_rows(estimate_rows()))
@@ -368,8 +373,9 @@ def _register_memory(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "memory", help="memory: the paper's estimates, or measured peaks of real training steps",
         description="Without --measure: the paper's memory estimate of parameters, gradients and "
-                    "optimizer states in BF16 for its LLaMA sizes and every method (appendix C.1), "
-                    "then the estimate of a real run (with activations) of AdamW, GaLore, Fira and "
+                    "optimizer states in BF16 for its LLaMA sizes, methods and baselines (appendix C.1; "
+                    "not every method of fira-train methods), then the estimate of a real run on a GPU "
+                    "(one 256-token sequence per step, with activations) of AdamW, GaLore, Fira and "
                     "Fira's memory options at 60M-7B and whether it fits in 24 GB. "
                     "With --measure: train --steps steps of each method spec (NAME[@key=value...]) "
                     "in a fresh process and write OUT/memory.md and OUT/memory.json with the "

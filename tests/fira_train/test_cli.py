@@ -220,7 +220,11 @@ def test_memory_prints_the_memory_table(monkeypatch, capsys) -> None:
     monkeypatch.setattr(cli, "format_memory_table", lambda rows: f"TABLE {rows[0]['size']} {rows[0]['method']}")
     assert main(["memory"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("TABLE 60m fira\n") and "| 7b | adamw |" in out  # then the run estimates
+    assert "\n\nTABLE 60m fira\n" in out and "| 7b | adamw |" in out  # then the run estimates
+    # the first table came without a word: its totals (BF16, no activations: 0.40 GB for Fira at
+    # 60M) read as contradicting the captioned second one's (fp32 with activations: 1.00 GB)
+    assert out.startswith("The paper's memory estimate (Table 2, appendix C.1): weights + gradients + "
+                          "optimizer states, every element in BF16, no activations")
 
 
 def test_methods_lists_the_registry(capsys) -> None:
