@@ -18,6 +18,7 @@ import gc
 import json
 import logging
 import platform
+import time
 from collections.abc import Iterable
 from dataclasses import replace
 from datetime import date
@@ -81,7 +82,13 @@ def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
     micro = config.train.micro_batch
     stream = corpus.train_batches(micro, config.train.seed, cut=config.train.batch_size)  # as pretrain's
     autocast = autocast_for(config, device)
-    losses = [train_step(training, config, stream, autocast, step)[0] for step in range(1, steps + 1)]
+    losses, start = [], time.perf_counter()
+    for step in range(1, steps + 1):
+        losses.append(train_step(training, config, stream, autocast, step)[0])
+        # a step of a large model on the CPU takes minutes: without a line, a run that trained
+        # read the same as one that hung (the run's progress bar is off: it would be measured)
+        log.info("  step %d of %d: loss %.3f, %.1f s since the model was built", step, steps, losses[-1],
+                 time.perf_counter() - start)
     if device.type == "cuda":
         peak, kind = torch.cuda.max_memory_allocated(device), "cuda_max_memory_allocated"
     else:

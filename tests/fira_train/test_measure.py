@@ -503,3 +503,19 @@ def test_a_stopped_measurement_names_the_methods_it_did_not_measure(tmp_path: Pa
     record = json.loads((tmp_path / "m" / "memory.json").read_text())
     assert record["complete"] is True and "missing" not in record
     assert "incomplete" not in (tmp_path / "m" / "memory.md").read_text()
+
+
+def test_each_measured_step_says_that_it_ran(tmp_path: Path, caplog) -> None:
+    """Between "[k/N] spec: 3 steps" and its result nothing was printed: at 1B on the CPU, minutes
+    of silence per step, and a run that hung read the same as one that trained."""
+    import logging
+
+    from fira_train import measure
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config = micro_config(tmp_path, "train.device=cpu", "train.steps=2")
+    with caplog.at_level(logging.INFO, logger="fira_train.measure"):
+        result = measure.measure_run(config, 2)
+    said = [record.getMessage() for record in caplog.records if record.name == "fira_train.measure"]
+    assert [line.split(":")[0] for line in said] == ["  step 1 of 2", "  step 2 of 2"]
+    assert f"loss {result['losses'][1]:.3f}" in said[1]
