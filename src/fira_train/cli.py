@@ -481,6 +481,10 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
         out = measure_out_dir(getattr(args, "out", None), args.recipe)
         if not Path(out, "memory.json").is_file():
             return "no method was measured yet: the same command measures them all"
+        missing = _not_measured_yet(Path(out, "memory.json"))
+        if missing:  # the table names them: no cutting of --methods left to the user
+            return (f"the methods measured so far are kept in {out}/memory.json: the same command with "
+                    f"--append and --methods {','.join(missing)} measures the rest")
         return (f"the methods measured so far are kept in {out}/memory.json: the same command with "
                 f"{CONTINUES_WITH[command]}, adds the rest")
     if command == "finetune":
@@ -495,6 +499,18 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
         return (f"checkpoints written so far are kept in {folder} (--save-steps): the same command "
                 "continues from the newest")
     return None
+
+
+def _not_measured_yet(path: Path) -> list[str]:
+    """The specs a ``memory --measure`` table names as not measured yet (its ``missing``); ``[]``
+    where it names none or cannot be read (the hint then says it in general)."""
+    from fira_train.files import read_json
+
+    try:
+        missing = read_json(path).get("missing")
+    except Exception:  # noqa: BLE001 - a hint after Ctrl-C: a damaged file is not a second error
+        return []
+    return missing if isinstance(missing, list) and all(isinstance(m, str) for m in missing) else []
 
 
 def _stdout_gone() -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -460,6 +461,13 @@ def test_memory_measure_says_what_it_kept_after_ctrl_c(tmp_path: Path) -> None:
     out.mkdir()
     (out / "memory.json").write_text("{}")
     assert f"kept in {out}/memory.json: the same command with --append" in cli.interrupted_hint(args)
+    # the table names what it has not measured (missing): the hint gives the --methods to run, where
+    # it said "its --methods cut to those not measured yet" and left the cutting to the user
+    (out / "memory.json").write_text(json.dumps({"rows": [], "complete": False, "missing": ["adamw"]}))
+    assert cli.interrupted_hint(args) == (f"the methods measured so far are kept in {out}/memory.json: the same "
+                                          "command with --append and --methods adamw measures the rest")
+    (out / "memory.json").write_text("not json")  # a damaged one: the general hint, not an error
+    assert "its --methods cut to those not measured yet" in cli.interrupted_hint(args)
 
 
 @pytest.mark.parametrize("extra", [["--steps", "5"], ["--data", "x"], ["--rank", "4"], ["--save-every", "2"],
