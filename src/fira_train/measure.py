@@ -329,7 +329,7 @@ def format_measurement(record: dict[str, Any]) -> str:
                                                      ("Device", "device", devices)) if len(values) > 1]
     dates = sorted({row.get("date", record["date"]) for row in rows} or {record["date"]})
     lines = [
-        f"{MEASUREMENT_TITLE}: recipe `{record['recipe']}`, {record['steps']} training steps"
+        f"{MEASUREMENT_TITLE}: recipe `{record['recipe']}`, {record['steps']} training step{'s' if record['steps'] != 1 else ''}"
         + ("" if record.get("complete", True) else
            f" (incomplete: not measured yet: {', '.join(record['missing'])})" if record.get("missing") else
            " (incomplete: a command stopped before its last method)"),

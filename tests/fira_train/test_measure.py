@@ -398,6 +398,9 @@ def test_rows_estimated_below_64_mib_are_said_to_measure_the_framework(tmp_path:
     big = {**json.loads(json_path.read_text())}
     big["rows"] = [{**row, "estimated_bytes": measure.SMALL_ESTIMATE} for row in rows]
     assert "Estimated under" not in measure.format_measurement(big)
+    # one step is said as one (it read "1 training steps")
+    assert md.read_text().startswith("# Measured memory: recipe `micro`, 1 training step\n")
+    assert measure.format_measurement({**big, "steps": 3}).startswith("# Measured memory: recipe `micro`, 3 training steps\n")
 
 
 @pytest.mark.parametrize("spec", ["fira@train.parallel=ddp", "adamw,fira@train.parallel=fsdp2"])
