@@ -143,12 +143,10 @@ def locked_run_directory(out: str | Path, env: DistributedEnv | None = None) -> 
     if distributed:
         import torch.distributed as dist
 
-        message: list[Any] = [None if error is None else (type(error).__name__, str(error))]
-        dist.broadcast_object_list(message, src=0, device=env.device)  # plain strings, from rank 0
+        message: list[Any] = [None if error is None else _plain(error)]
+        dist.broadcast_object_list(message, src=0, device=env.device)  # plain values, from rank 0
         if error is None and message[0] is not None:
-            kind, text = message[0]
-            kinds = {RunDirectoryBusy.__name__: RunDirectoryBusy, ValueError.__name__: ValueError}
-            raise kinds.get(kind, OSError)(text)
+            error = _rebuilt(*message[0])
     try:
         if error is not None:
             raise error
@@ -165,6 +163,28 @@ def locked_run_directory(out: str | Path, env: DistributedEnv | None = None) -> 
         raise
     finally:
         lock.release()  # (a second release does nothing)
+
+
+def _plain(error: BaseException) -> tuple[str, int | None, str | None, str | None, str]:
+    """Rank 0's refusal as plain values for the other ranks: its kind, and an ``OSError``'s errno,
+    reason and file, so that each rank describes it as rank 0 does (one rebuilt from its text
+    alone was "[Errno 20] Not a directory: 'OUT'" there, where rank 0 named the file in the way)."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return type(error).__name__, error.errno, error.strerror, _text(error.filename), str(error)
+    return type(error).__name__, None, None, None, str(error)
+
+
+def _text(filename: Any) -> str | None:
+    return None if filename is None else os.fsdecode(filename)
+
+
+def _rebuilt(kind: str, errno: int | None, strerror: str | None, filename: str | None,
+             text: str) -> BaseException:
+    """The error :func:`_plain` describes (``OSError(errno, ...)`` is the errno's subclass)."""
+    if errno is not None:
+        return OSError(errno, strerror, filename)
+    kinds = {RunDirectoryBusy.__name__: RunDirectoryBusy, ValueError.__name__: ValueError}
+    return kinds.get(kind, OSError)(text)
 
 
 def missing_folders(folder: Path) -> list[Path]:

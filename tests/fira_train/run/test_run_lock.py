@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -42,3 +43,29 @@ def test_a_lock_file_removed_while_the_lock_is_taken_is_taken_again(when: str, t
             RunLock(out).acquire()
     finally:
         lock.release()
+
+
+def _lock_out_worker(rank: int, world: int, out: str) -> list:
+    from fira_train.run.parallel import current_env
+    from fira_train.user_errors import describe
+
+    try:
+        with run_lock.locked_run_directory(out, current_env()):
+            return ["locked"]
+    except OSError as err:
+        return [type(err).__name__, err.errno, err.filename, describe(err)]
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_every_rank_reports_an_out_it_cannot_make_as_rank_0_does(tmp_path: Path) -> None:
+    """`torchrun ... --out FILE/run`: rank 0 said "FILE/run: Not a directory (a file is where a
+    folder is needed); ...", the other rank "[Errno 20] Not a directory: 'FILE/run'" (the error
+    it rebuilt from rank 0's text had lost its errno, so it was not described)."""
+    from tests.multiprocess import run_ranks
+
+    (tmp_path / "afile").write_text("")
+    out = tmp_path / "afile" / "run"
+    results = run_ranks(_lock_out_worker, 2, tmp_path / "w", str(out), timeout=100)
+    assert results[0][:3] == ["NotADirectoryError", errno.ENOTDIR, str(out)], results
+    assert results[1] == results[0]
+    assert "a file is where a folder is needed" in results[0][3]
