@@ -142,6 +142,26 @@ def _per_method(methods: Sequence[str], summaries: list[dict[str, Any]], key: st
     return f"{by}: " + ", ".join(f"{m} {show(v)}" for m, v in zip(methods, values))
 
 
+def _launch(summary: dict[str, Any]) -> str:
+    """Where a run's peak was measured: rank 0 of a ``--parallel`` launch, else its own process."""
+    if summary.get("parallel"):
+        return f"on rank 0 of {summary['world_size']} processes (`--parallel {summary['parallel']}`)"
+    return "in a fresh process"
+
+
+def _launches(methods: Sequence[str], summaries: list[dict[str, Any]]) -> str:
+    """The end of the peak memory note: the runs' launch, each method's where they differ (a
+    comparison resumed in another ``--parallel`` mode, or in one process, finishes its unfinished
+    runs so: the first run's launch alone would be said of every run)."""
+    launches = [_launch(s) for s in summaries]
+    several = " which train the runs one after another, the peak reset for each run."
+    if len(set(launches)) == 1:
+        return f" {launches[0]},{several}" if summaries[0].get("parallel") else " (each run in a fresh process)."
+    by_method = ", ".join(f"{m} {launch}" for m, launch in zip(methods, launches))
+    return (f", launch by method: {by_method}; the processes of a launch train its runs one after another, "
+            "the peak reset for each run.")
+
+
 def write_report(out_dir: str | Path, methods: list[str], *, command: str | None = None) -> Path:
     """Write ``OUT/report.md`` for the runs ``OUT/<method>``; returns its path."""
     out_dir = Path(out_dir)
@@ -178,9 +198,7 @@ def write_report(out_dir: str | Path, methods: list[str], *, command: str | None
         "- Peak memory: "
         + _per_method(methods, summaries, "peak_memory_kind", "{}", "by method",
                       lambda kind: memory_kind.get(kind, kind))
-        + (f" on rank 0 of {first['world_size']} processes (`--parallel {first['parallel']}`), which train the runs "
-           "one after another, the peak reset for each run." if first.get("parallel") else
-           " (each run in a fresh process)."),
+        + _launches(methods, summaries),
         "- T: subspace update gap (Fira/GaLore family).",
         "",
         "![training loss and validation perplexity](loss.png)",

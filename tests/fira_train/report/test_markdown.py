@@ -143,3 +143,22 @@ def test_the_peak_memory_note_names_each_run_s_kind_when_they_differ(tmp_path: P
     text = write_report(tmp_path, ["fira", "adamw"]).read_text()
     assert ("- Peak memory: by method: fira peak resident memory of the run's process, adamw CUDA "
             "max_memory_allocated (each run in a fresh process).") in text
+
+
+def test_the_peak_memory_note_gives_each_run_s_launch_when_they_differ(tmp_path: Path) -> None:
+    """`compare --parallel ddp` interrupted in its second run and resumed with `--parallel fsdp2`:
+    the note said of both runs "on rank 0 of 2 processes (`--parallel ddp`)", the first run's
+    launch, where the second's peak was measured under FSDP2 (its summary says so); a run of one
+    process beside one of several was said to run in several processes, or the other way round."""
+    _write_run(tmp_path, {**_summary("fira", 32, 100.0, 970.0), "parallel": "ddp", "world_size": 2})
+    _write_run(tmp_path, {**_summary("adamw", None, 110.0, 1000.0), "parallel": "fsdp2", "world_size": 2})
+    text = write_report(tmp_path, ["fira", "adamw"]).read_text()
+    assert ("- Peak memory: peak resident memory of the run's process, launch by method: fira on rank 0 "
+            "of 2 processes (`--parallel ddp`), adamw on rank 0 of 2 processes (`--parallel fsdp2`); the "
+            "processes of a launch train its runs one after another, the peak reset for each run.") in text
+
+    (tmp_path / "adamw" / "summary.json").write_text(json.dumps(_summary("adamw", None, 110.0, 1000.0)))
+    text = write_report(tmp_path, ["fira", "adamw"]).read_text()
+    assert ("launch by method: fira on rank 0 of 2 processes (`--parallel ddp`), adamw in a fresh "
+            "process; the processes") in text
+    assert "(each run in a fresh process)" not in text
