@@ -34,7 +34,7 @@ from fira_train.run.isolated import run_isolated
 from fira_train.run.launch import same_on_every_rank
 from fira_train.run.run_dir import continue_refusal, finished_with
 from fira_train.run.train import train
-from fira_train.run.train_parallel import distributed_session
+from fira_train.run.train_parallel import check_launch, distributed_session
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,8 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
                          "compare trains every method on the same data, tokens and seed (its report says so); "
                          "set it for all of them with key=value")
         configs = [method_config(config, m, out_dir) for m in methods]  # validates every name first
+        for run_config in configs:  # and the launch each run needs, before the first one trains
+            check_launch(run_config)
         refuse_same_runs([parse_method_spec(m) for m in methods], config)
     check_report_owner(out_dir, (REPORT_TITLE,), "compare", overwrite=overwrite)
     if config.train.parallel != "none":

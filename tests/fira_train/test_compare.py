@@ -156,3 +156,29 @@ def test_compare_takes_method_specs(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "out" / spec / "config.json").read_text())
     assert saved["optim"]["rank"] == 2 and saved["optim"]["state_dtype"] == "bfloat16"
     assert spec in report.read_text()
+
+
+def _unshared_micro_batch_worker(rank: int, world: int, root: str) -> list:
+    from fira_train.run.launch import SAME_ON_EVERY_RANK
+
+    config = micro_config(Path(root), "train.steps=1", "train.eval_every=0", "train.parallel=ddp")
+    try:
+        compare(config, ["adamw", "adamw@train.micro_batch_size=1"], Path(root) / "cmp")
+    except ValueError as err:
+        return [str(err), getattr(err, SAME_ON_EVERY_RANK, False)]
+    return []
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_a_run_whose_micro_batch_the_processes_cannot_share_is_refused_before_any_trains(
+        tmp_path: Path) -> None:
+    """`torchrun --nproc_per_node 2 ... compare --methods fira,adamw@train.micro_batch_size=1
+    --parallel ddp` trained fira to the end, then stopped at the second run: its micro-batch of one
+    sequence does not divide by the 2 processes. The launch's size is known from the start."""
+    from tests.multiprocess import run_ranks
+
+    micro_config(tmp_path)  # the corpus, before the workers read it
+    for message, marked in run_ranks(_unshared_micro_batch_worker, 2, tmp_path / "w", str(tmp_path), timeout=100):
+        assert "train.micro_batch_size=1 (the sequences of one forward pass) must divide by the 2" in message
+        assert marked is True
+    assert not (tmp_path / "cmp").exists()

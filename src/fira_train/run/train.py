@@ -60,7 +60,7 @@ from fira_train.run import checkpoint as ckpt
 from fira_train.run import resume_check, run_files, train_parallel
 from fira_train.run.callbacks import TrainCallback, stateful
 from fira_train.run.divergence import DivergedError, check_loss, diverged
-from fira_train.run.launch import is_rank_zero, same_on_every_rank
+from fira_train.run.launch import is_rank_zero
 from fira_train.run.metrics import MetricsLog, perplexity
 from fira_train.run.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, shard_batch
 from fira_train.run.peak_memory import PeakMemory
@@ -145,8 +145,8 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
         raise ValueError(f"callbacks that keep state ({', '.join(keeping)}) run in one process only: "
                          f"distributed checkpoints do not hold their state, and train.parallel="
                          f"{config.train.parallel!r}; leave it at none")
+    train_parallel.check_launch(config)
     if config.train.parallel == "none":
-        train_parallel.check_launch(config)
         with locked_run_directory(config.train.out_dir):  # one run at a time per OUT
             return _train(config, None, resume, overwrite, corpus, callbacks)
     with train_parallel.distributed_session(config) as env:
@@ -277,11 +277,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     training = build_training(config, corpus.vocab_size, device, env)
     model, optimizer = training.model, training.optimizer
     net = training.forward_model  # the DDP wrapper, else the model
-    micro_batch = config.train.micro_batch
-    if distributed and micro_batch % env.world_size:
-        with same_on_every_rank():  # the config and the launch's size: every rank refuses it alike
-            raise ValueError(f"train.micro_batch_size={micro_batch} (the sequences of one forward pass) "
-                             f"must divide by the {env.world_size} processes: each trains on its rows")
+    micro_batch = config.train.micro_batch  # divides by the processes (train_parallel.check_launch)
     # the epochs cut in whole steps: the micro-batch size (a memory lever) does not change the data
     try:
         stream = corpus.train_batches(micro_batch, config.train.seed, cut=config.train.batch_size)

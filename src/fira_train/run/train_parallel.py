@@ -47,12 +47,18 @@ EXTRA_KEYS = ("step", "data", "progress")
 @same_on_every_rank()  # the config and the launch's size: every process refuses it alike
 def check_launch(config: RunConfig) -> None:
     """ValueError for several processes with ``train.parallel="none"``: each would train the
-    whole batch alone and all would write the same files."""
+    whole batch alone and all would write the same files; and for a micro-batch that the
+    processes cannot share. Known before anything is built or written: ``compare`` checks each
+    run's config before the first one trains."""
     world = world_size()
     if config.train.parallel == "none" and world > 1:
         raise ValueError(
             f"{world} processes were launched (torchrun) but train.parallel is 'none': pass "
             "--parallel ddp or --parallel fsdp2 (or train.parallel=ddp|fsdp2), or launch one process")
+    micro_batch = config.train.micro_batch
+    if config.train.parallel != "none" and micro_batch % world:
+        raise ValueError(f"train.micro_batch_size={micro_batch} (the sequences of one forward pass) "
+                         f"must divide by the {world} processes: each trains on its rows")
 
 
 @contextlib.contextmanager
