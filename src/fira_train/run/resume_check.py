@@ -168,6 +168,16 @@ def check_stream_cut(stream: Any, config: RunConfig, path: Path) -> None:
                          "the train.batch_size it was trained with")
 
 
+def check_one_process_checkpoint_mode(path: Path, mode: str) -> None:
+    """ValueError for a one-process (single-file) checkpoint resumed under FSDP2 (``mode``:
+    ``train.parallel``), which loads only DCP checkpoints: refused when the checkpoint is chosen,
+    before ``config.json`` is rewritten or a model built, not when it is loaded."""
+    if mode == "fsdp2":
+        raise ValueError(f"checkpoint {str(path)!r} was written by a one-process run; FSDP2 resumes "
+                         "only from checkpoints of a --parallel run (resume it with --parallel ddp, "
+                         "whose checkpoints FSDP2 can load)")
+
+
 def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bool = True,
                      world_size: int = 1) -> tuple[dict | None, list[str]]:
     """Verify the checkpoint at ``path`` and its config record; returns the single-file
@@ -184,6 +194,7 @@ def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bo
         return None, lever_changes(marker.get(CONFIG_KEY), config, path)
     state = ckpt.load_checkpoint(out, path)  # size, SHA-256, weights_only
     check_recorded_config(state.get(CONFIG_KEY), config, path)
+    check_one_process_checkpoint_mode(path, config.train.parallel)
     check_stream_cut(state.get("data"), config, path)
     warn_round_off(state.get(CONFIG_KEY), config, path, state.get(ENVIRONMENT_KEY), world_size)
     return (state if keep_state else None), lever_changes(state.get(CONFIG_KEY), config, path)

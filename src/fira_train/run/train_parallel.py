@@ -37,6 +37,7 @@ from fira_train.run import dist_checkpoint
 from fira_train.run.callbacks import TrainCallback, load_callback_states
 from fira_train.run.launch import same_on_every_rank
 from fira_train.run.parallel import DistributedEnv, destroy_distributed, init_distributed, world_size
+from fira_train.run.resume_check import check_one_process_checkpoint_mode
 from fira_train.run.state import check_corpus, corpus_record, restore_state
 from fira_train.run.training import Training
 
@@ -161,8 +162,5 @@ def load(out: Path, path: Path, training: Training, stream: Any, mode: str,
         stream.load_state_dict(extra["data"])
         training.load_loss_scale_state(extra.get("loss_scale"))
         return int(extra["step"]), dict(extra["progress"])
-    if mode == "fsdp2":
-        raise ValueError(f"checkpoint {str(path)!r} was written by a one-process run; FSDP2 resumes "
-                         "only from checkpoints of a --parallel run (resume it with --parallel ddp, "
-                         "whose checkpoints FSDP2 can load)")
+    check_one_process_checkpoint_mode(path, mode)  # refused before, as the checkpoint was chosen
     return restore_state(ckpt.load_checkpoint(out, path), training, stream, source, callbacks)

@@ -612,3 +612,32 @@ def test_an_error_that_cannot_travel_between_ranks_goes_as_its_text() -> None:
     assert type(sent) is RuntimeError and str(sent) == "_NeedsTwo: a and b"
     denied = PermissionError(13, "Permission denied", "/runs/x/summary.json")
     assert sendable(denied) is denied
+
+
+def _fsdp2_resume_worker(rank: int, world: int, root: str) -> list:
+    from fira_train.run.launch import SAME_ON_EVERY_RANK
+
+    try:
+        train(micro_config(Path(root), *COMMON, "train.parallel=fsdp2"), resume="latest")
+    except ValueError as err:
+        return [str(err), getattr(err, SAME_ON_EVERY_RANK, False)]
+    return []
+
+
+@pytest.mark.timeout(120)
+def test_an_fsdp2_resume_of_a_one_process_checkpoint_is_refused_before_config_json_changes(tmp_path: Path) -> None:
+    """`torchrun ... --parallel fsdp2 --resume` of a one-process run was refused once every rank
+    had built its model, after config.json had been rewritten: the refused resume left the run
+    recorded as an FSDP2 run (the module's rule: a refused resume leaves the run as it was), and
+    each process printed the refusal."""
+    from tests.multiprocess import run_ranks
+
+    train(micro_config(tmp_path, *COMMON))
+    (tmp_path / "run" / "summary.json").unlink()  # the run stopped after its checkpoint of step 2
+    for step in (3, 4):
+        shutil.rmtree(tmp_path / "run" / "checkpoints" / f"step_{step:08d}")
+    saved = (tmp_path / "run" / "config.json").read_text()
+    for message, marked in run_ranks(_fsdp2_resume_worker, 2, tmp_path / "w", str(tmp_path), timeout=100):
+        assert "was written by a one-process run; FSDP2 resumes only from checkpoints of a --parallel run" in message
+        assert marked is True
+    assert (tmp_path / "run" / "config.json").read_text() == saved
