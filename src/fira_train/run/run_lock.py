@@ -12,7 +12,8 @@ and its missing parents), so that a refused start leaves nothing for the next ru
 folder that was there before stays.
 
 Under ``torchrun`` rank 0 takes the lock and tells the other ranks whether it got it, so that
-every rank of a refused launch stops with the same error (and none waits forever for rank 0).
+every rank of a refused launch stops with the same error (and none waits forever for rank 0),
+which rank 0 alone prints (:func:`fira_train.run.launch.same_on_every_rank`).
 Several processes of one launch share the directory by design.
 
 ``flock`` works between processes on one machine; on network file systems it depends on the
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fira_train.files import open_regular
+from fira_train.run.launch import SAME_ON_EVERY_RANK
 
 try:
     import fcntl
@@ -147,6 +149,10 @@ def locked_run_directory(out: str | Path, env: DistributedEnv | None = None) -> 
         dist.broadcast_object_list(message, src=0, device=env.device)  # plain values, from rank 0
         if error is None and message[0] is not None:
             error = _rebuilt(*message[0])
+    if distributed and error is not None:
+        # rank 0's one decision, raised by every rank alike: the command line prints it on rank 0
+        # alone (each process printed it)
+        setattr(error, SAME_ON_EVERY_RANK, True)
     try:
         if error is not None:
             raise error

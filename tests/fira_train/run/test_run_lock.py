@@ -46,6 +46,7 @@ def test_a_lock_file_removed_while_the_lock_is_taken_is_taken_again(when: str, t
 
 
 def _lock_out_worker(rank: int, world: int, out: str) -> list:
+    from fira_train.run.launch import SAME_ON_EVERY_RANK
     from fira_train.run.parallel import current_env
     from fira_train.user_errors import describe
 
@@ -53,7 +54,7 @@ def _lock_out_worker(rank: int, world: int, out: str) -> list:
         with run_lock.locked_run_directory(out, current_env()):
             return ["locked"]
     except OSError as err:
-        return [type(err).__name__, err.errno, err.filename, describe(err)]
+        return [type(err).__name__, err.errno, err.filename, describe(err), getattr(err, SAME_ON_EVERY_RANK, False)]
 
 
 @pytest.mark.timeout(120)
@@ -69,3 +70,31 @@ def test_under_torchrun_every_rank_reports_an_out_it_cannot_make_as_rank_0_does(
     assert results[0][:3] == ["NotADirectoryError", errno.ENOTDIR, str(out)], results
     assert results[1] == results[0]
     assert "a file is where a folder is needed" in results[0][3]
+    assert results[1][4] is True  # rank 0's refusal, printed by rank 0 alone (fira_train.cli)
+
+
+def _busy_worker(rank: int, world: int, out: str) -> list:
+    from fira_train.run.launch import SAME_ON_EVERY_RANK
+    from fira_train.run.parallel import current_env
+
+    try:
+        with run_lock.locked_run_directory(out, current_env()):
+            return ["locked"]
+    except run_lock.RunDirectoryBusy as err:
+        return [str(err), getattr(err, SAME_ON_EVERY_RANK, False)]
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_a_held_out_is_refused_by_every_rank_and_said_once(tmp_path: Path) -> None:
+    """A second launch into a run's --out: every process printed "run directory ... is in use",
+    one line per process, for the one decision rank 0 made."""
+    from tests.multiprocess import run_ranks
+
+    lock = RunLock(tmp_path / "run")
+    lock.acquire()
+    try:
+        results = run_ranks(_busy_worker, 2, tmp_path / "w", str(tmp_path / "run"), timeout=100)
+    finally:
+        lock.release()
+    assert results[0][0] == results[1][0] and "is in use by another fira-train run" in results[0][0]
+    assert [marked for _, marked in results] == [True, True]
