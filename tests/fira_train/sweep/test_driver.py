@@ -350,6 +350,27 @@ def test_sweep_refuses_torchrun_parallelism_and_bad_jobs(tmp_path: Path) -> None
     assert not (tmp_path / "out").exists()  # refused before the first run
 
 
+def test_sweep_under_torchrun_is_refused_before_anything_starts(tmp_path: Path, monkeypatch) -> None:
+    """`torchrun --nproc_per_node 2 -m fira_train sweep ...`: each process started the sweep into
+    the same --out and each run's process stopped with "2 processes were launched (torchrun) but
+    train.parallel is 'none': pass --parallel ddp ...", which sweep then refuses; the empty --out
+    stayed. The refusal is the sweep's, said once (rank 0) for every process alike."""
+    from fira_train.run.launch import SAME_ON_EVERY_RANK
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    refusal = (r"sweep runs each training in its own process \(--jobs\): launch it in one process, not under "
+               r"torchrun \(2 processes were launched\)")
+    with pytest.raises(ValueError, match=refusal) as caught:
+        sweep(micro_config(tmp_path), ["adamw"], {"adamw": [0.01]}, [0], tmp_path / "out")
+    assert getattr(caught.value, SAME_ON_EVERY_RANK, False)
+    monkeypatch.delenv("WORLD_SIZE")  # and with --parallel in one process: refused alike
+    with pytest.raises(ValueError, match="train.parallel='ddp' is not supported") as caught:
+        sweep(micro_config(tmp_path, "train.parallel=ddp"), ["adamw"], {"adamw": [0.01]}, [0], tmp_path / "out")
+    assert getattr(caught.value, SAME_ON_EVERY_RANK, False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_two_lrs_that_name_one_run_folder_are_refused_before_anything_trains(tmp_path: Path,
                                                                                in_process: list) -> None:
     """Run folders name the lr to 6 significant digits: 0.01 and 0.0100000001 shared
