@@ -522,3 +522,21 @@ def test_each_measured_step_says_that_it_ran(tmp_path: Path, caplog) -> None:
     said = [record.getMessage() for record in caplog.records if record.name == "fira_train.measure"]
     assert [line.split(":")[0] for line in said] == ["  step 1 of 2", "  step 2 of 2"]
     assert f"loss {result['losses'][1]:.3f}" in said[1]
+
+
+def test_measure_under_torchrun_is_refused_before_anything_runs(tmp_path: Path, capsys, monkeypatch) -> None:
+    """`torchrun --nproc_per_node 2 -m fira_train memory --measure ...`: each process measured every
+    method, side by side (each peak taken beside another measurement, at torchrun's one thread
+    per process), and each wrote OUT/memory.md over the other's, printing the table twice."""
+    from tests.fira_train.harness_fixtures import write_corpus
+
+    write_corpus(tmp_path / "corpus")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["memory", "--measure", "--recipe", "micro", "--methods", "adamw", "--steps", "1",
+                 "--out", "mem", f"data.source={tmp_path / 'corpus'}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.vocab_size=300"]) == 1
+    assert ("memory --measure measures each method in its own process: launch it in one process, not under "
+            "torchrun (2 processes were launched)") in capsys.readouterr().err
+    assert not (tmp_path / "mem").exists()
