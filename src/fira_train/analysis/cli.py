@@ -34,6 +34,7 @@ from typing import Any, Callable
 from fira_train.analysis.variance import run_variance_analysis
 from fira_train.config.comma_list import comma_list, distinct
 from fira_train.report.markdown import command_line
+from fira_train.run.launch import launched_world_size, same_on_every_rank
 
 ANALYSES = ("similarity", "rank-sweep", "gap-sweep", "ablation", "spikes", "noise", "variance")
 
@@ -98,6 +99,7 @@ def _run(target: str, **extra: Callable[[argparse.Namespace], Any]):
     module_name, function = target.split(":")
 
     def command(args: argparse.Namespace) -> int:
+        _one_process()
         analysis = getattr(importlib.import_module(module_name), function)
         config, given = _config(args)
         out = _out(args, f"runs/analysis/{args.analysis}")
@@ -131,6 +133,16 @@ def _common(parser: argparse.ArgumentParser, name: str) -> None:
     parser.set_defaults(analysis=name)
 
 
+@same_on_every_rank()  # the launch: under torchrun every process refuses it alike
+def _one_process() -> None:
+    """ValueError under a ``torchrun`` launch of several processes: each would write OUT's files
+    over the others' (and a training analysis's runs, processes of that launch, would each refuse
+    it with a ``--parallel`` that analyze does not take)."""
+    if launched_world_size() > 1:
+        raise ValueError(f"analyze runs in one process (its runs each in their own): launch it in one process, "
+                         f"not under torchrun ({launched_world_size()} processes were launched)")
+
+
 def _out(args: argparse.Namespace, default: str) -> str:
     """``--out``, else ``default``; ValueError for an empty one (it fell back to ``default``)."""
     if args.out == "":
@@ -140,6 +152,7 @@ def _out(args: argparse.Namespace, default: str) -> str:
 
 
 def _variance(args: argparse.Namespace) -> int:
+    _one_process()
     out = _out(args, "runs/analysis/variance")
     result = run_variance_analysis(out, samples=args.samples, steps=args.steps, seed=args.seed,
                                    command=_command_line(args), machine=_machine())

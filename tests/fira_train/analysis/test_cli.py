@@ -143,3 +143,20 @@ def test_explicit_ranks_are_checked_as_before(tmp_path: Path, capsys: pytest.Cap
     # d_model itself: full rank, Fira-only-scaling's alone (the default methods include fira and galore)
     assert main(["analyze", "rank-sweep", "--recipe", "micro", "--ranks", "4,64", "--out", str(tmp_path / "x")]) == 1
     assert "rank 64 (--ranks) is d_model, full rank" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("analysis", [["variance", "--samples", "200", "--steps", "20"],
+                                      ["noise", "--recipe", "micro", "--steps", "2"]])
+def test_an_analysis_under_torchrun_is_refused_before_anything_runs(analysis: list[str], tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture,
+                                                                     monkeypatch) -> None:
+    """`torchrun --nproc_per_node 2 -m fira_train analyze variance --out OUT`: both processes wrote
+    OUT's files, and one stopped with "OUT/variance.png.tmp: No such file or directory", the other's
+    temporary file renamed under it; a training analysis's runs each refused the launch ("pass
+    --parallel ddp"), which analyze does not take."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["analyze", *analysis, "--out", str(tmp_path / "out")]) == 1
+    assert ("analyze runs in one process (its runs each in their own): launch it in one process, not under "
+            "torchrun (2 processes were launched)") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
