@@ -73,7 +73,8 @@ def distributed_session(config: RunConfig) -> Iterator[DistributedEnv]:
     """
     mode = config.train.parallel
     if config.train.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' but CUDA is not available")
+        with same_on_every_rank():  # the config on this machine: the launch's processes refuse it alike
+            raise ValueError("train.device='cuda' but CUDA is not available")
     created = not (dist.is_available() and dist.is_initialized())
     env = init_distributed(device="cpu" if config.train.device == "cpu" else None)
     try:

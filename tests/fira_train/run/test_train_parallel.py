@@ -337,6 +337,17 @@ def test_parallel_without_torchrun_or_with_world_size_and_none_is_refused(tmp_pa
         train(micro_config(tmp_path, out="other"))
 
 
+def test_cuda_asked_of_a_launch_without_cuda_is_said_once(tmp_path, monkeypatch):
+    """`torchrun --nproc_per_node 2 ... --parallel ddp train.device=cuda` on a machine without
+    CUDA: every process printed "train.device='cuda' but CUDA is not available", each the same
+    refusal of the config on the same machine; rank 0 says it for all."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="train.device='cuda' but CUDA is not available") as caught:
+        train(micro_config(tmp_path, "train.parallel=ddp", "train.device=cuda"))
+    assert getattr(caught.value, SAME_ON_EVERY_RANK, False)
+
+
 @pytest.mark.parametrize("command", [
     ["pretrain", "--recipe", "micro", "--method", "fira"],
     ["compare", "--recipe", "micro", "--methods", "fira,adamw"],
