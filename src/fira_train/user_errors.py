@@ -121,8 +121,11 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
         return _os_error(behind, args)
     peer = _peer_gone(err)
     if peer is not None:
+        # Ctrl-C reaches the processes of a launch one after another (torchrun forwards SIGINT to
+        # each in turn): one interrupted before its peers lost them first, and nothing is wrong
         return _run_again(f"another process of this torchrun launch stopped ({peer})",
-                          "its own error, printed by that process, says why; fix that", args)
+                          "if it was interrupted (Ctrl-C), nothing needs fixing; else its own error, printed by "
+                          "that process, says why: fix that", args)
     return _short_write(err, args)
 
 

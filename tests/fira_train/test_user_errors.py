@@ -215,6 +215,9 @@ def test_a_rank_whose_peer_stopped_says_so_in_one_line() -> None:
     line = describe(gloo, argparse.Namespace(out="runs/x", command="pretrain"))
     assert line.startswith("another process of this torchrun launch stopped (Connection closed by peer)")
     assert "again with --resume (the checkpoints already written in runs/x stay)" in line and "\n" not in line
+    # Ctrl-C under torchrun (SIGINT to each process in turn): the rank interrupted first printed
+    # "interrupted", the next one this line, which sent the user looking for an error none made
+    assert "stopped (Connection closed by peer): if it was interrupted (Ctrl-C), nothing needs fixing; else " in line
     # each command's own way on (compare --parallel ddp resumes too; analyze, which has no --resume, reuses)
     assert "again with --reuse" in describe(gloo, argparse.Namespace(out="runs/x", command="analyze"))
     nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network error")
