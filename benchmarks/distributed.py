@@ -275,7 +275,8 @@ def _analysis(results: dict, args: argparse.Namespace) -> list[str]:
             "matrices. No gradient is gathered.",
             f"- FSDP2, refresh step: + {refresh_extra:,} bytes (each projected gradient gathered "
             "once, on the one rank that computes its basis, plus the previous left bases' rows; "
-            "then the bases broadcast). Spread over T = 200 steps that is "
+            "then the bases broadcast). Spread over the paper's T = 200 steps (its 60M-7B recipes; `tiny`, "
+            "whose model this is, refreshes every steps / 50 = 6) that is "
             f"{refresh_extra / 200:,.0f} bytes per step.",
         ]
     ddp, split = results.get("ddp fira"), results.get("ddp fira split_refresh")
