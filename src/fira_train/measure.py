@@ -36,7 +36,7 @@ from fira_train.files import check_report_owner, locked, read_json, refuse_links
 from fira_train.memory.run_estimate import estimate_run_bytes, is_estimated
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
-from fira_train.run.launch import launched_world_size, same_on_every_rank
+from fira_train.run.launch import refuse_torchrun
 from fira_train.run.run_dir import devices_differ
 from fira_train.run.peak_memory import current_rss_bytes, env_prefix, malloc_env, reset_rss_peak, rss_peak_bytes
 from fira_train.run.train import train_step
@@ -118,12 +118,9 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     file under a lock (``OUT/.memory.lock``), so several such commands may measure into one folder
     side by side (on CUDA, ``max_memory_allocated`` is per process).
     """
-    with same_on_every_rank():  # the launch: under torchrun every process refuses it alike
-        if launched_world_size() > 1:
-            # each process would measure beside the others, each peak taken under their load, and
-            # write OUT/memory.md over theirs
-            raise ValueError(f"memory --measure measures each method in its own process: launch it in one "
-                             f"process, not under torchrun ({launched_world_size()} processes were launched)")
+    # each process would measure beside the others, each peak taken under their load, and write
+    # OUT/memory.md over theirs
+    refuse_torchrun("memory --measure measures each method in its own process")
     out_dir = Path(out_dir)
     refuse_links(out_dir)
     refuse_spec_keys(specs, ("train.steps",), f"memory --measure trains {steps} steps of every method (--steps)")

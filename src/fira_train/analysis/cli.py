@@ -34,7 +34,7 @@ from typing import Any, Callable
 from fira_train.analysis.variance import run_variance_analysis
 from fira_train.config.comma_list import comma_list, distinct
 from fira_train.report.markdown import command_line
-from fira_train.run.launch import launched_world_size, same_on_every_rank
+from fira_train.run.launch import refuse_torchrun
 
 ANALYSES = ("similarity", "rank-sweep", "gap-sweep", "ablation", "spikes", "noise", "variance")
 
@@ -133,14 +133,11 @@ def _common(parser: argparse.ArgumentParser, name: str) -> None:
     parser.set_defaults(analysis=name)
 
 
-@same_on_every_rank()  # the launch: under torchrun every process refuses it alike
 def _one_process() -> None:
-    """ValueError under a ``torchrun`` launch of several processes: each would write OUT's files
-    over the others' (and a training analysis's runs, processes of that launch, would each refuse
-    it with a ``--parallel`` that analyze does not take)."""
-    if launched_world_size() > 1:
-        raise ValueError(f"analyze runs in one process (its runs each in their own): launch it in one process, "
-                         f"not under torchrun ({launched_world_size()} processes were launched)")
+    """Refuse a ``torchrun`` launch of several processes: each would write OUT's files over the
+    others' (and a training analysis's runs, processes of that launch, would each refuse it with
+    a ``--parallel`` that analyze does not take)."""
+    refuse_torchrun("analyze runs in one process (its runs each in their own)")
 
 
 def _out(args: argparse.Namespace, default: str) -> str:

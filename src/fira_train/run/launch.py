@@ -19,6 +19,17 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def refuse_torchrun(what: str) -> None:
+    """ValueError under a ``torchrun`` launch of several processes, for a command whose processes
+    would each do all of its work into the same ``--out`` (``what``: how it runs, e.g. "sweep runs
+    each training in its own process (--jobs)"). Every process raises it alike: rank 0 prints it."""
+    if launched_world_size() > 1:
+        error = ValueError(f"{what}: launch it in one process, not under torchrun ({launched_world_size()} processes "
+                           "were launched); torchrun launches pretrain or compare with --parallel ddp|fsdp2")
+        setattr(error, SAME_ON_EVERY_RANK, True)
+        raise error
+
+
 #: Set on an error that every process of a launch raises alike (:func:`same_on_every_rank`).
 SAME_ON_EVERY_RANK = "fira_same_on_every_rank"
 

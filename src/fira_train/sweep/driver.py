@@ -22,7 +22,7 @@ from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import DamagedFileError, check_report_owner, read_json, refuse_links
 from fira_train.provenance import code_version
-from fira_train.run.launch import launched_world_size, same_on_every_rank
+from fira_train.run.launch import refuse_torchrun, same_on_every_rank
 from fira_train.sweep.grid import RunKey, RunResult, execute, grid_runs, seed_runs
 from fira_train.sweep.report import REPORT_TITLE, plot_lr, read_runs, write_json, write_markdown
 from fira_train.sweep.summary import MethodSummary, summarize
@@ -107,13 +107,10 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
     """Train the sweep (grid, then seeds at each chosen lr) and write its files; the report's path
     and the summary rows."""
     code_version()  # read now: a diverged run's marker records the code this process loaded
-    with same_on_every_rank():  # the command line and the launch: under torchrun every process refuses it alike
-        if launched_world_size() > 1:
-            # each process would sweep into the same --out, and each run's process, a process of
-            # that launch, would refuse train.parallel='none' and suggest --parallel, refused below
-            raise ValueError(f"sweep runs each training in its own process (--jobs): launch it in one process, "
-                             f"not under torchrun ({launched_world_size()} processes were launched); "
-                             "torchrun launches pretrain or compare with --parallel ddp|fsdp2")
+    # each process would sweep into the same --out, and each run's process, a process of that
+    # launch, would refuse train.parallel='none' and suggest --parallel, refused below
+    refuse_torchrun("sweep runs each training in its own process (--jobs)")
+    with same_on_every_rank():  # the command line: under torchrun every process refuses it alike
         if config.train.parallel != "none":
             raise ValueError(f"sweep runs each training in its own process (--jobs); train.parallel="
                              f"{config.train.parallel!r} is not supported: launch pretrain under torchrun instead")
