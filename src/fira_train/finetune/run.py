@@ -18,7 +18,7 @@ from fira_train.finetune.data import load_records, load_validation
 from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
 from fira_train.finetune.report import REPORT_TITLE, render_report
-from fira_train.finetune.checkpoints import checkpoint_dir
+from fira_train.finetune.checkpoints import checkpoint_dir, checkpoint_folders
 from fira_train.finetune.train import prepare_model, remove_checkpoints, resume_point, train_model
 from fira_train.files import check_report_owner, dumps, refuse_links, write_text_atomic
 from fira_train.methods.pretrained import load_causal_lm
@@ -80,8 +80,11 @@ def _refuse_earlier_results(config: FinetuneConfig) -> None:
     check_report_owner(config.out_dir, (REPORT_TITLE,), "finetune", overwrite=config.overwrite)
     if (config.out_dir / "results.json").exists() and not config.overwrite:
         left = checkpoint_dir(config)
+        # its checkpoint-<step> folders: the cleanup leaves what the run did not write there (a
+        # trainer/ package of the user's, --out .), which the hint must not tell them to delete
         stale = (f"; {left} holds checkpoints left by a start stopped after writing these results, which "
-                 "need them no more: delete them" if left.is_dir() else "")
+                 "need them no more: delete its checkpoint-<step> folders"
+                 if left.is_dir() and not left.is_symlink() and checkpoint_folders(left) else "")
         raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
                             f"--overwrite to replace them, or choose another --out{stale}")
 

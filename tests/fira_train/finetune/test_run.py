@@ -1037,3 +1037,28 @@ def test_a_target_module_that_selects_nothing_is_warned_of_once(tiny_model_dir, 
              "--scoring", "generate", "--max-eval", "2", "--max-new-tokens", "2", "--out", str(tmp_path / "o")])
     typo = [w for w in recwarn if "'v_prj'] select no trainable nn.Linear weight" in str(w.message)]
     assert len(typo) == 1, [str(w.message) for w in recwarn]
+
+
+def test_earlier_results_name_leftover_checkpoints_only_where_there_are_some(tmp_path):
+    """The refusal of a start over earlier results said "OUT/trainer holds checkpoints left by a
+    start stopped after writing these results, ...: delete them" wherever OUT/trainer existed.
+    Since the cleanup leaves the files a run did not write (``--out .`` in a project with a
+    trainer/ package of its own), a finished run's folder still has a trainer/ holding none: the
+    hint told the user to delete their own package. It is said only of checkpoint-<step> folders."""
+    from types import SimpleNamespace
+
+    from fira_train.finetune.run import _refuse_earlier_results
+    from fira_train.finetune.train import remove_checkpoints
+
+    out = tmp_path / "project"
+    (out / "trainer" / "checkpoint-2").mkdir(parents=True)
+    (out / "trainer" / "__init__.py").write_text("# the user's package\n")
+    (out / "results.json").write_text("{}")
+    config = SimpleNamespace(out_dir=out, overwrite=False)
+    with pytest.raises(FinetuneError, match="holds checkpoints left by a start"):  # a stop before the cleanup
+        _refuse_earlier_results(config)
+    remove_checkpoints(config)  # what a finished run does once its results are written
+    assert sorted(p.name for p in (out / "trainer").iterdir()) == ["__init__.py"]
+    with pytest.raises(FinetuneError, match="already holds the results of a run") as refused:
+        _refuse_earlier_results(config)
+    assert "trainer" not in str(refused.value) and "delete" not in str(refused.value)
