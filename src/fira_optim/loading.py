@@ -27,16 +27,19 @@ Refused too, naming the parameter, the key and the value (:func:`check_structure
 from elsewhere), which loaded without a word and then trained NaN, on a fresh state or with
 options the constructor refuses, or failed inside torch with an error naming nothing. That is a
 ``state`` that is not a dict of dicts, a state keyed by an id no group lists (torch drops it, and
-its parameter starts again from zeros), an id listed twice; a state tensor with NaN or Inf, a
-second moment (a sum of squares), a norm or a scale with a negative entry, a tensor on the meta
-device, a complex one for a real parameter (torch drops its imaginary part), a value that is not
-a tensor where the optimizer keeps one; a ``step`` that is not one whole number >= 0; a group
-option out of the range the constructor accepts (``lr=nan``, ``update_proj_gap=0``).
+its parameter starts again from zeros), an id listed twice; a second moment (a sum of squares), a
+norm or a scale with a negative entry, a tensor on the meta device, a complex one for a real
+parameter (torch drops its imaginary part), a value that is not a tensor where the optimizer
+keeps one; a ``step`` that is not one whole number >= 0; a group option out of the range the
+constructor accepts (``lr=nan``, ``update_proj_gap=0``).
 
 Warned of: a group saved with another algorithm (``residual``, ``scaling``, ``limiter``,
 ``arithmetic``, ``only_scaling``, ``projector``) than the group it loads into. Loading restores
 every group option, as torch's optimizers do, so the run goes on as it was saved; a user who
-built a GaLore optimizer to resume a Fira checkpoint got Fira without a word.
+built a GaLore optimizer to resume a Fira checkpoint got Fira without a word. Warned of, and
+loaded: state tensors with NaN or Inf entries, which a step can leave (a finite gradient above
+about 1.8e19 of a parameter that is not projected overflows its second moment, as in
+``torch.optim.AdamW``; ``nonfinite="ignore"``), so that such a run can still be resumed.
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ def check_values(current_groups: list[dict], saved: dict[str, Any]) -> None:
     the parameter (as it is in this optimizer), the key and the value. ``saved`` has passed
     :func:`check_structure` and :func:`check_layout`: its groups pair with these."""
     state = saved.get("state", {})
+    nonfinite: list[str] = []
     for gi, (group, old) in enumerate(zip(current_groups, saved["param_groups"])):
         for pi, (p, pid) in enumerate(zip(group["params"], old.get("params", []))):
             for key, value in state.get(pid, {}).items():
@@ -173,9 +177,20 @@ def check_values(current_groups: list[dict], saved: dict[str, Any]) -> None:
                     problem = _tensor_problem(p, key, value)
                 else:
                     continue
-                if problem:
+                if problem == NONFINITE:
+                    nonfinite.append(f"{key!r} of {param_name(gi, pi, p, group)}")
+                elif problem:
                     raise ValueError(f"the state dict's {key!r} of {param_name(gi, pi, p, group)} {problem}: "
                                      "the state is damaged, or was not saved by an optimizer step; nothing was loaded")
+    if nonfinite:
+        # A step can leave them: a finite gradient above ~1.8e19 of a parameter that is not
+        # projected overflows its second moment to Inf (torch.optim.AdamW's too), and
+        # nonfinite="ignore" lets NaN through. Refused, such a run could not be resumed at all;
+        # loaded, it goes on as it would have.
+        more = f" and {len(nonfinite) - 3} more" if len(nonfinite) > 3 else ""
+        warnings.warn(f"the state dict holds NaN or Inf in {', '.join(nonfinite[:3])}{more}: loaded as saved, so "
+                      "the run goes on as it would have (those entries' updates are NaN or zero); a damaged "
+                      "checkpoint, or one an overflowing step left", UserWarning, stacklevel=caller_level())
 
 
 def _step_problem(value: Any) -> str | None:
@@ -201,9 +216,15 @@ def _step_problem(value: Any) -> str | None:
     return None
 
 
+#: What :func:`_tensor_problem` says of a state tensor whose only fault is NaN or Inf entries:
+#: warned of, and loaded (:func:`check_values`).
+NONFINITE = "holds NaN or Inf"
+
+
 def _tensor_problem(p: torch.Tensor, key: str, value: Any) -> str | None:
-    """Why ``value`` is not a state tensor of ``p`` under ``key``, or None (its shape and dtype
-    against the group are :func:`fira_optim.optimizer._check_state`'s, once loaded)."""
+    """Why ``value`` is not a state tensor of ``p`` under ``key`` (:data:`NONFINITE` where NaN or
+    Inf entries are all that is wrong), or None (its shape and dtype against the group are
+    :func:`fira_optim.optimizer._check_state`'s, once loaded)."""
     if not isinstance(value, torch.Tensor):
         return f"is {_shown(value)}, not a tensor"
     local = distributed.to_local(value).detach()  # a DTensor: this rank's block
@@ -224,11 +245,11 @@ def _tensor_problem(p: torch.Tensor, key: str, value: Any) -> str | None:
     finite = bool(torch.isfinite(low)) and bool(torch.isfinite(high))
     if finite and not (negative and bool(low < 0)):
         return None
-    nonfinite = int((~torch.isfinite(flat)).sum())
-    if nonfinite:
-        return f"holds NaN or Inf ({nonfinite} of {flat.numel()} entries)"
-    what = "a sum of squares" if key in precision.ROOT else "a norm" if key == "prev_norm" else "a scale"
-    return f"holds negative entries (the smallest {float(flat.min()):g}), where {what} is never negative"
+    below = flat[flat < 0] if negative else flat[:0]  # -Inf too; NaN is not below 0
+    if below.numel():
+        what = "a sum of squares" if key in precision.ROOT else "a norm" if key == "prev_norm" else "a scale"
+        return f"holds negative entries (the smallest {float(below.min()):g}), where {what} is never negative"
+    return NONFINITE
 
 
 def check_group_options(saved: dict[str, Any]) -> None:

@@ -565,18 +565,15 @@ def _filled_with(number):
 _PLAIN = r"param_groups\[1\]\['params'\]\[0\]"
 _MATRIX = r"param_groups\[0\]\['params'\]\[0\]"
 MALFORMED = {
-    # values that loaded without a word and then trained NaN (or not at all)
-    "nan-moment": (_set(3, "exp_avg", _filled_with(float("nan"))), rf"'exp_avg' of {_PLAIN}.*NaN or Inf"),
-    "inf-low-rank-moment": (_set(0, "exp_avg", _filled_with(float("inf"))), rf"'exp_avg' of {_MATRIX}.*NaN or Inf"),
+    # values that no step leaves, loaded without a word
     "negative-second-moment": (_set(3, "exp_avg_sq", _filled_with(-1.0)),
                                rf"'exp_avg_sq' of {_PLAIN}.*negative.*-1"),
     "negative-low-rank-second-moment": (_set(0, "exp_avg_sq", lambda e: -e["exp_avg_sq"] - 1),
                                         rf"'exp_avg_sq' of {_MATRIX}.*negative"),
-    "nan-basis": (_set(0, "basis", lambda e: torch.full_like(e["basis"], float("nan"))),
-                  rf"'basis' of {_MATRIX}.*NaN or Inf"),
-    "nan-limiter-norm": (_set(0, "prev_norm", torch.tensor(float("nan"))), rf"'prev_norm' of {_MATRIX}.*NaN or Inf"),
     "nan-step": (_set(3, "step", torch.tensor(float("nan"))), rf"'step' of {_PLAIN}.*nan"),
     "negative-step": (_set(3, "step", torch.tensor(-5.0)), rf"'step' of {_PLAIN}.*-5"),
+    "negative-and-nan-second-moment": (_set(3, "exp_avg_sq", lambda e: torch.tensor([float("nan"), -2.0] * 3 + [1.0])),
+                                       rf"'exp_avg_sq' of {_PLAIN}.*negative.*-2"),
     "fractional-step": (_set(3, "step", torch.tensor(2.5)), rf"'step' of {_PLAIN}.*2\.5"),
     "string-step": (_set(3, "step", "4"), rf"'step' of {_PLAIN}.*'4'"),
     "huge-int-step": (_set(3, "step", 10**400), rf"'step' of {_PLAIN}.*1000000"),
@@ -627,6 +624,42 @@ def test_a_malformed_state_dict_is_refused_naming_the_key_and_value(case):
     with pytest.raises(ValueError, match=message):
         opt.load_state_dict(sd)
     assert_states_equal(state_snapshot(opt), before)  # nothing was loaded
+
+
+@pytest.mark.parametrize("case", ["nan-moment", "inf-low-rank-moment", "nan-basis", "nan-limiter-norm"])
+def test_a_state_with_nan_or_inf_loads_as_saved_with_a_warning(case):
+    """NaN or Inf in a state is what a step can leave (an overflowing second moment,
+    ``nonfinite="ignore"``): loaded as saved, with one warning naming where, not refused (such a
+    run could not be resumed at all)."""
+    mutate, index, key, where = {
+        "nan-moment": (_set(3, "exp_avg", _filled_with(float("nan"))), 3, "exp_avg", _PLAIN),
+        "inf-low-rank-moment": (_set(0, "exp_avg", _filled_with(float("inf"))), 0, "exp_avg", _MATRIX),
+        "nan-basis": (_set(0, "basis", lambda e: torch.full_like(e["basis"], float("nan"))), 0, "basis", _MATRIX),
+        "nan-limiter-norm": (_set(0, "prev_norm", torch.tensor(float("nan"))), 0, "prev_norm", _MATRIX),
+    }[case]
+    sd = _trained_state_dict()
+    mutate(sd)
+    params = make_params(SHAPES)
+    opt = _optimizer(params)
+    with pytest.warns(UserWarning, match=rf"holds NaN or Inf in '{key}' of {where}.*loaded as saved") as caught:
+        opt.load_state_dict(sd)
+    assert len([w for w in caught if "NaN or Inf" in str(w.message)]) == 1
+    loaded = opt.state[params[index]][key]
+    assert not torch.isfinite(loaded).all()
+
+
+def test_a_second_moment_an_overflowing_step_left_resumes_bit_for_bit():
+    """A finite gradient of 3e21 on the bias (not projected) makes its second moment Inf, as in
+    torch.optim.AdamW: the checkpoint was refused as damaged, and the run could not be resumed.
+    It loads now, with a warning, and goes on as the uninterrupted run does."""
+    grads = grad_sequence(SHAPES, 6, seed=22)
+    grads[1][3] = torch.full_like(grads[1][3], 3e21)
+    straight, straight_opt = _uninterrupted({}, grads)
+    assert torch.isinf(straight_opt.state[straight[3]]["exp_avg_sq"]).all()
+    with pytest.warns(UserWarning, match=r"holds NaN or Inf in 'exp_avg_sq' of param_groups\[1\]"):
+        resumed, resumed_opt = _resumed({}, grads, 3)
+    assert_params_equal(resumed, straight)
+    assert_states_equal(state_snapshot(resumed_opt), state_snapshot(straight_opt))
 
 
 def test_a_state_dict_at_the_edges_of_the_checks_loads():
