@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from fira_train.data.corpus import DIGEST_CHUNK, Corpus, PackedCorpus
-from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint
+from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint, save_array
 from fira_train.data.documents import (
     corpus_identity,
     list_corpus_files,
@@ -206,9 +206,9 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
             "encoding": ENCODING,
         }
         with atomic_directory(entry) as temp:
-            np.save(temp / "train.npy", train)
-            np.save(temp / "val.npy", val)
-            np.save(temp / "test.npy", test)
+            save_array(temp / "train.npy", train)  # a full disk named as such, with the file
+            save_array(temp / "val.npy", val)
+            save_array(temp / "test.npy", test)
             meta["sha256"] = file_digests(temp, TOKEN_FILES)
             (temp / "meta.json").write_text(json.dumps(meta, indent=1))
     else:

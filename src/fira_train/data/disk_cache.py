@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from fira_train.files import file_digest, fsync_dir
 
 CACHE_ENV_VAR = "FIRA_CACHE"
@@ -48,6 +50,25 @@ def check_digests(directory: Path, recorded: object, names: tuple[str, ...]) -> 
     for name in names:
         if recorded.get(name) != file_digest(directory / name):
             raise ValueError(f"{name} does not match the SHA-256 recorded when it was written")
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    """``np.save(path, array)`` whose failed write is an OSError with its errno and ``path``.
+
+    numpy writes the data with ``ndarray.tofile``, whose short write (a full disk, a file-size
+    limit) is an OSError without errno or file name ("2304053 requested and 1032128 written"):
+    the user saw only that, not that the cache was full, nor where. The data is written here by
+    Python's own file object instead, whose error says both (and so names the cache folder).
+    """
+    array = np.ascontiguousarray(array)
+    try:
+        with open(path, "wb") as handle:
+            np.lib.format.write_array_header_1_0(handle, np.lib.format.header_data_from_array_1_0(array))
+            handle.write(memoryview(array.reshape(-1)).cast("B"))
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
 
 
 def _fsync_tree(root: Path) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -554,3 +557,31 @@ def test_a_missing_source_close_to_a_corpus_name_suggests_it(tmp_path: Path) -> 
         build_corpus(spec_for("wikii", tmp_path / "cache"))
     with pytest.raises(FileNotFoundError, match=r"does not exist$"):  # a path: no corpus name to suggest
         build_corpus(spec_for(str(tmp_path / "wiki"), tmp_path / "cache"))
+
+
+def test_a_token_cache_that_cannot_be_written_whole_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    """numpy writes an array with ``tofile``, whose short write (a full disk, a file-size limit) is
+    an OSError without an errno: the user saw "error: 2304053 requested and 1032128 written", not
+    that the cache was full, nor where. A real file-size limit (``ulimit -f``: EFBIG, as a full
+    disk gives ENOSPC) in a child process."""
+    path = write_jsonl(tmp_path / "corpus.jsonl", make_docs(3000))
+    cache = tmp_path / "cache"
+    code = (
+        "import resource, sys\n"
+        "from fira_train.data.build import build_corpus\n"
+        "from fira_train.user_errors import describe\n"
+        "from tests.fira_train.data.data_fixtures import spec_for\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    build_corpus(spec_for(sys.argv[1], sys.argv[2]))\n"
+        "except OSError as err:\n"
+        "    print(err.errno, err.filename, sep='\\n')\n"
+        "    print(describe(err))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(path), str(cache)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[3])
+    assert done.returncode == 0, done.stderr
+    number, filename, message = done.stdout.splitlines()[-3:]
+    assert number == str(errno.EFBIG) and Path(filename).name == "train.npy", done.stdout
+    assert Path(filename).is_relative_to(cache / "tokens") and "grew past the largest" in message
+    assert not list((cache / "tokens").iterdir())  # no partial entry left behind
