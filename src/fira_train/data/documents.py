@@ -11,7 +11,8 @@ Local formats (by suffix, each optionally gzip-compressed with a trailing ``.gz`
 * ``.json``: a JSON array of such objects, or, if the file does not start with ``[``, JSON
   lines (C4 ships its JSON lines as ``c4-train.00000-of-01024.json.gz``).
 
-A folder is read recursively: files with these suffixes, in sorted path order, others ignored.
+A folder is read recursively, links to files and folders followed: files with these suffixes, in
+sorted path order, others ignored.
 Documents that are empty or whitespace only are dropped; other texts are kept verbatim.
 """
 
@@ -111,17 +112,31 @@ def list_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
     if not root.is_dir():  # a device, a FIFO, a socket: rglob would list nothing and call it a folder
         raise ValueError(f"data source {str(path)!r} is neither a file nor a folder (a device, a FIFO or a socket): "
                          "give a corpus file or a folder of them")
-    files = sorted(
-        p for p in root.rglob("*")
-        # hidden files and anything under a hidden folder (.git, .ipynb_checkpoints) are not the corpus
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
-        and _suffix(p) in SUPPORTED_SUFFIXES
-    )
+    files = sorted(p for p in _walk_files(root) if _suffix(p) in SUPPORTED_SUFFIXES)
     if not files:
         raise ValueError(
             f"data source folder {str(path)!r} holds no {', '.join(SUPPORTED_SUFFIXES)} files (optionally .gz)"
         )
     return files
+
+
+def _walk_files(root: Path) -> Iterator[Path]:
+    """The files under ``root``, linked folders followed as linked files are: pathlib's ``rglob``
+    does not follow a link to a folder, so shards kept elsewhere and linked in were left out,
+    silently. Hidden files and anything under a hidden folder (.git, .ipynb_checkpoints) are not
+    the corpus; a folder already entered (a link back up the tree) is not entered again."""
+    entered: set[str] = set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in entered:
+            subfolders[:] = []
+            continue
+        entered.add(real)
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        for name in names:
+            path = Path(folder, name)
+            if not name.startswith(".") and path.is_file():
+                yield path
 
 
 def corpus_identity(files: list[Path], root: str | os.PathLike[str]) -> str:

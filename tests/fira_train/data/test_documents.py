@@ -155,3 +155,25 @@ def test_a_source_that_is_neither_file_nor_folder_is_named_for_what_it_is() -> N
 
     with pytest.raises(ValueError, match=r"'/dev/null' is neither a file nor a folder \(a device"):
         list_corpus_files("/dev/null")
+
+
+def test_a_linked_folder_is_read_as_a_linked_file_is(tmp_path: Path) -> None:
+    """Shards kept elsewhere and linked into the corpus folder: a linked file was read, a linked
+    folder silently left out (pathlib's rglob does not follow links to folders), so a corpus of
+    linked shard folders trained on a part of itself, or was "a folder without files". A link
+    back up the tree is read once, not followed for ever."""
+    shared = tmp_path / "shared"
+    (shared / "deep").mkdir(parents=True)
+    (shared / "a.txt").write_text("linked folder")
+    (shared / "deep" / "b.txt").write_text("linked folder, deeper")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "own.txt").write_text("own file")
+    (corpus / "shards").symlink_to(shared, target_is_directory=True)
+    (corpus / "loop").symlink_to(corpus, target_is_directory=True)
+    (shared / "up").symlink_to(shared, target_is_directory=True)
+    files = documents.list_corpus_files(corpus)
+    assert [f.relative_to(corpus).as_posix() for f in files] == ["own.txt", "shards/a.txt", "shards/deep/b.txt"]
+    (corpus / "own.txt").unlink()
+    only_links = documents.list_corpus_files(corpus)  # it said the folder held no files
+    assert [f.relative_to(corpus).as_posix() for f in only_links] == ["shards/a.txt", "shards/deep/b.txt"]
