@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,10 @@ import numpy as np
 from fira_train.files import file_digest, fsync_dir
 
 CACHE_ENV_VAR = "FIRA_CACHE"
+#: Seconds after which a ``.tmp-*`` folder nothing was written into is a killed writer's: a live
+#: writer creates its temporary folder only once its data is made, and writes into it until done.
+ABANDONED_AFTER_S = 3600
+TEMP_PREFIX = ".tmp-"
 
 
 def default_cache_dir() -> Path:
@@ -82,16 +87,36 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(root)
 
 
+def _remove_abandoned(parent: Path) -> None:
+    """Remove the temporary folders in ``parent`` untouched for :data:`ABANDONED_AFTER_S`: a
+    writer killed before its ``finally`` (``kill -9``, the out-of-memory killer, a scheduler's
+    SIGTERM) left one for ever, never used and as large as a tokenized corpus. By age, not by
+    process id: a cache shared by machines or containers cannot tell another one's live writer."""
+    deadline = time.time() - ABANDONED_AFTER_S
+    with contextlib.suppress(OSError):  # a folder that cannot be listed: nothing to tidy
+        for child in parent.iterdir():
+            if not child.name.startswith(TEMP_PREFIX) or child.is_symlink() or not child.is_dir():
+                continue
+            try:
+                touched = max([child.stat().st_mtime, *(p.stat().st_mtime for p in child.iterdir())])
+            except OSError:  # removed meanwhile (by its writer, or another process tidying)
+                continue
+            if touched < deadline:
+                shutil.rmtree(child, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
     """Yield an empty temporary directory that replaces nothing and becomes ``final`` on success.
 
     If ``final`` appeared meanwhile (another process built the same entry), the temporary copy
     is discarded: entries are content-addressed, so both copies are equivalent. On an exception
-    the temporary directory is removed and ``final`` is left untouched.
+    the temporary directory is removed and ``final`` is left untouched; one left by a writer that
+    was killed is removed by a later write into the same folder (:func:`_remove_abandoned`).
     """
     final.parent.mkdir(parents=True, exist_ok=True)
-    temp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    _remove_abandoned(final.parent)
+    temp = final.parent / f"{TEMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp.mkdir()
     try:
         yield temp

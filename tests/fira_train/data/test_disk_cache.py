@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from fira_train.data.disk_cache import atomic_directory
+from fira_train.data.disk_cache import ABANDONED_AFTER_S, atomic_directory
 
 
 def test_atomic_directory_publishes_complete_entries_only(tmp_path: Path) -> None:
@@ -22,3 +27,30 @@ def test_atomic_directory_publishes_complete_entries_only(tmp_path: Path) -> Non
         (temp / "data").write_text("second")
     assert (final / "data").read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["entry"]
+
+
+def test_the_temporary_folder_of_a_killed_writer_is_removed_once_abandoned(tmp_path: Path) -> None:
+    """A build killed while writing its entry (``kill -9``, the out-of-memory killer, a scheduler's
+    SIGTERM: no ``finally`` runs) left its ``.tmp-*`` folder in the cache for ever: never used,
+    never removed, as large as a tokenized corpus. A later write into the same folder removes
+    those untouched for :data:`ABANDONED_AFTER_S`; a recent one may be a live writer's and stays."""
+    code = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from fira_train.data.disk_cache import atomic_directory\n"
+        "with atomic_directory(Path(sys.argv[1])) as temp:\n"
+        "    (temp / 'train.npy').write_bytes(b'half of the ids')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    tokens = tmp_path / "tokens"
+    for key in ("old", "recent"):
+        done = subprocess.run([sys.executable, "-c", code, str(tokens / key)], capture_output=True, timeout=60)
+        assert done.returncode == -signal.SIGKILL, done.stderr
+    (old,) = tokens.glob(".tmp-old-*")
+    (recent,) = tokens.glob(".tmp-recent-*")
+    long_ago = time.time() - ABANDONED_AFTER_S - 60
+    for path in (old / "train.npy", old):
+        os.utime(path, (long_ago, long_ago))
+    with atomic_directory(tokens / "next") as temp:
+        (temp / "data").write_text("complete")
+    assert sorted(p.name for p in tokens.iterdir()) == sorted(["next", recent.name])
