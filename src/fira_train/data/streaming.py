@@ -108,6 +108,7 @@ def iter_texts(dataset: Any, split: str, files: Sequence[str] = ()) -> Iterator[
     """Non-blank ``"text"`` fields of a streamed split (blank ones are skipped, as everywhere);
     ``files``, the split's local files, are named if one cannot be read."""
     rows = iter(dataset)
+    named = f" (files {_named(list(files))})" if files else ""
     for number in itertools.count():
         try:
             row = next(rows)
@@ -116,12 +117,13 @@ def iter_texts(dataset: Any, split: str, files: Sequence[str] = ()) -> Iterator[
         except Exception as exc:  # noqa: BLE001 -- a damaged shard: gzip, JSON or arrow errors
             if not _damaged_shard(exc):
                 raise
-            named = f" (files {_named(list(files))})" if files else ""
             raise ValueError(f"C4 {split} split{named}: reading the record after {number} good ones failed "
                              f"(a damaged file?): {type(exc).__name__}: {exc}") from None
         text = row.get("text") if isinstance(row, Mapping) else None
-        if not isinstance(text, str):
-            raise ValueError(f"C4 {split} split: record {number} has no string 'text' field")
+        if not isinstance(text, str):  # the files named, as for a damaged record: a split may have hundreds
+            got = repr(text) if isinstance(row, Mapping) else f"a {type(row).__name__} record"
+            raise ValueError(f"C4 {split} split{named}: record {number} (counted from 0 in the order read) has no "
+                             f"string 'text' field (got {got[:80]})")
         if text.strip():
             yield text
 

@@ -267,3 +267,18 @@ def test_c4_short_validation_split_is_a_clear_error(c4_folder: Path, tmp_path: P
         build_corpus(spec_for(f"c4:{c4_folder}", tmp_path, val_sequences=1000))
     with pytest.raises(ValueError, match="test set.*test_sequences"):
         build_corpus(spec_for(f"c4:{c4_folder}", tmp_path, val_sequences=3, test_sequences=1000))
+
+
+@pytest.mark.parametrize("record", ['{"txt": "a typo in the key"}', '{"text": null}'])
+def test_a_c4_record_without_text_names_the_files(tmp_path: Path, record: str) -> None:
+    """A record of a local shard without a string "text" said "C4 train split: record 40 has no
+    string 'text' field", naming no file of the hundreds a split may hold (a damaged record named
+    them), nor what the record held."""
+    folder = write_c4_folder(tmp_path / "en", make_docs(60), make_docs(20, seed=1))
+    shard = folder / "c4-train.00000-of-00002.json"
+    lines = shard.read_text().splitlines()
+    lines[10] = record
+    shard.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"C4 train split \(files .*c4-train.00000-of-00002.json'.*\): record 10 "
+                                         r"\(counted from 0 in the order read\) has no string 'text' field \(got None\)"):
+        build_corpus(spec_for(f"c4:{folder}", tmp_path / "cache"))
