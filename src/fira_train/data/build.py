@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from fira_train.data.corpus import DIGEST_CHUNK, Corpus, PackedCorpus
-from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint, save_array
+from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint, save_pieces
 from fira_train.data.documents import (
     corpus_identity,
     list_corpus_files,
@@ -52,8 +52,9 @@ from fira_train.data.streaming import build_c4_corpus
 from fira_train.data.tokenizer import (
     BPE,
     build_tokenizer,
-    encode_documents,
+    iter_encoded_documents,
     load_pretrained_tokenizer,
+    token_dtype,
     tokenizer_fingerprint,
 )
 from fira_train.files import file_digest, parse_json, read_regular_text
@@ -190,27 +191,24 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
         docs, train_idx, val_idx, test_idx = split_corpus()
         logger.info("tokenizing %d training, %d validation and %d test documents",
                     len(train_idx), len(val_idx), len(test_idx))
-        train = encode_documents(tokenizer, [docs[i] for i in train_idx], max_tokens=cap)
-        val = encode_documents(tokenizer, [docs[i] for i in val_idx])
-        test = encode_documents(tokenizer, [docs[i] for i in test_idx])
-        meta = {
+        meta: dict[str, Any] = {
             "source": spec.source,
             "train_documents": len(train_idx),
             "val_documents": len(val_idx),
             "test_documents": len(test_idx),
-            "train_tokens": len(train),
-            "val_tokens": len(val),
-            "test_tokens": len(test),
-            "max_train_tokens": cap,
-            "vocab_size": len(tokenizer),
-            "encoding": ENCODING,
         }
+        dtype = token_dtype(len(tokenizer))
         with atomic_directory(entry) as temp:
-            save_array(temp / "train.npy", train)  # a full disk named as such, with the file
-            save_array(temp / "val.npy", val)
-            save_array(temp / "test.npy", test)
+            # each split goes to its file a chunk of documents at a time (see save_pieces), and is
+            # served from that file as a warm build's is, not from this process's memory
+            for name, indices, limit in (("train", train_idx, cap), ("val", val_idx, None), ("test", test_idx, None)):
+                ids = iter_encoded_documents(tokenizer, [docs[i] for i in indices], max_tokens=limit)
+                meta[f"{name}_tokens"] = save_pieces(temp / f"{name}.npy", ids, dtype)
+            meta.update(max_train_tokens=cap, vocab_size=len(tokenizer), encoding=ENCODING)
             meta["sha256"] = file_digests(temp, TOKEN_FILES)
             (temp / "meta.json").write_text(json.dumps(meta, indent=1))
+        # the entry as written (or as another process that built the same key wrote it: the same ids)
+        train, val, test = (np.load(entry / name, mmap_mode="r", allow_pickle=False) for name in TOKEN_FILES)
     else:
         train, val, test, meta = cached
     needed = spec.val_sequences * spec.seq_len

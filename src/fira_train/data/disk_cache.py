@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -57,23 +58,43 @@ def check_digests(directory: Path, recorded: object, names: tuple[str, ...]) -> 
             raise ValueError(f"{name} does not match the SHA-256 recorded when it was written")
 
 
-def save_array(path: Path, array: np.ndarray) -> None:
-    """``np.save(path, array)`` whose failed write is an OSError with its errno and ``path``.
+def save_pieces(path: Path, pieces: Iterable[np.ndarray], dtype: np.dtype) -> int:
+    """Write the 1-D ``pieces`` (of ``dtype``) one after another as one ``.npy`` array at ``path``,
+    one piece in memory at a time; return its length.
 
-    numpy writes the data with ``ndarray.tofile``, whose short write (a full disk, a file-size
-    limit) is an OSError without errno or file name ("2304053 requested and 1032128 written"):
-    the user saw only that, not that the cache was full, nor where. The data is written here by
-    Python's own file object instead, whose error says both (and so names the cache folder).
+    The header is written first for no elements and again at the end for all of them (numpy pads
+    it so that the length can grow in place): a corpus's ids joined in memory before ``np.save``
+    were held twice at the join, the largest allocation of a cold build. And a failed write is an
+    OSError with its errno and ``path``: numpy's ``ndarray.tofile`` reports a short write (a full
+    disk, a file-size limit) without either ("2304053 requested and 1032128 written"), so the user
+    saw neither that the cache was full nor where.
     """
-    array = np.ascontiguousarray(array)
+    dtype = np.dtype(dtype)
+
+    def header(length: int) -> bytes:
+        buffer = io.BytesIO()
+        np.lib.format.write_array_header_1_0(buffer, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                                      "fortran_order": False, "shape": (length,)})
+        return buffer.getvalue()
+
+    total = 0
     try:
         with open(path, "wb") as handle:
-            np.lib.format.write_array_header_1_0(handle, np.lib.format.header_data_from_array_1_0(array))
-            handle.write(memoryview(array.reshape(-1)).cast("B"))
+            handle.write(header(0))
+            for piece in pieces:
+                piece = np.ascontiguousarray(piece, dtype=dtype).reshape(-1)
+                handle.write(memoryview(piece).cast("B"))
+                total += len(piece)
+            final = header(total)
+            if len(final) != len(header(0)):  # numpy leaves room for 21 digits; a guard all the same
+                raise ValueError(f"{path}: the .npy header of {total} elements does not fit in place")
+            handle.seek(0)
+            handle.write(final)
     except OSError as exc:
         if exc.filename is not None or exc.errno is None:
             raise
         raise OSError(exc.errno, exc.strerror, str(path)) from exc
+    return total
 
 
 def _fsync_tree(root: Path) -> None:

@@ -19,7 +19,7 @@ import logging
 import re
 import os
 import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -262,18 +262,27 @@ def encode_documents(
     ``max_tokens``, only the first ``max_tokens`` tokens of that stream are returned, and
     encoding stops once they are known (documents after them are never tokenized).
     """
+    pieces = list(iter_encoded_documents(tokenizer, texts, max_tokens))
+    return np.concatenate(pieces) if pieces else np.empty(0, dtype=token_dtype(len(tokenizer)))
+
+
+def iter_encoded_documents(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_tokens: int | None = None
+) -> Iterator[np.ndarray]:
+    """:func:`encode_documents`'s stream, a chunk of :data:`ENCODE_CHUNK_DOCS` documents at a time
+    (each piece a 1-D array of :func:`token_dtype`), for a writer that does not hold it whole."""
     dtype = token_dtype(len(tokenizer))
     eos = tokenizer.eos_token_id
-    pieces: list[np.ndarray] = []
     total = 0
     for start in range(0, len(texts), ENCODE_CHUNK_DOCS):
         if max_tokens is not None and total >= max_tokens:
-            break
-        for ids in encode_texts(tokenizer, texts[start : start + ENCODE_CHUNK_DOCS]):
-            pieces.append(np.asarray([*ids, eos], dtype=dtype))
-            total += len(pieces[-1])
-    stream = np.concatenate(pieces) if pieces else np.empty(0, dtype=dtype)
-    return stream if max_tokens is None else stream[:max_tokens]
+            return
+        encoded = encode_texts(tokenizer, texts[start : start + ENCODE_CHUNK_DOCS])
+        piece = np.concatenate([np.asarray([*ids, eos], dtype=dtype) for ids in encoded])
+        if max_tokens is not None:
+            piece = piece[: max_tokens - total]
+        total += len(piece)
+        yield piece
 
 
 def build_tokenizer(
