@@ -293,12 +293,18 @@ def dumps(value: Any, **kwargs: Any) -> str:
     return json.dumps(finite_or_none(value), allow_nan=False, **kwargs)
 
 
+def json_error_message(err: json.JSONDecodeError) -> str:
+    """``err``'s message, for a place to follow: without the " at" that some end with
+    (``Invalid control character at``), which read "at at column 15"."""
+    return err.msg.removesuffix(" at")
+
+
 def _reason(err: ValueError, offset: int = 0) -> str:
     """What ``err`` found wrong with a file; ``offset``: where in the file the decoded bytes start."""
     if isinstance(err, UnicodeDecodeError):
         return f"not UTF-8 text: byte {err.object[err.start]:#04x} at offset {offset + err.start}"
     if isinstance(err, json.JSONDecodeError):
-        return f"not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
+        return f"not valid JSON: {json_error_message(err)} at line {err.lineno} column {err.colno}"
     return str(err)
 
 

