@@ -19,6 +19,7 @@ Documents that are empty or whitespace only are dropped; other texts are kept ve
 from __future__ import annotations
 
 import gzip
+import heapq
 import importlib.util
 import io
 import json
@@ -124,19 +125,35 @@ def _walk_files(root: Path) -> Iterator[Path]:
     """The files under ``root``, linked folders followed as linked files are: pathlib's ``rglob``
     does not follow a link to a folder, so shards kept elsewhere and linked in were left out,
     silently. Hidden files and anything under a hidden folder (.git, .ipynb_checkpoints) are not
-    the corpus; a folder already entered (a link back up the tree) is not entered again."""
+    the corpus; each real folder is entered once (a link back up the tree is not followed).
+
+    The real tree first, links left out, as ``rglob`` read it: a folder of the tree that a link
+    inside it also reaches keeps its own path (so an existing corpus keeps its identity and
+    document order), whatever order the file system lists names in. Then the linked folders the
+    tree does not hold, in sorted order (a folder linked twice: under the first name), and so on
+    for the links found in them."""
     entered: set[str] = set()
-    for folder, subfolders, names in os.walk(root, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in entered:
-            subfolders[:] = []
-            continue
-        entered.add(real)
-        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
-        for name in names:
-            path = Path(folder, name)
-            if not name.startswith(".") and path.is_file():
-                yield path
+    links: list[Path] = []
+
+    def tree(top: Path) -> Iterator[Path]:  # links are listed among subfolders, never entered
+        for folder, subfolders, names in os.walk(top):
+            real = os.path.realpath(folder)
+            if real in entered:
+                subfolders[:] = []
+                continue
+            entered.add(real)
+            subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+            for name in subfolders:
+                if os.path.islink(os.path.join(folder, name)):
+                    heapq.heappush(links, Path(folder, name))
+            for name in names:
+                path = Path(folder, name)
+                if not name.startswith(".") and path.is_file():
+                    yield path
+
+    yield from tree(root)
+    while links:
+        yield from tree(heapq.heappop(links))
 
 
 def corpus_identity(files: list[Path], root: str | os.PathLike[str]) -> str:

@@ -181,3 +181,34 @@ def test_a_linked_folder_is_read_as_a_linked_file_is(tmp_path: Path) -> None:
     (corpus / "own.txt").unlink()
     only_links = documents.list_corpus_files(corpus)  # it said the folder held no files
     assert [f.relative_to(corpus).as_posix() for f in only_links] == ["shards/a.txt", "shards/deep/b.txt"]
+
+
+@pytest.mark.parametrize("link", ["aaa-latest", "latest", "zzz-latest"])
+@pytest.mark.parametrize("link_made_first", [False, True])
+def test_a_folder_also_linked_inside_the_corpus_is_read_under_its_own_path(tmp_path: Path, link: str,
+                                                                           link_made_first: bool) -> None:
+    """A corpus folder holding a real folder and a link to it (``latest -> shards-v2``): before links
+    were followed, the real folder was read and the link left out. Following links, each real folder
+    once, the files were listed under whichever of the two names the file system's directory order
+    gave first (on ext4 a hash of the names): another list of paths than before, so another corpus
+    identity and document order (a new split, a new token digest: a run's resume refused), and one
+    that could differ on a copy of the same corpus. The real tree is read as before; a linked folder
+    adds only what the real tree does not hold, in sorted order."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "own.txt").write_text("own file")
+    if link_made_first:
+        (corpus / link).symlink_to(corpus / "shards", target_is_directory=True)
+    (corpus / "shards").mkdir()
+    for i in range(3):
+        (corpus / "shards" / f"s{i}.txt").write_text(f"shard {i}")
+    if not link_made_first:
+        (corpus / link).symlink_to(corpus / "shards", target_is_directory=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "x.txt").write_text("linked only")
+    for name in ("b-link", "a-link"):  # one folder outside linked twice: read once, under the first name sorted
+        (corpus / "shards" / name).symlink_to(elsewhere, target_is_directory=True)
+    files = documents.list_corpus_files(corpus)
+    assert [f.relative_to(corpus).as_posix() for f in files] == [
+        "own.txt", "shards/a-link/x.txt", "shards/s0.txt", "shards/s1.txt", "shards/s2.txt"]
