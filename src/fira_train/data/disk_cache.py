@@ -14,7 +14,6 @@ import io
 import json
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -25,7 +24,8 @@ from fira_train.files import file_digest, fsync_dir
 
 CACHE_ENV_VAR = "FIRA_CACHE"
 #: Seconds after which a ``.tmp-*`` folder nothing was written into is a killed writer's: a live
-#: writer creates its temporary folder only once its data is made, and writes into it until done.
+#: writer writes into it until done (a tokenizer once it is trained, a token cache a chunk of
+#: documents at a time, as they are encoded).
 ABANDONED_AFTER_S = 3600
 TEMP_PREFIX = ".tmp-"
 
@@ -108,15 +108,24 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(root)
 
 
-def _remove_abandoned(parent: Path) -> None:
+def _remove_abandoned(parent: Path, own: Path) -> None:
     """Remove the temporary folders in ``parent`` untouched for :data:`ABANDONED_AFTER_S`: a
     writer killed before its ``finally`` (``kill -9``, the out-of-memory killer, a scheduler's
     SIGTERM) left one for ever, never used and as large as a tokenized corpus. By age, not by
-    process id: a cache shared by machines or containers cannot tell another one's live writer."""
-    deadline = time.time() - ABANDONED_AFTER_S
+    process id: a cache shared by machines or containers cannot tell another one's live writer.
+
+    The age is measured on the file system's clock, not this machine's: ``own``, the folder this
+    write has just made, carries the time it stamps now. On a network file system the server
+    stamps every writer's files, and a machine whose clock ran an hour ahead of it took a live
+    writer's folder for an abandoned one (and removed it under that writer)."""
+    try:
+        deadline = own.stat().st_mtime - ABANDONED_AFTER_S
+    except OSError:
+        return
     with contextlib.suppress(OSError):  # a folder that cannot be listed: nothing to tidy
         for child in parent.iterdir():
-            if not child.name.startswith(TEMP_PREFIX) or child.is_symlink() or not child.is_dir():
+            if (not child.name.startswith(TEMP_PREFIX) or child.name == own.name or child.is_symlink()
+                    or not child.is_dir()):
                 continue
             try:
                 touched = max([child.stat().st_mtime, *(p.stat().st_mtime for p in child.iterdir())])
@@ -136,9 +145,9 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     was killed is removed by a later write into the same folder (:func:`_remove_abandoned`).
     """
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(final.parent)
     temp = final.parent / f"{TEMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp.mkdir()
+    _remove_abandoned(final.parent, temp)
     try:
         yield temp
         _fsync_tree(temp)

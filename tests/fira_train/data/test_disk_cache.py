@@ -54,3 +54,27 @@ def test_the_temporary_folder_of_a_killed_writer_is_removed_once_abandoned(tmp_p
     with atomic_directory(tokens / "next") as temp:
         (temp / "data").write_text("complete")
     assert sorted(p.name for p in tokens.iterdir()) == sorted(["next", recent.name])
+
+
+def test_a_live_writers_folder_is_not_removed_by_a_machine_whose_clock_is_ahead(tmp_path: Path, monkeypatch) -> None:
+    """Two machines sharing the cache (a network file system, whose server stamps the files'
+    times): a folder's age was its mtime against this machine's clock, so a machine whose clock
+    ran an hour ahead took another's live writer for a killed one and removed its folder under
+    it (its build then failed with 'No such file or directory'). The age is measured on the file
+    system's own clock: the time it stamps on the folder this write has just made."""
+    import fira_train.data.disk_cache as disk_cache
+
+    tokens = tmp_path / "tokens"
+    live = tokens / ".tmp-other-123-abcdef01"
+    live.mkdir(parents=True)
+    (live / "train.npy").write_bytes(b"ids being written")
+    old = tokens / ".tmp-killed-456-abcdef02"
+    old.mkdir()
+    long_ago = time.time() - ABANDONED_AFTER_S - 60
+    os.utime(old, (long_ago, long_ago))
+    real_time = time.time
+    ahead = type("Clock", (), {"time": staticmethod(lambda: real_time() + 2 * 3600)})
+    monkeypatch.setattr(disk_cache, "time", ahead, raising=False)  # this machine's clock (the module's)
+    with atomic_directory(tokens / "next") as temp:
+        (temp / "data").write_text("complete")
+    assert sorted(p.name for p in tokens.iterdir()) == sorted(["next", live.name])
