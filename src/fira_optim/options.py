@@ -364,11 +364,12 @@ def did_you_mean(word: str, choices) -> str:
 
 def caller_level() -> int:
     """``warnings.warn``'s stacklevel of the first frame outside fira_optim and torch's optimizer
-    machinery (the user's constructor, ``add_param_group`` or ``load_state_dict`` call), from the
-    function calling this one."""
+    machinery (the user's constructor, ``add_param_group`` or ``load_state_dict`` call, that one
+    also through torch's distributed ``set_optimizer_state_dict``), from the function calling this one."""
     frame, level = sys._getframe(2), 2
     while frame is not None and frame.f_globals.get("__name__", "").startswith(
-            ("fira_optim.", "torch.optim.", "torch._dynamo.", "torch._compile")):  # load_state_dict: dynamo's disable
+            ("fira_optim.", "torch.optim.", "torch._dynamo.", "torch._compile",  # load_state_dict: dynamo's disable
+             "torch.distributed.checkpoint.", "torch.utils._contextlib")):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -674,3 +674,22 @@ def test_a_state_dict_at_the_edges_of_the_checks_loads():
     opt.load_state_dict(sd)
     run(opt, params, grad_sequence(SHAPES, 2, seed=4))
     assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_a_load_warning_through_torchs_distributed_state_dict_helper_names_the_callers_line():
+    """fira-train loads a DCP checkpoint's optimizer state with torch's ``set_optimizer_state_dict``,
+    which calls ``load_state_dict``: the NaN warning pointed at a line of torch's
+    ``torch/distributed/checkpoint/state_dict.py``, not at the line that loaded the checkpoint."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    params = make_params(SHAPES)
+    model = torch.nn.Module()
+    for i, p in enumerate(params):
+        model.register_parameter(f"p{i}", p)
+    opt = _optimizer(params)
+    run(opt, params, grad_sequence(SHAPES, 2, seed=1))
+    sd = get_optimizer_state_dict(model, opt)
+    next(iter(sd["state"].values()))["exp_avg"].fill_(float("nan"))
+    with pytest.warns(UserWarning, match="holds NaN or Inf") as caught:
+        set_optimizer_state_dict(model, _optimizer(params), sd)
+    assert [w.filename for w in caught if "NaN or Inf" in str(w.message)] == [__file__]
