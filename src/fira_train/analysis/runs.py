@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from fira_train.config.overrides import apply_overrides, flat_config, override_key
-from fira_train.config.resolve import resolved, saved_config
+from fira_train.config.resolve import resolved
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
@@ -34,8 +34,7 @@ from fira_train.files import (DamagedFileError, check_report_owner, cut_back_jso
 from fira_train.report.markdown import refuse_other_commands_output
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
-from fira_train.run.run_dir import (changed_after_last_step, check_same_data, config_changes, describe_changes,
-                                   finished_with, resume_ignores)
+from fira_train.run.run_dir import check_same_data, continue_refusal, finished_with
 from fira_train.run.run_files import previous_run
 from fira_train.run.train import train
 
@@ -267,16 +266,10 @@ def _resume_refusal(config: RunConfig, run: AnalysisRun) -> str | None:
     try:
         if read_json(spec) != run.spec():
             return f"it was started with other callbacks or overrides ({RUN_SPEC_FILE})"
-        saved_cfg = saved_config(read_json(saved))
-        changes = config_changes(saved_cfg, resolved(config), resume_ignores(config))
+        refusal = continue_refusal(run_dir, resolved(config))  # what its own resume would refuse
     except ValueError as err:  # DamagedFileError, or a config record this version cannot read
         return f"its records cannot be read: {err}"
-    if changes:
-        return f"it was started with {describe_changes(saved_cfg, resolved(config), changes)}"
-    levers = changed_after_last_step(run_dir, saved_cfg, resolved(config))
-    if levers:
-        return f"it stopped after its last step with {levers}, so nothing would train with the new setting"
-    return None
+    return None if refusal is None else f"it has {refusal}"
 
 
 class _RecordSpec(TrainCallback):

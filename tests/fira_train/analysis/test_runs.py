@@ -125,7 +125,7 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
     caplog.clear()
     with pytest.raises(StopRun), caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
         train_runs(longer, runs, tmp_path / "out", reuse=True, title=TITLE)
-    assert "it was started with train.steps=4 (now 6)" in caplog.text
+    assert "it has train.steps=4 (now 6)" in caplog.text
     # a memory lever is what a resume may change: continued from its checkpoint, not from its start
     go_on()
     lever = analysis_config(corpus_root, tmp_path / "run", "train.steps=6", "train.save_every=2",
@@ -140,7 +140,7 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
         summary = train_runs(longer, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
-    assert "stopped after its last step with train.activation_checkpointing=True (now False)" in caplog.text
+    assert "it has train.activation_checkpointing=True (now False) after the last step" in caplog.text
     assert summary["sittings"] == 1
     # so too another optim.implementation (a resume from the last step refuses it: resume_check)
     (tmp_path / "out" / "fira" / "summary.json").unlink()
@@ -149,7 +149,7 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
         summary = train_runs(other, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
-    assert "stopped after its last step with optim.implementation='fast' (now 'reference')" in caplog.text
+    assert "it has optim.implementation='fast' (now 'reference') after the last step" in caplog.text
     assert summary["sittings"] == 1
 
 
