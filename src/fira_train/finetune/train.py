@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -26,6 +27,7 @@ from fira_train.finetune.checkpoints import checkpoint_dir, checkpoint_folders, 
 from fira_train.finetune.config import FIRA_METHODS, LORA_METHODS, PEER_METHODS, FinetuneConfig, FinetuneError
 from fira_train.finetune.data import PaddingCollator, tokenize_for_training, train_limit
 from fira_train.files import parse_json, read_json, read_regular_text, write_text_atomic
+from fira_train.run import run_files
 from fira_train.run.peak_memory import reset_rss_peak, rss_peak_bytes
 
 
@@ -282,18 +284,11 @@ def remove_checkpoints(config: FinetuneConfig) -> None:
     them, then ``OUT/trainer`` itself if nothing else is left in it. Not the folder whole: with
     ``--out .`` in a project that has a trainer/ of its own (a package of that name), that was
     deleted with them."""
-    folder = checkpoint_dir(config)
-    if not folder.is_dir() or folder.is_symlink():
-        return
-    for _, path in checkpoint_folders(folder):
-        shutil.rmtree(path, ignore_errors=True)
-    for name in ("run_settings.json", SITTINGS_FILE):
-        for path in (folder / name, folder / f"{name}.tmp"):  # .tmp: a write interrupted
-            path.unlink(missing_ok=True)
-    try:
-        folder.rmdir()
-    except OSError:  # files the run did not write, left as they are
-        pass
+    records = {name + suffix for name in ("run_settings.json", SITTINGS_FILE) for suffix in ("", ".tmp")}
+    checkpoints = {path for _, path in checkpoint_folders(checkpoint_dir(config))}
+    with contextlib.suppress(OSError):  # the results are written: what stays is named by the next start
+        run_files.remove_run_entries(checkpoint_dir(config),  # .tmp: a write interrupted
+                                     lambda path: path in checkpoints or (path.name in records and path.is_file()))
 
 
 def check_answer_tokens(features: list[dict], cutoff_len: int) -> str | None:

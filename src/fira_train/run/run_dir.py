@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fira_train.config.overrides import changed_keys, describe_changed, flat_config
@@ -19,7 +19,7 @@ from fira_train.methods.lora import legacy_rewarmup
 from fira_train.methods.registry import get_method
 from fira_train.provenance import describe_change
 from fira_train.run import run_files
-from fira_train.run.checkpoint import CHECKPOINT_DIR, checkpoint_step, latest_checkpoint
+from fira_train.run.checkpoint import checkpoint_step, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -161,35 +161,13 @@ def prepare_out_dir(config: RunConfig, out: Path, resume: str | int | None, over
                 shutil.rmtree(path)
             elif delete and path.exists():
                 path.unlink()
-        if delete:
-            remove_run_entries(out / CHECKPOINT_DIR, run_files.is_checkpoint_entry)
-            remove_run_entries(out / "tb", run_files.is_event_file)
+        if delete:  # their own entries alone: another tool's files there stay
+            for name, ours in run_files.RUN_DIR_ENTRIES.items():
+                run_files.remove_run_entries(out / name, ours)
     if resume is not None:
         refusal = resume_refusal(out, config)
         if refusal:
             raise ValueError(f"cannot resume {str(out)!r} with a different config: its config.json has {refusal}")
-
-
-def remove_run_entries(folder: Path, ours: Callable[[Path], bool]) -> None:
-    """Delete what a run wrote in ``folder`` (``OUT/checkpoints``, ``OUT/tb``): the entries
-    ``ours`` (:func:`fira_train.run.run_files.is_checkpoint_entry`,
-    :func:`~fira_train.run.run_files.is_event_file`) says are, and the folder itself if nothing
-    else is left in it. Another tool's files there (``--out .`` in a project with a checkpoints/
-    or tb/ of its own) are listed as foreign, and ``--overwrite`` leaves those
-    (:func:`fira_train.run.run_files.check_foreign_files` says so): the whole folder was deleted
-    with them."""
-    if not folder.is_dir() or folder.is_symlink():
-        return
-    for child in sorted(folder.iterdir()):
-        if ours(child):
-            if child.is_dir():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-    try:
-        folder.rmdir()
-    except OSError:  # another tool's files, left as they are
-        pass
 
 
 def resume_refusal(out: Path, config: RunConfig) -> str | None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from fira_train.files import parse_json, read_regular_text
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 RUN_FILES = frozenset({"config.json", "metrics.jsonl", "metrics.jsonl.tmp", "summary.json", LOCK_FILE,
                        # a write interrupted by a crash (fira_train.files.write_text_atomic)
                        "config.json.tmp", "summary.json.tmp"})
-RUN_DIRS = frozenset({"tb", "checkpoints"})
+RUN_DIRS = frozenset({"tb", CHECKPOINT_DIR})
 #: Files the analyses write into their runs' folders (``fira_train.analysis``: the run spec,
 #: :data:`~fira_train.analysis.callbacks.NORMS_FILE`, :data:`~fira_train.analysis.similarity.FACTORS_FILE`).
 ANALYSIS_FILES = frozenset({"analysis_run.json", "norms.jsonl", "scaling_factors.jsonl"})
@@ -85,8 +87,7 @@ def foreign_files(out: str | Path) -> list[str]:
                 entries = sorted(child.iterdir())
             except FileNotFoundError:  # deleted (rank 0's --overwrite) after it was looked at
                 continue
-            ours = is_checkpoint_entry if name == "checkpoints" else is_event_file
-            foreign += [f"{name}/{c.name}" for c in entries if not ours(c)]
+            foreign += [f"{name}/{c.name}" for c in entries if not RUN_DIR_ENTRIES[name](c)]
             continue
         if child.is_file() and not child.is_symlink():
             if name == "config.json" and (is_run_config(child) or _damaged_run_config(child)):
@@ -107,6 +108,30 @@ def is_event_file(path: Path) -> bool:
     """Whether ``path`` (an entry of ``OUT/tb``) is a file the run's TensorBoard writer makes
     there (``events.out.tfevents.*``; not a link to one)."""
     return path.name.startswith("events.out.tfevents.") and path.is_file() and not path.is_symlink()
+
+
+#: The folders a run writes in ``OUT`` (:data:`RUN_DIRS`), and which of their entries are the
+#: run's: what ``--overwrite`` deletes there, and what else is foreign.
+RUN_DIR_ENTRIES: dict[str, Callable[[Path], bool]] = {CHECKPOINT_DIR: is_checkpoint_entry, "tb": is_event_file}
+
+
+def remove_run_entries(folder: Path, ours: Callable[[Path], bool]) -> None:
+    """Delete what a run wrote in ``folder``: the entries ``ours`` says are its own
+    (:data:`RUN_DIR_ENTRIES`; fine-tuning's ``OUT/trainer``), and the folder itself if nothing
+    else is left in it. Another tool's files there (``--out .`` in a project with a checkpoints/,
+    tb/ or trainer/ of its own) stay: the whole folder was deleted with them."""
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    for child in sorted(folder.iterdir()):
+        if ours(child):
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    try:
+        folder.rmdir()
+    except OSError:  # another tool's files, left as they are
+        pass
 
 
 def previous_run(out: Path) -> list[str]:
