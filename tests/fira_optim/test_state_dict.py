@@ -662,6 +662,25 @@ def test_a_second_moment_an_overflowing_step_left_resumes_bit_for_bit():
     assert_states_equal(state_snapshot(resumed_opt), state_snapshot(straight_opt))
 
 
+def test_a_nan_state_that_nonfinite_ignore_let_through_resumes_bit_for_bit():
+    """Under ``nonfinite="ignore"`` a NaN gradient reaches the bias's moments. The checkpoint loads
+    with a warning, and the resumed run's NaN sit where the uninterrupted run's do, bit for bit."""
+    grads = grad_sequence(SHAPES, 6, seed=23)
+    grads[1][3][0] = float("nan")
+    options = {"nonfinite": "ignore"}
+    straight, straight_opt = _uninterrupted(options, grads)
+    assert torch.isnan(straight_opt.state[straight[3]]["exp_avg"]).any()
+    with pytest.warns(UserWarning, match=r"holds NaN or Inf in 'exp_avg'"):
+        resumed, resumed_opt = _resumed(options, grads, 3)
+    assert_params_equal(resumed, straight)
+    assert_states_equal(state_snapshot(resumed_opt), state_snapshot(straight_opt))
+    # and the comparison still sees a NaN that moved
+    moved = state_snapshot(resumed_opt)
+    moved[3]["exp_avg"] = moved[3]["exp_avg"].roll(1)
+    with pytest.raises(AssertionError, match="exp_avg differs"):
+        assert_states_equal(moved, state_snapshot(straight_opt))
+
+
 def test_a_state_dict_at_the_edges_of_the_checks_loads():
     """What the checks above must let through: a step of 0 (no step taken yet), a state of
     zeros, a step saved as a plain int (older torch) and an int step tensor."""
