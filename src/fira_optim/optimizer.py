@@ -665,7 +665,7 @@ class Fira(Optimizer):
                 if not values:
                     continue
                 kept = _state_dtypes(p, group)
-                _check_state(p, values, group, kept, what, f"param_groups[{gi}]['params'][{pi}]")
+                _check_state(p, values, group, kept, what, param_name(gi, pi, p, group, shape=False))
                 for key, value in dict(values).items():
                     if isinstance(value, torch.Tensor):
                         self.state[p][key] = _loaded_value(p, value, key, kept.get(key), self.state[p][key])

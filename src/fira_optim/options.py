@@ -402,15 +402,16 @@ def _edits(a: str, b: str) -> int:
     return rows[-1][-1]
 
 
-def param_name(gi: int, pi: int, p: torch.Tensor, group: dict | None = None) -> str:
+def param_name(gi: int, pi: int, p: torch.Tensor, group: dict | None = None, shape: bool = True) -> str:
     """How errors and warnings name a parameter: by its place, and first by its name where the
     optimizer was given names (``model.named_parameters()``: torch keeps them in the group's
-    ``param_names``)."""
+    ``param_names``); with its shape unless ``shape=False``."""
     where = f"param_groups[{gi}]['params'][{pi}]"
     names = None if group is None else group.get("param_names")
+    shown = f", shape {tuple(p.shape)}" if shape else ""
     if names and pi < len(names):
-        return f"{names[pi]} ({where}, shape {tuple(p.shape)})"
-    return f"{where} (shape {tuple(p.shape)})"
+        return f"{names[pi]} ({where}{shown})"
+    return f"{where} (shape {tuple(p.shape)})" if shape else where
 
 
 def check_process_options(nonfinite: Any, implementation: Any, host_refresh: Any,

@@ -623,3 +623,19 @@ def test_keys_that_others_read_from_a_group_are_not_taken_for_misspellings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         FiraAdamW([group], rank=2)
+
+
+def test_a_misfit_state_names_the_parameter_by_its_name_where_the_optimizer_has_names() -> None:
+    """An optimizer built from ``named_parameters()`` names a parameter by its name in every
+    error; the check of the states against their groups named it by its place alone."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    opt = FiraAdamW(model.named_parameters(), rank=2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    del sd["state"][1]["basis"]  # the second Linear's weight (the matrices form the first group)
+    fresh = FiraAdamW(model.named_parameters(), rank=2)
+    with pytest.raises(ValueError, match=r"1\.weight \(param_groups\[0\]\['params'\]\[1\]\) \(shape \(4, 6\)\) has no "
+                                         r"projection basis"):
+        fresh.load_state_dict(sd)
