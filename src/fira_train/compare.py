@@ -96,7 +96,8 @@ def _check_resumable(todo: list[tuple[str, RunConfig]]) -> None:
 def _train_all(config: RunConfig, methods: list[str], configs: list[RunConfig], out_dir: Path,
                resume: bool, overwrite: bool) -> None:
     """Train the methods one after another on one shared corpus."""
-    corpus = build_corpus(config.data)  # first: a missing or too small corpus makes no folder
+    # first: a missing or too small corpus makes no folder; OUT inside the corpus is not read
+    corpus = build_corpus(config.data, exclude=(out_dir,))
     out_dir.mkdir(parents=True, exist_ok=True)
     finished = [resume and finished_with(c, Path(c.train.out_dir), corpus.describe()) for c in configs]
     if resume:

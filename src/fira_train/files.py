@@ -39,10 +39,15 @@ try:
 except ImportError:  # Windows: no advisory locks
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LINES_LIMIT", "RECORD_LIMIT", "DamagedFileError", "FileTooLargeError", "check_report_owner",
-           "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir", "json_lines",
-           "locked", "open_regular", "parse_json", "read_json", "read_json_lines", "read_regular_bytes",
+__all__ = ["LINES_LIMIT", "RECORD_LIMIT", "RUN_LOCK_FILE", "DamagedFileError", "FileTooLargeError",
+           "check_report_owner", "cut_back_json_lines", "dumps", "file_digest", "finite_or_none", "fsync_dir",
+           "json_lines", "locked", "open_regular", "parse_json", "read_json", "read_json_lines", "read_regular_bytes",
            "read_regular_text", "refuse_links", "write_atomic", "write_text_atomic"]
+
+
+#: The lock file in every run's folder (:mod:`fira_train.run.run_lock`), kept after the run: it
+#: marks a folder as a fira-train run's, which the listing of a local corpus leaves out.
+RUN_LOCK_FILE = ".fira-train.lock"
 
 
 def measure_out_dir(out: str | None, recipe: str) -> str:

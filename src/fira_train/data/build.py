@@ -31,8 +31,9 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -293,8 +294,12 @@ def _digest_and_range(path: Path, ids: np.memmap) -> tuple[str, int, int]:
     return digest.hexdigest(), low, high
 
 
-def build_corpus(spec: DataSpec) -> Corpus:
+def build_corpus(spec: DataSpec, exclude: Iterable[str | os.PathLike[str]] = ()) -> Corpus:
     """Build (or load from the cache) the corpus ``spec`` describes.
+
+    A local folder's listing leaves out the cache folder and the folders of ``exclude`` (the
+    output folder of the run that reads it) where they lie inside it, so that neither their files
+    nor their coming into being change the corpus (:func:`list_corpus_files`).
 
     Raises:
         FileNotFoundError: a local source path does not exist (the message names it), or the
@@ -322,6 +327,6 @@ def build_corpus(spec: DataSpec) -> Corpus:
         raise FileNotFoundError(f"data source {spec.source!r} does not exist{hint}")
     if path.is_file() and path.suffix.lower() == PRETOKENIZED_SUFFIX:
         return _build_pretokenized(spec, path)
-    files = list_corpus_files(path)
+    files = list_corpus_files(path, exclude=(cache_dir, *exclude))
     corpus_id = fingerprint("local", corpus_identity(files, path))
     return _build_packed(spec, corpus_id, lambda: read_documents(files), cache_dir)

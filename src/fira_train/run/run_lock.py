@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fira_train.files import open_regular
+from fira_train.files import RUN_LOCK_FILE, open_regular
 from fira_train.run.launch import SAME_ON_EVERY_RANK
 
 try:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = ".fira-train.lock"
+LOCK_FILE = RUN_LOCK_FILE
 
 
 class RunDirectoryBusy(FileExistsError):

@@ -244,7 +244,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         # --overwrite deletes the run there or config.json is written. On every rank: a finished
         # run is kept only on the data it was trained on, which rank 0 checks while the others
         # wait (building it there alone could outlast the timeout)
-        corpus = build_corpus(config.data)
+        corpus = build_corpus(config.data, exclude=(out,))  # a run folder inside the corpus is not read
     finished = _finished_summary(config, out, resume, env, main, corpus)
     if finished is not None:
         log.info("%s holds this run, finished: nothing to resume (its summary.json is kept; "

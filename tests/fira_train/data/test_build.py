@@ -620,3 +620,22 @@ def test_a_cold_build_writes_its_ids_a_chunk_at_a_time_and_serves_them_from_the_
     assert isinstance(cold.train_tokens, np.memmap)
     warm = build_corpus(spec)
     assert np.array_equal(cold.train_tokens, warm.train_tokens) and cold.token_digest == warm.token_digest
+
+
+def test_a_cache_and_a_run_folder_inside_the_corpus_folder_are_not_read_as_corpus(tmp_path: Path) -> None:
+    """A visible cache folder (data.cache_dir) inside the folder of corpus files: the second build
+    listed its JSON files as documents (and failed on them); the run's output folder there too.
+    Neither changes the corpus's identity: it is that of the folder without them."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_jsonl(corpus / "docs.jsonl", make_docs(60))
+    elsewhere = build_corpus(spec_for(corpus, tmp_path / "other-cache")).describe()
+    spec = spec_for(corpus, corpus / "cache")
+    first = build_corpus(spec).describe()
+    assert list((corpus / "cache").rglob("*.json"))  # the cache holds JSON files the second time
+    assert build_corpus(spec).describe() == first == elsewhere
+    out = corpus / "runs" / "first"
+    out.mkdir(parents=True)  # what a run writes there: JSON and JSON lines that are not documents
+    (out / "config.json").write_text('{"data": {}}\n')
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert build_corpus(spec, exclude=(out,)).describe() == first

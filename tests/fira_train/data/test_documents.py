@@ -212,3 +212,29 @@ def test_a_folder_also_linked_inside_the_corpus_is_read_under_its_own_path(tmp_p
     files = documents.list_corpus_files(corpus)
     assert [f.relative_to(corpus).as_posix() for f in files] == [
         "own.txt", "shards/a-link/x.txt", "shards/s0.txt", "shards/s1.txt", "shards/s2.txt"]
+
+
+def test_excluded_folders_inside_the_corpus_are_not_listed_and_the_root_always_is(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    (corpus / "cache" / "tokens").mkdir(parents=True)
+    (corpus / "shards").mkdir()
+    (corpus / "shards" / "a.txt").write_text("a document\n")
+    (corpus / "cache" / "tokens" / "meta.json").write_text("{}")
+    (corpus / "linked-cache").symlink_to(corpus / "cache")  # the same folder by another name: not read either
+    assert documents.list_corpus_files(corpus, exclude=[corpus / "cache", tmp_path / "not-there"]) == [
+        corpus / "shards" / "a.txt"]
+    assert len(documents.list_corpus_files(corpus)) == 2  # without it: the cache's file too (under one name)
+    # the corpus folder itself inside an excluded one (a corpus kept in the cache folder) is still read
+    assert documents.list_corpus_files(corpus / "cache", exclude=[corpus / "cache"]) == [
+        corpus / "cache" / "tokens" / "meta.json"]
+
+
+def test_a_run_folder_inside_the_corpus_is_not_listed(tmp_path: Path) -> None:
+    """Any run's output folder, known by the lock file every run keeps there (another --out than
+    this run's), is fira-train's, not the corpus."""
+    corpus = tmp_path / "corpus"
+    (corpus / "runs" / "a").mkdir(parents=True)
+    (corpus / "a.txt").write_text("a document\n")
+    (corpus / "runs" / "a" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (corpus / "runs" / "a" / ".fira-train.lock").write_text("123\n")
+    assert documents.list_corpus_files(corpus) == [corpus / "a.txt"]

@@ -124,6 +124,16 @@ def test_an_existing_run_needs_resume_or_overwrite(tmp_path: Path) -> None:
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
 
 
+def test_runs_whose_out_and_cache_lie_inside_the_corpus_folder_do_not_read_them(tmp_path: Path) -> None:
+    """--out and data.cache_dir inside the folder of corpus files: the second run read the first's
+    config.json and the cache's JSON files as documents, and failed on them."""
+    common = ("optim.method=adamw", "train.steps=1", f"data.cache_dir={tmp_path / 'corpus' / 'cache'}")
+    first = train(micro_config(tmp_path, *common, out="corpus/runs/a"))
+    again = train(micro_config(tmp_path, *common, out="corpus/runs/a"), overwrite=True)
+    other = train(micro_config(tmp_path, *common, out="corpus/runs/b"))
+    assert first["data"]["token_digest"] == again["data"]["token_digest"] == other["data"]["token_digest"]
+
+
 def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
     train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4"))
     lr = json.loads((tmp_path / "run" / "config.json").read_text())["optim"]["lr"]
