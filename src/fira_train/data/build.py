@@ -40,7 +40,14 @@ from typing import Any
 import numpy as np
 
 from fira_train.data.corpus import DIGEST_CHUNK, Corpus, PackedCorpus
-from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint, save_pieces
+from fira_train.data.disk_cache import (
+    atomic_directory,
+    check_digests,
+    file_digests,
+    fingerprint,
+    require_writable,
+    save_pieces,
+)
 from fira_train.data.documents import (
     corpus_identity,
     list_corpus_files,
@@ -189,6 +196,7 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
     if cached is None and cap is not None:
         cached = _load_token_cache(entry)
     if cached is None:
+        require_writable(entry.parent)  # before the corpus is read and tokenized for it
         docs, train_idx, val_idx, test_idx = split_corpus()
         logger.info("tokenizing %d training, %d validation and %d test documents",
                     len(train_idx), len(val_idx), len(test_idx))

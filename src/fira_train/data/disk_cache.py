@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -34,6 +35,28 @@ def default_cache_dir() -> Path:
     """``$FIRA_CACHE`` if set, else ``~/.cache/fira-train``."""
     env = os.environ.get(CACHE_ENV_VAR)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "fira-train"
+
+
+class CacheNotWritableError(OSError):
+    """A cache folder in which nothing can be made (read-only, not the user's, a file in the way),
+    found before the work whose result it would hold. Its errno and filename are the failed
+    write's; its message names the setting that chose the folder."""
+
+    def __str__(self) -> str:
+        return (f"the cache folder {self.filename} cannot be written ({self.strerror}): set data.cache_dir "
+                f"(or ${CACHE_ENV_VAR}) to a folder you can write")
+
+
+def require_writable(folder: Path) -> None:
+    """Make ``folder`` (with its parents) and a folder in it, then remove that one: a cache that
+    cannot be written is refused before a tokenizer is trained or a corpus tokenized for it
+    (:class:`CacheNotWritableError`), not after, when the work is lost. Called on a cache miss
+    only: a cache that holds what a build needs is read, writable or not."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=folder))
+    except OSError as exc:
+        raise CacheNotWritableError(exc.errno, exc.strerror, exc.filename or str(folder)) from exc
 
 
 def fingerprint(*parts: object) -> str:

@@ -28,7 +28,13 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from fira_train.data.disk_cache import atomic_directory, check_digests, file_digests, fingerprint
+from fira_train.data.disk_cache import (
+    atomic_directory,
+    check_digests,
+    file_digests,
+    fingerprint,
+    require_writable,
+)
 from fira_train.files import parse_json, read_regular_text
 
 logger = logging.getLogger(__name__)
@@ -120,6 +126,7 @@ def load_or_train_bpe(
         except Exception as exc:  # noqa: BLE001 -- a damaged entry (tokenizers raises bare Exceptions): rebuild
             logger.warning("cached tokenizer %s is unreadable (%s); training it again", entry, exc)
         shutil.rmtree(entry, ignore_errors=True)
+    require_writable(entry.parent)  # before the corpus is read and the tokenizer trained for it
     texts = training_texts()
     logger.info("training a %d-entry byte-level BPE on %d documents", vocab_size, len(texts))
     tokenizer = train_bpe(texts, vocab_size, length=len(texts))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
+import os
 import random
 from pathlib import Path
 
@@ -55,3 +57,16 @@ def split_on_eos(tokens: np.ndarray, tokenizer: object) -> list[str]:
         else:
             current.append(t)
     return docs
+
+
+def read_only(monkeypatch, folder: Path) -> None:
+    """Making a folder under ``folder`` fails as on a read-only mount (chmod does not stop root)."""
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        target = Path(os.path.abspath(path))
+        if target == folder or folder in target.parents:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)

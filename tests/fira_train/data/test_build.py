@@ -20,7 +20,7 @@ from fira_train.data import build
 from fira_train.data import tokenizer as tok
 from fira_train.data.build import ENCODING, build_corpus
 from fira_train.files import file_digest
-from tests.fira_train.data.data_fixtures import make_docs, spec_for, split_on_eos, take, write_jsonl
+from tests.fira_train.data.data_fixtures import make_docs, read_only, spec_for, split_on_eos, take, write_jsonl
 
 
 def test_split_is_fixed_disjoint_and_content_based() -> None:
@@ -497,6 +497,25 @@ def test_a_file_in_place_of_the_cache_folder_fails_before_the_tokenizer_is_train
     with pytest.raises(OSError) as caught:
         build_corpus(spec_for(source, in_the_way))
     assert caught.value.filename == str(in_the_way)
+
+
+def test_a_read_only_cache_without_the_tokens_is_refused_before_the_corpus_is_read(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """Its tokenizer cached, its token ids not: refused before the corpus is read and tokenized,
+    naming the folder and the setting; a cache that holds both is read, writable or not."""
+    source = write_jsonl(tmp_path / "docs.jsonl", make_docs(40))
+    spec = spec_for(source, tmp_path / "cache")
+    built = build_corpus(spec).describe()
+    shutil.rmtree(tmp_path / "cache" / "tokens")
+    with monkeypatch.context() as patched:
+        read_only(patched, tmp_path / "cache")
+        patched.setattr(build, "read_documents", lambda *a: pytest.fail("the corpus was read"))
+        with pytest.raises(OSError, match="data.cache_dir") as caught:
+            build_corpus(spec)
+    assert caught.value.errno == errno.EROFS and caught.value.filename == str(tmp_path / "cache" / "tokens")
+    build_corpus(spec)
+    read_only(monkeypatch, tmp_path / "cache")
+    assert build_corpus(spec).describe() == built
 
 
 def test_a_token_cache_encoded_before_special_token_text_was_text_is_encoded_again(jsonl_corpus, tmp_path: Path,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from fira_train.data import tokenizer as tok
+from tests.fira_train.data.data_fixtures import read_only
 
 WORDS = (
     "the of and a to in is was for on that with as by at from his her an were are which this be "
@@ -90,6 +92,19 @@ def test_bpe_damaged_cache_entry_is_rebuilt(tmp_path: Path, damage: str) -> None
     (tmp_path / "tokenizers" / key / "tokenizer.json").write_text(damage)
     again, _ = tok.load_or_train_bpe("c", lambda: make_texts(50), 300, tmp_path)
     assert again.backend_tokenizer.to_str() == first.backend_tokenizer.to_str()
+
+
+def test_a_read_only_cache_is_refused_before_the_corpus_is_read_and_the_tokenizer_trained(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    """It was refused as the trained tokenizer was saved: minutes of training lost."""
+    cache = tmp_path / "shared-cache"
+    cache.mkdir()
+    read_only(monkeypatch, cache)
+    monkeypatch.setattr(tok, "train_bpe", lambda *a, **k: pytest.fail("the tokenizer was trained"))
+    with pytest.raises(OSError) as caught:
+        tok.load_or_train_bpe("c", lambda: pytest.fail("the corpus was read"), 300, cache)
+    assert caught.value.errno == errno.EROFS and caught.value.filename == str(cache / "tokenizers")
+    assert str(cache / "tokenizers") in str(caught.value) and "data.cache_dir" in str(caught.value)
 
 
 def test_failed_training_leaves_no_cache_entry(tmp_path: Path) -> None:
