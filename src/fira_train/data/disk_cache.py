@@ -4,6 +4,8 @@ Every cache entry is a directory named by a hash of what produced it (corpus con
 tokenizer, recipe version). Entries are written into a temporary sibling directory, flushed to
 disk, then renamed into place: a reader therefore sees either a complete entry or none, even
 if the writer is killed half-way (``kill -9``) or two processes build the same entry at once.
+A temporary directory records its writer (:data:`WRITER_FILE`), so that one left by a killed
+writer is removed by a later write, and nothing else is (:func:`_remove_abandoned`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
@@ -21,14 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
-from fira_train.files import file_digest, fsync_dir
+from fira_train.files import file_digest, fsync_dir, read_regular_text
 
 CACHE_ENV_VAR = "FIRA_CACHE"
-#: Seconds after which a ``.tmp-*`` folder nothing was written into is a killed writer's: a live
-#: writer writes into it until done (a tokenizer once it is trained, a token cache a chunk of
-#: documents at a time, as they are encoded).
+#: Seconds after which a ``.tmp-*`` folder that another machine writes, and nothing was written
+#: into, is taken for a killed writer's: a live writer writes into it until done (a tokenizer once
+#: it is trained, a token cache a chunk of documents at a time). A writer on this machine is asked
+#: instead (:func:`_remove_abandoned`).
 ABANDONED_AFTER_S = 3600
 TEMP_PREFIX = ".tmp-"
+#: The file in a ``.tmp-*`` folder that names its writer (``{"host", "pid"}``): only folders
+#: holding it are ever removed by another process. The entry is written in a subfolder beside it.
+WRITER_FILE = "fira-train-writer.json"
 
 
 def default_cache_dir() -> Path:
@@ -131,11 +138,48 @@ def _fsync_tree(root: Path) -> None:
         fsync_dir(root)
 
 
+def this_host() -> str:
+    """This machine as a writer records it: its host name and, where there is one (Linux), its
+    process-id namespace: containers on one machine may share a host name, not process ids."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()} {namespace}".strip()
+
+
+def _writer_gone(folder: Path, host: str, deadline: float) -> bool:
+    """Whether the ``.tmp-*`` ``folder`` is provably a killed writer's: it names its writer
+    (:data:`WRITER_FILE`; a folder without one is not ours, or its writer is still making it),
+    and that process is gone (on this machine), or (on another, which cannot be asked) nothing in
+    the folder was touched since ``deadline``."""
+    try:
+        writer = json.loads(read_regular_text(folder / WRITER_FILE))
+        pid = writer["pid"]
+        if type(pid) is not int or pid <= 0:  # 0 and -1 would signal groups: not a writer's record
+            return False
+        if writer["host"] == host:
+            try:
+                os.kill(pid, 0)  # signal 0: only whether the process exists
+            except ProcessLookupError:
+                return True
+            except PermissionError:  # another user's live process
+                return False
+            return False
+        touched = max(p.lstat().st_mtime for p in [folder, *folder.rglob("*")])
+    except (OSError, ValueError, KeyError, TypeError):  # removed meanwhile, or not a record of ours
+        return False
+    return touched < deadline
+
+
 def _remove_abandoned(parent: Path, own: Path) -> None:
-    """Remove the temporary folders in ``parent`` untouched for :data:`ABANDONED_AFTER_S`: a
-    writer killed before its ``finally`` (``kill -9``, the out-of-memory killer, a scheduler's
-    SIGTERM) left one for ever, never used and as large as a tokenized corpus. By age, not by
-    process id: a cache shared by machines or containers cannot tell another one's live writer.
+    """Remove the temporary folders in ``parent`` whose writer is provably gone
+    (:func:`_writer_gone`): a writer killed before its ``finally`` (``kill -9``, the out-of-memory
+    killer, a scheduler's SIGTERM) left one for ever, never used and as large as a tokenized
+    corpus. A writer on this machine that is stopped (SIGSTOP, a laptop asleep) keeps its folder
+    however long; one on another machine (a cache shared by machines), after
+    :data:`ABANDONED_AFTER_S` without a write, does not. A ``.tmp-*`` folder that fira-train did
+    not write (a user's) is never removed.
 
     The age is measured on the file system's clock, not this machine's: ``own``, the folder this
     write has just made, carries the time it stamps now. On a network file system the server
@@ -145,16 +189,13 @@ def _remove_abandoned(parent: Path, own: Path) -> None:
         deadline = own.stat().st_mtime - ABANDONED_AFTER_S
     except OSError:
         return
+    host = this_host()
     with contextlib.suppress(OSError):  # a folder that cannot be listed: nothing to tidy
         for child in parent.iterdir():
             if (not child.name.startswith(TEMP_PREFIX) or child.name == own.name or child.is_symlink()
                     or not child.is_dir()):
                 continue
-            try:
-                touched = max([child.stat().st_mtime, *(p.stat().st_mtime for p in child.iterdir())])
-            except OSError:  # removed meanwhile (by its writer, or another process tidying)
-                continue
-            if touched < deadline:
+            if _writer_gone(child, host, deadline):
                 shutil.rmtree(child, ignore_errors=True)
 
 
@@ -166,20 +207,24 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     is discarded: entries are content-addressed, so both copies are equivalent. On an exception
     the temporary directory is removed and ``final`` is left untouched; one left by a writer that
     was killed is removed by a later write into the same folder (:func:`_remove_abandoned`).
+    The yielded directory lies in a ``.tmp-*`` folder beside the record of its writer
+    (:data:`WRITER_FILE`), which the entry therefore does not hold.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     temp = final.parent / f"{TEMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp.mkdir()
-    _remove_abandoned(final.parent, temp)
     try:
-        yield temp
-        _fsync_tree(temp)
+        (temp / WRITER_FILE).write_text(json.dumps({"host": this_host(), "pid": os.getpid()}))
+        entry = temp / "entry"
+        entry.mkdir()
+        _remove_abandoned(final.parent, temp)
+        yield entry
+        _fsync_tree(entry)
         try:
-            os.rename(temp, final)
+            os.rename(entry, final)
         except OSError:
             if not final.is_dir():
                 raise
-            shutil.rmtree(temp, ignore_errors=True)  # lost the race to an identical entry
-    except BaseException:
+            # lost the race to an identical entry: ours goes with the temporary folder
+    finally:
         shutil.rmtree(temp, ignore_errors=True)
-        raise

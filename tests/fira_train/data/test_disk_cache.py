@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import fira_train.data.disk_cache as disk_cache
 from fira_train.data.disk_cache import ABANDONED_AFTER_S, atomic_directory
 
 
@@ -29,31 +31,86 @@ def test_atomic_directory_publishes_complete_entries_only(tmp_path: Path) -> Non
     assert [p.name for p in tmp_path.iterdir()] == ["entry"]
 
 
-def test_the_temporary_folder_of_a_killed_writer_is_removed_once_abandoned(tmp_path: Path) -> None:
-    """A build killed while writing its entry (``kill -9``, the out-of-memory killer, a scheduler's
-    SIGTERM: no ``finally`` runs) left its ``.tmp-*`` folder in the cache for ever: never used,
-    never removed, as large as a tokenized corpus. A later write into the same folder removes
-    those untouched for :data:`ABANDONED_AFTER_S`; a recent one may be a live writer's and stays."""
-    code = (
-        "import os, signal, sys\n"
-        "from pathlib import Path\n"
-        "from fira_train.data.disk_cache import atomic_directory\n"
-        "with atomic_directory(Path(sys.argv[1])) as temp:\n"
-        "    (temp / 'train.npy').write_bytes(b'half of the ids')\n"
-        "    os.kill(os.getpid(), signal.SIGKILL)\n"
-    )
-    tokens = tmp_path / "tokens"
-    for key in ("old", "recent"):
-        done = subprocess.run([sys.executable, "-c", code, str(tokens / key)], capture_output=True, timeout=60)
-        assert done.returncode == -signal.SIGKILL, done.stderr
-    (old,) = tokens.glob(".tmp-old-*")
-    (recent,) = tokens.glob(".tmp-recent-*")
-    long_ago = time.time() - ABANDONED_AFTER_S - 60
-    for path in (old / "train.npy", old):
+_WRITE_AND = (
+    "import os, signal, sys, time\n"
+    "from pathlib import Path\n"
+    "from fira_train.data.disk_cache import atomic_directory\n"
+    "with atomic_directory(Path(sys.argv[1])) as temp:\n"
+    "    (temp / 'train.npy').write_bytes(b'half of the ids')\n"
+    "    print('writing', flush=True)\n"
+    "    {then}\n"
+)
+
+
+def _age(folder: Path, seconds: float) -> None:
+    """Set the times of ``folder`` and of everything in it ``seconds`` back."""
+    long_ago = time.time() - seconds
+    for path in [*folder.rglob("*"), folder]:
         os.utime(path, (long_ago, long_ago))
+
+
+def _next_write(tokens: Path) -> None:
     with atomic_directory(tokens / "next") as temp:
         (temp / "data").write_text("complete")
-    assert sorted(p.name for p in tokens.iterdir()) == sorted(["next", recent.name])
+
+
+def test_the_temporary_folder_of_a_killed_writer_is_removed(tmp_path: Path) -> None:
+    """A build killed while writing its entry (``kill -9``, the out-of-memory killer, a scheduler's
+    SIGTERM: no ``finally`` runs) left its ``.tmp-*`` folder in the cache for ever: never used,
+    never removed, as large as a tokenized corpus. A later write into the same folder removes it:
+    its writer, on this machine, is gone."""
+    tokens = tmp_path / "tokens"
+    code = _WRITE_AND.format(then="os.kill(os.getpid(), signal.SIGKILL)")
+    done = subprocess.run([sys.executable, "-c", code, str(tokens / "killed")], capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert [p.name for p in tokens.iterdir()][0].startswith(".tmp-killed-")
+    _next_write(tokens)
+    assert [p.name for p in tokens.iterdir()] == ["next"]
+
+
+def test_a_stopped_writers_folder_and_a_users_tmp_folder_are_kept_however_old(tmp_path: Path) -> None:
+    """A writer stopped for over an hour (SIGSTOP, a laptop asleep) lost its folder to the next
+    write, which took it for a killed one by its age; and a ``.tmp-*`` folder of the user's in the
+    cache was removed too. A folder is removed only where it names its writer and that one is
+    gone."""
+    tokens = tmp_path / "tokens"
+    writer = subprocess.Popen([sys.executable, "-c", _WRITE_AND.format(then="time.sleep(120)"), str(tokens / "slow")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "writing"
+        (stopped,) = tokens.glob(".tmp-slow-*")
+        os.kill(writer.pid, signal.SIGSTOP)
+        users = tokens / ".tmp-my-notes"
+        users.mkdir()
+        (users / "notes.txt").write_text("mine")
+        for folder in (stopped, users):
+            _age(folder, 2 * ABANDONED_AFTER_S)
+        _next_write(tokens)
+        assert sorted(p.name for p in tokens.iterdir()) == sorted(["next", stopped.name, users.name])
+        assert (stopped / "entry" / "train.npy").read_bytes() == b"half of the ids"
+        os.kill(writer.pid, signal.SIGCONT)  # woken, it finishes its entry
+        os.kill(writer.pid, signal.SIGTERM)
+    finally:
+        writer.kill()
+        writer.wait(timeout=60)
+
+
+def test_another_machines_writer_is_taken_for_gone_after_an_hour_without_a_write(tmp_path: Path) -> None:
+    """A cache shared by machines: another one's process cannot be asked, so its folder goes once
+    nothing in it was written for :data:`ABANDONED_AFTER_S`."""
+    tokens = tmp_path / "tokens"
+    for name in ("old", "recent"):
+        folder = tokens / f".tmp-{name}-123-abcdef01"
+        (folder / "entry").mkdir(parents=True)
+        (folder / disk_cache.WRITER_FILE).write_text(json.dumps({"host": "another-machine", "pid": 123}))
+        (folder / "entry" / "train.npy").write_bytes(b"ids")
+    _age(tokens / ".tmp-old-123-abcdef01", ABANDONED_AFTER_S + 60)
+    not_a_record = tokens / ".tmp-not-a-record"  # a process id that would signal a group: never asked
+    not_a_record.mkdir()
+    (not_a_record / disk_cache.WRITER_FILE).write_text(json.dumps({"host": disk_cache.this_host(), "pid": 0}))
+    _age(not_a_record, 2 * ABANDONED_AFTER_S)
+    _next_write(tokens)
+    assert sorted(p.name for p in tokens.iterdir()) == sorted(["next", ".tmp-recent-123-abcdef01", not_a_record.name])
 
 
 def test_a_live_writers_folder_is_not_removed_by_a_machine_whose_clock_is_ahead(tmp_path: Path, monkeypatch) -> None:
@@ -62,16 +119,14 @@ def test_a_live_writers_folder_is_not_removed_by_a_machine_whose_clock_is_ahead(
     ran an hour ahead took another's live writer for a killed one and removed its folder under
     it (its build then failed with 'No such file or directory'). The age is measured on the file
     system's own clock: the time it stamps on the folder this write has just made."""
-    import fira_train.data.disk_cache as disk_cache
-
     tokens = tmp_path / "tokens"
     live = tokens / ".tmp-other-123-abcdef01"
-    live.mkdir(parents=True)
-    (live / "train.npy").write_bytes(b"ids being written")
     old = tokens / ".tmp-killed-456-abcdef02"
-    old.mkdir()
-    long_ago = time.time() - ABANDONED_AFTER_S - 60
-    os.utime(old, (long_ago, long_ago))
+    for folder in (live, old):
+        folder.mkdir(parents=True)
+        (folder / disk_cache.WRITER_FILE).write_text(json.dumps({"host": "another-machine", "pid": 123}))
+    (live / "train.npy").write_bytes(b"ids being written")
+    _age(old, ABANDONED_AFTER_S + 60)
     real_time = time.time
     ahead = type("Clock", (), {"time": staticmethod(lambda: real_time() + 2 * 3600)})
     monkeypatch.setattr(disk_cache, "time", ahead, raising=False)  # this machine's clock (the module's)
