@@ -57,10 +57,11 @@ from fira_train.cli_args import IntermixedArgumentParser, StoreOnce
 from fira_train.files import measure_out_dir
 from fira_train.memory.estimates import format_memory_table, memory_table
 from fira_train.report.markdown import command_line, format_bytes, load_run, report_table
-from fira_train.run.launch import SAME_ON_EVERY_RANK, is_rank_zero, launched_world_size, same_on_every_rank
+from fira_train.run.launch import (BEFORE_THE_RUN, SAME_ON_EVERY_RANK, is_rank_zero, launched_world_size,
+                                   same_on_every_rank)
 from fira_train.run.process_logging import configure_logging, one_line_warnings
-from fira_train.user_errors import (CONTINUES_WITH, describe, finetune_checkpoints, keeps_nothing, no_checkpoint_yet,
-                                    out_not_there)
+from fira_train.user_errors import (CONTINUES_WITH, before_the_run, describe, finetune_checkpoints, keeps_nothing,
+                                    no_checkpoint_yet, nothing_written, out_not_there)
 
 PROG = "fira-train"
 
@@ -458,6 +459,8 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
     command = args.command
     if keeps_nothing(args):
         return None
+    if before_the_run(args):  # --resume would continue the earlier run --out may hold, not this one
+        return f"{nothing_written(args)}: the same command starts it again"
     instead = [f for f, given in (("--overwrite", getattr(args, "overwrite", False)),
                                   ("--resume-step", getattr(args, "resume_step", None) is not None)) if given]
     also = f" (instead of {' and '.join(instead)})" if instead else ""
@@ -631,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdout is not None:
             sys.stdout.flush()  # here, where a failed write is one line, not at the interpreter's exit
         return status
-    except KeyboardInterrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: what is kept and how to go on, not a traceback
         # The process ends now. A second Ctrl-C (pressed twice; `timeout -s INT`, which signals the
         # process and then its whole group) raised another KeyboardInterrupt wherever it landed --
         # in the hint below, or in an exit handler (torch's, multiprocessing's, tqdm's monitor's) --
@@ -648,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             except ValueError:
                 break
+        args.before_the_run = getattr(interrupt, BEFORE_THE_RUN, False)  # a new run's data being built
         hint = interrupted_hint(args)
         print(f"{PROG} {args.command}: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
         return 130  # the shell's status for SIGINT

@@ -31,7 +31,7 @@ from fira_train.files import check_report_owner, refuse_links
 from fira_train.report.markdown import REPORT_TITLE, write_report
 from fira_train.report.plots import plot_curves
 from fira_train.run.isolated import run_isolated
-from fira_train.run.launch import same_on_every_rank
+from fira_train.run.launch import before_the_run, same_on_every_rank
 from fira_train.run.run_dir import continue_refusal, finished_with
 from fira_train.run.train import train
 from fira_train.run.train_parallel import check_launch, distributed_session
@@ -97,7 +97,8 @@ def _train_all(config: RunConfig, methods: list[str], configs: list[RunConfig], 
                resume: bool, overwrite: bool) -> None:
     """Train the methods one after another on one shared corpus."""
     # first: a missing or too small corpus makes no folder; OUT inside the corpus is not read
-    corpus = build_corpus(config.data, exclude=(out_dir,))
+    with before_the_run(not resume):  # a failure's hint does not offer --resume for OUT's earlier runs
+        corpus = build_corpus(config.data, exclude=(out_dir,))
     out_dir.mkdir(parents=True, exist_ok=True)
     finished = [resume and finished_with(c, Path(c.train.out_dir), corpus.describe()) for c in configs]
     if resume:

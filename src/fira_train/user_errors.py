@@ -19,8 +19,10 @@ Known, with what the message says:
   :func:`fira_train.cli.main` marks its errors), and what to do -- for the cache
   (``$FIRA_CACHE`` or ``data.cache_dir``) set another folder, for the run folder pass another
   ``--out`` (for a temporary file: ``TMPDIR``), for a full disk free space and run the command
-  again (with ``--resume``: the checkpoints already written stay), also where it stands behind another error (torch.save's
-  writer raises a ``RuntimeError`` for it), and for a file-size limit (``EFBIG``) raise it;
+  again (with ``--resume``: the checkpoints already written stay; not for a new run stopped while
+  its data was built, whose output folder may hold an earlier run), also where it stands behind
+  another error (torch.save's writer raises a ``RuntimeError`` for it), and for a file-size limit
+  (``EFBIG``) raise it;
   other ``OSError`` (a tokenizer that cannot be loaded): their message;
 - a run's process that ended without a result (``IsolatedRunDied``: compare's, a sweep's or an
   analysis's run, killed by a user, a scheduler or the out-of-memory killer): how it ended, and how
@@ -91,6 +93,10 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     from fira_optim import NonFiniteGradientError
     from fira_train.run.checkpoint import CheckpointError
     from fira_train.run.isolated import IsolatedRunDied
+    from fira_train.run.launch import BEFORE_THE_RUN
+
+    if getattr(err, BEFORE_THE_RUN, False):
+        args = argparse.Namespace(**{**vars(args), "before_the_run": True})
 
     if isinstance(err, OSError) and err.errno is not None:
         return _os_error(err, args)
@@ -284,10 +290,30 @@ CONTINUES_WITH = {"pretrain": "--resume", "compare": "--resume", "analyze": "--r
 
 def _run_again(problem: str, fix: str, args: argparse.Namespace) -> str:
     """The one line for a command that stopped and can go on: what happened, what to do, and
-    how the same command continues, keeping what it made."""
+    how the same command continues, keeping what it made. A new run stopped before it wrote
+    anything (:func:`before_the_run`) is started again by the same command: ``--resume`` would
+    continue the earlier run its output folder may hold (finished, or of other settings)."""
+    if before_the_run(args):
+        return f"{problem}: {fix} and run the same command again ({nothing_written(args)})"
     flag = CONTINUES_WITH.get(getattr(args, "command", ""))
     return f"{problem}: {fix} and run the same command again{f' with {flag}' if flag else ''}" \
            f"{_work_kept(args)}"
+
+
+def before_the_run(args: argparse.Namespace) -> bool:
+    """Whether the command stopped before its new run wrote anything in its output folder, as its
+    data was built (:data:`fira_train.run.launch.BEFORE_THE_RUN`, which :func:`describe` and the
+    command line's Ctrl-C hint copy into ``args``)."""
+    return bool(getattr(args, "before_the_run", False))
+
+
+def nothing_written(args: argparse.Namespace) -> str:
+    """What a run stopped before it began left in its output folder: nothing of its own, and
+    what ``--overwrite`` would have replaced still there."""
+    out = _run_dir(args) or "the output folder"
+    replaced = ("; what --overwrite replaces there is not deleted yet" if getattr(args, "overwrite", False)
+                else "")
+    return f"the run stopped while its data was built, before it wrote anything in {out}{replaced}"
 
 
 def _no_room(problem: str, fix: str, args: argparse.Namespace) -> str:

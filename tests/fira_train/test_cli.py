@@ -369,6 +369,29 @@ def test_each_command_says_how_to_continue_after_ctrl_c(argv: list[str], expecte
     assert hint is None if expected is None else expected in hint
 
 
+def test_ctrl_c_while_a_new_runs_data_is_built_does_not_offer_resume(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Stopped as the data was built, --overwrite over a finished run: the hint said --resume
+    (instead of --overwrite) continues from the newest checkpoint, the earlier run's."""
+    from fira_train.run import train as train_module
+
+    out = tmp_path / "o"
+    argv = ["pretrain", "--recipe", "micro", "--method", "adamw", "--steps", "2", "--out", str(out),
+            *_data_flags(tmp_path)]
+    assert main(argv) == 0
+    capsys.readouterr()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "build_corpus", interrupted)
+    assert main([*argv, "--overwrite", "optim.lr=0.002"]) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (f"fira-train pretrain: interrupted; the run stopped while its data was built, before it wrote "
+                    f"anything in {out}; what --overwrite replaces there is not deleted yet: the same command "
+                    "starts it again")
+    assert (out / "summary.json").is_file()
+
+
 def test_a_sweep_stopped_with_a_finished_run_says_the_same_command_continues(tmp_path: Path) -> None:
     out = tmp_path / "o"
     args = build_parser().parse_args(["sweep", "--recipe", "micro", "--out", str(out), "--methods", "fira",

@@ -120,6 +120,33 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_and_the_earlier_ones_st
     assert _checkpoints(out) == ["step_00000002"]
 
 
+def test_a_data_build_that_fails_over_an_earlier_run_does_not_offer_resume_for_it(root: Path, tmp_path: Path,
+                                                                                  monkeypatch, capsys) -> None:
+    """--overwrite over a finished run, other settings: a full disk as the data was built said to
+    run the same command again with --resume, which continues the earlier run (or says it is
+    finished), not this one. The same command starts it again; with --resume it is this run."""
+    from fira_train.data import build
+
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    assert _pretrain(root, out, steps=2) == 0
+    kept = (out / "summary.json").read_text()
+    capsys.readouterr()
+
+    def full(path, pieces, dtype):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(build, "save_pieces", full)
+    argv = ["pretrain", "--recipe", "micro", "--method", "adamw", "--steps", "2", "--out", str(out),
+            "--data", str(root / "corpus"), *_overrides(root, cache=False), f"data.cache_dir={cache}"]
+    assert main([*argv, "--overwrite", "optim.lr=0.002"]) == 1
+    line = _error_line(capsys)
+    assert "no space left" in line and "--resume" not in line and "run the same command again (" in line
+    assert f"before it wrote anything in {out}; what --overwrite replaces there is not deleted yet" in line
+    assert (out / "summary.json").read_text() == kept
+    assert main([*argv, "--resume"]) == 1  # this run, resumed: --resume goes on with it
+    assert "again with --resume" in _error_line(capsys)
+
+
 def test_a_read_only_out_is_one_line_naming_it(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     read_only = tmp_path / "mounted"
     read_only.mkdir()

@@ -1,6 +1,7 @@
 """What ``torchrun`` tells each process through its environment, read without importing torch
-(so that the command line can use it before anything heavy is loaded), and the mark of an
-error that every process of a launch raises alike (:func:`same_on_every_rank`)."""
+(so that the command line can use it before anything heavy is loaded), and the marks of an
+error that every process of a launch raises alike (:func:`same_on_every_rank`) and of one raised
+before a new run wrote anything (:func:`before_the_run`)."""
 
 from __future__ import annotations
 
@@ -45,4 +46,22 @@ def same_on_every_rank() -> Iterator[None]:
         yield
     except Exception as err:
         setattr(err, SAME_ON_EVERY_RANK, True)
+        raise
+
+
+#: Set on an error raised before a new run (not a resumed one) wrote anything in its output
+#: folder, as its data was built (:func:`before_the_run`): what the folder holds then is an earlier
+#: run's, or nothing, and ``--resume`` would continue that one, not start this one.
+BEFORE_THE_RUN = "fira_before_the_run"
+
+
+@contextlib.contextmanager
+def before_the_run(new: bool) -> Iterator[None]:
+    """Mark an error (or Ctrl-C) raised inside as :data:`BEFORE_THE_RUN` where the run is ``new``
+    (started without ``--resume``), for the hint of how to go on (:mod:`fira_train.user_errors`)."""
+    try:
+        yield
+    except BaseException as err:
+        if new:
+            setattr(err, BEFORE_THE_RUN, True)
         raise

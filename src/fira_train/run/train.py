@@ -60,7 +60,7 @@ from fira_train.run import checkpoint as ckpt
 from fira_train.run import resume_check, run_files, train_parallel
 from fira_train.run.callbacks import TrainCallback, stateful
 from fira_train.run.divergence import DivergedError, check_loss, diverged
-from fira_train.run.launch import is_rank_zero
+from fira_train.run.launch import before_the_run, is_rank_zero
 from fira_train.run.metrics import MetricsLog, perplexity
 from fira_train.run.parallel import DistributedEnv, all_reduce_mean, clip_grad_norm_, shard_batch
 from fira_train.run.peak_memory import PeakMemory
@@ -244,7 +244,8 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         # --overwrite deletes the run there or config.json is written. On every rank: a finished
         # run is kept only on the data it was trained on, which rank 0 checks while the others
         # wait (building it there alone could outlast the timeout)
-        corpus = build_corpus(config.data, exclude=(out,))  # a run folder inside the corpus is not read
+        with before_the_run(resume is None):  # a failure's hint does not offer --resume for OUT's earlier run
+            corpus = build_corpus(config.data, exclude=(out,))  # a run folder inside the corpus is not read
     finished = _finished_summary(config, out, resume, env, main, corpus)
     if finished is not None:
         log.info("%s holds this run, finished: nothing to resume (its summary.json is kept; "
