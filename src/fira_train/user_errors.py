@@ -432,17 +432,18 @@ def _inside(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> boo
     return path == folder or folder in path.parents
 
 
-def _room_elsewhere(path: str | None, out: str | None, in_cache: bool, stream: str | None) -> str | None:
+def _room_elsewhere(path: str | None, out: str | None, in_cache: bool, stream: str | None,
+                    cache_setting: str) -> str | None:
     """How to put what could not be written where there is room: the setting that chose its
-    place. A file name says which (the cache, the run folder, the temporary folder; None: no
-    setting of fira-train's); a library's error names none: the run folder or the cache may be
-    the full one."""
+    place. A file name says which (the cache, by ``cache_setting``: ``data.cache_dir`` where the
+    command gave it, else FIRA_CACHE; the run folder, the temporary folder; None: no setting of
+    fira-train's); a library's error names none: the run folder or the cache may be the full one."""
     if stream is not None:
         return f"send {stream} to another disk"
     if path is None:
-        return "point --out or FIRA_CACHE at another disk"
+        return f"point --out or {cache_setting} at another disk"
     if in_cache:
-        return "point FIRA_CACHE at another disk"
+        return f"point {cache_setting} at another disk"
     # without --out the run folders are under the current one's runs/ (recipes' out_dir)
     if _inside(path, out if out is not None else os.path.join(os.getcwd(), "runs")):
         return "point --out at another disk"
@@ -462,7 +463,8 @@ def _os_error(err: OSError, args: argparse.Namespace) -> str:
     if err.errno in _NO_ROOM:
         stream = getattr(err, "stream", None)  # set by fira_train.cli.main: standard output
         where = stream or path or out or "the output folder"
-        target = _room_elsewhere(path, out, in_cache, stream)
+        target = _room_elsewhere(path, out, in_cache, stream,
+                                 "data.cache_dir" if cache_source == "data.cache_dir" else "FIRA_CACHE")
         elsewhere = f" (or {target})" if target else ""
         if err.errno in _FULL:
             return _no_room(f"no space left on the device holding {where} ({reason})",

@@ -533,13 +533,20 @@ def test_a_full_disk_names_the_file_written_and_what_moves_it() -> None:
     assert full("/nonexistent-out/run/metrics.jsonl").startswith(
         "no space left on the device holding /nonexistent-out/run/metrics.jsonl (No space left on device): "
         "free some space (or point --out at another disk) and run the same command again with --resume")
-    assert "(or point FIRA_CACHE at another disk)" in full("/nonexistent-cache/tokens.npy")
+    # the setting that chose the cache: data.cache_dir here, FIRA_CACHE where the command left it out
+    assert "(or point data.cache_dir at another disk)" in full("/nonexistent-cache/tokens.npy")
+    default = Namespace(command="pretrain", out="/nonexistent-out/run", overrides=[])
+    from fira_train.data.disk_cache import default_cache_dir
+
+    cache = str(default_cache_dir())
+    assert "(or point FIRA_CACHE at another disk)" in describe(
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(cache, "tokens.npy")), default)
     temporary = os.path.join(tempfile.gettempdir(), "tmpx.safetensors")
     assert f"holding {temporary} (No space left on device): free some space (or point TMPDIR" in full(temporary)
     assert full("/nonexistent-root/other/file").startswith(
         "no space left on the device holding /nonexistent-root/other/file (No space left on device): free some "
         "space and run the same command again")
-    assert "(or point --out or FIRA_CACHE at another disk)" in describe(  # no file named: either
+    assert "(or point --out or data.cache_dir at another disk)" in describe(  # no file named: either
         OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), args)
     # without --out, from a current folder that holds the temporary one: still the temporary file,
     # and a run folder under the current one's runs/ (the recipes' out_dir) still --out
