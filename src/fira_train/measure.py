@@ -18,6 +18,7 @@ import gc
 import json
 import logging
 import platform
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -105,6 +106,7 @@ def measure_run(config: RunConfig, steps: int) -> dict[str, Any]:
         "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "optimizer_state_bytes": optimizer_state_bytes(training.optimizer),
         "losses": losses,
+        "threads": torch.get_num_threads(),  # a spec's train.num_threads, not the command's
     }
 
 
@@ -235,7 +237,7 @@ ROW_SHAPE = {"method": ((str,), False), "measured_peak_bytes": ((int,), False),
              "estimated_bytes": ((int, float, type(None)), False), "date": ((str,), True),
              "measured": ((dict,), False)}
 MEASURED_SHAPE = {"parameters": ((int,), False), "device": ((str,), False), "weights_bytes": ((int,), False),
-                  "optimizer_state_bytes": ((int,), False)}
+                  "optimizer_state_bytes": ((int,), False), "threads": ((int,), True)}
 
 
 def _other_shape(old: Any) -> str | None:
@@ -329,8 +331,19 @@ def format_measurement(record: dict[str, Any]) -> str:
     # each is said in the heading, several in a column of their own
     sizes = list(dict.fromkeys(f"{row['measured']['parameters'] / 1e6:.1f}M" for row in rows))
     devices = list(dict.fromkeys(row["measured"]["device"] for row in rows))
+    # a spec's own train.num_threads: the machine's line gave the command's count for every row
+    # (rows measured before each recorded its count ran with the command's)
+    said = re.search(r", (\d+) threads,", record["machine"])
+
+    def row_threads(row: dict[str, Any]) -> str:
+        return str(row["measured"].get("threads", said[1] if said else "?"))
+
+    threads = list(dict.fromkeys(row_threads(row) for row in rows))
+    machine = record["machine"] if not (said and threads) else record["machine"].replace(
+        said[0], f", {threads[0]} threads," if len(threads) == 1 else ", threads per row,")
     per_row = [(name, key) for name, key, values in (("Parameters", "parameters", sizes),
-                                                     ("Device", "device", devices)) if len(values) > 1]
+                                                     ("Device", "device", devices),
+                                                     ("Threads", "threads", threads)) if len(values) > 1]
     dates = sorted({row.get("date", record["date"]) for row in rows} or {record["date"]})
     lines = [
         f"{MEASUREMENT_TITLE}: recipe `{record['recipe']}`, {record['steps']} training step{'s' if record['steps'] != 1 else ''}"
@@ -341,7 +354,7 @@ def format_measurement(record: dict[str, Any]) -> str:
         ("No method measured yet; " if not rows else
          f"{sizes[0] + ' parameters' if len(sizes) == 1 else 'parameters per row'}, "
          f"{f'device `{devices[0]}`' if len(devices) == 1 else 'device per row'}; ")
-        + f"{record['machine']}, {dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}.",
+        + f"{machine}, {dates[0] if len(dates) == 1 else f'{dates[0]} to {dates[-1]}'}.",
         "",
         "| Method | " + "".join(f"{name} | " for name, _ in per_row)
         + "Measured peak | Estimated | Measured / estimated | Weights | Optimizer states | Fits in 24 GB (measured) |",
@@ -350,7 +363,8 @@ def format_measurement(record: dict[str, Any]) -> str:
     for row in rows:
         measured, estimated = row["measured_peak_bytes"], row["estimated_bytes"]
         cells = "".join(f"{row['measured']['parameters'] / 1e6:.1f}M | " if key == "parameters"
-                        else f"`{row['measured']['device']}` | " for _, key in per_row)
+                        else f"`{row['measured']['device']}` | " if key == "device" else f"{row_threads(row)} | "
+                        for _, key in per_row)
         lines.append(
             f"| {row['method']} | {cells}{format_bytes(measured)} | {format_bytes(estimated) if estimated else '-'} "
             f"| {f'{measured / estimated:.2f}' if estimated else '-'} "

@@ -349,6 +349,29 @@ def test_the_heading_names_one_model_size_and_device_only_where_every_row_has_th
     assert "0.2M parameters, device `cpu`;" in md.read_text() and "| Method | Measured peak |" in md.read_text()
 
 
+def test_a_specs_own_thread_count_is_said_not_the_commands(tmp_path: Path, monkeypatch):
+    """A spec's @train.num_threads=N ran with N threads while the heading gave the command's count
+    for every row: one count differing from the command's is the heading's, several a column."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    def fake(fn, config, steps):
+        return {"measured_peak_bytes": 1000, "baseline_bytes": 0, "measure": "fake", "device": "cpu",
+                "vocab_size": 300, "parameters": 200_000, "weights_bytes": 40, "optimizer_state_bytes": 80,
+                "losses": [1.0], "threads": config.train.num_threads or 7}
+
+    monkeypatch.setattr(measure, "run_isolated", fake)
+    config = micro_config(tmp_path, "train.num_threads=2")
+    md, _ = measure.measure(config, parse_method_specs("adamw,fira@train.num_threads=1"), 1, tmp_path / "m", "cmd")
+    text = md.read_text()
+    assert "2 threads" not in text and ", threads per row, torch" in text
+    assert "| Method | Threads | Measured peak |" in text
+    assert "| adamw | 2 | " in text and "| fira@train.num_threads=1 | 1 | " in text
+    md, _ = measure.measure(config, parse_method_specs("fira@train.num_threads=1"), 1, tmp_path / "one", "cmd")
+    assert ", 1 threads, torch" in md.read_text() and "| Method | Measured peak |" in md.read_text()
+
+
 @pytest.mark.parametrize("platform", ["no_proc_status", "peak_not_resettable"])
 def test_a_cpu_peak_that_cannot_be_read_or_reset_is_refused_not_written(tmp_path: Path, monkeypatch, platform):
     """Without /proc/self/status (macOS) a row said 0 bytes; where the peak could not be reset it
