@@ -189,6 +189,7 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
     every command line names its ``--methods``, the record is complete when each method they name
     has a row (a stopped command's methods may have been measured by a later one), and
     ``missing`` lists the others; else it is complete when no line says that a command stopped.
+    A complete record's commands carry no such marks.
     """
     old = (read_json(json_path, hint="delete it, or measure into another --out without --append")
            if json_path.exists() else {**record, "command": None, "rows": []})
@@ -224,6 +225,8 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
         complete, missing = not stopped and (bool(record["command"]) or done == total), []
     else:
         complete = not missing
+    if complete:  # every method has its row: a note that a command stopped would read as a gap
+        commands = {key: key for key in commands if key != EARLIER_STOP}
     return {**record, "command": "\n".join(commands.values()) or None, "rows": list(merged.values()),
             "complete": complete, **({"missing": missing} if missing else {}),
             "date": max([r["date"] for r in merged.values()], default=record["date"])}

@@ -192,9 +192,33 @@ def test_a_table_is_complete_once_every_method_its_commands_name_has_a_row(tmp_p
     measure.measure(config, parse_method_specs("fira"), 1, out, command("fira").replace(" fira ", "=fira "),
                     append=True)
     record = json.loads((out / "memory.json").read_text())
-    assert record["command"].split("\n")[1] == measure.EARLIER_STOP  # the history stays
+    # every method measured: a line saying that a command stopped would read as a gap in the table
+    assert record["command"] == "\n".join([command("adamw,fira"), command("galore"),
+                                           command("fira").replace(" fira ", "=fira ")])
     assert record["complete"] is True and "missing" not in record
-    assert "incomplete" not in (out / "memory.md").read_text()
+    assert "incomplete" not in (out / "memory.md").read_text() and "stopped" not in (out / "memory.md").read_text()
+
+
+def test_a_stopped_appends_mark_goes_once_its_methods_are_measured(tmp_path: Path, monkeypatch):
+    """The rerun the interruption hint gives (--append, the methods not measured yet) completes the
+    table: the first command's '# stopped after' mark went on standing in memory.md."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config, out = micro_config(tmp_path), tmp_path / "m"
+    first = "fira-train memory --measure --methods adamw,fira --append"
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000}, stop_at="fira"))
+    with pytest.raises(KeyboardInterrupt):
+        measure.measure(config, parse_method_specs("adamw,fira"), 1, out, first, append=True)
+    assert measure.PROGRESS_MARK in json.loads((out / "memory.json").read_text())["command"]
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"fira": 3000}))
+    measure.measure(config, parse_method_specs("fira"), 1, out, "fira-train memory --measure --methods fira --append",
+                    append=True)
+    record = json.loads((out / "memory.json").read_text())
+    assert record["complete"] is True
+    assert record["command"] == f"{first}\nfira-train memory --measure --methods fira --append"
+    assert "stopped" not in (out / "memory.md").read_text()
 
 
 def test_append_refuses_a_table_of_another_setting_before_training(tmp_path: Path, monkeypatch):
