@@ -10,7 +10,8 @@ Subcommands (stable names):
   [--jobs N] [--reuse] --out DIR``: learning rates chosen on validation, test perplexity over
   seeds with paired 95% intervals; ``DIR/report.md``, ``DIR/sweep.json``, ``DIR/lr.png``
   (:mod:`fira_train.sweep.driver`);
-- ``fira-train memory``: the paper's memory-estimate table (:mod:`fira_train.memory.estimates`);
+- ``fira-train memory``: the paper's memory-estimate table (:mod:`fira_train.memory.estimates`) and
+  the run estimate (:func:`fira_train.measure.estimate_rows`), or measured peaks (``--measure``);
 - ``fira-train methods``: the method registry with default learning rates;
 - ``fira-train finetune`` and ``fira-train analyze ...``: plug-ins (:data:`PLUGINS`), modules
   that expose ``register(subparsers)``, which adds their parser and sets ``func``.
@@ -332,11 +333,15 @@ def _register_sweep(subparsers: Any) -> None:
 
 def _memory(args: argparse.Namespace) -> int:
     if not args.measure:
-        if args.recipe or args.methods or args.overrides or args.append or args.out or args.steps is not None:
-            raise ValueError("--recipe, --methods, --steps, --out, --append and key=value overrides go with "
-                             "--measure (without it, memory prints the paper's estimates)")
-        from fira_train.measure import estimate_rows, format_estimate_rows  # imports torch
+        if args.overrides or args.append or args.out or args.steps is not None:
+            raise ValueError("--steps, --out, --append and key=value overrides go with --measure (without it, "
+                             "memory prints estimates; --recipe and --methods choose the run estimate's rows)")
+        from fira_train.measure import ESTIMATE_SIZES, ESTIMATE_SPECS, estimate_rows, format_estimate_rows
 
+        if args.recipe or args.methods:  # the estimate of these specs and sizes only: not the paper's table
+            print(format_estimate_rows(estimate_rows((args.recipe,) if args.recipe else ESTIMATE_SIZES,
+                                                     (args.methods,) if args.methods else ESTIMATE_SPECS)))
+            return 0
         # said, as the second table's line says its own: their totals differ several times over
         print("The paper's memory estimate (Table 2, appendix C.1): weights + gradients + optimizer states, "
               "every element in BF16, no activations; elements in millions (M), totals in GB (10^9 bytes) and "
@@ -377,14 +382,17 @@ def _register_memory(subparsers: Any) -> None:
                     "optimizer states in BF16 for its LLaMA sizes, methods and baselines (appendix C.1; "
                     "not every method of fira-train methods), then the estimate of a real run on a GPU "
                     "(one 256-token sequence per step, with activations) of AdamW, GaLore, Fira and "
-                    "Fira's memory options at 60M-7B and whether it fits in 24 GB. "
+                    "Fira's memory options at 60M-7B and whether it fits in 24 GB; with --methods (and "
+                    "--recipe), only the run estimate of those specs (at that recipe). "
                     "With --measure: train --steps steps of each method spec (NAME[@key=value...]) "
                     "in a fresh process and write OUT/memory.md and OUT/memory.json with the "
                     "measured peak beside the estimate.")
     parser.add_argument("--measure", action="store_true", help="measure real training steps")
-    parser.add_argument("--recipe", help="with --measure: the recipe (60m, 130m, 350m, 1b, tiny, ...)")
-    parser.add_argument("--methods", action=StoreOnce, help="with --measure: comma-separated method specs, e.g. "
-                                          "adamw,fira,fira@optim.step_in_backward=true@optim.state_dtype=int8")
+    parser.add_argument("--recipe", help="the recipe (60m, 130m, 350m, 1b, tiny, ...); without --measure: "
+                                         "the run estimate at this recipe only")
+    parser.add_argument("--methods", action=StoreOnce,
+                        help="comma-separated method specs to measure, or without --measure to estimate, e.g. "
+                             "adamw,fira,fira@optim.step_in_backward=true@optim.state_dtype=int8")
     parser.add_argument("--steps", type=int, default=None,
                         help="with --measure: training steps per method (default 3)")
     parser.add_argument("--out", help="output directory (default runs/<recipe>-memory)")

@@ -34,7 +34,7 @@ from fira_train.config.overrides import changed_keys, describe_changed, flat_con
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, locked, read_json, refuse_links, write_text_atomic
-from fira_train.memory.run_estimate import estimate_run_bytes, is_estimated
+from fira_train.memory.run_estimate import UNESTIMATED_METHODS, estimate_run_bytes, is_estimated
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
 from fira_train.run.launch import refuse_torchrun
@@ -418,34 +418,51 @@ ESTIMATE_SIZES = ("60m", "130m", "350m", "1b", "7b")
 
 def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, Any]]:
     """The run estimate (:func:`fira_train.memory.run_estimate.estimate_run_bytes`) of each
-    configuration at each of the paper's sizes, one sequence of 256 tokens per step, on a GPU
-    (the column is "fits in 24 GB": torch's AdamW then takes its ``foreach`` step)."""
+    configuration (a method spec's text) at each size (a recipe), one sequence per step unless a
+    spec sets the batch, on a GPU (the column is "fits in 24 GB": torch's AdamW then takes its
+    ``foreach`` step). A spec of a method the estimate does not model is a ValueError naming it."""
     from fira_train.config.recipes import get_recipe  # the paper's sizes
 
+    parsed = parse_method_specs(",".join(specs))
+    for spec in parsed:
+        if not is_estimated(spec.name):  # else a number for it would be full-weight AdamW's
+            raise ValueError(f"--methods: {spec.text!r}: the run estimate does not model {spec.name!r} (not "
+                             f"estimated: {', '.join(UNESTIMATED_METHODS)}); every other method of "
+                             "fira-train methods is")
     rows = []
     for size in sizes:
         base = get_recipe(size)
         base = replace(base, train=replace(base.train, batch_size=1, micro_batch_size=1))
-        for text in specs:
-            config = parse_method_specs(text)[0].config(base, ".")
+        for spec in parsed:
+            config = spec.config(base, ".")
             estimate = estimate_run_bytes(config, config.data.vocab_size, "cuda")
-            rows.append({"size": size, "method": text, **estimate,
+            rows.append({"size": size, "method": spec.text, **estimate,
+                         "micro_batch": config.train.micro_batch, "seq_len": config.data.seq_len,
                          "fits_24gb": estimate["total"] < 24 * GB})
     return rows
 
 
 def format_estimate_rows(rows: list[dict[str, Any]]) -> str:
     """The estimate table: GB per part and whether the total fits in 24 GB."""
-    lines = ["Estimated memory of a training run on a GPU (one 256-token sequence per step, fp32 "
-             "unless stated; torch's AdamW in its default multi-tensor step): weights + gradients + "
+    # a spec may set the batch, a recipe its sequence length: one shape is said, several a column
+    shapes = list(dict.fromkeys(_batch_shape(r) for r in rows))
+    shape = shapes[0] if len(shapes) == 1 else "the micro-batch of its row"
+    lines = [f"Estimated memory of a training run on a GPU ({shape} per step, fp32 unless stated; torch's AdamW in its default multi-tensor step): weights + gradients + "
              "optimizer states + the larger of activations and the step's temporaries (their sum with "
              "step_in_backward, whose steps run among the activations), in GB (10^9 bytes)",
              "",
-             "| Size | Method | Weights | Gradients | Optimizer states | Activations "
-             "| Step temporaries | Total | Fits in 24 GB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| Size | Method | " + ("Micro-batch | " if len(shapes) > 1 else "") + "Weights | Gradients "
+             "| Optimizer states | Activations | Step temporaries | Total | Fits in 24 GB |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if len(shapes) > 1 else "")]
     for r in rows:
         parts = " | ".join(f"{r[k] / GB:.2f}" for k in ESTIMATE_PARTS + ("total",))
-        lines.append(f"| {r['size']} | {r['method']} | {parts} | {'yes' if r['fits_24gb'] else 'no'} |")
+        shape = f"{_batch_shape(r)} | " if len(shapes) > 1 else ""
+        lines.append(f"| {r['size']} | {r['method']} | {shape}{parts} | {'yes' if r['fits_24gb'] else 'no'} |")
     return "\n".join(lines)
 
+
+def _batch_shape(row: dict[str, Any]) -> str:
+    """``"one 256-token sequence"``, ``"4 sequences of 256 tokens"``: an estimate row's micro-batch."""
+    if row["micro_batch"] == 1:
+        return f"one {row['seq_len']}-token sequence"
+    return f"{row['micro_batch']} sequences of {row['seq_len']} tokens"

@@ -37,7 +37,7 @@ def test_measure_writes_a_row_per_spec(tmp_path: Path, capsys, monkeypatch) -> N
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["memory", "--measure", "--recipe", "micro"], "needs --recipe NAME and --methods"),
-    (["memory", "--recipe", "micro"], "go with --measure"),
+    (["memory", "--recipe", "micro", "train.batch_size=2"], "go with --measure"),
     (["memory", "--measure", "--recipe", "micro", "--methods", "fira@rank"], "not a key=value"),
     (["memory", "--steps", "-4"], "go with --measure"),  # the estimate takes neither --steps nor --out
     (["memory", "--out", "x"], "go with --measure"),
@@ -71,6 +71,34 @@ def test_the_estimate_table_covers_the_paper_sizes_and_says_what_fits() -> None:
         totals = [by[size, spec]["total"] for spec in ESTIMATE_SPECS[2:]]
         assert totals == sorted(totals, reverse=True)
     assert "| 7b | adamw |" in format_estimate_rows(rows)
+
+
+def test_the_estimate_takes_a_specs_own_settings_without_measuring(capsys) -> None:
+    """``memory --methods SPEC`` was refused ('go with --measure'): a custom spec had no estimate
+    short of training it. --methods and --recipe now choose the run estimate's rows."""
+    spec = "fira@optim.state_dtype=int8@optim.step_in_backward=true"
+    assert main(["memory", "--methods", spec, "--recipe", "60m"]) == 0
+    out = capsys.readouterr().out
+    assert f"| 60m | {spec} |" in out and "one 256-token sequence per step" in out
+    assert "Paper (G)" not in out and "| 1b |" not in out  # the chosen rows only
+    assert main(["memory", "--methods", "fira"]) == 0  # every size without --recipe
+    out = capsys.readouterr().out
+    assert all(f"| {size} | fira |" in out for size in ("60m", "130m", "350m", "1b", "7b"))
+
+
+def test_the_estimate_refuses_a_spec_it_does_not_model_by_name(capsys) -> None:
+    assert main(["memory", "--methods", "fira,lora@optim.rank=8"]) == 1
+    err = capsys.readouterr().err
+    assert "'lora@optim.rank=8'" in err and "not estimated: lora, relora" in err and "Traceback" not in err
+
+
+def test_the_estimate_says_a_specs_own_micro_batch_in_its_row() -> None:
+    from fira_train.measure import estimate_rows, format_estimate_rows
+
+    text = format_estimate_rows(estimate_rows(("tiny",), ("fira", "fira@train.batch_size=4@train.micro_batch_size=4")))
+    assert "one 256-token sequence per step" not in text and "| Micro-batch |" in text
+    assert "| tiny | fira | one 256-token sequence |" in text
+    assert "| tiny | fira@train.batch_size=4@train.micro_batch_size=4 | 4 sequences of 256 tokens |" in text
 
 
 def test_a_stopped_measurement_keeps_the_methods_it_measured(tmp_path: Path, monkeypatch) -> None:
