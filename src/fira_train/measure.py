@@ -20,6 +20,7 @@ import logging
 import platform
 import re
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import replace
 from datetime import date
@@ -34,7 +35,7 @@ from fira_train.config.overrides import changed_keys, describe_changed, flat_con
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, locked, read_json, refuse_links, write_text_atomic
-from fira_train.memory.run_estimate import UNESTIMATED_METHODS, estimate_run_bytes, is_estimated
+from fira_train.memory.run_estimate import UNESTIMATED_METHODS, estimate_run_bytes, is_estimated, projects_nothing
 from fira_train.report.markdown import format_bytes
 from fira_train.run.isolated import run_isolated
 from fira_train.run.launch import refuse_torchrun
@@ -435,6 +436,10 @@ def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, 
         base = replace(base, train=replace(base.train, batch_size=1, micro_batch_size=1))
         for spec in parsed:
             config = spec.config(base, ".")
+            if projects_nothing(config):  # measured, the optimizer says it; estimated, nothing would
+                warnings.warn(f"--methods {spec.text!r} at {size}: optim.rank={config.optim.rank} is >= min(m, n) of "
+                              "every matrix: none is projected, so the estimate is the plain base optimizer's, "
+                              "with full-rank states", UserWarning, stacklevel=2)
             estimate = estimate_run_bytes(config, config.data.vocab_size, "cuda")
             rows.append({"size": size, "method": spec.text, **estimate,
                          "micro_batch": config.train.micro_batch, "seq_len": config.data.seq_len,

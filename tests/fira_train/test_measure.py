@@ -92,6 +92,15 @@ def test_the_estimate_refuses_a_spec_it_does_not_model_by_name(capsys) -> None:
     assert "'lora@optim.rank=8'" in err and "not estimated: lora, relora" in err and "Traceback" not in err
 
 
+def test_the_estimate_warns_of_a_spec_whose_rank_projects_nothing() -> None:
+    """Measured, the optimizer warns that a rank above every matrix projects none; estimated, the
+    row was AdamW's without a word."""
+    from fira_train.measure import estimate_rows
+
+    with pytest.warns(UserWarning, match=r"--methods 'fira@optim.rank=4096' at 60m: optim.rank=4096 .* none is"):
+        estimate_rows(("60m",), ("fira@optim.rank=4096",))
+
+
 def test_the_estimate_says_a_specs_own_micro_batch_in_its_row() -> None:
     from fira_train.measure import estimate_rows, format_estimate_rows
 

@@ -138,8 +138,7 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
         states = (4 if o.method == "flora" else weight_bytes) * _peer_state_numel(
             o.method, o.rank, shapes, vocab_size, h, layers, tables=1 if m.tie_word_embeddings else 2)
         shapes = []
-    # the matrices the optimizer projects: its own rule (the peers' shapes are emptied above)
-    matrices = [(a, b) for a, b in shapes if projected and is_projected(torch.empty((a, b), device="meta"), group)]
+    matrices = projected_shapes(config)
     for a, b in shapes:
         if (a, b) in matrices:
             r = projected_rank((a, b), group)
@@ -180,6 +179,26 @@ def estimate_run_bytes(config: "RunConfig", vocab_size: int, device: str = "cpu"
         # the CUDA allocator counts only live tensors: the activations are freed before the step
         total -= min(activations, temporaries)
     return {**{k: int(v) for k, v in parts.items()}, "total": int(total)}
+
+
+def projected_shapes(config: "RunConfig") -> list[tuple[int, int]]:
+    """The attention and MLP matrices (``(m, n)``, one entry each) that the run's optimizer
+    projects, by its own rule (:func:`fira_optim.projection.is_projected`): none for the plain
+    methods and the peers (their own per-matrix states), and none for a Fira-family method whose
+    ``optim.rank`` is at least every matrix's ``min(m, n)``."""
+    m, o = config.model, config.optim
+    if o.method in PLAIN_METHODS or o.method in PEER_METHODS:
+        return []
+    group = {"rank": o.rank, "only_scaling": bool(VARIANTS.get(o.method, {}).get("only_scaling"))}
+    return [(a, b) for a, b in llama_matrix_shapes(m.hidden_size, m.intermediate_size, m.num_hidden_layers)
+            if is_projected(torch.empty((a, b), device="meta"), group)]
+
+
+def projects_nothing(config: "RunConfig") -> bool:
+    """Whether a method that projects (the Fira family) projects none of the model's matrices at
+    ``optim.rank``: it then trains as its plain base optimizer, with full-rank states (the
+    optimizer warns when it is built; an estimate builds none)."""
+    return config.optim.method not in (*PLAIN_METHODS, *PEER_METHODS) and not projected_shapes(config)
 
 
 #: fp32 ``m x n`` buffers that the reference path's update of one matrix holds at once

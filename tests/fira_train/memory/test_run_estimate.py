@@ -316,3 +316,25 @@ def test_on_cuda_a_plain_step_holds_every_matrix_projected_gradient_at_once() ->
     # fp32 weights and states: the fast path batches the updates, Adam's directions N beside R
     fp32 = replace(config, train=replace(config.train, param_dtype="float32"))
     assert estimate_run_bytes(fp32, 32000, "cuda")["step_temporaries"] == 3 * 4 * 512 * 5461 + 2 * every_r
+
+
+def test_a_rank_above_every_matrix_projects_nothing_as_the_optimizer_decides() -> None:
+    import warnings
+
+    import torch
+
+    from fira_train.memory.run_estimate import projected_shapes, projects_nothing
+
+    # 60m: width 512, MLP 1376; the optimizer's own warning is the reference for "nothing projected"
+    for method, rank, nothing in (("fira", 4096, True), ("fira", 512, True), ("fira", 511, False),
+                                  ("galore", 128, False), ("adamw", 4096, False), ("apollo", 4096, False)):
+        config, _ = _estimate(method, optim={"rank": rank})
+        assert projects_nothing(config) is nothing, (method, rank)
+    config, _ = _estimate("fira", optim={"rank": 511})
+    assert len(projected_shapes(config)) == 7 * 8  # every attention and MLP matrix of the 8 layers
+    from fira_optim import Fira
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Fira([{"params": [torch.nn.Parameter(torch.zeros(512, 1376))], "rank": 512}])
+    assert any("none is projected" in str(w.message) for w in caught)
