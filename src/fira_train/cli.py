@@ -338,6 +338,10 @@ def _memory(args: argparse.Namespace) -> int:
                              "memory prints estimates; --recipe and --methods choose the run estimate's rows)")
         from fira_train.measure import ESTIMATE_SIZES, ESTIMATE_SPECS, estimate_rows, format_estimate_rows
 
+        if args.methods:  # as --measure warns: the estimate of such a spec is the spec's without it
+            from fira_train.config.method_spec import parse_method_specs
+
+            warn_unused_settings(args, [spec.text for spec in parse_method_specs(args.methods)])
         if args.recipe or args.methods:  # the estimate of these specs and sizes only: not the paper's table
             print(format_estimate_rows(estimate_rows((args.recipe,) if args.recipe else ESTIMATE_SIZES,
                                                      (args.methods,) if args.methods else ESTIMATE_SPECS)))

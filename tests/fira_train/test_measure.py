@@ -101,6 +101,11 @@ def test_the_estimate_warns_of_a_spec_whose_rank_projects_nothing() -> None:
         estimate_rows(("60m",), ("fira@optim.rank=4096",))
 
 
+def test_the_estimate_warns_of_a_spec_setting_its_method_does_not_read(capsys, caplog) -> None:
+    assert main(["memory", "--recipe", "60m", "--methods", "adamw@optim.rank=4"]) == 0
+    assert "optim.rank is not used by adamw: it has no effect on the run adamw@optim.rank=4" in caplog.text
+
+
 def test_the_estimate_says_a_specs_own_micro_batch_in_its_row() -> None:
     from fira_train.measure import estimate_rows, format_estimate_rows
 
