@@ -343,8 +343,9 @@ def format_measurement(record: dict[str, Any]) -> str:
         return str(row["measured"].get("threads", said[1] if said else "?"))
 
     threads = list(dict.fromkeys(row_threads(row) for row in rows))
+    one = threads[0] if len(threads) == 1 else None
     machine = record["machine"] if not (said and threads) else record["machine"].replace(
-        said[0], f", {threads[0]} threads," if len(threads) == 1 else ", threads per row,")
+        said[0], ", threads per row," if one is None else f", {one} thread{'' if one == '1' else 's'},")
     per_row = [(name, key) for name, key, values in (("Parameters", "parameters", sizes),
                                                      ("Device", "device", devices),
                                                      ("Threads", "threads", threads)) if len(values) > 1]

@@ -435,7 +435,7 @@ def test_a_specs_own_thread_count_is_said_not_the_commands(tmp_path: Path, monke
     assert "| Method | Threads | Measured peak |" in text
     assert "| adamw | 2 | " in text and "| fira@train.num_threads=1 | 1 | " in text
     md, _ = measure.measure(config, parse_method_specs("fira@train.num_threads=1"), 1, tmp_path / "one", "cmd")
-    assert ", 1 threads, torch" in md.read_text() and "| Method | Measured peak |" in md.read_text()
+    assert ", 1 thread, torch" in md.read_text() and "| Method | Measured peak |" in md.read_text()
 
 
 @pytest.mark.parametrize("platform", ["no_proc_status", "peak_not_resettable"])
