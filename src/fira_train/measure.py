@@ -453,15 +453,17 @@ def format_estimate_rows(rows: list[dict[str, Any]]) -> str:
     # a spec may set the batch, a recipe its sequence length: one shape is said, several a column
     shapes = list(dict.fromkeys(_batch_shape(r) for r in rows))
     shape = shapes[0] if len(shapes) == 1 else "the micro-batch of its row"
+    # tiny's and micro's runs read 0.00-0.05 GB: rows all under 1 GB are in MB
+    unit, exponent = ("GB", 9) if max((r["total"] for r in rows), default=0) >= GB else ("MB", 6)
     lines = [f"Estimated memory of a training run on a GPU ({shape} per step, fp32 unless stated; torch's AdamW in its default multi-tensor step): weights + gradients + "
              "optimizer states + the larger of activations and the step's temporaries (their sum with "
-             "step_in_backward, whose steps run among the activations), in GB (10^9 bytes)",
+             f"step_in_backward, whose steps run among the activations), in {unit} (10^{exponent} bytes)",
              "",
              "| Size | Method | " + ("Micro-batch | " if len(shapes) > 1 else "") + "Weights | Gradients "
              "| Optimizer states | Activations | Step temporaries | Total | Fits in 24 GB |",
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if len(shapes) > 1 else "")]
     for r in rows:
-        parts = " | ".join(f"{r[k] / GB:.2f}" for k in ESTIMATE_PARTS + ("total",))
+        parts = " | ".join(f"{r[k] / 10**exponent:.2f}" for k in ESTIMATE_PARTS + ("total",))
         shape = f"{_batch_shape(r)} | " if len(shapes) > 1 else ""
         lines.append(f"| {r['size']} | {r['method']} | {shape}{parts} | {'yes' if r['fits_24gb'] else 'no'} |")
     return "\n".join(lines)

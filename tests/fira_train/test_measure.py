@@ -106,6 +106,17 @@ def test_the_estimate_warns_of_a_spec_setting_its_method_does_not_read(capsys, c
     assert "optim.rank is not used by adamw: it has no effect on the run adamw@optim.rank=4" in caplog.text
 
 
+def test_an_estimate_of_rows_under_a_gb_is_in_mb() -> None:
+    """micro's row read 0.00 in every column."""
+    from fira_train.measure import estimate_rows, format_estimate_rows
+
+    rows = estimate_rows(("micro",), ("adamw",))
+    text = format_estimate_rows(rows)
+    assert "in MB (10^6 bytes)" in text and f"| {rows[0]['total'] / 1e6:.2f} | yes |" in text
+    assert "| 0.00 | 0.00 |" not in text
+    assert "in GB (10^9 bytes)" in format_estimate_rows(estimate_rows(("micro", "60m"), ("adamw",)))
+
+
 def test_the_estimate_says_a_specs_own_micro_batch_in_its_row() -> None:
     from fira_train.measure import estimate_rows, format_estimate_rows
 
