@@ -31,7 +31,7 @@ import torch
 
 from fira_optim.state import optimizer_state_bytes
 from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse_same_runs, refuse_spec_keys
-from fira_train.config.overrides import changed_keys, describe_changed, flat_config
+from fira_train.config.overrides import changed_keys, describe_changed, flat_config, override_key
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, locked, read_json, refuse_links, write_text_atomic
@@ -436,7 +436,7 @@ def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, 
         base = get_recipe(size)
         base = replace(base, train=replace(base.train, batch_size=1, micro_batch_size=1))
         for spec in parsed:
-            config = spec.config(base, ".")
+            config = spec.config(_batch_for(spec, base), ".")
             if projects_nothing(config):  # measured, the optimizer says it; estimated, nothing would
                 warnings.warn(f"--methods {spec.text!r} at {size}: optim.rank={config.optim.rank} is >= min(m, n) of "
                               "every matrix: none is projected, so the estimate is the plain base optimizer's, "
@@ -446,6 +446,20 @@ def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, 
                          "micro_batch": config.train.micro_batch, "seq_len": config.data.seq_len,
                          "fits_24gb": estimate["total"] < 24 * GB})
     return rows
+
+
+def _batch_for(spec: MethodSpec, base: RunConfig) -> RunConfig:
+    """``base`` (a batch of one sequence) with the batch of a spec that sets its micro-batch alone
+    (``@train.micro_batch_size=4``): the estimate's batch of one is the table's, not the user's, and
+    the spec was refused as no divisor of ``train.batch_size=1``."""
+    given = {override_key(item): item.partition("=")[2].strip() for item in spec.overrides}
+    if "train.micro_batch_size" not in given or "train.batch_size" in given:
+        return base
+    try:
+        micro = int(given["train.micro_batch_size"])
+    except ValueError:  # not a number: the spec's own error says so
+        return base
+    return replace(base, train=replace(base.train, batch_size=micro)) if micro >= 1 else base
 
 
 def format_estimate_rows(rows: list[dict[str, Any]]) -> str:

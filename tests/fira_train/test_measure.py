@@ -106,6 +106,15 @@ def test_the_estimate_warns_of_a_spec_setting_its_method_does_not_read(capsys, c
     assert "optim.rank is not used by adamw: it has no effect on the run adamw@optim.rank=4" in caplog.text
 
 
+def test_a_specs_micro_batch_alone_is_the_estimates_batch(capsys) -> None:
+    """The estimate's batch of one is its own: @train.micro_batch_size=4 was refused as no divisor
+    of train.batch_size=1, which the user never gave."""
+    assert main(["memory", "--recipe", "tiny", "--methods", "fira,fira@train.micro_batch_size=4"]) == 0
+    assert "| tiny | fira@train.micro_batch_size=4 | 4 sequences of 256 tokens |" in capsys.readouterr().out
+    assert main(["memory", "--recipe", "tiny", "--methods", "fira@train.micro_batch_size=-4"]) == 1
+    assert "train.micro_batch_size" in capsys.readouterr().err  # a bad value is still the spec's own error
+
+
 def test_an_estimate_of_rows_under_a_gb_is_in_mb() -> None:
     """micro's row read 0.00 in every column."""
     from fira_train.measure import estimate_rows, format_estimate_rows
