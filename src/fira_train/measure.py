@@ -336,11 +336,14 @@ def format_measurement(record: dict[str, Any]) -> str:
     sizes = list(dict.fromkeys(f"{row['measured']['parameters'] / 1e6:.1f}M" for row in rows))
     devices = list(dict.fromkeys(row["measured"]["device"] for row in rows))
     # a spec's own train.num_threads: the machine's line gave the command's count for every row
-    # (rows measured before each recorded its count ran with the command's)
+    # (a row measured before rows recorded their count ran with its spec's, else the command's)
     said = re.search(r", (\d+) threads,", record["machine"])
 
     def row_threads(row: dict[str, Any]) -> str:
-        return str(row["measured"].get("threads", said[1] if said else "?"))
+        own = [item.partition("=")[2].strip() for item in row["method"].split("@")[1:]
+               if override_key(item) == "train.num_threads"]
+        return str(row["measured"].get("threads", own[0] if own and own[0] not in ("0", "") else
+                                       said[1] if said else "?"))
 
     threads = list(dict.fromkeys(row_threads(row) for row in rows))
     one = threads[0] if len(threads) == 1 else None

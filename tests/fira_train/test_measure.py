@@ -456,6 +456,11 @@ def test_a_specs_own_thread_count_is_said_not_the_commands(tmp_path: Path, monke
     assert "| adamw | 2 | " in text and "| fira@train.num_threads=1 | 1 | " in text
     md, _ = measure.measure(config, parse_method_specs("fira@train.num_threads=1"), 1, tmp_path / "one", "cmd")
     assert ", 1 thread, torch" in md.read_text() and "| Method | Measured peak |" in md.read_text()
+    record = json.loads((tmp_path / "m" / "memory.json").read_text())
+    for row in record["rows"]:
+        del row["measured"]["threads"]  # as rows measured before each recorded its count
+    text = measure.format_measurement(record)
+    assert "| adamw | 2 | " in text and "| fira@train.num_threads=1 | 1 | " in text  # the spec's, else the command's
 
 
 @pytest.mark.parametrize("platform", ["no_proc_status", "peak_not_resettable"])
