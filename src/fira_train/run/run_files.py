@@ -66,7 +66,7 @@ def _damaged_run_config(path: Path) -> bool:
         return False
     except (OSError, ValueError):
         out = path.parent
-        return (out / "metrics.jsonl").is_file() or (out / "checkpoints").is_dir()
+        return (out / "metrics.jsonl").is_file() or holds_checkpoints(out)
 
 
 def foreign_files(out: str | Path) -> list[str]:
@@ -135,8 +135,23 @@ def remove_run_entries(folder: Path, ours: Callable[[Path], bool]) -> None:
 
 
 def previous_run(out: Path) -> list[str]:
-    """The files of a run that ``out`` already holds (none: it holds no run's records)."""
-    return [name for name in ("metrics.jsonl", "summary.json", CHECKPOINT_DIR) if (out / name).exists()]
+    """The files of a run that ``out`` already holds (none: it holds no run's records).
+    ``checkpoints/`` counts only with a checkpoint folder of a run's in it
+    (:func:`holds_checkpoints`): another tool's checkpoints/ alone is no run to resume."""
+    found = [name for name in ("metrics.jsonl", "summary.json") if (out / name).exists()]
+    return found + ([CHECKPOINT_DIR] if holds_checkpoints(out) else [])
+
+
+def holds_checkpoints(out: Path) -> bool:
+    """Whether ``out/checkpoints`` holds a folder a run wrote there (:func:`is_checkpoint_entry`:
+    complete, temporary or replaced), not only another tool's files."""
+    folder = out / CHECKPOINT_DIR
+    if not folder.is_dir() or folder.is_symlink():
+        return False
+    try:
+        return any(is_checkpoint_entry(child) for child in folder.iterdir())
+    except FileNotFoundError:  # deleted (rank 0's --overwrite) while another rank looks
+        return False
 
 
 def _has_run(out: Path) -> bool:

@@ -388,7 +388,7 @@ def test_overwrite_leaves_foreign_files_under_checkpoints(tmp_path: Path, with_r
     assert theirs.read_bytes() == b"weights of another tool"
     assert (out / "checkpoints" / "best" / "model.safetensors").read_bytes() == b"more"
     assert not any(path.exists() for path in ours) and not (out / "metrics.jsonl").exists()
-    assert run_files.previous_run(out) == ["checkpoints"]  # theirs stays: the run writes beside it
+    assert run_files.previous_run(out) == []  # theirs stays, and is no run: the run writes beside it
 
 
 def test_overwrite_removes_a_checkpoints_folder_that_held_only_the_runs(tmp_path: Path) -> None:
