@@ -66,11 +66,12 @@ def test_compare_resume_refuses_what_a_run_cannot_continue_before_any_method_tra
     in_backward = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=1",
                                "optim.step_in_backward=true")
     with pytest.raises(ValueError, match=r"--resume: no method was trained: galore \(.*galore\) has "
-                                         r"optim.step_in_backward=False \(now True\) after the last step"):
+                                         r"a checkpoint its resume refuses \(cannot resume from step_00000002 with "
+                                         r"optim.step_in_backward=False \(now True\): it is the run's last step"):
         compare(in_backward, ["fira", "galore"], out, resume=True)
     assert not (out / "fira" / "summary.json").exists()
     with pytest.raises(ValueError, match=r"no method was trained: fira \(.*\) has optim.gamma=1.01 \(now 1.02\).*; "
-                                         r"galore \(.*\) has optim.step_in_backward"):
+                                         r"galore \(.*\) has a checkpoint its resume refuses \(.*optim.step_in_backward"):
         compare(micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=1",
                              "optim.step_in_backward=true", "optim.gamma=1.02"), ["fira", "galore"], out, resume=True)
     assert not (out / "fira" / "summary.json").exists()

@@ -179,16 +179,18 @@ def check_one_process_checkpoint_mode(path: Path, mode: str) -> None:
 
 
 def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bool = True,
-                     world_size: int = 1) -> tuple[dict | None, list[str]]:
+                     world_size: int = 1, warn: bool = True) -> tuple[dict | None, list[str]]:
     """Verify the checkpoint at ``path`` and its config record; returns the single-file
     checkpoint's loaded state (if ``keep_state``; None for a DCP checkpoint, loaded later, in
-    place) and the memory levers the resume changes (:func:`lever_changes`). Raises
-    CheckpointError if it is damaged, UnsafeCheckpointError if it would run code, ValueError if
-    it belongs to another config."""
+    place) and the memory levers the resume changes (:func:`lever_changes`; [] without ``warn``,
+    which leaves out the warnings of a resume that goes on). Raises CheckpointError if it is
+    damaged, UnsafeCheckpointError if it would run code, ValueError if it belongs to another config."""
     if dist_checkpoint.is_dcp_checkpoint(path):
         marker = checkpoint_integrity.read_marker(path)
         check_recorded_config(marker.get(CONFIG_KEY), config, path)
         checkpoint_integrity.verify_dcp_checkpoint(path, marker)
+        if not warn:
+            return None, []
         # once intact: not for a damaged one skipped
         warn_round_off(marker.get(CONFIG_KEY), config, path, marker.get(ENVIRONMENT_KEY), world_size)
         return None, lever_changes(marker.get(CONFIG_KEY), config, path)
@@ -196,25 +198,28 @@ def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bo
     check_recorded_config(state.get(CONFIG_KEY), config, path)
     check_one_process_checkpoint_mode(path, config.train.parallel)
     check_stream_cut(state.get("data"), config, path)
+    if not warn:
+        return None, []
     warn_round_off(state.get(CONFIG_KEY), config, path, state.get(ENVIRONMENT_KEY), world_size)
     return (state if keep_state else None), lever_changes(state.get(CONFIG_KEY), config, path)
 
 
 def _choose(out: Path, resume: str | int, config: RunConfig, keep_state: bool,
-            world_size: int = 1) -> tuple[Path | None, dict | None, list[str]]:
+            world_size: int = 1, warn: bool = True) -> tuple[Path | None, dict | None, list[str]]:
     if resume != "latest":
         path = ckpt.find_checkpoint(out, int(resume))
-        return (path, *check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size))
+        return (path, *check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size, warn=warn))
     damaged: list[tuple[Path, ckpt.CheckpointError]] = []
     for _, path in reversed(ckpt.complete_checkpoints(out)):
         try:
-            state, levers = check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size)
+            state, levers = check_checkpoint(out, path, config, keep_state=keep_state, world_size=world_size,
+                                             warn=warn)
         except UnsafeCheckpointError:
             raise
         except ckpt.CheckpointError as err:
             damaged.append((path, err))
             continue
-        if damaged:
+        if damaged and warn:
             names = ", ".join(p.name for p, _ in damaged)
             log.warning("%s: %s; resuming from %s instead, the newest intact checkpoint (the steps after "
                         "it are trained again; --resume-step STEP picks another one)",
@@ -247,6 +252,19 @@ def choose_checkpoint(out: str | Path, resume: str | int, config: RunConfig,
 
     path, levers = decided_on_rank_zero(env, decide)
     return (None if path is None else Path(path)), None, list(levers)
+
+
+def checkpoint_refusal(out: str | Path, config: RunConfig) -> str | None:
+    """Why ``--resume`` would refuse to go on from the checkpoint it chooses in ``out`` (the newest
+    intact one): :func:`choose_checkpoint`'s own check of that checkpoint's config record, its
+    error's text; None where it goes on (or there is no checkpoint). Without the warnings of a
+    resume that goes on: the run's own process gives them. A damaged or unsafe checkpoint is
+    raised, as the run itself raises it."""
+    try:
+        _choose(Path(out), "latest", config, keep_state=False, warn=False)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def decided_on_rank_zero(env: DistributedEnv, decide: Callable[[], Any]) -> Any:

@@ -19,7 +19,6 @@ from fira_train.methods.lora import legacy_rewarmup
 from fira_train.methods.registry import get_method
 from fira_train.provenance import describe_change
 from fira_train.run import run_files
-from fira_train.run.checkpoint import checkpoint_step, latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +66,6 @@ NOT_FROM_LAST_STEP = MEMORY_LEVERS + IMPLEMENTATION_CHANGES
 def changed_among(old: RunConfig, new: RunConfig, keys: tuple[str, ...]) -> list[str]:
     """The ``keys`` that ``new`` changes against ``old``."""
     return [key for key in config_changes(old, new, ignore=frozenset()) if key in keys]
-
-
-def changed_after_last_step(out: Path, saved: RunConfig, config: RunConfig) -> str | None:
-    """The :data:`NOT_FROM_LAST_STEP` settings that ``config`` (resolved) changes against
-    ``saved``, the config of the run in ``out``, as :func:`describe_changes` words them, where the
-    run's newest checkpoint is of its last step: a resume from there is refused
-    (:func:`fira_train.run.resume_check.check_recorded_config`), and a sweep or an analysis says
-    so before any run starts. None otherwise."""
-    levers = changed_among(saved, config, NOT_FROM_LAST_STEP)
-    if not levers:
-        return None
-    last = latest_checkpoint(out)
-    if last is None or checkpoint_step(last) < config.train.steps:
-        return None
-    return describe_changes(saved, config, levers)
 
 
 def config_changes(old: RunConfig, new: RunConfig, ignore: frozenset[str] = RESUMABLE_CHANGES) -> list[str]:
@@ -206,16 +190,20 @@ def resume_refusal(out: Path, config: RunConfig) -> str | None:
 
 def continue_refusal(out: Path, config: RunConfig) -> str | None:
     """Why the run in ``out`` cannot go on from its checkpoints as a run of ``config`` (resolved):
-    :func:`resume_refusal`'s changed settings, or a memory lever or implementation changed on a run
-    stopped after its last step (:func:`changed_after_last_step`); None where it can. A sweep's
-    ``--reuse`` and a comparison's ``--resume`` check every run they would continue before they
-    start one: each run's own process refuses the same, but only after the runs before it trained."""
+    what its own ``--resume`` refuses, :func:`resume_refusal`'s changed settings against its
+    ``config.json``, else the refusal of the checkpoint it would resume from, checked against that
+    checkpoint's own record of its config
+    (:func:`fira_train.run.resume_check.checkpoint_refusal`: a sitting stopped before its first
+    save rewrote ``config.json``, not the checkpoints); None where it can. A sweep's ``--reuse``
+    and a comparison's ``--resume`` check every run they would continue before they start one:
+    each run's own process refuses the same, but only after the runs before it trained."""
+    # imported here: resume_check builds its checks on this module's
+    from fira_train.run.resume_check import checkpoint_refusal
+
     refusal = resume_refusal(out, config)
-    if refusal is None and (out / "config.json").is_file():
-        levers = changed_after_last_step(out, saved_config(read_json(out / "config.json")), config)
-        if levers:
-            refusal = (f"{levers} after the last step (train.steps={config.train.steps}), so nothing would "
-                       "train with the new setting")
+    if refusal is None:
+        at_checkpoint = checkpoint_refusal(out, config)
+        refusal = None if at_checkpoint is None else f"a checkpoint its resume refuses ({at_checkpoint})"
     return refusal
 
 

@@ -140,7 +140,8 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
         summary = train_runs(longer, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
-    assert "it has train.activation_checkpointing=True (now False) after the last step" in caplog.text
+    assert ("it has a checkpoint its resume refuses (cannot resume from step_00000006 with "
+            "train.activation_checkpointing=True (now False): it is the run's last step") in caplog.text
     assert summary["sittings"] == 1
     # so too another optim.implementation (a resume from the last step refuses it: resume_check)
     (tmp_path / "out" / "fira" / "summary.json").unlink()
@@ -149,7 +150,8 @@ def test_reuse_starts_again_an_unfinished_run_of_another_spec(tmp_path: Path, co
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fira_train.analysis.runs"):
         summary = train_runs(other, runs, tmp_path / "out", reuse=True, title=TITLE)["fira"]
-    assert "it has optim.implementation='fast' (now 'reference') after the last step" in caplog.text
+    assert ("it has a checkpoint its resume refuses (cannot resume from step_00000006 with "
+            "optim.implementation='fast' (now 'reference'): it is the run's last step") in caplog.text
     assert summary["sittings"] == 1
 
 

@@ -429,3 +429,44 @@ def test_overwrite_leaves_foreign_files_under_tb(tmp_path: Path, caplog) -> None
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     prepare_out_dir(config, out, None, True)
     assert not (out / "tb").exists()  # held the run's events alone
+
+
+class _Killed(Exception):
+    pass
+
+
+class _KillAt(TrainCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def before_step(self, step, model, optimizer, loss) -> None:
+        if step == self.step:
+            raise _Killed
+
+
+def test_continuing_a_run_is_checked_against_the_checkpoint_it_resumes_from(tmp_path: Path) -> None:
+    """A sitting resumed from an earlier step with a memory lever changed, and stopped before its
+    next save, rewrote config.json but not the run's last checkpoint. compare --resume, sweep
+    --reuse and analyze --reuse compared the lever against config.json: they refused the
+    continuation that the last checkpoint's record allows, and accepted the one it refuses. Now
+    they say what the run's own --resume says."""
+    from fira_train.config.overrides import apply_overrides
+    from fira_train.config.resolve import resolved
+    from fira_train.run.run_dir import continue_refusal
+
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.save_every=2",
+                          "train.keep_last=5", "train.eval_every=0")
+    lever = apply_overrides(config, ["train.activation_checkpointing=true"])
+    out = tmp_path / "run"
+    train(config)
+    (out / "summary.json").unlink()  # stopped after its last checkpoint, before the summary
+    with pytest.raises(_Killed):
+        train(lever, resume=2, callbacks=[_KillAt(3)])
+    assert json.loads((out / "config.json").read_text())["train"]["activation_checkpointing"] is True
+
+    refusal = continue_refusal(out, resolved(lever))
+    assert refusal is not None and "train.activation_checkpointing=False (now True): it is the run's last step" in refusal
+    with pytest.raises(ValueError, match=r"activation_checkpointing=False \(now True\): it is the run's last step"):
+        train(lever, resume="latest")  # what the pre-check now says before any run trains
+    assert continue_refusal(out, resolved(config)) is None
+    assert train(config, resume="latest")["steps"] == 4  # which the pre-check refused

@@ -205,8 +205,9 @@ def test_reuse_refuses_a_memory_lever_changed_on_finished_runs_before_any_starts
     in_backward = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=1",
                                "optim.step_in_backward=true")
     with pytest.raises(ValueError, match=r"--reuse: 2 runs in .* so no run was started: galore/lr=0.01/seed=0 and "
-                                         r"fira/lr=0.01/seed=0 have optim.step_in_backward=False \(now True\) "
-                                         r"after the last step \(train.steps=2\)"):
+                                         r"fira/lr=0.01/seed=0 have a checkpoint its resume refuses \(cannot resume from "
+                                         r"step_00000002 with optim.step_in_backward=False \(now True\): it is the "
+                                         r"run's last step \(train.steps=2\)"):
         sweep(in_backward, ["galore", "fira"], {"galore": [0.01], "fira": [0.01]}, [0], out, reuse=True)
     assert in_process == []
     # stopped after step 1 (as if killed): it continues from there with the lever
