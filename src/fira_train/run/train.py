@@ -255,7 +255,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     if distributed:
         dist.barrier()  # every rank has checked OUT before rank 0 rewrites config.json
 
-    state, resume_path, levers_changed = None, None, False
+    state, resume_path, levers_changed, resumed_at = None, None, False, 0
     if resume is not None:
         # the newest intact checkpoint (or the one asked for), verified, of this config: chosen
         # before config.json is rewritten, so that a refused resume leaves the run as it was
@@ -263,6 +263,7 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         # a memory lever changed (activation checkpointing, updates in the backward pass): the
         # peak of the sittings before is another setting's
         levers_changed = bool(levers)
+        resumed_at = 0 if path is None else ckpt.checkpoint_step(path)
         if path is None:
             log.info("no complete checkpoint in %s: starting from step 0", out)
         elif state is None:
@@ -287,6 +288,12 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     val_batches = corpus.val_batches(micro_batch)
     if main:  # once the settings are accepted: a start they stop leaves no config for --resume to hold to
         out.mkdir(parents=True, exist_ok=True)
+        if resumed_at < config.train.steps:
+            # a finished run trained again from an earlier step (perhaps with another memory lever):
+            # its summary no longer holds once config.json is rewritten, and a kill before the new
+            # one left it reused as a finished run of this config (finished_with); its final
+            # checkpoint, kept, gives it again (evaluated, not trained) if nothing is trained
+            (out / "summary.json").unlink(missing_ok=True)
         write_text_atomic(out / "config.json", json.dumps(config_to_dict(config), indent=2) + "\n")
 
     step, progress = 0, {"tokens": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "peak_memory_bytes": 0, "sittings": 0}

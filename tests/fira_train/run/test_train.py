@@ -397,3 +397,33 @@ def test_bf16_autocast_only_where_asked_on_cpu(tmp_path: Path) -> None:
     assert isinstance(training_module.autocast_for(config, cpu), nullcontext)
     bf16 = apply_overrides(config, ["train.precision=bf16"])
     assert isinstance(training_module.autocast_for(bf16, cpu), torch.autocast)
+
+
+class _StopAtStep(TrainCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def before_step(self, step, model, optimizer, loss) -> None:
+        if step == self.step:
+            raise StopRun
+
+
+def test_a_finished_run_trained_again_from_an_earlier_step_is_not_finished_until_it_ends(tmp_path: Path) -> None:
+    """A finished run resumed from an earlier step with a memory lever, and stopped before its
+    next save, kept its summary.json beside the new config.json: a later --resume with the lever
+    returned that summary (trained and measured without it) as the finished run, and compare
+    --resume reused it in its report. The sitting now removes the summary it will replace."""
+    from fira_train.run.run_dir import finished_with
+
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.save_every=2",
+                          "train.keep_last=5", "train.eval_every=0")
+    lever = apply_overrides(config, ["train.activation_checkpointing=true"])
+    out = tmp_path / "run"
+    train(config)
+    with pytest.raises(StopRun):
+        train(lever, resume=2, callbacks=[_StopAtStep(3)])
+    assert not finished_with(lever, out)
+    with pytest.raises(ValueError, match=r"activation_checkpointing=False \(now True\): it is the run's last step"):
+        train(lever, resume="latest")  # the final checkpoint, kept, was trained without it
+    summary = train(config, resume="latest")  # evaluated again, nothing trained
+    assert summary["steps"] == 4 and json.loads((out / "summary.json").read_text())["steps"] == 4
