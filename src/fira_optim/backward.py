@@ -16,7 +16,9 @@ would.
 
 A parameter is updated in the backward pass by one handle at a time: a handle over a parameter
 that another active handle updates (a second optimizer over the same weights, a second Trainer on
-the same model) is a ValueError, not a second update in each backward.
+the same model) is a ValueError, not a second update in each backward; so is an optimizer that lists
+a tensor twice (a weight tied to another, listed for each module), which ``step()`` updates twice
+a step, as torch's optimizers do, and the backward pass once.
 
 What stays the same: learning-rate schedulers (the hooks read ``param_groups`` when they run),
 ``state_dict`` / ``load_state_dict`` and exact resume, projection refreshes (each matrix counts
@@ -79,6 +81,7 @@ import torch
 
 from . import distributed
 from .loss_scale import _FP16_GRADIENTS, LossScale, check_scale
+from .options import param_name
 
 if TYPE_CHECKING:
     from .optimizer import Fira
@@ -91,6 +94,7 @@ class StepInBackward:
         if optimizer._in_backward is not None:
             raise RuntimeError("step_in_backward is already active on this optimizer; "
                                "remove() its handle first")
+        _refuse_listed_twice(optimizer.param_groups)
         self.loss_scale = _loss_scale(loss_scale, optimizer)
         """The :class:`~fira_optim.loss_scale.LossScale` (None without loss scaling)."""
         self.optimizer = optimizer
@@ -145,6 +149,9 @@ class StepInBackward:
         """Hook those of ``params`` that require a gradient and have no hook yet (outside DDP,
         whose communication hook covers the parameters it reduces: it marks them as it runs)."""
         self._own_in_step = None  # a group added (add_param_group) or weights unfrozen
+        params = list(params)
+        if len(set(params)) != len(params):  # a group added that lists a tensor twice
+            _refuse_listed_twice(self.optimizer.param_groups)
         if self._ddp or not self._active:
             return
         new = [p for p in params if p.requires_grad and p not in self._covered]
@@ -164,8 +171,8 @@ class StepInBackward:
             return []
         # Outside DDP a hook frees the gradient it used, so a gradient still there is one no hook
         # took; DDP's communication hook puts the local gradients back after its update.
-        return [p for group in self.optimizer.param_groups for p in group["params"]
-                if p.grad is not None and not (self._ddp and p in self._covered)]
+        listed = dict.fromkeys(p for group in self.optimizer.param_groups for p in group["params"])
+        return [p for p in listed if p.grad is not None and not (self._ddp and p in self._covered)]
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (``loss_scale=``): call ``.backward()`` on this. Each
@@ -401,6 +408,23 @@ def _loss_scale(value: Any, optimizer: "Fira") -> LossScale | None:
         raise ValueError("loss_scale does not run on sharded (FSDP2) parameters: each rank finds overflows "
                          "in its own shard only; use bf16 autocast there, which needs no scaling")
     return scale
+
+
+def _refuse_listed_twice(groups: list[dict]) -> None:
+    """ValueError naming both places of a tensor that ``groups`` list twice (a weight tied to
+    another, as an embedding to its head, listed once for each module): ``optimizer.step()``
+    updates it once for each place, as torch's optimizers do, where the backward pass completes
+    its gradient, so updates it, once."""
+    seen: dict = {}
+    for gi, group in enumerate(groups):
+        for pi, p in enumerate(group["params"]):
+            if p in seen:
+                first = param_name(*seen[p], p, groups[seen[p][0]])
+                raise ValueError(
+                    f"step_in_backward: {param_name(gi, pi, p, group)} is the same tensor as {first} (a weight "
+                    "tied to another, listed for each module): optimizer.step() updates it once for each place it "
+                    "is listed, the backward pass once; list it once (model.parameters() does)")
+            seen[p] = (gi, pi)
 
 
 #: The handles not removed: a second one over a parameter that one of them updates (another

@@ -295,6 +295,30 @@ def test_a_group_added_is_hooked_at_once_and_an_unfrozen_weight_after_one_step()
     assert model.b.weight.grad is None and int(opt.state[model.b.weight]["step"]) == 2
 
 
+def test_a_tied_weight_listed_twice_is_refused_naming_both_places():
+    """An embedding tied to its head, listed for each module: step() updates it twice a step (as
+    torch's optimizers do), and the backward pass hooked it twice, the second hook warning of a
+    repeated backward; the weights differed from step()'s without a clear word."""
+    embedding = torch.nn.Embedding(12, 6)
+    head = torch.nn.Linear(6, 12, bias=False)
+    head.weight = embedding.weight
+    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch's own
+        opt = FiraAdamW([*embedding.parameters(), *head.parameters()], rank=None)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(shape \(12, 6\)\) is the same "
+                                         r"tensor as param_groups\[0\]\['params'\]\[0\].*list it once"):
+        step_in_backward(opt)
+    assert opt.in_backward is None and not embedding.weight._post_accumulate_grad_hooks  # nothing hooked
+
+    model = _net()
+    opt = _optimizer(model)
+    handle = step_in_backward(opt)
+    with pytest.warns(UserWarning, match="duplicate parameters"), \
+            pytest.raises(ValueError, match=r"param_groups\[2\]\['params'\]\[1\] .* is the same tensor as "
+                                            r"param_groups\[2\]\['params'\]\[0\]"):
+        opt.add_param_group({"params": [embedding.weight, embedding.weight]})
+    assert len(opt.param_groups) == 2 and embedding.weight not in handle._covered
+
+
 def _ddp_unfrozen_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel
 
