@@ -37,6 +37,13 @@ What changes:
   DDP, a final micro-batch run inside ``accumulate()`` loses nothing: ``optimizer.step()``
   then updates what was accumulated, as a plain step would; under DDP nothing was all-reduced,
   nothing is updated, and ``optimizer.step()`` warns.
+- **Several backward passes through one graph** (``retain_graph=True``: two losses of one
+  forward pass, each with its own ``backward()``): the first pass updates the weights in place,
+  and the next, which needs them as they were, fails in torch ("one of the variables needed for
+  gradient computation has been modified by an inplace operation"); where it needs none, each
+  pass is a whole update (warned as above). Run every pass but the last inside
+  ``accumulate()``, or call ``backward()`` on the sum of the losses: the gradients then add up,
+  as for a plain step, and the last pass updates.
 - **Non-finite gradients** are found per matrix, as each update runs: ``nonfinite="error"``
   raises from inside backward (matrices updated earlier in the same backward keep their update);
   ``"skip"`` skips that matrix's update only, and warns once per step (of the first).

@@ -295,6 +295,31 @@ def test_a_group_added_is_hooked_at_once_and_an_unfrozen_weight_after_one_step()
     assert model.b.weight.grad is None and int(opt.state[model.b.weight]["step"]) == 2
 
 
+def test_two_losses_of_one_forward_pass_update_as_step_with_the_first_backward_inside_accumulate():
+    """The recipe the docs give for backward passes through one retained graph, and the torch
+    error they quote for the loop without it."""
+    runs = []
+    for in_backward in (False, True):
+        model = _net()
+        opt = _optimizer(model)
+        handle = step_in_backward(opt) if in_backward else None
+        for step in range(4):
+            x, y = _batch(step)
+            out = model(x)
+            with handle.accumulate() if handle is not None else _nothing():
+                (out - y).square().mean().backward(retain_graph=True)
+            out.abs().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.equal(p, q)
+    out = runs[1](x)
+    (out - y).square().mean().backward(retain_graph=True)  # outside accumulate(): updates the weights out needs
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.abs().mean().backward()
+
+
 def test_a_tied_weight_listed_twice_is_refused_naming_both_places():
     """An embedding tied to its head, listed for each module: step() updates it twice a step (as
     torch's optimizers do), and the backward pass hooked it twice, the second hook warning of a
