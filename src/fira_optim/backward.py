@@ -65,7 +65,9 @@ What changes:
   ``optimizer.step()`` as GradScaler's does (:mod:`fira_optim.loss_scale`). An overflow skips
   the updates whose gradients overflowed, not the whole step (those before it are done). Not
   under FSDP2 (each rank would see its own shard overflow); bf16 autocast needs no scaling.
-- **DDP**: pass the DDP model. The update then runs in DDP's communication hook, on each
+- **DDP**: pass the DDP model (not the module inside it). Without it the hooks update from
+  each rank's own gradients, before DDP averages them, and the first ``optimizer.step()`` finds
+  the averaged gradients DDP wrote back: a RuntimeError. The update then runs in DDP's communication hook, on each
   bucket's all-reduced (averaged) gradients, instead of the local ones; DDP's buckets still
   hold the model's gradients, so the memory saving under DDP is the optimizer's temporaries, not
   the gradients. Use ``model.no_sync()`` (``handle.accumulate()`` enters it) for accumulation.
@@ -111,6 +113,7 @@ class StepInBackward:
         self._hooks: list = []
         self._covered: set = set()  # the parameters whose update a hook runs
         self._updated: set = set()  # those a hook updated since the last optimizer.step()
+        self._kept_since: set = set()  # those of _updated whose gradient a later backward kept (accumulate, paused)
         self._warned = False
         self.skip_warned = False  # nonfinite="skip": a skipped update was warned of in this step
         # the optimizer's parameters as of this step (_own), for the hooks: one set a step, not one
@@ -173,13 +176,33 @@ class StepInBackward:
         took, frozen when the hooks were registered and unfrozen since, or, under DDP, not reduced
         by DDP (not in the model, or frozen when DDP was built); and those whose gradient was
         accumulated under :meth:`accumulate` and never updated by a later backward (a final
-        micro-batch run inside it: the step then updates them as a plain step would)."""
+        micro-batch run inside it: the step then updates them as a plain step would). RuntimeError
+        where a gradient that a hook used and freed in this step is back without a backward pass
+        inside :meth:`accumulate` or :meth:`paused` (DDP's reducer writes its averaged gradients back after the
+        backward pass: the hooks have updated from this rank's own ones)."""
         if self._accumulating:
             return []
+        if not self._ddp:
+            self._refuse_written_back()
         # Outside DDP a hook frees the gradient it used, so a gradient still there is one no hook
         # took; DDP's communication hook puts the local gradients back after its update.
         listed = dict.fromkeys(p for group in self.optimizer.param_groups for p in group["params"])
         return [p for p in listed if p.grad is not None and not (self._ddp and p in self._covered)]
+
+    def _refuse_written_back(self) -> None:
+        if not self._updated:
+            return
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is not None and p in self._updated and p not in self._kept_since:
+                    model = "None" if self.model is None else f"a {type(self.model).__name__}"
+                    raise RuntimeError(
+                        f"step_in_backward: {param_name(gi, pi, p, group)} has a gradient at optimizer.step() "
+                        "after its update in this step's backward pass had freed it: something wrote it back "
+                        "after the backward pass, as DistributedDataParallel does with its averaged gradients, so "
+                        "each rank updated from its own gradients and the ranks have diverged. Under DDP pass "
+                        f"the DDP-wrapped model itself, step_in_backward(optimizer, ddp_model) (got model={model}), "
+                        "and start again from the last checkpoint")
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (``loss_scale=``): call ``.backward()`` on this. Each
@@ -228,6 +251,7 @@ class StepInBackward:
                 "nothing inside it); run each step's final micro-batch, its forward and backward passes, "
                 "outside accumulate()", UserWarning, stacklevel=3)
         self._updated.clear()
+        self._kept_since.clear()
         self.skip_warned = False
         self._own_in_step = None
         if self.loss_scale is not None:
@@ -263,8 +287,14 @@ class StepInBackward:
             raise
 
     def _hook(self, p: torch.Tensor) -> None:
-        if not self._active or self.optimizer._in_backward is not self:  # removed, or paused
+        if not self._active:
             return
+        paused = self.optimizer._in_backward is not self
+        if paused or self._accumulating:
+            if p in self._updated:  # a gradient kept by a backward after the update: not a writer's
+                self._kept_since.add(p)
+            if paused:
+                return
         if self.loss_scale is not None:  # each backward pass, also one that accumulates
             self.loss_scale.check_backward()
         if self._accumulating:

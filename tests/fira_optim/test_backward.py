@@ -399,6 +399,48 @@ def test_under_ddp_a_weight_ddp_does_not_reduce_is_updated_by_step(tmp_path):
     assert counts["b.weight"] == 2 and counts["a.weight"] == 2
 
 
+def _ddp_model_not_given_worker(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    errors = []
+    for given in (None, "inner"):
+        model = _net()
+        wrapped = DistributedDataParallel(model)
+        opt = _optimizer(model)
+        handle = step_in_backward(opt, None if given is None else model)
+        _loss(wrapped, *_batch(0)).backward()
+        try:
+            opt.step()
+        except RuntimeError as err:
+            errors.append((str(err), int(opt.state[model.a.weight]["step"])))
+        handle.remove()
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_under_ddp_a_handle_without_the_ddp_model_is_refused_at_the_first_step(tmp_path):
+    # Each hook updated from the local gradient, DDP's reducer then wrote the averaged one back,
+    # and step() updated every weight from it a second time: the ranks diverged without a word
+    (errors,) = run_ranks(_ddp_model_not_given_worker, 1, tmp_path, timeout=100)
+    assert len(errors) == 2
+    for (message, steps), given in zip(errors, ("model=None", "model=a Net")):
+        assert "has a gradient at optimizer.step() after its update" in message
+        assert f"step_in_backward(optimizer, ddp_model) (got {given})" in message
+        assert steps == 1  # the second update refused
+
+
+@pytest.mark.parametrize("block", ["accumulate", "paused"])
+def test_a_backward_that_keeps_its_gradient_after_an_update_is_not_taken_for_a_gradient_written_back(block):
+    model = _net()
+    opt = _optimizer(model)
+    handle = step_in_backward(opt)
+    _loss(model, *_batch(0)).backward()
+    with getattr(handle, block)():
+        _loss(model, *_batch(1)).backward()
+    opt.step()  # updates from the second batch's gradients, as it did
+    assert int(opt.state[model.a.weight]["step"]) == 2
+
+
 def _ddp_two_optimizers_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel
 
