@@ -65,10 +65,11 @@ What changes:
   ``optimizer.step()`` as GradScaler's does (:mod:`fira_optim.loss_scale`). An overflow skips
   the updates whose gradients overflowed, not the whole step (those before it are done). Not
   under FSDP2 (each rank would see its own shard overflow); bf16 autocast needs no scaling.
-- **DDP**: pass the DDP model (not the module inside it). Without it the hooks update from
-  each rank's own gradients, before DDP averages them, and the first ``optimizer.step()`` finds
-  the averaged gradients DDP wrote back: a RuntimeError. The update then runs in DDP's communication hook, on each
-  bucket's all-reduced (averaged) gradients, instead of the local ones; DDP's buckets still
+- **DDP**: pass the DDP model, or ``torch.compile``'s wrapper of it, not the module inside it
+  (without it the hooks update from each rank's own gradients, before DDP averages them, and the
+  first ``optimizer.step()`` finds the averaged gradients DDP wrote back: a RuntimeError). The
+  update then runs in DDP's communication hook, on each bucket's all-reduced (averaged)
+  gradients, instead of the local ones; DDP's buckets still
   hold the model's gradients, so the memory saving under DDP is the optimizer's temporaries, not
   the gradients. Use ``model.no_sync()`` (``handle.accumulate()`` enters it) for accumulation.
   The communication hook stays registered after ``remove()`` (DDP cannot unregister one); it
@@ -107,7 +108,7 @@ class StepInBackward:
         self.loss_scale = _loss_scale(loss_scale, optimizer)
         """The :class:`~fira_optim.loss_scale.LossScale` (None without loss scaling)."""
         self.optimizer = optimizer
-        self.model = model
+        self.model = model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper of a DDP model
         self._accumulating = False
         self._active = True
         self._hooks: list = []
@@ -403,7 +404,7 @@ class StepInBackward:
 def step_in_backward(optimizer: "Fira", model: Any = None, *, loss_scale: Any = None) -> StepInBackward:
     """Update every parameter of ``optimizer`` inside the backward pass, as soon as its gradient
     is complete, and free the gradient (module docstring). ``model``: the DDP-wrapped model under
-    DDP (required there); anything else is ignored. ``loss_scale``: for fp16 autocast, ``"dynamic"``
+    DDP (required there; also as ``torch.compile`` returns it); anything else is ignored. ``loss_scale``: for fp16 autocast, ``"dynamic"``
     (GradScaler's defaults), a number (a static scale) or a
     :class:`~fira_optim.loss_scale.LossScale`; then ``handle.scale(loss).backward()``.
     Returns the handle; ``handle.remove()`` restores the normal behaviour."""

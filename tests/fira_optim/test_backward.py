@@ -414,14 +414,21 @@ def _ddp_model_not_given_worker(rank, world_size):
         except RuntimeError as err:
             errors.append((str(err), int(opt.state[model.a.weight]["step"])))
         handle.remove()
-    return errors
+    model = _net()
+    wrapped = DistributedDataParallel(model)
+    opt = _optimizer(model)
+    handle = step_in_backward(opt, torch.compile(wrapped))  # the wrapper of torch.compile(ddp_model)
+    _loss(wrapped, *_batch(0)).backward()
+    opt.step()
+    return errors, handle.model is wrapped and int(opt.state[model.a.weight]["step"]) == 1
 
 
 @pytest.mark.timeout(120)
 def test_under_ddp_a_handle_without_the_ddp_model_is_refused_at_the_first_step(tmp_path):
     # Each hook updated from the local gradient, DDP's reducer then wrote the averaged one back,
     # and step() updated every weight from it a second time: the ranks diverged without a word
-    (errors,) = run_ranks(_ddp_model_not_given_worker, 1, tmp_path, timeout=100)
+    ((errors, compiled_taken),) = run_ranks(_ddp_model_not_given_worker, 1, tmp_path, timeout=100)
+    assert compiled_taken
     assert len(errors) == 2
     for (message, steps), given in zip(errors, ("model=None", "model=a Net")):
         assert "has a gradient at optimizer.step() after its update" in message
