@@ -273,6 +273,11 @@ class StepInBackward:
                 "use use_reentrant=False)", UserWarning, stacklevel=2)
         self._updated.update(params)
 
+    def updated_besides(self, p: torch.Tensor) -> int:
+        """How many parameters other than ``p`` were updated in the backward pass since the last
+        ``optimizer.step()`` (a non-finite gradient's error says they keep their update)."""
+        return len(self._updated - {p})
+
     def _update(self, params: set) -> None:
         """Update ``params`` now, from their gradients (a hook's or DDP's call)."""
         self._updating(params)

@@ -699,9 +699,14 @@ class Fira(Optimizer):
             # (no ";" here: the harness's one-line error ends the place at the first one)
             what += (" (the parameter itself holds NaN or Inf, written by an earlier step or by code outside the "
                      "optimizer: eps=0 writes them on a gradient entry that is 0, as torch.optim.AdamW does)")
-        if self.nonfinite == NonFinite.ERROR:
-            raise NonFiniteGradientError(f"{what}; nothing was updated (pass nonfinite='skip' to skip such steps)")
         handle = self._in_backward
+        if self.nonfinite == NonFinite.ERROR:
+            done = 0 if handle is None else handle.updated_besides(p)
+            kept = ("nothing was updated" if not done else
+                    f"this parameter was not updated, but the {done} others updated in the backward pass since the "
+                    "last optimizer.step() keep their update (step_in_backward updates each as its gradient is "
+                    "complete)")
+            raise NonFiniteGradientError(f"{what}; {kept} (pass nonfinite='skip' to skip such steps)")
         if handle is None:
             warnings.warn(f"{what}: step skipped", RuntimeWarning, stacklevel=4)
         elif not handle.skip_warned:  # each matrix is skipped on its own in the backward pass: one warning a step

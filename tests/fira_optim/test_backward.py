@@ -184,13 +184,31 @@ def test_a_backward_abandoned_for_a_non_finite_gradient_is_no_accumulation():
     opt = _optimizer(model)
     step_in_backward(opt)
     x, y = _batch(0)
-    with pytest.raises(NonFiniteGradientError):
-        (_loss(model, x, y) * float("nan")).backward()
+    with pytest.raises(NonFiniteGradientError, match="; nothing was updated"):
+        (_loss(model, x, y) * float("nan")).backward()  # the first gradient completed is NaN
     opt.zero_grad()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _loss(model, x, y).backward()
         opt.step()
+
+
+def test_a_non_finite_gradient_raised_in_the_backward_pass_says_which_updates_were_kept():
+    """It said 'nothing was updated' while the weights whose gradients completed before it had
+    been."""
+    from fira_optim import NonFiniteGradientError
+
+    model = _net()
+    opt = _optimizer(model)
+    step_in_backward(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    model.a.weight.register_hook(lambda grad: grad * float("nan"))  # the first layer: completed last
+    with pytest.raises(NonFiniteGradientError, match=r"non-finite gradient in param_groups\[0\]\['params'\]\[0\]") as caught:
+        _loss(model, *_batch(0)).backward()
+    changed = sum(not torch.equal(p, q) for p, q in zip(before, model.parameters()))
+    assert torch.equal(before[0], model.a.weight) and changed >= 1  # a.weight alone kept as it was
+    assert (f"this parameter was not updated, but the {changed} others updated in the backward pass since the last "
+            "optimizer.step() keep their update") in str(caught.value)
 
 
 def test_step_is_a_no_op_and_remove_restores_it():
