@@ -275,13 +275,18 @@ def _shown(value: Any) -> str:
 
 #: Group options that choose the algorithm (a variant), without changing the states' layout.
 ALGORITHM_KEYS = ("residual", "scaling", "limiter", "arithmetic", "only_scaling", "projector")
+#: Those that choose how bf16 weights and states are rounded: a run resumed with stochastic
+#: rounding turned on went on rounding to nearest, as saved, without a word.
+ROUNDING_KEYS = ("state_rounding", "stochastic_rounding")
 
 
 def warn_replaced_algorithm(current_groups: list[dict], saved: dict[str, Any]) -> None:
-    """A UserWarning for each group whose saved algorithm (:data:`ALGORITHM_KEYS`) differs from
-    the one it loads into: the saved options replace the group's."""
+    """A UserWarning for each group whose saved algorithm (:data:`ALGORITHM_KEYS`) or rounding
+    (:data:`ROUNDING_KEYS`) differs from the one it loads into: the saved options replace the
+    group's."""
     for gi, (group, old) in enumerate(zip(current_groups, saved.get("param_groups", []))):
-        changed = [key for key in ALGORITHM_KEYS if key in old and key in group and old[key] != group[key]]
+        changed = [key for key in ALGORITHM_KEYS + ROUNDING_KEYS
+                   if key in old and key in group and old[key] != group[key]]
         if group["params"] and changed:
             saved_values = ", ".join(f"{key}={old[key]!r}" for key in changed)
             built = ", ".join(f"{key}={group[key]!r}" for key in changed)

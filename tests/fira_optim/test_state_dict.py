@@ -545,6 +545,23 @@ def test_a_state_saved_by_another_algorithm_warns_that_the_saved_one_goes_on():
         FiraAdamW([{"params": [w], "rank": 2}]).load_state_dict(opt.state_dict())
 
 
+def test_a_state_saved_with_other_rounding_warns_that_the_saved_one_goes_on():
+    """A run resumed with stochastic rounding turned on (weights and bf16 states) went on rounding
+    to nearest, as saved, without a word."""
+    w = torch.nn.Parameter(torch.randn(6, 8, dtype=torch.bfloat16))
+    opt = FiraAdamW([{"params": [w], "rank": 2}], state_dtype="bfloat16")
+    w.grad = torch.randn(6, 8, dtype=torch.bfloat16)
+    opt.step()
+    resumed = FiraAdamW([{"params": [w], "rank": 2}], state_dtype="bfloat16", state_rounding="stochastic",
+                        stochastic_rounding=True)
+    with pytest.warns(UserWarning, match=r"param group 0 was saved with state_rounding='nearest', "
+                                         r"stochastic_rounding=False, which it loads in place of this optimizer's "
+                                         r"state_rounding='stochastic', stochastic_rounding=True"):
+        resumed.load_state_dict(opt.state_dict())
+    assert resumed.param_groups[0]["state_rounding"] == "nearest"
+    assert resumed.param_groups[0]["stochastic_rounding"] is False
+
+
 def _set(index, key, value):
     def mutate(sd):
         sd["state"][index][key] = value(sd["state"][index]) if callable(value) else value
