@@ -102,8 +102,8 @@ class StepInBackward:
 
     def __init__(self, optimizer: "Fira", model: Any = None, loss_scale: Any = None):
         if optimizer._in_backward is not None:
-            raise RuntimeError("step_in_backward is already active on this optimizer; "
-                               "remove() its handle first")
+            raise RuntimeError("step_in_backward is already active on this optimizer; remove() its handle first "
+                               "(optimizer.in_backward.remove(), where the handle was not kept)")
         _refuse_listed_twice(optimizer.param_groups)
         self.loss_scale = _loss_scale(loss_scale, optimizer)
         """The :class:`~fira_optim.loss_scale.LossScale` (None without loss scaling)."""
@@ -487,7 +487,8 @@ def _claim(handle: StepInBackward, params: list) -> None:
                     f"step_in_backward: a parameter of shape {shape} is already updated in the backward "
                     f"pass by the handle of another {type(other.optimizer).__name__} (a step_in_backward() "
                     "call not undone, or a FiraTrainer's while it trains): each backward would update it "
-                    "twice; remove() that handle first")
+                    "twice; remove() that handle first (that optimizer's in_backward.remove(), where the handle "
+                    "was not kept)")
         _ACTIVE.add(handle)
 
 

@@ -211,6 +211,22 @@ def test_a_non_finite_gradient_raised_in_the_backward_pass_says_which_updates_we
             "optimizer.step() keep their update") in str(caught.value)
 
 
+def test_a_second_handle_says_how_to_reach_the_first_one_not_kept():
+    """A notebook cell run twice made a second handle; the first, not kept, could be removed
+    through the optimizer only, which the error did not say."""
+    model = _net()
+    opt = _optimizer(model)
+    step_in_backward(opt)  # not kept
+    with pytest.raises(RuntimeError, match=r"already active on this optimizer; remove\(\) its handle first "
+                                           r"\(optimizer.in_backward.remove\(\)"):
+        step_in_backward(opt)
+    with pytest.raises(ValueError, match=r"by the handle of another FiraAdamW .* remove\(\) that handle first "
+                                         r"\(that optimizer's in_backward.remove\(\)"):
+        step_in_backward(_optimizer(model))
+    opt.in_backward.remove()
+    step_in_backward(_optimizer(model))
+
+
 def test_step_is_a_no_op_and_remove_restores_it():
     model = _net()
     opt = _optimizer(model)
