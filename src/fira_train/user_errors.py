@@ -112,7 +112,9 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
         where = str(err).split(";")[0]  # "non-finite gradient in NAME"
         levers = ("lower --lr" if getattr(args, "command", None) == "finetune"
                   else "lower optim.lr or set train.grad_clip (e.g. 1.0)")
-        return (f"the run diverged: {where}, nothing was updated; {levers} and train the run again (a resume "
+        # not "nothing was updated": with optim.step_in_backward the matrices whose gradients were
+        # complete before it were (the optimizer says so); the run ends, and none of it is saved
+        return (f"the run diverged: {where}, nothing of that step was saved; {levers} and train the run again (a resume "
                 f"keeps the run's settings: it would train the same steps again){_work_kept(args)}"
                 f"{_start_over(args)}")
     if isinstance(err, FloatingPointError):  # DivergedError, NonFiniteLossError

@@ -212,7 +212,15 @@ def test_a_non_finite_gradient_raised_in_a_ddp_hook_is_the_same_one_line() -> No
                            "non-finite gradient in model.layers.0.mlp.up_proj.weight; nothing was updated "
                            "(pass nonfinite='skip' to skip such steps)")
     line = describe(wrapped, argparse.Namespace(out="runs/x"))
-    assert line.startswith("the run diverged: non-finite gradient in model.layers.0.mlp.up_proj.weight, nothing")
+    assert line.startswith("the run diverged: non-finite gradient in model.layers.0.mlp.up_proj.weight, nothing of "
+                           "that step was saved;")
+    # the matrices updated before it in the backward pass were updated: the line does not deny it
+    kept = RuntimeError("Got the following error when running the callback: NonFiniteGradientError: "
+                        "non-finite gradient in model.layers.0.mlp.up_proj.weight; this parameter was not updated, "
+                        "but the 3 others updated in the backward pass since the last optimizer.step() keep their "
+                        "update (step_in_backward updates each as its gradient is complete) (pass nonfinite='skip' "
+                        "to skip such steps)")
+    assert "nothing was updated" not in describe(kept, argparse.Namespace(out="runs/x"))
     # a resume must keep optim.lr and train.grad_clip: it offered --resume-step, which then refused
     # the changed settings (and only pretrain has that flag); --overwrite only where the command has it
     assert "train the run again" in line and "--resume-step" not in line and "--overwrite" not in line
@@ -580,4 +588,4 @@ def test_a_non_finite_parameter_behind_a_non_finite_gradient_is_said_whole_in_th
     except NonFiniteGradientError as err:
         line = describe(err, argparse.Namespace(out="runs/x"))
     assert "(the parameter itself holds NaN or Inf, written by an earlier step or by code outside the optimizer: " \
-           "eps=0 writes them on a gradient entry that is 0, as torch.optim.AdamW does), nothing was updated" in line
+           "eps=0 writes them on a gradient entry that is 0, as torch.optim.AdamW does), nothing of that step was saved" in line
