@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from . import distributed, precision
-from .options import FLOAT32_MAX, TORCH_ONLY, caller_level, param_name, validate_group
+from .options import FLOAT32_MAX, TORCH_ONLY, caller_level, check_rank, param_name, validate_group
 from .projection import LEFT, projection_side
 
 #: Group options that fix the layout of a projected matrix's state.
@@ -97,6 +97,7 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
         for key in LAYOUT_KEYS if projected else UNPROJECTED_LAYOUT_KEYS:
             was = old.get(key, SAVED_BEFORE_THE_KEY.get(key))
             if was is not None and was != group[key]:
+                _check_group(gi, {**group, key: was})  # a value no optimizer takes is not one to build with
                 when = "" if key in old else f" (its group has no {key!r}: saved before the option existed)"
                 raise ValueError(
                     f"{first}: the state dict was saved with {key}={was!r}{when} but this "
@@ -258,11 +259,18 @@ def check_group_options(saved: dict[str, Any]) -> None:
     optimizer went on with ``lr=nan`` or ``betas=(1.5, 0.999)``, or failed at its first step
     (``update_proj_gap=0``: ZeroDivisionError)."""
     for gi, group in enumerate(saved.get("param_groups", [])):
-        try:
-            validate_group(dict(group))  # a copy: it writes the ints it normalizes
-        except (ValueError, KeyError) as err:
-            raise ValueError(f"the state dict's param group {gi}: {err}; loading restores every group option, so "
-                             "the optimizer would train with it") from None
+        _check_group(gi, group)
+
+
+def _check_group(gi: int, group: dict[str, Any]) -> None:
+    """:func:`check_group_options` of the state dict's group ``gi``."""
+    try:
+        validate_group(dict(group))  # a copy: it writes the ints it normalizes
+        if group.get("rank") is not None:  # the constructor's check (None: a group not projected)
+            check_rank(group["rank"])
+    except (ValueError, KeyError) as err:
+        raise ValueError(f"the state dict's param group {gi}: {err}; loading restores every group option, so "
+                         "the optimizer would train with it") from None
 
 
 def _shown(value: Any) -> str:

@@ -324,7 +324,10 @@ def check_state_rounding(g: dict) -> None:
     """ValueError naming the arguments unless ``g``'s ``state_dtype`` and ``state_rounding`` are
     valid together: stochastic rounding is of bf16 states only. Checked at every step too (as
     :func:`check_torch_only`): the option may change between steps, and one set in
-    ``param_groups`` on a group of fp32 or int8 states would otherwise do nothing, without a word."""
+    ``param_groups`` on a group of fp32 or int8 states would otherwise do nothing, without a word;
+    so would ``stochastic_rounding="yes"`` (the weights' rounding reads it as true or false)."""
+    if not isinstance(g["stochastic_rounding"], bool):
+        raise ValueError(f"Invalid stochastic_rounding: {g['stochastic_rounding']!r}; expected True or False")
     state_dtype = StateDtype.parse("state_dtype", g["state_dtype"])
     rounding = StateRounding.parse("state_rounding", g["state_rounding"])
     if rounding is StateRounding.STOCHASTIC and state_dtype is not StateDtype.BFLOAT16:

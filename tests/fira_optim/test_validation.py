@@ -639,3 +639,34 @@ def test_a_misfit_state_names_the_parameter_by_its_name_where_the_optimizer_has_
     with pytest.raises(ValueError, match=r"1\.weight \(param_groups\[0\]\['params'\]\[1\]\) \(shape \(4, 6\)\) has no "
                                          r"projection basis"):
         fresh.load_state_dict(sd)
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("state_dtype", "int4", r"param group 0: Invalid state_dtype: 'int4'"),
+    ("rank", -3, r"param group 0: Invalid rank: -3"),
+])
+def test_a_saved_layout_option_no_optimizer_takes_is_refused_as_invalid(key, value, match) -> None:
+    """A hand-edited group with ``state_dtype='int4'`` or ``rank=-3`` was told to build the
+    optimizer with that value to resume it, which the constructor then refuses."""
+    w = torch.nn.Parameter(torch.randn(8, 6))
+    opt = FiraAdamW([{"params": [w], "rank": 2}])
+    w.grad = torch.randn(8, 6)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0][key] = value
+    with pytest.raises(ValueError, match=match) as caught:
+        FiraAdamW([{"params": [w], "rank": 2}]).load_state_dict(sd)
+    assert "build the optimizer with" not in str(caught.value)
+
+
+def test_stochastic_rounding_set_in_param_groups_must_be_true_or_false() -> None:
+    """Set during training to a string, it was read as true without a word: the constructor's
+    check runs at every step, as for the other options torch users set in ``param_groups``."""
+    w = torch.nn.Parameter(torch.randn(8, 6, dtype=torch.bfloat16))
+    opt = FiraAdamW([{"params": [w], "rank": 2}])
+    opt.param_groups[0]["stochastic_rounding"] = "yes"
+    w.grad = torch.randn(8, 6, dtype=torch.bfloat16)
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match=r"Invalid stochastic_rounding: 'yes'; expected True or False"):
+        opt.step()
+    assert torch.equal(w, before)
