@@ -283,3 +283,24 @@ def test_a_row_whose_gradient_stops_is_not_thrown_by_a_second_moment_rounded_to_
         moved[state_dtype] = param.detach()[1].clone()
     assert moved["float32"].abs().max() < 3e-3  # about lr per step
     torch.testing.assert_close(moved["int8"], moved["float32"], rtol=0.05, atol=0)
+
+
+def test_a_gradient_spike_rounds_the_moments_of_its_block_mates_to_zero():
+    """What the docs say of one block's shared scale: an entry 1e15 times its block-mates' sets
+    the scale, and their moments, below the map's smallest step of it, decode as 0 (fp32 states
+    keep them); the other blocks keep theirs. Block-wise absmax coding does this by design."""
+    kept = {}
+    for state_dtype in ("float32", "int8"):
+        param = torch.nn.Parameter(torch.zeros(64, 64))  # 4 rows a block of 256
+        opt = FiraAdamW([{"params": [param]}], state_dtype=state_dtype)
+        grad = torch.ones(64, 64)
+        grad[0, 0] = 1e15
+        param.grad = grad
+        opt.step()
+        kept[state_dtype] = precision.decode(opt.state[param], ("exp_avg", "exp_avg_sq"), torch.float32)
+    for key in ("exp_avg", "exp_avg_sq"):
+        fp32, int8 = kept["float32"][key], kept["int8"][key]
+        assert (fp32[1:4] > 0).all()  # the block-mates of the spike, in fp32
+        assert (int8[0, 1:] == 0).all() and (int8[1:4] == 0).all()
+        torch.testing.assert_close(int8[4:], fp32[4:], rtol=0.02, atol=0)  # the other blocks
+        torch.testing.assert_close(int8[0, 0], fp32[0, 0], rtol=0.02, atol=0)
