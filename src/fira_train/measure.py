@@ -131,8 +131,7 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     # which failed with a traceback (no process group), after the specs before it were measured
     refuse_spec_keys(specs, ("train.parallel",), "memory --measure measures each method in one process")
     if not append and (out_dir / "memory.json").exists():
-        raise FileExistsError(f"--out {str(out_dir)!r} already holds a measurement (memory.json): pass "
-                              "--append to add these rows to it, or choose another --out")
+        raise FileExistsError(_held_measurement(out_dir))
     # a memory.md of the user's (notes, another tool's table) was written over without a word
     check_report_owner(out_dir, (MEASUREMENT_TITLE,), "memory --measure", name="memory.md")
     base = replace(config, train=replace(config.train, steps=max(steps, 1), progress=False,
@@ -242,6 +241,21 @@ ROW_SHAPE = {"method": ((str,), False), "measured_peak_bytes": ((int,), False),
              "measured": ((dict,), False)}
 MEASURED_SHAPE = {"parameters": ((int,), False), "device": ((str,), False), "weights_bytes": ((int,), False),
                   "optimizer_state_bytes": ((int,), False), "threads": ((int,), True)}
+
+
+def _held_measurement(out_dir: Path) -> str:
+    """Why a measurement without ``--append`` does not go into ``out_dir``, which holds a
+    ``memory.json``: one of ours takes ``--append``; another tool's (or a damaged one), which
+    ``--append`` then refuses, does not."""
+    try:
+        wrong = _other_shape(read_json(out_dir / "memory.json"))
+    except (OSError, ValueError) as err:
+        wrong = str(err)
+    if wrong:
+        return (f"--out {str(out_dir)!r} holds a memory.json that memory --measure did not write ({wrong}): choose "
+                "another --out")
+    return (f"--out {str(out_dir)!r} already holds a measurement (memory.json): pass --append to add these rows to "
+            "it, or choose another --out")
 
 
 def _other_shape(old: Any) -> str | None:

@@ -206,6 +206,20 @@ def test_append_keeps_earlier_rows_replaces_remeasured_ones_and_lists_every_comm
     assert [r["method"] for r in json.loads((out / "memory.json").read_text())["rows"]] == ["adamw", "galore", "fira"]
 
 
+@pytest.mark.parametrize("text", ['{"loss": 1.5}', "not json"])
+def test_an_out_holding_another_tools_memory_json_is_not_told_to_append(tmp_path: Path, text: str):
+    """It said "already holds a measurement: pass --append", which --append then refused."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    (tmp_path / "memory.json").write_text(text)
+    with pytest.raises(FileExistsError, match=r"holds a memory.json that memory --measure did not write") as caught:
+        measure.measure(micro_config(tmp_path / "run"), parse_method_specs("fira"), 1, tmp_path, "first")
+    assert "--append" not in str(caught.value)
+    assert (tmp_path / "memory.json").read_text() == text
+
+
 def test_append_keeps_an_earlier_tables_stop_and_its_rows_dates(tmp_path: Path, monkeypatch):
     """A table left incomplete without --append (or written by hand) stays incomplete: which of its
     commands stopped is not known. Its rows keep the day they were measured."""
