@@ -39,7 +39,10 @@ class MethodSpec:
         """``base`` for this method, writing to ``out_dir/<text>``."""
         config = replace(base, optim=replace(base.optim, method=self.name))
         if self.overrides:
-            config = apply_overrides(config, list(self.overrides))
+            try:
+                config = apply_overrides(config, list(self.overrides))
+            except ValueError as err:  # which of several specs holds the value the message names
+                raise ValueError(f"method spec {self.text!r}: {err}") from None
         return replace(config, train=replace(config.train, out_dir=str(Path(out_dir) / self.text)))
 
 

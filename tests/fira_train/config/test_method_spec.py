@@ -35,8 +35,11 @@ def test_bad_specs_name_the_spec(text: str, message: str) -> None:
 
 
 def test_a_bad_override_value_names_the_key(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="optim.state_dtype"):
+    # and the spec: of several, which one holds it
+    with pytest.raises(ValueError, match=r"^method spec 'fira@optim.state_dtype=int4': .*optim.state_dtype"):
         parse_method_spec("fira@optim.state_dtype=int4").config(micro_config(tmp_path), tmp_path)
+    with pytest.raises(ValueError, match=r"^method spec 'fira@optim.rank=abc': cannot parse optim.rank='abc'"):
+        parse_method_spec("fira@optim.rank=abc").config(micro_config(tmp_path), tmp_path)
     with pytest.raises(ValueError, match=r"optim.state_rounding='stochastic' is invalid: .*"
                                          r"'stochastic' with state_dtype='float32'"):
         parse_method_spec("fira@optim.state_rounding=stochastic").config(micro_config(tmp_path), tmp_path)
