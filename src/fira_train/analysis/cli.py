@@ -47,6 +47,11 @@ def _names(text: str, flag: str) -> list[str]:
             raise ValueError(f"{flag}: {name!r} is a method spec (NAME@key=value); analyze takes method names: "
                              f"set {' '.join(overrides.split('@'))} for every run as a key=value override "
                              f"(and {method!r} in {flag})")
+    from fira_train.methods.registry import METHODS  # imports torch: not at parser build
+
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:  # the analysis's own check names the method, not the flag that gave it
+        raise ValueError(f"{flag}: unknown method {unknown[0]!r} in {text!r}; valid methods: {', '.join(METHODS)}")
     return names
 
 

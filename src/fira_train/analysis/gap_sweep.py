@@ -62,7 +62,8 @@ def _check(config: RunConfig, gaps: Sequence[int], methods: Sequence[str], seeds
     for m in methods:
         get_method(m)  # an unknown name gets the registry's error, with the valid names
         if m not in fira_optim.VARIANTS:  # the FiraAdamW family: the methods with an update gap
-            raise ValueError(f"method {m!r} refreshes no projection; the sweep takes the Fira / GaLore family")
+            raise ValueError(f"method {m!r} refreshes no projection (--methods); the sweep takes the Fira / "
+                             "GaLore family")
 
 
 def _count(n: int, noun: str) -> str:

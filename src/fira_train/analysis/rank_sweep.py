@@ -82,7 +82,7 @@ def run_rank_sweep(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
             raise ValueError(f"ranks (--ranks) must be ints in [1, d_model={d_model}], got {r!r}")
     for m in methods:
         if not get_method(m).uses_rank:
-            raise ValueError(f"method {m!r} has no rank; the sweep takes rank-dependent methods")
+            raise ValueError(f"method {m!r} has no rank (--methods); the sweep takes rank-dependent methods")
     if d_model in ranks:  # the paper's full-rank column: Fira-only-scaling alone projects there
         plain = [m for m in methods if not fira_optim.VARIANTS.get(m, {}).get("only_scaling")]
         if plain:

@@ -79,6 +79,15 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
      "--methods: 'fira@optim.alpha=0.1' is a method spec (NAME@key=value); analyze takes method names: set "
      "optim.alpha=0.1 for every run as a key=value override"),
     (["analyze", "ablation", "--variants", "fira@optim.gamma=1.1@optim.rank=4"], "--variants: 'fira@optim.gamma="),
+    # an unknown or unfit method named the method alone, not the flag of the four that gave it
+    (["analyze", "rank-sweep", "--ranks", "4", "--methods", "fira,foo"], "--methods: unknown method 'foo' in 'fira,foo'"),
+    (["analyze", "ablation", "--variants", "foo"], "--variants: unknown method 'foo' in 'foo'; valid methods: adamw"),
+    (["analyze", "spikes", "--limiter-runs", "fira,bar"], "--limiter-runs: unknown method 'bar'"),
+    (["analyze", "spikes", "--galore-runs", "bar"], "--galore-runs: unknown method 'bar'"),
+    (["analyze", "noise", "--methods", "bar"], "--methods: unknown method 'bar'"),
+    (["analyze", "gap-sweep", "--gaps", "3", "--methods", "bar"], "--methods: unknown method 'bar'"),
+    (["analyze", "rank-sweep", "--ranks", "4", "--methods", "adamw"], "method 'adamw' has no rank (--methods)"),
+    (["analyze", "gap-sweep", "--gaps", "3", "--methods", "adamw"], "method 'adamw' refreshes no projection (--methods)"),
 ])
 def test_bad_lists_name_the_flag(argv: list[str], message: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture) -> None:
