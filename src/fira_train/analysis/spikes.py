@@ -77,8 +77,10 @@ def spike_statistics(losses: Sequence[float], gap: int, *, window: int = 5,
 
 
 def _after_refresh(change: float) -> str:
-    """The mean loss change after a refresh, or that the run had none (shorter than T + 2 steps)."""
-    return f"{change:+.4f}" if math.isfinite(change) else "none (no refresh in the run)"
+    """The mean loss change after a refresh, or that the run measured none (shorter than T + 2
+    steps). A run of T + 1 steps did refresh, at its last step (the figure marks it): only the
+    loss after it is missing."""
+    return f"{change:+.4f}" if math.isfinite(change) else "none (no loss measured after a refresh)"
 
 
 def _median(values: Sequence[float]) -> float:
@@ -187,7 +189,7 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
         s, rec = stats[n], records[n]
         residual = [r.get("residual_norm", math.nan) for r in rec]
         has_residual = "residual_norm" in rec[-1]
-        after = s["mean_change_after_refresh"]  # nan: the run was too short to refresh (steps < T + 2)
+        after = s["mean_change_after_refresh"]  # nan: no loss after a refresh (steps < T + 2)
         rows.append([n, s["max_rise"], s["max_rise_step"], int(s["spikes"]), after if math.isfinite(after) else "-",
                      s["mean_change_elsewhere"], _peak_ratio([r["grad_norm"] for r in rec]),
                      _peak_ratio(residual) if has_residual else "-", _median(residual) if has_residual else "-",

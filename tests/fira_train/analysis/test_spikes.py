@@ -52,14 +52,16 @@ def test_spikes_end_to_end(tmp_path: Path, corpus_root: Path) -> None:
 
 def test_a_run_too_short_to_refresh_reports_no_change_after_refresh_not_nan(tmp_path: Path,
                                                                             corpus_root: Path) -> None:
-    """4 steps at T = 3: the first step with a refreshed basis would be step 5. The table's cell
-    read nan where its other empty cells read "-", and the measured line "+nan"."""
+    """4 steps at T = 3: the refresh is at step 4, the last, and the loss after it (step 5) is not
+    measured. The table's cell read nan where its other empty cells read "-", and the measured line
+    "+nan"; then "no refresh in the run", of a run whose figure marks a refresh at step 4."""
     config = analysis_config(corpus_root, tmp_path / "run", "train.steps=4", "optim.update_proj_gap=3")
     result = run_spikes(config, tmp_path / "spikes", galore_rank=8)
     assert all(math.isnan(s["mean_change_after_refresh"]) for s in result["stats"].values())
     text = result["report"].read_text()
     assert "nan" not in text.lower(), text
-    assert "galore none (no refresh in the run) vs" in text
+    assert "galore none (no loss measured after a refresh) vs" in text
+    assert "no refresh in the run" not in text
 
 
 def test_reused_runs_with_cut_or_damaged_records_are_named_not_reported(tmp_path: Path, corpus_root: Path) -> None:
