@@ -485,7 +485,9 @@ def _os_error(err: OSError, args: argparse.Namespace) -> str:
             "check the permissions of that folder")
         return f"cannot write {path}: {reason}; {fix}"
     if err.errno in _NOT_A_FOLDER:
-        return f"{path}: {reason} (a file is where a folder is needed); move it or choose another folder"
+        given = getattr(args, "out", None)  # the output folder the user named, not a recipe's default
+        where = f" for --out {given}" if given and out is not None and _inside(out, path) else ""
+        return f"{path}: {reason} (a file is where a folder is needed{where}); move it or choose another folder"
     if err.errno == errno.ENOENT and out is not None and _inside(out, path):
         # making the output folder or a folder above it, where none can be made (/proc/x); a
         # file missing inside it is another matter (read, not made)

@@ -589,3 +589,15 @@ def test_a_non_finite_parameter_behind_a_non_finite_gradient_is_said_whole_in_th
         line = describe(err, argparse.Namespace(out="runs/x"))
     assert "(the parameter itself holds NaN or Inf, written by an earlier step or by code outside the optimizer: " \
            "eps=0 writes them on a gradient entry that is 0, as torch.optim.AdamW does), nothing of that step was saved" in line
+
+
+@pytest.mark.parametrize("argv", [["analyze", "rank-sweep", "--recipe", "micro", "--ranks", "4"],
+                                  ["analyze", "variance"]])
+def test_an_out_that_is_a_file_is_named_as_out(argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The error named the file alone ('FILE: File exists (a file is where a folder is needed)'),
+    not the option that gave it."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine\n")
+    assert main([*argv, "--out", str(taken)]) == 1
+    assert f"(a file is where a folder is needed for --out {taken})" in capsys.readouterr().err
+    assert taken.read_text() == "mine\n"
