@@ -85,10 +85,12 @@ def _plot(values: dict[str, dict[int, list[float]]], gaps: Sequence[int], path: 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for method, row in values.items():
         means = [sum(row[g]) / len(row[g]) for g in gaps]
-        line, = ax.plot(list(gaps), means, marker="o", label=method)
-        if any(len(row[g]) > 1 for g in gaps):
-            for g in gaps:
-                ax.scatter([g] * len(row[g]), row[g], color=line.get_color(), s=12, alpha=0.5)
+        several = any(len(row[g]) > 1 for g in gaps)
+        # with several seeds the legend says which marks are the means and which the seeds' runs
+        line, = ax.plot(list(gaps), means, marker="o", label=f"{method}: mean over seeds" if several else method)
+        if several:
+            ax.scatter([g for g in gaps for _ in row[g]], [v for g in gaps for v in row[g]],
+                       color=line.get_color(), s=12, alpha=0.5, label=f"{method}: each seed")
     ax.set(xscale="log", xlabel="update gap T (steps between refreshes)", ylabel="validation perplexity",
            title="Validation perplexity vs update gap")
     ax.set_xticks(list(gaps), [str(g) for g in gaps])

@@ -86,3 +86,25 @@ def test_gap_sweep_rejects_bad_input(kwargs: dict, message: str, tmp_path: Path,
     config = analysis_config(corpus_root, tmp_path / "run")
     with pytest.raises(ValueError, match=re.escape(message)):
         run_gap_sweep(config, tmp_path / "x", **kwargs)
+
+
+@pytest.mark.parametrize("seeds, labels", [
+    (2, ["fira: mean over seeds", "fira: each seed", "galore: mean over seeds", "galore: each seed"]),
+    (1, ["fira", "galore"]),
+])
+def test_the_legend_tells_the_seeds_dots_from_the_means(seeds: int, labels: list[str], tmp_path: Path,
+                                                         monkeypatch) -> None:
+    """With several seeds each seed's run was drawn as a small dot beside the mean's line, and the
+    legend named the lines alone: nothing said what the dots were."""
+    import matplotlib.pyplot as plt
+
+    from fira_train.analysis.gap_sweep import _plot
+
+    values = {m: {3: [200.0 + i for i in range(seeds)], 6: [210.0 + i for i in range(seeds)]}
+              for m in ("fira", "galore")}
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to look at it
+    _plot(values, [3, 6], tmp_path / "gaps.png")
+    legend = figures[0].axes[0].get_legend()
+    assert [text.get_text() for text in legend.get_texts()] == labels
+    close(figures[0])
