@@ -83,6 +83,11 @@ def _after_refresh(change: float) -> str:
     return f"{change:+.4f}" if math.isfinite(change) else "none (no loss measured after a refresh)"
 
 
+def _rise(change: float) -> str:
+    """The largest one-step loss change, or "none" where the loss fell at every step."""
+    return f"{change:.3f}" if change > 0 else "none"
+
+
 def _median(values: Sequence[float]) -> float:
     v = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
     return float(np.median(v)) if v.size else math.nan
@@ -190,7 +195,9 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
         residual = [r.get("residual_norm", math.nan) for r in rec]
         has_residual = "residual_norm" in rec[-1]
         after = s["mean_change_after_refresh"]  # nan: no loss after a refresh (steps < T + 2)
-        rows.append([n, s["max_rise"], s["max_rise_step"], int(s["spikes"]), after if math.isfinite(after) else "-",
+        rose = s["max_rise"] > 0  # else the loss fell at every step: its smallest drop is no rise
+        rows.append([n, s["max_rise"] if rose else "none", s["max_rise_step"] if rose else "-", int(s["spikes"]),
+                     after if math.isfinite(after) else "-",
                      s["mean_change_elsewhere"], _peak_ratio([r["grad_norm"] for r in rec]),
                      _peak_ratio(residual) if has_residual else "-", _median(residual) if has_residual else "-",
                      rec[-1]["loss"]])
@@ -207,7 +214,7 @@ def run_spikes(config: RunConfig, out_dir: str | Path, *, limiter_runs: Sequence
               "limiter trains without significant spikes."]
     if all(n in stats for n in LIMITER_RUNS):
         lines.append("- Measured: spikes (count / largest rise) "
-                     + ", ".join(f"{n} {int(stats[n]['spikes'])} / {stats[n]['max_rise']:.3f}" for n in LIMITER_RUNS)
+                     + ", ".join(f"{n} {int(stats[n]['spikes'])} / {_rise(stats[n]['max_rise'])}" for n in LIMITER_RUNS)
                      + "; max/median ‖S_t‖ "
                      + ", ".join(f"{n} {_peak_ratio([r.get('residual_norm', math.nan) for r in records[n]]):.2f}"
                                  for n in LIMITER_RUNS) + "; median ‖S_t‖ "

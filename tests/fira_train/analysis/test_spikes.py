@@ -110,3 +110,15 @@ def test_the_refresh_marks_stand_apart_from_the_grid(tmp_path: Path, monkeypatch
         assert not styles & grid, (styles, grid)
         assert all(float(tick).is_integer() for tick in ax.get_xticks())  # steps, not 2.5
     close(figure)
+
+
+def test_a_loss_that_fell_at_every_step_shows_no_rise(tmp_path: Path, corpus_root: Path) -> None:
+    """A run whose loss fell at every step read "max 1-step loss rise -0.034" and "largest rise
+    -0.034": its smallest drop, given as a rise."""
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=4", "optim.update_proj_gap=3")
+    result = run_spikes(config, tmp_path / "spikes", limiter_runs=["fira", "fira-no-limiter", "fira-clip"],
+                        galore_runs=[], galore_rank=8)
+    assert all(s["max_rise"] < 0 for s in result["stats"].values())  # the premise: the loss fell at each step
+    text = result["report"].read_text()
+    assert "| fira | none | - | 0 |" in text, text
+    assert "spikes (count / largest rise) fira 0 / none, fira-no-limiter 0 / none, fira-clip 0 / none;" in text
