@@ -494,6 +494,10 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
     else:
         matrices = f"the projected matrices ({', '.join(f'{counts[r][0]} at r = {r}' for r in ranks)}; {left_out})"
         sampled = f"columns in all: {', '.join(f'{counts[r][1]} at r = {r}' for r in ranks)}"
+    # the steps the averages are over: a run shorter than --every records step 1 alone
+    recorded = [record["step"] for record in records[ranks[0]]]
+    at_steps = (f"step{'s' * (len(recorded) > 1)} {', '.join(map(str, recorded))}" if len(recorded) <= 5 else
+                f"{len(recorded)} steps, {recorded[0]} to {recorded[-1]}")
     lr = summaries[f"fira-r{ranks[0]}"]["lr"]
     lines = report_header(TITLE, config, command=command)
     lines += [
@@ -501,7 +505,7 @@ def run_similarity(config: RunConfig, out_dir: str | Path, *, ranks: Sequence[in
         "full-rank factors come from Adam moments kept beside Fira's state and fed the gradients Fira used "
         "(a shadow Adam with the same betas and eps, which never updates the weights): the low-rank and "
         "full-rank factors are computed at the same weights, gradients and step, and differ only in rank. "
-        f"Factors recorded after the optimizer step every {every} steps (and at step 1) for {matrices}; "
+        f"Factors recorded after the optimizer step every {every} steps and at step 1 ({at_steps}) for {matrices}; "
         f"column level: {columns} columns sampled per matrix with seed {seed} ({sampled}). Values are averages over the recorded steps; p-values are averaged too, "
         "with the fraction of steps at which p < 0.05 in brackets.",
         "",

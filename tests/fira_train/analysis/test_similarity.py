@@ -250,6 +250,14 @@ def test_a_rank_at_a_matrix_s_smaller_side_compares_fewer_matrices_and_says_so(t
     assert "(columns in all: 140 at r = 8, 100 at r = 32)" in text
 
 
+def test_the_report_names_the_steps_it_recorded(tmp_path: Path, corpus_root: Path) -> None:
+    """A run shorter than --every read "recorded ... every 10 steps (and at step 1)" and "values
+    are averages over the recorded steps": it recorded step 1 alone, which nothing said."""
+    config = analysis_config(corpus_root, tmp_path / "run", "train.steps=3")
+    text = run_similarity(config, tmp_path / "similarity", ranks=(8,), every=10, columns=10)["report"].read_text()
+    assert "Factors recorded after the optimizer step every 10 steps and at step 1 (step 1) for " in text
+
+
 @pytest.mark.parametrize(("every", "columns", "flag"), [(0, 10, "--every"), (-1, 10, "--every"), (2, 0, "--columns")])
 def test_similarity_refuses_bad_every_and_columns_before_any_run(tmp_path: Path, corpus_root: Path, every, columns,
                                                                   flag) -> None:
