@@ -302,11 +302,17 @@ def _digest_and_range(path: Path, ids: np.memmap) -> tuple[str, int, int]:
     return digest.hexdigest(), low, high
 
 
+#: The folders the cache keeps its entries in (``data.cache_dir``): never part of a local corpus,
+#: also where the cache folder is the corpus folder itself.
+CACHE_FOLDERS = ("tokenizers", "tokens", "token-digests")
+
+
 def build_corpus(spec: DataSpec, exclude: Iterable[str | os.PathLike[str]] = ()) -> Corpus:
     """Build (or load from the cache) the corpus ``spec`` describes.
 
-    A local folder's listing leaves out the cache folder and the folders of ``exclude`` (the
-    output folder of the run that reads it) where they lie inside it, so that neither their files
+    A local folder's listing leaves out the cache folder (its entries' folders also where the
+    cache folder is the corpus folder) and the folders of ``exclude`` (the output folder of the
+    run that reads it) where they lie inside it, so that neither their files
     nor their coming into being change the corpus (:func:`list_corpus_files`).
 
     Raises:
@@ -335,6 +341,9 @@ def build_corpus(spec: DataSpec, exclude: Iterable[str | os.PathLike[str]] = ())
         raise FileNotFoundError(f"data source {spec.source!r} does not exist{hint}")
     if path.is_file() and path.suffix.lower() == PRETOKENIZED_SUFFIX:
         return _build_pretokenized(spec, path)
-    files = list_corpus_files(path, exclude=(cache_dir, *exclude))
+    # the cache's own folders too: a cache folder that is the corpus folder itself is read (a
+    # corpus kept in the cache), its entries are not
+    own = (cache_dir, *(cache_dir / name for name in CACHE_FOLDERS))
+    files = list_corpus_files(path, exclude=(*own, *exclude))
     corpus_id = fingerprint("local", corpus_identity(files, path))
     return _build_packed(spec, corpus_id, lambda: read_documents(files), cache_dir)

@@ -658,3 +658,17 @@ def test_a_cache_and_a_run_folder_inside_the_corpus_folder_are_not_read_as_corpu
     (out / "config.json").write_text('{"data": {}}\n')
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     assert build_corpus(spec, exclude=(out,)).describe() == first
+
+
+def test_a_cache_folder_that_is_the_corpus_folder_is_not_read_as_corpus(tmp_path: Path) -> None:
+    """data.cache_dir (or $FIRA_CACHE) set to the folder of corpus files itself: the folder is read,
+    the cache's entries in it are not (the second build listed the tokenizer's JSON files as
+    documents and failed on them)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_jsonl(corpus / "docs.jsonl", make_docs(60))
+    elsewhere = build_corpus(spec_for(corpus, tmp_path / "other-cache")).describe()
+    spec = spec_for(corpus, corpus)
+    first = build_corpus(spec).describe()
+    assert list((corpus / "tokenizers").rglob("*.json"))
+    assert build_corpus(spec).describe() == first == elsewhere
