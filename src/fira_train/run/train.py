@@ -286,16 +286,6 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     except ValueError as err:  # a step of more sequences than the corpus holds: name the setting
         raise ValueError(f"train.batch_size={config.train.batch_size}: {err}") from None
     val_batches = corpus.val_batches(micro_batch)
-    if main:  # once the settings are accepted: a start they stop leaves no config for --resume to hold to
-        out.mkdir(parents=True, exist_ok=True)
-        if resumed_at < config.train.steps:
-            # a finished run trained again from an earlier step (perhaps with another memory lever):
-            # its summary no longer holds once config.json is rewritten, and a kill before the new
-            # one left it reused as a finished run of this config (finished_with); its final
-            # checkpoint, kept, gives it again (evaluated, not trained) if nothing is trained
-            (out / "summary.json").unlink(missing_ok=True)
-        write_text_atomic(out / "config.json", json.dumps(config_to_dict(config), indent=2) + "\n")
-
     step, progress = 0, {"tokens": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "peak_memory_bytes": 0, "sittings": 0}
     restored = state is not None
     if restored:
@@ -306,6 +296,16 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
                                              config.data.source, callbacks)
         log.info("resumed %s from step %d (%s)", out, step, resume_path.name)
     del state
+    if main:  # once the settings are accepted: a start they stop leaves no config for --resume to hold to
+        # (and once the checkpoint is restored: a resume it refuses, as for other data, leaves the run as it was)
+        out.mkdir(parents=True, exist_ok=True)
+        if resumed_at < config.train.steps:
+            # a finished run trained again from an earlier step (perhaps with another memory lever):
+            # its summary no longer holds once config.json is rewritten, and a kill before the new
+            # one left it reused as a finished run of this config (finished_with); its final
+            # checkpoint, kept, gives it again (evaluated, not trained) if nothing is trained
+            (out / "summary.json").unlink(missing_ok=True)
+        write_text_atomic(out / "config.json", json.dumps(config_to_dict(config), indent=2) + "\n")
     # The run's totals over its sittings (a checkpoint from before these were kept lacks them:
     # its earlier sittings' wall time and peak are then not counted, and their number unknown).
     earlier = {"wall_time_s": progress.get("wall_time_s", 0.0), "sittings": progress.get("sittings"),

@@ -427,3 +427,19 @@ def test_a_finished_run_trained_again_from_an_earlier_step_is_not_finished_until
         train(lever, resume="latest")  # the final checkpoint, kept, was trained without it
     summary = train(config, resume="latest")  # evaluated again, nothing trained
     assert summary["steps"] == 4 and json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_resume_refused_when_its_checkpoint_is_restored_leaves_a_finished_run_as_it_was(tmp_path: Path) -> None:
+    """A finished run resumed from an earlier step on data changed since is refused as the
+    checkpoint is restored: its summary.json and config.json are as before (the summary was
+    deleted before the refusal, and only the data it was trained on gave it back)."""
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.save_every=2",
+                          "train.keep_last=5", "train.eval_every=0")
+    out = tmp_path / "run"
+    train(config)
+    kept = {name: (out / name).read_bytes() for name in ("summary.json", "config.json")}
+    with open(next((tmp_path / "corpus").iterdir()), "a", encoding="utf-8") as handle:
+        handle.write("\nAn extra document, written after the run finished, about a river and a mountain.\n")
+    with pytest.raises(ValueError, match="trained on other data"):
+        train(config, resume=2)
+    assert {name: (out / name).read_bytes() for name in kept} == kept
