@@ -97,7 +97,11 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
         for key in LAYOUT_KEYS if projected else UNPROJECTED_LAYOUT_KEYS:
             was = old.get(key, SAVED_BEFORE_THE_KEY.get(key))
             if was is not None and was != group[key]:
-                _check_group(gi, {**group, key: was})  # a value no optimizer takes is not one to build with
+                # a value no optimizer takes is not one to build with; checked in the group the load
+                # would install (the saved options), not beside this one's (stochastic state_rounding
+                # is this group's, an int8 state's group rounds to nearest)
+                saved_options = {k: v for k, v in old.items() if k not in ("params", "param_names")}
+                _check_group(gi, {**group, **saved_options, key: was})
                 when = "" if key in old else f" (its group has no {key!r}: saved before the option existed)"
                 raise ValueError(
                     f"{first}: the state dict was saved with {key}={was!r}{when} but this "

@@ -670,3 +670,18 @@ def test_stochastic_rounding_set_in_param_groups_must_be_true_or_false() -> None
     with pytest.raises(ValueError, match=r"Invalid stochastic_rounding: 'yes'; expected True or False"):
         opt.step()
     assert torch.equal(w, before)
+
+
+def test_a_valid_saved_layout_is_told_apart_from_this_optimizer_s_other_options() -> None:
+    """A state dict of int8 states (rounded to nearest) loaded into an optimizer of bf16 states
+    with stochastic rounding: the layout error says which state_dtype to build with; the saved
+    group was refused as invalid for this optimizer's state_rounding, which the load replaces."""
+    w = torch.nn.Parameter(torch.randn(8, 6))
+    opt = FiraAdamW([{"params": [w], "rank": 2}], state_dtype="int8")
+    w.grad = torch.randn(8, 6)
+    opt.step()
+    sd = opt.state_dict()
+    other = FiraAdamW([{"params": [w], "rank": 2}], state_dtype="bfloat16", state_rounding="stochastic")
+    with pytest.raises(ValueError, match=r"saved with state_dtype='int8' but this optimizer's group 0 has "
+                                         r"state_dtype='bfloat16'; build the optimizer with state_dtype='int8'"):
+        other.load_state_dict(sd)
