@@ -214,7 +214,13 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     temp = final.parent / f"{TEMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     temp.mkdir()
     try:
-        (temp / WRITER_FILE).write_text(json.dumps({"host": this_host(), "pid": os.getpid()}))
+        record = temp / WRITER_FILE
+        try:
+            record.write_text(json.dumps({"host": this_host(), "pid": os.getpid()}))
+        except OSError as exc:  # a full disk fails at the close, an error that names no file
+            if exc.filename is not None or exc.errno is None:
+                raise
+            raise OSError(exc.errno, exc.strerror, str(record)) from exc
         entry = temp / "entry"
         entry.mkdir()
         _remove_abandoned(final.parent, temp)

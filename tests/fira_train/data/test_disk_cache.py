@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -133,3 +134,22 @@ def test_a_live_writers_folder_is_not_removed_by_a_machine_whose_clock_is_ahead(
     with atomic_directory(tokens / "next") as temp:
         (temp / "data").write_text("complete")
     assert sorted(p.name for p in tokens.iterdir()) == sorted(["next", live.name])
+
+
+def test_a_full_disk_at_the_writer_record_names_the_file(tmp_path: Path, monkeypatch) -> None:
+    """A full cache disk fails the writer's record first, at its close, with an error that names
+    no file: the one-line error then said the run's --out was full, and to move it."""
+    real = Path.write_text
+
+    def full(path, *args, **kwargs):
+        if path.name == disk_cache.WRITER_FILE:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError) as caught:
+        with atomic_directory(tmp_path / "tokens" / "key"):
+            pass
+    assert caught.value.errno == errno.ENOSPC
+    assert caught.value.filename is not None and caught.value.filename.startswith(str(tmp_path / "tokens"))
+    assert list((tmp_path / "tokens").iterdir()) == []  # its temporary folder removed
