@@ -258,12 +258,15 @@ def checkpoint_refusal(out: str | Path, config: RunConfig) -> str | None:
     """Why ``--resume`` would refuse to go on from the checkpoint it chooses in ``out`` (the newest
     intact one): :func:`choose_checkpoint`'s own check of that checkpoint's config record, its
     error's text; None where it goes on (or there is no checkpoint). Without the warnings of a
-    resume that goes on: the run's own process gives them. A damaged or unsafe checkpoint is
-    raised, as the run itself raises it."""
+    resume that goes on: the run's own process gives them. None too where no checkpoint is intact
+    (or one is unsafe): the run's own process raises that error, so that a sweep's other runs
+    still train (and a comparison's methods before it), as before this check was made."""
     try:
         _choose(Path(out), "latest", config, keep_state=False, warn=False)
     except ValueError as err:
         return str(err)
+    except ckpt.CheckpointError:
+        return None
     return None
 
 

@@ -470,3 +470,25 @@ def test_continuing_a_run_is_checked_against_the_checkpoint_it_resumes_from(tmp_
         train(lever, resume="latest")  # what the pre-check now says before any run trains
     assert continue_refusal(out, resolved(config)) is None
     assert train(config, resume="latest")["steps"] == 4  # which the pre-check refused
+
+
+def test_a_run_without_an_intact_checkpoint_is_left_to_its_own_resume(tmp_path: Path) -> None:
+    """The pre-check of compare --resume, sweep --reuse and analyze --reuse raised the damage of a
+    run whose every checkpoint is damaged, so no run of the sweep trained; the run's own resume
+    raises it, and a sweep's other runs still finish first."""
+    from fira_train.config.resolve import resolved
+    from fira_train.run.checkpoint import CheckpointError
+    from fira_train.run.run_dir import continue_refusal
+
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=4", "train.save_every=2",
+                          "train.keep_last=5", "train.eval_every=0")
+    out = tmp_path / "run"
+    train(config)
+    (out / "summary.json").unlink()  # stopped after its last checkpoint, before the summary
+    for state in (out / "checkpoints").glob("step_*/state.pt"):
+        with open(state, "r+b") as handle:
+            handle.seek(100)
+            handle.write(b"garbage")
+    assert continue_refusal(out, resolved(config)) is None
+    with pytest.raises(CheckpointError, match="no intact checkpoint"):
+        train(config, resume="latest")
