@@ -183,8 +183,9 @@ def find_checkpoint(run_dir: str | Path, step: int) -> Path:
     return path
 
 
-def load_checkpoint(run_dir: str | Path, path: str | Path) -> dict[str, Any]:
-    """Verify and load a checkpoint directory (inside ``run_dir``) into memory.
+def load_checkpoint(run_dir: str | Path, path: str | Path, *, mmap: bool = False) -> dict[str, Any]:
+    """Verify and load a checkpoint directory (inside ``run_dir``) into memory; with ``mmap``, its
+    tensors mapped from the file instead (read only where touched: a check of its records).
 
     Raises FileNotFoundError if it does not exist, :class:`CheckpointError` if it is
     incomplete, truncated or corrupted, ValueError if it lies outside ``run_dir``.
@@ -213,7 +214,7 @@ def load_checkpoint(run_dir: str | Path, path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {str(state_path)!r} is corrupted: its SHA-256 does "
                               "not match the one recorded when it was written")
     try:
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        state = torch.load(state_path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # the unpickler's errors vary by failure; all mean "unusable"
         from fira_train.run.safe_load import unsafe_pickle_error
 

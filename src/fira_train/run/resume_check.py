@@ -194,7 +194,9 @@ def check_checkpoint(out: Path, path: Path, config: RunConfig, *, keep_state: bo
         # once intact: not for a damaged one skipped
         warn_round_off(marker.get(CONFIG_KEY), config, path, marker.get(ENVIRONMENT_KEY), world_size)
         return None, lever_changes(marker.get(CONFIG_KEY), config, path)
-    state = ckpt.load_checkpoint(out, path)  # size, SHA-256, weights_only
+    # size, SHA-256, weights_only; mapped where only its records are read (a sweep's check of
+    # every run before it starts held each run's whole state in memory, one at a time)
+    state = ckpt.load_checkpoint(out, path, mmap=not keep_state)
     check_recorded_config(state.get(CONFIG_KEY), config, path)
     check_one_process_checkpoint_mode(path, config.train.parallel)
     check_stream_cut(state.get("data"), config, path)

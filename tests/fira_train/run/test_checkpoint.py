@@ -31,6 +31,25 @@ def test_round_trip_and_layout(tmp_path: Path) -> None:
     assert not any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
 
 
+def test_a_mapped_load_reads_the_same_state_without_holding_its_tensors(tmp_path: Path, monkeypatch) -> None:
+    """What a check of a checkpoint's records loads (a sweep's check of every run before it
+    starts): the same values, its tensors mapped from the file, not copied into memory."""
+    path = ckpt.save_checkpoint(tmp_path, 7, _state(7))
+    mapped = ckpt.load_checkpoint(tmp_path, path, mmap=True)
+    assert torch.equal(mapped["model"]["w"], torch.full((3, 2), 7.0)) and mapped["progress"] == {"tokens": 70}
+    asked = []
+    load = torch.load
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("mmap"))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    ckpt.load_checkpoint(tmp_path, path, mmap=True)
+    ckpt.load_checkpoint(tmp_path, path)
+    assert asked == [True, False]
+
+
 def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path: Path) -> None:
     ckpt.save_checkpoint(tmp_path, 2, _state(2))
     root = tmp_path / "checkpoints"

@@ -244,6 +244,24 @@ def test_single_file_checkpoints_record_the_config(tmp_path: Path) -> None:
     assert config_from_dict(state["config"]) == config_from_dict(saved)  # the run's config, lr resolved
 
 
+def test_a_check_of_the_records_alone_maps_the_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """compare --resume, sweep --reuse and analyze --reuse check every run's newest checkpoint
+    before they start one (resume_check.checkpoint_refusal), and rank 0 picks the checkpoint for
+    the other ranks: only its records are read, so its tensors are mapped, not loaded whole into
+    memory; the resume itself loads them."""
+    from fira_train.config.resolve import resolved
+    from fira_train.run.resume_check import checkpoint_refusal, choose_checkpoint
+
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", "train.eval_every=0")
+    train(config)
+    asked = []
+    load = ckpt.load_checkpoint
+    monkeypatch.setattr(ckpt, "load_checkpoint", lambda *a, mmap=False: asked.append(mmap) or load(*a, mmap=mmap))
+    assert checkpoint_refusal(tmp_path / "run", resolved(config)) is None
+    path, state, _ = choose_checkpoint(tmp_path / "run", "latest", resolved(config))  # a resume's: loaded whole
+    assert asked == [True, False] and state is not None and path.name == "step_00000001"
+
+
 def test_resuming_a_finished_run_keeps_its_summary(tmp_path: Path) -> None:
     """Nothing to train: the summary stands (a sitting of loading and evaluating replaced its
     throughput, wall time and peak memory); --resume-step still trains again from a checkpoint."""
