@@ -51,7 +51,7 @@ from fira_optim.state import optimizer_state_bytes
 from fira_train.config.overrides import config_to_dict
 from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
-from fira_train.data.build import build_corpus
+from fira_train.data.build import build_corpus, refuse_out_as_corpus
 from fira_train.files import dumps as json_dumps, read_json, refuse_links, write_text_atomic
 from fira_train.methods.model import count_parameters
 from fira_train.methods.registry import get_method
@@ -137,6 +137,7 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
     code_version()  # read now, as the code that runs was loaded: the summary records it
     config = resolved(config)
     # before the lock file is created: nothing is added to a folder the run may not use
+    refuse_out_as_corpus(config.data, config.train.out_dir)
     run_files.check_foreign_files(config.train.out_dir, resume, overwrite, warn=False)
     # a run folder from elsewhere: no link among what the run writes sends a write outside it
     refuse_links(config.train.out_dir, run_files.WRITTEN)

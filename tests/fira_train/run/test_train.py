@@ -134,6 +134,16 @@ def test_runs_whose_out_and_cache_lie_inside_the_corpus_folder_do_not_read_them(
     assert first["data"]["token_digest"] == again["data"]["token_digest"] == other["data"]["token_digest"]
 
 
+def test_an_out_that_is_the_corpus_folder_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """Refused for its files without --overwrite, the first run trained with it, and every later
+    start (a --resume, an --overwrite) read its config.json and metrics.jsonl as documents."""
+    config = micro_config(tmp_path, "optim.method=adamw", "train.steps=1", out="corpus")
+    before = sorted(p.name for p in (tmp_path / "corpus").iterdir())
+    with pytest.raises(ValueError, match=r"output folder .*corpus' \(--out\) is the corpus folder"):
+        train(config, overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == before
+
+
 def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
     train(micro_config(tmp_path, "optim.method=adamw", "train.steps=4"))
     lr = json.loads((tmp_path / "run" / "config.json").read_text())["optim"]["lr"]
