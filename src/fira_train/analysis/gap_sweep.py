@@ -53,7 +53,10 @@ def _check(config: RunConfig, gaps: Sequence[int], methods: Sequence[str], seeds
     steps = config.train.steps
     for g in gaps:
         if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= steps:
-            raise ValueError(f"gaps (--gaps) must be ints in [1, steps={steps}] (--steps), got {g!r}")
+            # the defaults name no --gaps the user gave: a short recipe (micro's 20 steps) refused 25
+            raise ValueError(f"gaps (--gaps) must be ints in [1, steps={steps}] (--steps), got {g!r}"
+                             + (f" (of the default gaps {','.join(map(str, DEFAULT_GAPS))}: give --gaps up to {steps}, "
+                                "or more --steps)" if tuple(gaps) == DEFAULT_GAPS else ""))
     for s in seeds:
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
             raise ValueError(f"seeds (--seeds) must be ints >= 0, got {s!r}")

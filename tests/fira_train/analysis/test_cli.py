@@ -70,6 +70,9 @@ def test_analyze_noise_runs_reuses_and_records_the_command(tmp_path: Path, corpu
     (["analyze", "spikes", "optim.step_in_backward=true"], "records each step's gradient norm, which optim.step"),
     (["analyze", "spikes", "--steps", "1"], "spikes needs at least 2 steps per run (--steps)"),  # before training
     (["analyze", "gap-sweep", "--steps", "5", "--gaps", "6"], "gaps (--gaps) must be ints in [1, steps=5] (--steps)"),
+    # the defaults, not given: said to be the defaults, and what to give instead
+    (["analyze", "gap-sweep", "--steps", "20"], "got 25 (of the default gaps 3,6,12,25,50: give --gaps up to 20, "
+                                                "or more --steps)"),
     (["analyze", "spikes", "--jobs", "0"], "jobs (--jobs) must be an int >= 1, got jobs=0"),
     # an empty --seeds was taken for none given: the recipe's seed trained, without a word
     (["analyze", "gap-sweep", "--gaps", "3", "--seeds", ""], "--seeds must list at least one entry, got ''"),
