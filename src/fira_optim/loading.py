@@ -53,7 +53,8 @@ from typing import Any
 import torch
 
 from . import distributed, precision
-from .options import FLOAT32_MAX, TORCH_ONLY, caller_level, check_rank, param_name, validate_group
+from .options import (FLOAT32_MAX, TORCH_ONLY, Base, ProjType, StateDtype, caller_level, check_rank, param_name,
+                      validate_group)
 from .projection import LEFT, projection_side
 
 #: Group options that fix the layout of a projected matrix's state.
@@ -97,16 +98,16 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
         for key in LAYOUT_KEYS if projected else UNPROJECTED_LAYOUT_KEYS:
             was = old.get(key, SAVED_BEFORE_THE_KEY.get(key))
             if was is not None and was != group[key]:
-                # a value no optimizer takes is not one to build with; checked in the group the load
-                # would install (the saved options), not beside this one's (stochastic state_rounding
-                # is this group's, an int8 state's group rounds to nearest)
-                saved_options = {k: v for k, v in old.items() if k not in ("params", "param_names")}
-                _check_group(gi, {**group, **saved_options, key: was})
+                # a value no optimizer takes is not one to build with. The value alone: the saved
+                # group's other options (an earlier version's, the released package's, torch's
+                # decoupled_weight_decay=False) are the load's to fill in or refuse, and this
+                # group's state_rounding is not the saved state's
+                _check_layout_value(gi, key, was)
                 when = "" if key in old else f" (its group has no {key!r}: saved before the option existed)"
                 raise ValueError(
                     f"{first}: the state dict was saved with {key}={was!r}{when} but this "
                     f"optimizer's group {gi} has {key}={group[key]!r}; build the optimizer with "
-                    f"{key}={was!r} to resume it"
+                    f"{key}={was!r}{_rounding_too(key, was, group)} to resume it"
                 )
         # the loaded group's options replace this one's: one Fira does not implement would be
         # dropped without a word (a maximize=True run turned into descent)
@@ -121,6 +122,29 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
             raise ValueError(f"{first}: the state dict's param group {gi} has decoupled_weight_decay=False with "
                              f"weight_decay={old['weight_decay']!r} (torch.optim.Adam's L2 weight decay); Fira's "
                              "weight decay is decoupled, as torch.optim.AdamW's: it cannot be resumed as it ran")
+
+
+#: The constructor's check of each layout option's value alone.
+_LAYOUT_VALUE_CHECKS = {"rank": check_rank, "state_dtype": lambda value: StateDtype.parse("state_dtype", value),
+                        "proj_type": lambda value: ProjType.parse("proj_type", value),
+                        "base": lambda value: Base.parse("base", value)}
+
+
+def _check_layout_value(gi: int, key: str, was: Any) -> None:
+    """ValueError where the saved group ``gi``'s layout option ``key`` is ``was``, a value no
+    optimizer takes (``state_dtype='int4'``, ``rank=-3``): not one to build the optimizer with."""
+    try:
+        _LAYOUT_VALUE_CHECKS[key](was)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"the state dict's param group {gi}: {err}; loading restores every group option, so "
+                         "the optimizer would train with it") from None
+
+
+def _rounding_too(key: str, was: Any, group: dict) -> str:
+    """What else building with ``key=was`` takes: stochastic state_rounding is of bf16 states only."""
+    if key != "state_dtype" or was == StateDtype.BFLOAT16.value or group.get("state_rounding") != "stochastic":
+        return ""
+    return " and state_rounding='nearest' (stochastic rounding is of bf16 states)"
 
 
 def check_structure(saved: Any) -> None:

@@ -685,3 +685,39 @@ def test_a_valid_saved_layout_is_told_apart_from_this_optimizer_s_other_options(
     with pytest.raises(ValueError, match=r"saved with state_dtype='int8' but this optimizer's group 0 has "
                                          r"state_dtype='bfloat16'; build the optimizer with state_dtype='int8'"):
         other.load_state_dict(sd)
+
+
+def _adam_state_dict(w: torch.nn.Parameter) -> dict:
+    """torch.optim.Adam's: its groups say decoupled_weight_decay=False (no weight decay: Fira's step)."""
+    opt = torch.optim.Adam([w], lr=1e-3)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    return opt.state_dict()
+
+
+def _fira_state_dict_of_an_earlier_version(w: torch.nn.Parameter) -> dict:
+    """Saved before state_dtype and state_rounding existed (fira-optim 0.1.0's groups lack them)."""
+    opt = FiraAdamW([w])
+    w.grad = torch.randn_like(w)
+    opt.step()
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        for key in ("state_dtype", "state_rounding", "stochastic_rounding"):
+            group.pop(key, None)
+    return sd
+
+
+@pytest.mark.parametrize("saved", [_adam_state_dict, _fira_state_dict_of_an_earlier_version])
+def test_a_valid_saved_layout_value_is_not_refused_for_the_saved_group_s_other_options(saved) -> None:
+    """The check of a saved layout value read the whole group: torch.optim.Adam's
+    decoupled_weight_decay=False (the load sets it True) and this optimizer's stochastic
+    state_rounding beside an earlier version's float32 states (a group saved without the key)
+    were each said to be the state dict's invalid option, where the layout differs."""
+    w = torch.nn.Parameter(torch.randn(6))
+    sd = saved(w)
+    other = FiraAdamW([w], state_dtype="bfloat16", state_rounding="stochastic")
+    with pytest.raises(ValueError, match=r"saved with state_dtype='float32' \(its group has no 'state_dtype': saved "
+                                         r"before the option existed\) but this optimizer's group 0 has "
+                                         r"state_dtype='bfloat16'; build the optimizer with state_dtype='float32' "
+                                         r"and state_rounding='nearest' \(stochastic rounding is of bf16 states\)"):
+        other.load_state_dict(sd)
