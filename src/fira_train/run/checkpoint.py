@@ -214,7 +214,7 @@ def load_checkpoint(run_dir: str | Path, path: str | Path, *, mmap: bool = False
         raise CheckpointError(f"checkpoint file {str(state_path)!r} is corrupted: its SHA-256 does "
                               "not match the one recorded when it was written")
     try:
-        state = torch.load(state_path, map_location="cpu", weights_only=True, mmap=mmap)
+        state = _load(state_path, mmap)
     except Exception as err:  # the unpickler's errors vary by failure; all mean "unusable"
         from fira_train.run.safe_load import unsafe_pickle_error
 
@@ -226,6 +226,19 @@ def load_checkpoint(run_dir: str | Path, path: str | Path, *, mmap: bool = False
         raise CheckpointError(f"checkpoint file {str(state_path)!r} does not hold the state of "
                               f"step {marker.get('step')}")
     return state
+
+
+def _load(state_path: Path, mmap: bool) -> Any:
+    """``state_path`` loaded, its tensors mapped from the file with ``mmap``; read whole where it
+    cannot be mapped (a file system without mmap, a file in torch's legacy format): an intact
+    checkpoint is not taken for a damaged one (an older one resumed in its place) for a check of
+    its records alone. A file that cannot be read whole either raises that read's error."""
+    if mmap:
+        try:
+            return torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - the full read below says what is wrong with it, if anything
+            pass
+    return torch.load(state_path, map_location="cpu", weights_only=True, mmap=False)
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:

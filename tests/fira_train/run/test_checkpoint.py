@@ -50,6 +50,24 @@ def test_a_mapped_load_reads_the_same_state_without_holding_its_tensors(tmp_path
     assert asked == [True, False]
 
 
+def test_a_checkpoint_that_cannot_be_mapped_is_read_whole_not_taken_for_a_damaged_one(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    """A file system that cannot map the file (or a file in torch's legacy format) failed the
+    mapped load of a check of its records: the intact checkpoint read as one that 'cannot be
+    loaded', and rank 0 chose an older one for every rank of a launch."""
+    path = ckpt.save_checkpoint(tmp_path, 7, _state(7))
+    load = torch.load
+
+    def unmappable(*args, **kwargs):
+        if kwargs.get("mmap"):
+            raise RuntimeError("unable to mmap 160 bytes from file <state.pt>: Operation not supported (19)")
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", unmappable)
+    loaded = ckpt.load_checkpoint(tmp_path, path, mmap=True)
+    assert torch.equal(loaded["model"]["w"], torch.full((3, 2), 7.0)) and loaded["step"] == 7
+
+
 def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path: Path) -> None:
     ckpt.save_checkpoint(tmp_path, 2, _state(2))
     root = tmp_path / "checkpoints"
