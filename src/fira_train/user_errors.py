@@ -417,6 +417,15 @@ def _run_dir(args: argparse.Namespace) -> str | None:
     return values[-1] if values else None
 
 
+def _out_given(args: argparse.Namespace) -> tuple[str, str] | None:
+    """The output folder the command line gave and how: ``--out``, or pretrain's ``train.out_dir=``
+    override (the same setting); None where it gave none (a recipe's default)."""
+    if getattr(args, "out", None):
+        return "--out", str(args.out)
+    values = [o.partition("=")[2] for o in getattr(args, "overrides", None) or [] if o.startswith("train.out_dir=")]
+    return ("train.out_dir", values[-1]) if values else None
+
+
 def _cache_dir(args: argparse.Namespace) -> tuple[Path, str]:
     """The cache folder the command uses and where it was set."""
     from fira_train.data.disk_cache import CACHE_ENV_VAR, default_cache_dir
@@ -485,8 +494,8 @@ def _os_error(err: OSError, args: argparse.Namespace) -> str:
             "check the permissions of that folder")
         return f"cannot write {path}: {reason}; {fix}"
     if err.errno in _NOT_A_FOLDER:
-        given = getattr(args, "out", None)  # the output folder the user named, not a recipe's default
-        where = f" for --out {given}" if given and out is not None and _inside(out, path) else ""
+        given = _out_given(args)  # the output folder the user named, not a recipe's default
+        where = f" for {given[0]} {given[1]}" if given and out is not None and _inside(out, path) else ""
         return f"{path}: {reason} (a file is where a folder is needed{where}); move it or choose another folder"
     if err.errno == errno.ENOENT and out is not None and _inside(out, path):
         # making the output folder or a folder above it, where none can be made (/proc/x); a

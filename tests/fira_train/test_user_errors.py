@@ -601,3 +601,14 @@ def test_an_out_that_is_a_file_is_named_as_out(argv: list[str], tmp_path: Path, 
     assert main([*argv, "--out", str(taken)]) == 1
     assert f"(a file is where a folder is needed for --out {taken})" in capsys.readouterr().err
     assert taken.read_text() == "mine\n"
+
+
+def test_an_out_dir_override_that_is_a_file_is_named_as_the_override(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """pretrain's train.out_dir=FILE (the setting --out gives) was named as --out's file is: the
+    message said only that a file was in the way."""
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine\n")
+    assert main(["pretrain", "--recipe", "micro", "--method", "fira", f"train.out_dir={taken}"]) == 1
+    assert f"(a file is where a folder is needed for train.out_dir {taken})" in capsys.readouterr().err
+    assert taken.read_text() == "mine\n"
