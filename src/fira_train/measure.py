@@ -33,7 +33,7 @@ from fira_optim.state import optimizer_state_bytes
 from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse_same_runs, refuse_spec_keys
 from fira_train.config.overrides import changed_keys, describe_changed, flat_config, override_key
 from fira_train.config.run_config import RunConfig
-from fira_train.data.build import build_corpus
+from fira_train.data.build import build_corpus, refuse_out_as_corpus
 from fira_train.files import check_report_owner, locked, read_json, refuse_links, write_text_atomic
 from fira_train.memory.run_estimate import UNESTIMATED_METHODS, estimate_run_bytes, is_estimated, projects_nothing
 from fira_train.report.markdown import format_bytes
@@ -125,6 +125,7 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     # OUT/memory.md over theirs
     refuse_torchrun("memory --measure measures each method in its own process")
     out_dir = Path(out_dir)
+    refuse_out_as_corpus(config.data, out_dir, own_files="memory.json")  # before anything is written there
     refuse_links(out_dir)
     refuse_spec_keys(specs, ("train.steps",), f"memory --measure trains {steps} steps of every method (--steps)")
     # as the command-wide override is refused (the CLI): in a spec it reached the run's process,

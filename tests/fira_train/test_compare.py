@@ -183,3 +183,13 @@ def test_under_torchrun_a_run_whose_micro_batch_the_processes_cannot_share_is_re
         assert "train.micro_batch_size=1 (the sequences of one forward pass) must divide by the 2" in message
         assert marked is True
     assert not (tmp_path / "cmp").exists()
+
+
+def test_an_out_that_is_the_corpus_folder_is_not_refused_for_its_report(tmp_path: Path) -> None:
+    """compare writes report.md and loss.png beside its runs' folders (each locked, not listed):
+    none a document, so the corpus keeps its identity and a --resume reuses the runs. It was
+    refused as a run folder that is the corpus."""
+    config = micro_config(tmp_path, "train.steps=1", out="corpus")
+    compare(config, ["adamw"], tmp_path / "corpus")
+    compare(config, ["adamw"], tmp_path / "corpus", resume=True)
+    assert (tmp_path / "corpus" / "report.md").is_file()

@@ -668,3 +668,19 @@ def test_measure_under_torchrun_is_refused_before_anything_runs(tmp_path: Path, 
     assert ("memory --measure measures each method in its own process: launch it in one process, not under "
             "torchrun (2 processes were launched)") in capsys.readouterr().err
     assert not (tmp_path / "mem").exists()
+
+
+@pytest.mark.parametrize("out", ["corpus", "corpus/memory"])
+def test_an_out_that_is_or_lies_in_the_corpus_folder_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                                             out: str) -> None:
+    """memory.json, written beside the runs' folders after each spec, was read as a document by
+    the next spec's run (which lists the corpus leaving out its own folder alone)."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config = micro_config(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "corpus").rglob("*"))
+    with pytest.raises(ValueError, match=r"\(--out\) (is|lies inside) the corpus folder .*memory\.json would be read"):
+        measure.measure(config, parse_method_specs("adamw,fira"), 1, tmp_path / out)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "corpus").rglob("*")) == before

