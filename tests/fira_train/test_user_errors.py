@@ -15,6 +15,7 @@ import pytest
 from fira_train.cli import main
 from fira_train.run import train as train_module
 from fira_train.run.metrics import MetricsLog, read_metrics
+from tests.fira_train.data.data_fixtures import read_only
 from tests.fira_train.harness_fixtures import write_corpus
 
 
@@ -45,19 +46,6 @@ def _error_line(capsys: pytest.CaptureFixture) -> str:
     lines = [line for line in err.splitlines() if line.startswith("fira-train ")]
     assert len(lines) == 1 and lines[0].startswith("fira-train pretrain: error: "), err
     return lines[0]
-
-
-def _read_only(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
-    """Creating anything under ``folder`` fails as on a read-only mount (chmod does not stop root)."""
-    real_mkdir = os.mkdir
-
-    def mkdir(path, *args, **kwargs):
-        target = Path(os.path.abspath(path))
-        if target == folder or folder in target.parents:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
-        return real_mkdir(path, *args, **kwargs)
-
-    monkeypatch.setattr(os, "mkdir", mkdir)
 
 
 def _checkpoints(out: Path) -> list[str]:
@@ -148,10 +136,10 @@ def test_a_data_build_that_fails_over_an_earlier_run_does_not_offer_resume_for_i
 
 
 def test_a_read_only_out_is_one_line_naming_it(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
-    read_only = tmp_path / "mounted"
-    read_only.mkdir()
-    _read_only(monkeypatch, read_only)
-    out = read_only / "run"
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    read_only(monkeypatch, mounted)
+    out = mounted / "run"
     assert _pretrain(root, out) == 1
     line = _error_line(capsys)
     assert str(out) in line and "Read-only file system" in line and "--out" in line
@@ -170,7 +158,7 @@ def test_a_cache_that_is_a_file_is_one_line_naming_fira_cache(root: Path, tmp_pa
 def test_a_read_only_cache_is_one_line_naming_fira_cache(root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     cache = tmp_path / "shared-cache"
     cache.mkdir()
-    _read_only(monkeypatch, cache)
+    read_only(monkeypatch, cache)
     monkeypatch.setenv("FIRA_CACHE", str(cache))
     assert _pretrain(root, tmp_path / "run", cache=False) == 1
     line = _error_line(capsys)
