@@ -12,6 +12,7 @@ from pathlib import Path
 from fira_train.config.overrides import apply_overrides
 from fira_train.config.recipes import micro
 from fira_train.config.run_config import RunConfig
+from fira_train.run.callbacks import TrainCallback
 
 SUBJECTS = ["the cat", "a dog", "the old bird", "my friend", "the teacher", "a small child", "the king"]
 VERBS = ["sees", "likes", "finds", "follows", "helps", "watches", "paints"]
@@ -46,6 +47,18 @@ def micro_config(root: Path, *overrides: str, out: str = "run") -> RunConfig:
 
 class StopRun(Exception):
     """The kill that :func:`stop_at_checkpoint` simulates."""
+
+
+class StopBefore(TrainCallback):
+    """Raises :class:`StopRun` at step ``step`` before its update: the run dies after its previous
+    checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def before_step(self, step, model, optimizer, loss) -> None:
+        if step == self.step:
+            raise StopRun
 
 
 def stop_at_checkpoint(monkeypatch, step: int, *, saved: bool, once_per_run: bool = False) -> Callable[[], None]:

@@ -15,7 +15,7 @@ import pytest
 from fira_train.cli import main
 from fira_train.run.metrics import read_metrics
 from fira_train.run.train import TrainCallback, train
-from tests.fira_train.harness_fixtures import micro_config
+from tests.fira_train.harness_fixtures import StopBefore, StopRun, micro_config
 from tests.multiprocess import run_ranks
 
 REPO = Path(__file__).resolve().parents[3]
@@ -431,19 +431,6 @@ def test_overwrite_leaves_foreign_files_under_tb(tmp_path: Path, caplog) -> None
     assert not (out / "tb").exists()  # held the run's events alone
 
 
-class _Killed(Exception):
-    pass
-
-
-class _KillAt(TrainCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def before_step(self, step, model, optimizer, loss) -> None:
-        if step == self.step:
-            raise _Killed
-
-
 def test_continuing_a_run_is_checked_against_the_checkpoint_it_resumes_from(tmp_path: Path) -> None:
     """A sitting resumed from an earlier step with a memory lever changed, and stopped before its
     next save, rewrote config.json but not the run's last checkpoint. compare --resume, sweep
@@ -460,8 +447,8 @@ def test_continuing_a_run_is_checked_against_the_checkpoint_it_resumes_from(tmp_
     out = tmp_path / "run"
     train(config)
     (out / "summary.json").unlink()  # stopped after its last checkpoint, before the summary
-    with pytest.raises(_Killed):
-        train(lever, resume=2, callbacks=[_KillAt(3)])
+    with pytest.raises(StopRun):
+        train(lever, resume=2, callbacks=[StopBefore(3)])
     assert json.loads((out / "config.json").read_text())["train"]["activation_checkpointing"] is True
 
     refusal = continue_refusal(out, resolved(lever))

@@ -26,7 +26,7 @@ from fira_train.run import checkpoint as ckpt
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.metrics import read_metrics
 from fira_train.run.train import NonFiniteLossError, evaluate, train
-from tests.fira_train.harness_fixtures import StopRun, micro_config, stop_at_checkpoint  # noqa: F401
+from tests.fira_train.harness_fixtures import StopBefore, StopRun, micro_config, stop_at_checkpoint  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -409,15 +409,6 @@ def test_bf16_autocast_only_where_asked_on_cpu(tmp_path: Path) -> None:
     assert isinstance(training_module.autocast_for(bf16, cpu), torch.autocast)
 
 
-class _StopAtStep(TrainCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def before_step(self, step, model, optimizer, loss) -> None:
-        if step == self.step:
-            raise StopRun
-
-
 def test_a_finished_run_trained_again_from_an_earlier_step_is_not_finished_until_it_ends(tmp_path: Path) -> None:
     """A finished run resumed from an earlier step with a memory lever, and stopped before its
     next save, kept its summary.json beside the new config.json: a later --resume with the lever
@@ -431,7 +422,7 @@ def test_a_finished_run_trained_again_from_an_earlier_step_is_not_finished_until
     out = tmp_path / "run"
     train(config)
     with pytest.raises(StopRun):
-        train(lever, resume=2, callbacks=[_StopAtStep(3)])
+        train(lever, resume=2, callbacks=[StopBefore(3)])
     assert not finished_with(lever, out)
     with pytest.raises(ValueError, match=r"activation_checkpointing=False \(now True\): it is the run's last step"):
         train(lever, resume="latest")  # the final checkpoint, kept, was trained without it
