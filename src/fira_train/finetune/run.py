@@ -17,7 +17,7 @@ from fira_train.finetune.config import FinetuneConfig, FinetuneError
 from fira_train.finetune.data import load_records, load_validation
 from fira_train.finetune.evaluate import evaluate_task
 from fira_train.finetune.loglik import LoglikScorer, questions_of, require_lm_eval
-from fira_train.finetune.report import REPORT_TITLE, render_report
+from fira_train.finetune.report import REPORT_TITLE, render_report, sitting_totals
 from fira_train.finetune.checkpoints import checkpoint_dir, checkpoint_folders
 from fira_train.finetune.train import prepare_model, remove_checkpoints, resume_point, train_model
 from fira_train.files import check_report_owner, dumps, refuse_links, write_text_atomic
@@ -89,6 +89,17 @@ def _refuse_earlier_results(config: FinetuneConfig) -> None:
                             f"--overwrite to replace them, or choose another --out{stale}")
 
 
+def trained_line(training: dict[str, Any]) -> str:
+    """The line printed once training ends: this sitting's time, and the time over every sitting
+    where the run was resumed (the report's figure; this sitting's alone read as the run's)."""
+    sittings = training.get("sittings") or []
+    total, _ = sitting_totals(sittings)
+    over = (f" in this sitting, {total:.1f}s over {len(sittings)} sittings" if len(sittings) > 1 and total is not None
+            else "")
+    return (f"trained in {training['seconds']:.1f}s{over}, loss {training['loss_first']:.3f} -> "
+            f"{training['loss_tail_mean']:.3f}, optimizer state {training['optimizer_state_numel']:,} elements")
+
+
 def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, tokenizer: Any | None, log: Any,
                         train: list[dict], tests: dict[str, list[dict]], trained_on: list[str],
                         validation: dict[str, list[dict]], specs: dict[str, Any]) -> dict[str, Any]:
@@ -118,8 +129,7 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
         log(f"training {config.effective_method}: {config.steps} steps x {config.batch_size} on "
             f"{len(train)} records from {', '.join(trained_on)}")
         training = train_model(model, tokenizer, train, config, resume)
-        log(f"trained in {training['seconds']:.1f}s, loss {training['loss_first']:.3f} -> "
-            f"{training['loss_tail_mean']:.3f}, optimizer state {training['optimizer_state_numel']:,} elements")
+        log(trained_line(training))
 
     out = config.out_dir
     (out / "predictions").mkdir(parents=True, exist_ok=True)

@@ -709,6 +709,18 @@ def test_sittings_are_known_only_as_an_unbroken_chain_to_the_checkpoint(tmp_path
     assert sitting_totals(None) == (None, None)
 
 
+def test_the_line_printed_after_training_gives_the_time_over_every_sitting() -> None:
+    """After a resume it gave the last sitting's time alone, where the report gives the sum."""
+    from fira_train.finetune.run import trained_line
+
+    training = {"seconds": 7.0, "loss_first": 2.0, "loss_tail_mean": 1.5, "optimizer_state_numel": 1234}
+    assert trained_line(training) == "trained in 7.0s, loss 2.000 -> 1.500, optimizer state 1,234 elements"
+    sittings = [{"from_step": 0, "to_step": 2, "seconds": 5.0}, {"from_step": 2, "to_step": 4, "seconds": 7.0}]
+    assert trained_line({**training, "sittings": sittings}).startswith(
+        "trained in 7.0s in this sitting, 12.0s over 2 sittings, loss 2.000")
+    assert trained_line({**training, "sittings": sittings[1:]}).startswith("trained in 7.0s, loss")
+
+
 
 def test_a_malformed_count_is_named_without_internals(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:  # argparse's usage error: status 2
