@@ -83,18 +83,21 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
         if len(old.get("params", [])) != len(group["params"]):
             raise ValueError(f"the state dict's param group {gi} holds {len(old.get('params', []))} parameters and "
                              f"this optimizer's {len(group['params'])}{source or how}")
+    # first, over every group: a state torch.optim.AdamW saved was told to rebuild its unprojected
+    # group with state_dtype='float32', and only then that it cannot be loaded at all
+    for gi, (group, old) in enumerate(zip(current_groups, saved_groups)):
+        if group["params"] and group["rank"] is not None and "rank" not in old:
+            raise ValueError(
+                f"{param_name(gi, 0, group['params'][0], group)}: the state dict's param group {gi} has no "
+                "'rank': it was not saved by Fira (torch.optim.AdamW's state has this layout) and would silently "
+                "train every matrix of the group with plain AdamW. Start Fira from the model's weights without "
+                "this optimizer state instead"
+            )
     for gi, (group, old) in enumerate(zip(current_groups, saved_groups)):
         if not group["params"]:
             continue
         first = param_name(gi, 0, group["params"][0], group)
         projected = group["rank"] is not None
-        if projected and "rank" not in old:
-            raise ValueError(
-                f"{first}: the state dict's param group {gi} has no 'rank': it was not saved by "
-                "Fira (torch.optim.AdamW's state has this layout) and would silently train every "
-                "matrix of the group with plain AdamW. Start Fira from the model's weights "
-                "without this optimizer state instead"
-            )
         for key in LAYOUT_KEYS if projected else UNPROJECTED_LAYOUT_KEYS:
             was = old.get(key, SAVED_BEFORE_THE_KEY.get(key))
             if was is not None and was != group[key]:

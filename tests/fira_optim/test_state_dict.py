@@ -357,6 +357,21 @@ def test_load_of_torch_adamw_groups_of_another_count_says_it_was_not_saved_by_fi
         opt.load_state_dict(adamw.state_dict())
 
 
+def test_load_of_torch_adamw_groups_whose_first_is_unprojected_says_it_was_not_saved_by_fira():
+    """With the unprojected group first, the load told the user to rebuild it with
+    state_dtype='float32' (torch's groups have no state_dtype), and only then, rebuilt, that the
+    state was not Fira's at all."""
+    params = make_params(SHAPES)
+    adamw = torch.optim.AdamW([{"params": params[3:]}, {"params": params[:3]}])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    adamw.step()
+    opt = FiraAdamW([{"params": params[3:]}, {"params": params[:3], "rank": 3}], state_dtype="int8")
+    with pytest.raises(ValueError, match=r"param group 1 has no 'rank': it was not saved by Fira") as caught:
+        opt.load_state_dict(adamw.state_dict())
+    assert "state_dtype" not in str(caught.value)
+
+
 def test_load_with_a_wrong_basis_shape_names_the_parameter():
     sd = _trained_state_dict()
     sd["state"][1]["basis"] = torch.zeros(20, 3)  # the tall matrix's basis is 12 x 3
