@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import platform
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import (DamagedFileError, check_report_owner, cut_back_json_lines, open_append, read_json,
-                               read_json_lines, refuse_links, write_text_atomic)
+                               read_json_lines, refuse_links, report_heading, write_text_atomic)
 from fira_train.report.markdown import refuse_other_commands_output
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
@@ -94,6 +95,27 @@ def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path) -> bool:
             and read_json(spec, hint=_REDO_HINT) == run.spec())
 
 
+#: The line of an analysis's report that says how it was run (:func:`report_header`): it tells
+#: another analysis's folder from a folder with a report.md of the user's.
+_ANALYSIS_COMMAND = re.compile(r"^- Command: (`fira-train analyze |\(called from Python\)|not recorded)", re.M)
+
+
+def _refuse_another_analysis(out_dir: Path, title: str) -> None:
+    """FileExistsError where ``out_dir`` holds another analysis's report, --overwrite or not: its
+    report.md was replaced and its runs and figure stayed beside this one's, in a folder that was
+    neither's (a report.md of the user's is :func:`check_report_owner`'s, which --overwrite
+    replaces)."""
+    heading = report_heading(out_dir)
+    if not heading or heading.startswith(f"# {title}"):
+        return
+    with open(out_dir / "report.md", encoding="utf-8", errors="replace") as handle:
+        head = handle.read(4096)
+    if _ANALYSIS_COMMAND.search(head):
+        raise FileExistsError(f"--out {str(out_dir)!r} holds another analysis's results ({heading.lstrip('# ')!r}), "
+                              "which this analysis's runs and report.md would mix with or replace, --overwrite or "
+                              "not: choose a fresh --out")
+
+
 def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Path, *,
                title: str, reuse: bool = False, overwrite: bool = False,
                jobs: int = 1, partly_set: Sequence[str] = (),
@@ -138,6 +160,7 @@ def train_runs(config: RunConfig, runs: Sequence[AnalysisRun], out_dir: str | Pa
     configs = [run_config(config, r, out_dir) for r in runs]  # validates every override first
     check_not_replaced(config, runs, configs, partly_set, given)
     refuse_other_commands_output(out_dir)
+    _refuse_another_analysis(out_dir, title)
     check_report_owner(out_dir, (f"# {title}",), "analyze", overwrite=overwrite,
                        writer=f"this analysis ({title!r})")
     if not (reuse or overwrite):

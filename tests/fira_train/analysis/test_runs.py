@@ -266,6 +266,22 @@ def test_an_analysis_refuses_a_sweeps_or_a_comparisons_folder_without_offering_o
         assert sorted(p.name for p in out.iterdir()) == sorted(files)  # nothing written
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_analysis_refuses_another_analysis_folder_overwrite_or_not(tmp_path: Path, corpus_root: Path,
+                                                                      overwrite: bool) -> None:
+    """--overwrite replaced another analysis's report.md and left its runs and figure beside the
+    new ones, in a folder that was neither's; a report of the user's is still replaced."""
+    config = analysis_config(corpus_root, tmp_path / "run")
+    for command in ("`fira-train analyze gap-sweep --out x`", "(called from Python)"):
+        out = tmp_path / "gap"
+        out.mkdir(exist_ok=True)
+        (out / "report.md").write_text(f"# Validation perplexity under varying update gaps\n\n- Command: {command}\n")
+        with pytest.raises(FileExistsError, match=r"holds another analysis's results \('Validation perplexity under "
+                                                  r"varying update gaps'\).*choose a fresh --out$"):
+            train_runs(config, ablation_runs(["fira"], []), out, overwrite=overwrite, title=TITLE)
+        assert sorted(p.name for p in out.iterdir()) == ["report.md"]  # nothing written
+
+
 def test_step_records_must_cover_every_step_that_updated(tmp_path: Path) -> None:
     """One record per step 1..S, but those an fp16 run skipped (summary.json's skipped_steps)."""
     from fira_train.analysis.runs import read_step_records
