@@ -128,6 +128,11 @@ def sweep(config: RunConfig, specs: Sequence[str], lr_grids: dict[str, list[floa
     refuse_out_as_corpus(config.data, out, own_files="sweep.json")  # before anything is written there
     refuse_links(out)
     check_report_owner(out, (REPORT_TITLE,), "sweep")
+    if not reuse and (out / "sweep.json").exists():
+        # a sweep of other runs than this one's met no run folder in its way, and its first
+        # result replaced the record (and report) of the sweep made there before
+        raise FileExistsError(f"--out {str(out)!r} holds a sweep's sweep.json already: pass --reuse to continue "
+                              "or extend that sweep (its finished runs are reused), or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     settings = {"recipe": config.recipe, "methods": list(specs), "lrs": lr_grids, "seeds": list(seeds),
                 "all_seeds": all_seeds, "reference": reference, "command": command,

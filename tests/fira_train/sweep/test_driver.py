@@ -112,6 +112,19 @@ def test_sweep_leaves_another_commands_report_alone(tmp_path: Path, in_process: 
     assert in_process == [] and (out / "report.md").read_text().startswith("# Pre-training comparison")
 
 
+def test_a_sweep_without_reuse_leaves_another_sweeps_record_alone(tmp_path: Path, in_process: list) -> None:
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0")
+    out = tmp_path / "sweep"
+    sweep(config, ["adamw"], {"adamw": [0.001]}, [0], out)
+    before = {name: (out / name).read_bytes() for name in ("sweep.json", "report.md")}
+    in_process.clear()
+    # other runs than its own: no run folder is in the way, but its sweep.json and report.md were
+    with pytest.raises(FileExistsError, match=r"holds a sweep's sweep\.json.*--reuse.*another --out"):
+        sweep(config, ["fira"], {"fira": [0.003]}, [0], out)
+    assert in_process == [] and {name: (out / name).read_bytes() for name in before} == before
+    assert not (out / "fira").exists()
+
+
 def test_micro_sweep_end_to_end_and_reuse(tmp_path: Path, in_process: list) -> None:
     config = micro_config(tmp_path, "train.steps=4", "train.save_every=2", "train.eval_every=0",
                           "data.test_fraction=0.1")
