@@ -19,6 +19,7 @@ Flags that may repeat say so with their own action (``--lrs``: ``append``).
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,10 @@ class IntermixedArgumentParser(argparse.ArgumentParser):
         # argument groups share these registries: every flag stored by default is StoreOnce
         self.register("action", None, StoreOnce)
         self.register("action", "store", StoreOnce)
+        # a value that begins with a minus and a digit is a value, not a flag (no flag looks like
+        # a number): argparse took "--lrs -0.001,0.001" and "--lrs -1e-3" for a flag missing its
+        # value, and said only "expected one argument", not which value was refused
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def parse_known_args(self, args: Sequence[str] | None = None,
                          namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:

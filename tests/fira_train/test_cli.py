@@ -621,6 +621,17 @@ def test_an_unknown_flag_is_named_with_its_commands_usage(argv: list[str], prog:
     assert f"usage: {prog} " in err and f"{prog}: error: unrecognized arguments: {argv[-2] if argv[-1].isdigit() else argv[-1]}" in err
 
 
+@pytest.mark.parametrize(("given", "named"), [
+    (["--lrs", "-0.001,0.001"], "--lrs: '-0.001' must be a positive finite number"),
+    (["--lrs", "-1e-3"], "--lrs: '-1e-3' must be a positive finite number"),
+    (["--lrs", "0.001", "--seeds", "-1,2"], "--seeds: '-1' must be >= 0"),
+])
+def test_a_negative_number_in_a_sweep_list_is_named_as_a_value(given: list[str], named: str, capsys) -> None:
+    """argparse took '-0.001,0.001' for a flag and said only '--lrs: expected one argument'."""
+    assert cli.main(["sweep", "--recipe", "micro", "--methods", "adamw", "--out", "unused", *given]) == 1
+    assert named in capsys.readouterr().err
+
+
 def test_a_sweep_without_its_grid_names_what_is_missing(capsys) -> None:
     assert cli.main(["sweep", "--recipe", "micro", "--methods", "fira", "--out", "unused"]) == 1
     assert "sweep needs --lrs (with --recipe, --methods and --lrs it trains" in capsys.readouterr().err
