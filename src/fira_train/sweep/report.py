@@ -80,9 +80,10 @@ def _seed_table(rows: Sequence[MethodSummary], seeds: Sequence[int]) -> list[str
 def write_json(path: Path, settings: dict[str, Any], results: dict[RunKey, RunResult],
                rows: Sequence[MethodSummary]) -> Path:
     # "test_set": whether the run had a test set, so that a null test_ppl reads back as a
-    # non-finite perplexity (inf), not as "no test set", even for a run that finished
+    # non-finite perplexity (inf), not as "no test set", even for a run that finished; a diverged
+    # run's test perplexity is inf (as summarize and read_runs take it), written so
     runs = [{"spec": k.spec, "lr": k.lr, "seed": k.seed, "val_ppl": r.val_ppl, "test_ppl": r.test_ppl,
-             "test_set": r.test_ppl is not None, "diverged": r.diverged, **({"error": r.detail} if r.detail else {}),
+             "test_set": r.test_ppl is not None or r.diverged, "diverged": r.diverged, **({"error": r.detail} if r.detail else {}),
              "code": r.code}
             for k, r in sorted(results.items(), key=lambda kr: (kr[0].spec, kr[0].lr, kr[0].seed))]
     payload = {**settings, "runs": runs, "methods": summary_json(rows)}

@@ -153,3 +153,12 @@ def test_a_diverged_seed_is_counted_and_a_grid_that_all_diverged_chooses_nothing
     assert "| fira | **110.00 (n=1)** | 120.00 (n=1) |" in text  # the grid, the chosen lr in bold
     assert "| adamw | 1 (a run diverged at every lr: none chosen) | diverged (1 of 1 runs) |" in text
     assert "| adamw |  |  | diverged (1 of 1 runs) | diverged (1 of 1 runs) |" in text  # nothing in bold
+
+
+def test_sweep_json_of_a_diverged_run_is_written_again_as_it_was(tmp_path: Path) -> None:
+    """A diverged run was written with "test_set": false and read back (as summarize takes it) with
+    a test set, so --report-only changed the sweep.json of the sweep that had written it."""
+    results = dict([_run("fira", 0, math.inf, None, diverged=True), _run("galore", 0, 108.0, 102.0)])
+    first = write_json(tmp_path / "sweep.json", {}, results, _summaries(results)).read_bytes()
+    again = read_runs(json.loads(first))
+    assert write_json(tmp_path / "sweep.json", {}, again, _summaries(again)).read_bytes() == first
