@@ -154,8 +154,10 @@ def plot_lr(path: Path, rows: Sequence[MethodSummary]) -> Path:
             else:
                 at_top(row.chosen_lr, marker="*", markersize=13, color=color)
     ax.set(xscale="log", xlabel="peak learning rate", ylabel="validation perplexity (final)")
-    ax.set_title("Learning-rate sweep\nstar: chosen lr, mean of all its seeds; x on the top edge and above it: "
-                 "diverged", pad=6.0 + _STACK_PT * (max(stacked.values(), default=1) - 1))  # above the stacked marks
+    # the x explained where one is drawn: a figure without one showed no divergence
+    marks = "; x on the top edge and above it: diverged" if stacked else ""
+    ax.set_title(f"Learning-rate sweep\nstar: chosen lr, mean of all its seeds{marks}",
+                 pad=6.0 + _STACK_PT * (max(stacked.values(), default=1) - 1))  # above the stacked marks
     if any(s is not None and math.isfinite(s.mean) for row in rows for s in row.grid.values()):
         ax.set_yscale("log")
         plain_log_ticks(ax.xaxis, ax.yaxis)

@@ -162,3 +162,23 @@ def test_sweep_json_of_a_diverged_run_is_written_again_as_it_was(tmp_path: Path)
     first = write_json(tmp_path / "sweep.json", {}, results, _summaries(results)).read_bytes()
     again = read_runs(json.loads(first))
     assert write_json(tmp_path / "sweep.json", {}, again, _summaries(again)).read_bytes() == first
+
+
+def test_the_lr_figure_explains_the_diverged_mark_only_where_one_is_drawn(tmp_path: Path, monkeypatch) -> None:
+    """Its title explained 'x on the top edge: diverged' in a figure of a sweep where no run diverged."""
+    import matplotlib.pyplot as plt
+
+    from fira_train.sweep.report import plot_lr
+
+    def title(results: dict[RunKey, RunResult]) -> str:
+        figures: list = []
+        monkeypatch.setattr(plt, "close", figures.append)
+        plot_lr(tmp_path / "lr.png", _summaries(results))
+        monkeypatch.undo()
+        text = figures[0].axes[0].get_title()
+        plt.close(figures[0])
+        return text
+
+    assert "diverged" not in title(dict([_run("fira", 0, 110.0, 104.0), _run("galore", 0, 108.0, 102.0)]))
+    assert "x on the top edge and above it: diverged" in title(
+        dict([_run("fira", 0, math.inf, None, diverged=True), _run("galore", 0, 108.0, 102.0)]))
