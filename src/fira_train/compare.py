@@ -28,7 +28,7 @@ from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
 from fira_train.files import check_report_owner, refuse_links
-from fira_train.report.markdown import REPORT_TITLE, write_report
+from fira_train.report.markdown import REPORT_TITLE, refuse_other_commands_output, write_report
 from fira_train.report.plots import plot_curves
 from fira_train.run.isolated import run_isolated
 from fira_train.run.launch import before_the_run, same_on_every_rank
@@ -67,6 +67,8 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
         for run_config in configs:  # and the launch each run needs, before the first one trains
             check_launch(run_config)
         refuse_same_runs([parse_method_spec(m) for m in methods], config)
+    # a sweep's folder: --overwrite replaced its report and put the comparison's runs beside its own
+    refuse_other_commands_output(out_dir, own=REPORT_TITLE, writer="a comparison's")
     check_report_owner(out_dir, (REPORT_TITLE,), "compare", overwrite=overwrite)
     if config.train.parallel != "none":
         # One process group for all the runs (each train() then reuses it); rank 0 reports.

@@ -79,9 +79,25 @@ def test_compare_resume_refuses_what_a_run_cannot_continue_before_any_method_tra
     assert (out / "fira" / "summary.json").exists()
 
 
-@pytest.mark.parametrize("first_line", ["my notes", "# Learning-rate sweep: recipe `micro`"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_compare_refuses_a_sweeps_folder_overwrite_or_not(tmp_path: Path, overwrite: bool) -> None:
+    """It offered --overwrite, which replaced the sweep's report and put the comparison's runs
+    beside the sweep's, in a folder that was neither's."""
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=0")
+    for files in ({"report.md": "# Learning-rate sweep: recipe `micro`\n", "sweep.json": "{}"}, {"sweep.json": "{}"}):
+        out = tmp_path / f"sweep{len(files)}"
+        out.mkdir()
+        for name, text in files.items():
+            (out / name).write_text(text)
+        with pytest.raises(FileExistsError, match=r"holds a sweep .*another command's results, which a comparison's "
+                                                  r"runs .*--overwrite or not: choose a fresh --out$"):
+            compare(config, ["adamw"], out, overwrite=overwrite)
+        assert sorted(p.name for p in out.iterdir()) == sorted(files)
+
+
+@pytest.mark.parametrize("first_line", ["my notes"])
 def test_compare_leaves_a_report_it_did_not_write_alone(tmp_path: Path, first_line: str) -> None:
-    # a report of the user's, or of another command (sweep) in the same --out: refused before training
+    # a report of the user's in the same --out: refused before training (another command's: above)
     config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=0")
     out = tmp_path / "cmp"
     out.mkdir()

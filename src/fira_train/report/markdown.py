@@ -33,17 +33,20 @@ OTHER_COMMANDS = (("a sweep (`fira-train sweep`: sweep.json, its runs in <spec>/
                   ("a comparison (`fira-train compare`: its runs in <method>/)", REPORT_TITLE, None))
 
 
-def refuse_other_commands_output(out_dir: Path) -> None:
-    """FileExistsError if ``out_dir`` holds another command's results (:data:`OTHER_COMMANDS`), with
-    or without ``--overwrite``: an analysis (``fira-train analyze``) would write its report over
-    theirs and its runs beside (or over) theirs, and the folder would be neither's; a fresh
-    ``--out`` is the way on."""
+def refuse_other_commands_output(out_dir: Path, own: str | None = None, writer: str = "an analysis's") -> None:
+    """FileExistsError if ``out_dir`` holds another command's results (:data:`OTHER_COMMANDS`, but
+    for the command whose report heading is ``own``), with or without ``--overwrite``: ``writer``
+    (an analysis, ``fira-train analyze``; a comparison) would write its report over theirs and its
+    runs beside (or over) theirs, and the folder would be neither's; a fresh ``--out`` is the way
+    on."""
     first = report_heading(out_dir)
     for what, heading, record in OTHER_COMMANDS:
+        if heading == own:
+            continue
         if first.startswith(heading) or (record is not None and (out_dir / record).is_file()):
-            raise FileExistsError(f"--out {str(out_dir)!r} holds {what}, another command's results, which an "
-                                  "analysis's runs and report.md would mix with or replace, --overwrite or not: "
-                                  "choose a fresh --out")
+            raise FileExistsError(f"--out {str(out_dir)!r} holds {what}, another command's results, which {writer} "
+                                  "runs and report.md would mix with or replace, --overwrite or not: choose a fresh "
+                                  "--out")
 
 
 def command_line(argv: Sequence[str]) -> str:
