@@ -185,9 +185,9 @@ def write_markdown(path: Path, settings: dict[str, Any], rows: Sequence[MethodSu
         f"{REPORT_TITLE}: recipe `{settings['recipe']}`",
         "",
         f"Each method's learning rate is chosen on the **validation** set (lowest mean final "
-        f"perplexity over the grid's seeds at that lr; grid at seed{'s' if settings['all_seeds'] else ''} "
-        f"{', '.join(map(str, seeds if settings['all_seeds'] else seeds[:1]))}), then trained with seeds "
-        f"{', '.join(map(str, seeds))} at that lr. The **test** set (held out from training and "
+        f"perplexity over the grid's seeds at that lr; grid at seed{'s' if settings['all_seeds'] and len(seeds) > 1 else ''} "
+        f"{', '.join(map(str, seeds if settings['all_seeds'] else seeds[:1]))}), then trained with "
+        f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))} at that lr. The **test** set (held out from training and "
         f"validation) is evaluated once per run and used for no choice.",
         "",
         f"| Method | chosen lr | val. PPL at it | test PPL, mean ± sd | test PPL − {reference} "

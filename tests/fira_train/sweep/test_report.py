@@ -182,3 +182,13 @@ def test_the_lr_figure_explains_the_diverged_mark_only_where_one_is_drawn(tmp_pa
     assert "diverged" not in title(dict([_run("fira", 0, 110.0, 104.0), _run("galore", 0, 108.0, 102.0)]))
     assert "x on the top edge and above it: diverged" in title(
         dict([_run("fira", 0, math.inf, None, diverged=True), _run("galore", 0, 108.0, 102.0)]))
+
+
+def test_a_sweep_of_one_seed_says_seed_not_seeds(tmp_path: Path) -> None:
+    """It read "grid at seeds 0), then trained with seeds 0 at that lr"."""
+    results = dict([_run("fira", 0, 110.0, 104.0), _run("galore", 0, 108.0, 102.0)])
+    settings = {"reference": "fira", "seeds": [0], "all_seeds": True, "recipe": "micro"}
+    text = write_markdown(tmp_path / "report.md", settings, _summaries(results)).read_text()
+    assert "grid at seed 0), then trained with seed 0 at that lr" in text
+    text = write_markdown(tmp_path / "report.md", {**settings, "seeds": [0, 1]}, _summaries(results)).read_text()
+    assert "grid at seeds 0, 1), then trained with seeds 0, 1 at that lr" in text
