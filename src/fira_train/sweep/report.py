@@ -69,7 +69,7 @@ def _seed_table(rows: Sequence[MethodSummary], seeds: Sequence[int]) -> list[str
              "| Method | lr | " + " | ".join(f"seed {s}" for s in seeds) + " |",
              "|---|---|" + "---|" * len(seeds)]
     for row in rows:
-        if row.chosen_lr is None:
+        if row.chosen_lr is None or _none_chosen(row):  # a grid that diverged everywhere: no lr was chosen
             continue
         cells = [f"{_num(row.val_by_seed[s])} / {_num(row.test_by_seed.get(s))}" if s in row.val_by_seed else ""
                  for s in seeds]

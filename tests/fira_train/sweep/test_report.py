@@ -153,6 +153,9 @@ def test_a_diverged_seed_is_counted_and_a_grid_that_all_diverged_chooses_nothing
     assert "| fira | **110.00 (n=1)** | 120.00 (n=1) |" in text  # the grid, the chosen lr in bold
     assert "| adamw | 1 (a run diverged at every lr: none chosen) | diverged (1 of 1 runs) |" in text
     assert "| adamw |  |  | diverged (1 of 1 runs) | diverged (1 of 1 runs) |" in text  # nothing in bold
+    # nor a row in the table of each seed "at the chosen lr"
+    seeds = text.split("## Each seed at the chosen lr", 1)[1]
+    assert "| fira | 0.01 |" in seeds and "| adamw |" not in seeds
 
 
 def test_sweep_json_of_a_diverged_run_is_written_again_as_it_was(tmp_path: Path) -> None:
