@@ -3,6 +3,7 @@ ReLoRA's restarts (merge, re-initialise, prune the moments)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +30,12 @@ def wrap_lora(model: nn.Module, config: "RunConfig") -> nn.Module:
     o = config.optim
     lora = LoraConfig(r=o.rank, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
                       target_modules=list(LORA_TARGETS), bias="none")
-    wrapped = get_peft_model(model, lora)
+    with warnings.catch_warnings():
+        # peft (0.21.2 and before) reads the model's is_gradient_checkpointing, which transformers
+        # deprecated for is_activation_checkpointing: a warning of their code the user can do nothing about
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        wrapped = get_peft_model(model, lora)
     # peft freezes every base weight; in pre-training only the adapted matrices stay frozen.
     for name, p in wrapped.named_parameters():
         if "lora_" not in name and not name.endswith("base_layer.weight"):

@@ -183,6 +183,22 @@ def test_lora_freezes_only_the_adapted_matrices() -> None:
     assert all(p.shape[0] == 8 for n, p in setup.model.named_parameters() if "lora_A" in n)
 
 
+@pytest.mark.parametrize("method", ["lora", "relora"])
+def test_lora_does_not_pass_on_peft_reading_a_deprecated_transformers_attribute(method: str) -> None:
+    """peft's get_peft_model reads is_gradient_checkpointing, which transformers deprecated: every
+    pre-training run of lora and relora printed transformers' FutureWarning about it."""
+    import warnings
+
+    config = method_config(method)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        setup = build_method(method_model(config), config)
+        warnings.warn("`is_gradient_checkpointing` is deprecated, said after peft", FutureWarning)
+    assert [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)] == [
+        "`is_gradient_checkpointing` is deprecated, said after peft"]  # filtered around peft only
+    assert lora_layers(setup.model)
+
+
 def test_adam_mini_is_told_the_architecture() -> None:
     config = method_config("adam-mini")
     setup = build_method(method_model(config), config)
