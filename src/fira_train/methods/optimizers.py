@@ -5,6 +5,7 @@ the paper's other baselines: APOLLO / APOLLO-Mini (:mod:`fira_train.methods.apol
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -144,10 +145,19 @@ def fira_family(variant: str) -> Callable[[nn.Module, "RunConfig", float], Metho
                    **fira_optim.VARIANTS[variant]}
         if o.align_signs is not None:  # one that contradicts the variant is refused by the config
             options["align_signs"] = o.align_signs
-        optimizer = fira_optim.FiraAdamW(
-            groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-            seed=config.train.seed, split_refresh=split_refresh, **options,
-        )
+        with warnings.catch_warnings():
+            # said once per parameter group and in the optimizer's terms: once below, in the config's
+            warnings.filterwarnings("ignore", message=r"param_groups\[\d+\] holds no bfloat16 parameter",
+                                    category=UserWarning)
+            optimizer = fira_optim.FiraAdamW(
+                groups, lr=lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                seed=config.train.seed, split_refresh=split_refresh, **options,
+            )
+        if o.stochastic_rounding and not any(p.dtype == torch.bfloat16 for group in optimizer.param_groups
+                                             for p in group["params"]):
+            warnings.warn(f"optim.stochastic_rounding=true changes nothing with train.param_dtype="
+                          f"{config.train.param_dtype!r}: it rounds the updates of bfloat16 weights "
+                          "(train.param_dtype=bfloat16)", UserWarning, stacklevel=2)
         return MethodSetup(model, optimizer)
 
     return build

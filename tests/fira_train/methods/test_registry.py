@@ -199,6 +199,25 @@ def test_lora_does_not_pass_on_peft_reading_a_deprecated_transformers_attribute(
     assert lora_layers(setup.model)
 
 
+def test_stochastic_rounding_of_float32_weights_is_one_warning_in_the_config_s_terms() -> None:
+    """FiraAdamW warned once per parameter group that param_groups[i] held no bfloat16 parameter:
+    two lines in the optimizer's terms for one setting, naming neither it nor train.param_dtype."""
+    import warnings
+
+    config = method_config("fira", "optim.stochastic_rounding=true")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_method(method_model(config), config)
+    assert [str(w.message) for w in caught] == [
+        "optim.stochastic_rounding=true changes nothing with train.param_dtype='float32': it rounds "
+        "the updates of bfloat16 weights (train.param_dtype=bfloat16)"]
+    config = method_config("fira", "optim.stochastic_rounding=true", "train.param_dtype=bfloat16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_method(method_model(config).to(torch.bfloat16), config)
+    assert not caught
+
+
 def test_adam_mini_is_told_the_architecture() -> None:
     config = method_config("adam-mini")
     setup = build_method(method_model(config), config)
