@@ -186,6 +186,8 @@ class OptimConfig:
                      "projector", "implementation", "host_refresh", "stochastic_rounding", "state_dtype",
                      "state_rounding", *(("lr",) if self.lr is not None else ())):  # None: the method's default
             value = getattr(self, name)
+            if name == "state_rounding" and self.method in METHODS and name not in METHODS[self.method].uses:
+                continue  # refused with the method (RunConfig): not sent to set state_dtype, refused next
             # stochastic rounding is of bf16 states: state_rounding is checked with its state_dtype
             together = {"state_dtype": self.state_dtype} if name == "state_rounding" else {}
             try:

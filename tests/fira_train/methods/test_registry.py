@@ -114,6 +114,10 @@ def test_the_fira_only_options_are_refused_for_other_methods() -> None:
         refused = "state_dtype" if stochastic_states else key
         with pytest.raises(ValueError, match=f"optim.{refused}=.* needs a Fira-family method.*'adamw'"):
             method_config("adamw", *given)
+    # stochastic state rounding alone: refused for the method, not sent to set state_dtype=bfloat16,
+    # which the method refuses next
+    with pytest.raises(ValueError, match="optim.state_rounding='stochastic' needs a Fira-family method.*'adamw'"):
+        method_config("adamw", "optim.state_rounding=stochastic")
 
 
 @pytest.mark.parametrize("method", ["adamw", "fira"])
