@@ -182,6 +182,10 @@ def resume_refusal(out: Path, config: RunConfig) -> str | None:
             and saved.optim.relora_rewarmup == legacy_rewarmup(saved.optim.relora_every)):
         hint += (f"; a ReLoRA run made before the re-warm-up's default of at least 10 steps (a quarter "
                  f"of a shorter cycle) resumes with optim.relora_rewarmup={saved.optim.relora_rewarmup}")
+    if "optim.step_in_backward" in changes and config.train.precision == "fp16":
+        hint += ("; under train.precision=fp16 a resume keeps the run's optim.step_in_backward: the "
+                 "checkpoint's loss scale is GradScaler's with a plain step and the handle's with "
+                 "updates in the backward pass")
     if "optim.align_signs" in changes and saved.optim.align_signs is LEGACY_ALIGN_SIGNS:
         hint += ("; a run made while aligned SVD signs were the default resumes with "
                  "optim.align_signs=true")

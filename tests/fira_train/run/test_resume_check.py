@@ -563,6 +563,22 @@ def test_updates_in_the_backward_pass_do_not_change_on_resume_under_fp16(tmp_pat
     assert "train.activation_checkpointing" in resume_ignores(fp16)
 
 
+
+def test_the_refused_change_of_updates_in_the_backward_pass_under_fp16_says_why(tmp_path: Path) -> None:
+    """The refusal said only that resuming must reproduce the same run, of a lever that resumes
+    with or without it elsewhere."""
+    from fira_train.config.resolve import resolved
+    from fira_train.run.run_dir import resume_refusal
+
+    fp16 = resolved(micro_config(tmp_path, "train.precision=fp16"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config_to_dict(fp16)))
+    refusal = resume_refusal(tmp_path / "run", resolved(micro_config(tmp_path, "train.precision=fp16",
+                                                                     "optim.step_in_backward=true")))
+    assert refusal is not None and refusal.startswith("optim.step_in_backward=False (now True)")
+    assert "under train.precision=fp16 a resume keeps the run's optim.step_in_backward" in refusal
+
+
 def test_a_resume_refuses_a_run_folder_holding_links_before_writing_anything(tmp_path: Path, capsys) -> None:
     """A run folder from elsewhere: its lock file, a temp file or tb/ as a link to a file outside
     had the resume truncate or write that file."""
