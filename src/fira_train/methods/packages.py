@@ -48,6 +48,21 @@ def with_deferred_seeds(base: type[torch.optim.Optimizer]) -> type[torch.optim.O
             for p in [p for p, state in self.state.items() if not state]:
                 del self.state[p]
 
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            # torch casts every floating-point state to its parameter's dtype: the fp32 moments of
+            # bf16 weights (train.param_dtype=bfloat16) came back rounded to bf16, and the resumed
+            # run went on from other moments than the one that was not stopped. Each keeps its own.
+            super().load_state_dict(state_dict)
+            params = {saved_id: p for saved_group, group in zip(state_dict["param_groups"], self.param_groups)
+                      for saved_id, p in zip(saved_group["params"], group["params"])}
+            for saved_id, saved in state_dict["state"].items():
+                state = self.state.get(params.get(saved_id), {})
+                for key, value in saved.items():
+                    loaded = state.get(key)
+                    if (torch.is_tensor(value) and value.is_floating_point() and torch.is_tensor(loaded)
+                            and loaded.dtype != value.dtype):
+                        state[key] = value.to(device=loaded.device, copy=True)
+
         def step(self, closure: Any = None) -> Any:
             if self._initial_seeds:
                 for p, seed in self._initial_seeds.items():

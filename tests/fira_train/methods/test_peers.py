@@ -124,6 +124,30 @@ def test_apollo_state_dict_is_weights_only_and_resumes_exactly() -> None:
     assert not isinstance(setup.optimizer.state[p]["projector"], dict)
 
 
+@pytest.mark.parametrize("method", ["flora", "apollo"])
+def test_a_peer_s_float32_states_of_bf16_weights_resume_exactly(method: str) -> None:
+    """torch's load cast every floating-point state to its parameter's dtype: flora's fp32 moments
+    of bf16 weights (train.param_dtype=bfloat16) came back rounded to bf16, and the resumed run
+    went on from other moments than the one that was not stopped."""
+    config = method_config(method, "train.param_dtype=bfloat16")
+    setup = build_method(method_model(config).to(torch.bfloat16), config)
+    for i in range(3):
+        train_step(setup, learnable_batch(i))
+    state = _weights_only_roundtrip(setup.optimizer)
+    resumed = build_method(copy.deepcopy(setup.model), config)
+    resumed.optimizer.load_state_dict(state)
+    for p, q in zip(setup.model.parameters(), resumed.model.parameters()):
+        for key, value in setup.optimizer.state[p].items():
+            if torch.is_tensor(value):
+                assert resumed.optimizer.state[q][key].dtype == value.dtype, key
+                assert torch.equal(resumed.optimizer.state[q][key], value), key
+    for i in range(3, 6):
+        train_step(setup, learnable_batch(i))
+        train_step(resumed, learnable_batch(i))
+    for (name, a), b in zip(setup.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_missing_apollo_package_is_a_clear_import_error(monkeypatch) -> None:
     apollo_module.weights_only_class.cache_clear()
     monkeypatch.setitem(sys.modules, "apollo_torch", None)
