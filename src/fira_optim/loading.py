@@ -139,8 +139,13 @@ def _check_layout_value(gi: int, key: str, was: Any) -> None:
     try:
         _LAYOUT_VALUE_CHECKS[key](was)
     except (ValueError, TypeError) as err:
-        raise ValueError(f"the state dict's param group {gi}: {err}; loading restores every group option, so "
-                         "the optimizer would train with it") from None
+        raise _invalid_group(gi, err) from None
+
+
+def _invalid_group(gi: int, err: Exception) -> ValueError:
+    """The error for the state dict's group ``gi`` holding an option value ``err`` refuses."""
+    return ValueError(f"the state dict's param group {gi}: {err}; loading restores every group option, so the "
+                      "optimizer would train with it")
 
 
 def _rounding_too(key: str, was: Any, group: dict) -> str:
@@ -290,18 +295,12 @@ def check_group_options(saved: dict[str, Any]) -> None:
     optimizer went on with ``lr=nan`` or ``betas=(1.5, 0.999)``, or failed at its first step
     (``update_proj_gap=0``: ZeroDivisionError)."""
     for gi, group in enumerate(saved.get("param_groups", [])):
-        _check_group(gi, group)
-
-
-def _check_group(gi: int, group: dict[str, Any]) -> None:
-    """:func:`check_group_options` of the state dict's group ``gi``."""
-    try:
-        validate_group(dict(group))  # a copy: it writes the ints it normalizes
-        if group.get("rank") is not None:  # the constructor's check (None: a group not projected)
-            check_rank(group["rank"])
-    except (ValueError, KeyError) as err:
-        raise ValueError(f"the state dict's param group {gi}: {err}; loading restores every group option, so "
-                         "the optimizer would train with it") from None
+        try:
+            validate_group(dict(group))  # a copy: it writes the ints it normalizes
+            if group.get("rank") is not None:  # the constructor's check (None: a group not projected)
+                check_rank(group["rank"])
+        except (ValueError, KeyError) as err:
+            raise _invalid_group(gi, err) from None
 
 
 def _shown(value: Any) -> str:

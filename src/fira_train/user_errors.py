@@ -411,10 +411,8 @@ def _run_dir(args: argparse.Namespace) -> str | None:
     included, once it got that far), else as given: ``--out`` or a ``train.out_dir=`` override."""
     if getattr(args, "run_dir", None):
         return str(args.run_dir)
-    if getattr(args, "out", None):
-        return str(args.out)
-    values = [o.partition("=")[2] for o in getattr(args, "overrides", None) or [] if o.startswith("train.out_dir=")]
-    return values[-1] if values else None
+    given = _out_given(args)
+    return given[1] if given else None
 
 
 def _out_given(args: argparse.Namespace) -> tuple[str, str] | None:
