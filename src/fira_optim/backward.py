@@ -187,8 +187,8 @@ class StepInBackward:
             self._refuse_written_back()
         # Outside DDP a hook frees the gradient it used, so a gradient still there is one no hook
         # took; DDP's communication hook puts the local gradients back after its update.
-        listed = dict.fromkeys(p for group in self.optimizer.param_groups for p in group["params"])
-        return [p for p in listed if p.grad is not None and not (self._ddp and p in self._covered)]
+        return [p for group in self.optimizer.param_groups for p in group["params"]
+                if p.grad is not None and not (self._ddp and p in self._covered)]
 
     def _refuse_written_back(self) -> None:
         if not self._updated:
