@@ -41,6 +41,9 @@ import numpy as np
 
 from fira_train.data.corpus import DIGEST_CHUNK, Corpus, PackedCorpus
 from fira_train.data.disk_cache import (
+    CACHE_FOLDERS,
+    TOKEN_DIGESTS,
+    TOKENS,
     atomic_directory,
     check_digests,
     file_digests,
@@ -191,8 +194,8 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
     # The full tokenized corpus serves every cap (a cap takes a prefix); a capped build that
     # finds no full entry tokenizes only the documents its prefix needs and caches just that.
     cap = spec.max_train_tokens
-    cached = _load_token_cache(cache_dir / "tokens" / key)
-    entry = cache_dir / "tokens" / (key if cap is None else f"{key}-first{cap}")
+    cached = _load_token_cache(cache_dir / TOKENS / key)
+    entry = cache_dir / TOKENS / (key if cap is None else f"{key}-first{cap}")
     if cached is None and cap is not None:
         cached = _load_token_cache(entry)
     if cached is None:
@@ -231,7 +234,7 @@ def _build_packed(spec: DataSpec, corpus_id: str, read: Callable[[], list[str]],
     # the kept token digest is keyed by the entry's files too: an entry encoded again under the same
     # key (ENCODING) has other ids, and the digest kept for the former ones would hide that on a resume
     return PackedCorpus(spec, tokenizer, tokenizer_name, train, val, test, identity=key,
-                        digest_dir=cache_dir / "token-digests", digest_key=json.dumps(meta["sha256"], sort_keys=True))
+                        digest_dir=cache_dir / TOKEN_DIGESTS, digest_key=json.dumps(meta["sha256"], sort_keys=True))
 
 
 def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
@@ -274,7 +277,7 @@ def _build_pretokenized(spec: DataSpec, path: Path) -> PackedCorpus:
     # its token digest is kept in the cache as a tokenized corpus's is (a later start reads the ids
     # for its identity and range only)
     return PackedCorpus(spec, tokenizer, spec.tokenizer, ids[:test_start], ids[split:], ids[test_start:split],
-                        identity=identity, digest_dir=spec.resolved_cache_dir() / "token-digests")
+                        identity=identity, digest_dir=spec.resolved_cache_dir() / TOKEN_DIGESTS)
 
 
 def _digest_and_range(path: Path, ids: np.memmap) -> tuple[str, int, int]:
@@ -300,11 +303,6 @@ def _digest_and_range(path: Path, ids: np.memmap) -> tuple[str, int, int]:
             digest.update(rest)
     assert low is not None and high is not None  # the caller refused an empty array
     return digest.hexdigest(), low, high
-
-
-#: The folders the cache keeps its entries in (``data.cache_dir``): never part of a local corpus,
-#: also where the cache folder is the corpus folder itself.
-CACHE_FOLDERS = ("tokenizers", "tokens", "token-digests")
 
 
 def refuse_out_as_corpus(spec: DataSpec, out: str | os.PathLike[str], *, own_files: str | None = None) -> None:

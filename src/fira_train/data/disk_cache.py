@@ -27,6 +27,10 @@ import numpy as np
 from fira_train.files import file_digest, fsync_dir, read_regular_text
 
 CACHE_ENV_VAR = "FIRA_CACHE"
+#: The cache folder's own folders: trained tokenizers, tokenized corpora, and the token digests
+#: of streamed ones. Never part of a local corpus (:func:`fira_train.data.build.build_corpus`).
+TOKENIZERS, TOKENS, TOKEN_DIGESTS = "tokenizers", "tokens", "token-digests"
+CACHE_FOLDERS = (TOKENIZERS, TOKENS, TOKEN_DIGESTS)
 #: Seconds after which a ``.tmp-*`` folder that another machine writes, and nothing was written
 #: into, is taken for a killed writer's: a live writer writes into it until done (a tokenizer once
 #: it is trained, a token cache a chunk of documents at a time). A writer on this machine is asked

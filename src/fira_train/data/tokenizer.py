@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from fira_train.data.disk_cache import (
+    TOKENIZERS,
     atomic_directory,
     check_digests,
     file_digests,
@@ -116,7 +117,7 @@ def load_or_train_bpe(
     warm build). The trained tokenizer is saved atomically, so a killed build leaves no entry.
     """
     key = bpe_cache_key(corpus_id, vocab_size)
-    entry = Path(cache_dir) / "tokenizers" / key
+    entry = Path(cache_dir) / TOKENIZERS / key
     if entry.is_dir():
         try:
             _check_entry_digests(entry)
