@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from fira_optim.state import optimizer_state_bytes
-from fira_train.config.method_spec import MethodSpec, parse_method_specs, refuse_same_runs, refuse_spec_keys
-from fira_train.config.overrides import changed_keys, describe_changed, flat_config, override_key
+from fira_train.config.method_spec import (MethodSpec, parse_method_spec, parse_method_specs, refuse_same_runs,
+                                          refuse_spec_keys)
+from fira_train.config.overrides import changed_keys, describe_changed, flat_config
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus, refuse_out_as_corpus
 from fira_train.files import check_report_owner, locked, read_json, refuse_links, write_text_atomic
@@ -355,10 +356,11 @@ def format_measurement(record: dict[str, Any]) -> str:
     said = re.search(r", (\d+) threads,", record["machine"])
 
     def row_threads(row: dict[str, Any]) -> str:
-        own = [item.partition("=")[2].strip() for item in row["method"].split("@")[1:]
-               if override_key(item) == "train.num_threads"]
-        return str(row["measured"].get("threads", own[0] if own and own[0] not in ("0", "") else
-                                       said[1] if said else "?"))
+        try:
+            own = parse_method_spec(row["method"]).setting("train.num_threads")
+        except ValueError:  # a row's label that is no spec (a table edited by hand): no setting of its own
+            own = None
+        return str(row["measured"].get("threads", own if own not in (None, "0", "") else said[1] if said else "?"))
 
     threads = list(dict.fromkeys(row_threads(row) for row in rows))
     one = threads[0] if len(threads) == 1 else None
@@ -470,11 +472,11 @@ def _batch_for(spec: MethodSpec, base: RunConfig) -> RunConfig:
     """``base`` (a batch of one sequence) with the batch of a spec that sets its micro-batch alone
     (``@train.micro_batch_size=4``): the estimate's batch of one is the table's, not the user's, and
     the spec was refused as no divisor of ``train.batch_size=1``."""
-    given = {override_key(item): item.partition("=")[2].strip() for item in spec.overrides}
-    if "train.micro_batch_size" not in given or "train.batch_size" in given:
+    given = spec.setting("train.micro_batch_size")
+    if given is None or spec.setting("train.batch_size") is not None:
         return base
     try:
-        micro = int(given["train.micro_batch_size"])
+        micro = int(given)
     except ValueError:  # not a number: the spec's own error says so
         return base
     return replace(base, train=replace(base.train, batch_size=micro)) if micro >= 1 else base

@@ -35,6 +35,11 @@ class MethodSpec:
     overrides: tuple[str, ...] = ()
     """``key=value`` overrides applied on top of the command's config, in order."""
 
+    def setting(self, key: str) -> str | None:
+        """The value text this spec gives ``key`` (``"4"`` for ``@train.micro_batch_size=4``), or
+        None where it does not set it (a spec sets a key once)."""
+        return next((item.partition("=")[2].strip() for item in self.overrides if override_key(item) == key), None)
+
     def config(self, base: RunConfig, out_dir: str | Path) -> RunConfig:
         """``base`` for this method, writing to ``out_dir/<text>``."""
         config = replace(base, optim=replace(base.optim, method=self.name))
