@@ -20,6 +20,14 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+# Started with SIGINT ignored (a shell's background job, `cmd &` outside job control), the session
+# and every command-line process its tests start would ignore Ctrl-C, and the tests of what Ctrl-C
+# does fail for the launch, not the code: Python's own handler, which its child processes replace
+# with the default on exec, so that they install theirs.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(autouse=True)
 def _sigint_handled():
     """Ctrl-C stops the test session again after a test that ran the command line's Ctrl-C path
