@@ -442,7 +442,8 @@ def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, 
     """The run estimate (:func:`fira_train.memory.run_estimate.estimate_run_bytes`) of each
     configuration (a method spec's text) at each size (a recipe), one sequence per step unless a
     spec sets the batch, on a GPU (the column is "fits in 24 GB": torch's AdamW then takes its
-    ``foreach`` step). A spec of a method the estimate does not model is a ValueError naming it."""
+    ``foreach`` step) unless the spec sets ``train.device=cpu`` (the row's ``"device"``). A spec of
+    a method the estimate does not model is a ValueError naming it."""
     from fira_train.config.recipes import get_recipe  # the paper's sizes
 
     parsed = parse_method_specs(",".join(specs))
@@ -461,8 +462,9 @@ def estimate_rows(sizes=ESTIMATE_SIZES, specs=ESTIMATE_SPECS) -> list[dict[str, 
                 warnings.warn(f"--methods {spec.text!r} at {size}: optim.rank={config.optim.rank} is >= min(m, n) of "
                               "every matrix: none is projected, so the estimate is the plain base optimizer's, "
                               "with full-rank states", UserWarning, stacklevel=2)
-            estimate = estimate_run_bytes(config, config.data.vocab_size, "cuda")
-            rows.append({"size": size, "method": spec.text, **estimate,
+            device = "cpu" if config.train.device == "cpu" else "cuda"
+            estimate = estimate_run_bytes(config, config.data.vocab_size, device)
+            rows.append({"size": size, "method": spec.text, "device": device, **estimate,
                          "micro_batch": config.train.micro_batch, "seq_len": config.data.seq_len,
                          "fits_24gb": estimate["total"] < 24 * GB})
     return rows
@@ -489,17 +491,29 @@ def format_estimate_rows(rows: list[dict[str, Any]]) -> str:
     shape = shapes[0] if len(shapes) == 1 else "the micro-batch of its row"
     # tiny's and micro's runs read 0.00-0.05 GB: rows all under 1 GB are in MB
     unit, exponent = ("GB", 9) if max((r["total"] for r in rows), default=0) >= GB else ("MB", 6)
-    lines = [f"Estimated memory of a training run on a GPU ({shape} per step, fp32 unless stated; torch's AdamW in its default multi-tensor step): weights + gradients + "
-             "optimizer states + the larger of activations and the step's temporaries (their sum with "
-             f"step_in_backward, whose steps run among the activations), in {unit} (10^{exponent} bytes)",
+    # a spec's train.device=cpu is estimated on the CPU: one device is said, both a column
+    devices = {r["device"] for r in rows} or {"cuda"}
+    where = ("on a GPU" if devices == {"cuda"} else "on the CPU" if devices == {"cpu"}
+             else "on the device of its row")
+    foreach = ("" if "cuda" not in devices else "; torch's AdamW in its default multi-tensor step"
+               if devices == {"cuda"} else "; on a GPU, torch's AdamW in its default multi-tensor step")
+    parts_said = ("the larger of activations and the step's temporaries (their sum with step_in_backward, "
+                  "whose steps run among the activations)" if devices == {"cuda"}
+                  else "activations + the step's temporaries" if devices == {"cpu"}
+                  else "activations + the step's temporaries (on a GPU the larger of the two, their sum with "
+                       "step_in_backward, whose steps run among the activations)")
+    by_device = len(devices) > 1
+    lines = [f"Estimated memory of a training run {where} ({shape} per step, fp32 unless stated{foreach}): "
+             f"weights + gradients + optimizer states + {parts_said}, in {unit} (10^{exponent} bytes)",
              "",
-             "| Size | Method | " + ("Micro-batch | " if len(shapes) > 1 else "") + "Weights | Gradients "
-             "| Optimizer states | Activations | Step temporaries | Total | Fits in 24 GB |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if len(shapes) > 1 else "")]
+             "| Size | Method | " + ("Device | " if by_device else "") + ("Micro-batch | " if len(shapes) > 1 else "")
+             + "Weights | Gradients | Optimizer states | Activations | Step temporaries | Total | Fits in 24 GB |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if by_device else "") + ("---|" if len(shapes) > 1 else "")]
     for r in rows:
         parts = " | ".join(f"{r[k] / 10**exponent:.2f}" for k in ESTIMATE_PARTS + ("total",))
         shape = f"{_batch_shape(r)} | " if len(shapes) > 1 else ""
-        lines.append(f"| {r['size']} | {r['method']} | {shape}{parts} | {'yes' if r['fits_24gb'] else 'no'} |")
+        device = f"{'GPU' if r['device'] == 'cuda' else 'CPU'} | " if by_device else ""
+        lines.append(f"| {r['size']} | {r['method']} | {device}{shape}{parts} | {'yes' if r['fits_24gb'] else 'no'} |")
     return "\n".join(lines)
 
 

@@ -135,6 +135,21 @@ def test_the_estimate_says_a_specs_own_micro_batch_in_its_row() -> None:
     assert "| tiny | fira@train.batch_size=4@train.micro_batch_size=4 | 4 sequences of 256 tokens |" in text
 
 
+def test_a_spec_on_the_cpu_is_estimated_on_the_cpu() -> None:
+    """A spec's @train.device=cpu was estimated as on a GPU (AdamW's multi-tensor step, the
+    activations freed before the step) under a title saying "on a GPU"."""
+    from fira_train.measure import ESTIMATE_PARTS, estimate_rows, format_estimate_rows
+
+    rows = estimate_rows(("micro",), ("adamw@train.device=cpu",))
+    assert rows[0]["device"] == "cpu" and rows[0]["total"] == sum(rows[0][k] for k in ESTIMATE_PARTS)
+    text = format_estimate_rows(rows)
+    assert "on the CPU" in text and "on a GPU" not in text and "multi-tensor" not in text
+    both = format_estimate_rows(estimate_rows(("micro",), ("adamw@train.device=cpu", "adamw")))
+    assert "on the device of its row" in both and "| Device |" in both
+    assert "| micro | adamw@train.device=cpu | CPU |" in both and "| micro | adamw | GPU |" in both
+    assert "on a GPU (" in format_estimate_rows(estimate_rows(("micro",), ("adamw",)))
+
+
 def test_a_stopped_measurement_keeps_the_methods_it_measured(tmp_path: Path, monkeypatch) -> None:
     from fira_train import measure
     from fira_train.config.method_spec import parse_method_specs
