@@ -402,7 +402,7 @@ def _register_memory(subparsers: Any) -> None:
     parser.add_argument("--out", help="output directory (default runs/<recipe>-memory)")
     parser.add_argument("--append", action="store_true",
                         help="with --measure: keep the rows already in OUT/memory.json (same recipe, steps, "
-                             "machine and allocator settings), replace those of methods measured again, and "
+                             "machine and allocator settings; rows may differ in train.num_threads), replace those of methods measured again, and "
                              "list this command beside the earlier ones; several such commands may measure "
                              "into one OUT side by side (where fcntl locks exist: Linux, macOS)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",

@@ -117,7 +117,7 @@ def measure(config: RunConfig, specs: list[MethodSpec], steps: int, out_dir: str
     """Measure every spec in its own process; write ``memory.json`` and ``memory.md``.
 
     ``append``: keep the rows already in ``OUT/memory.json`` (it must hold the same recipe, number
-    of steps, machine and allocator settings), replace the rows of methods measured again, add the
+    of steps, machine and allocator settings; rows may differ in threads), replace the rows of methods measured again, add the
     new ones after them, and add ``command`` to the record's commands. Every write re-reads the
     file under a lock (``OUT/.memory.lock``), so several such commands may measure into one folder
     side by side (on CUDA, ``max_memory_allocated`` is per process).
@@ -201,9 +201,17 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
                          "delete it, or measure into another --out")
     for key, what in (("recipe", "recipe"), ("steps", "number of steps"), ("machine", "machine"),
                       ("malloc_env", "allocator settings")):
-        if old.get(key) != record[key]:
+        # the machine's line gives the command's thread count: rows may differ in threads (each
+        # row records its own), a table may not in machine
+        if (_machine_only(old.get(key)) if key == "machine" else old.get(key)) != (
+                _machine_only(record[key]) if key == "machine" else record[key]):
             raise ValueError(f"--append: {json_path} was measured with {what} {old.get(key)!r}, this command "
                              f"with {record[key]!r}; one table holds one setting (measure into another --out)")
+    if old.get("machine") != record["machine"]:  # another thread count: the line will give this command's
+        for row in old["rows"]:  # a row that does not record its count keeps the one it was measured with
+            count = _row_threads(row, old["machine"])
+            if "threads" not in row["measured"] and count.isdigit():
+                row["measured"]["threads"] = int(count)
     if "settings" in old:  # (tables written before it was recorded: their commands say it)
         # train.device=auto names no kind (as on a resume): each row records the device it ran on
         changed = [key for key in changed_keys(old["settings"], record["settings"])
@@ -344,6 +352,26 @@ EARLIER_STOP = "# (a command above stopped before its last method)"
 MEASUREMENT_TITLE = "# Measured memory"
 
 
+#: The command's thread count in a record's ``machine`` (``"x86_64, 4 threads, torch 2.6.0"``).
+THREADS_SAID = r", (\d+) threads?,"
+
+
+def _machine_only(machine: Any) -> Any:
+    """A record's ``machine`` without the command's thread count."""
+    return re.sub(THREADS_SAID, ",", machine) if isinstance(machine, str) else machine
+
+
+def _row_threads(row: dict[str, Any], machine: str) -> str:
+    """The threads a row was measured with: its own count, else its spec's ``train.num_threads``,
+    else the count in ``machine`` (its record's), else ``"?"``."""
+    said = re.search(THREADS_SAID, machine)
+    try:
+        own = parse_method_spec(row["method"]).setting("train.num_threads")
+    except ValueError:  # a row's label that is no spec (a table edited by hand): no setting of its own
+        own = None
+    return str(row["measured"].get("threads", own if own not in (None, "0", "") else said[1] if said else "?"))
+
+
 def format_measurement(record: dict[str, Any]) -> str:
     """``memory.md`` from ``memory.json``'s record."""
     rows = record["rows"]
@@ -353,14 +381,10 @@ def format_measurement(record: dict[str, Any]) -> str:
     devices = list(dict.fromkeys(row["measured"]["device"] for row in rows))
     # a spec's own train.num_threads: the machine's line gave the command's count for every row
     # (a row measured before rows recorded their count ran with its spec's, else the command's)
-    said = re.search(r", (\d+) threads,", record["machine"])
+    said = re.search(THREADS_SAID, record["machine"])
 
     def row_threads(row: dict[str, Any]) -> str:
-        try:
-            own = parse_method_spec(row["method"]).setting("train.num_threads")
-        except ValueError:  # a row's label that is no spec (a table edited by hand): no setting of its own
-            own = None
-        return str(row["measured"].get("threads", own if own not in (None, "0", "") else said[1] if said else "?"))
+        return _row_threads(row, record["machine"])
 
     threads = list(dict.fromkeys(row_threads(row) for row in rows))
     one = threads[0] if len(threads) == 1 else None

@@ -492,6 +492,39 @@ def test_a_specs_own_thread_count_is_said_not_the_commands(tmp_path: Path, monke
     assert "| adamw | 2 | " in text and "| fira@train.num_threads=1 | 1 | " in text  # the spec's, else the command's
 
 
+def test_append_takes_another_thread_count_not_another_machine(tmp_path: Path, monkeypatch):
+    """--append with another command-wide train.num_threads was refused as measured on another
+    machine, though each row records its count: rows now differ in threads, tables not in machine."""
+    import platform
+
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    def fake(fn, config, steps):
+        return {"measured_peak_bytes": 1000, "baseline_bytes": 0, "measure": "fake", "device": "cpu",
+                "vocab_size": 300, "parameters": 200_000, "weights_bytes": 40, "optimizer_state_bytes": 80,
+                "losses": [1.0], "threads": config.train.num_threads}
+
+    monkeypatch.setattr(measure, "run_isolated", fake)
+    out = tmp_path / "m"
+    measure.measure(micro_config(tmp_path, "train.num_threads=1"), parse_method_specs("adamw"), 1, out, "one")
+    record = json.loads((out / "memory.json").read_text())
+    del record["rows"][0]["measured"]["threads"]  # as rows measured before each recorded its count
+    (out / "memory.json").write_text(json.dumps(record))
+    md, _ = measure.measure(micro_config(tmp_path, "train.num_threads=2"), parse_method_specs("fira"), 1, out,
+                            "two", append=True)
+    text = md.read_text()
+    assert ", threads per row, torch" in text and "| adamw | 1 | " in text and "| fira | 2 | " in text
+    record = json.loads((out / "memory.json").read_text())
+    assert [row["measured"]["threads"] for row in record["rows"]] == [1, 2]
+    record["machine"] = record["machine"].replace(platform.machine(), "another-cpu")
+    (out / "memory.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="was measured with machine 'another-cpu, 2 threads"):
+        measure.measure(micro_config(tmp_path, "train.num_threads=1"), parse_method_specs("adamw"), 1, out,
+                        "three", append=True)
+
+
 @pytest.mark.parametrize("platform", ["no_proc_status", "peak_not_resettable"])
 def test_a_cpu_peak_that_cannot_be_read_or_reset_is_refused_not_written(tmp_path: Path, monkeypatch, platform):
     """Without /proc/self/status (macOS) a row said 0 bytes; where the peak could not be reset it
