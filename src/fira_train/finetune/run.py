@@ -91,12 +91,15 @@ def _refuse_earlier_results(config: FinetuneConfig) -> None:
 
 def trained_line(training: dict[str, Any]) -> str:
     """The line printed once training ends: this sitting's time, and the time over every sitting
-    where the run was resumed (the report's figure; this sitting's alone read as the run's)."""
+    where the run was resumed (the report's figure and ``seconds``; this sitting's alone read as
+    the run's)."""
     sittings = training.get("sittings") or []
     total, _ = sitting_totals(sittings)
-    over = (f" in this sitting, {total:.1f}s over {len(sittings)} sittings" if len(sittings) > 1 and total is not None
-            else "")
-    return (f"trained in {training['seconds']:.1f}s{over}, loss {training['loss_first']:.3f} -> "
+    if len(sittings) > 1 and total is not None:
+        said = f"{sittings[-1]['seconds']:.1f}s in this sitting, {total:.1f}s over {len(sittings)} sittings"
+    else:
+        said = f"{training['seconds']:.1f}s"
+    return (f"trained in {said}, loss {training['loss_first']:.3f} -> "
             f"{training['loss_tail_mean']:.3f}, optimizer state {training['optimizer_state_numel']:,} elements")
 
 

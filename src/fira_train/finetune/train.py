@@ -316,9 +316,10 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
 
     With ``config.save_steps`` the Trainer checkpoints every that many steps (model, optimizer,
     schedule, RNG state and data position). ``resume``: the checkpoint to continue from
-    (:func:`resume_point`); ``seconds`` and the peak memory are then this start's, ``sittings``
-    lists every start with its time and peak (:class:`SittingRecorder`), and
-    ``resumed_from_step`` says where it began."""
+    (:func:`resume_point`); ``sittings`` then lists every start with its time and peak
+    (:class:`SittingRecorder`), ``seconds`` is the sum of their times (as the report gives it;
+    this start's alone where the earlier starts were not recorded), the peak memory is this
+    start's, and ``resumed_from_step`` says where it began."""
     method = config.effective_method
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     features = [tokenize_for_training(tokenizer, r, config.cutoff_len, config.train_on_inputs) for r in train]
@@ -401,6 +402,9 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         raise FloatingPointError(non_finite_loss(step, loss))
     tail = losses[-max(1, len(losses) // 10) :]
     state_numel = optimizer_state_numel(optimizer)
+    sittings = None if earlier is None else [*earlier, recorder.entry(trainer.state.global_step)]
+    if sittings and len(sittings) > 1:  # the whole training's time, as the report sums it
+        seconds = sum(s["seconds"] for s in sittings)
     return {
         "seconds": seconds,
         "steps": trainer.state.global_step,
@@ -420,5 +424,5 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
         "train_peak_cuda_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None,
         "resumed_from_step": checkpoint_step(resume) if resume else None,
         # every start of the run, this one last (None: the earlier ones were not recorded)
-        "sittings": None if earlier is None else [*earlier, recorder.entry(trainer.state.global_step)],
+        "sittings": sittings,
     }
