@@ -51,6 +51,32 @@ def prepare_model(model: torch.nn.Module, config: FinetuneConfig) -> torch.nn.Mo
         raise FinetuneError(f"lora_targets={config.lora_targets!r} do not fit the model: {err}") from None
 
 
+#: How the warnings of :func:`fira_optim.integrations.target_parameter_names` begin: the
+#: Trainer's argument, which finetune fills from ``--target-modules``.
+TRAINER_TARGETS = "optim_target_modules="
+
+
+def checked_targets(model: torch.nn.Module, config: FinetuneConfig) -> list[str]:
+    """The names of the weights that ``config.target_modules`` selects
+    (:func:`~fira_optim.integrations.target_parameter_names`), with its error and its warnings
+    (an entry that selects nothing) naming the option the user gave, ``--target-modules``, where
+    they named the Trainer's ``optim_target_modules``."""
+    targets = config.optim_target_modules()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            names = target_parameter_names(model, targets)
+        except ValueError as err:
+            raise FinetuneError(f"target_modules={config.target_modules!r}: {err}") from None
+    given = f"{TRAINER_TARGETS}{list(targets) if isinstance(targets, (list, tuple)) else targets!r}"
+    for warned in caught:
+        text = str(warned.message)
+        if text.startswith(given):
+            text = f"--target-modules {config.target_modules!r}" + text[len(given):]
+        warnings.warn(text, warned.category, stacklevel=2)
+    return names
+
+
 #: The Trainer's AdamW defaults (``adam_beta1``, ``adam_beta2``, ``adam_epsilon``), used by the peers too.
 BETAS, EPS = (0.9, 0.999), 1e-8
 
@@ -72,10 +98,7 @@ def peer_optimizer(model: torch.nn.Module, config: FinetuneConfig) -> torch.opti
 
     method, lr, wd = config.effective_method, config.effective_lr, config.weight_decay
     if method == "apollo":
-        try:
-            projected_names = set(target_parameter_names(model, config.optim_target_modules()))
-        except ValueError as err:
-            raise FinetuneError(f"target_modules={config.target_modules!r}: {err}") from None
+        projected_names = set(checked_targets(model, config))
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         rank = config.effective_rank
         groups = apollo_groups([p for n, p in trainable if n in projected_names],
@@ -355,13 +378,8 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     common = dict(model=model, args=args, train_dataset=features, data_collator=PaddingCollator(pad_id))
     if method in FIRA_METHODS:
         targets = ["lora_A", "lora_B"] if method == "fira-lora" else config.optim_target_modules()
-        if method != "fira-lora":  # the Trainer's error named its optim_target_modules, not --target-modules
-            try:
-                with warnings.catch_warnings():  # an entry that selects nothing: warned of once, as the
-                    warnings.simplefilter("ignore", UserWarning)  # Trainer builds the optimizer
-                    target_parameter_names(model, targets)
-            except ValueError as err:
-                raise FinetuneError(f"target_modules={config.target_modules!r}: {err}") from None
+        if method != "fira-lora":  # the Trainer's error and warnings name its optim_target_modules,
+            checked_targets(model, config)  # not --target-modules: said here, not again as it builds the optimizer
         fira_options = {"variant": "galore" if method == "galore" else "fira", "rank": config.effective_rank,
                         "update_proj_gap": config.update_proj_gap, "alpha": config.alpha,
                         "optim_target_modules": targets, "state_dtype": config.state_dtype,
@@ -389,7 +407,9 @@ def train_model(model: torch.nn.Module, tokenizer: Any, train: list[dict], confi
     trainer.add_callback(progress)
     started = recorder.started  # the sitting's clock is the run's
     try:
-        trainer.train(resume_from_checkpoint=resume)
+        with warnings.catch_warnings():  # checked_targets warned of the targets, naming --target-modules
+            warnings.filterwarnings("ignore", message=TRAINER_TARGETS, category=UserWarning)
+            trainer.train(resume_from_checkpoint=resume)
     finally:
         progress.close()
     seconds = time.perf_counter() - started

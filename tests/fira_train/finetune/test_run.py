@@ -1041,15 +1041,18 @@ def test_target_modules_that_match_nothing_are_named_as_the_option(tiny_model_di
     assert err.splitlines()[-1].startswith(f"fira-train finetune: error: target_modules={targets!r}: ")
 
 
-def test_a_target_module_that_selects_nothing_is_warned_of_once(tiny_model_dir, tmp_path, recwarn):
+@pytest.mark.parametrize("method", ["fira", "apollo"])
+def test_a_target_module_that_selects_nothing_is_warned_of_once(tiny_model_dir, tmp_path, recwarn, method):
     """--target-modules q_proj,v_prj: the typo is warned of once (finetune checked the targets
-    before the Trainer built its optimizer from them, and each warned)."""
+    before the Trainer built its optimizer from them, and each warned), naming --target-modules
+    (it named the Trainer's optim_target_modules, an argument finetune has not)."""
     model_dir, data = tiny_model_dir
-    run_cli(["--model", str(model_dir), "--tasks", "boolq", "--method", "fira", "--data-dir", str(data),
+    run_cli(["--model", str(model_dir), "--tasks", "boolq", "--method", method, "--data-dir", str(data),
              "--steps", "1", "--batch-size", "2", "--rank", "4", "--target-modules", "q_proj,v_prj",
              "--scoring", "generate", "--max-eval", "2", "--max-new-tokens", "2", "--out", str(tmp_path / "o")])
-    typo = [w for w in recwarn if "'v_prj'] select no trainable nn.Linear weight" in str(w.message)]
+    typo = [str(w.message) for w in recwarn if "['v_prj'] select no trainable nn.Linear weight" in str(w.message)]
     assert len(typo) == 1, [str(w.message) for w in recwarn]
+    assert typo[0].startswith("--target-modules 'q_proj,v_prj': the entries ['v_prj'] select no trainable")
 
 
 def test_earlier_results_name_leftover_checkpoints_only_where_there_are_some(tmp_path):
