@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -30,8 +31,8 @@ from fira_train.config.resolve import resolved
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import (DamagedFileError, check_report_owner, cut_back_json_lines, open_append, read_json,
-                               read_json_lines, refuse_links, report_heading, write_text_atomic)
+from fira_train.files import (DamagedFileError, check_report_owner, cut_back_json_lines, dumps, open_append,
+                               read_json, read_json_lines, refuse_links, report_heading, write_text_atomic)
 from fira_train.report.markdown import refuse_other_commands_output
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
@@ -418,7 +419,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     """The records a callback wrote to ``path`` (JSON lines) in a finished run's folder; a file
     that is missing or cannot be parsed is named, with what to do (a bare ``json`` error named
-    neither the file nor the run)."""
+    neither the file nor the run). A ``null`` (a value that was not finite, as
+    :class:`JsonlWriter` writes it) is read as NaN, so that a record's figures stay numbers."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} is missing: the analysis reads what its run recorded there; "
@@ -427,7 +429,18 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     for number, record in enumerate(records, start=1):
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             raise DamagedFileError(path, f"record {number} is not a step's record", _REDO_HINT)
-    return records
+    return [_nan_for_null(record) for record in records]
+
+
+def _nan_for_null(value: Any) -> Any:
+    """``value`` with every ``None`` (in dicts and lists) replaced by NaN."""
+    if value is None:
+        return math.nan
+    if isinstance(value, dict):
+        return {key: _nan_for_null(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_for_null(v) for v in value]
+    return value
 
 
 def read_step_records(path: str | Path, summary: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -450,7 +463,9 @@ def read_step_records(path: str | Path, summary: Mapping[str, Any]) -> list[dict
 
 
 class JsonlWriter:
-    """Appends one JSON object per line to a file; every object has a ``"step"``.
+    """Appends one JSON object per line to a file; every object has a ``"step"``. A value that is
+    not finite is written as ``null`` (as ``metrics.jsonl`` writes it), never ``NaN`` or
+    ``Infinity``, which are not JSON; :func:`read_records` reads it back as NaN.
 
     The file is started by :meth:`begin` (the callback's :meth:`TrainCallback.begin`, or the first
     :meth:`write`): a new run empties it, a resumed one keeps the lines of the steps up to the
@@ -479,4 +494,4 @@ class JsonlWriter:
         if not self._begun:
             self.begin(0)
         with open_append(self.path) as f:  # as metrics.jsonl: never through a link, nor into a FIFO
-            f.write(json.dumps(record) + "\n")
+            f.write(dumps(record) + "\n")  # NaN / inf as null

@@ -301,6 +301,30 @@ def test_step_records_must_cover_every_step_that_updated(tmp_path: Path) -> None
         read_step_records(path, {"steps": 1})
 
 
+def test_an_analysis_record_file_writes_null_for_a_value_that_is_not_finite(tmp_path: Path) -> None:
+    """norms.jsonl held NaN and Infinity, which are not JSON, where metrics.jsonl writes null; the
+    analyses read null back as NaN, as they read NaN before."""
+    import json
+    import math
+
+    from fira_train.analysis.runs import JsonlWriter, read_step_records
+
+    path = tmp_path / "norms.jsonl"
+    writer = JsonlWriter(path)
+    writer.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "column": {"w": [1.0, float("-inf")]}})
+    writer.write({"step": 2, "loss": 2.5, "grad_norm": 1.0})
+    lines = path.read_text().splitlines()
+    assert lines[0] == '{"step": 1, "loss": null, "grad_norm": null, "column": {"w": [1.0, null]}}'
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    assert [json.loads(line, parse_constant=refuse)["step"] for line in lines] == [1, 2]
+    first, second = read_step_records(path, {"steps": 2})
+    assert math.isnan(first["loss"]) and math.isnan(first["grad_norm"]) and math.isnan(first["column"]["w"][1])
+    assert second == {"step": 2, "loss": 2.5, "grad_norm": 1.0}
+
+
 @pytest.mark.timeout(60)  # a FIFO opened for writing blocks until a reader comes
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_an_analysis_record_file_is_appended_to_only_as_a_regular_file(tmp_path: Path) -> None:
