@@ -67,8 +67,9 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
         for run_config in configs:  # and the launch each run needs, before the first one trains
             check_launch(run_config)
         refuse_same_runs([parse_method_spec(m) for m in methods], config)
-    # a sweep's folder: --overwrite replaced its report and put the comparison's runs beside its own
-    refuse_other_commands_output(out_dir, own=REPORT_TITLE, writer="a comparison's")
+    # a sweep's or an analysis's folder: --overwrite replaced its report and put the comparison's
+    # runs beside (or over) its own
+    refuse_other_commands_output(out_dir, own=REPORT_TITLE, writer="a comparison's", analyses=True)
     check_report_owner(out_dir, (REPORT_TITLE,), "compare", overwrite=overwrite)
     if config.train.parallel != "none":
         # One process group for all the runs (each train() then reuses it); rank 0 reports.

@@ -48,6 +48,9 @@ __all__ = ["LINES_LIMIT", "RECORD_LIMIT", "RUN_LOCK_FILE", "DamagedFileError", "
 #: The lock file in every run's folder (:mod:`fira_train.run.run_lock`), kept after the run: it
 #: marks a folder as a fira-train run's, which the listing of a local corpus leaves out.
 RUN_LOCK_FILE = ".fira-train.lock"
+#: The run spec an analysis (``fira_train.analysis``) writes into each of its runs' folders, named
+#: here, below the commands, so that another command (compare) can tell an analysis's run.
+ANALYSIS_RUN_FILE = "analysis_run.json"
 
 
 def measure_out_dir(out: str | None, recipe: str) -> str:

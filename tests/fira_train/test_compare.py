@@ -95,6 +95,28 @@ def test_compare_refuses_a_sweeps_folder_overwrite_or_not(tmp_path: Path, overwr
         assert sorted(p.name for p in out.iterdir()) == sorted(files)
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_compare_refuses_an_analysiss_folder_overwrite_or_not(tmp_path: Path, overwrite: bool) -> None:
+    """--overwrite replaced an analysis's report (fira-train analyze) and trained the comparison's
+    runs beside, or over, the analysis's, as it did in a sweep's folder."""
+    from fira_train.analysis.runs import report_header
+    from fira_train.analysis.spikes import TITLE
+
+    config = micro_config(tmp_path, "train.steps=2", "train.eval_every=0", "train.save_every=0")
+    report = "\n".join(report_header(TITLE, config, command="fira-train analyze spikes --recipe micro")) + "\n"
+    # its report, or (stopped before writing it) a run of it: the run spec is written as the run starts
+    for files in ({"report.md": report, "fira/analysis_run.json": "{}"}, {"adamw/analysis_run.json": "{}"}):
+        out = tmp_path / f"analysis{len(files)}"
+        for name, text in files.items():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            (out / name).write_text(text)
+        with pytest.raises(FileExistsError, match=r"holds an analysis .*another command's results, which a "
+                                                  r"comparison's runs .*--overwrite or not: choose a fresh --out$"):
+            compare(config, ["adamw"], out, overwrite=overwrite)
+        assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(files)
+        assert (out / next(iter(files))).read_text() == next(iter(files.values()))
+
+
 @pytest.mark.parametrize("first_line", ["my notes"])
 def test_compare_leaves_a_report_it_did_not_write_alone(tmp_path: Path, first_line: str) -> None:
     # a report of the user's in the same --out: refused before training (another command's: above)

@@ -18,7 +18,6 @@ import logging
 import math
 import os
 import platform
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,9 +30,9 @@ from fira_train.config.resolve import resolved
 from fira_train.config.recipes import get_recipe
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
-from fira_train.files import (DamagedFileError, check_report_owner, cut_back_json_lines, dumps, open_append,
-                               read_json, read_json_lines, refuse_links, report_heading, write_text_atomic)
-from fira_train.report.markdown import refuse_other_commands_output
+from fira_train.files import (ANALYSIS_RUN_FILE, DamagedFileError, check_report_owner, cut_back_json_lines, dumps,
+                               open_append, read_json, read_json_lines, refuse_links, write_text_atomic)
+from fira_train.report.markdown import analysis_heading, refuse_other_commands_output
 from fira_train.run.callbacks import TrainCallback
 from fira_train.run.isolated import run_isolated_many, with_threads
 from fira_train.run.run_dir import check_same_data, continue_refusal, finished_with
@@ -47,7 +46,7 @@ log = logging.getLogger(__name__)
 PAPER_SCALE = ("LLaMA 60M on C4, 10,000 steps of 512 x 256 tokens (1.3B tokens), T = 200")
 
 PAPER_TOKENS = 10_000 * 512 * 256
-RUN_SPEC_FILE = "analysis_run.json"
+RUN_SPEC_FILE = ANALYSIS_RUN_FILE
 
 
 @dataclass(frozen=True)
@@ -96,22 +95,13 @@ def _reusable(config: RunConfig, run: AnalysisRun, run_dir: Path) -> bool:
             and read_json(spec, hint=_REDO_HINT) == run.spec())
 
 
-#: The line of an analysis's report that says how it was run (:func:`report_header`): it tells
-#: another analysis's folder from a folder with a report.md of the user's.
-_ANALYSIS_COMMAND = re.compile(r"^- Command: (`fira-train analyze |\(called from Python\)|not recorded)", re.M)
-
-
 def _refuse_another_analysis(out_dir: Path, title: str) -> None:
     """FileExistsError where ``out_dir`` holds another analysis's report, --overwrite or not: its
     report.md was replaced and its runs and figure stayed beside this one's, in a folder that was
     neither's (a report.md of the user's is :func:`check_report_owner`'s, which --overwrite
     replaces)."""
-    heading = report_heading(out_dir)
-    if not heading or heading.startswith(f"# {title}"):
-        return
-    with open(out_dir / "report.md", encoding="utf-8", errors="replace") as handle:
-        head = handle.read(4096)
-    if _ANALYSIS_COMMAND.search(head):
+    heading = analysis_heading(out_dir)
+    if heading and not heading.startswith(f"# {title}"):
         raise FileExistsError(f"--out {str(out_dir)!r} holds another analysis's results ({heading.lstrip('# ')!r}), "
                               "which this analysis's runs and report.md would mix with or replace, --overwrite or "
                               "not: choose a fresh --out")

@@ -6,13 +6,14 @@ of :mod:`fira_train.report.plots`, so a report can be regenerated without re-tra
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fira_train.files import read_json, report_heading, write_text_atomic
+from fira_train.files import ANALYSIS_RUN_FILE, read_json, report_heading, write_text_atomic
 from fira_train.provenance import source_of
 from fira_train.run.metrics import read_metrics
 
@@ -33,20 +34,49 @@ OTHER_COMMANDS = (("a sweep (`fira-train sweep`: sweep.json, its runs in <spec>/
                   ("a comparison (`fira-train compare`: its runs in <method>/)", REPORT_TITLE, None))
 
 
-def refuse_other_commands_output(out_dir: Path, own: str | None = None, writer: str = "an analysis's") -> None:
+def refuse_other_commands_output(out_dir: Path, own: str | None = None, writer: str = "an analysis's",
+                                 *, analyses: bool = False) -> None:
     """FileExistsError if ``out_dir`` holds another command's results (:data:`OTHER_COMMANDS`, but
-    for the command whose report heading is ``own``), with or without ``--overwrite``: ``writer``
-    (an analysis, ``fira-train analyze``; a comparison) would write its report over theirs and its
-    runs beside (or over) theirs, and the folder would be neither's; a fresh ``--out`` is the way
-    on."""
+    for the command whose report heading is ``own``; with ``analyses``, an analysis's too:
+    :func:`holds_analysis`), with or without ``--overwrite``: ``writer`` (an analysis,
+    ``fira-train analyze``; a comparison) would write its report over theirs and its runs beside
+    (or over) theirs, and the folder would be neither's; a fresh ``--out`` is the way on."""
     first = report_heading(out_dir)
-    for what, heading, record in OTHER_COMMANDS:
-        if heading == own:
-            continue
-        if first.startswith(heading) or (record is not None and (out_dir / record).is_file()):
-            raise FileExistsError(f"--out {str(out_dir)!r} holds {what}, another command's results, which {writer} "
-                                  "runs and report.md would mix with or replace, --overwrite or not: choose a fresh "
-                                  "--out")
+    others = [(what, heading, record) for what, heading, record in OTHER_COMMANDS if heading != own]
+    found = next((what for what, heading, record in others
+                  if first.startswith(heading) or (record is not None and (out_dir / record).is_file())), None)
+    if found is None and analyses and holds_analysis(out_dir):
+        found = f"an analysis (`fira-train analyze`: its runs in <run>/, each with {ANALYSIS_RUN_FILE})"
+    if found is not None:
+        raise FileExistsError(f"--out {str(out_dir)!r} holds {found}, another command's results, which {writer} "
+                              "runs and report.md would mix with or replace, --overwrite or not: choose a fresh "
+                              "--out")
+
+
+#: The line of an analysis's report that says how it was run (``fira_train.analysis.runs.report_header``,
+#: the variance analysis's own): it tells an analysis's folder from a folder with a report.md of the user's.
+ANALYSIS_COMMAND = re.compile(r"^- Command: (`fira-train analyze |\(called from Python\)|not recorded)", re.M)
+
+
+def analysis_heading(out_dir: Path) -> str | None:
+    """The heading of the report.md of an analysis (``fira-train analyze``) in ``out_dir``, else None."""
+    heading = report_heading(out_dir)
+    if not heading:
+        return None
+    with open(out_dir / "report.md", encoding="utf-8", errors="replace") as handle:
+        head = handle.read(4096)
+    return heading if ANALYSIS_COMMAND.search(head) else None
+
+
+def holds_analysis(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds an analysis's results: its report.md, or a run of one (a folder
+    holding :data:`~fira_train.files.ANALYSIS_RUN_FILE`, written before the report)."""
+    if analysis_heading(out_dir):
+        return True
+    try:
+        return any((child / ANALYSIS_RUN_FILE).is_file() for child in out_dir.iterdir() if child.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
 
 
 def command_line(argv: Sequence[str]) -> str:

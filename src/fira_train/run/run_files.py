@@ -26,7 +26,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from fira_train.files import parse_json, read_regular_text
+from fira_train.files import ANALYSIS_RUN_FILE, parse_json, read_regular_text
 from fira_train.run.checkpoint import CHECKPOINT_DIR
 from fira_train.run.run_lock import LOCK_FILE
 
@@ -37,9 +37,9 @@ RUN_FILES = frozenset({"config.json", "metrics.jsonl", "metrics.jsonl.tmp", "sum
                        # a write interrupted by a crash (fira_train.files.write_text_atomic)
                        "config.json.tmp", "summary.json.tmp"})
 RUN_DIRS = frozenset({"tb", CHECKPOINT_DIR})
-#: Files the analyses write into their runs' folders (``fira_train.analysis``: the run spec,
+#: Files the analyses write into their runs' folders (the run spec, :data:`~fira_train.files.ANALYSIS_RUN_FILE`,
 #: :data:`~fira_train.analysis.callbacks.NORMS_FILE`, :data:`~fira_train.analysis.similarity.FACTORS_FILE`).
-ANALYSIS_FILES = frozenset({"analysis_run.json", "norms.jsonl", "scaling_factors.jsonl"})
+ANALYSIS_FILES = frozenset({ANALYSIS_RUN_FILE, "norms.jsonl", "scaling_factors.jsonl"})
 #: Every name a run (an analysis's included) writes in its folder: what must hold no link.
 WRITTEN = RUN_FILES | RUN_DIRS | ANALYSIS_FILES
 #: What a run writes under ``checkpoints/``: complete, temporary and replaced checkpoints.
