@@ -173,14 +173,16 @@ def warn_unused_settings(args: argparse.Namespace, specs: Sequence[str]) -> None
         return key in known and not any(get_method(name).reads(key) for name in methods)
 
     given = dict.fromkeys([*flags_given(args, FLAG_KEYS), *(override_key(item) for item in args.overrides)])
+    warning = f"{PROG} {args.command}: warning:"  # as the command's other warnings begin (one_line_warnings)
     for key in given:
         if unused(key, names):
-            log.warning("%s is not used by %s: it has no effect on %s", key, ", ".join(names),
+            log.warning("%s %s is not used by %s: it has no effect on %s", warning, key, ", ".join(names),
                         "this run" if len(parsed) == 1 else "these runs")
     for spec in parsed:
         for key in (override_key(item) for item in spec.overrides):
             if unused(key, [spec.name]):
-                log.warning("%s is not used by %s: it has no effect on the run %s", key, spec.name, spec.text)
+                log.warning("%s %s is not used by %s: it has no effect on the run %s", warning, key, spec.name,
+                            spec.text)
 
 
 def _pretrain(args: argparse.Namespace) -> int:
