@@ -68,7 +68,7 @@ from fira_train.run.rng import seed_everything
 from fira_train.run.run_dir import check_same_data, finished_with, prepare_out_dir
 from fira_train.run.run_lock import locked_run_directory
 from fira_train.run.state import capture_state, restore_state
-from fira_train.run.training import Training, autocast_for, build_training, resolve_device
+from fira_train.run.training import Training, autocast_for, build_training, resolve_device, warned_on_rank_zero
 
 log = logging.getLogger(__name__)
 
@@ -289,13 +289,16 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
     val_batches = corpus.val_batches(micro_batch)
     step, progress = 0, {"tokens": 0, "train_time_s": 0.0, "wall_time_s": 0.0, "peak_memory_bytes": 0, "sittings": 0}
     restored = state is not None
-    if restored:
-        step, progress = restore_state(state, training, stream, config.data.source, callbacks)
-        log.info("resumed %s from step %d", out, step)
-    elif resume_path is not None:
-        step, progress = train_parallel.load(out, resume_path, training, stream, config.train.parallel,
-                                             config.data.source, callbacks)
-        log.info("resumed %s from step %d (%s)", out, step, resume_path.name)
+    # under DDP every rank loads the whole state, the same: what its load warns of (NaN or Inf in
+    # the optimizer's state) rank 0 says for the launch; FSDP2's ranks load shards of their own
+    with warned_on_rank_zero(env if config.train.parallel == "ddp" else None):
+        if restored:
+            step, progress = restore_state(state, training, stream, config.data.source, callbacks)
+            log.info("resumed %s from step %d", out, step)
+        elif resume_path is not None:
+            step, progress = train_parallel.load(out, resume_path, training, stream, config.train.parallel,
+                                                 config.data.source, callbacks)
+            log.info("resumed %s from step %d (%s)", out, step, resume_path.name)
     del state
     if main:  # once the settings are accepted: a start they stop leaves no config for --resume to hold to
         # (and once the checkpoint is restored: a resume it refuses, as for other data, leaves the run as it was)

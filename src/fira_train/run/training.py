@@ -113,10 +113,11 @@ def autocast_for(config: RunConfig, device: torch.device) -> contextlib.Abstract
 
 
 @contextlib.contextmanager
-def _warned_on_rank_zero(env: DistributedEnv | None) -> Iterator[None]:
+def warned_on_rank_zero(env: DistributedEnv | None) -> Iterator[None]:
     """Python warnings raised inside given by rank 0 alone under ``train.parallel`` ddp / fsdp2
     (held back on the other ranks). For what reads the config and the model alone, which every
-    rank builds alike: each rank would print the same warning, once per process."""
+    rank builds alike, or a state every rank holds whole (a checkpoint loaded under DDP): each
+    rank would print the same warning, once per process."""
     if env is None or not env.distributed or env.is_main:
         yield
         return
@@ -151,7 +152,7 @@ def build_training(config: RunConfig, vocab_size: int, device: torch.device,
     # hook (where updates in the backward pass run): there each rank computes its own.
     # The optimizer is built from the config and the model alone, the same on every rank: what
     # it warns of (a rank above every matrix's size) rank 0 says for the launch.
-    with _warned_on_rank_zero(env):
+    with warned_on_rank_zero(env):
         setup = build_method(model, config, split_refresh=mode == "ddp" and not config.optim.step_in_backward)
         # (a method that does not read it is warned of by the command line: not twice)
         reads = "host_refresh" in get_method(config.optim.method).uses

@@ -298,6 +298,36 @@ def test_a_warning_of_the_config_is_given_by_rank_0_alone(reference):
     assert [len(messages) for messages in warned] == [1, 0]
 
 
+def _nan_state_worker(rank: int, world: int, root: str) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(micro_config(Path(root), *COMMON, "train.parallel=ddp", out="nan-state"), resume="latest")
+    return [str(w.message) for w in caught if "the state dict holds NaN or Inf" in str(w.message)]
+
+
+@pytest.mark.timeout(150)
+def test_a_warning_of_the_loaded_checkpoint_under_ddp_is_given_by_rank_0_alone(reference):
+    """Every DDP rank loads the same whole state: the warning of NaN or Inf in the optimizer's
+    state (a checkpoint an overflowing step left) was printed once per process."""
+    from fira_train.files import file_digest
+
+    root = reference["root"]
+    out = root / "nan-state"
+    shutil.copytree(root / "one", out)  # the one-process run, as if stopped after step SAVE
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
+    checkpoint = out / "checkpoints" / f"step_{SAVE:08d}"
+    state = torch.load(checkpoint / "state.pt", weights_only=False)
+    moments = next(s for s in state["optimizer"]["state"].values() if "exp_avg_sq" in s)
+    moments["exp_avg_sq"].view(-1)[0] = float("inf")
+    torch.save(state, checkpoint / "state.pt")
+    marker = json.loads((checkpoint / "COMPLETE").read_text())
+    marker.update(size=(checkpoint / "state.pt").stat().st_size, sha256=file_digest(checkpoint / "state.pt"))
+    (checkpoint / "COMPLETE").write_text(json.dumps(marker))
+    warned = run_ranks(_nan_state_worker, 2, root / "w-nan", str(root), timeout=130)
+    assert [len(messages) for messages in warned] == [1, 0]
+
+
 def _refused_worker(rank: int, world: int, root: str) -> list | None:
     try:
         train(micro_config(Path(root), *COMMON, "train.parallel=ddp", "train.steps=1", "train.micro_batch_size=1",
