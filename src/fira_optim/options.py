@@ -341,8 +341,14 @@ def check_torch_only(g: dict) -> None:
     """ValueError unless ``g`` leaves off the ``torch.optim.AdamW`` options Fira does not implement
     (:data:`TORCH_ONLY`, and ``decoupled_weight_decay=False``). Checked at every step too: torch
     reads them from the groups at each step, so one set in ``param_groups`` during training
-    (``group["maximize"] = True``) would otherwise be ignored without a word."""
+    (``group["maximize"] = True``) would otherwise be ignored without a word. Not ``capturable``
+    while torch.compile traces the step: dynamo's view of an optimizer's ``param_groups`` reads
+    ``capturable=True`` in every group (for torch's own optimizers), whatever the group holds, and
+    the refusal of a flag the caller never set broke the trace there (``fullgraph=True`` failed
+    with it)."""
     for key in TORCH_ONLY:
+        if key == "capturable" and torch.compiler.is_compiling():
+            continue
         if g.get(key):
             raise ValueError(f"Invalid {key}: {g[key]!r}; Fira does not implement torch.optim.AdamW's "
                              f"{key}=True (leave it unset or False)")

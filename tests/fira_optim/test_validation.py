@@ -189,6 +189,28 @@ def test_torch_adamw_options_fira_lacks_set_in_param_groups_later_are_refused_at
     assert [float(opt.state[p]["step"]) for p in (a, b)] == [2.0, 2.0]
 
 
+def test_the_capturable_flag_torch_compile_shows_in_every_group_is_not_refused_while_tracing():
+    """Dynamo's view of an optimizer's ``param_groups`` reads ``capturable=True`` in every group,
+    whatever the group holds: the step's check refused that flag, which the caller never set, so a
+    compiled step broke its trace there (``fullgraph=True`` failed with "Invalid capturable: True").
+    The other options are still checked under compilation."""
+    from fira_optim.options import check_torch_only
+
+    a, b = _params()
+    opt = FiraAdamW([{"params": [a], "rank": 3}, {"params": [b]}])
+
+    def checks():
+        for group in opt.param_groups:
+            check_torch_only(group)
+
+    torch._dynamo.reset()
+    torch.compile(checks, backend="eager", fullgraph=True)()
+    opt.param_groups[1]["maximize"] = True
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"Invalid maximize: True"):
+        torch.compile(checks, backend="eager")()
+
+
 @pytest.mark.parametrize("name,value", [("split_refresh", True), ("implementation", "reference"),
                                         ("nonfinite", "skip"), ("host_refresh", True)])
 def test_optimizer_wide_options_in_a_group_are_refused(name, value):
