@@ -312,23 +312,23 @@ class Fira(Optimizer):
             precision.require_int8()
             for index, p in enumerate(group["params"]):
                 if distributed.is_dtensor(p):
-                    raise ValueError(f"param_groups[{gi}]['params'][{index}] is a DTensor: "
+                    raise ValueError(f"{param_name(gi, index, p, group, shape=False)} is a DTensor: "
                                      "state_dtype='int8' is not supported with FSDP2 yet "
                                      "(its blocks do not follow the shards); use 'bfloat16'")
         if group["rank"] is not None:
             group["rank"] = check_rank(group["rank"])
             for index, p in enumerate(group["params"]):
-                _check_projectable(p, index, gi)
+                _check_projectable(p, index, gi, group)
             _warn_if_nothing_projected(group, gi)
         self._warn_unrounded(gi, stacklevel=4)
         for index, p in enumerate(group["params"]):
             # A rank=None group with fp32 states takes complex parameters, as torch.optim.AdamW
             # does (real views of them); a subspace of a complex matrix is not defined here.
             if p.dtype == torch.complex32:  # fp16 halves: its moments would underflow (fp16 keeps fp32 ones)
-                raise ValueError(f"param_groups[{gi}]['params'][{index}] is complex32; use complex64")
+                raise ValueError(f"{param_name(gi, index, p, group, shape=False)} is complex32; use complex64")
             if p.is_complex() and (group["rank"] is not None or group["state_dtype"] != StateDtype.FLOAT32):
                 raise ValueError(
-                    f"param_groups[{gi}]['params'][{index}] is complex ({p.dtype}); Fira projects real "
+                    f"{param_name(gi, index, p, group, shape=False)} is complex ({p.dtype}); Fira projects real "
                     f"floating-point parameters only: put complex ones in a group with rank=None and "
                     f"state_dtype='float32' (got rank={group['rank']!r}, state_dtype={group['state_dtype']!r})"
                 )
@@ -608,7 +608,7 @@ class Fira(Optimizer):
                             "or loading (to_empty gives the model new parameters; an optimizer built before it "
                             "holds the meta ones)")
                     if group["rank"] is not None:  # one appended to a projected group's list since: as add_param_group
-                        _check_projectable(p, pi, gi)
+                        _check_projectable(p, pi, gi, group)
                     projected = is_projected(p, group)
                     entries.append((gi, pi, p, order if projected else None))
                     order += projected
@@ -996,8 +996,8 @@ def _warn_if_nothing_projected(group: dict[str, Any], group_index: int) -> None:
                   "base optimizer with full-rank states", UserWarning, stacklevel=caller_level())
 
 
-def _check_projectable(p: torch.Tensor, index: int, group_index: int) -> None:
-    where = f"param_groups[{group_index}]['params'][{index}]"
+def _check_projectable(p: torch.Tensor, index: int, group_index: int, group: dict[str, Any]) -> None:
+    where = param_name(group_index, index, p, group, shape=False)  # by its name too, where it has one
     if distributed.is_flat_parameter(p):
         raise ValueError(f"{where} is a FlatParameter of {distributed.FSDP1_MESSAGE}")
     if p.dim() != 2:

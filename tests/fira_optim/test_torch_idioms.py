@@ -172,6 +172,17 @@ def test_a_projected_dict_group_with_1d_params_says_how_to_split():
         FiraAdamW([{"params": list(model.parameters()), "rank": 3}])
 
 
+def test_a_named_parameter_a_group_cannot_take_is_named_in_the_constructor_s_error():
+    """Groups of ``named_parameters()`` keep the names (``param_names``): the step's errors named
+    them, the constructor's said only where the tensor sits in the groups."""
+    model = _model()
+    with pytest.raises(ValueError, match=r"^bias \(param_groups\[0\]\['params'\]\[1\]\) has shape"):
+        FiraAdamW([{"params": list(model[0].named_parameters()), "rank": 3}])
+    z = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"^z \(param_groups\[0\]\['params'\]\[0\]\) is complex"):
+        FiraAdamW([{"params": [("z", z)], "rank": 2}])
+
+
 @pytest.mark.parametrize(("group", "error"), [
     ({"lr": -1.0}, "Invalid learning rate"),
     ({"rank": 2, "extra_1d": True}, "has shape"),
