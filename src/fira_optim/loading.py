@@ -106,7 +106,10 @@ def check_layout(current_groups: list[dict], saved: dict[str, Any]) -> None:
                 # decoupled_weight_decay=False) are the load's to fill in or refuse, and this
                 # group's state_rounding is not the saved state's
                 _check_layout_value(gi, key, was)
-                when = "" if key in old else f" (its group has no {key!r}: saved before the option existed)"
+                # torch.optim's groups lack it too: not only fira-optim's own before the option
+                when = "" if key in old else (f" (its group has no {key!r}: saved by an optimizer without that "
+                                              "option: torch.optim's, the released fira's, galore-torch's, or "
+                                              "fira-optim's before it)")
                 raise ValueError(
                     f"{first}: the state dict was saved with {key}={was!r}{when} but this "
                     f"optimizer's group {gi} has {key}={group[key]!r}; build the optimizer with "

@@ -507,7 +507,9 @@ def test_a_state_dict_saved_before_state_dtype_is_refused_by_a_low_precision_opt
 
     low = build(state_dtype=state_dtype)
     with pytest.raises(ValueError, match=r"saved with state_dtype='float32' \(its group has no 'state_dtype': "
-                                         rf"saved before the option existed\) but this optimizer's group 0 has "
+                                         r"saved by an optimizer without that option: torch\.optim's, the released "
+                                         r"fira's, galore-torch's, or fira-optim's before it\) but this optimizer's "
+                                         r"group 0 has "
                                          rf"state_dtype='{state_dtype}'; build the optimizer with state_dtype='float32'"):
         low.load_state_dict(saved["optimizer"])
     assert not low.state and low.param_groups[0]["state_dtype"] == state_dtype  # nothing loaded

@@ -136,6 +136,19 @@ def test_loading_torch_adamw_state_is_refused():
         FiraAdamW(model.parameters(), rank=3).load_state_dict(adamw.state_dict())
 
 
+def test_torch_adamw_state_refused_by_a_low_precision_plain_group_says_where_it_comes_from():
+    """torch.optim.AdamW's groups have no state_dtype, as fira-optim's had none before the option:
+    the refusal said the state dict was saved before the option existed, of a torch state."""
+    model = _model()
+    adamw = torch.optim.AdamW(model.parameters())
+    _grads(model)
+    adamw.step()
+    with pytest.raises(ValueError, match=r"saved with state_dtype='float32' \(its group has no 'state_dtype': saved by "
+                                         r"an optimizer without that option: torch\.optim's, .*build the optimizer "
+                                         r"with state_dtype='float32'"):
+        FiraAdamW(model.parameters(), rank=None, state_dtype="bfloat16").load_state_dict(adamw.state_dict())
+
+
 def test_torch_adam_state_with_l2_weight_decay_is_refused_and_without_it_loads():
     """torch.optim.Adam's groups hold decoupled_weight_decay=False: its weight decay is an L2
     term of the gradient. Such a state loaded into a plain group, which then stepped with
