@@ -36,7 +36,9 @@ constructor accepts (``lr=nan``, ``update_proj_gap=0``).
 Warned of: a group saved with another algorithm (``residual``, ``scaling``, ``limiter``,
 ``arithmetic``, ``only_scaling``, ``projector``) than the group it loads into. Loading restores
 every group option, as torch's optimizers do, so the run goes on as it was saved; a user who
-built a GaLore optimizer to resume a Fira checkpoint got Fira without a word. Warned of, and
+built a GaLore optimizer to resume a Fira checkpoint got Fira without a word. Warned of too: the
+released ``fira`` package's state loaded with ``arithmetic="paper"`` (its groups hold no
+``arithmetic``, so the run goes on with Algorithm 1's steps, not the package's). Warned of, and
 loaded: state tensors with NaN or Inf entries, which a step can leave (a finite gradient above
 about 1.8e19 of a parameter that is not projected overflows its second moment, as in
 ``torch.optim.AdamW``; ``nonfinite="ignore"``), so that such a run can still be resumed.
@@ -53,8 +55,8 @@ from typing import Any
 import torch
 
 from . import distributed, precision
-from .options import (FLOAT32_MAX, TORCH_ONLY, Base, ProjType, StateDtype, caller_level, check_rank, param_name,
-                      validate_group)
+from .options import (FLOAT32_MAX, TORCH_ONLY, Arithmetic, Base, ProjType, StateDtype, caller_level, check_rank,
+                      param_name, validate_group)
 from .projection import LEFT, projection_side
 
 #: Group options that fix the layout of a projected matrix's state.
@@ -336,6 +338,28 @@ def warn_replaced_algorithm(current_groups: list[dict], saved: dict[str, Any]) -
                           f"loads in place of this optimizer's {built}: loading restores every group option, as "
                           "torch's optimizers do, so the run goes on as it was saved", UserWarning,
                           stacklevel=caller_level())
+
+
+def warn_released_arithmetic(current_groups: list[dict], saved: dict[str, Any]) -> None:
+    """A UserWarning for each projected group that loads the state of the released ``fira``
+    package (``fira.FiraAdamW``: its matrices' states hold a projector object and the limiter's
+    ``scaling_grad``) with ``arithmetic="paper"``. The package's groups hold no ``arithmetic``, so
+    the group's own applies (:func:`_filled`): the run went on with Algorithm 1's steps, whose
+    residual is scaled by ``alpha`` where the package's is not (a quarter of it at the paper's
+    ``alpha=0.25``), without a word."""
+    state = saved.get("state", {})
+    for gi, (group, old) in enumerate(zip(current_groups, saved.get("param_groups", []))):
+        if (not group["params"] or group["rank"] is None or "arithmetic" in old
+                or Arithmetic(group["arithmetic"]) is not Arithmetic.PAPER):
+            continue
+        entries = [state.get(pid) for pid in old.get("params", [])]
+        if any(isinstance(e, dict) and "projector" in e and "scaling_grad" in e for e in entries):
+            first = param_name(gi, 0, group["params"][0], group)
+            warnings.warn(f"{first}: the state dict's param group {gi} was saved by the released fira package "
+                          "(fira.FiraAdamW), whose steps are arithmetic='released'; it loads into this optimizer's "
+                          "arithmetic='paper' and goes on with Algorithm 1's steps (the residual scaled by alpha, "
+                          "where the package's is not). To continue the run as it ran, build the optimizer with "
+                          "arithmetic='released'", UserWarning, stacklevel=caller_level())
 
 
 def upgraded(saved: dict[str, Any], current_groups: list[dict]) -> dict[str, Any]:

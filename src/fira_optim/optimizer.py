@@ -380,6 +380,7 @@ class Fira(Optimizer):
             loading.check_layout(self.param_groups, loaded)
             loading.check_values(self.param_groups, loaded)
             loading.warn_replaced_algorithm(self.param_groups, loaded)
+            loading.warn_released_arithmetic(self.param_groups, loaded)
             seen["state_dict"] = loading.upgraded(loaded, self.param_groups)
             loading.check_group_options(seen["state_dict"])
             return seen["state_dict"]

@@ -8,6 +8,7 @@ Runs cross three projection refreshes, on tall, wide and square matrices, with w
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -200,6 +201,26 @@ def test_a_run_of_galore_torch_continues_under_galore_adamw():
         _galore_groups(our_model, scale=scale), lr=LR, eps=1e-8, weight_decay=0.1,
         arithmetic="released", align_signs=False))
     assert ours.param_groups[1]["alpha"] == scale
+
+
+def test_a_released_state_loaded_with_the_paper_arithmetic_is_warned_of():
+    """The released package's groups hold no ``arithmetic``: loaded into the default
+    ``arithmetic="paper"``, its run went on with Algorithm 1's steps (the residual scaled by alpha,
+    the package's not), without a word. Loaded into ``arithmetic="released"``, no warning."""
+    ref_model, our_model = _models(torch.float32)
+    groups = dict(target_modules_list=TARGETS, rank=RANK, update_proj_gap=GAP, alpha=ALPHA)
+    ref = fira.FiraAdamW(quiet_fira_divide_params(ref_model, **groups), lr=LR, no_deprecation_warning=True)
+    for row in grad_sequence([tuple(p.shape) for p in ref_model.parameters()], 2, seed=3):
+        _inject(ref_model, row)
+        ref.step()
+    paper = FiraAdamW(quiet_fira_divide_params(our_model, **groups), lr=LR)
+    with pytest.warns(UserWarning, match=r"param group 1 was saved by the released fira package .* arithmetic='paper'"
+                                         r".*build the optimizer with arithmetic='released'"):
+        paper.load_state_dict(copy.deepcopy(ref.state_dict()))
+    released = FiraAdamW(quiet_fira_divide_params(our_model, **groups), lr=LR, arithmetic="released")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        released.load_state_dict(copy.deepcopy(ref.state_dict()))
 
 
 def test_a_released_run_continues_with_the_options_its_groups_set():
