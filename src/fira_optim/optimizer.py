@@ -90,7 +90,9 @@ class Fira(Optimizer):
             tensors and a plain group with the rest; so is each dict group when ``rank`` is
             passed explicitly and no group sets its own (as torch's keywords are the defaults of
             the groups: a Hugging Face Trainer's decay / no-decay groups). A group added later
-            with ``add_param_group`` is projected iff it sets ``rank``.
+            with ``add_param_group`` is projected iff it sets ``rank``. Dict groups none of
+            which sets ``rank``, without ``rank=``, are all plain AdamW: a ``UserWarning`` says so
+            where they hold a matrix (``rank=None`` is the way to mean it).
         lr: learning rate :math:`\eta` (default 1e-3).
         betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)); RMSProp uses :math:`\beta_2`.
         eps: :math:`\epsilon` of the base optimizer, the scaling factor and the limiter (default
@@ -251,7 +253,11 @@ class Fira(Optimizer):
             rank = check_rank(rank)
         self._stats_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._in_backward = None  # the handle of fira_optim.step_in_backward, while registered
-        super().__init__(_split_flat_params(params, rank, explicit), defaults)
+        groups = _split_flat_params(params, rank, explicit)
+        unranked = not any("rank" in group for group in groups)  # dict groups, no rank= (add_param_group sets it)
+        super().__init__(groups, defaults)
+        if unranked:
+            _warn_if_unranked_groups_hold_matrices(self.param_groups)
 
     # ------------------------------------------------------------------ groups and state
 
@@ -981,6 +987,22 @@ def _split(params: list, rank: int | None, options: dict) -> list[dict]:
     if others:
         groups.append({**options, "params": others, "rank": None})
     return groups
+
+
+def _warn_if_unranked_groups_hold_matrices(groups: list[dict[str, Any]]) -> None:
+    """Dict groups none of which sets ``rank``, without ``rank=``, are all plain AdamW (the
+    released fira's rule: a group is projected iff it has a ``rank``), whatever the constructor's
+    default rank says. torch's keywords are the defaults of the groups, so a torch user's decay /
+    no-decay groups (or a Hugging Face Trainer's, through ``optimizer_cls_and_kwargs``) trained
+    without a single projection, and without a word: a warning where they hold a matrix."""
+    if not any(p.dim() == 2 and p.is_floating_point() for group in groups for p in group["params"]):
+        return
+    who = "the param group does not set" if len(groups) == 1 else f"none of the {len(groups)} param groups sets"
+    warnings.warn(f"{who} 'rank', and rank= was not passed: a dict group is projected only with a "
+                  "'rank' of its own (as in the released fira), so nothing is projected and the optimizer is plain "
+                  "AdamW. Pass rank=r to project each group's 2-D tensors, set 'rank' in the groups "
+                  "(fira_optim.param_groups(model)), or pass rank=None where plain AdamW is meant",
+                  UserWarning, stacklevel=caller_level())
 
 
 def _warn_if_nothing_projected(group: dict[str, Any], group_index: int) -> None:

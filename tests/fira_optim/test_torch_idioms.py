@@ -5,6 +5,7 @@ import copy
 import inspect
 import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -305,6 +306,30 @@ def test_an_explicit_rank_is_the_default_of_dict_groups_without_one():
         assert copied == 128 and [g["rank"] for g in FiraAdamW(groups(), rank=copied).param_groups] == [None, None]
     assert [g["rank"] for g in FiraAdamW(groups(), rank=128).param_groups] == [128, None]  # given, though the default
     assert [g["rank"] for g in FiraAdamW(model.parameters()).param_groups] == [128, None]
+
+
+def test_dict_groups_none_of_which_sets_a_rank_warn_that_nothing_is_projected():
+    """Without rank=, dict groups are projected only with a rank of their own (the released fira):
+    torch's decay / no-decay groups, a Hugging Face Trainer's through optimizer_cls_and_kwargs,
+    trained as plain AdamW without a word, though the signature says rank=128. Warned of where
+    they hold a matrix; rank=None (plain AdamW meant), a group with its own rank, or groups
+    without a matrix are not."""
+    model = _model()
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    biases = [p for p in model.parameters() if p.dim() != 2]
+
+    def groups():
+        return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+
+    with pytest.warns(UserWarning, match=r"none of the 2 param groups sets 'rank', and rank= was not passed: .*"
+                                         r"nothing is projected and the optimizer is plain AdamW"):
+        opt = FiraAdamW(groups())
+    assert [g["rank"] for g in opt.param_groups] == [None, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [g["rank"] for g in FiraAdamW(groups(), rank=None).param_groups] == [None, None]
+        FiraAdamW([{"params": weights, "rank": 3}, {"params": biases}])
+        FiraAdamW([{"params": biases}])
 
 
 @pytest.mark.parametrize(("options", "message"), [
