@@ -282,6 +282,13 @@ def validate_group(g: dict) -> None:
     if seed is None:
         raise ValueError(f"Invalid seed: {g['seed']!r}; expected an int")
     g["seed"] = seed
+    # NumPy floats (np.float32(1e-3), a sweep's np.logspace value) as Python floats: state_dict()
+    # stores the group's values, and a NumPy scalar in it fails torch.load(weights_only=True) (the
+    # Hugging Face Trainer's resume). Python numbers and tensors stay as given.
+    for key in ("lr", "eps", "weight_decay", "alpha", "gamma", "clip_norm", "mu"):
+        g[key] = _python_real(g[key])
+    if any(_python_real(beta) is not beta for beta in betas):
+        g["betas"] = tuple(_python_real(beta) for beta in betas)
     if not g["alpha"] > 0:
         raise ValueError(f"Invalid alpha: {g['alpha']}; expected > 0")
     if not g["gamma"] >= 1.0:
@@ -355,6 +362,14 @@ def check_torch_only(g: dict) -> None:
     if g.get("decoupled_weight_decay", True) is not True:
         raise ValueError(f"Invalid decoupled_weight_decay: {g['decoupled_weight_decay']!r}; Fira's weight decay "
                          "is decoupled, as torch.optim.AdamW's (leave it unset or True)")
+
+
+def _python_real(value: Any) -> Any:
+    """A real number of another type than Python's (a NumPy scalar: pickled as a NumPy object)
+    as a Python float; an ``int``, a ``float`` or a tensor as it is."""
+    if type(value) in (int, float) or isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
+        return value
+    return float(value)
 
 
 def _check_real(name: str, value: Any) -> None:

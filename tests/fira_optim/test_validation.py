@@ -236,6 +236,33 @@ def test_integer_options_take_numpy_and_tensor_integers():
     assert type(opt.param_groups[-1]["rank"]) is int
 
 
+def test_numpy_float_options_are_kept_as_python_floats_so_the_state_dict_loads_weights_only():
+    """A NumPy float (np.float32(1e-3), a sweep's np.logspace value) was kept in the group as
+    given: the state dict then held a NumPy scalar, which torch.load(weights_only=True) (the
+    Hugging Face Trainer's resume) refuses. The value is kept, as a Python float."""
+    import io
+
+    np = pytest.importorskip("numpy")
+    a, b = _params()
+    opt = FiraAdamW([a, b], rank=3, lr=np.float32(1e-3), betas=(np.float64(0.9), 0.999), eps=np.float64(1e-8),
+                    weight_decay=np.float32(0.1), alpha=np.float32(0.5), gamma=np.float64(1.01))
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(6, 8))], "rank": 2, "lr": np.float64(0.01)})
+    for group in opt.param_groups:
+        for key in ("lr", "eps", "weight_decay", "alpha", "gamma"):
+            assert type(group[key]) is float, (key, type(group[key]))
+        assert [type(beta) for beta in group["betas"]] == [float, float]
+    assert opt.param_groups[0]["lr"] == float(np.float32(1e-3)) and opt.param_groups[0]["betas"] == (0.9, 0.999)
+    tensor_lr = FiraAdamW([a], rank=3, lr=torch.tensor(1e-3))  # tensors stay tensors
+    assert isinstance(tensor_lr.param_groups[0]["lr"], torch.Tensor)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=True)
+
+
 def test_a_projected_group_with_nothing_to_project_warns() -> None:
     wide, narrow = torch.nn.Parameter(torch.randn(16, 8)), torch.nn.Parameter(torch.randn(8, 4))
     with pytest.warns(UserWarning, match=r"param_groups\[0\]: rank=8 is >= min\(m, n\) of each of its 2 "
