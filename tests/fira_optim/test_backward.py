@@ -800,6 +800,30 @@ def test_under_ddp_updates_in_the_backward_pass_refuse_split_refresh(tmp_path):
         assert "split_refresh=True" in message and "build it with split_refresh=False" in message
 
 
+def test_zero_grad_without_set_to_none_and_global_norm_clipping_under_the_handle():
+    """Two torch idioms the docs speak of: with ``zero_grad(set_to_none=False)`` weights used in
+    every step train as a plain step trains them, bit for bit (each update frees its gradient, so
+    there is nothing to zero); ``clip_grad_norm_`` after a backward finds the gradients freed and
+    returns 0, the updates being done (Fira's limiter bounds each matrix's update instead)."""
+    plain_model, hooked_model = _net(), _net()
+    plain, hooked = _optimizer(plain_model), _optimizer(hooked_model)
+    handle = step_in_backward(hooked)
+    for step in range(4):  # refreshes at steps 0 and 3
+        x, y = _batch(step)
+        _loss(plain_model, x, y).backward()
+        plain.step()
+        plain.zero_grad(set_to_none=False)
+        _loss(hooked_model, x, y).backward()
+        assert all(p.grad is None for p in hooked_model.parameters())
+        assert float(torch.nn.utils.clip_grad_norm_(hooked_model.parameters(), 1.0)) == 0.0
+        hooked.step()
+        hooked.zero_grad(set_to_none=False)
+    handle.remove()
+    assert all(p.grad is not None for p in plain_model.parameters())
+    for p, q in zip(plain_model.parameters(), hooked_model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_a_step_pre_hook_is_warned_of_as_it_runs_after_the_updates_in_the_backward_pass():
     model = _net()
     opt = _optimizer(model)
