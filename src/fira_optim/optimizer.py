@@ -176,7 +176,8 @@ class Fira(Optimizer):
 
     Inside a ``torch.compile`` of the caller (a compiled training step), the step runs the
     reference implementation: the fast strategy's fused kernels and refresh threads cannot be
-    traced, and the compiler fuses the explicit terms itself.
+    traced, and the compiler fuses the explicit terms itself, in pieces between graph breaks (the
+    step reads values on the host): ``fullgraph=True`` is refused by torch.compile.
     """
 
     def __init__(
