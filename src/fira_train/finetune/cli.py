@@ -26,6 +26,7 @@ from fira_train.finetune.config import (
     FinetuneConfig,
     FinetuneError,
 )
+from fira_train.run.launch import refuse_torchrun
 
 
 def _optional_int(text: str) -> int | None:
@@ -142,6 +143,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     from fira_train.methods.pretrained import ModelLoadError
     from fira_train.run.run_lock import RunDirectoryBusy
 
+    # each process would train the whole run into the same --out: the second stopped on the lock
+    # that its peer held, as if another run were using the folder
+    refuse_torchrun("finetune trains in one process (it takes no --parallel)")
     try:
         config = config_from_args(args)
         unused = config.unused_flags()

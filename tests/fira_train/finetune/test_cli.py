@@ -120,3 +120,22 @@ def test_help_shows_the_default_learning_rates_and_ranks_per_method_not_as_a_dic
     assert "{'" not in text and "': " not in text
     assert "(default per method: adamw=5e-05, galore=5e-05, fira=5e-05, lora=0.0005," in text
     assert "rank (default galore=32, fira=32," in text and "none=" not in text
+
+
+def test_finetune_under_torchrun_is_refused_once_before_anything_is_made(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`torchrun --nproc_per_node 2 -m fira_train finetune ...`: each process loaded the model and
+    trained the whole run into the same --out, and the second stopped on the lock its peer held:
+    "run directory 'OUT' is in use by another fira-train run", printed beside the peer's training."""
+    from fira_train.cli import main
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # else rank 1 waits for torchrun's end
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = ["finetune", "--tasks", "boolq", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "run")]
+    for rank, printed in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == printed, err
+        assert ("fira-train finetune: error: finetune trains in one process (it takes no --parallel): launch it "
+                "in one process, not under torchrun (2 processes were launched)" in err) is printed, err
+    assert not (tmp_path / "run").exists()
