@@ -290,3 +290,16 @@ def test_prune_moments_zeroes_the_smallest_magnitudes() -> None:
     assert opt.state[param]["step"].item() == 3.0
     prune_moments(opt, [param], 1.0)
     assert torch.count_nonzero(opt.state[param]["exp_avg"]) == 0
+
+
+def test_the_readme_names_every_method_that_parallel_refuses() -> None:
+    """The README's section on several processes named lora and relora, refused under --parallel,
+    but not the methods that run under DDP only: a user found out from the error at launch."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = readme.split("## Several processes", 1)[1].split("\n## ", 1)[0]
+    said = " ".join(section.split())
+    refused = [name for name, method in METHODS.items() if method.wraps_model or not method.fsdp2]
+    assert refused and all(f"`{name}`" in said for name in refused), [n for n in refused if f"`{n}`" not in said]
+    assert "`optim.state_dtype=int8`" in said and "`train.precision=fp16`" in said
