@@ -151,6 +151,7 @@ def train(config: RunConfig, *, resume: str | int | None = None, overwrite: bool
         with locked_run_directory(config.train.out_dir):  # one run at a time per OUT
             return _train(config, None, resume, overwrite, corpus, callbacks)
     with train_parallel.distributed_session(config) as env:
+        train_parallel.check_same_config(config, env)
         with locked_run_directory(config.train.out_dir, env):
             return _train(config, env, resume, overwrite, corpus, callbacks)
 

@@ -6,6 +6,7 @@ The training loop stays one loop; what differs under ``torchrun`` lives here:
   ``--parallel``; join the process group (gloo on CPU, NCCL on CUDA) and leave it at the end,
   also on an error, after the DDP / FSDP2 model is released (a DDP model that outlives its
   gloo group can hang in its destructor);
+- :func:`check_same_config`: refuse processes given different settings;
 - :func:`accumulation_context`: DDP all-reduces the gradients once per optimizer step, not
   once per micro-batch;
 - :func:`eval_rows` / :func:`sum_over_ranks`: validation on this rank's rows, reduced to the
@@ -31,11 +32,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from fira_train.config.overrides import changed_keys, flat_config
 from fira_train.config.run_config import RunConfig
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import dist_checkpoint
 from fira_train.run.callbacks import TrainCallback, load_callback_states
-from fira_train.run.launch import same_on_every_rank
+from fira_train.run.launch import SAME_ON_EVERY_RANK, same_on_every_rank
 from fira_train.run.parallel import DistributedEnv, destroy_distributed, init_distributed, world_size
 from fira_train.run.resume_check import check_one_process_checkpoint_mode
 from fira_train.run.state import check_corpus, corpus_record, restore_state
@@ -92,6 +94,39 @@ def distributed_session(config: RunConfig) -> Iterator[DistributedEnv]:
         if created:
             gc.collect()
             destroy_distributed()
+
+
+#: Settings the processes of a launch may give differently: each process's own compute, not the run's.
+PER_PROCESS_KEYS = frozenset({"train.num_threads"})
+
+
+def check_same_config(config: RunConfig, env: DistributedEnv) -> None:
+    """ValueError on every rank, naming each setting and its value on each rank, where the
+    processes of the launch were given different configs (a launch not made by one command line:
+    a script that passes each rank its own, machines of a multi-node launch typed apart). Each
+    rank trained with its own: a mismatch of the steps or the micro-batches stopped gloo with
+    "collective mismatch" or hung NCCL; one of the learning rate or any other setting trained on
+    silently, each replica with its own value, and the run recorded rank 0's. Known before the
+    run's folder is touched; :data:`PER_PROCESS_KEYS` may differ."""
+    mine = {key: value for key, value in flat_config(config).items() if key not in PER_PROCESS_KEYS}
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, mine)
+    keys = sorted({key for theirs in gathered[1:] for key in changed_keys(gathered[0], theirs)})
+    if not keys:
+        return
+    described = []
+    for key in keys:
+        ranks: dict[str, list[int]] = {}
+        for rank, theirs in enumerate(gathered):
+            ranks.setdefault(repr(theirs.get(key)), []).append(rank)
+        described.append(f"{key}=" + ", ".join(
+            f"{value} on rank{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}"
+            for value, where in ranks.items()))
+    error = ValueError(f"the {env.world_size} processes of this launch were given different settings: "
+                       f"{'; '.join(described)}; every process of a torchrun launch must run the same "
+                       "command line")
+    setattr(error, SAME_ON_EVERY_RANK, True)  # each rank gathered the same: rank 0 says it for all
+    raise error
 
 
 def accumulation_context(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:

@@ -348,6 +348,33 @@ def test_an_error_of_the_config_in_a_launch_is_marked_for_rank_0_to_print(refere
         assert marked is True
 
 
+def _mismatched_worker(rank: int, world: int, root: str) -> list | None:
+    # each rank its own learning rate and steps (a script that passes each its own command line),
+    # and its own thread count, which may differ
+    config = micro_config(Path(root), *COMMON, "train.parallel=ddp", f"optim.lr={0.01 * (rank + 1)}",
+                          f"train.steps={2 + rank}", f"train.num_threads={rank + 1}", out="mismatched")
+    try:
+        train(config)
+    except ValueError as err:
+        return [str(err), getattr(err, SAME_ON_EVERY_RANK, False)]
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_processes_given_different_settings_are_refused_before_the_run(reference):
+    """Ranks given different steps stopped gloo with "collective mismatch" (NCCL hangs); given
+    different learning rates, each trained its replica with its own and the run recorded rank 0's.
+    Now every rank refuses it alike, naming each setting and its value on each rank, before the
+    run's folder is made."""
+    root = reference["root"]
+    for message, marked in run_ranks(_mismatched_worker, 2, root / "w-mismatched", str(root), timeout=100):
+        assert message == ("the 2 processes of this launch were given different settings: optim.lr=0.01 on rank 0, "
+                           "0.02 on rank 1; train.steps=2 on rank 0, 3 on rank 1; every process of a torchrun "
+                           "launch must run the same command line")
+        assert marked is True
+    assert not (root / "mismatched").exists()
+
+
 def test_bad_parallel_mode_is_a_config_error(tmp_path):
     with pytest.raises(ValueError, match=r"train\.parallel .*'pipeline'"):
         micro_config(tmp_path, "train.parallel=pipeline")
