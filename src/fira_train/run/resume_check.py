@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fira_train.config.resolve import saved_config
+from fira_train.config.resolve import resolved_align_signs, saved_config
 from fira_train.config.run_config import RunConfig
+from fira_train.methods.registry import get_method
 from fira_train.provenance import code_version, describe_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import checkpoint_integrity, dist_checkpoint
@@ -125,10 +126,15 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: An
                 log.warning("resuming from %s, written by other code (%s): a fix made since may change "
                             "the run from here on", path.name, code_change)
     if changes:
+        # only where the run projects with raw SVD signs: aligned signs, or a method without
+        # projections, have no basis vector to flip
+        flips = (get_method(config.optim.method).reads("optim.align_signs")
+                 and resolved_align_signs(config) is False)
         log.warning("resuming from %s with %s: the run goes on equal to round-off, not bit for bit (another "
-                    "summation order); with raw SVD signs (align_signs=false, the default) round-off can flip "
-                    "a basis vector, and the runs then agree in distribution only. Resume with the "
-                    "checkpoint's setting for an exact continuation", path.name, ", ".join(changes))
+                    "summation order)%s. Resume with the checkpoint's setting for an exact continuation",
+                    path.name, ", ".join(changes),
+                    "; with raw SVD signs (optim.align_signs=false) round-off can flip a basis vector, and the "
+                    "runs then agree in distribution only" if flips else "")
 
 
 def lever_changes(recorded: Any, config: RunConfig, path: Path) -> list[str]:

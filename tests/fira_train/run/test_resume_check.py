@@ -92,6 +92,26 @@ def test_a_resume_with_another_thread_count_warns_that_it_is_not_bit_exact(tmp_p
     assert "with train.num_threads=1 (now 2): the run goes on equal to round-off, not bit for bit" in caplog.text
 
 
+@pytest.mark.parametrize("settings, flips", [(("optim.method=adamw",), False),
+                                              (("optim.method=fira", "optim.align_signs=true"), False),
+                                              (("optim.method=fira", "optim.align_signs=false"), True),
+                                              (("optim.method=fira-released",), True)])
+def test_the_round_off_warning_names_sign_flips_only_where_the_run_has_raw_svd_signs(tmp_path: Path, caplog,
+                                                                                     settings, flips) -> None:
+    """A resume at another world size or thread count said that "with raw SVD signs (align_signs=false,
+    the default) round-off can flip a basis vector" for AdamW, which projects nothing, and for a run
+    with aligned signs, which the caveat does not touch."""
+    from fira_train.run.resume_check import warn_round_off
+
+    config = micro_config(tmp_path, *settings)
+    with caplog.at_level(logging.WARNING):
+        warn_round_off(config_to_dict(config), micro_config(tmp_path, *settings, "train.num_threads=2"),
+                       Path("step_00000002"))
+    assert "with train.num_threads=1 (now 2): the run goes on equal to round-off" in caplog.text
+    assert ("with raw SVD signs (optim.align_signs=false) round-off can flip a basis vector" in caplog.text) is flips
+    assert "the default" not in caplog.text
+
+
 def test_a_resume_with_other_default_threads_warns_too(tmp_path: Path, caplog) -> None:
     """train.num_threads=0 takes torch's default count, which depends on the machine and on
     OMP_NUM_THREADS: the checkpoint records the count it ran with, and a resume with another one
