@@ -133,7 +133,8 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
         # each in turn): one interrupted before its peers lost them first, and nothing is wrong
         return _run_again(f"another process of this torchrun launch stopped ({peer})",
                           "if it was interrupted (Ctrl-C), nothing needs fixing; else its own error, printed by "
-                          "that process, says why: fix that", args)
+                          "that process, says why (one killed, by kill -9 or the out-of-memory killer, printed "
+                          "none: torchrun's report names its signal): fix that", args)
     return _short_write(err, args)
 
 

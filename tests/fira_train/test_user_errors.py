@@ -241,6 +241,8 @@ def test_a_rank_whose_peer_stopped_says_so_in_one_line() -> None:
     # Ctrl-C under torchrun (SIGINT to each process in turn): the rank interrupted first printed
     # "interrupted", the next one this line, which sent the user looking for an error none made
     assert "stopped (Connection closed by peer): if it was interrupted (Ctrl-C), nothing needs fixing; else " in line
+    # a peer killed (kill -9, the out-of-memory killer) printed no error: torchrun's report names its signal
+    assert "(one killed, by kill -9 or the out-of-memory killer, printed none: torchrun's report names its signal)" in line
     # each command's own way on (compare --parallel ddp resumes too; analyze, which has no --resume, reuses)
     assert "again with --reuse" in describe(gloo, argparse.Namespace(out="runs/x", command="analyze"))
     nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:3356, remote process exited or there was a network error")
