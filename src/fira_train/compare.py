@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fira_train.config.method_spec import (SHARED, parse_method_spec, parse_method_specs, refuse_same_runs,
                                           refuse_spec_keys)
+from fira_train.config.overrides import override_key
 from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
@@ -64,21 +65,29 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
                          "compare trains every method on the same data, tokens and seed (its report says so); "
                          "set it for all of them with key=value")
         configs = [method_config(config, m, out_dir) for m in methods]  # validates every name first
-        for run_config in configs:  # and the launch each run needs, before the first one trains
-            check_launch(run_config)
+        for method, run_config in zip(methods, configs):  # and the launch each run needs, before the first trains
+            try:
+                check_launch(run_config)
+            except ValueError as err:
+                if not any(override_key(o) == "train.parallel" for o in parse_method_spec(method).overrides):
+                    raise
+                # the spec's own train.parallel, not the command line's --parallel, is the one refused
+                raise ValueError(f"method spec {method!r}: {err}") from None
         refuse_same_runs([parse_method_spec(m) for m in methods], config)
     # a sweep's or an analysis's folder: --overwrite replaced its report and put the comparison's
     # runs beside (or over) its own
     refuse_other_commands_output(out_dir, own=REPORT_TITLE, writer="a comparison's", analyses=True)
     check_report_owner(out_dir, (REPORT_TITLE,), "compare", overwrite=overwrite)
-    if config.train.parallel != "none":
-        # One process group for all the runs (each train() then reuses it); rank 0 reports.
-        with distributed_session(config) as env:
-            _train_all(config, methods, configs, out_dir, resume, overwrite)
+    parallel = [c for c in configs if c.train.parallel != "none"]  # --parallel, or a spec's own
+    if parallel:
+        # One process group for all the runs (each train() then reuses it); rank 0 reports. A
+        # group that each run made and left (a spec's own train.parallel) could not be made again.
+        with distributed_session(parallel[0]) as env:
+            _train_all(config, methods, configs, out_dir, resume, overwrite, isolated=False)
             if not env.is_main:
                 return out_dir / "report.md", out_dir / "loss.png"
             return write_report(out_dir, methods, command=command), plot_curves(out_dir, methods)
-    _train_all(config, methods, configs, out_dir, resume, overwrite)
+    _train_all(config, methods, configs, out_dir, resume, overwrite, isolated=True)
     report = write_report(out_dir, methods, command=command)
     plot = plot_curves(out_dir, methods)
     return report, plot
@@ -97,8 +106,9 @@ def _check_resumable(todo: list[tuple[str, RunConfig]]) -> None:
 
 
 def _train_all(config: RunConfig, methods: list[str], configs: list[RunConfig], out_dir: Path,
-               resume: bool, overwrite: bool) -> None:
-    """Train the methods one after another on one shared corpus."""
+               resume: bool, overwrite: bool, isolated: bool) -> None:
+    """Train the methods one after another on one shared corpus; each in a fresh process where
+    ``isolated`` (no process group)."""
     # first: a missing or too small corpus makes no folder; OUT inside the corpus is not read
     with before_the_run(not resume):  # a failure's hint does not offer --resume for OUT's earlier runs
         corpus = build_corpus(config.data, exclude=(out_dir,))
@@ -113,7 +123,7 @@ def _train_all(config: RunConfig, methods: list[str], configs: list[RunConfig], 
             continue
         log.info("[%d/%d] %s -> %s", index, len(methods), method, run_dir)
         request = "latest" if resume else None
-        if config.train.parallel == "none":  # a fresh process: the run's peak memory is its own
+        if isolated:  # a fresh process: the run's peak memory is its own
             summary = run_isolated(train, run_config, resume=request, overwrite=overwrite)
         else:
             summary = train(run_config, resume=request, overwrite=overwrite, corpus=corpus)

@@ -223,6 +223,40 @@ def test_under_torchrun_a_run_whose_micro_batch_the_processes_cannot_share_is_re
     assert not (tmp_path / "cmp").exists()
 
 
+def _specs_own_parallel_worker(rank: int, world: int, root: str) -> list:
+    config = micro_config(Path(root), "train.steps=2", "train.eval_every=2")  # no --parallel: the specs say it
+    compare(config, ["fira@train.parallel=ddp", "adamw@train.parallel=fsdp2"], Path(root) / "cmp")
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 has written the summaries and the report
+    return [json.loads((Path(root) / "cmp" / spec / "summary.json").read_text())["val_loss"]
+            for spec in ("fira@train.parallel=ddp", "adamw@train.parallel=fsdp2")]
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_specs_of_their_own_parallel_mode_train_in_one_process_group(tmp_path: Path) -> None:
+    """`torchrun --nproc_per_node 2 ... compare --methods fira@train.parallel=ddp,adamw@train.parallel=fsdp2`
+    (no --parallel) ran each method in a process group of its own: the first trained, the second's
+    group could not be made again (gloo "connectFullMesh failed ... Connection refused", a
+    traceback). Now one group serves every run, as with --parallel."""
+    from tests.multiprocess import run_ranks
+
+    micro_config(tmp_path)  # the corpus, before the workers read it
+    losses = run_ranks(_specs_own_parallel_worker, 2, tmp_path / "w", str(tmp_path), timeout=100)
+    assert losses[0] == losses[1]
+    assert (tmp_path / "cmp" / "report.md").exists()
+
+
+def test_a_spec_of_its_own_parallel_mode_that_the_launch_refuses_is_named(tmp_path: Path, monkeypatch) -> None:
+    """A spec's train.parallel=none under --parallel ddp with 2 processes said "train.parallel is
+    'none': pass --parallel ddp" to a user who had passed it."""
+    config = micro_config(tmp_path, "train.steps=1", "train.parallel=ddp")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^method spec 'adamw@train.parallel=none': 2 processes were launched "):
+        compare(config, ["fira", "adamw@train.parallel=none"], tmp_path / "cmp")
+    assert not (tmp_path / "cmp").exists()
+
+
 def test_an_out_that_is_the_corpus_folder_is_not_refused_for_its_report(tmp_path: Path) -> None:
     """compare writes report.md and loss.png beside its runs' folders (each locked, not listed):
     none a document, so the corpus keeps its identity and a --resume reuses the runs. It was
