@@ -257,6 +257,15 @@ def test_a_spec_of_its_own_parallel_mode_that_the_launch_refuses_is_named(tmp_pa
     assert not (tmp_path / "cmp").exists()
 
 
+def test_compare_with_parallel_in_one_process_is_refused_naming_compare(tmp_path: Path) -> None:
+    """`fira-train compare ... --parallel ddp` without torchrun was told to launch
+    `torchrun ... -m fira_train pretrain ... --parallel ddp`, another command."""
+    config = micro_config(tmp_path, "train.steps=1", "train.parallel=ddp")
+    with pytest.raises(ValueError, match=r"needs the processes of a torchrun launch, e\.g\. torchrun "
+                                         r"--nproc_per_node 2 -m fira_train pretrain\|compare \.\.\. --parallel ddp"):
+        compare(config, ["fira", "adamw"], tmp_path / "cmp")
+
+
 def test_an_out_that_is_the_corpus_folder_is_not_refused_for_its_report(tmp_path: Path) -> None:
     """compare writes report.md and loss.png beside its runs' folders (each locked, not listed):
     none a document, so the corpus keeps its identity and a --resume reuses the runs. It was

@@ -83,7 +83,7 @@ def distributed_session(config: RunConfig) -> Iterator[DistributedEnv]:
         if not env.distributed:
             raise ValueError(
                 f"train.parallel={mode!r} needs the processes of a torchrun launch, e.g. "
-                f"torchrun --nproc_per_node 2 -m fira_train pretrain ... --parallel {mode}")
+                f"torchrun --nproc_per_node 2 -m fira_train pretrain|compare ... --parallel {mode}")
         yield env
     except BaseException as err:
         # The traceback keeps the finished training frames (and their DDP / FSDP2 model)
