@@ -248,6 +248,8 @@ def _train(config: RunConfig, env: DistributedEnv | None, resume: str | int | No
         # wait (building it there alone could outlast the timeout)
         with before_the_run(resume is None):  # a failure's hint does not offer --resume for OUT's earlier run
             corpus = build_corpus(config.data, exclude=(out,))  # a run folder inside the corpus is not read
+    if distributed:
+        train_parallel.check_same_data(corpus, config.data.source, env)  # before OUT is prepared
     finished = _finished_summary(config, out, resume, env, main, corpus)
     if finished is not None:
         log.info("%s holds this run, finished: nothing to resume (its summary.json is kept; "

@@ -6,7 +6,8 @@ The training loop stays one loop; what differs under ``torchrun`` lives here:
   ``--parallel``; join the process group (gloo on CPU, NCCL on CUDA) and leave it at the end,
   also on an error, after the DDP / FSDP2 model is released (a DDP model that outlives its
   gloo group can hang in its destructor);
-- :func:`check_same_config`: refuse processes given different settings;
+- :func:`check_same_config` / :func:`check_same_data`: refuse processes given different
+  settings, or reading different data;
 - :func:`accumulation_context`: DDP all-reduces the gradients once per optimizer step, not
   once per micro-batch;
 - :func:`eval_rows` / :func:`sum_over_ranks`: validation on this rank's rows, reduced to the
@@ -109,11 +110,38 @@ def check_same_config(config: RunConfig, env: DistributedEnv) -> None:
     silently, each replica with its own value, and the run recorded rank 0's. Known before the
     run's folder is touched; :data:`PER_PROCESS_KEYS` may differ."""
     mine = {key: value for key, value in flat_config(config).items() if key not in PER_PROCESS_KEYS}
+    differences = _differences(mine, env)
+    if differences:
+        error = ValueError(f"the {env.world_size} processes of this launch were given different settings: "
+                           f"{differences}; every process of a torchrun launch must run the same command line")
+        setattr(error, SAME_ON_EVERY_RANK, True)  # each rank gathered the same: rank 0 says it for all
+        raise error
+
+
+def check_same_data(corpus: Any, source: str, env: DistributedEnv) -> None:
+    """ValueError on every rank, naming what each rank read, where the processes of the launch
+    read different data from the same ``data.source`` (``source``): machines of a multi-node
+    launch each with a copy of their own, or a relative path read from another folder. Each
+    rank trained on its own rows of other batches, and the checkpoints recorded rank 0's data.
+    Compares the corpus's fingerprint and the digest of its token ids (what a checkpoint
+    records of its data, :func:`fira_train.run.state.corpus_record`), known once it is built."""
+    described = corpus.describe()
+    mine = {key: described.get(key) for key in ("corpus", "token_digest") if described.get(key)}
+    differences = _differences(mine, env)
+    if differences:
+        error = ValueError(f"the {env.world_size} processes of this launch read different data from data.source="
+                           f"{source!r}: {differences}; every process must read the same corpus (on several "
+                           "machines, the same files at the same path)")
+        setattr(error, SAME_ON_EVERY_RANK, True)  # each rank gathered the same: rank 0 says it for all
+        raise error
+
+
+def _differences(mine: dict[str, Any], env: DistributedEnv) -> str:
+    """Every rank's ``mine`` gathered: ``"key=A on rank 0, B on ranks 1, 2; ..."`` for each key
+    whose value differs between ranks, "" where none does (the same on every rank)."""
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, mine)
     keys = sorted({key for theirs in gathered[1:] for key in changed_keys(gathered[0], theirs)})
-    if not keys:
-        return
     described = []
     for key in keys:
         ranks: dict[str, list[int]] = {}
@@ -122,11 +150,7 @@ def check_same_config(config: RunConfig, env: DistributedEnv) -> None:
         described.append(f"{key}=" + ", ".join(
             f"{value} on rank{'s' if len(where) > 1 else ''} {', '.join(map(str, where))}"
             for value, where in ranks.items()))
-    error = ValueError(f"the {env.world_size} processes of this launch were given different settings: "
-                       f"{'; '.join(described)}; every process of a torchrun launch must run the same "
-                       "command line")
-    setattr(error, SAME_ON_EVERY_RANK, True)  # each rank gathered the same: rank 0 says it for all
-    raise error
+    return "; ".join(described)
 
 
 def accumulation_context(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:

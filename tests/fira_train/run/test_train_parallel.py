@@ -375,6 +375,39 @@ def test_processes_given_different_settings_are_refused_before_the_run(reference
     assert not (root / "mismatched").exists()
 
 
+def _other_data_worker(rank: int, world: int, root: str) -> list | None:
+    import os
+
+    # one relative data.source read from each rank's own folder, as machines of a multi-node
+    # launch each read a copy of their own
+    os.chdir(Path(root) / f"node{rank}")
+    config = micro_config(Path(root), *COMMON, "train.parallel=ddp", "train.steps=2", "data.source=corpus",
+                          out="other-data")
+    try:
+        train(config)
+    except ValueError as err:
+        return [str(err), getattr(err, SAME_ON_EVERY_RANK, False)]
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_processes_reading_different_data_are_refused_before_the_run(tmp_path):
+    """Ranks whose data.source gave other text each trained on their rows of their own batches, and
+    the run recorded rank 0's data: nothing said so. Now every rank refuses it alike."""
+    from tests.fira_train.harness_fixtures import write_corpus
+
+    for rank in range(2):
+        write_corpus(tmp_path / f"node{rank}" / "corpus", seed=rank)
+    for message, marked in run_ranks(_other_data_worker, 2, tmp_path / "w", str(tmp_path), timeout=100):
+        assert message.startswith("the 2 processes of this launch read different data from data.source='corpus': "
+                                  "corpus='"), message
+        assert "' on rank 0, '" in message and "' on rank 1; token_digest='" in message
+        assert message.endswith("every process must read the same corpus (on several machines, the same files at "
+                                "the same path)")
+        assert marked is True
+    assert not (tmp_path / "other-data").exists()
+
+
 def test_bad_parallel_mode_is_a_config_error(tmp_path):
     with pytest.raises(ValueError, match=r"train\.parallel .*'pipeline'"):
         micro_config(tmp_path, "train.parallel=pipeline")
