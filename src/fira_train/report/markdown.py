@@ -74,8 +74,17 @@ def holds_analysis(out_dir: Path) -> bool:
     if analysis_heading(out_dir):
         return True
     try:
-        return any((child / ANALYSIS_RUN_FILE).is_file() for child in out_dir.iterdir() if child.is_dir())
+        return any(_holds_analysis_run(child) for child in out_dir.iterdir())
     except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _holds_analysis_run(folder: Path) -> bool:
+    """Whether ``folder`` is a run of an analysis's; a folder that cannot be read (a mount point's
+    root-only ``lost+found``: PermissionError) holds none."""
+    try:
+        return folder.is_dir() and (folder / ANALYSIS_RUN_FILE).is_file()
+    except OSError:
         return False
 
 

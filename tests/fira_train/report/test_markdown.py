@@ -162,3 +162,31 @@ def test_the_peak_memory_note_gives_each_run_s_launch_when_they_differ(tmp_path:
     assert ("launch by method: fira on rank 0 of 2 processes (`--parallel ddp`), adamw in a fresh "
             "process; the processes") in text
     assert "(each run in a fresh process)" not in text
+
+
+def test_a_folder_it_cannot_read_is_no_analysis_run(tmp_path: Path, monkeypatch) -> None:
+    """compare looks into every folder of its --out for an analysis's run (analysis_run.json): a
+    folder the user cannot read (a mount point's root-only lost+found) raised PermissionError, and
+    compare stopped with a traceback where it ran before. Such a folder holds no run of ours; an
+    analysis's run beside it is still found."""
+    import errno
+    import pathlib
+
+    from fira_train.files import ANALYSIS_RUN_FILE
+    from fira_train.report.markdown import REPORT_TITLE, holds_analysis, refuse_other_commands_output
+
+    out = tmp_path / "out"
+    (out / "lost+found").mkdir(parents=True)
+    stat = pathlib.Path.stat
+
+    def denied(self, *args, **kwargs):  # as for a user other than root
+        if self.parent.name == "lost+found":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "stat", denied)
+    assert not holds_analysis(out)
+    refuse_other_commands_output(out, own=REPORT_TITLE, writer="a comparison's", analyses=True)
+    (out / "fira").mkdir()
+    (out / "fira" / ANALYSIS_RUN_FILE).write_text("{}")
+    assert holds_analysis(out)
