@@ -35,6 +35,7 @@ from . import distributed, loading, precision, refresh, unprojected
 from .compiled import COMPILED
 from .finite import NonFiniteGradientError, finite_flags, recheck_overflow
 from .options import (
+    Base,
     Hyper,
     Implementation,
     NonFinite,
@@ -91,8 +92,9 @@ class Fira(Optimizer):
             passed explicitly and no group sets its own (as torch's keywords are the defaults of
             the groups: a Hugging Face Trainer's decay / no-decay groups). A group added later
             with ``add_param_group`` is projected iff it sets ``rank``. Dict groups none of
-            which sets ``rank``, without ``rank=``, are all plain AdamW: a ``UserWarning`` says so
-            where they hold a matrix (``rank=None`` is the way to mean it).
+            which sets ``rank``, without ``rank=``, are all plain AdamW (their ``base``'s plain
+            optimizer): a ``UserWarning`` says so where they hold a matrix (``rank=None`` is the way
+            to mean it).
         lr: learning rate :math:`\eta` (default 1e-3).
         betas: :math:`(\beta_1, \beta_2)` (default (0.9, 0.999)); RMSProp uses :math:`\beta_2`.
         eps: :math:`\epsilon` of the base optimizer, the scaling factor and the limiter (default
@@ -999,11 +1001,17 @@ def _warn_if_unranked_groups_hold_matrices(groups: list[dict[str, Any]]) -> None
     if not any(p.dim() == 2 and p.is_floating_point() for group in groups for p in group["params"]):
         return
     who = "the param group does not set" if len(groups) == 1 else f"none of the {len(groups)} param groups sets"
+    # an unprojected group steps with its base optimizer (torch's, weight decay decoupled)
+    plain = " / ".join(dict.fromkeys(_PLAIN_BASE[Base(group["base"])] for group in groups))
     warnings.warn(f"{who} 'rank', and rank= was not passed: a dict group is projected only with a "
                   "'rank' of its own (as in the released fira), so nothing is projected and the optimizer is plain "
-                  "AdamW. Pass rank=r to project each group's 2-D tensors, set 'rank' in the groups "
-                  "(fira_optim.param_groups(model)), or pass rank=None where plain AdamW is meant",
+                  f"{plain}. Pass rank=r to project each group's 2-D tensors, set 'rank' in the groups "
+                  f"(fira_optim.param_groups(model)), or pass rank=None where plain {plain} is meant",
                   UserWarning, stacklevel=caller_level())
+
+
+#: What a group that is not projected steps with, by its ``base`` (decoupled weight decay).
+_PLAIN_BASE = {Base.ADAM: "AdamW", Base.ADAGRAD: "Adagrad", Base.RMSPROP: "RMSprop"}
 
 
 def _warn_if_nothing_projected(group: dict[str, Any], group_index: int) -> None:

@@ -332,6 +332,16 @@ def test_dict_groups_none_of_which_sets_a_rank_warn_that_nothing_is_projected():
         FiraAdamW([{"params": biases}])
 
 
+@pytest.mark.parametrize(("base", "plain"), [("adagrad", "Adagrad"), ("rmsprop", "RMSprop")])
+def test_the_warning_of_groups_without_a_rank_names_the_base_optimizer_they_step_with(base, plain):
+    """Unprojected groups step with the base optimizer (torch's Adagrad / RMSprop with decoupled
+    weight decay): the warning said "plain AdamW" of an optimizer built with base='adagrad'."""
+    weights = [p for p in _model().parameters() if p.dim() == 2]
+    with pytest.warns(UserWarning, match=rf"nothing is projected and the optimizer is plain {plain}\b") as caught:
+        FiraAdamW([{"params": weights}], base=base)
+    assert not any("AdamW" in str(w.message).split("rank= was not passed")[1] for w in caught)
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"lr": "0.1"}, "Invalid lr: '0.1'; expected a number"),  # a string from a config file
     ({"eps": None}, "Invalid eps: None"),
