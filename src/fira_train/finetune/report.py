@@ -107,7 +107,8 @@ def training_span(results: dict[str, Any]) -> TrainingSpan:
     resumed at the last step, adds its checkpoint loading), else the last sitting's."""
     training = results.get("training") or {}
     history = training.get("sittings") or []
-    if len(history) > 1:  # the sum of every sitting's (train_s and the peak are the last sitting's)
+    if len(history) > 1:  # the sum of every sitting's (the peak is the last sitting's; so was train_s in
+        # a results.json written before it became the sum)
         seconds, peak = sitting_totals(history)
         return TrainingSpan(seconds, peak, history, None, results["config"]["steps"])
     return TrainingSpan(results["time"]["train_s"], results["memory"]["train_peak_rss_mib"], [],
