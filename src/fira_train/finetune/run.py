@@ -87,6 +87,20 @@ def _refuse_earlier_results(config: FinetuneConfig) -> None:
                  if left.is_dir() and not left.is_symlink() and checkpoint_folders(left) else "")
         raise FinetuneError(f"{config.out_dir / 'results.json'} already holds the results of a run: pass "
                             f"--overwrite to replace them, or choose another --out{stale}")
+    others = _other_predictions(config)
+    if others and not config.overwrite:
+        # a start deletes them (the paired comparison reads every file there): without results.json
+        # beside them they are no earlier run's that --overwrite was asked to replace
+        raise FinetuneError(f"{config.out_dir / 'predictions'} holds {', '.join(others)}, which this run (tasks "
+                            f"{', '.join(config.tasks)}) would delete: pass --overwrite to replace them, or "
+                            "choose another --out")
+
+
+def _other_predictions(config: FinetuneConfig) -> list[str]:
+    """The ``predictions/*.jsonl`` files in ``out_dir`` of tasks this run does not evaluate: a start
+    deletes them, so that the folder holds this run's tasks only."""
+    folder = config.out_dir / "predictions"
+    return sorted(p.name for p in folder.glob("*.jsonl") if p.stem not in config.tasks) if folder.is_dir() else []
 
 
 def trained_line(training: dict[str, Any]) -> str:
@@ -136,9 +150,8 @@ def _train_and_evaluate(config: FinetuneConfig, model: torch.nn.Module | None, t
 
     out = config.out_dir
     (out / "predictions").mkdir(parents=True, exist_ok=True)
-    for stale in (out / "predictions").glob("*.jsonl"):  # an earlier run's tasks (--overwrite): the
-        if stale.stem not in config.tasks:               # paired comparison reads every file here
-            stale.unlink()
+    for stale in _other_predictions(config):  # an earlier run's tasks (--overwrite): the paired
+        (out / "predictions" / stale).unlink()  # comparison reads every file here
     per_task: dict[str, Any] = {}
     eval_started = time.perf_counter()
     scorer = LoglikScorer(model, tokenizer, batch_size=config.eval_batch_size) if config.scoring == "loglik" else None

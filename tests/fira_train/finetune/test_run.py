@@ -341,6 +341,22 @@ def test_earlier_results_are_kept_unless_overwrite(tiny_model_dir, tmp_path, cap
     assert sorted(p.name for p in (out / "predictions").iterdir()) == ["boolq.jsonl"]
 
 
+def test_predictions_of_other_tasks_without_results_are_kept_unless_overwrite(tiny_model_dir, tmp_path, capsys):
+    """A start deletes the predictions/*.jsonl of tasks it does not evaluate: in a folder without
+    results.json (another tool's predictions/, a stopped start of other tasks) they were deleted
+    silently, without --overwrite."""
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "o"
+    (out / "predictions").mkdir(parents=True)
+    (out / "predictions" / "gsm8k.jsonl").write_text('{"mine": 1}\n')
+    err = _one_line_error(capsys, _zero_shot(model_dir, data, out))
+    assert str(out / "predictions") in err and "gsm8k.jsonl" in err and "--overwrite" in err
+    assert (out / "predictions" / "gsm8k.jsonl").read_text() == '{"mine": 1}\n'
+    assert not (out / "results.json").exists()
+    run_cli(_zero_shot(model_dir, data, out, "--overwrite"))  # asked for: replaced
+    assert sorted(p.name for p in (out / "predictions").iterdir()) == ["boolq.jsonl"]
+
+
 def test_a_report_md_fine_tuning_did_not_write_is_kept_unless_overwrite(tiny_model_dir, tmp_path, capsys):
     """A start deletes report.md before it trains: one of the user's (or another command's) in --out
     is refused without --overwrite, as compare and sweep refuse it, where it was deleted silently."""
