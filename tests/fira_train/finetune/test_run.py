@@ -357,6 +357,21 @@ def test_predictions_of_other_tasks_without_results_are_kept_unless_overwrite(ti
     assert sorted(p.name for p in (out / "predictions").iterdir()) == ["boolq.jsonl"]
 
 
+def test_a_folder_of_other_files_takes_the_run_beside_them_as_the_readme_says(tiny_model_dir, tmp_path):
+    """The README's "Foreign files": finetune writes its own names beside a folder's other files
+    (here a model's config.json and a pretrain run's summary.json) and leaves them as they are."""
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "o"
+    out.mkdir()
+    theirs = {"config.json": '{"model_type": "llama"}', "summary.json": '{"steps": 3}', "metrics.jsonl": "{}\n"}
+    for name, text in theirs.items():
+        (out / name).write_text(text)
+    run_cli(_zero_shot(model_dir, data, out))
+    assert all((out / name).read_text() == text for name, text in theirs.items())
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    assert "`fira-train finetune` is the exception: it writes its own names only" in readme
+
+
 def test_a_report_md_fine_tuning_did_not_write_is_kept_unless_overwrite(tiny_model_dir, tmp_path, capsys):
     """A start deletes report.md before it trains: one of the user's (or another command's) in --out
     is refused without --overwrite, as compare and sweep refuse it, where it was deleted silently."""
