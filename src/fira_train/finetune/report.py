@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
+from fira_train.finetune.config import LORA_METHODS
 from fira_train.finetune.paired import Paired, compare, pool
 from fira_train.finetune.stats import wilson_interval
 from fira_train.run.peak_memory import env_prefix
@@ -134,6 +135,9 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         (f"Trained on {', '.join(results['trained_on']) or '-'} ({results['train_records']} records, "
          f"{config['steps']} steps x {config['batch_size']}, lr {config['lr']}"
+         # the method's own size (None where it has none): runs of a rank sweep differ only there
+         f"{', rank ' + str(config['rank']) if config.get('rank') is not None else ''}"
+         f"{', LoRA r ' + str(config['lora_r']) if config['method'] in LORA_METHODS else ''}"
          f"{', updates in the backward pass' if config.get('step_in_backward') else ''}"
          f"{', ' + config['precision'] + ' mixed precision' if config.get('precision') in ('bf16', 'fp16') else ''}"
          f"{', recipe ' + config['recipe'] if config.get('recipe') else ''})" if results["training"]

@@ -74,6 +74,21 @@ def test_title_names_a_local_model_by_its_folder_and_a_hub_model_by_its_id():
     assert "Trained on boolq (6 records, 3 steps x 2, lr 0.0001); scored by" in render_report(local)
 
 
+def test_the_training_line_names_the_rank_and_the_lora_r_a_method_trains_with():
+    """Two runs of a rank sweep wrote the same report.md: the rank was in results.json only."""
+    def trained(**config):
+        returned = results({"boolq": 7})
+        returned["training"] = {"loss_first": 3.0, "loss_tail_mean": 2.0, "optimizer": "FiraAdamW"}
+        returned["config"].update(config)
+        return next(t for t in render_report(returned).splitlines() if t.startswith("Trained on"))
+
+    assert "lr 0.0001, rank 8)" in trained(rank=8, lora_r=None)
+    assert "lr 0.0001, rank 16, LoRA r 32)" in trained(method="fira-lora", rank=16, lora_r=32)
+    assert "lr 0.0001)" in trained(method="adamw", rank=None, lora_r=None)  # no rank of its own
+    assert "lr 0.0001)" in trained()  # a record from before the options
+    assert "lr 0.0001)" in trained(method="adamw", rank=None, lora_r=32)  # ... which kept every method's lora_r
+
+
 def test_comparison_pairs_every_run_with_the_baseline():
     runs = {"a": results({"boolq": 2, "piqa": 1}), "b": results({"boolq": 3, "piqa": 1})}
     a = {"boolq": {0: True, 1: True, 2: False}, "piqa": {5: True, 6: False}}
