@@ -229,7 +229,10 @@ def load_split(data_dir: str | Path, task: str | TaskSpec, split: str) -> list[d
     try:
         records = parse_json(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise CommonsenseDataError(f"{path} is not valid JSON: {err}") from None
+        # a JSON Lines file (one record per line, as many datasets ship) stops after its first record
+        lines = (" (it holds one JSON value after another, as JSON Lines does: the LLM-Adapters format is one "
+                 "JSON list of records, [{...}, {...}])" if err.msg == "Extra data" else "")
+        raise CommonsenseDataError(f"{path} is not valid JSON: {err}{lines}") from None
     except UnicodeDecodeError as err:
         raise CommonsenseDataError(
             f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "

@@ -120,6 +120,10 @@ def test_load_split_validates_records(tmp_path):
     (tmp_path / "ARC-Easy" / "test.json").write_text("{broken")
     with pytest.raises(CommonsenseDataError, match="is not valid JSON"):
         load_split(tmp_path, "ARC-Easy", "test")
+    (tmp_path / "ARC-Easy" / "test.json").write_text("\n".join(json.dumps(good) for _ in range(3)))  # JSON Lines
+    with pytest.raises(CommonsenseDataError, match=r"Extra data: line 2 column 1 .*as JSON Lines does: the "
+                                                   r"LLM-Adapters format is one JSON list of records"):
+        load_split(tmp_path, "ARC-Easy", "test")
     (tmp_path / "ARC-Easy" / "test.json").write_text("[" * 100_000)  # a RecursionError's traceback before
     with pytest.raises(CommonsenseDataError, match="is not valid JSON: nested too deeply"):
         load_split(tmp_path, "ARC-Easy", "test")
