@@ -446,6 +446,17 @@ def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser = actions[0].choices[chosen]
 
 
+def _no_overrides(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """What a ``key=value`` among ``unknown`` is to a command that takes none (``finetune``,
+    ``methods``): pretrain's config overrides (``optim.state_dtype=int8``) have no meaning there,
+    and argparse's "unrecognized arguments" alone did not say so."""
+    takes_overrides = any(action.dest == "overrides" for action in parser._actions)
+    if takes_overrides or not any("=" in item and not item.startswith("-") for item in unknown):
+        return ""
+    return (f" ({parser.prog} takes no key=value config overrides: its settings are its flags, "
+            f"listed by {parser.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Pre-train LLaMA models with Fira, GaLore, AdamW, LoRA and more.")
@@ -633,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     with _stderr_on_rank_zero():  # a command line argparse refuses, every process refuses: rank 0 says why
         args, unknown = parser.parse_known_args(argv)
         if unknown:  # the command's usage and name, not the top level's ("fira-train [-h] COMMAND ...")
-            _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
+            chosen = _chosen_parser(parser, args)
+            chosen.error(f"unrecognized arguments: {' '.join(unknown)}{_no_overrides(chosen, unknown)}")
     args.argv = argv  # recorded in reports
     # Under torchrun only rank 0 reports progress; every rank reports warnings and errors (but those
     # of the command line and its config, which rank 0 reports for all: same_on_every_rank).

@@ -621,6 +621,20 @@ def test_an_unknown_flag_is_named_with_its_commands_usage(argv: list[str], prog:
     assert f"usage: {prog} " in err and f"{prog}: error: unrecognized arguments: {argv[-2] if argv[-1].isdigit() else argv[-1]}" in err
 
 
+def test_a_key_value_given_to_a_command_without_overrides_says_it_takes_flags(capsys) -> None:
+    """finetune takes no config overrides: 'optim.state_dtype=int8' (pretrain's spelling) was refused
+    as an unrecognized argument alone, without a word of where its settings are."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["finetune", "--tasks", "boolq", "--data-dir", "d", "optim.state_dtype=int8"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert ("fira-train finetune: error: unrecognized arguments: optim.state_dtype=int8 (fira-train finetune takes "
+            "no key=value config overrides: its settings are its flags, listed by fira-train finetune --help)") in err
+    with pytest.raises(SystemExit):  # a command that takes overrides: argparse's line as it was
+        cli.main(["pretrain", "--recipe", "micro", "--method", "fira", "--bogus", "train.steps=2"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --bogus")
+
+
 @pytest.mark.parametrize(("given", "named"), [
     (["--lrs", "-0.001,0.001"], "--lrs: '-0.001' must be a positive finite number"),
     (["--lrs", "-1e-3"], "--lrs: '-1e-3' must be a positive finite number"),
