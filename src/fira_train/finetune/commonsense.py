@@ -229,6 +229,8 @@ def load_split(data_dir: str | Path, task: str | TaskSpec, split: str) -> list[d
     try:
         records = parse_json(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
+        if not err.doc.strip():  # json's "Expecting value: line 1 column 1 (char 0)" did not say it
+            raise CommonsenseDataError(f"{path} is empty: it must hold a JSON list of records ([] for none)") from None
         # a JSON Lines file (one record per line, as many datasets ship) stops after its first record
         lines = (" (it holds one JSON value after another, as JSON Lines does: the LLM-Adapters format is one "
                  "JSON list of records, [{...}, {...}])" if err.msg == "Extra data" else "")

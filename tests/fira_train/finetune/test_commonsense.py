@@ -124,6 +124,9 @@ def test_load_split_validates_records(tmp_path):
     with pytest.raises(CommonsenseDataError, match=r"Extra data: line 2 column 1 .*as JSON Lines does: the "
                                                    r"LLM-Adapters format is one JSON list of records"):
         load_split(tmp_path, "ARC-Easy", "test")
+    (tmp_path / "ARC-Easy" / "test.json").write_text(" \n")  # a download that wrote nothing
+    with pytest.raises(CommonsenseDataError, match=r"test.json is empty: it must hold a JSON list of records"):
+        load_split(tmp_path, "ARC-Easy", "test")
     (tmp_path / "ARC-Easy" / "test.json").write_text("[" * 100_000)  # a RecursionError's traceback before
     with pytest.raises(CommonsenseDataError, match="is not valid JSON: nested too deeply"):
         load_split(tmp_path, "ARC-Easy", "test")
