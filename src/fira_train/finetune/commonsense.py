@@ -225,6 +225,10 @@ def load_split(data_dir: str | Path, task: str | TaskSpec, split: str) -> list[d
     if not path.is_file():
         present = sorted(p.stem for p in path.parent.glob("*.json")) if path.parent.is_dir() else []
         found = f"the folder holds {present}" if present else f"{path.parent} does not exist or holds no .json"
+        root = Path(data_dir)
+        if (root / f"{split}.json").is_file():  # --data-dir named a task's folder, not the one above them
+            found += (f"; {root} itself holds {split}.json: data_dir is the folder that holds one folder per task, "
+                      f"here perhaps {str(root.resolve().parent)!r}")
         raise CommonsenseDataError(f"task {spec.name!r} has no {split} file: {path} is missing ({found})")
     try:
         records = parse_json(path.read_text(encoding="utf-8"))

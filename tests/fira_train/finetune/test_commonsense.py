@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,10 @@ def test_load_split_validates_records(tmp_path):
         load_split(tmp_path, "boolq", "train")
     with pytest.raises(CommonsenseDataError, match="task 'piqa' has no test file"):
         load_split(tmp_path, "piqa", "test")
+    parent = re.escape(str(tmp_path))
+    with pytest.raises(CommonsenseDataError, match=rf"boolq itself holds test.json: data_dir is the folder that "
+                                                   rf"holds one folder per task, here perhaps '{parent}'"):
+        load_split(tmp_path / "boolq", "boolq", "test")  # the task's folder given for the data's
     _write(tmp_path, "piqa", "test", [{**good, "answer": "true"}])
     with pytest.raises(CommonsenseDataError, match="answer='true', not one of \\['solution1', 'solution2'\\]"):
         load_split(tmp_path, "piqa", "test")
