@@ -75,28 +75,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="output folder (default runs/finetune/<method>)")
     p.add_argument("--max-train", type=int, default=None,
                    help="training records (default steps x batch size: one pass)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="training records per optimizer step (default 8)")
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate (default per method: {_per_method(DEFAULT_LR)})")
     p.add_argument("--warmup-steps", type=int, default=None, help="default min(100, steps // 10)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW-style weight decay (default 0)")
     p.add_argument("--rank", type=int, default=None,
                    help=f"Fira/GaLore/APOLLO/Flora rank (default {_per_method(DEFAULT_RANK)})")
-    p.add_argument("--update-proj-gap", type=int, default=200)
+    p.add_argument("--update-proj-gap", type=int, default=200,
+                   help="steps between subspace refreshes: Fira/GaLore, APOLLO's and Flora's projections (default 200)")
     p.add_argument("--alpha", type=float, default=1.0, help="Fira/GaLore scale alpha (default 1.0)")
     p.add_argument("--target-modules", default="all-linear",
                    help="weights Fira/GaLore/APOLLO project in full fine-tuning: all-linear, a comma list or a regex")
-    p.add_argument("--lora-r", type=int, default=32)
-    p.add_argument("--lora-alpha", type=int, default=64)
-    p.add_argument("--lora-dropout", type=float, default=0.05)
-    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,up_proj,down_proj")
-    p.add_argument("--cutoff-len", type=int, default=256)
+    p.add_argument("--lora-r", type=int, default=32, help="lora, fira-lora: adapter rank (default 32)")
+    p.add_argument("--lora-alpha", type=int, default=64, help="lora, fira-lora: adapter scale numerator (default 64)")
+    p.add_argument("--lora-dropout", type=float, default=0.05, help="lora, fira-lora: adapter dropout (default 0.05)")
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,up_proj,down_proj",
+                   help="lora, fira-lora: comma-separated module names given adapters "
+                        "(default q_proj,k_proj,v_proj,up_proj,down_proj)")
+    p.add_argument("--cutoff-len", type=int, default=256,
+                   help="training text cut at this many tokens (default 256)")
     p.add_argument("--no-train-on-inputs", dest="train_on_inputs", action="store_false",
                    help="mask the prompt tokens out of the loss")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="generated tokens per answer (--scoring generate)")
-    p.add_argument("--eval-batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="generated tokens per answer (--scoring generate; default 32)")
+    p.add_argument("--eval-batch-size", type=int, default=16, help="examples per evaluation batch (default 16)")
+    p.add_argument("--seed", type=int, default=42,
+                   help="seed of the training records' draw and order, the training, and the --max-eval subset "
+                        "(default 42)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (results.json, report.md, predictions/)")
     p.add_argument("--save-steps", type=int, default=50,

@@ -139,3 +139,19 @@ def test_finetune_under_torchrun_is_refused_once_before_anything_is_made(tmp_pat
         assert ("fira-train finetune: error: finetune trains in one process (it takes no --parallel): launch it "
                 "in one process, not under torchrun (2 processes were launched)" in err) is printed, err
     assert not (tmp_path / "run").exists()
+
+
+def test_every_option_of_the_help_says_what_it_is() -> None:
+    """--batch-size, --seed, --lora-r, --cutoff-len and others were listed by --help with their
+    metavar alone: neither what they set nor their default."""
+    import argparse
+
+    from fira_train.cli import build_parser
+
+    parser = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["finetune"]
+    bare = [action.option_strings[-1] for action in parser._actions
+            if action.option_strings and not action.help]
+    assert bare == []
+    flags = {action.option_strings[-1]: action for action in parser._actions if action.option_strings}
+    for flag in ("--batch-size", "--seed", "--lora-r", "--cutoff-len", "--eval-batch-size", "--update-proj-gap"):
+        assert f"default {flags[flag].default})" in flags[flag].help, flag
