@@ -31,8 +31,12 @@ def load_records(config: FinetuneConfig) -> tuple[list[dict], dict[str, list[dic
     train: list[dict] = []
     trained_on: list[str] = []
     if config.trains:
-        pool, trained_on = _training_pool(config)
-        train = [record for _, _, record in pool[:train_limit(config)]]
+        pool, with_records = _training_pool(config)
+        drawn = pool[:train_limit(config)]
+        train = [record for _, _, record in drawn]
+        # the tasks the drawn records come from: a short run's draw may hold none of a task's
+        # (the report listed every task with a training set as trained on)
+        trained_on = [task for task in with_records if any(name == task for name, _, _ in drawn)]
     return train, tests, trained_on
 
 

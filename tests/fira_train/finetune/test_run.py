@@ -533,6 +533,22 @@ def test_a_task_whose_train_file_holds_no_records_is_not_trained_on(tmp_path):
         load_records(config)
 
 
+def test_a_task_none_of_whose_records_the_run_draws_is_not_listed_as_trained_on(tmp_path):
+    """The draw of a short run (steps x batch size records of the union) may hold no record of a
+    task: it was listed as trained on all the same ("training ... on 2 records from boolq, piqa")."""
+    from fira_train.finetune.data import load_records
+
+    data = write_data(tmp_path)
+    rng = random.Random(1)
+    (data / "piqa" / "train.json").write_text(json.dumps([piqa_record(rng) for _ in range(4)]))
+    for steps, expected in ((1, ["boolq"]), (50, ["boolq", "piqa"])):  # 2 of 100 records; then all of them
+        config = FinetuneConfig(tasks=["boolq", "piqa"], data_dir=str(data), method="fira", steps=steps,
+                                batch_size=2)
+        train, _, trained_on = load_records(config)
+        drawn = {"piqa" if "solution" in r["answer"] else "boolq" for r in train}
+        assert trained_on == expected and set(trained_on) == drawn, steps
+
+
 REAL = default_data_dir()
 
 
@@ -541,9 +557,9 @@ def test_training_uses_the_four_tasks_that_have_a_training_set():
     from fira_train.finetune.data import load_records
 
     tasks = ["boolq", "piqa", "social_i_qa", "winogrande", "ARC-Easy", "ARC-Challenge", "openbookqa"]
-    config = FinetuneConfig(tasks=tasks, data_dir=str(REAL), method="fira", steps=5, batch_size=4)
+    config = FinetuneConfig(tasks=tasks, data_dir=str(REAL), method="fira", steps=50, batch_size=4)
     train, tests, trained_on = load_records(config)
-    assert trained_on == ["boolq", "ARC-Easy", "ARC-Challenge", "openbookqa"] and len(train) == 20
+    assert trained_on == ["boolq", "ARC-Easy", "ARC-Challenge", "openbookqa"] and len(train) == 200
     assert {name: len(records) for name, records in tests.items()} == {name: 500 for name in tasks}
 
 
