@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import fira_optim
 from fira_train.config.resolve import resolved_align_signs, saved_config
 from fira_train.config.run_config import RunConfig
 from fira_train.methods.registry import get_method
@@ -126,10 +127,12 @@ def warn_round_off(recorded: Any, config: RunConfig, path: Path, environment: An
                 log.warning("resuming from %s, written by other code (%s): a fix made since may change "
                             "the run from here on", path.name, code_change)
     if changes:
-        # only where the run projects with raw SVD signs: aligned signs, or a method without
-        # projections, have no basis vector to flip
+        # only where the run projects with raw SVD signs: aligned signs, a method without
+        # projections, or a random or randomized projector (a variant's own wins) have no SVD
+        # basis vector to flip
+        projector = fira_optim.VARIANTS.get(config.optim.method, {}).get("projector", config.optim.projector)
         flips = (get_method(config.optim.method).reads("optim.align_signs")
-                 and resolved_align_signs(config) is False)
+                 and resolved_align_signs(config) is False and projector == "svd")
         log.warning("resuming from %s with %s: the run goes on equal to round-off, not bit for bit (another "
                     "summation order)%s. Resume with the checkpoint's setting for an exact continuation",
                     path.name, ", ".join(changes),

@@ -112,6 +112,23 @@ def test_the_round_off_warning_names_sign_flips_only_where_the_run_has_raw_svd_s
     assert "the default" not in caplog.text
 
 
+@pytest.mark.parametrize("settings", [("optim.method=fira-only-scaling-random",),
+                                      ("optim.method=fira", "optim.projector=random"),
+                                      ("optim.method=galore", "optim.projector=randomized")])
+def test_the_round_off_warning_names_no_sign_flips_without_an_svd_projector(tmp_path: Path, caplog, settings) -> None:
+    """Raw signs (optim.align_signs=false) with a random basis, or the warm-started randomized one
+    (aligned by construction), have no SVD basis vector for round-off to flip: the warning said
+    they did."""
+    from fira_train.run.resume_check import warn_round_off
+
+    config = micro_config(tmp_path, *settings, "optim.align_signs=false")
+    with caplog.at_level(logging.WARNING):
+        warn_round_off(config_to_dict(config), micro_config(tmp_path, *settings, "optim.align_signs=false",
+                                                            "train.num_threads=2"), Path("step_00000002"))
+    assert "with train.num_threads=1 (now 2): the run goes on equal to round-off" in caplog.text
+    assert "flip" not in caplog.text
+
+
 def test_a_resume_with_other_default_threads_warns_too(tmp_path: Path, caplog) -> None:
     """train.num_threads=0 takes torch's default count, which depends on the machine and on
     OMP_NUM_THREADS: the checkpoint records the count it ran with, and a resume with another one
