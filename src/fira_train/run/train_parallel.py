@@ -97,8 +97,10 @@ def distributed_session(config: RunConfig) -> Iterator[DistributedEnv]:
             destroy_distributed()
 
 
-#: Settings the processes of a launch may give differently: each process's own compute, not the run's.
-PER_PROCESS_KEYS = frozenset({"train.num_threads"})
+#: Settings the processes of a launch may give differently: each process's own compute, not the run's,
+#: and where it caches its tokenizer and tokens (a disk of each machine's own; the data the ranks
+#: read is compared by :func:`check_same_data`).
+PER_PROCESS_KEYS = frozenset({"train.num_threads", "data.cache_dir"})
 
 
 def check_same_config(config: RunConfig, env: DistributedEnv) -> None:

@@ -375,6 +375,29 @@ def test_processes_given_different_settings_are_refused_before_the_run(reference
     assert not (root / "mismatched").exists()
 
 
+def _own_cache_worker(rank: int, world: int, root: str) -> float:
+    # each machine of a multi-node launch its own cache folder (a disk of its own), the same data
+    config = micro_config(Path(root), *COMMON, "train.parallel=ddp", "train.steps=2", "train.eval_every=2",
+                          f"data.cache_dir={Path(root) / f'cache{rank}'}", out="own-cache")
+    return train(config)["val_loss"]
+
+
+@pytest.mark.timeout(120)
+def test_processes_may_cache_the_data_in_folders_of_their_own(tmp_path):
+    """data.cache_dir is where a process keeps its tokenizer and tokens, not a setting of the run
+    (a resume may change it; what the ranks read is compared as data): machines of a multi-node
+    launch each given a cache folder of their own were refused as given different settings."""
+    import shutil
+
+    from fira_train.data.build import build_corpus
+
+    build_corpus(micro_config(tmp_path, f"data.cache_dir={tmp_path / 'cache0'}").data)
+    shutil.copytree(tmp_path / "cache0", tmp_path / "cache1")  # built once, for speed: each rank reads its own
+    losses = run_ranks(_own_cache_worker, 2, tmp_path / "w", str(tmp_path), timeout=100)
+    assert losses[0] == losses[1]
+    assert (tmp_path / "own-cache" / "summary.json").exists()
+
+
 def _other_data_worker(rank: int, world: int, root: str) -> list | None:
     import os
 
