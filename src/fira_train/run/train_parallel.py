@@ -125,11 +125,13 @@ def check_same_data(corpus: Any, source: str, env: DistributedEnv) -> None:
     read different data from the same ``data.source`` (``source``): machines of a multi-node
     launch each with a copy of their own, or a relative path read from another folder. Each
     rank trained on its own rows of other batches, and the checkpoints recorded rank 0's data.
-    Compares the corpus's fingerprint and the digest of its token ids (what a checkpoint
-    records of its data, :func:`fira_train.run.state.corpus_record`), known once it is built."""
+    Compares the digest of its token ids, else (a streamed corpus) its fingerprint: the most
+    exact record, as a resume compares a checkpoint's (:func:`fira_train.data.corpus.data_change`);
+    the fingerprint also changes where only the tokenizer's file is written otherwise (another
+    ``tokenizers`` release), the ids the same. Known once the corpus is built; the error names both."""
     described = corpus.describe()
     mine = {key: described.get(key) for key in ("corpus", "token_digest") if described.get(key)}
-    differences = _differences(mine, env)
+    differences = _differences(mine, env, decisive="token_digest" if "token_digest" in mine else "corpus")
     if differences:
         error = ValueError(f"the {env.world_size} processes of this launch read different data from data.source="
                            f"{source!r}: {differences}; every process must read the same corpus (on several "
@@ -138,12 +140,15 @@ def check_same_data(corpus: Any, source: str, env: DistributedEnv) -> None:
         raise error
 
 
-def _differences(mine: dict[str, Any], env: DistributedEnv) -> str:
+def _differences(mine: dict[str, Any], env: DistributedEnv, decisive: str | None = None) -> str:
     """Every rank's ``mine`` gathered: ``"key=A on rank 0, B on ranks 1, 2; ..."`` for each key
-    whose value differs between ranks, "" where none does (the same on every rank)."""
+    whose value differs between ranks, "" where none does (the same on every rank), or where
+    the ``decisive`` key does not."""
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, mine)
     keys = sorted({key for theirs in gathered[1:] for key in changed_keys(gathered[0], theirs)})
+    if decisive is not None and decisive not in keys:
+        return ""
     described = []
     for key in keys:
         ranks: dict[str, list[int]] = {}

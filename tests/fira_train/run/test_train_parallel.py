@@ -431,6 +431,32 @@ def test_processes_reading_different_data_are_refused_before_the_run(tmp_path):
     assert not (tmp_path / "other-data").exists()
 
 
+def _other_tokenizer_file_worker(rank: int, world: int, root: str) -> float:
+    if rank == 1:
+        # another tokenizers release, which writes the same tokenizer's file otherwise: another
+        # corpus fingerprint, the same ids
+        from fira_train.data import build
+
+        original = build.tokenizer_fingerprint
+        build.tokenizer_fingerprint = lambda tokenizer: original(tokenizer) + "-written-otherwise"
+    config = micro_config(Path(root), *COMMON, "train.parallel=ddp", "train.steps=2", "train.eval_every=2",
+                          out="same-ids")
+    return train(config)["val_loss"]
+
+
+@pytest.mark.timeout(120)
+def test_processes_reading_the_same_ids_under_other_corpus_fingerprints_train(tmp_path):
+    """The token digest decides where every rank has one, as on a resume (a checkpoint's record of
+    its data): ranks whose tokenizer file was written otherwise (another tokenizers release) read
+    the same ids under another corpus fingerprint, and were refused as reading different data."""
+    from fira_train.data.build import build_corpus
+
+    build_corpus(micro_config(tmp_path).data)  # the corpus, before the workers read it
+    losses = run_ranks(_other_tokenizer_file_worker, 2, tmp_path / "w", str(tmp_path), timeout=100)
+    assert losses[0] == losses[1]
+    assert (tmp_path / "same-ids" / "summary.json").exists()
+
+
 def test_bad_parallel_mode_is_a_config_error(tmp_path):
     with pytest.raises(ValueError, match=r"train\.parallel .*'pipeline'"):
         micro_config(tmp_path, "train.parallel=pipeline")
