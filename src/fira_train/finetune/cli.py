@@ -142,6 +142,10 @@ def checkpoint_folder(args: argparse.Namespace) -> Path | None:
 def run_from_args(args: argparse.Namespace) -> int:
     """The sub-command: errors in options, data or model are one line on stderr and exit status 1,
     as for every fira-train command (2 stays argparse's, for a malformed command line)."""
+    # each process would train the whole run into the same --out: the second stopped on the lock
+    # that its peer held, as if another run were using the folder. Said before the imports below,
+    # which take seconds in each process
+    refuse_torchrun("finetune trains in one process (it takes no --parallel)")
     # imported when the command runs: they load torch and transformers
     from fira_train.methods.packages import quiet_import_logs
 
@@ -150,9 +154,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     from fira_train.methods.pretrained import ModelLoadError
     from fira_train.run.run_lock import RunDirectoryBusy
 
-    # each process would train the whole run into the same --out: the second stopped on the lock
-    # that its peer held, as if another run were using the folder
-    refuse_torchrun("finetune trains in one process (it takes no --parallel)")
     try:
         config = config_from_args(args)
         unused = config.unused_flags()

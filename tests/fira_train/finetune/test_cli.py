@@ -155,3 +155,18 @@ def test_every_option_of_the_help_says_what_it_is() -> None:
     flags = {action.option_strings[-1]: action for action in parser._actions if action.option_strings}
     for flag in ("--batch-size", "--seed", "--lora-r", "--cutoff-len", "--eval-batch-size", "--update-proj-gap"):
         assert f"default {flags[flag].default})" in flags[flag].help, flag
+
+
+def test_finetune_under_torchrun_is_refused_before_it_loads_transformers(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Each process of the launch imported transformers' Trainer (seconds) before it was refused."""
+    import sys
+
+    from fira_train.cli import main
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setitem(sys.modules, "fira_train.finetune.run", None)  # importing it raises ImportError
+    argv = ["finetune", "--tasks", "boolq", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "run")]
+    assert main(argv) == 1
+    assert "not under torchrun (2 processes were launched)" in capsys.readouterr().err
