@@ -6,6 +6,7 @@ Importing this module loads no torch: the ``finetune`` parser is built from it.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -213,6 +214,7 @@ class FinetuneConfig:
             raise FinetuneError(f"seed={self.seed!r} must be an integer in [0, {2**32 - 1}]")
         if self.out == "":
             raise FinetuneError("out='' names no folder: give a path, or leave --out out for runs/finetune/<method>")
+        self._refuse_out_in_the_data()
         if self.state_dtype not in STATE_DTYPES:
             raise FinetuneError(f"state_dtype={self.state_dtype!r} must be one of {', '.join(STATE_DTYPES)}")
         if self.state_rounding not in STATE_ROUNDINGS:
@@ -228,6 +230,20 @@ class FinetuneConfig:
             if given and self.trains and self.method not in FIRA_METHODS:
                 raise FinetuneError(f"{name}={getattr(self, name)!r} is an option of the Fira-family methods "
                                     f"({', '.join(FIRA_METHODS)}), not of method={self.method!r}")
+
+    def _refuse_out_in_the_data(self) -> None:
+        """FinetuneError where ``out`` is the data folder or one of its tasks' folders (``--out`` and
+        ``--data-dir`` swapped, or a path copied from the other): the run wrote its results.json,
+        predictions/ and trainer/ checkpoints among the task sets, a folder often shared and read-only
+        to everyone but its owner (root wrote there regardless)."""
+        data = os.path.realpath(Path(self.data_dir).expanduser())
+        out = os.path.realpath(self.out_dir.expanduser())
+        folders = {data: "the data folder", **{os.path.join(data, task): f"the folder of task {task!r} in the data"
+                                              for task in self.tasks}}
+        if out in folders:
+            raise FinetuneError(f"out={str(self.out_dir)!r} is {folders[out]} (data_dir={self.data_dir!r}): the "
+                                "run's results, predictions and checkpoints would be written among the task sets; "
+                                "choose an --out outside it")
 
     def _apply_recipe(self) -> None:
         if self.recipe not in RECIPES:

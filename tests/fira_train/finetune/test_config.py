@@ -142,3 +142,20 @@ def test_flags_a_run_does_not_use_are_named() -> None:
     assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="lora", alpha=0.5).unused_flags() == ["--alpha"]
     assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="fira", alpha=0.5, lr=0.1).unused_flags() == []
     assert FinetuneConfig(tasks=["boolq"], data_dir=".", method="none").unused_flags() == []  # defaults: nothing typed
+
+
+def test_an_out_that_is_the_data_folder_or_a_tasks_folder_is_refused(tmp_path) -> None:
+    """--out given the data folder (the flags swapped): the run wrote results.json, predictions/
+    and its Trainer checkpoints among the task sets, also into a read-only shared folder as root."""
+    data = tmp_path / "commonsense"
+    (data / "boolq").mkdir(parents=True)
+    for out, what in ((data, "the data folder"), (data / "boolq", "the folder of task 'boolq' in the data"),
+                      (tmp_path / "link", "the data folder")):
+        if out.name == "link":
+            out.symlink_to(data)
+        with pytest.raises(FinetuneError, match=rf"^out='{out}' is {what} \(data_dir='{data}'\): .*choose an "
+                                                r"--out outside it$"):
+            FinetuneConfig(tasks=["boolq"], data_dir=str(data), out=str(out))
+    # beside the data, or a folder of its own inside it, is a run's folder like any other
+    for out in (tmp_path / "run", data / "runs" / "fira", data / "piqa"):
+        assert FinetuneConfig(tasks=["boolq"], data_dir=str(data), out=str(out)).out_dir == out
