@@ -674,8 +674,7 @@ class _ScalerInBackward:
         return True
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.loss_scale.state_dict()
-        return {**state, "_growth_tracker": state["growth_tracker"]}  # a GradScaler reads it too
+        return self.loss_scale.state_dict()  # GradScaler's keys: a GradScaler reads it too
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_scale.load_state_dict(state)

@@ -177,18 +177,19 @@ class LossScale:
             self._scaled_passes = 0
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain values (``torch.load(weights_only=True)`` reads them); the keys of GradScaler's
-        but ``growth_tracker`` (GradScaler: ``_growth_tracker``), and ``dynamic``."""
-        return {"scale": self.get_scale(), "growth_tracker": int(self._growth_tracker),
+        """Plain values (``torch.load(weights_only=True)`` reads them); GradScaler's keys, so that
+        ``torch.amp.GradScaler.load_state_dict`` takes it, and ``dynamic`` and ``skipped``."""
+        return {"scale": self.get_scale(), "_growth_tracker": int(self._growth_tracker),
                 "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                 "growth_interval": self.growth_interval, "dynamic": self.dynamic, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take back :meth:`state_dict`, or a ``torch.amp.GradScaler``'s."""
+        """Take back :meth:`state_dict`, or a ``torch.amp.GradScaler``'s (the same keys), or one
+        saved by an older release (its tracker under ``growth_tracker``)."""
         state = dict(state)
-        if "_growth_tracker" in state:  # GradScaler's name
-            state.setdefault("growth_tracker", state.pop("_growth_tracker"))
-        missing = {"scale", "growth_tracker"} - set(state)
+        if "growth_tracker" in state:  # an older release's name
+            state.setdefault("_growth_tracker", state.pop("growth_tracker"))
+        missing = {"scale", "_growth_tracker"} - set(state)
         if missing:
             raise ValueError(f"a loss-scale state needs {sorted(missing)}, got keys {sorted(state)}")
         settings = {"growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
@@ -203,7 +204,7 @@ class LossScale:
         _check_settings(1.0, **settings)
         self._scale.fill_(float(state["scale"]))
         self._inverse()
-        self._growth_tracker.fill_(int(state["growth_tracker"]))
+        self._growth_tracker.fill_(int(state["_growth_tracker"]))
         self.growth_factor, self.backoff_factor = float(settings["growth_factor"]), float(settings["backoff_factor"])
         self.growth_interval, self.dynamic = _integer(settings["growth_interval"]), settings["dynamic"]
         self.skipped = int(state.get("skipped", 0))  # a GradScaler's state has no count

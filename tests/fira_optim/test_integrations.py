@@ -372,11 +372,11 @@ def test_step_in_backward_with_fp16_scales_the_loss_per_update_and_saves_the_sca
     assert torch.equal(weights[0], weights[1])
     assert trainer._loss_scale.handle is None  # the handle was removed when train() returned
     saved = torch.load(tmp_path / "True" / "checkpoint-2" / "scaler.pt", weights_only=True)
-    assert saved["scale"] == 2.0 ** 16 and saved["growth_tracker"] == 2
+    assert saved["scale"] == 2.0 ** 16 and saved["_growth_tracker"] == 2
     resumed_model = tiny_llama(seed=123)
     resumed = FiraTrainer(model=resumed_model, args=args, train_dataset=TokenDataset(), step_in_backward=True)
     resumed.train(resume_from_checkpoint=str(tmp_path / "True" / "checkpoint-2"))
-    assert resumed._loss_scale.state_dict()["growth_tracker"] == 4  # 2 from the checkpoint + 2 steps
+    assert resumed._loss_scale.state_dict()["_growth_tracker"] == 4  # 2 from the checkpoint + 2 steps
     assert torch.equal(torch.cat([p.detach().flatten() for p in resumed_model.parameters()]), weights[1])
     # the scaler.pt also resumes the Trainer without step_in_backward (its GradScaler)
     plain = FiraTrainer(model=tiny_llama(seed=123), args=args, train_dataset=TokenDataset())

@@ -102,20 +102,36 @@ def test_the_scale_resumes_from_its_state_dict_with_weights_only():
     other = LossScale()
     other.load_state_dict(torch.load(buffer, weights_only=True))
     assert other.state_dict() == scale.state_dict() == {
-        "scale": 16.0, "growth_tracker": 1, "growth_factor": 2.0, "backoff_factor": 0.5,
+        "scale": 16.0, "_growth_tracker": 1, "growth_factor": 2.0, "backoff_factor": 0.5,
         "growth_interval": 3, "dynamic": True, "skipped": 0}
-    with pytest.raises(ValueError, match=r"needs \['growth_tracker'\]"):
+    with pytest.raises(ValueError, match=r"needs \['_growth_tracker'\]"):
         other.load_state_dict({"scale": 4.0})
     with pytest.raises(ValueError, match=r"a loss-scale state's scale must be a finite number in \(0, 3.4e\+38\], got scale=-1.0"):
-        other.load_state_dict({"scale": -1.0, "growth_tracker": 0})
+        other.load_state_dict({"scale": -1.0, "_growth_tracker": 0})
     with pytest.raises(ValueError, match="got scale=inf"):
-        other.load_state_dict({"scale": float("inf"), "growth_tracker": 0})
-    other.load_state_dict({"scale": 1e-40, "growth_tracker": 0})  # backed off below float32's normal range
+        other.load_state_dict({"scale": float("inf"), "_growth_tracker": 0})
+    other.load_state_dict({"scale": 1e-40, "_growth_tracker": 0})  # backed off below float32's normal range
     assert 0 < other.get_scale() < 1.2e-38
     # GradScaler's state dict (its tracker is "_growth_tracker")
     gradscaler = torch.amp.GradScaler("cpu", init_scale=32.0, growth_interval=7)
     other.load_state_dict(gradscaler.state_dict())
     assert other.get_scale() == 32.0 and other.growth_interval == 7
+
+
+def test_a_gradscaler_takes_the_scales_state_dict_and_the_older_layout_still_loads():
+    """Both ways with torch.amp.GradScaler (its keys, ours beside them); a state saved by an
+    older release named the tracker growth_tracker."""
+    scale = LossScale(8.0, growth_interval=3)
+    for _ in range(4):
+        scale.update()
+    gradscaler = torch.amp.GradScaler("cpu")
+    gradscaler.load_state_dict(scale.state_dict())
+    assert gradscaler.state_dict() == {"scale": 16.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                       "growth_interval": 3, "_growth_tracker": 1}
+    older = LossScale()
+    older.load_state_dict({"scale": 16.0, "growth_tracker": 1, "growth_factor": 2.0, "backoff_factor": 0.5,
+                           "growth_interval": 3, "dynamic": True, "skipped": 2})
+    assert older.state_dict() == {**scale.state_dict(), "skipped": 2}
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
