@@ -34,7 +34,13 @@ def divide_params(
     ``torch.nn.utils.parametrize`` parametrization) is not projected, as :func:`param_groups`
     leaves it (the parameters it is computed from go to the unprojected group; the released
     helper put the computed tensor in the projected group, which torch refuses: "can't optimize
-    a non-leaf Tensor"), and a weight shared by several matched layers is listed once."""
+    a non-leaf Tensor"), and a weight shared by several matched layers is listed once. A
+    ``model`` that is not an ``nn.Module`` is a TypeError naming it (the released helper returned
+    None for ``model=None``, which the optimizer then refused as "not iterable")."""
+    if not isinstance(model, nn.Module):
+        got = "model=None" if model is None else f"model of type {type(model).__name__}"
+        raise TypeError(f"divide_params() takes the model (an nn.Module), got {got}; a list of tensors "
+                        "goes to FiraAdamW directly, which projects its 2-D ones")
     reject_fsdp1(model)  # FSDP1 flattens the weights: nothing would be projected, silently
     targets = list(target_modules_list)
     projected = _unique(

@@ -178,6 +178,15 @@ def test_divide_params_lists_a_weight_shared_by_two_matched_layers_once():
     FiraAdamW(divide_params(model, ["0", "2"], rank=2))  # no duplicate-parameter refusal
 
 
+def test_divide_params_refuses_what_is_not_a_model_naming_the_argument():
+    """The released helper returned None for model=None (FiraAdamW then failed on it, "'NoneType'
+    object is not iterable"); here the helper says what it takes."""
+    with pytest.raises(TypeError, match=r"divide_params\(\) takes the model \(an nn.Module\), got model=None"):
+        divide_params(None)
+    with pytest.raises(TypeError, match="got model of type generator"):
+        divide_params(_llama(False).parameters(), ["mlp"])
+
+
 def test_divide_params_defaults_match_released():
     model = _llama(False)
     ours = divide_params(model, ["mlp"])
