@@ -29,6 +29,9 @@ Known, with what the message says:
   the same command goes on from what is kept;
 - under ``torchrun``, a collective whose peer is gone (gloo's "Connection closed by peer", NCCL's
   "remote process exited"): that another process stopped, and that its own error says why;
+- under ``torchrun``, a collective that waited for a peer longer than the process group's timeout
+  (gloo's "Timed out waiting 5000ms", NCCL's watchdog): how long, that ``train.dist_timeout_s``
+  sets it, and that the peer hung or was slower;
 - divergence (:class:`fira_train.run.divergence.DivergedError`, ``NonFiniteLossError``,
   ``fira_optim.NonFiniteGradientError``): that the run diverged, and what to change;
 - an allocation that failed (``MemoryError``, numpy's included; torch's "DefaultCPUAllocator:
@@ -127,6 +130,13 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     behind = _disk_error_behind(err)
     if behind is not None:
         return _os_error(behind, args)
+    waited = _collective_timeout(err)
+    if waited is not None:
+        return _run_again(f"a collective of this torchrun launch waited {waited} (train.dist_timeout_s) for another "
+                          "process that did not answer: it hung (stopped by kill -STOP or a debugger, or stuck) "
+                          "or was slower than that",
+                          "find why that process stopped answering, or raise train.dist_timeout_s if it was only "
+                          "slow (building the data's cache, a checkpoint)", args)
     peer = _peer_gone(err)
     if peer is not None:
         # Ctrl-C reaches the processes of a launch one after another (torchrun forwards SIGINT to
@@ -140,6 +150,23 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
 
 #: What a collective says when the process at the other end is gone: gloo's TCP pair, NCCL.
 _PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|remote process exited or there was a network error")
+
+
+#: What a collective says when a peer did not answer in the process group's timeout: gloo's TCP
+#: pair, NCCL's watchdog; the timeout in milliseconds.
+_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for \w+ operation|"
+                        r"Watchdog caught collective operation timeout.*?Timeout\(ms\)=(\d+)")
+
+
+def _collective_timeout(err: BaseException) -> str | None:
+    """Under torchrun, a collective that waited for a peer longer than ``train.dist_timeout_s``
+    (a peer hung, not dead): how long it waited ("5 s"), or None."""
+    if not isinstance(err, RuntimeError):
+        return None
+    found = _TIMED_OUT.search(str(err))
+    if found is None:
+        return None
+    return f"{int(found.group(1) or found.group(2)) / 1000:g} s"
 
 
 def _peer_gone(err: BaseException) -> str | None:

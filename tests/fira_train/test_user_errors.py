@@ -251,6 +251,25 @@ def test_a_rank_whose_peer_stopped_says_so_in_one_line() -> None:
     assert describe(RuntimeError("Connection reset by peer while reading allenai/c4"), argparse.Namespace()) is None
 
 
+def test_a_collective_that_timed_out_names_train_dist_timeout_s() -> None:
+    """A peer that hung (not dead) failed the others' collective after the process group's timeout
+    with torch's traceback; the line says how long they waited and the setting that sets it. The
+    gloo text is a 2-process DDP run's, NCCL's its watchdog's."""
+    import argparse
+
+    from fira_train.user_errors import describe
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                        "Timed out waiting 5000ms for recv operation to complete")
+    line = describe(gloo, argparse.Namespace(out="runs/x", command="pretrain"))
+    assert line.startswith("a collective of this torchrun launch waited 5 s (train.dist_timeout_s) for another "
+                           "process that did not answer: it hung")
+    assert "again with --resume (the checkpoints already written in runs/x stay)" in line and "\n" not in line
+    nccl = RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, "
+                        "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
+    assert "waited 600 s (train.dist_timeout_s)" in describe(nccl, argparse.Namespace())
+
+
 def test_a_damaged_config_json_on_resume_names_the_file(root: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "run"
     assert _pretrain(root, out, steps=2) == 0

@@ -44,6 +44,10 @@ MAX_SEED = 2**32 - 1
 #: oversubscribe them.
 MAX_THREADS = 1024
 
+#: The longest ``train.dist_timeout_s`` (about 31 years): a finite number, which config.json
+#: records as a number (an infinity would be written as null) and ``datetime.timedelta`` holds.
+MAX_DIST_TIMEOUT_S = 10**9
+
 
 def _check(condition: bool, name: str, value: Any, requirement: str) -> None:
     if not condition:
@@ -269,6 +273,12 @@ class TrainConfig:
     "ddp" (replicated weights, averaged gradients) or "fsdp2" (weights, gradients and
     optimizer states sharded by rows). Every rank trains on its rows of each global batch, so
     ``batch_size`` and the tokens per step stay what the recipe says at any world size."""
+    dist_timeout_s: float = 0.0
+    """Under ``train.parallel`` ddp / fsdp2: seconds a collective (gloo or NCCL) waits for the other
+    processes of the launch before it fails with an error, as when one of them hangs (stopped, not
+    dead: a dead one's peers fail at once); 0 keeps torch's default (30 minutes for gloo, 10 for
+    NCCL). Give more than any process may spend alone while the others wait: building the data's
+    cache at the start, a checkpoint, a validation pass, a projection refresh."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size"):
@@ -301,6 +311,10 @@ class TrainConfig:
         _check(self.precision in PRECISIONS, "train.precision", self.precision, f"one of {PRECISIONS}")
         _check(self.device in DEVICES, "train.device", self.device, f"one of {DEVICES}")
         _check(self.parallel in PARALLEL_MODES, "train.parallel", self.parallel, f"one of {PARALLEL_MODES}")
+        _check(_is_number(self.dist_timeout_s) and (self.dist_timeout_s == 0 or 1 <= self.dist_timeout_s
+                                                    <= MAX_DIST_TIMEOUT_S),
+               "train.dist_timeout_s", self.dist_timeout_s,
+               f"0 (torch's default) or a number of seconds in [1, {MAX_DIST_TIMEOUT_S:.0e}]")
         for name in ("tensorboard", "progress", "activation_checkpointing"):
             _check(isinstance(getattr(self, name), bool), f"train.{name}", getattr(self, name), "a bool")
         _check(self.param_dtype in PARAM_DTYPES, "train.param_dtype", self.param_dtype,

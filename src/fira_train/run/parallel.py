@@ -18,6 +18,7 @@ Launch with ``torchrun --nproc_per_node N -m fira_train ...`` (gloo on CPU, NCCL
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -54,12 +55,15 @@ class DistributedEnv:
         return self.backend is not None
 
 
-def init_distributed(backend: str | None = None, device: str | torch.device | None = None) -> DistributedEnv:
+def init_distributed(backend: str | None = None, device: str | torch.device | None = None,
+                     timeout: float | None = None) -> DistributedEnv:
     """Join the process group that ``torchrun`` set up, or describe a one-process run.
 
     Reads ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``. Without them (plain ``python``) no
     process group is created. ``backend`` defaults to NCCL when CUDA is available, else gloo;
-    ``device`` to ``cuda:LOCAL_RANK`` or CPU.
+    ``device`` to ``cuda:LOCAL_RANK`` or CPU. ``timeout``: seconds a collective waits for the
+    other processes before it fails (a hung peer); None keeps torch's default (30 minutes for
+    gloo, 10 for NCCL). A group that is already initialised keeps its own.
     """
     world_size = launched_world_size()
     rank = int(os.environ.get("RANK", "0"))
@@ -77,7 +81,8 @@ def init_distributed(backend: str | None = None, device: str | torch.device | No
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" else None,
+                            **({} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}))
     return DistributedEnv(rank, world_size, local_rank, device, backend)
 
 

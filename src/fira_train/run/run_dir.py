@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 RESUMABLE_CHANGES = frozenset({
     "train.save_every", "train.keep_last", "train.eval_every", "train.progress",
     "train.tensorboard", "train.out_dir",
+    # how long a collective waits for a hung process: the run trains the same either way
+    "train.dist_timeout_s",
     # where tokenizers and tokens are cached: the data's own record (its token digest) is checked
     "data.cache_dir",
     # the same global batches at any world size or thread count: equal to round-off

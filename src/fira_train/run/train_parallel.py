@@ -72,14 +72,16 @@ def distributed_session(config: RunConfig) -> Iterator[DistributedEnv]:
     Joins the group ``torchrun`` describes (or uses one that is already initialised, e.g. by
     ``compare`` or a test) and destroys it on exit only if it created it. ``train.device``
     "cpu" forces gloo on a CUDA machine; "auto" / "cuda" take ``cuda:LOCAL_RANK`` when CUDA
-    is available.
+    is available. A group it creates waits ``train.dist_timeout_s`` in each collective (0:
+    torch's default).
     """
     mode = config.train.parallel
     if config.train.device == "cuda" and not torch.cuda.is_available():
         with same_on_every_rank():  # the config on this machine: the launch's processes refuse it alike
             raise ValueError("train.device='cuda' but CUDA is not available")
     created = not (dist.is_available() and dist.is_initialized())
-    env = init_distributed(device="cpu" if config.train.device == "cpu" else None)
+    env = init_distributed(device="cpu" if config.train.device == "cpu" else None,
+                           timeout=config.train.dist_timeout_s or None)
     try:
         if not env.distributed:
             raise ValueError(

@@ -504,3 +504,80 @@ def test_parallel_flag_sets_train_parallel(command):
         config_from_args(args)  # as for every flag: which one won would depend on nothing written
     with pytest.raises(SystemExit):
         parser.parse_args([*command, "--parallel", "tp"])
+
+
+def _hung_peer_worker(rank: int, world: int, root: str) -> dict:
+    """Leaves the test's group and joins one through ``distributed_session`` as a torchrun launch
+    does (env://, here a rendezvous file), with ``train.dist_timeout_s=2``. Rank 1 stops itself
+    (SIGSTOP: hung, not dead) before the DDP backward; rank 0's backward waits for it, then rank 0
+    lets it go on (SIGCONT)."""
+    import argparse
+    import functools
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from fira_train.run.train_parallel import distributed_session
+    from fira_train.user_errors import describe
+
+    config = micro_config(Path(root), "train.parallel=ddp", "train.device=cpu", "train.dist_timeout_s=2")
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
+    join = dist.init_process_group
+    dist.init_process_group = functools.partial(join, init_method=f"file://{root}/store-hung")
+    try:
+        with distributed_session(config):
+            model = DistributedDataParallel(torch.nn.Linear(4, 4))
+            pids = [None] * world
+            dist.all_gather_object(pids, os.getpid())
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+                try:  # rank 0 gave up on this rank: its group is gone
+                    dist.barrier()
+                except RuntimeError:
+                    pass
+                return {}
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{pids[1]}/stat").read_text().split(")")[-1].split()[0] != "T":
+                assert time.monotonic() < deadline, "rank 1 did not stop"
+                time.sleep(0.05)
+            started = time.monotonic()
+            try:
+                model(torch.ones(2, 4)).sum().backward()  # DDP all-reduces the gradient
+            except RuntimeError as err:
+                waited = time.monotonic() - started
+                line = describe(err, argparse.Namespace(command="pretrain", out="runs/x"))
+                return {"error": str(err), "waited": waited, "line": line}
+            finally:
+                os.kill(pids[1], signal.SIGCONT)
+            return {"error": None}
+    finally:
+        dist.init_process_group = join
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_peer_is_an_error_after_train_dist_timeout_s(tmp_path):
+    """A process stopped with kill -STOP left the others of a --parallel launch waiting silently
+    for torch's default timeout (30 minutes on gloo); with train.dist_timeout_s=2 the collective
+    fails after 2 s, and the command's one line names the setting and the time it waited."""
+    outcome = run_ranks(_hung_peer_worker, 2, tmp_path / "w-hung", str(tmp_path), timeout=100)[0]
+    assert outcome["error"] is not None and "Timed out waiting 2000ms" in outcome["error"], outcome
+    assert 1.5 < outcome["waited"] < 20, outcome
+    assert outcome["line"].startswith("a collective of this torchrun launch waited 2 s (train.dist_timeout_s) "
+                                      "for another process that did not answer"), outcome["line"]
+    assert "raise train.dist_timeout_s" in outcome["line"] and "with --resume" in outcome["line"]
+
+
+def test_train_dist_timeout_s_is_checked_and_may_change_on_resume(tmp_path):
+    from fira_train.run.run_dir import resume_ignores
+
+    assert micro_config(tmp_path).train.dist_timeout_s == 0  # torch's default timeout
+    assert micro_config(tmp_path, "train.dist_timeout_s=60").train.dist_timeout_s == 60
+    for value in ("-1", "0.5", "inf", "nan", "1e10"):
+        with pytest.raises(ValueError, match=r"^train.dist_timeout_s must be 0 \(torch's default\) or a number of "
+                                             r"seconds in \[1, 1e\+09\], got "):
+            micro_config(tmp_path, f"train.dist_timeout_s={value}")
+    assert "train.dist_timeout_s" in resume_ignores(micro_config(tmp_path))
