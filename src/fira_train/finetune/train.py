@@ -129,7 +129,8 @@ SETTINGS_BEFORE_RECORDED = {"step_in_backward": False, "state_dtype": "float32",
 def resume_point(config: FinetuneConfig) -> str | None:
     """The newest complete checkpoint of an earlier, interrupted start of the same run, or None
     (newer incomplete ones are removed, each with a ``UserWarning``). A checkpoint saved with
-    other settings is refused (continuing it would mix two runs)."""
+    other settings, or without the record of its settings that a start writes beside it (another
+    run's, copied in), is refused (continuing it would mix two runs)."""
     folder = checkpoint_dir(config)
     # an earlier start's checkpoints are continued even where this start writes none (--save-steps 0)
     if not (config.trains and folder.is_dir() and checkpoint_folders(folder)):
@@ -139,10 +140,19 @@ def resume_point(config: FinetuneConfig) -> str | None:
 
 
 def _check_settings(config: FinetuneConfig, folder: Path) -> None:
-    """FinetuneError if the checkpoints in ``folder`` were saved with other settings than ``config``'s."""
+    """FinetuneError if the checkpoints in ``folder`` were saved with other settings than ``config``'s,
+    or without a record of their settings (``run_settings.json``)."""
     record = folder / "run_settings.json"
     hint = "remove the folder to start again, or choose another --out"
-    saved = read_json(record, hint=hint) if record.is_file() else {}
+    if not record.is_file():
+        # a run writes it before its first checkpoint (and removes it after them): checkpoints
+        # without it are no start of this run's (copied in, another tool's), which were continued
+        # as this run's on the few settings a record lacks, then deleted with the results written
+        found = ", ".join(path.name for _, path in checkpoint_folders(folder))
+        raise FinetuneError(f"{folder} holds checkpoints ({found}) without {record.name}, the record of the "
+                            f"settings a start of this run writes beside them: they are not known to be this "
+                            f"run's; {hint}")
+    saved = read_json(record, hint=hint)
     if not isinstance(saved, dict):  # compared with nothing, it continued whatever it held
         raise FinetuneError(f"{record} is not a record of a run's settings (a JSON object): {hint}")
     given, effective = _settings(config, effective=False), _settings(config)

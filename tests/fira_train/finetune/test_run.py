@@ -877,6 +877,30 @@ def test_a_damaged_settings_record_beside_checkpoints_is_named(tmp_path, text, m
     assert str(record) in str(err.value) and message in str(err.value) and "start again" in str(err.value)
 
 
+@pytest.mark.parametrize("overwrite", [(), ("--overwrite",)])
+def test_checkpoints_without_a_settings_record_are_refused_not_continued_and_deleted(tiny_model_dir, tmp_path,
+                                                                                    capsys, overwrite):
+    """Another run's checkpoint-<step> copied into OUT/trainer without its run_settings.json was
+    continued as this run's (compared on the four settings a record from before them implies),
+    with another learning rate, then deleted once the results were written. A run writes the
+    record before its first checkpoint: without it they are refused, named, and left as they are
+    (--overwrite replaces results, not checkpoints)."""
+    model_dir, data = tiny_model_dir
+    out = tmp_path / "o"
+    copied = _checkpoint(out / "trainer", 2)
+    (copied / "optimizer.pt").write_bytes(b"another run's state")
+    argv = ["--model", str(model_dir), "--tasks", "boolq", "--method", "fira", "--data-dir", str(data),
+            "--steps", "4", "--batch-size", "2", "--rank", "4", "--scoring", "generate", "--max-eval", "2",
+            "--save-steps", "2", "--out", str(out), *overwrite]
+    err = _one_line_error(capsys, argv)
+    assert err.strip() == (f"fira-train finetune: error: {out / 'trainer'} holds checkpoints (checkpoint-2) without "
+                           "run_settings.json, the record of the settings a start of this run writes beside them: they "
+                           "are not known to be this run's; remove the folder to start again, or choose another --out")
+    assert sorted(p.name for p in (out / "trainer").iterdir()) == ["checkpoint-2"]
+    assert (copied / "optimizer.pt").read_bytes() == b"another run's state"
+    assert not (out / "results.json").exists()
+
+
 def test_a_settings_record_from_before_the_memory_options_resumes_only_without_them(tmp_path):
     """Its run trained with fp32 states, updates after backward and clipping at 1.0: continuing it
     with --step-in-backward would have switched the clipping off mid-run, silently."""
