@@ -520,8 +520,9 @@ def interrupted_hint(args: argparse.Namespace) -> str | None:
         if folder is None:
             return None  # zero-shot: nothing to continue
         if not kept:  # (with --save-steps 0, an earlier start's are still continued)
-            if not args.save_steps:
-                return None  # none written, none kept: nothing to continue
+            if not args.save_steps:  # none written, none kept: said, as it is lost
+                return ("no checkpoint is written with --save-steps 0: the training done so far is lost, and the "
+                        "same command starts the run again from step 0")
             return (f"no checkpoint was written yet (the first comes at step {args.save_steps}, --save-steps): "
                     "the same command starts the run again from step 0")
         return (f"checkpoints written so far are kept in {folder} (--save-steps): the same command "

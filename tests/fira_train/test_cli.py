@@ -358,7 +358,9 @@ def test_a_run_process_killed_says_what_is_kept_and_how_to_continue(tmp_path, mo
      "with --reuse (instead of --overwrite) continues the others from their newest"),
     (["finetune", "--tasks", "boolq", "--data-dir", "d"],  # no checkpoint in runs/finetune/fira/trainer
      "no checkpoint was written yet (the first comes at step 50, --save-steps): the same command starts"),
-    (["finetune", "--tasks", "boolq", "--data-dir", "d", "--save-steps", "0"], None),  # no checkpoints kept
+    (["finetune", "--tasks", "boolq", "--data-dir", "d", "--save-steps", "0"],  # no checkpoints kept: said
+     "no checkpoint is written with --save-steps 0: the training done so far is lost, and the same command starts "
+     "the run again from step 0"),
     (["finetune", "--tasks", "boolq", "--data-dir", "d", "--steps", "0"], None),
     (["analyze", "variance"], None), (["methods"], None), (["memory"], None),
 ])

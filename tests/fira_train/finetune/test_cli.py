@@ -75,7 +75,10 @@ def test_ctrl_c_says_what_is_kept_and_how_the_same_command_goes_on(tmp_path: Pat
     _checkpoint(Path("runs/finetune/fira-lora/trainer"), 50)
     assert "kept in runs/finetune/fira-lora/trainer (--save-steps)" in interrupted_hint(_args("--recipe", "released"))
     assert interrupted_hint(_args("--method", "none")) is None  # zero-shot: nothing to continue
-    assert interrupted_hint(_args("--out", str(tmp_path / "new"), "--save-steps", "0")) is None
+    # --save-steps 0: it said only "interrupted", no word that the training so far was lost
+    assert interrupted_hint(_args("--out", str(tmp_path / "new"), "--save-steps", "0")) == (
+        "no checkpoint is written with --save-steps 0: the training done so far is lost, and the same command "
+        "starts the run again from step 0")
 
 
 def test_a_diverged_run_says_where_its_checkpoints_are_and_that_removing_them_starts_it_over(tmp_path: Path) -> None:
