@@ -45,13 +45,16 @@ def load_validation(config: FinetuneConfig) -> dict[str, list[dict]]:
     training pool after the records it trains on (same seeded shuffle), so they are disjoint from
     the training records by construction and from the test sets by file. Each carries its
     ``index`` in its task's ``train.json``. A learning rate is chosen on these, never on the test
-    examples. Empty when the run does not train or ``max_val`` is 0."""
+    examples. The tasks are those :func:`load_records` lists as trained on: a task whose training
+    set the run's draw left out is not validated (it was, while ``trained_on`` left it out). Empty
+    when the run does not train or ``max_val`` is 0."""
     if not config.trains or not config.max_val:
         return {}
-    pool, trained_on = _training_pool(config)
-    validation: dict[str, list[dict]] = {name: [] for name in trained_on}
+    pool, with_records = _training_pool(config)
+    drawn = {task for task, _, _ in pool[:train_limit(config)]}
+    validation: dict[str, list[dict]] = {name: [] for name in with_records if name in drawn}
     for task, index, record in pool[train_limit(config):]:
-        if len(validation[task]) < config.max_val:
+        if task in validation and len(validation[task]) < config.max_val:
             validation[task].append({**record, "index": index})
     empty = [task for task, records in validation.items() if not records]
     if empty:

@@ -549,6 +549,24 @@ def test_a_task_none_of_whose_records_the_run_draws_is_not_listed_as_trained_on(
         assert trained_on == expected and set(trained_on) == drawn, steps
 
 
+def test_validation_covers_the_tasks_listed_as_trained_on(tmp_path):
+    """--max-val validated every task with a training set, piqa too where the draw held none of its
+    records: results.json's validation named a task its trained_on left out, and --max-val is
+    "per trained-on task"."""
+    from fira_train.finetune.data import load_records, load_validation
+
+    data = write_data(tmp_path)
+    rng = random.Random(1)
+    (data / "piqa" / "train.json").write_text(json.dumps([piqa_record(rng) for _ in range(4)]))
+    for steps in (1, 20):  # 2 of 100 records, none of piqa's; then 40, two of its four
+        config = FinetuneConfig(tasks=["boolq", "piqa"], data_dir=str(data), method="fira", steps=steps,
+                                batch_size=2, max_val=2)
+        _, _, trained_on = load_records(config)
+        validation = load_validation(config)
+        assert list(validation) == trained_on == (["boolq"] if steps == 1 else ["boolq", "piqa"]), steps
+        assert all(len(records) == 2 for records in validation.values()), steps
+
+
 REAL = default_data_dir()
 
 
