@@ -230,6 +230,28 @@ class FinetuneConfig:
             if given and self.trains and self.method not in FIRA_METHODS:
                 raise FinetuneError(f"{name}={getattr(self, name)!r} is an option of the Fira-family methods "
                                     f"({', '.join(FIRA_METHODS)}), not of method={self.method!r}")
+        self._check_module_names()
+
+    def _check_module_names(self) -> None:
+        """FinetuneError for a ``target_modules`` or ``lora_targets`` the method uses that selects
+        no module whatever the model (a regex that does not compile, a list of no names): they
+        were refused only once the model had loaded. Names that match none of the model's modules
+        are refused then, as the model is needed to tell."""
+        used = self.used_options()
+        if used["target_modules"] is not None:
+            targets = self.optim_target_modules()
+            if isinstance(targets, str) and targets != "all-linear":
+                try:
+                    re.compile(targets)
+                except re.error as err:
+                    raise FinetuneError(f"target_modules={self.target_modules!r}: not a valid regular expression "
+                                        f"({err}); give all-linear, a comma list of module names or a regex") from None
+            elif not targets:
+                raise FinetuneError(f"target_modules={self.target_modules!r} names no module: give all-linear, a "
+                                    "comma list of module names or a regex")
+        if used["lora_targets"] is not None and not [t for t in self.lora_targets.split(",") if t.strip()]:
+            raise FinetuneError(f"lora_targets={self.lora_targets!r} names no module: give a comma list of module "
+                                "names, e.g. q_proj,v_proj")
 
     def _refuse_out_in_the_data(self) -> None:
         """FinetuneError where ``out`` is the data folder or one of its tasks' folders (``--out`` and

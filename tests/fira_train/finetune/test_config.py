@@ -159,3 +159,23 @@ def test_an_out_that_is_the_data_folder_or_a_tasks_folder_is_refused(tmp_path) -
     # beside the data, or a folder of its own inside it, is a run's folder like any other
     for out in (tmp_path / "run", data / "runs" / "fira", data / "piqa"):
         assert FinetuneConfig(tasks=["boolq"], data_dir=str(data), out=str(out)).out_dir == out
+
+
+def test_module_names_that_select_nothing_whatever_the_model_are_refused_before_it_loads() -> None:
+    """A --target-modules regex that does not compile, and a --target-modules or --lora-targets
+    that lists no name, were refused only once the model had loaded (a long load on a real model).
+    Names that match no module of the model need the model: they are checked then. An option the
+    method does not use is not checked (a warning names it)."""
+    common = dict(tasks=["boolq"], data_dir=".")
+    for method in ("fira", "galore", "apollo"):
+        with pytest.raises(FinetuneError, match=r"^target_modules='\[': not a valid regular expression \(unterminated"):
+            FinetuneConfig(**common, method=method, target_modules="[")
+        with pytest.raises(FinetuneError, match=r"^target_modules=' , ' names no module: give all-linear"):
+            FinetuneConfig(**common, method=method, target_modules=" , ")
+    for method in ("lora", "fira-lora"):
+        with pytest.raises(FinetuneError, match=r"^lora_targets=',' names no module: give a comma list"):
+            FinetuneConfig(**common, method=method, lora_targets=",")
+    for kept in (dict(method="lora", target_modules="["), dict(method="fira", lora_targets=","),
+                 dict(method="none", target_modules="["), dict(target_modules=r"model\..*\.(q|v)_proj"),
+                 dict(target_modules="all_linear"), dict(target_modules="q_proj,v_prj")):
+        FinetuneConfig(**common, **kept)

@@ -1167,3 +1167,18 @@ def test_earlier_results_name_leftover_checkpoints_only_where_there_are_some(tmp
     with pytest.raises(FinetuneError, match="already holds the results of a run") as refused:
         _refuse_earlier_results(config)
     assert "trainer" not in str(refused.value) and "delete" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("flags", "refused"), [
+    (["--method", "galore", "--target-modules", "("], "target_modules='(': not a valid regular expression"),
+    (["--method", "lora", "--lora-targets", ","], "lora_targets=',' names no module"),
+])
+def test_module_names_that_select_nothing_are_refused_before_the_model_loads(tmp_path, capsys, flags, refused):
+    """They were refused after the model had loaded: here no model is there to load, and the line
+    names the option, not the model."""
+    data = write_data(tmp_path)
+    err = _one_line_error(capsys, ["--model", str(tmp_path / "no-model"), "--tasks", "boolq", "--data-dir",
+                                   str(data), "--steps", "2", "--batch-size", "2", "--scoring", "generate",
+                                   "--out", str(tmp_path / "o"), *flags])
+    assert err.startswith(f"fira-train finetune: error: {refused}"), err
+    assert not (tmp_path / "o").exists()
