@@ -234,6 +234,27 @@ def test_the_optimizer_docs_quote_the_committed_precision_checks() -> None:
             f"of `||S||`, largest {100 * second['error_max']:.0f}%), {after['explicit']} the step after") in docs
 
 
+def test_the_optimizer_docs_quote_the_committed_alpha_sweep_and_int8_cost() -> None:
+    """docs/optimizer.md's alpha advice (validation and test perplexity of the alpha sweep) and the
+    tokens/s cost of int8 states are the committed sweep.json's and throughput JSON's."""
+    docs = " ".join((ROOT / "docs" / "optimizer.md").read_text().split())
+    alpha = _sweep_methods("tiny-sweep-fira-alpha")
+    chosen, default = alpha["fira@optim.alpha=0.1"], alpha["fira"]
+    assert chosen["chosen_lr"] == 0.05 and default["chosen_lr"] == 0.02
+    assert (f"{chosen['val_ppl']['mean']:.1f} against {default['val_ppl']['mean']:.1f} validation perplexity over "
+            f"three seeds; on the held-out test split {chosen['test_ppl']['mean']:.1f} against "
+            f"{default['test_ppl']['mean']:.1f}, lower at every seed, but three seeds do not separate them: "
+            f"{_paired(default, 2)};") in docs
+    assert all(default["test_ppl_by_seed"][s] > chosen["test_ppl_by_seed"][s] for s in "012")
+    low, high = default["test_ppl_minus_reference"]["ci95"]
+    assert low < 0 < high
+    median = json.loads((ROOT / "docs" / "benchmarks" / "throughput_tiny_memory_options.json").read_text())[
+        "ratio_to_adamw_median"]
+    int8, fira = median["fira@optim.state_dtype=int8"], median["fira"]
+    assert (f"int8 states cost {100 * (1 - int8 / fira):.1f}% of tokens/s against plain Fira (medians of the "
+            f"per-round ratios to AdamW, {100 * int8:.1f}% against {100 * fira:.1f}%), one run of 5 rounds") in docs
+
+
 @pytest.mark.parametrize(("folder", "spec", "earlier", "lr", "table"), [
     ("tiny-exact-norm", "fira", "tiny-sweep-galore-raw", 0.02, "rerun-fira.md"),
     ("tiny-exact-norm", "galore", "tiny-sweep-galore-raw", 0.02, "rerun-galore.md"),
