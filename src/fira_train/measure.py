@@ -214,8 +214,10 @@ def _merged(json_path: Path, record: dict[str, Any], rows: list[dict[str, Any]],
                 row["measured"]["threads"] = int(count)
     if "settings" in old:  # (tables written before it was recorded: their commands say it)
         # train.device=auto names no kind (as on a resume): each row records the device it ran on
-        changed = [key for key in changed_keys(old["settings"], record["settings"])
-                   if key != "train.device" or devices_differ(old["settings"].get(key), record["settings"].get(key))]
+        # a key of NOT_SHARED that a table recorded (written before it was left out) is no setting either
+        changed = [key for key in changed_keys(old["settings"], record["settings"]) if key not in NOT_SHARED
+                   and (key != "train.device" or devices_differ(old["settings"].get(key),
+                                                                record["settings"].get(key)))]
         if changed:
             raise ValueError(f"--append: {json_path} was measured with other settings for every method: "
                              f"{describe_changed(old['settings'], record['settings'], changed)}; one table holds "
@@ -308,10 +310,11 @@ def _json_type(kind: type) -> str:
 
 #: What ``measure`` sets itself, what the record holds elsewhere (``steps``, ``machine``), and what
 #: does not change a measured peak (where the cache lies, the seed, checkpoint and evaluation
-#: cadence of the few steps measured).
+#: cadence of the few steps measured, a collective's timeout: each method is measured in one
+#: process; a table written before that key has none, which --append took for another setting).
 NOT_SHARED = ("optim.method", "train.out_dir", "train.steps", "train.progress", "train.tensorboard",
               "train.num_threads", "data.cache_dir", "train.seed", "train.save_every", "train.keep_last",
-              "train.eval_every")
+              "train.eval_every", "train.dist_timeout_s")
 
 
 def shared_settings(config: RunConfig) -> dict[str, Any]:

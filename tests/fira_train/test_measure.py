@@ -347,6 +347,34 @@ def test_append_refuses_a_table_of_another_setting_before_training(tmp_path: Pat
             measure.measure(config, parse_method_specs("adamw"), 1, out, "third", append=True)
 
 
+def test_append_takes_a_table_written_before_train_dist_timeout_s(tmp_path: Path, monkeypatch):
+    """A table measured before train.dist_timeout_s existed has no such setting: --append refused it
+    as another setting ("train.dist_timeout_s=None (now 0.0)"), though memory --measure runs each
+    method in one process (no process group, so no collective's timeout) and the key changes no
+    peak; a table measured with another value is the same setting too."""
+    from fira_train import measure
+    from fira_train.config.method_spec import parse_method_specs
+    from tests.fira_train.harness_fixtures import micro_config
+
+    config, out = micro_config(tmp_path), tmp_path / "m"
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"adamw": 1000}))
+    measure.measure(config, parse_method_specs("adamw"), 1, out, "first")
+    record = json.loads((out / "memory.json").read_text())
+    record["settings"].pop("train.dist_timeout_s", None)  # as the release before the key wrote it
+    (out / "memory.json").write_text(json.dumps(record))
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"fira": 900}))
+    measure.measure(config, parse_method_specs("fira"), 1, out, "second", append=True)
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"galore": 950}))
+    measure.measure(micro_config(tmp_path, "train.dist_timeout_s=60"), parse_method_specs("galore"), 1, out,
+                    "third", append=True)
+    record = json.loads((out / "memory.json").read_text())
+    assert [row["method"] for row in record["rows"]] == ["adamw", "fira", "galore"]
+    record["settings"]["train.dist_timeout_s"] = 0.0  # as the release that added the key wrote it
+    (out / "memory.json").write_text(json.dumps(record))
+    monkeypatch.setattr(measure, "run_isolated", _fake_runs({"apollo": 920}))
+    measure.measure(config, parse_method_specs("apollo"), 1, out, "fourth", append=True)
+
+
 @pytest.mark.parametrize(("change", "said"), [
     (lambda record: record["rows"][0].update(date=5), "row 1: date is 5, not a string"),
     (lambda record: record["rows"][0].pop("measured"), "row 1: no measured"),
