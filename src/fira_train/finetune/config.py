@@ -260,8 +260,10 @@ class FinetuneConfig:
         to everyone but its owner (root wrote there regardless)."""
         data = os.path.realpath(Path(self.data_dir).expanduser())
         out = os.path.realpath(self.out_dir.expanduser())
-        folders = {data: "the data folder", **{os.path.join(data, task): f"the folder of task {task!r} in the data"
-                                              for task in self.tasks}}
+        # a task's folder may be a link (to a shared copy of its set): compared where it leads
+        folders = {data: "the data folder",
+                   **{os.path.realpath(os.path.join(data, task)): f"the folder of task {task!r} in the data"
+                      for task in self.tasks}}
         if out in folders:
             raise FinetuneError(f"out={str(self.out_dir)!r} is {folders[out]} (data_dir={self.data_dir!r}): the "
                                 "run's results, predictions and checkpoints would be written among the task sets; "

@@ -156,8 +156,14 @@ def test_an_out_that_is_the_data_folder_or_a_tasks_folder_is_refused(tmp_path) -
         with pytest.raises(FinetuneError, match=rf"^out='{out}' is {what} \(data_dir='{data}'\): .*choose an "
                                                 r"--out outside it$"):
             FinetuneConfig(tasks=["boolq"], data_dir=str(data), out=str(out))
+    # a task's folder that is a link to its set elsewhere: the same folder, by either path
+    (tmp_path / "sets" / "piqa").mkdir(parents=True)
+    (data / "piqa").symlink_to(tmp_path / "sets" / "piqa")
+    for out in (data / "piqa", tmp_path / "sets" / "piqa"):
+        with pytest.raises(FinetuneError, match=rf"^out='{out}' is the folder of task 'piqa' in the data "):
+            FinetuneConfig(tasks=["boolq", "piqa"], data_dir=str(data), out=str(out))
     # beside the data, or a folder of its own inside it, is a run's folder like any other
-    for out in (tmp_path / "run", data / "runs" / "fira", data / "piqa"):
+    for out in (tmp_path / "run", data / "runs" / "fira", data / "winogrande"):
         assert FinetuneConfig(tasks=["boolq"], data_dir=str(data), out=str(out)).out_dir == out
 
 
