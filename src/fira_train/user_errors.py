@@ -30,8 +30,9 @@ Known, with what the message says:
 - under ``torchrun``, a collective whose peer is gone (gloo's "Connection closed by peer", NCCL's
   "remote process exited"): that another process stopped, and that its own error says why;
 - under ``torchrun``, a collective that waited for a peer longer than the process group's timeout
-  (gloo's "Timed out waiting 5000ms", NCCL's watchdog): how long, that ``train.dist_timeout_s``
-  sets it, and that the peer hung or was slower;
+  (gloo's "Timed out waiting 5000ms", NCCL's watchdog), or the join of the group that did (the
+  store's "wait timeout after 5000ms"): how long, that ``train.dist_timeout_s`` sets it, and that
+  the peer hung or was slower;
 - divergence (:class:`fira_train.run.divergence.DivergedError`, ``NonFiniteLossError``,
   ``fira_optim.NonFiniteGradientError``): that the run diverged, and what to change;
 - an allocation that failed (``MemoryError``, numpy's included; torch's "DefaultCPUAllocator:
@@ -130,9 +131,10 @@ def _describe(err: BaseException, args: argparse.Namespace) -> str | None:
     behind = _disk_error_behind(err)
     if behind is not None:
         return _os_error(behind, args)
-    waited = _collective_timeout(err)
-    if waited is not None:
-        return _run_again(f"a collective of this torchrun launch waited {waited} (train.dist_timeout_s) for another "
+    timed_out = _collective_timeout(err)
+    if timed_out is not None:
+        what, waited = timed_out
+        return _run_again(f"{what} of this torchrun launch waited {waited} (train.dist_timeout_s) for another "
                           "process that did not answer: it hung (stopped by kill -STOP or a debugger, or stuck) "
                           "or was slower than that",
                           "find why that process stopped answering, or raise train.dist_timeout_s if it was only "
@@ -156,17 +158,23 @@ _PEER_GONE = re.compile(r"Connection (?:closed|reset) by peer|remote process exi
 #: pair, NCCL's watchdog; the timeout in milliseconds.
 _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms for \w+ operation|"
                         r"Watchdog caught collective operation timeout.*?Timeout\(ms\)=(\d+)")
+#: What joining the group says when a peer did not join in that timeout (it hung before, or started
+#: that much later): the launch's store (torchrun's), waiting for the peer's address.
+_JOIN_TIMED_OUT = re.compile(r"wait timeout after (\d+)ms, keys: ")
 
 
-def _collective_timeout(err: BaseException) -> str | None:
-    """Under torchrun, a collective that waited for a peer longer than ``train.dist_timeout_s``
-    (a peer hung, not dead): how long it waited ("5 s"), or None."""
+def _collective_timeout(err: BaseException) -> tuple[str, str] | None:
+    """Under torchrun, a collective (or the join of the process group) that waited for a peer longer
+    than ``train.dist_timeout_s`` (a peer hung, not dead): what waited and how long ("5 s"), or None."""
     if not isinstance(err, RuntimeError):
         return None
     found = _TIMED_OUT.search(str(err))
-    if found is None:
-        return None
-    return f"{int(found.group(1) or found.group(2)) / 1000:g} s"
+    if found is not None:
+        return "a collective", f"{int(found.group(1) or found.group(2)) / 1000:g} s"
+    found = _JOIN_TIMED_OUT.search(str(err))
+    if found is not None:  # torch.distributed.DistStoreError's
+        return "joining the process group", f"{int(found.group(1)) / 1000:g} s"
+    return None
 
 
 def _peer_gone(err: BaseException) -> str | None:

@@ -268,6 +268,12 @@ def test_a_collective_that_timed_out_names_train_dist_timeout_s() -> None:
     nccl = RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, "
                         "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
     assert "waited 600 s (train.dist_timeout_s)" in describe(nccl, argparse.Namespace())
+    # a peer that hung (or started that much later) before joining the group: torchrun's store
+    # waited for its address as long, and the traceback said neither how long nor the setting
+    join = type("DistStoreError", (RuntimeError,), {})("wait timeout after 2000ms, keys: /default_pg/0//cpu//0/1")
+    assert describe(join, argparse.Namespace(out="runs/x", command="pretrain")).startswith(
+        "joining the process group of this torchrun launch waited 2 s (train.dist_timeout_s) for another process "
+        "that did not answer: it hung")
 
 
 def test_a_damaged_config_json_on_resume_names_the_file(root: Path, tmp_path: Path, capsys) -> None:
