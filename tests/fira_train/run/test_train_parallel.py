@@ -328,13 +328,18 @@ def test_a_warning_of_the_loaded_checkpoint_under_ddp_is_given_by_rank_0_alone(r
     assert [len(messages) for messages in warned] == [1, 0]
 
 
-def _refused_worker(rank: int, world: int, root: str) -> list | None:
+def _refusal(config) -> list | None:
+    """What ``train(config)`` refused with (its message, and whether rank 0 alone is to print it), or None."""
     try:
-        train(micro_config(Path(root), *COMMON, "train.parallel=ddp", "train.steps=1", "train.micro_batch_size=1",
-                           out="refused-micro-batch"))
+        train(config)
     except ValueError as err:
         return [str(err), getattr(err, SAME_ON_EVERY_RANK, False)]
     return None
+
+
+def _refused_worker(rank: int, world: int, root: str) -> list | None:
+    return _refusal(micro_config(Path(root), *COMMON, "train.parallel=ddp", "train.steps=1",
+                                 "train.micro_batch_size=1", out="refused-micro-batch"))
 
 
 @pytest.mark.timeout(120)
@@ -353,11 +358,7 @@ def _mismatched_worker(rank: int, world: int, root: str) -> list | None:
     # and its own thread count, which may differ
     config = micro_config(Path(root), *COMMON, "train.parallel=ddp", f"optim.lr={0.01 * (rank + 1)}",
                           f"train.steps={2 + rank}", f"train.num_threads={rank + 1}", out="mismatched")
-    try:
-        train(config)
-    except ValueError as err:
-        return [str(err), getattr(err, SAME_ON_EVERY_RANK, False)]
-    return None
+    return _refusal(config)
 
 
 @pytest.mark.timeout(120)
@@ -406,11 +407,7 @@ def _other_data_worker(rank: int, world: int, root: str) -> list | None:
     os.chdir(Path(root) / f"node{rank}")
     config = micro_config(Path(root), *COMMON, "train.parallel=ddp", "train.steps=2", "data.source=corpus",
                           out="other-data")
-    try:
-        train(config)
-    except ValueError as err:
-        return [str(err), getattr(err, SAME_ON_EVERY_RANK, False)]
-    return None
+    return _refusal(config)
 
 
 @pytest.mark.timeout(120)
