@@ -35,13 +35,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fira_train.config.overrides import changed_keys, flat_config
 from fira_train.config.run_config import RunConfig
+from fira_train.data.corpus import data_change
 from fira_train.run import checkpoint as ckpt
 from fira_train.run import dist_checkpoint
 from fira_train.run.callbacks import TrainCallback, load_callback_states
 from fira_train.run.launch import SAME_ON_EVERY_RANK, same_on_every_rank
 from fira_train.run.parallel import DistributedEnv, destroy_distributed, init_distributed, world_size
 from fira_train.run.resume_check import check_one_process_checkpoint_mode
-from fira_train.run.state import check_corpus, corpus_record, restore_state
+from fira_train.run.state import DATA_RECORD, check_corpus, corpus_record, restore_state
 from fira_train.run.training import Training
 
 #: What a distributed checkpoint's ``extra`` holds besides the tensors DCP stores.
@@ -114,7 +115,7 @@ def check_same_config(config: RunConfig, env: DistributedEnv) -> None:
     silently, each replica with its own value, and the run recorded rank 0's. Known before the
     run's folder is touched; :data:`PER_PROCESS_KEYS` may differ."""
     mine = {key: value for key, value in flat_config(config).items() if key not in PER_PROCESS_KEYS}
-    differences = _differences(mine, env)
+    differences = _described(_gathered(mine, env))
     if differences:
         error = ValueError(f"the {env.world_size} processes of this launch were given different settings: "
                            f"{differences}; every process of a torchrun launch must run the same command line")
@@ -132,25 +133,27 @@ def check_same_data(corpus: Any, source: str, env: DistributedEnv) -> None:
     the fingerprint also changes where only the tokenizer's file is written otherwise (another
     ``tokenizers`` release), the ids the same. Known once the corpus is built; the error names both."""
     described = corpus.describe()
-    mine = {key: described.get(key) for key in ("corpus", "token_digest") if described.get(key)}
-    differences = _differences(mine, env, decisive="token_digest" if "token_digest" in mine else "corpus")
-    if differences:
+    mine = {key: described.get(key) for key in DATA_RECORD if described.get(key)}
+    gathered = _gathered(mine, env)
+    if any(data_change(gathered[0], theirs) for theirs in gathered[1:]):
         error = ValueError(f"the {env.world_size} processes of this launch read different data from data.source="
-                           f"{source!r}: {differences}; every process must read the same corpus (on several "
-                           "machines, the same files at the same path)")
+                           f"{source!r}: {_described(gathered)}; every process must read the same corpus (on "
+                           "several machines, the same files at the same path)")
         setattr(error, SAME_ON_EVERY_RANK, True)  # each rank gathered the same: rank 0 says it for all
         raise error
 
 
-def _differences(mine: dict[str, Any], env: DistributedEnv, decisive: str | None = None) -> str:
-    """Every rank's ``mine`` gathered: ``"key=A on rank 0, B on ranks 1, 2; ..."`` for each key
-    whose value differs between ranks, "" where none does (the same on every rank), or where
-    the ``decisive`` key does not."""
+def _gathered(mine: dict[str, Any], env: DistributedEnv) -> list[dict[str, Any]]:
+    """Every rank's ``mine``, by rank."""
     gathered: list[Any] = [None] * env.world_size
     dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def _described(gathered: list[dict[str, Any]]) -> str:
+    """``"key=A on rank 0, B on ranks 1, 2; ..."`` for each key whose value differs between the
+    ranks' ``gathered`` dicts, "" where none does (the same on every rank)."""
     keys = sorted({key for theirs in gathered[1:] for key in changed_keys(gathered[0], theirs)})
-    if decisive is not None and decisive not in keys:
-        return ""
     described = []
     for key in keys:
         ranks: dict[str, list[int]] = {}
