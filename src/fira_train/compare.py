@@ -24,7 +24,6 @@ from pathlib import Path
 
 from fira_train.config.method_spec import (SHARED, parse_method_spec, parse_method_specs, refuse_same_runs,
                                           refuse_spec_keys)
-from fira_train.config.overrides import override_key
 from fira_train.config.resolve import resolved
 from fira_train.config.run_config import RunConfig
 from fira_train.data.build import build_corpus
@@ -69,7 +68,7 @@ def compare(config: RunConfig, methods: list[str], out_dir: str | Path, *, resum
             try:
                 check_launch(run_config)
             except ValueError as err:
-                if not any(override_key(o) == "train.parallel" for o in parse_method_spec(method).overrides):
+                if parse_method_spec(method).setting("train.parallel") is None:
                     raise
                 # the spec's own train.parallel, not the command line's --parallel, is the one refused
                 raise ValueError(f"method spec {method!r}: {err}") from None
